@@ -1,0 +1,66 @@
+"""Command-line entry point of `edgellmd`: validate a config, or serve it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from edgellmd import __version__, logs
+from edgellmd.app import create_app
+from edgellmd.settings import ConfigError, check_config, load_settings
+
+log = logging.getLogger("edgellmd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the daemon's argument parser."""
+    parser = argparse.ArgumentParser(prog="edgellmd", description="Serve GGUF models over an "
+                                     "OpenAI-compatible API.")
+    parser.add_argument("--version", action="version", version=f"edgellmd {__version__}")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", metavar="FILE", help="serve with this YAML configuration")
+    what.add_argument("--check-config", metavar="FILE",
+                      help="validate this configuration, print every problem, exit 0 if valid")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the daemon and return its exit status."""
+    args = build_parser().parse_args(argv)
+    if args.check_config:
+        problems = check_config(args.check_config)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if not problems:
+            print(f"{args.check_config}: configuration is valid")
+        return 1 if problems else 0
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"edgellmd: invalid configuration {args.config}:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    logs.configure(settings.logging.level, settings.logging.format)
+    log.info("edgellmd %s starting on %s:%d with %d model(s)", __version__, settings.server.host,
+             settings.server.port, len(settings.models))
+    try:
+        # run_app turns SIGINT/SIGTERM into a graceful shutdown bounded by shutdown_timeout.
+        web.run_app(
+            create_app(settings), host=settings.server.host, port=settings.server.port,
+            handler_cancellation=True, access_log=None, print=None,
+            shutdown_timeout=settings.server.shutdown_timeout_s,
+        )
+    except OSError as exc:
+        log.error("cannot serve on %s:%d: %s", settings.server.host, settings.server.port, exc)  # noqa: TRY400 - the reason is the message
+        return 1
+    log.info("edgellmd stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

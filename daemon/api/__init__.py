@@ -1,0 +1,1 @@
+"""HTTP endpoints of the daemon, one module per audience."""

@@ -1,0 +1,35 @@
+"""Liveness and readiness probes for systemd, load balancers and operators."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from edgellmd import appkeys
+from edgellmd.registry import ModelState
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    """GET /healthz: the process is alive and its event loop answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """GET /readyz: 200 once every configured model is loaded and warmed, else 503 with reasons."""
+    registry = request.app[appkeys.REGISTRY]
+    models: dict[str, dict[str, str]] = {}
+    for name, (state, error) in registry.states().items():
+        models[name] = {"state": state.value}
+        if error:
+            models[name]["reason"] = error
+    if registry.all_ready:
+        return web.json_response({"status": "ready", "models": models})
+    states = {s for s, _ in registry.states().values()}
+    status = "failed" if ModelState.FAILED in states else "loading"
+    return web.json_response({"status": status, "models": models}, status=503,
+                             headers={"Retry-After": "5"})
+
+
+def setup_health(app: web.Application) -> None:
+    """Install the probe routes (public: no key needed)."""
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)

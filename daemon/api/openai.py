@@ -1,0 +1,212 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/chat/completions and /v1/completions."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Final
+
+from aiohttp import web
+
+from edgellmd import appkeys
+from edgellmd.api.schemas import (
+    ChatRequest,
+    CommonRequest,
+    CompletionRequest,
+    Limits,
+    parse_chat,
+    parse_completion,
+    read_json_object,
+)
+from edgellmd.errors import InternalError, envelope
+from edgellmd.generation import Finished, Generation, GenerationRequest, TextDelta
+from edgellmd.registry import ModelHandle
+
+log = logging.getLogger(__name__)
+
+OWNED_BY: Final = "edgellm"
+SSE_DONE: Final = b"data: [DONE]\n\n"
+SSE_HEADERS: Final = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # tell reverse proxies not to buffer the stream
+}
+
+
+def _limits(request: web.Request) -> Limits:
+    server = request.app[appkeys.SETTINGS].server
+    return Limits(max_tokens_limit=server.max_tokens_limit,
+                  default_max_tokens=server.default_max_tokens)
+
+
+def _usage(fin: Finished) -> dict[str, int]:
+    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+
+
+def _finish_reason(fin: Finished) -> str:
+    return "length" if fin.reason == "length" else "stop"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models: the models that can serve now."""
+    handles = request.app[appkeys.REGISTRY].ready_handles()
+    return web.json_response({"object": "list", "data": [
+        {"id": h.name, "object": "model", "created": h.created, "owned_by": OWNED_BY}
+        for h in handles]})
+
+
+def _generation_request(handle: ModelHandle, common: CommonRequest, tokens: list[int]) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_tokens=tokens, max_tokens=handle.generation_limit(len(tokens), common.max_tokens),
+        sampling=common.sampling, stop=common.stop, ignore_eos=common.ignore_eos)
+
+
+class _Shape:
+    """How one endpoint shapes its objects (chat and text completions differ only here)."""
+
+    def __init__(self, *, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def complete(self, text: str, fin: Finished) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None, "finish_reason": _finish_reason(fin)}
+            body = self._base("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": _finish_reason(fin)}
+            body = self._base("text_completion")
+        body["choices"] = [choice]
+        body["usage"] = _usage(fin)
+        return body
+
+    def chunk(self, text: str | None, finish_reason: str | None, *, role: bool = False,
+              usage: dict[str, int] | None = None, include_usage: bool = False) -> dict[str, Any]:
+        if self.chat:
+            body = self._base("chat.completion.chunk")
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else:
+            body = self._base("text_completion")
+            choices = [{"index": 0, "text": text or "", "logprobs": None,
+                        "finish_reason": finish_reason}]
+        body["choices"] = [] if usage is not None else choices
+        if include_usage:
+            body["usage"] = usage
+        return body
+
+
+async def _collect(gen: Generation, shape: _Shape) -> web.Response:
+    parts: list[str] = []
+    async for event in gen.events():
+        parts.append(event.text)
+        if isinstance(event, Finished):
+            if event.reason == "error":
+                log.error("generation failed: %s", event.error)
+                raise InternalError("the model failed while generating")
+            return web.json_response(shape.complete("".join(parts), event))
+    raise InternalError("the generation ended without finishing")  # pragma: no cover
+
+
+async def _stream(request: web.Request, gen: Generation, shape: _Shape,
+                  include_usage: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+
+    async def send(obj: dict[str, Any]) -> None:
+        await response.write(b"data: " + _dumps(obj) + b"\n\n")
+
+    try:
+        await _send_events(send, gen, shape, include_usage)
+        await response.write(SSE_DONE)
+        await response.write_eof()
+    except ConnectionResetError:
+        # The client went away mid-stream; the caller frees the slot. Nothing to answer.
+        log.info("client disconnected mid-stream")
+    return response
+
+
+async def _send_events(send: Callable[[dict[str, Any]], Any], gen: Generation, shape: _Shape,
+                       include_usage: bool) -> None:
+    if shape.chat:
+        await send(shape.chunk("", None, role=True, include_usage=include_usage))
+    async for event in gen.events():
+        if isinstance(event, TextDelta):
+            if event.text:
+                await send(shape.chunk(event.text, None, include_usage=include_usage))
+            continue
+        if event.reason == "error":
+            log.error("generation failed mid-stream: %s", event.error)
+            await send(envelope("the model failed while generating", "server_error", None,
+                                "internal_error"))
+            break
+        if event.text:
+            await send(shape.chunk(event.text, None, include_usage=include_usage))
+        await send(shape.chunk(None if shape.chat else "", _finish_reason(event),
+                               include_usage=include_usage))
+        if include_usage:
+            await send(shape.chunk(None, None, usage=_usage(event), include_usage=True))
+
+
+async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
+               tokens: list[int], shape: _Shape) -> web.StreamResponse:
+    gen = handle.submit(_generation_request(handle, common, tokens))
+    try:
+        if common.stream:
+            return await _stream(request, gen, shape, common.include_usage)
+        return await _collect(gen, shape)
+    finally:
+        # Normal end, client gone (write error or handler cancelled): either way the slot
+        # must be free now, not when the generation would have ended.
+        gen.cancel()
+        handle.engine.wake()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    body: ChatRequest = parse_chat(await read_json_object(request), _limits(request))
+    handle = request.app[appkeys.REGISTRY].get(body.common.model)
+    tokens = await handle.chat_prompt(body.messages)
+    return await _run(request, handle, body.common, tokens, _Shape(chat=True, model=handle.name))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions."""
+    body: CompletionRequest = parse_completion(await read_json_object(request), _limits(request))
+    handle = request.app[appkeys.REGISTRY].get(body.common.model)
+    tokens = await handle.text_prompt(body.prompt)
+    return await _run(request, handle, body.common, tokens, _Shape(chat=False, model=handle.name))
+
+
+Route = tuple[str, str, Callable[[web.Request], Any]]
+ROUTES: Final[tuple[Route, ...]] = (
+    ("GET", "/v1/models", list_models),
+    ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/v1/completions", completions),
+)
+
+
+def setup_openai(app: web.Application) -> None:
+    """Install the OpenAI-compatible routes."""
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)

@@ -1,0 +1,366 @@
+"""Validation of OpenAI request bodies into typed requests; every rejection names its parameter."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from aiohttp import web
+
+from edgellmd.chat import ChatMessage
+from edgellmd.errors import InvalidRequest, UnsupportedMediaType, UnsupportedParameter
+from edgellmd.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
+
+MAX_STOP_SEQUENCES: Final = 4  # OpenAI's limit
+MAX_STOP_LENGTH: Final = 256  # characters per stop string
+MAX_JSON_DEPTH: Final = 32  # deeper bodies are refused before anyone walks them
+COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's documented default for /v1/completions
+CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant"})
+
+# Accepted and ignored: they do not change what is generated.
+_IGNORED: Final = frozenset({
+    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
+    "reasoning_effort", "safety_identifier", "prompt_cache_key", "verbosity",
+})
+_SAMPLING: Final = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+    "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options", "n",
+    "logprobs", "logit_bias", "ignore_eos",
+})
+_CHAT_FIELDS: Final = _SAMPLING | _IGNORED | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+    "function_call", "response_format", "modalities", "audio", "web_search_options",
+}
+_COMPLETION_FIELDS: Final = _SAMPLING | _IGNORED | {"prompt", "echo", "suffix", "best_of"}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Server-wide bounds that validation enforces (from settings)."""
+
+    max_tokens_limit: int
+    default_max_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class CommonRequest:
+    """What chat and completion requests share."""
+
+    model: str
+    max_tokens: int | None  # None: until the slot's context is full
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated `POST /v1/chat/completions` body."""
+
+    common: CommonRequest
+    messages: tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A validated `POST /v1/completions` body; the prompt is text or token ids."""
+
+    common: CommonRequest
+    prompt: str | tuple[int, ...]
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, stopping early once past `limit`."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        if depth > limit:
+            return depth
+        nxt: list[Any] = []
+        for v in level:
+            if isinstance(v, dict):
+                nxt.extend(v.values())
+            elif isinstance(v, list):
+                nxt.extend(v)
+        level = nxt
+    return depth
+
+
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    """Read the body as a JSON object, refusing other media types, bad UTF-8 and deep nesting."""
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType("the request body must be JSON (Content-Type: application/json)")
+    raw = await request.read()  # bounded by client_max_size; aiohttp answers 413 beyond it
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("the request body is not valid UTF-8") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the JSON body must be an object")
+    if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
+    return data
+
+
+class _Fields:
+    """Typed getters over one JSON object; each failure raises InvalidRequest naming the param."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data = data
+
+    def present(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+    def string(self, name: str, *, required: bool = False) -> str | None:
+        value = self.data.get(name)
+        if value is None:
+            if required:
+                raise InvalidRequest(f"'{name}' is required", param=name)
+            return None
+        if not isinstance(value, str):
+            raise InvalidRequest(f"'{name}' must be a string", param=name)
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise InvalidRequest(f"'{name}' must be a boolean", param=name)
+        return value
+
+    def integer(self, name: str, *, lo: int | None = None, hi: int | None = None) -> int | None:
+        value = self.data.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest(f"'{name}' must be an integer", param=name)
+        _check_range(name, value, lo, hi)
+        return value
+
+    def number(self, name: str, default: float, *, lo: float | None = None,
+               hi: float | None = None) -> float:
+        value = self.data.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise InvalidRequest(f"'{name}' must be a number", param=name)
+        _check_range(name, value, lo, hi)
+        return float(value)
+
+
+def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
+    if lo is not None and value < lo:
+        raise InvalidRequest(f"'{name}' must be at least {lo}, got {value}", param=name)
+    if hi is not None and value > hi:
+        raise InvalidRequest(f"'{name}' must be at most {hi}, got {value}", param=name)
+
+
+def _reject_unknown(data: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    for name in data:
+        if name not in allowed:
+            shown = name if len(name) <= 64 and name.isprintable() else "(unprintable)"
+            raise InvalidRequest(f"unrecognized request argument: {shown}", param=shown,
+                                 code="unknown_parameter")
+
+
+def _unsupported(name: str, why: str) -> UnsupportedParameter:
+    return UnsupportedParameter(f"'{name}' {why} is not supported by this server", param=name)
+
+
+def _stop(f: _Fields) -> tuple[str, ...]:
+    value = f.data.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", param="stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in items):
+        raise InvalidRequest(f"each 'stop' sequence must be at most {MAX_STOP_LENGTH} characters",
+                             param="stop")
+    return tuple(s for s in items if s)
+
+
+def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
+            default_max_tokens: int | None) -> CommonRequest:
+    model = f.string("model", required=True)
+    assert model is not None  # noqa: S101 - required=True guarantees it
+    if not model:
+        raise InvalidRequest("'model' must not be empty", param="model")
+
+    max_tokens: int | None = None
+    for name in max_tokens_names:
+        value = f.integer(name, lo=1)
+        if value is not None:
+            if value > limits.max_tokens_limit:
+                raise InvalidRequest(
+                    f"'{name}' must be at most {limits.max_tokens_limit} on this server, got {value}",
+                    param=name)
+            max_tokens = value
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens if limits.default_max_tokens else default_max_tokens
+
+    n = f.integer("n", lo=1, hi=128)
+    if n is not None and n != 1:
+        raise _unsupported("n", "greater than 1")
+    if f.data.get("logit_bias"):
+        raise _unsupported("logit_bias", "")
+    stream = f.boolean("stream", False)
+    include_usage = False
+    options = f.data.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
+                                 param="stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+            raise InvalidRequest("'stream_options' must be an object with 'include_usage'",
+                                 param="stream_options")
+        include_usage = _Fields(options).boolean("include_usage", False)
+
+    seed = f.integer("seed", lo=-(2**63), hi=2**64 - 1)
+    sampling = SamplingParams(
+        temperature=f.number("temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=f.number("top_p", 1.0, lo=0.0, hi=1.0),
+        top_k=f.integer("top_k", lo=0, hi=1_000_000) if f.present("top_k") else DEFAULT_TOP_K,  # type: ignore[arg-type] # present() guarantees an int
+        min_p=f.number("min_p", 0.0, lo=0.0, hi=1.0),
+        repeat_penalty=f.number("repeat_penalty", 1.0, lo=0.01, hi=10.0),
+        presence_penalty=f.number("presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        penalty_last_n=DEFAULT_PENALTY_LAST_N,
+        seed=seed,
+    )
+    return CommonRequest(
+        model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(f), stream=stream,
+        include_usage=include_usage, ignore_eos=f.boolean("ignore_eos", False),
+    )
+
+
+def _content(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts: list[str] = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise InvalidRequest(f"'{param}[{j}]' must be a content part object with a 'type'",
+                                     param=f"{param}[{j}]")
+            if part["type"] != "text":
+                raise UnsupportedParameter(
+                    f"content parts of type {part['type'][:32]!r} are not supported (text only)",
+                    param=f"{param}[{j}].type")
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"'{param}[{j}].text' must be a string", param=f"{param}[{j}].text")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequest(f"'{param}' must be a string or a list of content parts", param=param)
+
+
+def _messages(f: _Fields) -> tuple[ChatMessage, ...]:
+    value = f.data.get("messages")
+    if value is None:
+        raise InvalidRequest("'messages' is required", param="messages")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
+    out: list[ChatMessage] = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidRequest(f"'{where}' must be an object", param=where)
+        role = msg.get("role")
+        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
+            raise UnsupportedParameter("tool and function messages are not supported yet",
+                                       param=f"{where}.role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}",
+                                 param=f"{where}.role")
+        unknown = set(msg) - {"role", "content", "name", "refusal"}
+        if unknown:
+            key = sorted(unknown)[0][:64]
+            raise InvalidRequest(f"unrecognized message field: {key}", param=f"{where}.{key}")
+        content = msg.get("content")
+        if content is None:
+            raise InvalidRequest(f"'{where}.content' is required", param=f"{where}.content")
+        # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
+        out.append(ChatMessage("system" if role == "developer" else role,
+                               _content(content, f"{where}.content")))
+    return tuple(out)
+
+
+def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
+    """Validate a chat completion body."""
+    _reject_unknown(data, _CHAT_FIELDS)
+    f = _Fields(data)
+    for name in ("tools", "functions", "function_call", "audio", "web_search_options"):
+        if f.present(name):
+            raise _unsupported(name, "")
+    if f.present("tool_choice") and data["tool_choice"] != "none":
+        raise _unsupported("tool_choice", "")
+    if f.boolean("logprobs", False) or f.present("top_logprobs"):
+        raise _unsupported("logprobs" if data.get("logprobs") else "top_logprobs", "")
+    response_format = data.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+            raise InvalidRequest("'response_format' must be an object with a 'type'",
+                                 param="response_format")
+        if response_format["type"] != "text":
+            raise UnsupportedParameter(
+                f"response_format type {response_format['type'][:32]!r} is not supported yet",
+                param="response_format")
+    modalities = data.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _unsupported("modalities", "other than ['text']")
+    common = _common(f, limits, max_tokens_names=("max_tokens", "max_completion_tokens"),
+                     default_max_tokens=None)
+    return ChatRequest(common=common, messages=_messages(f))
+
+
+def parse_completion(data: Mapping[str, Any], limits: Limits) -> CompletionRequest:
+    """Validate a (legacy) text completion body."""
+    _reject_unknown(data, _COMPLETION_FIELDS)
+    f = _Fields(data)
+    if f.boolean("echo", False):
+        raise _unsupported("echo", "")
+    if f.present("suffix"):
+        raise _unsupported("suffix", "")
+    best_of = f.integer("best_of", lo=1, hi=128)
+    if best_of is not None and best_of != 1:
+        raise _unsupported("best_of", "greater than 1")
+    if f.present("logprobs"):
+        raise _unsupported("logprobs", "")
+    common = _common(f, limits, max_tokens_names=("max_tokens",),
+                     default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return CompletionRequest(common=common, prompt=_prompt(data.get("prompt")))
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    # OpenAI accepts a string, a list of strings, a list of token ids, or a list of such lists;
+    # one prompt per request here (several would be several choices: not supported yet).
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if any(t < 0 for t in value):
+            raise InvalidRequest("'prompt' token ids must not be negative", param="prompt")
+        return tuple(value)
+    if value is None:
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    if isinstance(value, list) and len(value) > 1:
+        raise UnsupportedParameter("several prompts in one request are not supported", param="prompt")
+    raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")

@@ -1,0 +1,107 @@
+"""The application factory: routes, middlewares in order, and one cleanup context per resource."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final
+
+from aiohttp import web
+
+from edgellmd import appkeys, logs
+from edgellmd.api.health import setup_health
+from edgellmd.api.openai import setup_openai
+from edgellmd.errors import Handler, error_middleware
+from edgellmd.registry import EngineFactory, Registry, default_engine_factory
+from edgellmd.settings import Settings
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("edgellmd.access")
+
+PROMPT_THREADS: Final = 2  # template rendering and tokenization run here, never on the loop
+_CLIENT_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_LOAD_TASK: Final = web.AppKey("load_task", asyncio.Task[None])
+
+
+@web.middleware
+async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give each request an id (the client's X-Request-Id when sane) and log one access line."""
+    given = request.headers.get("X-Request-Id", "")
+    rid = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    request[appkeys.REQUEST_ID] = rid
+    token = logs.request_id.set(rid)
+    started = time.monotonic()
+    status = 499  # nginx's "client closed request", kept if the handler is cancelled
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        access_log.info("%s %s %d %.3fs", request.method, request.path, status,
+                        time.monotonic() - started,
+                        extra={"peer": request.remote, "status": status})
+        logs.request_id.reset(token)
+
+
+def create_app(settings: Settings, *, engine_factory: EngineFactory = default_engine_factory) -> web.Application:
+    """Build the daemon's application; nothing is loaded until the app starts."""
+    # Order matters: the request context wraps everything so even error answers carry a
+    # request id and an access line; the error middleware turns every failure below it
+    # into OpenAI's envelope.
+    app = web.Application(
+        middlewares=[request_context, error_middleware],
+        client_max_size=settings.server.max_body_bytes,
+    )
+    app[appkeys.SETTINGS] = settings
+    app.on_response_prepare.append(_stamp_headers)
+    setup_health(app)
+    setup_openai(app)
+    app.cleanup_ctx.append(_executor_ctx)
+    app.cleanup_ctx.append(_registry_ctx(engine_factory))
+    return app
+
+
+async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
+    # Runs for streamed answers too, right before their headers go out.
+    rid = request.get(appkeys.REQUEST_ID)
+    if rid:
+        response.headers["X-Request-Id"] = rid
+
+
+async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
+    executor = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="prompt")
+    app[appkeys.EXECUTOR] = executor
+    yield
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
+        registry = Registry(app[appkeys.SETTINGS].models, app[appkeys.EXECUTOR], factory)
+        app[appkeys.REGISTRY] = registry
+        # Load in the background: the server listens at once, /readyz says 503 until done.
+        app[_LOAD_TASK] = asyncio.create_task(registry.load_all(), name="load-models")
+        yield
+        task = app[_LOAD_TASK]
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await registry.close()
+
+    return registry_ctx
+
+
+async def start_server(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Start serving `app` on host:port (port 0 picks a free one); returns the runner to clean up."""
+    # handler_cancellation: a client that disconnects cancels its handler, which frees its
+    # slot at once instead of when its generation would have ended.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner

@@ -1,0 +1,533 @@
+"""The llama.cpp engine: model loading, tokenization and the continuous-batching scheduler.
+
+This is the only module that imports `llama_cpp` (house rule: quarantine the native
+dependency). One `Engine` owns one model and one `llama_context` with `n_seq_max = slots`
+and a unified KV pool, driven by one scheduler thread. Each scheduler step builds one
+`llama_batch` holding one token for every generating sequence plus as many prompt tokens of
+admitted sequences as `n_batch` leaves room for (chunked prefill interleaved with decoding),
+runs one `llama_decode`, samples each sequence with its own C sampler chain and hands the
+new text to the event loop with one `call_soon_threadsafe` per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import llama_cpp as llama
+
+from edgellmd.generation import (
+    Event,
+    Finished,
+    FinishReason,
+    Generation,
+    GenerationRequest,
+    SamplingParams,
+    StopMatcher,
+    TextDelta,
+    Utf8Stream,
+)
+
+log = logging.getLogger(__name__)
+
+_PIECE_BUF: Final = 256  # bytes; longer pieces are retried with the size llama.cpp asks for
+_DEFAULT_SEED: Final = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a fresh random seed per chain
+_IDLE_WAIT_S: Final = 0.5  # the idle scheduler still wakes up to report liveness
+_GGML_LOG_LEVEL_WARN: Final = 2  # enum ggml_log_level; the bindings do not export it
+_GGML_LOG_LEVEL_ERROR: Final = 3
+
+
+class EngineError(Exception):
+    """A llama.cpp operation failed."""
+
+
+class ModelLoadError(EngineError):
+    """A model file could not be loaded; the message says why."""
+
+
+# llama.cpp keeps one process-wide log callback and one backend; both are set up once.
+_backend_lock = threading.Lock()
+_backend_ready = False
+_log_callback: Any = None  # keeps the ctypes thunk alive for as long as llama.cpp may call it
+
+
+def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
+    # llama.cpp logs every tensor at load time; keep that at debug, surface its errors.
+    if not text:
+        return
+    message = text.decode("utf-8", "replace").rstrip()
+    if message:
+        py_level = logging.WARNING if level == _GGML_LOG_LEVEL_ERROR else logging.DEBUG
+        log.log(py_level, "llama.cpp: %s", message)
+
+
+def _init_backend() -> None:
+    global _backend_ready, _log_callback  # noqa: PLW0603 - one native backend per process
+    with _backend_lock:
+        if _backend_ready:
+            return
+        _log_callback = llama.llama_log_callback(_on_llama_log)
+        llama.llama_log_set(_log_callback, ctypes.c_void_p())
+        llama.llama_backend_init()
+        _backend_ready = True
+
+
+def builtin_chat_templates() -> list[str]:
+    """Names of the chat templates compiled into llama.cpp (`gemma`, `chatml`, `llama3`, ...)."""
+    count = llama.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * max(count, 1))()
+    count = llama.llama_chat_builtin_templates(names, count)
+    return sorted(n.decode() for n in names[:count] if n)
+
+
+def apply_builtin_template(name: str, messages: Sequence[tuple[str, str]]) -> str:
+    """Render `messages` (role, content) with a llama.cpp built-in template, ending with the assistant's turn."""
+    chat = (llama.llama_chat_message * len(messages))()
+    keep: list[bytes] = []  # the C structs point into these buffers
+    for i, (role, content) in enumerate(messages):
+        r, c = role.encode(), content.encode()
+        keep += (r, c)
+        chat[i].role, chat[i].content = r, c
+    size = sum(len(b) for b in keep) * 2 + 256
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = llama.llama_chat_apply_template(name.encode(), chat, len(messages), True, buf, size)
+        if n < 0:
+            raise EngineError(f"chat template {name!r} is not a llama.cpp built-in template")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n
+    raise EngineError("chat template output did not fit")  # pragma: no cover - size is exact
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the GGUF file says about the model, read once at load time."""
+
+    path: Path
+    architecture: str
+    description: str
+    n_ctx_train: int
+    n_vocab: int
+    n_params: int
+    size_bytes: int
+    chat_template: str | None
+    bos_text: str
+    eos_text: str
+    add_bos: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to load and run one model (filled from the model's settings)."""
+
+    path: Path
+    slots: int
+    context_size: int  # tokens per slot
+    batch_size: int
+    threads: int
+    threads_batch: int
+    gpu_layers: int = 0
+
+
+class _Slot:
+    """Scheduler-thread state of one sequence in the batch."""
+
+    __slots__ = (
+        "batch_index", "chain", "completion", "gen", "last", "n_past", "prefilled", "prompt",
+        "stops", "utf8",
+    )
+
+    def __init__(self, gen: Generation, chain: Any) -> None:
+        self.gen = gen
+        self.chain = chain
+        self.prompt: Sequence[int] = gen.request.prompt_tokens
+        self.prefilled = 0  # prompt tokens already in the KV cache
+        self.n_past = 0  # position of the next token
+        self.completion = 0  # tokens generated so far
+        self.batch_index = -1  # where this sequence's logits sit in the last batch, or -1
+        self.last = -1  # the last sampled token, fed back in the next step
+        self.utf8 = Utf8Stream()
+        self.stops = StopMatcher(gen.request.stop)
+
+
+class Engine:
+    """One loaded model and its scheduler thread; all public methods are thread-safe."""
+
+    def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
+        """Load the model and create its context (blocking: call it off the event loop)."""
+        _init_backend()
+        self.config: Final = config
+        self.name: Final = name
+        if not config.path.is_file():
+            raise ModelLoadError(f"model file not found: {config.path}")
+        mparams = llama.llama_model_default_params()
+        mparams.n_gpu_layers = config.gpu_layers
+        model = llama.llama_model_load_from_file(str(config.path).encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {config.path} (not a supported GGUF model?)")
+        self._model = model
+        self._vocab = llama.llama_model_get_vocab(model)
+        self.n_vocab: Final[int] = llama.llama_vocab_n_tokens(self._vocab)
+
+        cparams = llama.llama_context_default_params()
+        cparams.n_ctx = config.context_size * config.slots
+        cparams.n_batch = config.batch_size
+        cparams.n_ubatch = config.batch_size
+        cparams.n_seq_max = config.slots
+        cparams.n_threads = config.threads
+        cparams.n_threads_batch = config.threads_batch
+        cparams.kv_unified = True  # slots share one KV pool; per-slot limits are ours to enforce
+        cparams.no_perf = True
+        ctx = llama.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama.llama_model_free(model)
+            raise ModelLoadError(f"llama.cpp could not create a context for {config.path}")
+        self._ctx = ctx
+        self._memory = llama.llama_get_memory(ctx)
+        self._batch = llama.llama_batch_init(config.batch_size, 0, config.slots)
+        self.info: Final = self._read_info()
+
+        self._cond = threading.Condition()
+        self._pending: deque[Generation] = deque()
+        self._slots: list[_Slot | None] = [None] * config.slots
+        self._stopping = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
+        self.heartbeat = time.monotonic()
+        self._warm_up()
+
+    # ---- metadata -------------------------------------------------------------------------
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = llama.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def _read_info(self) -> ModelInfo:
+        desc = ctypes.create_string_buffer(256)
+        llama.llama_model_desc(self._model, desc, len(desc))
+        template = llama.llama_model_chat_template(self._model, None)
+        return ModelInfo(
+            path=self.config.path,
+            architecture=self._meta("general.architecture") or "unknown",
+            description=desc.value.decode("utf-8", "replace"),
+            n_ctx_train=llama.llama_model_n_ctx_train(self._model),
+            n_vocab=self.n_vocab,
+            n_params=llama.llama_model_n_params(self._model),
+            size_bytes=llama.llama_model_size(self._model),
+            chat_template=template.decode("utf-8", "replace") if template else None,
+            bos_text=self._token_text(llama.llama_vocab_bos(self._vocab)),
+            eos_text=self._token_text(llama.llama_vocab_eos(self._vocab)),
+            add_bos=bool(llama.llama_vocab_get_add_bos(self._vocab)),
+        )
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self._piece(token, special=True).decode("utf-8", "replace")
+
+    # ---- tokens ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text to token ids (thread-safe: the vocabulary is read-only)."""
+        data = text.encode("utf-8")
+        size = len(data) + 8
+        buf = (llama.llama_token * size)()
+        n = llama.llama_tokenize(self._vocab, data, len(data), buf, size, add_special, parse_special)
+        if n < 0:
+            size = -n
+            buf = (llama.llama_token * size)()
+            n = llama.llama_tokenize(self._vocab, data, len(data), buf, size, add_special, parse_special)
+        if n < 0:
+            raise EngineError("tokenization failed")
+        return list(buf[:n])
+
+    def _piece(self, token: int, *, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(_PIECE_BUF)
+        n = llama.llama_token_to_piece(self._vocab, token, buf, _PIECE_BUF, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[: max(n, 0)]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Token ids to text (for tests and diagnostics)."""
+        return b"".join(self._piece(t) for t in tokens).decode("utf-8", "replace")
+
+    # ---- scheduler interface (event loop side) -------------------------------------------
+
+    def start(self) -> None:
+        """Start the scheduler thread."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"scheduler:{self.name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Generation:
+        """Queue a generation; its events arrive on `loop`. Never blocks on llama.cpp."""
+        if len(request.prompt_tokens) == 0:
+            raise EngineError("empty prompt")
+        gen = Generation(request, loop)
+        with self._cond:
+            if self._stopping:
+                raise EngineError("engine is shutting down")
+            self._pending.append(gen)
+            self._cond.notify()
+        return gen
+
+    def wake(self) -> None:
+        """Wake the scheduler (after a cancellation) so the slot is freed at once."""
+        with self._cond:
+            self._cond.notify()
+
+    @property
+    def busy_slots(self) -> int:
+        """Slots holding a running generation."""
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def queue_depth(self) -> int:
+        """Generations waiting for a slot."""
+        return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is running or waiting."""
+        return not self._pending and self.busy_slots == 0
+
+    def close(self) -> None:
+        """Stop the scheduler, end every generation with an error, free native memory."""
+        with self._cond:
+            if self._closed:
+                return
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cond:
+            leftovers = list(self._pending)
+            self._pending.clear()
+        for gen in leftovers:
+            gen.push_threadsafe([Finished("error", len(gen.request.prompt_tokens), 0,
+                                          error="the model was unloaded")])
+        for i, slot in enumerate(self._slots):
+            if slot is not None:
+                self._finish(i, "error", error="the model was unloaded", deliver=True)
+        llama.llama_batch_free(self._batch)
+        llama.llama_free(self._ctx)
+        llama.llama_model_free(self._model)
+        self._closed = True
+
+    # ---- scheduler thread -----------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """Run one decode so compute buffers exist before the first real request."""
+        bos = llama.llama_vocab_bos(self._vocab)
+        self._fill_batch([(bos if bos >= 0 else 0, 0, 0, True)])
+        if llama.llama_decode(self._ctx, self._batch) != 0:
+            raise ModelLoadError(f"warm-up decode failed for {self.config.path}")
+        chain = self._make_chain(SamplingParams(temperature=0.0))
+        llama.llama_sampler_sample(chain, self._ctx, 0)
+        llama.llama_sampler_free(chain)
+        llama.llama_memory_clear(self._memory, True)
+
+    def _fill_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
+        batch = self._batch
+        token, pos, n_seq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+        for j, (tok, p, s, out) in enumerate(items):
+            token[j] = tok
+            pos[j] = p
+            n_seq[j] = 1
+            seq[j][0] = s
+            logits[j] = out
+        batch.n_tokens = len(items)
+
+    def _make_chain(self, sp: SamplingParams) -> Any:
+        chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+        add = llama.llama_sampler_chain_add
+        if sp.penalized:
+            add(chain, llama.llama_sampler_init_penalties(
+                self.n_vocab, sp.penalty_last_n, sp.repeat_penalty,
+                sp.frequency_penalty, sp.presence_penalty))
+        if sp.greedy:
+            add(chain, llama.llama_sampler_init_greedy())
+            return chain
+        # Same order as llama-server: top_k, top_p, min_p, then temperature, then draw.
+        if sp.top_k > 0:
+            add(chain, llama.llama_sampler_init_top_k(sp.top_k))
+        if sp.top_p < 1.0:
+            add(chain, llama.llama_sampler_init_top_p(sp.top_p, 1))
+        if sp.min_p > 0.0:
+            add(chain, llama.llama_sampler_init_min_p(sp.min_p, 1))
+        add(chain, llama.llama_sampler_init_temp(sp.temperature))
+        seed = _DEFAULT_SEED if sp.seed is None else sp.seed & 0xFFFFFFFF
+        add(chain, llama.llama_sampler_init_dist(seed))
+        return chain
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except Exception:  # a bug here must not leave clients hanging forever
+            log.exception("scheduler of model %s crashed", self.name)
+            for i, slot in enumerate(self._slots):
+                if slot is not None:
+                    self._finish(i, "error", error="internal engine error", deliver=True)
+            with self._cond:
+                self._stopping = True
+                pending = list(self._pending)
+                self._pending.clear()
+            for gen in pending:
+                gen.push_threadsafe([Finished("error", 0, 0, error="internal engine error")])
+
+    def _admit(self) -> bool:
+        """Move waiting generations into free slots; returns False when asked to stop."""
+        with self._cond:
+            while not self._stopping and not self._pending and self.busy_slots == 0:
+                self.heartbeat = time.monotonic()
+                self._cond.wait(_IDLE_WAIT_S)
+            if self._stopping:
+                return False
+            for i, slot in enumerate(self._slots):
+                if slot is not None:
+                    continue
+                while self._pending:
+                    gen = self._pending.popleft()
+                    if gen.cancelled:
+                        gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), 0)])
+                        continue
+                    llama.llama_memory_seq_rm(self._memory, i, -1, -1)
+                    self._slots[i] = _Slot(gen, self._make_chain(gen.request.sampling))
+                    break
+                if not self._pending:
+                    break
+        return True
+
+    def _step(self) -> bool:
+        if not self._admit():
+            return False
+        for i, slot in enumerate(self._slots):
+            if slot is not None and slot.gen.cancelled:
+                self._finish(i, "cancelled", deliver=True)
+
+        # One token for every generating sequence first, so running streams never stall
+        # behind a long prompt; then prompt chunks in admission order with what is left.
+        items: list[tuple[int, int, int, bool]] = []
+        budget = self.config.batch_size
+        for i, slot in enumerate(self._slots):
+            if slot is None or slot.prefilled < len(slot.prompt):
+                continue
+            slot.batch_index = len(items)
+            items.append((slot.last, slot.n_past, i, True))
+            slot.n_past += 1
+        budget -= len(items)
+        for i, slot in enumerate(self._slots):
+            if budget <= 0:
+                break
+            if slot is None or slot.prefilled >= len(slot.prompt):
+                continue
+            take = min(budget, len(slot.prompt) - slot.prefilled)
+            start = slot.prefilled
+            done = start + take == len(slot.prompt)
+            for k in range(take):
+                items.append((slot.prompt[start + k], start + k, i, done and k == take - 1))
+            slot.prefilled += take
+            slot.n_past = slot.prefilled
+            slot.batch_index = len(items) - 1 if done else -1
+            budget -= take
+        if not items:
+            self.heartbeat = time.monotonic()
+            return True
+
+        self._fill_batch(items)
+        rc = llama.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            log.error("llama_decode failed with status %d on model %s", rc, self.name)
+            for i, slot in enumerate(self._slots):
+                if slot is not None and any(it[2] == i for it in items):
+                    self._finish(i, "error", error=f"decode failed (status {rc})", deliver=True)
+            self.heartbeat = time.monotonic()
+            return True
+
+        outbox: list[tuple[Generation, list[Event]]] = []
+        for i, slot in enumerate(self._slots):
+            if slot is None or slot.batch_index < 0:
+                continue
+            token = llama.llama_sampler_sample(slot.chain, self._ctx, slot.batch_index)
+            slot.batch_index = -1
+            events = self._advance(i, slot, token)
+            if events:
+                outbox.append((slot.gen, events))
+        if outbox:
+            _deliver(outbox)
+        self.heartbeat = time.monotonic()
+        return True
+
+    def _advance(self, i: int, slot: _Slot, token: int) -> list[Event]:
+        """Account for one sampled token; returns the events it produces."""
+        req = slot.gen.request
+        if not req.ignore_eos and llama.llama_vocab_is_eog(self._vocab, token):
+            return self._finish(i, "stop")
+        slot.completion += 1
+        slot.last = token
+        text, hit = slot.stops.feed(slot.utf8.feed(self._piece(token)))
+        if hit:
+            return [TextDelta(text, slot.completion), *self._finish(i, "stop", flushed=True)]
+        if slot.completion >= req.max_tokens or slot.n_past + 1 >= self.config.context_size:
+            return [TextDelta(text, slot.completion), *self._finish(i, "length")]
+        return [TextDelta(text, slot.completion)]
+
+    def _finish(self, i: int, reason: FinishReason, *, error: str | None = None,
+                flushed: bool = False, deliver: bool = False) -> list[Event]:
+        slot = self._slots[i]
+        assert slot is not None  # noqa: S101 - scheduler invariant
+        self._slots[i] = None
+        llama.llama_memory_seq_rm(self._memory, i, -1, -1)
+        llama.llama_sampler_free(slot.chain)
+        tail = ""
+        if not flushed and reason in ("stop", "length"):
+            tail, _ = slot.stops.feed(slot.utf8.flush())
+            tail += slot.stops.flush()
+        event = Finished(reason, len(slot.prompt), slot.completion, text=tail, error=error)
+        if deliver:
+            slot.gen.push_threadsafe([event])
+            return []
+        return [event]
+
+
+def _deliver(outbox: list[tuple[Generation, list[Event]]]) -> None:
+    # One wake-up of each event loop per step, not one per token.
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, list[Event]]]] = {}
+    for gen, events in outbox:
+        by_loop.setdefault(gen.loop, []).append((gen, events))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_push_all, items)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+
+def _push_all(items: list[tuple[Generation, list[Event]]]) -> None:
+    for gen, events in items:
+        gen.push(events)
+
+
+def default_threads() -> int:
+    """Threads llama.cpp should use when the config does not say: the CPUs we may run on."""
+    return max(1, len(os.sched_getaffinity(0)))

@@ -1,0 +1,142 @@
+"""One table of API errors, rendered as OpenAI's error envelope with the matching HTTP status."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from edgellmd import appkeys
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    """An error a client should see; subclasses fix the status, `type` and default `code`."""
+
+    status: ClassVar[int] = 400
+    type: ClassVar[str] = "invalid_request_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error envelope."""
+        return envelope(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequest(ApiError):
+    """400: the request is malformed or asks for something out of range."""
+
+
+class UnsupportedParameter(ApiError):
+    """400: a parameter edgellm understands but does not implement, and ignoring it would change the answer."""
+
+    default_code = "unsupported_parameter"
+
+
+class ContextLengthExceeded(ApiError):
+    """400: the prompt does not fit in a slot's context."""
+
+    default_code = "context_length_exceeded"
+
+
+class NotFound(ApiError):
+    """404: no such route or model."""
+
+    status = 404
+    default_code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """404: the `model` names no served model."""
+
+    default_code = "model_not_found"
+
+
+class MethodNotAllowed(ApiError):
+    """405: the route exists for other methods."""
+
+    status = 405
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLarge(ApiError):
+    """413: the body is over `server.max_body_bytes`."""
+
+    status = 413
+    default_code = "payload_too_large"
+
+
+class UnsupportedMediaType(ApiError):
+    """415: POST bodies must be JSON."""
+
+    status = 415
+    default_code = "unsupported_media_type"
+
+
+class ServiceUnavailable(ApiError):
+    """503: the model is not loaded (yet); try again later."""
+
+    status = 503
+    type = "server_error"
+    default_code = "model_not_ready"
+
+
+class InternalError(ApiError):
+    """500: something broke on our side; the message never carries details."""
+
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"
+
+
+def envelope(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
+    """Build `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _from_http(exc: web.HTTPException) -> ApiError:
+    # aiohttp raises these itself (routing, body size); map them into the same table.
+    if exc.status == 404:
+        return NotFound("no such endpoint")
+    if exc.status == 405:
+        return MethodNotAllowed("method not allowed on this endpoint")
+    if exc.status == 413:
+        return PayloadTooLarge("request body too large")
+    err = InvalidRequest(exc.reason or "bad request")
+    err.status = exc.status  # type: ignore[misc] # an instance-level status for the rare others
+    return err
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Render every failure as an OpenAI error envelope; unexpected ones as a bare 500."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _render(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _render(_from_http(exc))
+    except Exception:
+        log.exception("unhandled error in %s %s (request %s)", request.method, request.path,
+                      request.get(appkeys.REQUEST_ID, "-"))
+        return _render(InternalError("internal server error"))
+
+
+def _render(exc: ApiError) -> web.Response:
+    response = web.json_response(exc.body(), status=exc.status)
+    response.headers.update(exc.headers)
+    return response

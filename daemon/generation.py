@@ -1,0 +1,184 @@
+"""What a generation asks for and what it yields: requests, events, and the text-side helpers the scheduler uses."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import itertools
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+# llama-server's default; OpenAI has no top_k, so a request that wants the whole vocabulary
+# sends top_k: 0. Sorting 262k logits per token for every stream costs real throughput.
+DEFAULT_TOP_K: Final = 40
+DEFAULT_PENALTY_LAST_N: Final = 64
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampler settings; each request gets its own C sampler chain built from these."""
+
+    temperature: float = 1.0
+    top_k: int = DEFAULT_TOP_K
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = DEFAULT_PENALTY_LAST_N
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request asks for deterministic argmax decoding."""
+        return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """True when any repetition penalty is active."""
+        return (
+            self.repeat_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A tokenized prompt and how to continue it."""
+
+    prompt_tokens: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New text produced by a generation (may be empty when a token ended mid-character)."""
+
+    text: str
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last event of a generation."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    text: str = ""  # any text released by the finish (held back for a stop-string check)
+    error: str | None = None
+
+
+Event = TextDelta | Finished
+
+
+class Generation:
+    """The event-loop side of one request: an async stream of events and a way to cancel it.
+
+    The scheduler thread pushes events with `loop.call_soon_threadsafe`; the handler awaits
+    them. `cancel()` may be called from the loop at any time and frees the slot at the next
+    step boundary.
+    """
+
+    __slots__ = ("_cancelled", "_loop", "_queue", "id", "request")
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.id: Final = next(_ids)
+        self.request: Final = request
+        self._loop = loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the consumer has given up on this generation."""
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this generation and free its slot."""
+        self._cancelled.set()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop that consumes this generation's events."""
+        return self._loop
+
+    def push_threadsafe(self, events: list[Event]) -> None:
+        """Deliver events from the scheduler thread (a closed loop drops them)."""
+        try:
+            self._loop.call_soon_threadsafe(self.push, events)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+    def push(self, events: list[Event]) -> None:
+        """Deliver events on the loop's own thread."""
+        for event in events:
+            self._queue.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yield events until (and including) the `Finished` event."""
+        while True:
+            event = await self._queue.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+class Utf8Stream:
+    """Turns token byte pieces into text without ever splitting a multi-byte character."""
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, piece: bytes) -> str:
+        """Return the text completed by `piece` (partial characters are held back)."""
+        return self._decoder.decode(piece)
+
+    def flush(self) -> str:
+        """Return whatever is held back; an incomplete character becomes U+FFFD."""
+        return self._decoder.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Finds stop strings across token boundaries and holds back text that could start one."""
+
+    __slots__ = ("_held", "_stops")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was hit)."""
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        hit = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        if hit >= 0:
+            self._held = ""
+            return buf[:hit], True
+        keep = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(buf)), keep, -1):
+                if buf.endswith(stop[:n]):
+                    keep = n
+                    break
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """Release held-back text at the end of a generation that did not hit a stop."""
+        held, self._held = self._held, ""
+        return held

@@ -1,0 +1,5 @@
+"""edgellmctl: operator tooling for edgellm appliances."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

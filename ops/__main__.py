@@ -1,0 +1,36 @@
+"""Command-line entry point of `edgellmctl`: one subcommand per operator task."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from edgellmctl import __version__, bench, quickstart
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(prog="edgellmctl", description="Operate an edgellm appliance.")
+    parser.add_argument("--version", action="version", version=f"edgellmctl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Each module registers its own subcommand and sets `func` to its runner.
+    quickstart.add_parser(sub)
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `edgellmctl` and return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

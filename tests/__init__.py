@@ -1,0 +1,1 @@
+"""The edgellm test suite."""
