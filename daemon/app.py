@@ -48,7 +48,9 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
         logs.request_id.reset(token)
 
 
-def create_app(settings: Settings, *, engine_factory: EngineFactory = default_engine_factory) -> web.Application:
+def create_app(
+    settings: Settings, *, engine_factory: EngineFactory = default_engine_factory
+) -> web.Application:
     """Build the daemon's application; nothing is loaded until the app starts."""
     # Order matters: the request context wraps everything so even error answers carry a
     # request id and an access line; the error middleware turns every failure below it

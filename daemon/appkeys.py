@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from edgellmd.registry import Registry
-    from edgellmd.settings import Settings
+from edgellmd.registry import Registry
+from edgellmd.settings import Settings
 
-SETTINGS: Final = web.AppKey["Settings"]("settings")
-REGISTRY: Final = web.AppKey["Registry"]("registry")
-EXECUTOR: Final = web.AppKey[ThreadPoolExecutor]("executor")
+SETTINGS: Final = web.AppKey("settings", Settings)
+REGISTRY: Final = web.AppKey("registry", Registry)
+EXECUTOR: Final = web.AppKey("executor", ThreadPoolExecutor)
 
-# Per-request state (request[...]): aiohttp has no typed request keys, so the names live here.
-REQUEST_ID: Final = "edgellm.request_id"
+# Per-request state (request[...]).
+REQUEST_ID: Final = web.RequestKey("request_id", str)

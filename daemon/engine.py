@@ -12,6 +12,7 @@ new text to the event loop with one `call_soon_threadsafe` per step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -90,7 +91,7 @@ def builtin_chat_templates() -> list[str]:
 
 
 def apply_builtin_template(name: str, messages: Sequence[tuple[str, str]]) -> str:
-    """Render `messages` (role, content) with a llama.cpp built-in template, ending with the assistant's turn."""
+    """Render (role, content) pairs with a llama.cpp built-in template, ending at the assistant's turn."""
     chat = (llama.llama_chat_message * len(messages))()
     keep: list[bytes] = []  # the C structs point into these buffers
     for i, (role, content) in enumerate(messages):
@@ -445,8 +446,8 @@ class Engine:
             take = min(budget, len(slot.prompt) - slot.prefilled)
             start = slot.prefilled
             done = start + take == len(slot.prompt)
-            for k in range(take):
-                items.append((slot.prompt[start + k], start + k, i, done and k == take - 1))
+            last = start + take - 1
+            items.extend((slot.prompt[p], p, i, done and p == last) for p in range(start, start + take))
             slot.prefilled += take
             slot.n_past = slot.prefilled
             slot.batch_index = len(items) - 1 if done else -1
@@ -517,10 +518,8 @@ def _deliver(outbox: list[tuple[Generation, list[Event]]]) -> None:
     for gen, events in outbox:
         by_loop.setdefault(gen.loop, []).append((gen, events))
     for loop, items in by_loop.items():
-        try:
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
             loop.call_soon_threadsafe(_push_all, items)
-        except RuntimeError:  # loop closed: nobody is listening any more
-            pass
 
 
 def _push_all(items: list[tuple[Generation, list[Event]]]) -> None:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
-from edgellmd import appkeys
+from edgellmd import logs
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class InvalidRequest(ApiError):
 
 
 class UnsupportedParameter(ApiError):
-    """400: a parameter edgellm understands but does not implement, and ignoring it would change the answer."""
+    """400: a parameter that is not implemented here, and ignoring it would change the answer."""
 
     default_code = "unsupported_parameter"
 
@@ -132,7 +132,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _render(_from_http(exc))
     except Exception:
         log.exception("unhandled error in %s %s (request %s)", request.method, request.path,
-                      request.get(appkeys.REQUEST_ID, "-"))
+                      logs.request_id.get())
         return _render(InternalError("internal server error"))
 
 

@@ -1,9 +1,10 @@
-"""What a generation asks for and what it yields: requests, events, and the text-side helpers the scheduler uses."""
+"""What a generation asks for and yields: requests, events, and the scheduler's text helpers."""
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -115,10 +116,8 @@ class Generation:
 
     def push_threadsafe(self, events: list[Event]) -> None:
         """Deliver events from the scheduler thread (a closed loop drops them)."""
-        try:
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
             self._loop.call_soon_threadsafe(self.push, events)
-        except RuntimeError:  # loop closed: nobody is listening any more
-            pass
 
     def push(self, events: list[Event]) -> None:
         """Deliver events on the loop's own thread."""

@@ -27,9 +27,8 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
             "request_id": request_id.get(),
         }
-        for key, value in vars(record).items():
-            if key not in _RESERVED and not key.startswith("_"):
-                entry[key] = value
+        entry.update({k: v for k, v in vars(record).items()
+                      if k not in _RESERVED and not k.startswith("_")})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str, ensure_ascii=False)

@@ -104,7 +104,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         data = json.loads(text)
     except RecursionError:
         raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc.msg} at position {exc.pos}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the JSON body must be an object")

