@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +206,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
         self.heartbeat = time.monotonic()
+        # Generations ended, by finish reason, and tokens generated (written by the scheduler).
+        self.finished: Counter[str] = Counter()
+        self.tokens_generated = 0
         self._warm_up()
 
     # ---- metadata -------------------------------------------------------------------------
@@ -405,19 +408,19 @@ class Engine:
                 self._cond.wait(_IDLE_WAIT_S)
             if self._stopping:
                 return False
+            # Waiting clients that gave up leave the queue now, not when a slot frees up.
+            if any(g.cancelled for g in self._pending):
+                for gen in [g for g in self._pending if g.cancelled]:
+                    self._pending.remove(gen)
+                    self.finished["cancelled"] += 1
+                    gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), 0)])
             for i, slot in enumerate(self._slots):
-                if slot is not None:
-                    continue
-                while self._pending:
-                    gen = self._pending.popleft()
-                    if gen.cancelled:
-                        gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), 0)])
-                        continue
-                    llama.llama_memory_seq_rm(self._memory, i, -1, -1)
-                    self._slots[i] = _Slot(gen, self._make_chain(gen.request.sampling))
-                    break
                 if not self._pending:
                     break
+                if slot is None:
+                    gen = self._pending.popleft()
+                    llama.llama_memory_seq_rm(self._memory, i, -1, -1)
+                    self._slots[i] = _Slot(gen, self._make_chain(gen.request.sampling))
         return True
 
     def _step(self) -> bool:
@@ -486,6 +489,7 @@ class Engine:
         if not req.ignore_eos and llama.llama_vocab_is_eog(self._vocab, token):
             return self._finish(i, "stop")
         slot.completion += 1
+        self.tokens_generated += 1
         slot.last = token
         text, hit = slot.stops.feed(slot.utf8.feed(self._piece(token)))
         if hit:
@@ -499,6 +503,7 @@ class Engine:
         slot = self._slots[i]
         assert slot is not None  # noqa: S101 - scheduler invariant
         self._slots[i] = None
+        self.finished[reason] += 1
         llama.llama_memory_seq_rm(self._memory, i, -1, -1)
         llama.llama_sampler_free(slot.chain)
         tail = ""

@@ -1,0 +1,263 @@
+"""The real llama.cpp engine on tiny generated models: batching, queueing, cancellation, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edgellmd.engine import Engine, EngineConfig, ModelLoadError
+from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
+from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def make_engine(path: Path, *, slots: int = 2, context: int = 256, batch: int = 512) -> Engine:
+    engine = Engine(EngineConfig(path=path, slots=slots, context_size=context, batch_size=batch,
+                                 threads=1, threads_batch=1), name=path.stem)
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[Engine]:
+    eng = make_engine(tiny_model)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wider tiny model: a few hundred tokens/s, slow enough to cancel mid-generation."""
+    path = tmp_path_factory.mktemp("slow") / "slow.gguf"
+    return write_tiny_model(path, TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4,
+                                                n_layer=2, n_ff=2048))
+
+
+async def generate(engine: Engine, prompt: str | list[int], max_tokens: int = 32, *,
+                   sampling: SamplingParams = GREEDY, stop: tuple[str, ...] = (),
+                   ignore_eos: bool = True) -> tuple[str, Finished]:
+    tokens = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
+    gen = engine.submit(GenerationRequest(tokens, max_tokens, sampling, stop, ignore_eos),
+                        asyncio.get_running_loop())
+    parts: list[str] = []
+    async for event in gen.events():
+        parts.append(event.text)
+        if isinstance(event, Finished):
+            return "".join(parts), event
+    raise AssertionError("no Finished event")
+
+
+def test_model_info(engine: Engine) -> None:
+    info = engine.info
+    assert info.architecture == "llama"
+    assert info.n_vocab == N_VOCAB
+    assert info.n_ctx_train == 4096
+    assert info.bos_text == "<s>"
+    assert info.eos_text == "</s>"
+    assert info.add_bos
+    assert info.chat_template is not None
+    assert "add_generation_prompt" in info.chat_template
+
+
+def test_tokenize_round_trip(engine: Engine) -> None:
+    tokens = engine.tokenize("héllo")
+    assert tokens[0] == 1  # BOS
+    assert len(tokens) == 1 + len("héllo".encode())  # one byte token per UTF-8 byte
+    assert engine.detokenize(tokens[1:]) == "héllo"
+    assert engine.tokenize("<s>x", add_special=False, parse_special=True)[0] == 1
+    assert engine.tokenize("<s>x", add_special=False, parse_special=False)[0] != 1
+
+
+def test_missing_and_invalid_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        make_engine(tmp_path / "absent.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a gguf file" * 100)
+    with pytest.raises(ModelLoadError, match="could not load"):
+        make_engine(junk)
+
+
+async def test_generates_exactly_max_tokens(engine: Engine) -> None:
+    text, fin = await generate(engine, "Once upon a time", 40)
+    assert fin.reason == "length"
+    assert fin.completion_tokens == 40
+    assert fin.prompt_tokens == len(engine.tokenize("Once upon a time"))
+    assert text
+
+
+async def test_greedy_is_deterministic_and_seeds_reproduce(engine: Engine) -> None:
+    a, _ = await generate(engine, "abc", 24)
+    b, _ = await generate(engine, "abc", 24)
+    assert a == b
+    seeded = SamplingParams(temperature=1.0, seed=1234, top_k=0)
+    c, _ = await generate(engine, "abc", 24, sampling=seeded)
+    d, _ = await generate(engine, "abc", 24, sampling=seeded)
+    e, _ = await generate(engine, "abc", 24, sampling=SamplingParams(temperature=1.0, seed=99, top_k=0))
+    assert c == d
+    assert c != e
+
+
+async def test_eos_ends_generation_with_stop(engine: Engine) -> None:
+    # Whatever the random weights do, a generation that is allowed to stop at EOS never
+    # reports more tokens than it was given, and the finish reason says which limit it hit.
+    results = await asyncio.gather(*(
+        generate(engine, f"prompt {i}", 200, sampling=SamplingParams(temperature=1.5, seed=i, top_k=0),
+                 ignore_eos=False) for i in range(6)))
+    for _, fin in results:
+        assert fin.reason in ("stop", "length")
+        assert fin.completion_tokens <= 200
+        if fin.reason == "length":
+            assert fin.completion_tokens == 200
+
+
+async def test_stop_string_cuts_the_text(engine: Engine) -> None:
+    full, _ = await generate(engine, "The stop test", 48)
+    stop = full[20:23]
+    assert len(stop) == 3
+    text, fin = await generate(engine, "The stop test", 48, stop=(stop,))
+    assert fin.reason == "stop"
+    assert text == full[: full.index(stop)]
+
+
+async def test_more_requests_than_slots_all_complete_without_cross_talk(engine: Engine) -> None:
+    # The tiny model is F32 with well-separated logits, so greedy decoding is bitwise stable
+    # whatever else shares the batch; each request's text under load equals its text alone.
+    prompts = [f"request number {i}: " + "x" * i for i in range(8)]
+    alone = [await generate(engine, p, 32) for p in prompts]
+    loaded = await asyncio.gather(*(generate(engine, p, 32) for p in prompts))
+    assert [t for t, _ in loaded] == [t for t, _ in alone]
+    assert len({t for t, _ in alone}) == len(prompts)  # distinct outputs: cross-talk would show
+    assert all(f.completion_tokens == 32 for _, f in loaded)
+    assert engine.busy_slots == 0
+    assert engine.queue_depth == 0
+
+
+async def test_requests_wait_for_a_slot(tiny_model: Path) -> None:
+    eng = make_engine(tiny_model, slots=1)
+    try:
+        loop = asyncio.get_running_loop()
+        gens = [eng.submit(GenerationRequest(eng.tokenize(f"q{i}"), 64, GREEDY, ignore_eos=True), loop)
+                for i in range(3)]
+        assert eng.busy_slots <= 1
+        first_token_at: list[float] = []
+        done_at: list[float] = []
+
+        async def consume(gen_index: int) -> None:
+            async for event in gens[gen_index].events():
+                if isinstance(event, TextDelta) and len(first_token_at) <= gen_index:
+                    first_token_at.append(time.monotonic())
+                if isinstance(event, Finished):
+                    done_at.append(time.monotonic())
+                    assert event.completion_tokens == 64
+        for i in range(3):
+            await consume(i)
+        # With one slot each request starts only after the previous one finished.
+        assert first_token_at[1] >= done_at[0]
+        assert first_token_at[2] >= done_at[1]
+    finally:
+        eng.close()
+
+
+async def test_cancel_frees_the_slot_at_once(slow_model: Path) -> None:
+    eng = make_engine(slow_model, slots=1, context=4096)
+    try:
+        loop = asyncio.get_running_loop()
+        long_run = eng.submit(GenerationRequest(eng.tokenize("long"), 4000, GREEDY, ignore_eos=True), loop)
+        events = long_run.events()
+        assert isinstance(await anext(events), TextDelta)
+        assert eng.busy_slots == 1
+        long_run.cancel()
+        eng.wake()
+        cancelled_at = time.monotonic()
+        while eng.busy_slots and time.monotonic() - cancelled_at < 5:
+            await asyncio.sleep(0.005)
+        freed_after = time.monotonic() - cancelled_at
+        assert eng.busy_slots == 0
+        assert freed_after < 1.0
+        assert eng.finished["cancelled"] == 1
+        # The next request starts at once instead of waiting for 4000 tokens.
+        started = time.monotonic()
+        _, fin = await generate(eng, "next", 4)
+        assert fin.completion_tokens == 4
+        assert time.monotonic() - started < 1.0
+        assert eng.tokens_generated < 4000
+    finally:
+        eng.close()
+
+
+async def test_cancelled_waiting_request_leaves_the_queue(slow_model: Path) -> None:
+    eng = make_engine(slow_model, slots=1, context=4096)
+    try:
+        loop = asyncio.get_running_loop()
+        running = eng.submit(GenerationRequest(eng.tokenize("a"), 2000, GREEDY, ignore_eos=True), loop)
+        waiting = eng.submit(GenerationRequest(eng.tokenize("b"), 10, GREEDY, ignore_eos=True), loop)
+        await anext(running.events())
+        assert eng.queue_depth == 1
+        waiting.cancel()
+        eng.wake()
+        fin = [e async for e in waiting.events()][-1]
+        assert isinstance(fin, Finished)
+        assert fin.reason == "cancelled"
+        assert eng.queue_depth == 0
+        running.cancel()
+    finally:
+        eng.close()
+
+
+async def test_prefill_is_chunked_and_interleaved_with_decoding(tiny_model: Path) -> None:
+    # batch 16: a 240-token prompt needs 16 steps of prefill (15 prompt tokens beside one
+    # decode token each); a running stream must get a token at every one of those steps
+    # instead of stalling behind the whole prompt in one big step.
+    eng = make_engine(tiny_model, slots=2, batch=16)
+    try:
+        loop = asyncio.get_running_loop()
+        a = eng.submit(GenerationRequest(eng.tokenize("a"), 250, GREEDY, ignore_eos=True), loop)
+        seen: list[tuple[float, int]] = []
+        first = asyncio.Event()
+
+        async def consume_a() -> None:
+            async for event in a.events():
+                seen.append((time.monotonic(), event.completion_tokens))
+                first.set()
+
+        task = asyncio.create_task(consume_a())
+        await first.wait()
+        submitted = time.monotonic()
+        b = eng.submit(GenerationRequest(eng.tokenize("p" * 239), 1, GREEDY, ignore_eos=True), loop)
+        await anext(b.events())  # B's first token: its prefill is complete
+        b_first = time.monotonic()
+        during = [n for t, n in seen if submitted < t <= b_first]
+        assert len(during) >= 15
+        a.cancel()
+        eng.wake()
+        await task
+    finally:
+        eng.close()
+
+
+async def test_generation_stops_at_the_slot_context(engine: Engine) -> None:
+    prompt = engine.tokenize("z" * 200)  # 201 tokens of a 256-token slot
+    _, fin = await generate(engine, prompt, 1000)
+    assert fin.reason == "length"
+    assert fin.prompt_tokens + fin.completion_tokens <= 256
+    assert fin.completion_tokens >= 50
+
+
+async def test_close_ends_running_generations_with_an_error(tiny_model: Path) -> None:
+    eng = make_engine(tiny_model, slots=1, context=4096)
+    loop = asyncio.get_running_loop()
+    gen = eng.submit(GenerationRequest(eng.tokenize("x"), 4000, GREEDY, ignore_eos=True), loop)
+    queued = eng.submit(GenerationRequest(eng.tokenize("y"), 10, GREEDY, ignore_eos=True), loop)
+    await anext(gen.events())
+    await loop.run_in_executor(None, eng.close)
+    last = [e async for e in gen.events()][-1]
+    assert isinstance(last, Finished)
+    assert last.reason == "error"
+    queued_last = [e async for e in queued.events()][-1]
+    assert isinstance(queued_last, Finished)
+    assert queued_last.reason == "error"
