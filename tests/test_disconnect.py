@@ -1,0 +1,78 @@
+"""A client that disconnects mid-stream frees its slot at once (real sockets, real engine)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edgellmd import appkeys
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import RunningDaemon, running, settings_for
+
+
+@pytest.fixture(scope="module")
+def slow_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """One slot on a model slow enough (a few hundred tokens/s) that 4000 tokens take seconds."""
+    path = write_tiny_model(tmp_path_factory.mktemp("slow") / "slow.gguf",
+                            TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048))
+    settings = settings_for([{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096,
+                              "threads": 1}], server={"max_tokens_limit": 4000})
+    with running(settings) as daemon:
+        yield daemon
+
+
+def _engine_busy(daemon: RunningDaemon) -> int:
+    assert daemon.app is not None
+    return daemon.app[appkeys.REGISTRY].get("slow").engine.busy_slots
+
+
+def _open_stream(daemon: RunningDaemon, body: dict[str, object]) -> socket.socket:
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def test_disconnect_mid_stream_frees_the_slot(slow_daemon: RunningDaemon) -> None:
+    sock = _open_stream(slow_daemon, {"model": "slow", "prompt": "go", "max_tokens": 4000,
+                                      "stream": True, "ignore_eos": True, "temperature": 0})
+    received = b""
+    while received.count(b"data: ") < 3:  # the stream is running
+        received += sock.recv(65536)
+    assert b"200 OK" in received
+    assert _engine_busy(slow_daemon) == 1
+    sock.close()
+    closed_at = time.monotonic()
+    while _engine_busy(slow_daemon) and time.monotonic() - closed_at < 5:
+        time.sleep(0.005)
+    assert _engine_busy(slow_daemon) == 0
+    assert time.monotonic() - closed_at < 1.0
+    # The next request starts at once rather than after the abandoned 4000 tokens.
+    started = time.monotonic()
+    status, body = slow_daemon.post("/v1/completions", {"model": "slow", "prompt": "next",
+                                                        "max_tokens": 5, "ignore_eos": True})
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 5
+    assert time.monotonic() - started < 1.0
+
+
+def test_disconnect_of_a_non_streamed_request_frees_the_slot(slow_daemon: RunningDaemon) -> None:
+    sock = _open_stream(slow_daemon, {"model": "slow", "prompt": "go", "max_tokens": 4000,
+                                      "ignore_eos": True})
+    deadline = time.monotonic() + 5
+    while not _engine_busy(slow_daemon) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert _engine_busy(slow_daemon) == 1
+    sock.close()
+    closed_at = time.monotonic()
+    while _engine_busy(slow_daemon) and time.monotonic() - closed_at < 5:
+        time.sleep(0.005)
+    assert _engine_busy(slow_daemon) == 0
+    assert time.monotonic() - closed_at < 1.0
