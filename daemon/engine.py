@@ -209,6 +209,11 @@ class Engine:
         # Generations ended, by finish reason, and tokens generated (written by the scheduler).
         self.finished: Counter[str] = Counter()
         self.tokens_generated = 0
+        self.prompt_tokens_reused = 0
+        # Tokens whose keys/values each sequence holds in the KV cache, position by position.
+        # A finished sequence keeps them so that the next prompt with the same prefix (a
+        # system prompt, a growing conversation) skips that part of the prefill.
+        self._kv: list[list[int]] = [[] for _ in range(config.slots)]
         self._warm_up()
 
     # ---- metadata -------------------------------------------------------------------------
@@ -414,14 +419,30 @@ class Engine:
                     self._pending.remove(gen)
                     self.finished["cancelled"] += 1
                     gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), 0)])
-            for i, slot in enumerate(self._slots):
-                if not self._pending:
-                    break
-                if slot is None:
-                    gen = self._pending.popleft()
-                    llama.llama_memory_seq_rm(self._memory, i, -1, -1)
-                    self._slots[i] = _Slot(gen, self._make_chain(gen.request.sampling))
+            while self._pending and None in self._slots:
+                gen = self._pending.popleft()
+                self._assign(gen)
         return True
+
+    def _assign(self, gen: Generation) -> None:
+        """Put `gen` in the free slot whose cached tokens share the longest prefix with its prompt."""
+        prompt = gen.request.prompt_tokens
+        best, best_len = -1, -1
+        for i, slot in enumerate(self._slots):
+            if slot is None:
+                n = _common_prefix(self._kv[i], prompt)
+                if n > best_len:
+                    best, best_len = i, n
+        # The last prompt token is always decoded again: its logits start the reply.
+        reuse = min(best_len, len(prompt) - 1)
+        if reuse <= 0 or not llama.llama_memory_seq_rm(self._memory, best, reuse, -1):
+            llama.llama_memory_seq_rm(self._memory, best, -1, -1)
+            reuse = 0
+        del self._kv[best][reuse:]
+        slot = _Slot(gen, self._make_chain(gen.request.sampling))
+        slot.prefilled = slot.n_past = reuse
+        self.prompt_tokens_reused += reuse
+        self._slots[best] = slot
 
     def _step(self) -> bool:
         if not self._admit():
@@ -439,6 +460,7 @@ class Engine:
                 continue
             slot.batch_index = len(items)
             items.append((slot.last, slot.n_past, i, True))
+            self._kv[i].append(slot.last)
             slot.n_past += 1
         budget -= len(items)
         for i, slot in enumerate(self._slots):
@@ -451,6 +473,7 @@ class Engine:
             done = start + take == len(slot.prompt)
             last = start + take - 1
             items.extend((slot.prompt[p], p, i, done and p == last) for p in range(start, start + take))
+            self._kv[i].extend(slot.prompt[start : start + take])
             slot.prefilled += take
             slot.n_past = slot.prefilled
             slot.batch_index = len(items) - 1 if done else -1
@@ -504,7 +527,9 @@ class Engine:
         assert slot is not None  # noqa: S101 - scheduler invariant
         self._slots[i] = None
         self.finished[reason] += 1
-        llama.llama_memory_seq_rm(self._memory, i, -1, -1)
+        if reason == "error":  # the cache may not hold what _kv says: forget it
+            llama.llama_memory_seq_rm(self._memory, i, -1, -1)
+            self._kv[i].clear()
         llama.llama_sampler_free(slot.chain)
         tail = ""
         if not flushed and reason in ("stop", "length"):
@@ -530,6 +555,14 @@ def _deliver(outbox: list[tuple[Generation, list[Event]]]) -> None:
 def _push_all(items: list[tuple[Generation, list[Event]]]) -> None:
     for gen, events in items:
         gen.push(events)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return n
 
 
 def default_threads() -> int:

@@ -261,3 +261,21 @@ async def test_close_ends_running_generations_with_an_error(tiny_model: Path) ->
     queued_last = [e async for e in queued.events()][-1]
     assert isinstance(queued_last, Finished)
     assert queued_last.reason == "error"
+
+
+async def test_a_shared_prompt_prefix_is_not_prefilled_twice(tiny_model: Path) -> None:
+    eng = make_engine(tiny_model, slots=1)
+    try:
+        system = "You are a terse assistant. " * 4
+        first, _ = await generate(eng, system + "Question one?", 16)
+        before = eng.prompt_tokens_reused
+        again, _ = await generate(eng, system + "Question one?", 16)
+        assert again == first  # reusing the cache changes nothing in the answer
+        assert eng.prompt_tokens_reused - before == len(eng.tokenize(system + "Question one?")) - 1
+        before = eng.prompt_tokens_reused
+        await generate(eng, system + "Another question entirely", 16)
+        shared = len(eng.tokenize(system + "Question ")) - 1  # BOS + the system prompt + "Question "
+        assert eng.prompt_tokens_reused - before >= len(eng.tokenize(system)) - 1
+        assert eng.prompt_tokens_reused - before <= shared + 1
+    finally:
+        eng.close()
