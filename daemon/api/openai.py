@@ -28,6 +28,7 @@ from edgellmd.registry import ModelHandle
 log = logging.getLogger(__name__)
 
 OWNED_BY: Final = "edgellm"
+_SENTINEL: Final = "\x00edgellm-delta\x00"  # never produced by a tokenizer: its JSON form is unique
 SSE_DONE: Final = b"data: [DONE]\n\n"
 SSE_HEADERS: Final = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -72,11 +73,22 @@ def _generation_request(handle: ModelHandle, common: CommonRequest, tokens: list
 class _Shape:
     """How one endpoint shapes its objects (chat and text completions differ only here)."""
 
-    def __init__(self, *, chat: bool, model: str) -> None:
+    def __init__(self, *, chat: bool, model: str, include_usage: bool = False) -> None:
         self.chat = chat
         self.model = model
+        self.include_usage = include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._delta_frame: tuple[bytes, bytes] | None = None
+
+    def delta_event(self, text: str) -> bytes:
+        """The SSE event for a text delta: a prefix and suffix rendered once, the text encoded per token."""
+        if self._delta_frame is None:
+            rendered = _dumps(self.chunk(_SENTINEL, None, include_usage=self.include_usage))
+            head, tail = rendered.split(_dumps(_SENTINEL))
+            self._delta_frame = (b"data: " + head, tail + b"\n\n")
+        head, tail = self._delta_frame
+        return head + _dumps(text) + tail
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -128,8 +140,7 @@ async def _collect(gen: Generation, shape: _Shape) -> web.Response:
     raise InternalError("the generation ended without finishing")  # pragma: no cover
 
 
-async def _stream(request: web.Request, gen: Generation, shape: _Shape,
-                  include_usage: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation, shape: _Shape) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
 
@@ -137,7 +148,7 @@ async def _stream(request: web.Request, gen: Generation, shape: _Shape,
         await response.write(b"data: " + _dumps(obj) + b"\n\n")
 
     try:
-        await _send_events(send, gen, shape, include_usage)
+        await _send_events(response, send, gen, shape)
         await response.write(SSE_DONE)
         await response.write_eof()
     except ConnectionResetError:
@@ -146,14 +157,15 @@ async def _stream(request: web.Request, gen: Generation, shape: _Shape,
     return response
 
 
-async def _send_events(send: Callable[[dict[str, Any]], Any], gen: Generation, shape: _Shape,
-                       include_usage: bool) -> None:
+async def _send_events(response: web.StreamResponse, send: Callable[[dict[str, Any]], Any],
+                       gen: Generation, shape: _Shape) -> None:
+    include_usage = shape.include_usage
     if shape.chat:
         await send(shape.chunk("", None, role=True, include_usage=include_usage))
     async for event in gen.events():
         if isinstance(event, TextDelta):
             if event.text:
-                await send(shape.chunk(event.text, None, include_usage=include_usage))
+                await response.write(shape.delta_event(event.text))
             continue
         if event.reason == "error":
             log.error("generation failed mid-stream: %s", event.error)
@@ -161,7 +173,7 @@ async def _send_events(send: Callable[[dict[str, Any]], Any], gen: Generation, s
                                 "internal_error"))
             break
         if event.text:
-            await send(shape.chunk(event.text, None, include_usage=include_usage))
+            await response.write(shape.delta_event(event.text))
         await send(shape.chunk(None if shape.chat else "", _finish_reason(event),
                                include_usage=include_usage))
         if include_usage:
@@ -173,7 +185,7 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
     gen = handle.submit(_generation_request(handle, common, tokens))
     try:
         if common.stream:
-            return await _stream(request, gen, shape, common.include_usage)
+            return await _stream(request, gen, shape)
         return await _collect(gen, shape)
     finally:
         # Normal end, client gone (write error or handler cancelled): either way the slot
@@ -187,7 +199,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: ChatRequest = parse_chat(await read_json_object(request), _limits(request))
     handle = request.app[appkeys.REGISTRY].get(body.common.model)
     tokens = await handle.chat_prompt(body.messages)
-    return await _run(request, handle, body.common, tokens, _Shape(chat=True, model=handle.name))
+    shape = _Shape(chat=True, model=handle.name, include_usage=body.common.include_usage)
+    return await _run(request, handle, body.common, tokens, shape)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -195,7 +208,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body: CompletionRequest = parse_completion(await read_json_object(request), _limits(request))
     handle = request.app[appkeys.REGISTRY].get(body.common.model)
     tokens = await handle.text_prompt(body.prompt)
-    return await _run(request, handle, body.common, tokens, _Shape(chat=False, model=handle.name))
+    shape = _Shape(chat=False, model=handle.name, include_usage=body.common.include_usage)
+    return await _run(request, handle, body.common, tokens, shape)
 
 
 Route = tuple[str, str, Callable[[web.Request], Any]]
