@@ -192,6 +192,10 @@ class Engine:
         # unified pool (kv_unified) makes every sequence's attention span the cells of all
         # of them: measured 20% slower per token on the demo model with 8 slots on 2 cores.
         cparams.kv_unified = False
+        # Sliding-window layers keep only their window (llama-server's default too): for
+        # Gemma 3 that is most of the KV cache. A prefix that slid out of the window cannot
+        # be reused, which _assign detects (seq_rm fails) and answers with a full prefill.
+        cparams.swa_full = False
         cparams.no_perf = True
         ctx = llama.llama_init_from_model(model, cparams)
         if not ctx:
