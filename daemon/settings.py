@@ -83,11 +83,23 @@ class LoggingSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class LockSettings:
+    """Where the signed lockfile, its trusted keys, the model files and the rollback state live."""
+
+    file: Path | None = None  # the signed models.lock
+    trusted_keys: tuple[Path, ...] = ()  # PEM Ed25519 public keys; several allow rotation
+    models_dir: Path | None = None  # lockfile paths are relative to this
+    state_dir: Path | None = None  # the highest accepted lockfile version is kept here
+    allow_unsigned: bool = False  # development only: models load from models[].file unverified
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSettings:
     """One served model and how llama.cpp loads it."""
 
     name: str
-    file: Path  # absolute; existence is the engine's concern, checked at load
+    # Unsigned (development) mode only: with a lockfile the lock names the file. Absolute.
+    file: Path | None
     context_size: int = DEFAULT_CONTEXT_SIZE  # tokens per slot
     slots: int = DEFAULT_SLOTS
     threads: int | None = None  # None: decided at load time
@@ -105,13 +117,15 @@ class Settings:
     server: ServerSettings
     models: tuple[ModelSettings, ...]
     logging: LoggingSettings
+    lock: LockSettings = LockSettings(allow_unsigned=True)
     source: Path | None = None  # the file it was read from
 
 
 _SERVER_KEYS: Final = tuple(f.name for f in fields(ServerSettings))
 _LOGGING_KEYS: Final = tuple(f.name for f in fields(LoggingSettings))
 _MODEL_KEYS: Final = tuple(f.name for f in fields(ModelSettings))
-_TOP_KEYS: Final = ("server", "models", "logging")
+_LOCK_KEYS: Final = tuple(f.name for f in fields(LockSettings))
+_TOP_KEYS: Final = ("server", "models", "logging", "lock")
 
 
 def _show(value: object) -> str:
@@ -302,10 +316,8 @@ def _parse_model(checker: _Checker, value: object, path: str, base_dir: Path) ->
         "1 to 64 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit",
     )
     file = checker.file_path(data, path, "file", base_dir)
-    if isinstance(value, dict):  # a non-mapping entry has already been reported
-        for key in ("name", "file"):
-            if data.get(key) is None:
-                checker.add(f"{path}.{key}", "required")
+    if isinstance(value, dict) and data.get("name") is None:  # non-mappings are reported already
+        checker.add(f"{path}.name", "required")
     chat_template = checker.text(
         data,
         path,
@@ -321,7 +333,7 @@ def _parse_model(checker: _Checker, value: object, path: str, base_dir: Path) ->
         )
     return ModelSettings(
         name=name or "",
-        file=file or Path(),
+        file=file,
         context_size=checker.integer(
             data, path, "context_size", DEFAULT_CONTEXT_SIZE, CONTEXT_SIZE_RANGE
         ),
@@ -371,7 +383,62 @@ def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
     else:
         models = ()
     logging = _parse_logging(checker, top.get("logging"))
-    return Settings(server=server, models=models, logging=logging)
+    lock = _parse_lock(checker, top.get("lock"), base_dir) if isinstance(data, dict) else LockSettings()
+    if isinstance(data, dict) and models:
+        _check_model_files(checker, top.get("models"), lock)
+    return Settings(server=server, models=models, logging=logging, lock=lock)
+
+
+def _parse_lock(checker: _Checker, value: object, base_dir: Path) -> LockSettings:
+    path = "lock"
+    if value is None:
+        checker.add(path, "required: name the signed lockfile (lock.file, lock.trusted_keys, "
+                    "lock.models_dir, lock.state_dir), or set lock.allow_unsigned: true for development")
+        return LockSettings(allow_unsigned=True)
+    data = checker.section(value, path, _LOCK_KEYS, null_ok=False)
+    unsigned = data.get("allow_unsigned", False)
+    if not isinstance(unsigned, bool):
+        checker.add(f"{path}.allow_unsigned", f"must be true or false, got {_show(unsigned)}")
+        unsigned = False
+    locations = ("file", "models_dir", "state_dir")
+    if unsigned:
+        for key in (*locations, "trusted_keys"):
+            if key in data:
+                checker.add(f"{path}.{key}", "cannot be combined with lock.allow_unsigned: true")
+        return LockSettings(allow_unsigned=True)
+    found = {key: checker.file_path(data, path, key, base_dir) for key in locations}
+    for key in locations:
+        if key not in data:
+            checker.add(f"{path}.{key}", "required")
+    keys: list[Path] = []
+    raw_keys = data.get("trusted_keys")
+    if not isinstance(raw_keys, list) or not raw_keys:
+        checker.add(f"{path}.trusted_keys",
+                    f"must be a non-empty list of public key files, got {_show(raw_keys)}")
+    else:
+        for index, item in enumerate(raw_keys):
+            if isinstance(item, str) and item.strip() and "\0" not in item:
+                keys.append(base_dir / item)
+            else:
+                checker.add(f"{path}.trusted_keys[{index}]",
+                            f"must be a non-empty string (a file path), got {_show(item)}")
+    return LockSettings(file=found["file"], trusted_keys=tuple(keys), models_dir=found["models_dir"],
+                        state_dir=found["state_dir"])
+
+
+def _check_model_files(checker: _Checker, raw_models: object, lock: LockSettings) -> None:
+    """With a lockfile the lock names every file; without one each model needs its own."""
+    if not isinstance(raw_models, list):
+        return
+    for index, entry in enumerate(raw_models):
+        if not isinstance(entry, dict):
+            continue
+        given = entry.get("file") is not None
+        if lock.allow_unsigned and not given:
+            checker.add(f"models[{index}].file", "required (lock.allow_unsigned is set)")
+        elif not lock.allow_unsigned and given:
+            checker.add(f"models[{index}].file",
+                        "not allowed with a lockfile: the lock names each model's file")
 
 
 def parse_settings(data: object, *, base_dir: Path) -> Settings:

@@ -12,7 +12,7 @@ from edgellmd.__main__ import main
 def test_check_config_accepts_a_valid_file(tmp_path: Path, tiny_model: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "ok.yaml"
-    config.write_text(f"models:\n  - name: tiny\n    file: {tiny_model}\n")
+    config.write_text(f"models:\n  - name: tiny\n    file: {tiny_model}\nlock:\n  allow_unsigned: true\n")
     assert main(["--check-config", str(config)]) == 0
     assert "configuration is valid" in capsys.readouterr().out
 

@@ -20,7 +20,9 @@ from edgellmd.settings import (
     parse_settings,
 )
 
-MINIMAL = "models:\n  - name: tiny\n    file: tiny.gguf\n"
+UNSIGNED = "lock:\n  allow_unsigned: true\n"
+UL = {"allow_unsigned": True}  # the lock section of unsigned (development) configs
+MINIMAL = "models:\n  - name: tiny\n    file: tiny.gguf\n" + UNSIGNED
 
 
 def write(tmp_path: Path, content: str | bytes, name: str = "edgellm.yaml") -> Path:
@@ -45,7 +47,8 @@ def problems_of(path: Path) -> list[str]:
 def with_model(**fields: Any) -> dict[str, Any]:
     """A config whose only model has name and file plus the given fields (None drops a key)."""
     model: dict[str, Any] = {"name": "tiny", "file": "tiny.gguf", **fields}
-    return {"models": [{key: value for key, value in model.items() if value is not None}]}
+    return {"models": [{key: value for key, value in model.items() if value is not None}],
+            "lock": UL}
 
 
 # --- good configs -------------------------------------------------------------------------
@@ -106,6 +109,8 @@ models:
 logging:
   level: DEBUG
   format: text
+lock:
+  allow_unsigned: true
 """
 
 
@@ -331,10 +336,11 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("gpu-layers-too-many", with_model(gpu_layers=100_001), "models[0].gpu_layers",
      "got 100001"),
     ("gpu-layers-string", with_model(gpu_layers="all"), "models[0].gpu_layers", "got 'all'"),
-    ("name-missing", {"models": [{"file": "tiny.gguf"}]}, "models[0].name", "required"),
-    ("name-null", {"models": [{"name": None, "file": "tiny.gguf"}]}, "models[0].name",
+    ("name-missing", {"models": [{"file": "tiny.gguf"}], "lock": UL}, "models[0].name", "required"),
+    ("name-null", {"models": [{"name": None, "file": "tiny.gguf"}], "lock": UL}, "models[0].name",
      "required"),
-    ("file-missing", {"models": [{"name": "tiny"}]}, "models[0].file", "required"),
+    ("file-missing", {"models": [{"name": "tiny"}], "lock": UL}, "models[0].file",
+     "required (lock.allow_unsigned is set)"),
     ("file-empty", with_model(file=""), "models[0].file",
      "must be a non-empty string (a file path), got ''"),
     ("file-int", with_model(file=42), "models[0].file", "got 42"),
@@ -353,16 +359,17 @@ BAD: list[tuple[str, Any, str, str]] = [
      "models[0].chat_template", "cannot be combined with models[0].chat_template_file"),
     ("model-unknown-key", with_model(n_ctx=2048), "models[0].n_ctx",
      "unknown key (expected one of batch_size, chat_template, chat_template_file"),
-    ("model-not-mapping", {"models": ["tiny.gguf"]}, "models[0]",
+    ("model-not-mapping", {"models": ["tiny.gguf"], "lock": UL}, "models[0]",
      "must be a mapping with keys name, file, context_size"),
     ("duplicate-names",
-     {"models": [{"name": "x", "file": "a.gguf"}, {"name": "x", "file": "b.gguf"}]},
+     {"models": [{"name": "x", "file": "a.gguf"}, {"name": "x", "file": "b.gguf"}], "lock": UL},
      "models[1].name", "duplicate model name 'x' (also models[0])"),
-    ("models-mapping", {"models": {"name": "tiny", "file": "tiny.gguf"}}, "models",
+    ("models-mapping", {"models": {"name": "tiny", "file": "tiny.gguf"}, "lock": UL}, "models",
      "must be a non-empty list of model mappings"),
-    ("models-empty", {"models": []}, "models", "must be a non-empty list of model mappings"),
-    ("models-null", {"models": None}, "models", "must be a non-empty list"),
-    ("models-missing", {"server": {"port": 8080}}, "models",
+    ("models-empty", {"models": [], "lock": UL}, "models",
+     "must be a non-empty list of model mappings"),
+    ("models-null", {"models": None, "lock": UL}, "models", "must be a non-empty list"),
+    ("models-missing", {"server": {"port": 8080}, "lock": UL}, "models",
      "required; must be a non-empty list of model mappings"),
     # logging
     ("level-unknown", {**with_model(), "logging": {"level": "verbose"}}, "logging.level",
@@ -374,10 +381,10 @@ BAD: list[tuple[str, Any, str, str]] = [
      "logging.file", "unknown key (expected one of format, level)"),
     # top level and file
     ("top-unknown-key", {**with_model(), "servers": {}}, "servers",
-     "unknown key (expected one of logging, models, server)"),
+     "unknown key (expected one of lock, logging, models, server)"),
     ("top-non-string-key", "1: one\n" + MINIMAL, "1", "unknown key"),
     ("top-level-list", "- name: tiny\n  file: tiny.gguf\n", "(top level)",
-     "must be a mapping with keys server, models, logging, got [{"),
+     "must be a mapping with keys server, models, logging, lock, got [{"),
     ("top-level-string", "just text\n", "(top level)", "got 'just text'"),
     ("empty-file", "", "{file}", "config file is empty"),
     ("comments-only", "# nothing yet\n", "{file}", "config file is empty"),
@@ -393,7 +400,7 @@ BAD: list[tuple[str, Any, str, str]] = [
      "unsupported YAML at line 1, column 4"),
     ("duplicate-key", "server:\n  port: 80\n  port: 81\n" + MINIMAL, "server.port",
      "duplicate key (lines 2 and 3)"),
-    ("duplicate-model-key", "models:\n  - name: a\n    file: x\n    file: y\n",
+    ("duplicate-model-key", "models:\n  - name: a\n    file: x\n    file: y\n" + UNSIGNED,
      "models[0].file", "duplicate key (lines 3 and 4)"),
     ("not-utf8", b"models: [{name: caf\xe9, file: x}]\n", "{file}",
      "config file is not UTF-8 (bad byte at offset 19)"),
@@ -435,6 +442,8 @@ models:
     file: c.gguf
 logging:
   level: loud
+lock:
+  allow_unsigned: true
 """,
     )
 
@@ -472,6 +481,8 @@ models:
   - &base {name: a, file: a.gguf, slots: 2}
   - <<: *base
     name: b
+lock:
+  allow_unsigned: true
 """,
     )
 
@@ -509,7 +520,7 @@ def test_parse_settings_rejects_non_mapping_data(tmp_path: Path) -> None:
         parse_settings(None, base_dir=tmp_path)
 
     assert caught.value.problems == [
-        "(top level): must be a mapping with keys server, models, logging, got None"
+        "(top level): must be a mapping with keys server, models, logging, lock, got None"
     ]
 
 

@@ -106,6 +106,8 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except ValueError:  # e.g. an integer literal longer than Python converts
+        raise InvalidRequest("the body is not valid JSON: a number is too long") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the JSON body must be an object")
     if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
@@ -160,25 +162,37 @@ class _Fields:
         return float(value)
 
 
+def _shown(value: float) -> str:
+    # Client numbers are echoed only when short: a 4000-digit integer stays out of the answer.
+    text = str(value)
+    return text if len(text) <= 24 else "a number out of range"
+
+
 def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
     if lo is not None and hi is not None and not lo <= value <= hi:
-        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
+        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {_shown(value)}", param=name)
     if lo is not None and value < lo:
-        raise InvalidRequest(f"'{name}' must be at least {lo}, got {value}", param=name)
+        raise InvalidRequest(f"'{name}' must be at least {lo}, got {_shown(value)}", param=name)
     if hi is not None and value > hi:
-        raise InvalidRequest(f"'{name}' must be at most {hi}, got {value}", param=name)
+        raise InvalidRequest(f"'{name}' must be at most {hi}, got {_shown(value)}", param=name)
+
+
+def _safe_name(name: str) -> str:
+    """A client-chosen name, fit to echo: short and printable, else a placeholder."""
+    return name if len(name) <= 64 and name.isprintable() else "(unprintable)"
 
 
 def _reject_unknown(data: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for name in data:
         if name not in allowed:
-            shown = name if len(name) <= 64 and name.isprintable() else "(unprintable)"
+            shown = _safe_name(name)
             raise InvalidRequest(f"unrecognized request argument: {shown}", param=shown,
                                  code="unknown_parameter")
 
 
-def _unsupported(name: str, why: str) -> UnsupportedParameter:
-    return UnsupportedParameter(f"'{name}' {why} is not supported by this server", param=name)
+def _unsupported(name: str, why: str = "") -> UnsupportedParameter:
+    what = f"'{name}' {why}" if why else f"'{name}'"
+    return UnsupportedParameter(f"{what} is not supported by this server", param=name)
 
 
 def _stop(f: _Fields) -> tuple[str, ...]:
@@ -209,8 +223,8 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
         if value is not None:
             if value > limits.max_tokens_limit:
                 raise InvalidRequest(
-                    f"'{name}' must be at most {limits.max_tokens_limit} on this server, got {value}",
-                    param=name)
+                    f"'{name}' must be at most {limits.max_tokens_limit} on this server, "
+                    f"got {_shown(value)}", param=name)
             max_tokens = value
     if max_tokens is None:
         max_tokens = limits.default_max_tokens if limits.default_max_tokens else default_max_tokens
@@ -219,7 +233,7 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
     if n is not None and n != 1:
         raise _unsupported("n", "greater than 1")
     if f.data.get("logit_bias"):
-        raise _unsupported("logit_bias", "")
+        raise _unsupported("logit_bias")
     stream = f.boolean("stream", False)
     include_usage = False
     options = f.data.get("stream_options")
@@ -230,7 +244,10 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
         if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
             raise InvalidRequest("'stream_options' must be an object with 'include_usage'",
                                  param="stream_options")
-        include_usage = _Fields(options).boolean("include_usage", False)
+        if not isinstance(options.get("include_usage", False), bool):
+            raise InvalidRequest("'stream_options.include_usage' must be a boolean",
+                                 param="stream_options.include_usage")
+        include_usage = bool(options.get("include_usage", False))
 
     seed = f.integer("seed", lo=-(2**63), hi=2**64 - 1)
     sampling = SamplingParams(
@@ -282,6 +299,8 @@ def _messages(f: _Fields) -> tuple[ChatMessage, ...]:
         if not isinstance(msg, dict):
             raise InvalidRequest(f"'{where}' must be an object", param=where)
         role = msg.get("role")
+        if not isinstance(role, str):
+            raise InvalidRequest(f"'{where}.role' must be a string", param=f"{where}.role")
         if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
             raise UnsupportedParameter("tool and function messages are not supported yet",
                                        param=f"{where}.role")
@@ -290,7 +309,7 @@ def _messages(f: _Fields) -> tuple[ChatMessage, ...]:
                                  param=f"{where}.role")
         unknown = set(msg) - {"role", "content", "name", "refusal"}
         if unknown:
-            key = sorted(unknown)[0][:64]
+            key = _safe_name(sorted(unknown)[0])
             raise InvalidRequest(f"unrecognized message field: {key}", param=f"{where}.{key}")
         content = msg.get("content")
         if content is None:
@@ -307,11 +326,11 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     f = _Fields(data)
     for name in ("tools", "functions", "function_call", "audio", "web_search_options"):
         if f.present(name):
-            raise _unsupported(name, "")
+            raise _unsupported(name)
     if f.present("tool_choice") and data["tool_choice"] != "none":
-        raise _unsupported("tool_choice", "")
+        raise _unsupported("tool_choice")
     if f.boolean("logprobs", False) or f.present("top_logprobs"):
-        raise _unsupported("logprobs" if data.get("logprobs") else "top_logprobs", "")
+        raise _unsupported("logprobs" if data.get("logprobs") else "top_logprobs")
     response_format = data.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
@@ -334,14 +353,14 @@ def parse_completion(data: Mapping[str, Any], limits: Limits) -> CompletionReque
     _reject_unknown(data, _COMPLETION_FIELDS)
     f = _Fields(data)
     if f.boolean("echo", False):
-        raise _unsupported("echo", "")
+        raise _unsupported("echo")
     if f.present("suffix"):
-        raise _unsupported("suffix", "")
+        raise _unsupported("suffix")
     best_of = f.integer("best_of", lo=1, hi=128)
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of", "greater than 1")
     if f.present("logprobs"):
-        raise _unsupported("logprobs", "")
+        raise _unsupported("logprobs")
     common = _common(f, limits, max_tokens_names=("max_tokens",),
                      default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
     return CompletionRequest(common=common, prompt=_prompt(data.get("prompt")))

@@ -1,0 +1,445 @@
+"""The signed model lockfile: parsing, Ed25519 signatures, expiry, rollback state and file checks.
+
+Format (DESIGN.md, "Lockfile format"): a JSON object signed over its canonical form (sorted
+keys, `(",", ":")` separators, UTF-8) with the `signatures` member removed. A model is
+served only when a trusted key signed the lock, the lock has not expired, its version is
+not lower than the highest this box accepted before, and the file's size, sha256 and GGUF
+header match the lock's entry.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+SCHEMA: Final = 1
+ALGORITHM: Final = "ed25519"
+HASH_CHUNK: Final = 4 * 1024 * 1024  # large reads keep hashing at the speed of sha256sum
+STATE_FILE: Final = "lock-state.json"
+MAX_LOCK_BYTES: Final = 4 * 1024 * 1024
+_HEX64: Final = re.compile(r"[0-9a-f]{64}")
+_MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+Progress = Callable[[int], None]  # called with the number of bytes just hashed
+
+
+class LockError(Exception):
+    """The lockfile or a model file is refused; the message says exactly why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LockedModel:
+    """One approved model file."""
+
+    name: str
+    file: str
+    size: int
+    sha256: str
+    gguf: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """One signature over the canonical form."""
+
+    key_id: str
+    sig: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Lockfile:
+    """A parsed (not yet verified) lockfile."""
+
+    version: int
+    issued: datetime | None
+    expires: datetime | None
+    models: Mapping[str, LockedModel]
+    signatures: tuple[Signature, ...]
+    document: Mapping[str, Any]
+
+    def canonical(self) -> bytes:
+        """The bytes that signatures cover."""
+        return canonical_bytes(self.document)
+
+
+def canonical_bytes(document: Mapping[str, Any]) -> bytes:
+    """Canonical JSON of `document` without its `signatures` member."""
+    body = {k: v for k, v in document.items() if k != "signatures"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def format_time(moment: datetime) -> str:
+    """RFC 3339 UTC with a Z, to the second, as the lockfile stores times."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_time(value: object, where: str) -> datetime:
+    if not isinstance(value, str):
+        raise LockError(f"{where}: must be a UTC time like 2026-11-30T00:00:00Z")
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise LockError(f"{where}: must be a UTC time like 2026-11-30T00:00:00Z") from None
+    if moment.tzinfo is None:
+        raise LockError(f"{where}: must carry a time zone (use Z for UTC)")
+    return moment
+
+
+def _int(value: object, where: str, *, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise LockError(f"{where}: must be an integer >= {lo}")
+    return value
+
+
+def _model(name: str, value: object) -> LockedModel:
+    where = f"models.{name}"
+    if not _MODEL_NAME.fullmatch(name):
+        raise LockError(f"{where}: model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit")
+    if not isinstance(value, dict):
+        raise LockError(f"{where}: must be an object")
+    unknown = sorted(set(value) - {"file", "size", "sha256", "gguf"})
+    if unknown:
+        raise LockError(f"{where}.{unknown[0]}: unknown member")
+    for member in ("file", "size", "sha256"):
+        if member not in value:
+            raise LockError(f"{where}.{member}: required")
+    file = value["file"]
+    if not isinstance(file, str) or not file:
+        raise LockError(f"{where}.file: must be a non-empty string")
+    sha = value["sha256"]
+    if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
+        raise LockError(f"{where}.sha256: must be 64 lowercase hex digits")
+    gguf = value.get("gguf", {})
+    if not isinstance(gguf, dict) or not all(isinstance(v, str | int) for v in gguf.values()):
+        raise LockError(f"{where}.gguf: must be an object of strings and integers")
+    return LockedModel(name, file, _int(value["size"], f"{where}.size", lo=1), sha, gguf)
+
+
+def _signatures(value: object) -> tuple[Signature, ...]:
+    if not isinstance(value, list):
+        raise LockError("signatures: must be a list")
+    out: list[Signature] = []
+    for i, item in enumerate(value):
+        where = f"signatures[{i}]"
+        if not isinstance(item, dict):
+            raise LockError(f"{where}: must be an object")
+        if item.get("alg") != ALGORITHM:
+            raise LockError(f"{where}.alg: must be {ALGORITHM!r}")
+        key_id = item.get("key_id")
+        if not isinstance(key_id, str) or not _HEX64.fullmatch(key_id):
+            raise LockError(f"{where}.key_id: must be 64 lowercase hex digits")
+        try:
+            sig = base64.b64decode(item.get("sig", ""), validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise LockError(f"{where}.sig: must be base64") from None
+        if len(sig) != 64:
+            raise LockError(f"{where}.sig: an Ed25519 signature is 64 bytes")
+        out.append(Signature(key_id, sig))
+    return tuple(out)
+
+
+def parse_lock(data: bytes | str) -> Lockfile:
+    """Parse and check the shape of a lockfile; errors name the member."""
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise LockError(f"not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise LockError("the lockfile must be a JSON object")
+    unknown = sorted(set(document) - {"schema", "version", "issued", "expires", "models", "signatures"})
+    if unknown:
+        raise LockError(f"{unknown[0]}: unknown member")
+    for member in ("schema", "version", "models"):
+        if member not in document:
+            raise LockError(f"{member}: required")
+    if document["schema"] != SCHEMA or isinstance(document["schema"], bool):
+        raise LockError(f"schema: must be {SCHEMA}")
+    models = document["models"]
+    if not isinstance(models, dict):
+        raise LockError("models: must be an object of model name -> entry")
+    issued = document.get("issued")
+    expires = document.get("expires")
+    return Lockfile(
+        version=_int(document["version"], "version"),
+        issued=None if issued is None else _parse_time(issued, "issued"),
+        expires=None if expires is None else _parse_time(expires, "expires"),
+        models={name: _model(name, entry) for name, entry in models.items()},
+        signatures=_signatures(document.get("signatures", [])),
+        document=document,
+    )
+
+
+def load_lock(path: Path) -> Lockfile:
+    """Read and parse a lockfile."""
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(MAX_LOCK_BYTES + 1)
+    except OSError as exc:
+        raise LockError(f"cannot read {path}: {exc.strerror}") from None
+    if len(data) > MAX_LOCK_BYTES:
+        raise LockError(f"{path} is larger than {MAX_LOCK_BYTES} bytes")
+    return parse_lock(data)
+
+
+# ---- keys -----------------------------------------------------------------------------------
+
+
+def key_id(key: Ed25519PublicKey) -> str:
+    """Hex sha256 of the raw 32-byte public key."""
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def load_public_key(path: Path) -> Ed25519PublicKey:
+    """Read a PEM Ed25519 public key."""
+    try:
+        key = serialization.load_pem_public_key(path.read_bytes())
+    except OSError as exc:
+        raise LockError(f"cannot read public key {path}: {exc.strerror}") from None
+    except ValueError:
+        raise LockError(f"{path} is not a PEM public key") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise LockError(f"{path} is not an Ed25519 public key")
+    return key
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    """Read a PEM Ed25519 private key (unencrypted PKCS#8)."""
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except OSError as exc:
+        raise LockError(f"cannot read signing key {path}: {exc.strerror}") from None
+    except (ValueError, TypeError):
+        raise LockError(f"{path} is not an unencrypted PEM private key") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise LockError(f"{path} is not an Ed25519 private key")
+    return key
+
+
+def sign(document: Mapping[str, Any], key: Ed25519PrivateKey) -> dict[str, str]:
+    """A signature entry over the canonical form of `document`."""
+    sig = key.sign(canonical_bytes(document))
+    return {"key_id": key_id(key.public_key()), "alg": ALGORITHM,
+            "sig": base64.b64encode(sig).decode("ascii")}
+
+
+def verify_lock(lock: Lockfile, trusted: Sequence[Ed25519PublicKey], *, now: datetime | None = None) -> str:
+    """Check signatures and expiry; return the id of the trusted key whose signature verified."""
+    if not lock.signatures:
+        raise LockError("the lockfile is not signed")
+    by_id = {key_id(k): k for k in trusted}
+    message = lock.canonical()
+    known = [s for s in lock.signatures if s.key_id in by_id]
+    if not known:
+        ids = ", ".join(s.key_id[:16] for s in lock.signatures)
+        raise LockError(f"the lockfile is signed only by untrusted keys ({ids})")
+    verified = None
+    for signature in known:
+        try:
+            by_id[signature.key_id].verify(signature.sig, message)
+        except InvalidSignature:
+            continue
+        verified = signature.key_id
+        break
+    if verified is None:
+        raise LockError("the lockfile's signature does not verify: it was changed after signing")
+    moment = now or datetime.now(UTC)
+    if lock.expires is None:
+        raise LockError("the lockfile has no expiry time (sign it with an expiry)")
+    if moment >= lock.expires:
+        raise LockError(f"the lockfile expired at {format_time(lock.expires)}")
+    return verified
+
+
+# ---- rollback protection -----------------------------------------------------------------
+
+
+class VersionState:
+    """The highest lockfile version this box has accepted, persisted atomically."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / STATE_FILE
+
+    def highest(self) -> int:
+        """0 when nothing was accepted yet; a corrupt state file is refused, never reset."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError) as exc:
+            raise LockError(f"cannot read rollback state {self.path}: {exc}") from None
+        value = data.get("highest_version") if isinstance(data, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise LockError(f"rollback state {self.path} is corrupt")
+        return value
+
+    def check(self, version: int) -> None:
+        """Refuse a version lower than one accepted before."""
+        highest = self.highest()
+        if version < highest:
+            raise LockError(f"lockfile version {version} is lower than version {highest} "
+                            "accepted before (rollback refused)")
+
+    def accept(self, version: int) -> None:
+        """Record `version` if it is the highest yet (write, fsync, rename, fsync the folder)."""
+        if version <= self.highest():
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".lock-state.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump({"highest_version": version}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+# ---- model files -------------------------------------------------------------------------
+
+
+def resolve_model_file(models_dir: Path, file: str) -> Path:
+    """The model's path inside `models_dir`; refuses absolute paths, `..` and symlink escapes."""
+    relative = Path(file)
+    if relative.is_absolute():
+        raise LockError(f"file {file!r} is an absolute path; lockfile paths are relative "
+                        "to the models directory")
+    if ".." in relative.parts:
+        raise LockError(f"file {file!r} contains '..'")
+    root = models_dir.resolve()
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root):
+        raise LockError(f"file {file!r} resolves outside the models directory (through a symlink)")
+    return path
+
+
+class VerifiedFile:
+    """A model file opened once, checked through that descriptor, and loaded through it too.
+
+    Loading `load_path` (/proc/self/fd/N) reads the inode that was hashed even if the path
+    is replaced afterwards; the /dev/shm preload copies while hashing, which also rules out
+    writes into the same inode.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @property
+    def load_path(self) -> Path:
+        """A path that names exactly the verified open file."""
+        return Path(f"/proc/self/fd/{self.fd}")
+
+    def close(self) -> None:
+        """Close the descriptor (a loaded model keeps its own mapping)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def hash_fd(fd: int, size: int, progress: Progress | None = None) -> str:
+    """sha256 of the first `size` bytes readable from `fd`, from its start."""
+    digest = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    os.lseek(fd, 0, os.SEEK_SET)
+    remaining = size
+    while remaining > 0:
+        n = os.readv(fd, [view[: min(HASH_CHUNK, remaining)]])
+        if n == 0:
+            raise LockError("the file ended while it was being hashed (truncated meanwhile?)")
+        digest.update(view[:n])
+        remaining -= n
+        if progress is not None:
+            progress(n)
+    return digest.hexdigest()
+
+
+def open_verified(models_dir: Path, entry: LockedModel, progress: Progress | None = None) -> VerifiedFile:
+    """Open the entry's file, check its size, hash and GGUF header; the caller closes it."""
+    path = resolve_model_file(models_dir, entry.file)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise LockError(f"cannot open {entry.file}: {exc.strerror}") from None
+    verified = VerifiedFile(path, fd)
+    try:
+        _check_open_file(verified, entry, progress)
+    except BaseException:
+        verified.close()
+        raise
+    return verified
+
+
+def _check_open_file(verified: VerifiedFile, entry: LockedModel, progress: Progress | None) -> None:
+    size = os.fstat(verified.fd).st_size
+    if size != entry.size:  # fail fast, before hashing gigabytes
+        raise LockError(f"{entry.file} is {size} bytes; the lockfile says {entry.size}")
+    digest = hash_fd(verified.fd, size, progress)
+    if os.fstat(verified.fd).st_size != size:
+        raise LockError(f"{entry.file} changed size while it was being hashed")
+    if digest != entry.sha256:
+        raise LockError(f"{entry.file} has sha256 {digest[:16]}...; the lockfile says "
+                        f"{entry.sha256[:16]}...")
+    check_gguf(read_gguf_facts(verified.load_path), entry)
+
+
+def read_gguf_facts(path: Path) -> dict[str, str | int]:
+    """Architecture, file type and context length from a GGUF header (weights are not read)."""
+    import gguf  # noqa: PLC0415 - heavy import (numpy), only needed when a model is checked
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise LockError(f"not a GGUF file: {exc}") from None
+
+    def field(key: str) -> Any:
+        value = reader.fields.get(key)
+        return None if value is None else value.contents()
+
+    facts: dict[str, str | int] = {}
+    arch = field("general.architecture")
+    if not isinstance(arch, str):
+        raise LockError("not a GGUF model file: no general.architecture")
+    facts["architecture"] = arch
+    file_type = field("general.file_type")
+    if isinstance(file_type, int):
+        try:
+            facts["file_type"] = gguf.LlamaFileType(file_type).name
+        except ValueError:
+            facts["file_type"] = file_type
+    context = field(f"{arch}.context_length")
+    if isinstance(context, int):
+        facts["context_length"] = context
+    return facts
+
+
+def check_gguf(facts: Mapping[str, str | int], entry: LockedModel) -> None:
+    """Refuse a file whose GGUF header disagrees with what the lock recorded."""
+    for member, expected in entry.gguf.items():
+        actual = facts.get(member)
+        if actual != expected:
+            raise LockError(f"{entry.file}: GGUF {member} is {actual!r}; the lockfile says {expected!r}")
