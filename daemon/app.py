@@ -84,7 +84,8 @@ async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIterator[None]]:
     async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
-        registry = Registry(app[appkeys.SETTINGS].models, app[appkeys.EXECUTOR], factory)
+        settings = app[appkeys.SETTINGS]
+        registry = Registry(settings.models, app[appkeys.EXECUTOR], factory, settings.lock)
         app[appkeys.REGISTRY] = registry
         # Load in the background: the server listens at once, /readyz says 503 until done.
         app[_LOAD_TASK] = asyncio.create_task(registry.load_all(), name="load-models")

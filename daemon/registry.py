@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from edgellmd import engine as engine_mod
 from edgellmd.chat import (
@@ -22,7 +22,18 @@ from edgellmd.chat import (
 from edgellmd.engine import Engine, EngineConfig, EngineError
 from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ServiceUnavailable
 from edgellmd.generation import Generation, GenerationRequest
-from edgellmd.settings import ModelSettings
+from edgellmd.lockfile import (
+    LockedModel,
+    LockError,
+    Lockfile,
+    VerifiedFile,
+    VersionState,
+    load_lock,
+    load_public_key,
+    open_verified,
+    verify_lock,
+)
+from edgellmd.settings import LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +51,8 @@ class ModelState(enum.Enum):
 
 def engine_config(settings: ModelSettings) -> EngineConfig:
     """Translate a model's settings into what the engine needs, deciding thread counts."""
+    if settings.file is None:
+        raise EngineError(f"model {settings.name}: no file to load")
     threads = settings.threads or engine_mod.default_threads()
     return EngineConfig(
         path=settings.file, slots=settings.slots, context_size=settings.context_size,
@@ -152,28 +165,87 @@ class Registry:
     """Configured models by name, with their load state."""
 
     def __init__(self, models: Sequence[ModelSettings], executor: Executor,
-                 factory: EngineFactory = default_engine_factory) -> None:
+                 factory: EngineFactory = default_engine_factory,
+                 lock: LockSettings | None = None) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
         self._executor = executor
         self._factory = factory
+        self._lock = lock or LockSettings(allow_unsigned=True)
+        self.lock_version: int | None = None  # of the lockfile the served models came from
 
     async def load_all(self) -> None:
-        """Load every model in turn (each off the event loop); failures are recorded, not raised."""
+        """Verify the lockfile, then load every model in turn; failures are recorded, not raised."""
+        loop = asyncio.get_running_loop()
+        if self._lock.allow_unsigned:
+            log.warning("UNSIGNED MODE (lock.allow_unsigned): models load WITHOUT lockfile "
+                        "verification; never run a production box like this")
+            for entry in self._entries.values():
+                await self._load(entry, None)
+            return
+        try:
+            lock = await loop.run_in_executor(None, self._verified_lock)
+        except LockError as exc:
+            log.error("lockfile %s refused: %s", self._lock.file, exc)  # noqa: TRY400 - the reason is the story
+            for entry in self._entries.values():
+                self._fail(entry, f"lockfile refused: {exc}")
+            return
+        self.lock_version = lock.version
         for entry in self._entries.values():
-            await self._load(entry)
+            locked = lock.models.get(entry.settings.name)
+            if locked is None:
+                self._fail(entry, f"model {entry.settings.name!r} is not in the lockfile")
+                continue
+            await self._load(entry, locked)
 
-    async def _load(self, entry: _Entry) -> None:
+    def _verified_lock(self) -> Lockfile:
+        """Read, verify (signature, expiry, rollback) and accept the configured lockfile."""
+        if self._lock.file is None or self._lock.state_dir is None:
+            raise LockError("lock.file and lock.state_dir must be configured")
+        lock = load_lock(self._lock.file)
+        trusted = [load_public_key(path) for path in self._lock.trusted_keys]
+        signer = verify_lock(lock, trusted)
+        state = VersionState(self._lock.state_dir)
+        state.check(lock.version)
+        state.accept(lock.version)
+        log.info("lockfile %s version %d verified (signed by key %s…)", self._lock.file,
+                 lock.version, signer[:16])
+        return lock
+
+    def _fail(self, entry: _Entry, reason: str) -> None:
+        entry.state, entry.error = ModelState.FAILED, reason
+        log.error("model %s refused: %s", entry.settings.name, reason)
+
+    def _open_verified(self, locked: LockedModel) -> VerifiedFile:
+        assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
+        return open_verified(self._lock.models_dir, locked)
+
+    async def _load(self, entry: _Entry, locked: LockedModel | None) -> None:
         loop = asyncio.get_running_loop()
         name = entry.settings.name
         started = time.monotonic()
-        log.info("loading model %s from %s", name, entry.settings.file)
+        settings = entry.settings
+        verified: VerifiedFile | None = None
+        if locked is not None:
+            try:
+                verified = await loop.run_in_executor(None, self._open_verified, locked)
+            except LockError as exc:
+                self._fail(entry, f"file {locked.file}: {exc}")
+                return
+            # Load through the descriptor that was hashed: a file swapped after the check
+            # is never what llama.cpp reads.
+            settings = replace(settings, file=verified.load_path)
+            log.info("model %s: %s verified (%d bytes, sha256 %s…)", name, locked.file,
+                     locked.size, locked.sha256[:16])
+        log.info("loading model %s", name)
         try:
-            # The dedicated loader thread keeps tokenization threads free during long loads.
-            eng = await loop.run_in_executor(None, self._factory, entry.settings)
+            # The default executor keeps the prompt threads free during long loads.
+            eng = await loop.run_in_executor(None, self._factory, settings)
         except (EngineError, OSError) as exc:
-            entry.state, entry.error = ModelState.FAILED, str(exc)
-            log.error("model %s failed to load: %s", name, exc)  # noqa: TRY400 - the reason is the story
+            self._fail(entry, str(exc))
             return
+        finally:
+            if verified is not None:
+                verified.close()  # the loaded model keeps its own mapping
         try:
             template = chat_template_for(entry.settings, eng)
         except (TemplateError, EngineError, OSError) as exc:
