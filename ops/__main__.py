@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from edgellmctl import __version__, bench, quickstart
+from edgellmctl import __version__, bench, lock, quickstart
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each module registers its own subcommand and sets `func` to its runner.
     quickstart.add_parser(sub)
+    lock.add_parser(sub)
     bench.add_parser(sub)
     return parser
 

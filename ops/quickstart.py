@@ -19,6 +19,11 @@ DEMO_TEMPLATE: Final = "gemma"
 CONFIG_TEMPLATE: Final = """\
 # edgellm configuration written by `edgellmctl quickstart`.
 # Every key and its default is listed in the README's Configuration section.
+lock:
+  file: models.lock             # signed by keys/signing.pem (made for this directory)
+  trusted_keys: [keys/signing.pub]
+  models_dir: models            # lockfile paths are relative to this
+  state_dir: state              # remembers the highest lockfile version accepted
 server:
   host: {host}          # loopback only; set 0.0.0.0 to serve the LAN
   port: {port}
@@ -27,8 +32,7 @@ logging:
   level: info
   format: json
 models:
-  - name: {name}
-    file: models/{file}   # relative to this file
+  - name: {name}               # its file, size and sha256 come from models.lock
     context_size: {context}     # tokens per slot
     slots: {slots}              # requests decoded together
     batch_size: 512
@@ -65,6 +69,38 @@ def install_demo_model(models_dir: Path) -> Path:
     return path
 
 
+def _repository_lock() -> Path | None:
+    # A checkout ships models.lock beside pyproject.toml; an installed wheel does not.
+    candidate = Path(__file__).resolve().parent.parent / "models.lock"
+    return candidate if candidate.is_file() else None
+
+
+def write_signed_lock(directory: Path, model: Path) -> Path:
+    """Make (or reuse) DIR/keys/signing.pem, and sign DIR/models.lock for the demo model."""
+    from edgellmctl import lock  # noqa: PLC0415 - sibling command module
+    from edgellmd.lockfile import LockError, load_lock, open_verified  # noqa: PLC0415
+
+    keys = directory / "keys"
+    key = keys / "signing.pem"
+    if not key.exists():
+        lock.cmd_keygen(argparse.Namespace(out=keys, name="signing"))
+    lock_path = directory / "models.lock"
+    shipped = _repository_lock()
+    if shipped is not None:
+        lock.write_document(lock_path, lock.read_document(shipped))
+    else:  # same entry, computed from the verified demo file
+        lock_path.unlink(missing_ok=True)
+        lock.cmd_add(argparse.Namespace(lock=lock_path, file=model, models_dir=model.parent,
+                                        name=DEMO_MODEL_NAME))
+    entry = load_lock(lock_path).models.get(DEMO_MODEL_NAME)
+    if entry is None:
+        raise LockError(f"{lock_path} has no entry for {DEMO_MODEL_NAME}")
+    open_verified(model.parent, entry).close()  # the installed file is the one the lock names
+    lock.cmd_sign(argparse.Namespace(lock=lock_path, key=key, expires="365d", version=None,
+                                     cosign=False))
+    return lock_path
+
+
 def run(args: argparse.Namespace) -> int:
     """Install the model and write the config; print how to start and call the daemon."""
     directory: Path = args.dir
@@ -85,8 +121,15 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"edgellmctl quickstart: could not install the demo model: {exc}", file=sys.stderr)
         return 1
+    from edgellmd.lockfile import LockError  # noqa: PLC0415
+
+    try:
+        write_signed_lock(directory, model)
+    except (LockError, OSError) as exc:
+        print(f"edgellmctl quickstart: could not sign the lockfile: {exc}", file=sys.stderr)
+        return 1
     config.write_text(CONFIG_TEMPLATE.format(
-        host=args.host, port=args.port, name=DEMO_MODEL_NAME, file=model.name,
+        host=args.host, port=args.port, name=DEMO_MODEL_NAME,
         context=args.context, slots=args.slots, template=DEMO_TEMPLATE), encoding="utf-8")
     print(f"wrote {config}")
     print()
