@@ -34,7 +34,7 @@ HASH_CHUNK: Final = 4 * 1024 * 1024  # large reads keep hashing at the speed of 
 STATE_FILE: Final = "lock-state.json"
 MAX_LOCK_BYTES: Final = 4 * 1024 * 1024
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
-_MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 
 Progress = Callable[[int], None]  # called with the number of bytes just hashed
 
@@ -109,7 +109,7 @@ def _int(value: object, where: str, *, lo: int = 0) -> int:
 
 def _model(name: str, value: object) -> LockedModel:
     where = f"models.{name}"
-    if not _MODEL_NAME.fullmatch(name):
+    if not MODEL_NAME.fullmatch(name):
         raise LockError(f"{where}: model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit")
     if not isinstance(value, dict):
         raise LockError(f"{where}: must be an object")
@@ -168,7 +168,7 @@ def parse_lock(data: bytes | str) -> Lockfile:
     for member in ("schema", "version", "models"):
         if member not in document:
             raise LockError(f"{member}: required")
-    if document["schema"] != SCHEMA or isinstance(document["schema"], bool):
+    if type(document["schema"]) is not int or document["schema"] != SCHEMA:
         raise LockError(f"schema: must be {SCHEMA}")
     models = document["models"]
     if not isinstance(models, dict):

@@ -1,9 +1,10 @@
-"""`edgellmctl bench`: drive any OpenAI-compatible server with streamed completions and print figures."""
+"""`edgellmctl bench`: drive any OpenAI-compatible server with streamed requests and print figures."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -19,12 +20,24 @@ import aiohttp
 
 DEFAULT_PROMPT: Final = "Once upon a time, in a small village by the sea,"
 KEY_ENV: Final = "EDGELLM_API_KEY"
-TIMEOUT_S: Final = 600
+CONNECT_TIMEOUT_S: Final = 10.0
+# A stream that sends nothing for this long is counted as a connection error; long
+# generations are fine as long as tokens keep coming.
+READ_TIMEOUT_S: Final = 300.0
+ENDPOINT_PATHS: Final = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+CONNECTION: Final = "connection"
+TRUNCATED: Final = "truncated"
+BAD_STREAM: Final = "bad stream"
+DONE: Final = b"[DONE]"
+
+
+class BenchError(Exception):
+    """The benchmark cannot run at all (server unreachable, no model to use)."""
 
 
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
-    """One benchmark run."""
+    """One benchmark run, validated by the argument parser."""
 
     base_url: str
     model: str | None
@@ -33,7 +46,7 @@ class BenchConfig:
     max_tokens: int
     prompt: str = DEFAULT_PROMPT
     endpoint: str = "completions"
-    key: str | None = None
+    key: str | None = field(default=None, repr=False)  # never in a repr or a log
     warmup: int = 1
     ignore_eos: bool = False
 
@@ -50,7 +63,7 @@ class RequestResult:
 
 @dataclass(frozen=True, slots=True)
 class BenchSummary:
-    """Aggregate figures of a run."""
+    """Aggregate figures of the measured phase; percentiles are NaN when no request succeeded."""
 
     requests: int
     ok: int
@@ -67,7 +80,15 @@ class BenchSummary:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
+    """The q-th percentile (0..100) by linear interpolation between closest ranks.
+
+    This is numpy's default ("linear"): with the values sorted, the percentile sits at
+    position (len - 1) * q / 100 and is interpolated between its two neighbours; q=0 is the
+    minimum, q=100 the maximum, q=50 of an even count the mean of the middle two.
+    No values give NaN; q outside 0..100 raises ValueError.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within 0..100, got {q}")
     if not values:
         return math.nan
     ordered = sorted(values)
@@ -78,154 +99,230 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> BenchSummary:
-    """Aggregate per-request results measured over `wall_s` seconds."""
+    """Aggregate per-request results measured over `wall_s` seconds.
+
+    Only successful requests count towards tokens, rates and percentiles. The per-stream
+    rate of a request is tokens / (latency - ttft); requests with fewer than two tokens are
+    left out of its mean, since their decode time is only the stream's closing overhead.
+    """
     ok = [r for r in results if r.error is None]
     tokens = sum(r.tokens for r in ok)
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     rates = [r.tokens / (r.latency_s - r.ttft_s) for r in ok
              if r.ttft_s is not None and r.latency_s > r.ttft_s and r.tokens > 1]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    latencies = [r.latency_s for r in ok]
     return BenchSummary(
         requests=len(results), ok=len(ok), failed=len(results) - len(ok), wall_s=wall_s,
         tokens=tokens, tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
         stream_tokens_per_s=sum(rates) / len(rates) if rates else 0.0,
         ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95),
-        latency_p50_s=percentile([r.latency_s for r in ok], 50),
-        latency_p95_s=percentile([r.latency_s for r in ok], 95),
+        latency_p50_s=percentile(latencies, 50), latency_p95_s=percentile(latencies, 95),
         errors=dict(Counter(r.error for r in results if r.error is not None)),
     )
 
 
-def _api_base(url: str) -> str:
+def api_base(url: str) -> str:
+    """The server base without a trailing `/` or `/v1`: `http://h:8080/v1/` -> `http://h:8080`."""
     base = url.rstrip("/")
-    return base[: -len("/v1")] if base.endswith("/v1") else base
+    return base.removesuffix("/v1")
 
 
 def _headers(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def _error_of(response: aiohttp.ClientResponse) -> str:
+async def _error_label(response: aiohttp.ClientResponse) -> str:
+    """`429 rate_limit_error` from an OpenAI error envelope, else just the status code."""
     label = str(response.status)
     try:
         body = await response.json(content_type=None)
-    except (ValueError, aiohttp.ClientError):
+    except (ValueError, aiohttp.ClientError, TimeoutError):
         return label
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        kind = body["error"].get("type")
-        if isinstance(kind, str):
-            return f"{label} {kind}"
+    error = body.get("error") if isinstance(body, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    # The type is server-chosen text; keep it short and printable before it reaches a report.
+    if isinstance(kind, str) and kind.isprintable() and 0 < len(kind) <= 64:
+        return f"{label} {kind}"
     return label
 
 
-def _chunk_text(chunk: dict[str, Any]) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
+def chunk_text(chunk: Any) -> str:
+    """The generated text a stream chunk carries: `choices[0].text` or `choices[0].delta.content`."""
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return ""
     first = choices[0]
     text = first.get("text")
-    if text is None:
-        text = (first.get("delta") or {}).get("content")
+    if text is None and isinstance(first.get("delta"), dict):
+        text = first["delta"].get("content")
     return text if isinstance(text, str) else ""
 
 
-async def one_request(session: aiohttp.ClientSession, config: BenchConfig, model: str,
-                      index: int) -> RequestResult:
-    """Send one streamed request and measure it."""
+@dataclass(slots=True)
+class StreamTally:
+    """Running account of one SSE stream, fed one event's data at a time."""
+
+    started: float
+    ttft_s: float | None = None
+    text_chunks: int = 0
+    usage_tokens: int | None = None
+    done: bool = False
+
+    def feed(self, data: bytes, now: float) -> None:
+        """Account for one event's data; raises ValueError for data that is not JSON."""
+        if data.strip() == DONE:
+            self.done = True
+            return
+        chunk = json.loads(data)
+        usage = chunk.get("usage") if isinstance(chunk, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage_tokens = usage["completion_tokens"]
+        if chunk_text(chunk):
+            self.text_chunks += 1
+            if self.ttft_s is None:
+                self.ttft_s = now - self.started
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens: the server's usage figure when it sent one, else text chunks."""
+        return self.text_chunks if self.usage_tokens is None else self.usage_tokens
+
+
+async def _read_stream(response: aiohttp.ClientResponse, tally: StreamTally) -> None:
+    """Parse SSE until `data: [DONE]` or the end of the body (events end at a blank line)."""
+    data: list[bytes] = []
+    async for raw in response.content:
+        line = raw.rstrip(b"\r\n")
+        if not line:
+            if data:
+                tally.feed(b"\n".join(data), time.perf_counter())
+                data.clear()
+                if tally.done:
+                    return
+            continue
+        name, _, value = line.partition(b":")
+        if name == b"data":  # comments (":...") and other fields (event, id, retry) carry no text
+            data.append(value.removeprefix(b" "))
+    # Be lenient with a final `data: [DONE]` that lacks its blank line; any other partial event
+    # at the end of the body is what a cut stream looks like and is left unparsed.
+    if data and b"\n".join(data).strip() == DONE:
+        tally.done = True
+
+
+def request_body(config: BenchConfig, model: str, index: int) -> dict[str, Any]:
+    """The JSON body of request `index` (its seed, so that runs are repeatable)."""
     body: dict[str, Any] = {"model": model, "max_tokens": config.max_tokens, "temperature": 0.8,
                             "seed": index, "stream": True, "stream_options": {"include_usage": True}}
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": config.prompt}]
-        path = "/v1/chat/completions"
     else:
         body["prompt"] = config.prompt
-        path = "/v1/completions"
     if config.ignore_eos:
         body["ignore_eos"] = True
+    return body
+
+
+async def one_request(session: aiohttp.ClientSession, config: BenchConfig, model: str,
+                      index: int) -> RequestResult:
+    """Send one streamed request and measure it; failures become an `error` label, never raise."""
+    url = api_base(config.base_url) + ENDPOINT_PATHS[config.endpoint]
     started = time.perf_counter()
-    ttft: float | None = None
-    chunks = 0
-    usage_tokens: int | None = None
+    tally = StreamTally(started)
+    streaming = False
     try:
-        async with session.post(_api_base(config.base_url) + path, json=body,
+        async with session.post(url, json=request_body(config, model, index),
                                 headers=_headers(config.key)) as response:
-            if response.status != 200:
-                return RequestResult(None, time.perf_counter() - started, 0, await _error_of(response))
-            done = False
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if isinstance(chunk.get("usage"), dict):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                if _chunk_text(chunk):
-                    chunks += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - started
+            if not 200 <= response.status < 300:
+                return RequestResult(None, time.perf_counter() - started, 0, await _error_label(response))
+            streaming = True
+            await _read_stream(response, tally)
     except (TimeoutError, aiohttp.ClientError, OSError):
-        return RequestResult(None, time.perf_counter() - started, 0, "connection")
-    except ValueError:
-        return RequestResult(None, time.perf_counter() - started, 0, "bad chunk")
+        # A connection lost once the stream had begun is a cut stream, like one that ends
+        # without [DONE]; before that, the server was not reached or answered nothing.
+        if not streaming:
+            return RequestResult(None, time.perf_counter() - started, 0, CONNECTION)
+    except ValueError:  # a chunk that is not JSON, or a line past aiohttp's line limit
+        return RequestResult(tally.ttft_s, time.perf_counter() - started, tally.tokens, BAD_STREAM)
     latency = time.perf_counter() - started
-    if not done:
-        return RequestResult(ttft, latency, chunks, "truncated")
-    return RequestResult(ttft, latency, usage_tokens if isinstance(usage_tokens, int) else chunks)
+    if not tally.done:
+        return RequestResult(tally.ttft_s, latency, tally.tokens, TRUNCATED)
+    return RequestResult(tally.ttft_s, latency, tally.tokens)
 
 
-async def _first_model(session: aiohttp.ClientSession, config: BenchConfig) -> str:
-    async with session.get(_api_base(config.base_url) + "/v1/models",
-                           headers=_headers(config.key)) as response:
-        if response.status != 200:
-            raise RuntimeError(f"GET /v1/models answered {await _error_of(response)}")
-        body = await response.json()
-    models = body.get("data") or []
-    if not models:
-        raise RuntimeError("the server lists no models")
-    model_id: str = models[0]["id"]
+async def first_model(session: aiohttp.ClientSession, config: BenchConfig) -> str:
+    """The first model id that `GET /v1/models` lists."""
+    try:
+        async with session.get(api_base(config.base_url) + "/v1/models",
+                               headers=_headers(config.key)) as response:
+            if response.status != 200:
+                raise BenchError(f"GET /v1/models answered {await _error_label(response)}")
+            body = await response.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise BenchError(f"cannot reach {api_base(config.base_url)}: {exc}") from None
+    except ValueError:
+        raise BenchError("GET /v1/models answered something that is not JSON") from None
+    models = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(models, list) or not models:
+        raise BenchError("the server lists no models; name one with --model")
+    model_id = models[0].get("id") if isinstance(models[0], dict) else None
+    if not isinstance(model_id, str) or not model_id:
+        raise BenchError("the first model GET /v1/models lists has no id; name one with --model")
     return model_id
 
 
 async def run_bench(config: BenchConfig) -> BenchSummary:
-    """Warm up, then run `requests` streamed requests over `concurrency` workers."""
-    timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
-    # One connection per request: keep-alive behaviour differs between servers, and a
-    # fresh connection is what a LAN client mostly does.
+    """Warm up sequentially, then run `requests` streamed requests over `concurrency` workers."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
+    # A fresh connection per request: servers differ in how they close idle keep-alive
+    # connections, and a POST on a connection the server just closed fails without a retry.
+    # On a LAN the connect costs well under a millisecond of each TTFT.
     connector = aiohttp.TCPConnector(force_close=True, limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        model = config.model or await _first_model(session, config)
+        model = config.model or await first_model(session, config)
         for i in range(config.warmup):
-            await one_request(session, config, model, -1 - i)
+            # Seeds after the measured ones, so every request of a run has its own.
+            warm = await one_request(session, config, model, config.requests + i)
+            if warm.error == CONNECTION:
+                raise BenchError(f"cannot reach {api_base(config.base_url)} (warm-up request failed)")
         indexes = iter(range(config.requests))
         results: list[RequestResult] = []
 
         async def worker() -> None:
-            for index in indexes:  # shared iterator: each index is taken by one worker
-                results.append(await one_request(session, config, model, index))  # noqa: PERF401 - sequential awaits, not a transform
+            for index in indexes:  # one shared iterator: each index goes to exactly one worker
+                result = await one_request(session, config, model, index)
+                results.append(result)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(config.concurrency)))
         return summarize(results, time.perf_counter() - started)
 
 
-def format_summary(s: BenchSummary, config: BenchConfig) -> str:
+def _seconds(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3f}"
+
+
+def format_text(s: BenchSummary, config: BenchConfig) -> str:
     """Aligned plain-text report."""
-    lines = [
-        f"requests            {s.ok} ok, {s.failed} failed (concurrency {config.concurrency}, "
-        f"max_tokens {config.max_tokens})",
-        f"wall time           {s.wall_s:.3f} s",
-        f"completion tokens   {s.tokens}",
-        f"aggregate           {s.tokens_per_s:.1f} tokens/s",
-        f"per stream          {s.stream_tokens_per_s:.1f} tokens/s",
-        f"TTFT p50 / p95      {s.ttft_p50_s:.3f} / {s.ttft_p95_s:.3f} s",
-        f"latency p50 / p95   {s.latency_p50_s:.3f} / {s.latency_p95_s:.3f} s",
+    rows = [
+        ("requests", f"{s.ok} ok, {s.failed} failed of {s.requests} "
+                     f"(concurrency {config.concurrency}, max_tokens {config.max_tokens})"),
+        ("wall time", f"{s.wall_s:.3f} s"),
+        ("completion tokens", str(s.tokens)),
+        ("aggregate", f"{s.tokens_per_s:.1f} tokens/s"),
+        ("per stream (mean)", f"{s.stream_tokens_per_s:.1f} tokens/s"),
+        ("TTFT p50 / p95", f"{_seconds(s.ttft_p50_s)} / {_seconds(s.ttft_p95_s)} s"),
+        ("latency p50 / p95", f"{_seconds(s.latency_p50_s)} / {_seconds(s.latency_p95_s)} s"),
+        ("errors", ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())) or "none"),
     ]
-    if s.errors:
-        lines.append("errors              " + ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())))
-    return "\n".join(lines)
+    width = max(len(label) for label, _ in rows) + 2
+    return "\n".join(f"{label:<{width}}{value}" for label, value in rows)
+
+
+def format_json(s: BenchSummary) -> str:
+    """One JSON object with the summary's fields; NaN (no successful request) becomes null."""
+    figures = {k: None if isinstance(v, float) and math.isnan(v) else v
+               for k, v in dataclasses.asdict(s).items()}
+    return json.dumps(figures)
 
 
 def _positive(text: str) -> int:
@@ -238,50 +335,78 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def _url(text: str) -> str:
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise argparse.ArgumentTypeError(f"must be an http(s) URL, got {text!r}")
+    # Messages name what is wrong without echoing the text: it may hold a password. The parser
+    # refuses credentials in the URL, so reports may show it.
+    try:
+        parts = urlsplit(text)
+        _ = parts.port  # raises ValueError for a port that is not a number in 0..65535
+    except ValueError:
+        raise argparse.ArgumentTypeError("not a valid URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError("must be an http:// or https:// URL with a host, "
+                                         "e.g. http://127.0.0.1:8080")
+    if parts.username is not None or parts.password is not None:
+        raise argparse.ArgumentTypeError("must not carry credentials; pass the key with --key")
+    if parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError("must be the server's base URL, without a query or fragment")
     return text
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `bench`."""
     p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server",
-                       description="Stream completions from any OpenAI-compatible server and print "
-                       "aggregate tokens/s, time to first token and latency percentiles.")
-    p.add_argument("--url", required=True, type=_url, help="server base URL, e.g. http://127.0.0.1:8080")
-    p.add_argument("--key", help=f"API key (default: ${KEY_ENV}); never printed")
-    p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
-    p.add_argument("-c", "--concurrency", type=_positive, default=1, help="concurrent streams")
-    p.add_argument("-n", "--requests", type=_positive, default=8, help="measured requests")
-    p.add_argument("-m", "--max-tokens", type=_positive, default=64, help="max_tokens per request")
+                       description="Stream completions from any OpenAI-compatible server (edgellmd, "
+                       "llama-server, llama_cpp.server) and print aggregate tokens/s, time to first "
+                       "token and latency percentiles.")
+    p.add_argument("--url", required=True, type=_url,
+                   help="server base URL, with or without /v1, e.g. http://127.0.0.1:8080")
+    p.add_argument("--key", help=f"API key, sent as a bearer token (default: ${KEY_ENV}); never printed")
+    p.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
+    p.add_argument("-c", "--concurrency", type=_positive, default=1, help="concurrent streams (default 1)")
+    p.add_argument("-n", "--requests", type=_positive, default=8, help="measured requests (default 8)")
+    p.add_argument("-m", "--max-tokens", type=_positive, default=64,
+                   help="max_tokens per request (default 64)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests first (default 1)")
+    p.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions",
+                   help="completions (default) or chat")
+    p.add_argument("--warmup", type=_non_negative, default=1,
+                   help="sequential requests before the measured ones, not counted (default 1)")
     p.add_argument("--ignore-eos", action="store_true",
-                   help="ask the server to generate max_tokens tokens (llama.cpp servers honour it)")
+                   help="send ignore_eos so every request generates max_tokens tokens "
+                   "(edgellmd, llama-server and llama_cpp.server honour it)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark and print its figures; 1 when every request failed."""
+    """Run the benchmark and print its figures; 1 when it cannot run or every request failed."""
+    key: str | None = args.key or os.environ.get(KEY_ENV) or None
+    if key is not None and not (key.isascii() and key.isprintable()):
+        print("edgellmctl bench: the API key holds characters an HTTP header cannot carry", file=sys.stderr)
+        return 2
     config = BenchConfig(
         base_url=args.url, model=args.model, concurrency=args.concurrency, requests=args.requests,
-        max_tokens=args.max_tokens, prompt=args.prompt, endpoint=args.endpoint,
-        key=args.key or os.environ.get(KEY_ENV), warmup=max(0, args.warmup), ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens, prompt=args.prompt, endpoint=args.endpoint, key=key,
+        warmup=args.warmup, ignore_eos=args.ignore_eos,
     )
     try:
         summary = asyncio.run(run_bench(config))
-    except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError) as exc:
-        print(f"edgellmctl bench: cannot reach {config.base_url}: {exc}", file=sys.stderr)
+    except BenchError as exc:
+        print(f"edgellmctl bench: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps({k: getattr(summary, k) for k in BenchSummary.__slots__}))
-    else:
-        print(format_summary(summary, config))
+    print(format_json(summary) if args.json else format_text(summary, config))
     if summary.ok == 0:
-        print("edgellmctl bench: every request failed", file=sys.stderr)
+        print(f"edgellmctl bench: every request to {api_base(config.base_url)} failed", file=sys.stderr)
         return 1
     return 0

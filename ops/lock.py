@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmd.lockfile import (
+    MODEL_NAME,
     SCHEMA,
     LockError,
     format_time,
@@ -34,6 +35,7 @@ DEFAULT_LOCK: Final = Path("models.lock")
 DEFAULT_EXPIRY: Final = "365d"
 _DURATION: Final = re.compile(r"(\d+)([dhw])")
 _UNITS: Final = {"h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta(weeks=1)}
+MAX_VALIDITY: Final = timedelta(days=100 * 365)  # a signature meant to outlive the box is a mistake
 
 
 class CommandError(Exception):
@@ -81,8 +83,11 @@ def parse_duration(text: str) -> timedelta:
     """'365d', '12h', '2w' -> timedelta."""
     match = _DURATION.fullmatch(text.strip())
     if not match or int(match.group(1)) == 0:
-        raise CommandError(f"--expires must look like 365d, 12h or 2w, got {text!r}")
-    return int(match.group(1)) * _UNITS[match.group(2)]
+        raise CommandError(f"--expires must look like 365d, 12h or 2w, got {text[:32]!r}")
+    count, unit = int(match.group(1)), _UNITS[match.group(2)]
+    if count > MAX_VALIDITY // unit:
+        raise CommandError(f"--expires must be at most {MAX_VALIDITY.days} days")
+    return count * unit
 
 
 class _Progress:
@@ -138,6 +143,9 @@ def cmd_add(args: argparse.Namespace) -> int:
     """Hash a GGUF file and record it under NAME (dropping signatures: the content changed)."""
     lock_path: Path = args.lock
     file: Path = args.file
+    if not MODEL_NAME.fullmatch(args.name):
+        raise CommandError("model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit, "
+                           f"got {args.name[:70]!r}")
     models_dir: Path = args.models_dir or lock_path.parent
     document = read_document(lock_path) if lock_path.exists() else new_document()
     try:
