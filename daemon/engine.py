@@ -180,6 +180,7 @@ class Engine:
         self._model = model
         self._vocab = llama.llama_model_get_vocab(model)
         self.n_vocab: Final[int] = llama.llama_vocab_n_tokens(self._vocab)
+        self._n_swa: Final[int] = max(0, llama.llama_model_n_swa(model))
 
         cparams = llama.llama_context_default_params()
         cparams.n_ctx = config.context_size * config.slots
@@ -444,6 +445,12 @@ class Engine:
                     best, best_len = i, n
         # The last prompt token is always decoded again: its logits start the reply.
         reuse = min(best_len, len(prompt) - 1)
+        if reuse > 0 and self._n_swa > 0:
+            # Sliding-window layers keep only the last n_swa positions of a sequence; the new
+            # tokens need the window before `reuse`, which may have slid out already.
+            pos_min = llama.llama_memory_seq_pos_min(self._memory, best)
+            if pos_min < 0 or pos_min > max(0, reuse - self._n_swa):
+                reuse = 0
         if reuse <= 0 or not llama.llama_memory_seq_rm(self._memory, best, reuse, -1):
             llama.llama_memory_seq_rm(self._memory, best, -1, -1)
             reuse = 0

@@ -132,3 +132,40 @@ def test_sigterm_exits_cleanly(demo_dir: Path) -> None:
         assert lines[-1]["msg"] == "edgellmd stopped"
     finally:
         proc.kill()
+
+
+async def test_prefix_reuse_on_a_sliding_window_model_keeps_answers_exact(demo_dir: Path) -> None:
+    """Gemma 3 keeps only a 512-token window in most layers: a cached prefix whose window has
+    slid out must be prefilled again, not reused (the answer would silently change)."""
+    import asyncio  # noqa: PLC0415
+
+    from edgellmd.engine import Engine, EngineConfig  # noqa: PLC0415
+    from edgellmd.generation import GenerationRequest, SamplingParams  # noqa: PLC0415
+
+    model = next((demo_dir / "models").glob("*.gguf"))
+    # batch 64: the window cache holds 512 + 64 cells, so 800 tokens make it evict.
+    engine = Engine(EngineConfig(path=model, slots=1, context_size=1024, batch_size=64, threads=2,
+                                 threads_batch=2))
+    engine.start()
+    loop = asyncio.get_running_loop()
+
+    async def greedy(prompt: list[int], n: int) -> str:
+        gen = engine.submit(GenerationRequest(prompt, n, SamplingParams(temperature=0.0),
+                                              ignore_eos=True), loop)
+        parts = [event.text async for event in gen.events()]
+        return "".join(parts)
+
+    try:
+        prompt = engine.tokenize("The history of the city of Rome begins")
+        first = await greedy(prompt, 24)
+        # Short previous generation: the window still covers the prefix, so it is reused.
+        before = engine.prompt_tokens_reused
+        assert await greedy(prompt, 24) == first
+        assert engine.prompt_tokens_reused - before == len(prompt) - 1
+        # A long generation slides the window past the prompt: no reuse, same answer.
+        await greedy(prompt, 800)
+        before = engine.prompt_tokens_reused
+        assert await greedy(prompt, 24) == first
+        assert engine.prompt_tokens_reused == before
+    finally:
+        await loop.run_in_executor(None, engine.close)
