@@ -166,12 +166,60 @@ class Engine:
     """One loaded model and its scheduler thread; all public methods are thread-safe."""
 
     def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
-        """Load the model and create its context (blocking: call it off the event loop)."""
+        """Load the model and start its scheduler (blocking: call it off the event loop).
+
+        Everything native happens on the engine's own thread: llama.cpp's CPU backend runs
+        on OpenMP, which keeps a team of threads per calling thread, and more OpenMP threads
+        than CPUs makes libgomp stop spinning at barriers and sleep instead. A model loaded
+        and warmed on one thread and decoded on another measured 20 context switches per
+        graph node and a quarter of the throughput gone.
+        """
         _init_backend()
         self.config: Final = config
         self.name: Final = name
         if not config.path.is_file():
             raise ModelLoadError(f"model file not found: {config.path}")
+        self._cond = threading.Condition()
+        self._pending: deque[Generation] = deque()
+        self._slots: list[_Slot | None] = [None] * config.slots
+        self._stopping = False
+        # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
+        self.heartbeat = time.monotonic()
+        # Generations ended, by finish reason, and tokens generated (written by the scheduler).
+        self.finished: Counter[str] = Counter()
+        self.tokens_generated = 0
+        self.prompt_tokens_reused = 0
+        self._pieces: dict[int, bytes] = {}  # token -> bytes, filled by the scheduler
+        # Tokens whose keys/values each sequence holds in the KV cache, position by position.
+        # A finished sequence keeps them so that the next prompt with the same prefix (a
+        # system prompt, a growing conversation) skips that part of the prefill.
+        self._kv: list[list[int]] = [[] for _ in range(config.slots)]
+        self._loaded = threading.Event()
+        self._load_errors: list[BaseException] = []  # set by the engine thread
+        self._thread = threading.Thread(target=self._main, name=f"engine:{name}", daemon=True)
+        self._thread.start()
+        self._loaded.wait()
+        if self._load_errors:
+            self._thread.join()
+            raise self._load_errors[0]
+
+    def _main(self) -> None:
+        try:
+            self._load()
+            self._warm_up()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor's caller
+            self._load_errors.append(exc if isinstance(exc, EngineError) else ModelLoadError(str(exc)))
+            self._free_native()
+            self._loaded.set()
+            return
+        self._loaded.set()
+        try:
+            self._run()
+        finally:
+            self._release()
+
+    def _load(self) -> None:
+        config = self.config
         mparams = llama.llama_model_default_params()
         mparams.n_gpu_layers = config.gpu_layers
         model = llama.llama_model_load_from_file(str(config.path).encode(), mparams)
@@ -179,8 +227,8 @@ class Engine:
             raise ModelLoadError(f"llama.cpp could not load {config.path} (not a supported GGUF model?)")
         self._model = model
         self._vocab = llama.llama_model_get_vocab(model)
-        self.n_vocab: Final[int] = llama.llama_vocab_n_tokens(self._vocab)
-        self._n_swa: Final[int] = max(0, llama.llama_model_n_swa(model))
+        self.n_vocab = llama.llama_vocab_n_tokens(self._vocab)
+        self._n_swa = max(0, llama.llama_model_n_swa(model))
 
         cparams = llama.llama_context_default_params()
         cparams.n_ctx = config.context_size * config.slots
@@ -200,31 +248,11 @@ class Engine:
         cparams.no_perf = True
         ctx = llama.llama_init_from_model(model, cparams)
         if not ctx:
-            llama.llama_model_free(model)
             raise ModelLoadError(f"llama.cpp could not create a context for {config.path}")
         self._ctx = ctx
         self._memory = llama.llama_get_memory(ctx)
         self._batch = llama.llama_batch_init(config.batch_size, 0, config.slots)
-        self.info: Final = self._read_info()
-
-        self._cond = threading.Condition()
-        self._pending: deque[Generation] = deque()
-        self._slots: list[_Slot | None] = [None] * config.slots
-        self._stopping = False
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
-        self.heartbeat = time.monotonic()
-        # Generations ended, by finish reason, and tokens generated (written by the scheduler).
-        self.finished: Counter[str] = Counter()
-        self.tokens_generated = 0
-        self.prompt_tokens_reused = 0
-        self._pieces: dict[int, bytes] = {}  # token -> bytes, filled by the scheduler
-        # Tokens whose keys/values each sequence holds in the KV cache, position by position.
-        # A finished sequence keeps them so that the next prompt with the same prefix (a
-        # system prompt, a growing conversation) skips that part of the prefill.
-        self._kv: list[list[int]] = [[] for _ in range(config.slots)]
-        self._warm_up()
+        self.info = self._read_info()
 
     # ---- metadata -------------------------------------------------------------------------
 
@@ -291,13 +319,6 @@ class Engine:
 
     # ---- scheduler interface (event loop side) -------------------------------------------
 
-    def start(self) -> None:
-        """Start the scheduler thread."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name=f"scheduler:{self.name}", daemon=True)
-        self._thread.start()
-
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Generation:
         """Queue a generation; its events arrive on `loop`. Never blocks on llama.cpp."""
         if len(request.prompt_tokens) == 0:
@@ -331,15 +352,16 @@ class Engine:
         return not self._pending and self.busy_slots == 0
 
     def close(self) -> None:
-        """Stop the scheduler, end every generation with an error, free native memory."""
+        """Stop the scheduler, end every generation with an error, free native memory (blocking)."""
         with self._cond:
-            if self._closed:
-                return
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
+
+    def _release(self) -> None:
+        """On the engine thread, once it stops: fail what is left, then free the model."""
         with self._cond:
+            self._stopping = True
             leftovers = list(self._pending)
             self._pending.clear()
         for gen in leftovers:
@@ -348,10 +370,19 @@ class Engine:
         for i, slot in enumerate(self._slots):
             if slot is not None:
                 self._finish(i, "error", error="the model was unloaded", deliver=True)
-        llama.llama_batch_free(self._batch)
-        llama.llama_free(self._ctx)
-        llama.llama_model_free(self._model)
-        self._closed = True
+        self._free_native()
+
+    def _free_native(self) -> None:
+        # Whatever _load got as far as creating, in reverse order.
+        if getattr(self, "_batch", None) is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            llama.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama.llama_model_free(self._model)
+            self._model = None
 
     # ---- scheduler thread -----------------------------------------------------------------
 
@@ -408,12 +439,6 @@ class Engine:
             for i, slot in enumerate(self._slots):
                 if slot is not None:
                     self._finish(i, "error", error="internal engine error", deliver=True)
-            with self._cond:
-                self._stopping = True
-                pending = list(self._pending)
-                self._pending.clear()
-            for gen in pending:
-                gen.push_threadsafe([Finished("error", 0, 0, error="internal engine error")])
 
     def _admit(self) -> bool:
         """Move waiting generations into free slots; returns False when asked to stop."""

@@ -253,7 +253,6 @@ class Registry:
             entry.state, entry.error = ModelState.FAILED, f"chat template: {exc}"
             log.error("model %s has an unusable chat template: %s", name, exc)  # noqa: TRY400
             return
-        eng.start()
         entry.handle = ModelHandle(entry.settings, eng, template, self._executor)
         entry.state, entry.error = ModelState.READY, None
         log.info("model %s ready in %.2fs (%s, %d slots x %d tokens, template: %s)", name,

@@ -146,7 +146,6 @@ async def test_prefix_reuse_on_a_sliding_window_model_keeps_answers_exact(demo_d
     # batch 64: the window cache holds 512 + 64 cells, so 800 tokens make it evict.
     engine = Engine(EngineConfig(path=model, slots=1, context_size=1024, batch_size=64, threads=2,
                                  threads_batch=2))
-    engine.start()
     loop = asyncio.get_running_loop()
 
     async def greedy(prompt: list[int], n: int) -> str:

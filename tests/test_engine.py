@@ -17,10 +17,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_engine(path: Path, *, slots: int = 2, context: int = 256, batch: int = 512) -> Engine:
-    engine = Engine(EngineConfig(path=path, slots=slots, context_size=context, batch_size=batch,
-                                 threads=1, threads_batch=1), name=path.stem)
-    engine.start()
-    return engine
+    return Engine(EngineConfig(path=path, slots=slots, context_size=context, batch_size=batch,
+                               threads=1, threads_batch=1), name=path.stem)
 
 
 @pytest.fixture(scope="module")
