@@ -16,6 +16,7 @@ from aiohttp import web
 from edgellmd import appkeys, logs
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
+from edgellmd.auth import setup_auth
 from edgellmd.errors import Handler, error_middleware
 from edgellmd.registry import EngineFactory, Registry, default_engine_factory
 from edgellmd.settings import Settings
@@ -54,13 +55,15 @@ def create_app(
     """Build the daemon's application; nothing is loaded until the app starts."""
     # Order matters: the request context wraps everything so even error answers carry a
     # request id and an access line; the error middleware turns every failure below it
-    # into OpenAI's envelope.
+    # into OpenAI's envelope; authentication (setup_auth) comes after both, so a refused
+    # key is logged and answered like any other error, and before any handler runs.
     app = web.Application(
         middlewares=[request_context, error_middleware],
         client_max_size=settings.server.max_body_bytes,
     )
     app[appkeys.SETTINGS] = settings
     app.on_response_prepare.append(_stamp_headers)
+    setup_auth(app, settings.auth.keys_file)
     setup_health(app)
     setup_openai(app)
     app.cleanup_ctx.append(_executor_ctx)

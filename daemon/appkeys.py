@@ -7,12 +7,15 @@ from typing import Final
 
 from aiohttp import web
 
+from edgellmd.keystore import ApiKey, KeyStore
 from edgellmd.registry import Registry
 from edgellmd.settings import Settings
 
 SETTINGS: Final = web.AppKey("settings", Settings)
 REGISTRY: Final = web.AppKey("registry", Registry)
 EXECUTOR: Final = web.AppKey("executor", ThreadPoolExecutor)
+KEY_STORE: Final = web.AppKey("key_store", KeyStore)
 
 # Per-request state (request[...]).
 REQUEST_ID: Final = web.RequestKey("request_id", str)
+API_KEY: Final = web.RequestKey("api_key", ApiKey)  # the key that authenticated the request

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import reprlib
@@ -83,6 +84,13 @@ class LoggingSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthSettings:
+    """Who may call the API."""
+
+    keys_file: Path | None = None  # YAML of hashed API keys (0600); None: no authentication
+
+
+@dataclass(frozen=True, slots=True)
 class LockSettings:
     """Where the signed lockfile, its trusted keys, the model files and the rollback state live."""
 
@@ -118,6 +126,7 @@ class Settings:
     models: tuple[ModelSettings, ...]
     logging: LoggingSettings
     lock: LockSettings = LockSettings(allow_unsigned=True)
+    auth: AuthSettings = AuthSettings()
     source: Path | None = None  # the file it was read from
 
 
@@ -125,7 +134,8 @@ _SERVER_KEYS: Final = tuple(f.name for f in fields(ServerSettings))
 _LOGGING_KEYS: Final = tuple(f.name for f in fields(LoggingSettings))
 _MODEL_KEYS: Final = tuple(f.name for f in fields(ModelSettings))
 _LOCK_KEYS: Final = tuple(f.name for f in fields(LockSettings))
-_TOP_KEYS: Final = ("server", "models", "logging", "lock")
+_AUTH_KEYS: Final = tuple(f.name for f in fields(AuthSettings))
+_TOP_KEYS: Final = ("server", "models", "logging", "lock", "auth")
 
 
 def _show(value: object) -> str:
@@ -386,7 +396,21 @@ def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
     lock = _parse_lock(checker, top.get("lock"), base_dir) if isinstance(data, dict) else LockSettings()
     if isinstance(data, dict) and models:
         _check_model_files(checker, top.get("models"), lock)
-    return Settings(server=server, models=models, logging=logging, lock=lock)
+    auth_data = checker.section(top.get("auth"), "auth", _AUTH_KEYS, null_ok=True)
+    auth = AuthSettings(keys_file=checker.file_path(auth_data, "auth", "keys_file", base_dir))
+    if auth.keys_file is None and not _is_loopback(server.host):
+        checker.add("server.host", f"{server.host!r} is not a loopback address: serving a network "
+                    "without API keys is refused; set auth.keys_file")
+    return Settings(server=server, models=models, logging=logging, lock=lock, auth=auth)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
 
 
 def _parse_lock(checker: _Checker, value: object, base_dir: Path) -> LockSettings:

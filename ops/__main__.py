@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from edgellmctl import __version__, bench, lock, quickstart
+from edgellmctl import __version__, bench, keys, lock, quickstart
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Each module registers its own subcommand and sets `func` to its runner.
     quickstart.add_parser(sub)
     lock.add_parser(sub)
+    keys.add_parser(sub)
     bench.add_parser(sub)
     return parser
 

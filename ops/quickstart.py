@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Final
@@ -19,6 +20,8 @@ DEMO_TEMPLATE: Final = "gemma"
 CONFIG_TEMPLATE: Final = """\
 # edgellm configuration written by `edgellmctl quickstart`.
 # Every key and its default is listed in the README's Configuration section.
+auth:
+  keys_file: keys.yaml          # hashed API keys; tokens in inference.key and admin.key
 lock:
   file: models.lock             # signed by keys/signing.pem (made for this directory)
   trusted_keys: [keys/signing.pub]
@@ -101,6 +104,20 @@ def write_signed_lock(directory: Path, model: Path) -> Path:
     return lock_path
 
 
+def write_api_keys(directory: Path) -> None:
+    """DIR/keys.yaml with an inference and an admin key; their tokens in DIR/*.key (0600)."""
+    from edgellmctl import keys  # noqa: PLC0415 - sibling command module
+
+    for scope in ("inference", "admin"):
+        token_file = directory / f"{scope}.key"
+        if token_file.exists():
+            continue
+        _, token = keys.create_key(directory / "keys.yaml", f"quickstart-{scope}", [scope], limits={})
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token + "\n")
+
+
 def run(args: argparse.Namespace) -> int:
     """Install the model and write the config; print how to start and call the daemon."""
     directory: Path = args.dir
@@ -125,8 +142,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         write_signed_lock(directory, model)
+        write_api_keys(directory)
     except (LockError, OSError) as exc:
-        print(f"edgellmctl quickstart: could not sign the lockfile: {exc}", file=sys.stderr)
+        print(f"edgellmctl quickstart: could not sign the lockfile or write keys: {exc}", file=sys.stderr)
         return 1
     config.write_text(CONFIG_TEMPLATE.format(
         host=args.host, port=args.port, name=DEMO_MODEL_NAME,
@@ -137,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  edgellmd --config {config}")
     print("then ask it something:")
     print(f"  curl -s http://{args.host}:{args.port}/v1/chat/completions \\")
+    print(f"    -H \"Authorization: Bearer $(cat {directory / 'inference.key'})\" \\")
     print("    -H 'Content-Type: application/json' \\")
     print(f"    -d '{{\"model\": \"{DEMO_MODEL_NAME}\", \"messages\": "
           "[{\"role\": \"user\", \"content\": \"Write a haiku about the sea.\"}]}'")

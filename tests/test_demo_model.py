@@ -85,8 +85,26 @@ def test_quickstart_installs_the_verified_model_and_a_valid_config(demo_dir: Pat
     assert edgellmctl(["quickstart", "--dir", str(demo_dir)]) == 1
 
 
-def test_chat_completion_with_the_gemma_template(demo_daemon: str) -> None:
-    client = openai.OpenAI(base_url=demo_daemon + "/v1", api_key="unused", max_retries=0)
+def _client(url: str, demo_dir: Path) -> openai.OpenAI:
+    key = (demo_dir / "inference.key").read_text().strip()
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+def test_quickstart_keys_guard_the_api(demo_daemon: str, demo_dir: Path) -> None:
+    assert (demo_dir / "inference.key").stat().st_mode & 0o777 == 0o600
+    assert (demo_dir / "keys.yaml").stat().st_mode & 0o777 == 0o600
+    token = (demo_dir / "inference.key").read_text().strip()
+    assert token not in (demo_dir / "keys.yaml").read_text()  # only its hash is stored
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=demo_daemon + "/v1", api_key="elk_000000000000_" + "x" * 43,
+                      max_retries=0).models.list()
+    admin = (demo_dir / "admin.key").read_text().strip()
+    with pytest.raises(openai.PermissionDeniedError):
+        openai.OpenAI(base_url=demo_daemon + "/v1", api_key=admin, max_retries=0).models.list()
+
+
+def test_chat_completion_with_the_gemma_template(demo_daemon: str, demo_dir: Path) -> None:
+    client = _client(demo_daemon, demo_dir)
     models = [m.id for m in client.models.list()]
     assert models == ["gemma3-270m"]
     reply = client.chat.completions.create(
@@ -104,8 +122,8 @@ def test_chat_completion_with_the_gemma_template(demo_daemon: str) -> None:
     assert "Paris" in choice.message.content or reply.usage.completion_tokens > 0
 
 
-def test_streamed_completion_matches_the_non_streamed_one(demo_daemon: str) -> None:
-    client = openai.OpenAI(base_url=demo_daemon + "/v1", api_key="unused", max_retries=0)
+def test_streamed_completion_matches_the_non_streamed_one(demo_daemon: str, demo_dir: Path) -> None:
+    client = _client(demo_daemon, demo_dir)
     plain = client.completions.create(model="gemma3-270m", prompt="The capital of France is",
                                       max_tokens=12, temperature=0)
     streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from edgellmd.settings import (
+    AuthSettings,
     ConfigError,
     LoggingSettings,
     ModelSettings,
@@ -111,6 +112,8 @@ logging:
   format: text
 lock:
   allow_unsigned: true
+auth:
+  keys_file: secrets/keys.yaml
 """
 
 
@@ -145,6 +148,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             ),
         ),
         logging=LoggingSettings(level="debug", format="text"),
+        auth=AuthSettings(keys_file=tmp_path / "secrets" / "keys.yaml"),
         source=tmp_path / "edgellm.yaml",
     )
 
@@ -153,9 +157,10 @@ def test_full_config_sets_every_field_away_from_its_default(tmp_path: Path) -> N
     # Guards the round-trip test above: a new field left at its default would slip past it.
     settings = load_settings(write(tmp_path, FULL))
     defaults = parse_settings(yaml.safe_load(MINIMAL), base_dir=tmp_path)
-    sections: list[tuple[ServerSettings | LoggingSettings, ServerSettings | LoggingSettings]] = [
+    sections: list[tuple[Any, Any]] = [
         (settings.server, defaults.server),
         (settings.logging, defaults.logging),
+        (settings.auth, defaults.auth),
     ]
     for got, default in sections:
         for field in dataclasses.fields(got):
@@ -381,10 +386,10 @@ BAD: list[tuple[str, Any, str, str]] = [
      "logging.file", "unknown key (expected one of format, level)"),
     # top level and file
     ("top-unknown-key", {**with_model(), "servers": {}}, "servers",
-     "unknown key (expected one of lock, logging, models, server)"),
+     "unknown key (expected one of auth, lock, logging, models, server)"),
     ("top-non-string-key", "1: one\n" + MINIMAL, "1", "unknown key"),
     ("top-level-list", "- name: tiny\n  file: tiny.gguf\n", "(top level)",
-     "must be a mapping with keys server, models, logging, lock, got [{"),
+     "must be a mapping with keys server, models, logging, lock, auth, got [{"),
     ("top-level-string", "just text\n", "(top level)", "got 'just text'"),
     ("empty-file", "", "{file}", "config file is empty"),
     ("comments-only", "# nothing yet\n", "{file}", "config file is empty"),
@@ -520,7 +525,7 @@ def test_parse_settings_rejects_non_mapping_data(tmp_path: Path) -> None:
         parse_settings(None, base_dir=tmp_path)
 
     assert caught.value.problems == [
-        "(top level): must be a mapping with keys server, models, logging, lock, got None"
+        "(top level): must be a mapping with keys server, models, logging, lock, auth, got None"
     ]
 
 

@@ -1,0 +1,112 @@
+"""Bearer-key authentication with scopes on /v1/* and /admin/*, with an audit line per failure."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+from aiohttp import web
+
+from edgellmd import appkeys
+from edgellmd.errors import ApiError, Handler
+from edgellmd.keystore import ApiKey, KeyStore, hash_secret, parse_token
+
+log = logging.getLogger(__name__)
+audit = logging.getLogger("edgellmd.audit")
+
+
+class AuthenticationFailed(ApiError):
+    """401: no usable bearer token."""
+
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(ApiError):
+    """403: the key is valid but lacks the scope."""
+
+    status = 403
+    type = "permission_error"
+    default_code = "insufficient_scope"
+
+
+def scope_for(path: str) -> str | None:
+    """The scope a path needs, or None for public paths."""
+    if path.startswith("/v1/") or path == "/v1":
+        return "inference"
+    if path.startswith("/admin/") or path == "/admin":
+        return "admin"
+    return None
+
+
+def _unauthorized(message: str) -> AuthenticationFailed:
+    return AuthenticationFailed(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def authenticate(store: KeyStore, header: str | None, scope: str, peer: str | None,
+                 now: datetime | None = None) -> ApiKey:
+    """The key a request's Authorization header carries, checked for the scope; audit-logs failures."""
+    moment = now or datetime.now(UTC)
+    if not header:
+        audit.warning("auth failed: no bearer token", extra={"peer": peer, "key_id": None})
+        raise _unauthorized("missing API key: send Authorization: Bearer <key>")
+    scheme, _, token = header.partition(" ")
+    parsed = parse_token(token.strip()) if scheme.lower() == "bearer" else None
+    if parsed is None:
+        audit.warning("auth failed: malformed bearer token", extra={"peer": peer, "key_id": None})
+        raise _unauthorized("malformed API key")
+    key_id, secret = parsed
+    key = store.get(key_id)
+    # Compare against a dummy hash for unknown ids too, so timing says nothing about ids.
+    expected = key.hash if key is not None else "sha256:" + "0" * 64
+    if not hmac.compare_digest(hash_secret(secret).encode(), expected.encode()) or key is None:
+        audit.warning("auth failed: wrong or unknown key", extra={"peer": peer, "key_id": key_id})
+        raise _unauthorized("invalid API key")
+    problem = key.usable(moment)
+    if problem is not None:
+        audit.warning("auth failed: key %s", problem, extra={"peer": peer, "key_id": key_id})
+        raise _unauthorized(f"API key {problem}")
+    if scope not in key.scopes:
+        audit.warning("auth failed: key lacks scope %s", scope, extra={"peer": peer, "key_id": key_id})
+        raise PermissionDenied(f"this API key does not have the '{scope}' scope")
+    return key
+
+
+def setup_auth(app: web.Application, keys_file: Path | None) -> None:
+    """Install bearer-key checks on /v1/* and /admin/* (only when a keys file is configured)."""
+    if keys_file is None:
+        return
+    store_holder: list[KeyStore] = []
+
+    @web.middleware
+    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        scope = scope_for(request.path)
+        if scope is not None:
+            request[appkeys.API_KEY] = authenticate(
+                store_holder[0], request.headers.get("Authorization"), scope, request.remote)
+        return await handler(request)
+
+    async def keys_ctx(app: web.Application) -> AsyncIterator[None]:
+        store = KeyStore(keys_file)
+        store_holder.append(store)
+        app[appkeys.KEY_STORE] = store
+        log.info("API keys: %d key(s) from %s", len(store), keys_file)
+        task = asyncio.create_task(store.watch(), name="keys-watch")
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    app.middlewares.append(auth_middleware)
+    app.cleanup_ctx.append(keys_ctx)
+
+
+def request_key(request: web.Request) -> ApiKey | None:
+    """The key that authenticated this request (None when auth is off)."""
+    return request.get(appkeys.API_KEY)
+
+

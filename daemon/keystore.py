@@ -1,0 +1,233 @@
+"""API keys at rest: the keys file (hashed secrets only), its validation and hot reload."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import os
+import re
+import secrets
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+TOKEN_PREFIX: Final = "elk"  # noqa: S105 - a label, not a secret. "edgellm key": recognisable in configs, logs of other tools, scanners
+SCOPES: Final = ("inference", "admin", "metrics")
+RELOAD_INTERVAL_S: Final = 0.5  # how often the keys file's identity (inode, size, mtime) is checked
+_ID: Final = re.compile(r"[0-9a-f]{12}")
+_TOKEN: Final = re.compile(r"elk_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})")
+_HASH: Final = re.compile(r"sha256:[0-9a-f]{64}")
+_LIMIT_KEYS: Final = ("rpm", "tpm", "concurrent", "max_tokens")
+_ENTRY_KEYS: Final = ("id", "name", "hash", "scopes", "expires", "disabled", "limits", "created")
+MAX_KEYS_BYTES: Final = 4 * 1024 * 1024
+
+
+class KeysFileError(Exception):
+    """The keys file cannot be used; the message names the entry and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLimits:
+    """Per-key limits; None means unlimited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    concurrent: int | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """One key as stored: never the secret, only its hash."""
+
+    id: str
+    name: str
+    hash: str
+    scopes: frozenset[str]
+    expires: datetime | None = None
+    disabled: bool = False
+    limits: KeyLimits = field(default_factory=KeyLimits)
+
+    def usable(self, now: datetime) -> str | None:
+        """Why this key cannot be used now, or None."""
+        if self.disabled:
+            return "disabled"
+        if self.expires is not None and now >= self.expires:
+            return "expired"
+        return None
+
+
+def hash_secret(secret: str) -> str:
+    """Stored form of a token's secret. Secrets are 256 random bits: a fast hash suffices."""
+    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_token() -> tuple[str, str, str]:
+    """A fresh (key id, token, stored hash)."""
+    key_id = secrets.token_hex(6)
+    secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
+    return key_id, f"{TOKEN_PREFIX}_{key_id}_{secret}", hash_secret(secret)
+
+
+def parse_token(token: str) -> tuple[str, str] | None:
+    """(key id, secret) of a well-formed token, else None."""
+    match = _TOKEN.fullmatch(token)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _time(value: object, where: str) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    if isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            pass
+        else:
+            return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    raise KeysFileError(f"{where}: must be a UTC time like 2027-01-01T00:00:00Z")
+
+
+def _limits(value: object, where: str) -> KeyLimits:
+    if value is None:
+        return KeyLimits()
+    if not isinstance(value, dict):
+        raise KeysFileError(f"{where}: must be a mapping of {', '.join(_LIMIT_KEYS)}")
+    unknown = sorted(set(value) - set(_LIMIT_KEYS))
+    if unknown:
+        raise KeysFileError(f"{where}.{unknown[0]}: unknown limit")
+    out: dict[str, int | None] = {}
+    for key in _LIMIT_KEYS:
+        item = value.get(key)
+        if item is not None and (isinstance(item, bool) or not isinstance(item, int) or item < 1):
+            raise KeysFileError(f"{where}.{key}: must be an integer >= 1 or null")
+        out[key] = item
+    return KeyLimits(**out)
+
+
+def parse_keys(data: object) -> dict[str, ApiKey]:
+    """Validate the keys file's YAML into keys by id; errors name the entry and field."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or set(data) - {"keys"}:
+        raise KeysFileError("the keys file must be a mapping with one member, 'keys'")
+    entries = data.get("keys") or []
+    if not isinstance(entries, list):
+        raise KeysFileError("keys: must be a list")
+    keys: dict[str, ApiKey] = {}
+    for i, entry in enumerate(entries):
+        where = f"keys[{i}]"
+        if not isinstance(entry, dict):
+            raise KeysFileError(f"{where}: must be a mapping")
+        unknown = sorted(set(entry) - set(_ENTRY_KEYS))
+        if unknown:
+            raise KeysFileError(f"{where}.{unknown[0]}: unknown field")
+        key_id, name, hashed = entry.get("id"), entry.get("name"), entry.get("hash")
+        if not isinstance(key_id, str) or not _ID.fullmatch(key_id):
+            raise KeysFileError(f"{where}.id: must be 12 lowercase hex digits")
+        if key_id in keys:
+            raise KeysFileError(f"{where}.id: duplicate key id {key_id}")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise KeysFileError(f"{where}.name: must be a string of 1 to 64 characters")
+        if not isinstance(hashed, str) or not _HASH.fullmatch(hashed):
+            raise KeysFileError(f"{where}.hash: must be sha256:<64 hex digits> (never the secret)")
+        scopes = entry.get("scopes")
+        if not isinstance(scopes, list) or not scopes or not all(s in SCOPES for s in scopes):
+            raise KeysFileError(f"{where}.scopes: must be a non-empty list of {', '.join(SCOPES)}")
+        disabled = entry.get("disabled", False)
+        if not isinstance(disabled, bool):
+            raise KeysFileError(f"{where}.disabled: must be true or false")
+        keys[key_id] = ApiKey(id=key_id, name=name, hash=hashed, scopes=frozenset(scopes),
+                              expires=_time(entry.get("expires"), f"{where}.expires"),
+                              disabled=disabled, limits=_limits(entry.get("limits"), f"{where}.limits"))
+    return keys
+
+
+def read_keys_file(path: Path) -> dict[str, ApiKey]:
+    """Read and validate a keys file; refuses files that others can read or write."""
+    try:
+        info = path.stat()
+        if info.st_size > MAX_KEYS_BYTES:
+            raise KeysFileError(f"{path} is larger than {MAX_KEYS_BYTES} bytes")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise KeysFileError(f"{path} is readable or writable by others (mode "
+                                f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KeysFileError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise KeysFileError(f"{path} is not UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise KeysFileError(f"{path}: YAML syntax error: {exc}") from None
+    return parse_keys(data)
+
+
+class KeyStore:
+    """The keys in force, swapped whole when the keys file changes and still parses."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._keys: Mapping[str, ApiKey] = read_keys_file(path)
+        self._identity = self._stat()
+
+    def _stat(self) -> tuple[int, int, int, int] | None:
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return None
+        return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_mode)
+
+    def get(self, key_id: str) -> ApiKey | None:
+        """The key with this id, if any."""
+        return self._keys.get(key_id)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the file if it changed; a bad new file is logged and the last good keys stay."""
+        identity = self._stat()
+        if identity == self._identity:
+            return False
+        self._identity = identity
+        try:
+            keys = read_keys_file(self.path)
+        except KeysFileError as exc:
+            log.error("keys file change rejected, the previous %d key(s) stay in force: %s",  # noqa: TRY400
+                      len(self._keys), exc)
+            return False
+        self._keys = keys
+        log.info("keys file reloaded: %d key(s)", len(keys))
+        return True
+
+    async def watch(self) -> None:
+        """Poll the keys file's identity and reload it when it changes (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(RELOAD_INTERVAL_S)
+            self.reload_if_changed()
+
+
+def key_record(key_id: str, name: str, hashed: str, scopes: list[str], *, limits: dict[str, int],
+               expires: datetime | None) -> dict[str, Any]:
+    """A keys-file entry, as `edgellmctl keys create` appends it."""
+    record: dict[str, Any] = {"id": key_id, "name": name, "hash": hashed, "scopes": scopes,
+                              "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                              "disabled": False}
+    if expires is not None:
+        record["expires"] = expires.strftime("%Y-%m-%dT%H:%M:%SZ")
+    if limits:
+        record["limits"] = limits
+    return record

@@ -1,0 +1,137 @@
+"""`edgellmctl keys create|list|revoke`: API keys in the daemon's keys file (hashed, mode 0600)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+
+from edgellmctl.lock import CommandError, parse_duration, write_atomically
+from edgellmd.keystore import SCOPES, KeysFileError, key_record, new_token, parse_keys, read_keys_file
+
+DEFAULT_KEYS: Final = Path("keys.yaml")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"keys": []}
+    read_keys_file(path)  # validates (and refuses a file others can read)
+    data: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8")) or {"keys": []}
+    data.setdefault("keys", [])
+    return data
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    parse_keys(data)  # never write a file the daemon would refuse
+    text = "# edgellm API keys: secrets are stored only as hashes. Edit with `edgellmctl keys`.\n"
+    text += yaml.safe_dump(data, sort_keys=False)
+    write_atomically(path, text.encode(), mode=0o600)
+
+
+def create_key(path: Path, name: str, scopes: list[str], *, limits: dict[str, int],
+               expires_in: str | None = None) -> tuple[str, str]:
+    """Append a new key to the keys file; returns (key id, token). The token is not stored."""
+    data = _load(path)
+    key_id, token, hashed = new_token()
+    expires = datetime.now(UTC).replace(microsecond=0) + parse_duration(expires_in) if expires_in else None
+    data["keys"].append(key_record(key_id, name, hashed, sorted(set(scopes)), limits=limits,
+                                   expires=expires))
+    _save(path, data)
+    return key_id, token
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    """Print the new token once (stdout only), append its hash to the keys file."""
+    limits = {k: v for k, v in (("rpm", args.rpm), ("tpm", args.tpm), ("concurrent", args.concurrent),
+                                ("max_tokens", args.max_tokens)) if v is not None}
+    key_id, token = create_key(args.file, args.name, args.scope, limits=limits,
+                               expires_in=args.expires)
+    print(token)
+    print(f"key {key_id} ({args.name}, scopes {', '.join(sorted(set(args.scope)))}) added to "
+          f"{args.file}; the token above is shown once and stored nowhere", file=sys.stderr)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """One line per key; never secrets or hashes."""
+    keys = read_keys_file(args.file)
+    now = datetime.now(UTC)
+    print(f"{'ID':<12}  {'NAME':<20}  {'SCOPES':<26}  {'STATE':<8}  {'EXPIRES':<20}  LIMITS")
+    for key in keys.values():
+        state = key.usable(now) or "active"
+        expires = key.expires.strftime("%Y-%m-%dT%H:%M:%SZ") if key.expires else "-"
+        limits = " ".join(f"{k}={getattr(key.limits, k)}" for k in ("rpm", "tpm", "concurrent", "max_tokens")
+                          if getattr(key.limits, k) is not None) or "-"
+        print(f"{key.id:<12}  {key.name[:20]:<20}  {','.join(sorted(key.scopes)):<26}  {state:<8}  "
+              f"{expires:<20}  {limits}")
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    """Disable a key (kept for the audit trail); the daemon stops accepting it on its next poll."""
+    data = _load(args.file)
+    for entry in data["keys"]:
+        if entry.get("id") == args.id:
+            entry["disabled"] = True
+            _save(args.file, data)
+            print(f"key {args.id} ({entry.get('name')}) revoked")
+            return 0
+    raise CommandError(f"no key with id {args.id!r} in {args.file}")
+
+
+def _guard(func: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            status: int = func(args)
+        except (CommandError, KeysFileError) as exc:
+            print(f"edgellmctl keys: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(f"edgellmctl keys: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+            return 1
+        return status
+
+    return run
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `keys`."""
+    keys = sub.add_parser("keys", help="manage API keys")
+    verbs = keys.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, help_: str) -> argparse.ArgumentParser:
+        p = verbs.add_parser(name, help=help_)
+        p.add_argument("--file", type=Path, default=DEFAULT_KEYS, help="keys file (default: keys.yaml)")
+        return p
+
+    create = verb("create", "make a key; prints its token once")
+    create.add_argument("--name", required=True, help="who the key is for")
+    create.add_argument("--scope", action="append", choices=SCOPES, required=True,
+                        help="inference, admin or metrics (repeatable)")
+    create.add_argument("--rpm", type=_positive, help="requests per minute")
+    create.add_argument("--tpm", type=_positive, help="tokens (prompt + completion) per minute")
+    create.add_argument("--concurrent", type=_positive, help="requests in flight at once")
+    create.add_argument("--max-tokens", type=_positive, help="ceiling on max_tokens")
+    create.add_argument("--expires", help="validity from now: 90d, 12h, 2w (default: never)")
+    create.set_defaults(func=_guard(cmd_create))
+    verb("list", "list keys (never secrets)").set_defaults(func=_guard(cmd_list))
+    revoke = verb("revoke", "disable a key")
+    revoke.add_argument("id", help="the key id (the 12 hex digits after elk_)")
+    revoke.set_defaults(func=_guard(cmd_revoke))
+
+
+__all__ = ["add_parser", "create_key"]
