@@ -8,6 +8,7 @@ from typing import Final
 from aiohttp import web
 
 from edgellmd.keystore import ApiKey, KeyStore
+from edgellmd.ratelimit import RateLimiter
 from edgellmd.registry import Registry
 from edgellmd.settings import Settings
 
@@ -15,7 +16,9 @@ SETTINGS: Final = web.AppKey("settings", Settings)
 REGISTRY: Final = web.AppKey("registry", Registry)
 EXECUTOR: Final = web.AppKey("executor", ThreadPoolExecutor)
 KEY_STORE: Final = web.AppKey("key_store", KeyStore)
+RATE_LIMITER: Final = web.AppKey("rate_limiter", RateLimiter)
 
 # Per-request state (request[...]).
 REQUEST_ID: Final = web.RequestKey("request_id", str)
 API_KEY: Final = web.RequestKey("api_key", ApiKey)  # the key that authenticated the request
+TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, for tokens/minute

@@ -14,6 +14,7 @@ from aiohttp import web
 from edgellmd import appkeys
 from edgellmd.errors import ApiError, Handler
 from edgellmd.keystore import ApiKey, KeyStore, hash_secret, parse_token
+from edgellmd.ratelimit import setup_ratelimit
 
 log = logging.getLogger(__name__)
 audit = logging.getLogger("edgellmd.audit")
@@ -103,6 +104,8 @@ def setup_auth(app: web.Application, keys_file: Path | None) -> None:
 
     app.middlewares.append(auth_middleware)
     app.cleanup_ctx.append(keys_ctx)
+    # Limits count only requests that proved who they are.
+    setup_ratelimit(app)
 
 
 def request_key(request: web.Request) -> ApiKey | None:

@@ -85,6 +85,14 @@ class UnsupportedMediaType(ApiError):
     default_code = "unsupported_media_type"
 
 
+class ServerOverloaded(ApiError):
+    """429: every slot is busy and the model's wait queue is full; come back shortly."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "server_overloaded"
+
+
 class ServiceUnavailable(ApiError):
     """503: the model is not loaded (yet); try again later."""
 

@@ -91,7 +91,7 @@ class Generation:
     step boundary.
     """
 
-    __slots__ = ("_cancelled", "_loop", "_queue", "id", "request")
+    __slots__ = ("_cancelled", "_loop", "_queue", "final", "id", "request")
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
         self.id: Final = next(_ids)
@@ -99,6 +99,7 @@ class Generation:
         self._loop = loop
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
+        self.final: Finished | None = None  # the Finished event, once it arrived
 
     @property
     def cancelled(self) -> bool:
@@ -122,6 +123,8 @@ class Generation:
     def push(self, events: list[Event]) -> None:
         """Deliver events on the loop's own thread."""
         for event in events:
+            if isinstance(event, Finished):
+                self.final = event
             self._queue.put_nowait(event)
 
     async def events(self) -> AsyncIterator[Event]:

@@ -20,7 +20,13 @@ from edgellmd.chat import (
     TemplateError,
 )
 from edgellmd.engine import Engine, EngineConfig, EngineError
-from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, ServiceUnavailable
+from edgellmd.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    ServerOverloaded,
+    ServiceUnavailable,
+)
 from edgellmd.generation import Generation, GenerationRequest
 from edgellmd.lockfile import (
     LockedModel,
@@ -149,8 +155,13 @@ class ModelHandle:
         return room if requested is None else min(requested, room)
 
     def submit(self, request: GenerationRequest) -> Generation:
-        """Start a generation on this model's scheduler."""
-        return self.engine.submit(request, asyncio.get_running_loop())
+        """Start a generation, or refuse at once (429) when every slot is busy and the queue full."""
+        engine = self.engine
+        if engine.busy_slots >= self.settings.slots and engine.queue_depth >= self.settings.queue_size:
+            raise ServerOverloaded(
+                f"model {self.name!r} is at capacity ({self.settings.slots} running, "
+                f"{engine.queue_depth} waiting); retry shortly", headers={"Retry-After": "1"})
+        return engine.submit(request, asyncio.get_running_loop())
 
 
 @dataclass(slots=True)

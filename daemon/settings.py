@@ -26,6 +26,7 @@ DEFAULT_CONTEXT_SIZE: Final = 4096
 DEFAULT_SLOTS: Final = 4
 DEFAULT_BATCH_SIZE: Final = 512
 DEFAULT_GPU_LAYERS: Final = 0
+DEFAULT_QUEUE_SIZE: Final = 16
 
 # Limits on what a config may ask for.
 PORT_RANGE: Final = (1, 65535)
@@ -37,6 +38,7 @@ THREADS_RANGE: Final = (1, 1024)
 BATCH_SIZE_RANGE: Final = (1, 65536)
 GPU_LAYERS_RANGE: Final = (0, 100_000)  # plus -1, meaning every layer
 GPU_LAYERS_ALL: Final = -1
+QUEUE_SIZE_RANGE: Final = (0, 100_000)
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMATS: Final = ("json", "text")
 MAX_CONFIG_BYTES: Final = 1_048_576  # a config file is a few hundred bytes; refuse anything absurd
@@ -116,6 +118,7 @@ class ModelSettings:
     gpu_layers: int = DEFAULT_GPU_LAYERS  # -1: all layers
     chat_template: str | None = None  # a llama.cpp built-in template name
     chat_template_file: Path | None = None  # a Jinja2 template file; absolute
+    queue_size: int = DEFAULT_QUEUE_SIZE  # requests that may wait for a slot; more get 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +359,7 @@ def _parse_model(checker: _Checker, value: object, path: str, base_dir: Path) ->
         ),
         chat_template=chat_template,
         chat_template_file=chat_template_file,
+        queue_size=checker.integer(data, path, "queue_size", DEFAULT_QUEUE_SIZE, QUEUE_SIZE_RANGE),
     )
 
 

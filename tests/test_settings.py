@@ -104,6 +104,7 @@ models:
     batch_size: 256
     gpu_layers: -1
     chat_template: gemma
+    queue_size: 4
   - name: Tiny-1.0_b
     file: /srv/models/tiny.gguf
     chat_template_file: templates/tiny.jinja
@@ -140,6 +141,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 batch_size=256,
                 gpu_layers=-1,
                 chat_template="gemma",
+                queue_size=4,
             ),
             ModelSettings(
                 name="Tiny-1.0_b",

@@ -39,8 +39,13 @@ SSE_HEADERS: Final = {
 
 def _limits(request: web.Request) -> Limits:
     server = request.app[appkeys.SETTINGS].server
-    return Limits(max_tokens_limit=server.max_tokens_limit,
-                  default_max_tokens=server.default_max_tokens)
+    ceiling = server.max_tokens_limit
+    key = request.get(appkeys.API_KEY)
+    if key is not None and key.limits.max_tokens is not None:
+        ceiling = min(ceiling, key.limits.max_tokens)  # the key's own ceiling, when lower
+    default = server.default_max_tokens
+    return Limits(max_tokens_limit=ceiling,
+                  default_max_tokens=min(default, ceiling) if default is not None else None)
 
 
 def _usage(fin: Finished) -> dict[str, int]:
@@ -192,6 +197,9 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
         # must be free now, not when the generation would have ended.
         gen.cancel()
         handle.engine.wake()
+        fin = gen.final
+        request[appkeys.TOKENS_USED] = (fin.prompt_tokens + fin.completion_tokens if fin
+                                        else len(tokens))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -228,6 +228,8 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
             max_tokens = value
     if max_tokens is None:
         max_tokens = limits.default_max_tokens if limits.default_max_tokens else default_max_tokens
+    if max_tokens is None:  # no limit asked for: the ceiling still applies
+        max_tokens = limits.max_tokens_limit
 
     n = f.integer("n", lo=1, hi=128)
     if n is not None and n != 1:

@@ -1,0 +1,175 @@
+"""Per-key rate limits: token buckets for requests and tokens per minute, a concurrency cap, 429s."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from aiohttp import web
+
+from edgellmd.errors import ApiError, Handler
+from edgellmd.keystore import ApiKey
+
+MINUTE_S: Final = 60.0
+
+
+class RateLimited(ApiError):
+    """429: the key is over one of its limits; Retry-After says when to come back."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """`capacity` units refilled evenly over a minute; a charge may drive the level below zero."""
+
+    capacity: float
+    level: float = math.nan
+    updated: float | None = None  # clock reading of the last refill
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.level):
+            self.level = self.capacity
+
+    def refill(self, now: float) -> None:
+        """Add what the elapsed time earned, up to the capacity."""
+        if self.updated is not None:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.capacity / MINUTE_S)
+        self.updated = now
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until `amount` units are available (0 when they are now)."""
+        self.refill(now)
+        missing = amount - self.level
+        return 0.0 if missing <= 0 else missing * MINUTE_S / self.capacity
+
+    def take(self, amount: float, now: float) -> None:
+        """Spend `amount` (the caller checked `wait_for` first, or accepts a debt)."""
+        self.refill(now)
+        self.level -= amount
+
+    def reset_after(self, now: float) -> float:
+        """Seconds until the bucket is full again."""
+        self.refill(now)
+        return max(0.0, (self.capacity - self.level) * MINUTE_S / self.capacity)
+
+
+@dataclass(slots=True)
+class KeyState:
+    """The live counters of one key."""
+
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    in_flight: int = 0
+    limits_seen: tuple[int | None, int | None] = field(default=(None, None))
+
+
+def _duration(seconds: float) -> str:
+    # OpenAI's x-ratelimit-reset-* format: "1s", "6m0s", "250ms".
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+class RateLimiter:
+    """Counters per key id; limits come from the key as it is now (keys reload without a restart)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._states: dict[str, KeyState] = {}
+
+    def _state(self, key: ApiKey) -> KeyState:
+        limits = (key.limits.rpm, key.limits.tpm)
+        state = self._states.get(key.id)
+        if state is None or state.limits_seen != limits:
+            # New key, or its limits changed in the keys file: start from full buckets.
+            in_flight = state.in_flight if state else 0
+            state = KeyState(
+                requests=TokenBucket(float(key.limits.rpm)) if key.limits.rpm else None,
+                tokens=TokenBucket(float(key.limits.tpm)) if key.limits.tpm else None,
+                in_flight=in_flight, limits_seen=limits)
+            self._states[key.id] = state
+        return state
+
+    def admit(self, key: ApiKey) -> None:
+        """Count a new request against the key, or raise RateLimited with Retry-After."""
+        state = self._state(key)
+        now = self._clock()
+        if key.limits.concurrent is not None and state.in_flight >= key.limits.concurrent:
+            raise RateLimited(f"this key allows {key.limits.concurrent} concurrent request(s)",
+                              headers={"Retry-After": "1"})
+        waits = []
+        if state.requests is not None:
+            waits.append(("requests per minute", state.requests.wait_for(1, now)))
+        if state.tokens is not None:
+            # Tokens are charged when a request ends; a key in debt waits until it is paid.
+            waits.append(("tokens per minute", state.tokens.wait_for(0, now)))
+        for what, wait in waits:
+            if wait > 0:
+                raise RateLimited(f"rate limit reached for {what}; retry in {math.ceil(wait)} s",
+                                  headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        if state.requests is not None:
+            state.requests.take(1, now)
+        state.in_flight += 1
+
+    def release(self, key: ApiKey, tokens_used: int) -> None:
+        """A request of this key ended, having used `tokens_used` tokens (prompt + completion)."""
+        state = self._state(key)
+        state.in_flight = max(0, state.in_flight - 1)
+        if state.tokens is not None and tokens_used > 0:
+            state.tokens.take(tokens_used, self._clock())
+
+    def headers(self, key: ApiKey) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for the key's limited dimensions."""
+        state = self._state(key)
+        now = self._clock()
+        out: dict[str, str] = {}
+        for name, bucket in (("requests", state.requests), ("tokens", state.tokens)):
+            if bucket is None:
+                continue
+            bucket.refill(now)
+            out[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
+            out[f"x-ratelimit-remaining-{name}"] = str(max(0, math.floor(bucket.level)))
+            out[f"x-ratelimit-reset-{name}"] = _duration(bucket.reset_after(now))
+        return out
+
+
+def setup_ratelimit(app: web.Application) -> None:
+    """Install per-key limits on every authenticated request (after auth has set the key)."""
+    from edgellmd import appkeys  # noqa: PLC0415 - appkeys names RateLimiter: import when wiring
+
+    @web.middleware
+    async def ratelimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = request.get(appkeys.API_KEY)
+        if key is None or not request.path.startswith("/v1/"):
+            return await handler(request)
+        limiter = request.app[appkeys.RATE_LIMITER]
+        try:
+            limiter.admit(key)
+        except RateLimited as exc:
+            exc.headers.update(limiter.headers(key))
+            raise
+        try:
+            return await handler(request)
+        finally:
+            limiter.release(key, request.get(appkeys.TOKENS_USED, 0))
+
+    async def stamp(request: web.Request, response: web.StreamResponse) -> None:
+        key = request.get(appkeys.API_KEY)
+        if key is not None and request.path.startswith("/v1/"):
+            response.headers.update(request.app[appkeys.RATE_LIMITER].headers(key))
+
+    async def limiter_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[appkeys.RATE_LIMITER] = RateLimiter()
+        yield
+
+    app.middlewares.append(ratelimit_middleware)
+    app.on_response_prepare.append(stamp)
+    app.cleanup_ctx.append(limiter_ctx)

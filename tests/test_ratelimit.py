@@ -1,0 +1,218 @@
+"""Per-key limits and the bounded queue, measured against a real daemon, plus the bucket arithmetic."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from edgellmctl.keys import create_key
+from edgellmd import appkeys
+from edgellmd.keystore import ApiKey, KeyLimits
+from edgellmd.ratelimit import RateLimited, RateLimiter, TokenBucket
+from edgellmd.settings import parse_settings
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import RunningDaemon, running
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _key(**limits: int) -> ApiKey:
+    return ApiKey(id="0123456789ab", name="k", hash="sha256:" + "0" * 64,
+                  scopes=frozenset({"inference"}), limits=KeyLimits(**limits))
+
+
+def test_bucket_refills_evenly_over_a_minute() -> None:
+    bucket = TokenBucket(60.0)
+    bucket.take(60, 0.0)
+    assert bucket.wait_for(1, 0.0) == pytest.approx(1.0)
+    assert bucket.wait_for(1, 0.5) == pytest.approx(0.5)
+    assert bucket.wait_for(1, 1.0) == 0.0
+    assert bucket.reset_after(1.0) == pytest.approx(59.0)
+
+
+def test_limiter_requests_per_minute_with_a_fake_clock() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    key = _key(rpm=3)
+    for _ in range(3):
+        limiter.admit(key)
+        limiter.release(key, 0)
+    with pytest.raises(RateLimited) as caught:
+        limiter.admit(key)
+    assert caught.value.headers["Retry-After"] == "20"
+    assert limiter.headers(key)["x-ratelimit-remaining-requests"] == "0"
+    assert limiter.headers(key)["x-ratelimit-reset-requests"] == "1m0s"
+    clock.now += 20
+    limiter.admit(key)
+
+
+def test_limiter_tokens_per_minute_and_concurrency() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    key = _key(tpm=100, concurrent=1)
+    limiter.admit(key)
+    with pytest.raises(RateLimited, match="concurrent"):
+        limiter.admit(key)
+    limiter.release(key, 130)  # 30 tokens in debt
+    with pytest.raises(RateLimited) as caught:
+        limiter.admit(key)
+    assert caught.value.headers["Retry-After"] == "18"  # 30 tokens of debt at 100/minute
+    clock.now += 18
+    limiter.admit(key)
+    assert limiter.headers(key)["x-ratelimit-limit-tokens"] == "100"
+
+
+@pytest.fixture(scope="module")
+def limited(models_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, dict[str, str]]]:
+    root = tmp_path_factory.mktemp("limits")
+    keys = root / "keys.yaml"
+    tokens = {
+        "rpm": create_key(keys, "rpm", ["inference"], limits={"rpm": 60})[1],
+        "tpm": create_key(keys, "tpm", ["inference"], limits={"tpm": 200})[1],
+        "ceiling": create_key(keys, "ceiling", ["inference"], limits={"max_tokens": 8})[1],
+        "free": create_key(keys, "free", ["inference"], limits={})[1],
+    }
+    settings = parse_settings({"models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"),
+                                           "slots": 2, "context_size": 256, "threads": 1}],
+                               "lock": {"allow_unsigned": True}, "auth": {"keys_file": str(keys)}},
+                              base_dir=root)
+    with running(settings) as daemon:
+        yield daemon, tokens
+
+
+def _complete(daemon: RunningDaemon, token: str, **body: Any) -> tuple[int, Any, dict[str, str]]:
+    import json  # noqa: PLC0415
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    payload = {"model": "tiny", "prompt": "x", "max_tokens": 1, **body}
+    req = urllib.request.Request(daemon.url + "/v1/completions", data=json.dumps(payload).encode(),  # noqa: S310
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {token}"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+def test_a_60_rpm_burst_gets_its_bucket_then_429s(limited: tuple[RunningDaemon, dict[str, str]]) -> None:
+    daemon, tokens = limited
+    results = [_complete(daemon, tokens["rpm"]) for _ in range(100)]
+    statuses = [s for s, _, _ in results]
+    ok = statuses.count(200)
+    # The bucket holds 60; the burst takes a couple of seconds, which refills one or two more.
+    assert 60 <= ok <= 64
+    assert statuses[:60] == [200] * 60
+    refused = [(b, h) for s, b, h in results if s == 429]
+    assert len(refused) == 100 - ok
+    body, headers = refused[-1]
+    assert body["error"]["type"] == "rate_limit_error"
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    retry_after = int(headers["Retry-After"])
+    assert retry_after == 1  # one request per second refills
+    assert headers["x-ratelimit-limit-requests"] == "60"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    ok_headers = results[0][2]
+    assert ok_headers["x-ratelimit-limit-requests"] == "60"
+    assert int(ok_headers["x-ratelimit-remaining-requests"]) >= 58
+    time.sleep(retry_after)
+    assert _complete(daemon, tokens["rpm"])[0] == 200
+
+
+def test_tokens_per_minute(limited: tuple[RunningDaemon, dict[str, str]]) -> None:
+    daemon, tokens = limited
+    statuses = []
+    for _ in range(12):
+        status, body, headers = _complete(daemon, tokens["tpm"], prompt="p" * 40, max_tokens=10,
+                                          ignore_eos=True)
+        statuses.append(status)
+        if status == 429:
+            break
+    # Each request costs 41 prompt + 10 completion tokens: a 200-token bucket serves 4 (the
+    # 4th leaves it 4 tokens in debt), and the 5th is refused until the debt is paid.
+    assert statuses == [200] * 4 + [429]
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    wait = int(headers["Retry-After"])
+    assert 1 <= wait <= 2  # 4 tokens of debt at 200 per minute: 1.2 s
+    assert headers["x-ratelimit-limit-tokens"] == "200"
+    assert headers["x-ratelimit-remaining-tokens"] == "0"
+    time.sleep(wait)
+    assert _complete(daemon, tokens["tpm"], prompt="p", max_tokens=1)[0] == 200
+
+
+def test_a_key_max_tokens_ceiling(limited: tuple[RunningDaemon, dict[str, str]]) -> None:
+    daemon, tokens = limited
+    status, body, _ = _complete(daemon, tokens["ceiling"], max_tokens=9)
+    assert status == 400
+    assert body["error"]["param"] == "max_tokens"
+    status, body, _ = _complete(daemon, tokens["ceiling"], prompt="y", max_tokens=None, ignore_eos=True)
+    assert status == 200
+    assert body["usage"]["completion_tokens"] <= 16  # completions default
+
+
+def test_unlimited_keys_get_no_ratelimit_headers(limited: tuple[RunningDaemon, dict[str, str]]) -> None:
+    daemon, tokens = limited
+    status, _, headers = _complete(daemon, tokens["free"])
+    assert status == 200
+    assert not any(h.lower().startswith("x-ratelimit") for h in headers)
+
+
+def test_the_openai_client_retries_a_429_and_succeeds(limited: tuple[RunningDaemon, dict[str, str]]) -> None:
+    daemon, tokens = limited
+    time.sleep(1.2)
+    while _complete(daemon, tokens["rpm"])[0] == 200:  # drain the bucket
+        pass
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=tokens["rpm"], max_retries=3)
+    started = time.monotonic()
+    reply = client.completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert reply.usage is not None
+    assert time.monotonic() - started >= 0.5  # it had to wait for Retry-After
+
+
+def test_a_full_queue_refuses_at_once(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "slow.gguf", TinyModelSpec(seed=7, n_embd=512, n_head=8,
+                                                                   n_head_kv=4, n_layer=2, n_ff=2048))
+    settings = parse_settings({"models": [{"name": "slow", "file": str(model), "slots": 1,
+                                           "queue_size": 2, "context_size": 2048, "threads": 1}],
+                               "lock": {"allow_unsigned": True}}, base_dir=tmp_path)
+    with running(settings) as daemon:
+        results: dict[int, tuple[int, Any]] = {}
+
+        def call(i: int) -> None:
+            results[i] = daemon.post("/v1/completions", {"model": "slow", "prompt": f"q{i}",
+                                                         "max_tokens": 800, "ignore_eos": True})
+
+        assert daemon.app is not None
+        engine = daemon.app[appkeys.REGISTRY].get("slow").engine
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while (engine.busy_slots, engine.queue_depth) != (1, 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (engine.busy_slots, engine.queue_depth) == (1, 2)  # one running, two waiting
+        started = time.monotonic()
+        status, body = daemon.post("/v1/completions", {"model": "slow", "prompt": "q3", "max_tokens": 5})
+        refused_in = time.monotonic() - started
+        for t in threads:
+            t.join(60)
+    assert status == 429
+    assert body["error"]["code"] == "server_overloaded"
+    assert refused_in < 0.5  # at once, not after the queue drained
+    assert [results[i][0] for i in range(3)] == [200, 200, 200]
+    assert all(results[i][1]["usage"]["completion_tokens"] == 800 for i in range(3))
