@@ -578,3 +578,23 @@ def test_seeded_sampling_is_reproducible(daemon: RunningDaemon, path: str) -> No
     assert sample(42) == sample(42)
     # Different seeds draw different text (24 draws over ~40 candidates each: a tie is negligible).
     assert sample(42) != sample(43)
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/v1/models", "/v1/nothing"])
+def test_security_headers_on_every_answer(daemon: RunningDaemon, path: str) -> None:
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(daemon.url + path, timeout=10) as resp:  # noqa: S310 - loopback
+            headers = resp.headers
+    except urllib.error.HTTPError as exc:
+        with exc:
+            headers = exc.headers
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    assert headers["X-Frame-Options"] == "DENY"
+    assert headers["Referrer-Policy"] == "no-referrer"
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
+    assert headers["Cache-Control"] == "no-store"
+    assert headers["Server"] == "edgellm"  # no software versions
+    assert "Access-Control-Allow-Origin" not in headers  # no CORS unless configured
