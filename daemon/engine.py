@@ -569,8 +569,8 @@ class Engine:
                 flushed: bool = False, deliver: bool = False) -> list[Event]:
         slot = self._slots[i]
         assert slot is not None  # noqa: S101 - scheduler invariant
+        self.finished[reason] += 1  # counted before the slot shows free: readers see both
         self._slots[i] = None
-        self.finished[reason] += 1
         if reason == "error":  # the cache may not hold what _kv says: forget it
             llama.llama_memory_seq_rm(self._memory, i, -1, -1)
             self._kv[i].clear()

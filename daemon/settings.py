@@ -20,6 +20,7 @@ DEFAULT_PORT: Final = 8080
 DEFAULT_MAX_BODY_BYTES: Final = 1_048_576
 DEFAULT_MAX_TOKENS_LIMIT: Final = 4096
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
+DEFAULT_STREAM_WRITE_TIMEOUT_S: Final = 30.0
 DEFAULT_LOG_LEVEL: Final = "info"
 DEFAULT_LOG_FORMAT: Final = "json"
 DEFAULT_CONTEXT_SIZE: Final = 4096
@@ -75,6 +76,7 @@ class ServerSettings:
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT  # ceiling on any request's max_tokens
     default_max_tokens: int | None = None  # None: until the slot's context is full
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client that stops reading is cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +309,9 @@ def _parse_server(checker: _Checker, value: object) -> ServerSettings:
         default_max_tokens=checker.optional_integer(data, path, "default_max_tokens", (1, limit)),
         shutdown_timeout_s=checker.positive_number(
             data, path, "shutdown_timeout_s", DEFAULT_SHUTDOWN_TIMEOUT_S
+        ),
+        stream_write_timeout_s=checker.positive_number(
+            data, path, "stream_write_timeout_s", DEFAULT_STREAM_WRITE_TIMEOUT_S
         ),
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -63,6 +64,16 @@ class RunningDaemon:
     async def _stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    def shrink_send_buffers(self, size: int) -> None:
+        """Give connections accepted from now on a small kernel send buffer (Linux inherits it
+        from the listening socket), so that a client that stops reading blocks the server fast."""
+        assert self._runner is not None
+        for site in self._runner.sites:
+            server = site._server  # aiohttp keeps the asyncio server private
+            assert server is not None
+            for sock in server.sockets:  # type: ignore[attr-defined] # an asyncio Server here
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
     @property
     def url(self) -> str:

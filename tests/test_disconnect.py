@@ -75,3 +75,37 @@ def test_disconnect_of_a_non_streamed_request_frees_the_slot(slow_daemon: Runnin
         time.sleep(0.005)
     assert _engine_busy(slow_daemon) == 1
     assert _seconds_to_free_after_closing(slow_daemon, sock) < 1.0
+
+
+def test_a_client_that_stops_reading_is_cut_and_its_slot_freed(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = write_tiny_model(tmp_path_factory.mktemp("stall") / "slow.gguf",
+                            TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048))
+    settings = settings_for([{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096,
+                              "threads": 1}],
+                            server={"max_tokens_limit": 4000, "stream_write_timeout_s": 1.0})
+    with running(settings) as daemon:
+        assert daemon.app is not None
+        engine = daemon.app[appkeys.REGISTRY].get("slow").engine
+        daemon.shrink_send_buffers(4096)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
+        sock.connect(("127.0.0.1", daemon.port))
+        payload = json.dumps({"model": "slow", "prompt": "go", "max_tokens": 4000, "stream": True,
+                              "ignore_eos": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        assert b"200 OK" in sock.recv(64)  # and then never read again
+        deadline = time.monotonic() + 5
+        while not engine.busy_slots and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.busy_slots == 1
+        started = time.monotonic()
+        while engine.busy_slots and time.monotonic() - started < 30:
+            time.sleep(0.05)
+        assert engine.busy_slots == 0
+        # Cut long before the 4000 tokens were done: the generation was cancelled, not finished.
+        assert engine.finished["cancelled"] == 1, dict(engine.finished)
+        assert engine.finished["length"] == 0
+        assert engine.tokens_generated < 4000
+        sock.close()

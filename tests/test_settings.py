@@ -94,6 +94,7 @@ server:
   max_tokens_limit: 2048
   default_max_tokens: 256
   shutdown_timeout_s: 5.5
+  stream_write_timeout_s: 2.5
 models:
   - name: gemma3:270m
     file: models/gemma.gguf
@@ -129,6 +130,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             max_tokens_limit=2048,
             default_max_tokens=256,
             shutdown_timeout_s=5.5,
+            stream_write_timeout_s=2.5,
         ),
         models=(
             ModelSettings(
@@ -314,7 +316,7 @@ BAD: list[tuple[str, Any, str, str]] = [
      "server.shutdown_timeout_s", "got True"),
     ("server-unknown-key", {**with_model(), "server": {"colour": "red"}}, "server.colour",
      "unknown key (expected one of default_max_tokens, host, max_body_bytes, "
-     "max_tokens_limit, port, shutdown_timeout_s)"),
+     "max_tokens_limit, port, shutdown_timeout_s, stream_write_timeout_s)"),
     ("server-not-mapping", {**with_model(), "server": [8080]}, "server",
      "must be a mapping with keys host, port"),
     # models
@@ -459,7 +461,7 @@ lock:
 
     expected = [
         "server.colour: unknown key (expected one of default_max_tokens, host, "
-        "max_body_bytes, max_tokens_limit, port, shutdown_timeout_s)",
+        "max_body_bytes, max_tokens_limit, port, shutdown_timeout_s, stream_write_timeout_s)",
         "server.port: must be an integer from 1 to 65535, got True",
         "models[0].slots: must be an integer from 1 to 256, got 0",
         "models[1].name: required",

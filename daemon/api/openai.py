@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
@@ -148,29 +149,40 @@ async def _collect(gen: Generation, shape: _Shape) -> web.Response:
 async def _stream(request: web.Request, gen: Generation, shape: _Shape) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
+    timeout = request.app[appkeys.SETTINGS].server.stream_write_timeout_s
 
-    async def send(obj: dict[str, Any]) -> None:
-        await response.write(b"data: " + _dumps(obj) + b"\n\n")
+    async def write(data: bytes) -> None:
+        # A client that stops reading fills the socket buffers and this write waits; past the
+        # deadline the stream is cut so that its slot goes to somebody who is listening.
+        async with asyncio.timeout(timeout):
+            await response.write(data)
 
     try:
-        await _send_events(response, send, gen, shape)
-        await response.write(SSE_DONE)
+        await _send_events(write, gen, shape)
+        await write(SSE_DONE)
         await response.write_eof()
     except ConnectionResetError:
         # The client went away mid-stream; the caller frees the slot. Nothing to answer.
         log.info("client disconnected mid-stream")
+    except TimeoutError:
+        log.warning("client stopped reading its stream for %.1f s; stream cut", timeout)
+        if request.transport is not None:
+            request.transport.abort()
     return response
 
 
-async def _send_events(response: web.StreamResponse, send: Callable[[dict[str, Any]], Any],
-                       gen: Generation, shape: _Shape) -> None:
+async def _send_events(write: Callable[[bytes], Awaitable[None]], gen: Generation,
+                       shape: _Shape) -> None:
+    async def send(obj: dict[str, Any]) -> None:
+        await write(b"data: " + _dumps(obj) + b"\n\n")
+
     include_usage = shape.include_usage
     if shape.chat:
         await send(shape.chunk("", None, role=True, include_usage=include_usage))
     async for event in gen.events():
         if isinstance(event, TextDelta):
             if event.text:
-                await response.write(shape.delta_event(event.text))
+                await write(shape.delta_event(event.text))
             continue
         if event.reason == "error":
             log.error("generation failed mid-stream: %s", event.error)
@@ -178,7 +190,7 @@ async def _send_events(response: web.StreamResponse, send: Callable[[dict[str, A
                                 "internal_error"))
             break
         if event.text:
-            await response.write(shape.delta_event(event.text))
+            await write(shape.delta_event(event.text))
         await send(shape.chunk(None if shape.chat else "", _finish_reason(event),
                                include_usage=include_usage))
         if include_usage:
