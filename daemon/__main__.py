@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Final
 
-from aiohttp import web
-
 from edgellmd import __version__, logs
-from edgellmd.app import create_app
-from edgellmd.settings import ConfigError, check_config, load_settings
+from edgellmd.app import create_app, start_server
+from edgellmd.settings import ConfigError, Settings, check_config, load_settings
 
 log = logging.getLogger("edgellmd")
 
@@ -29,6 +29,24 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--check-config", metavar="FILE",
                       help="validate this configuration, print every problem, exit 0 if valid")
     return parser
+
+
+async def serve(settings: Settings) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (bounded by shutdown_timeout_s)."""
+    runner = await start_server(create_app(settings), settings.server.host, settings.server.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    log.info("listening on %s:%d", settings.server.host, settings.server.port)
+    try:
+        await stop.wait()
+        log.info("shutting down: no new connections, in-flight requests get %.0f s",
+                 settings.server.shutdown_timeout_s)
+    finally:
+        # Stops accepting, lets handlers finish up to the timeout, then runs every cleanup
+        # context (schedulers stopped, models freed).
+        await runner.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,12 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("edgellmd %s starting on %s:%d with %d model(s)", __version__, settings.server.host,
              settings.server.port, len(settings.models))
     try:
-        # run_app turns SIGINT/SIGTERM into a graceful shutdown bounded by shutdown_timeout.
-        web.run_app(
-            create_app(settings), host=settings.server.host, port=settings.server.port,
-            handler_cancellation=True, access_log=None, print=None,
-            shutdown_timeout=settings.server.shutdown_timeout_s,
-        )
+        asyncio.run(serve(settings))
     except OSError as exc:
         log.error("cannot serve on %s:%d: %s", settings.server.host, settings.server.port, exc)  # noqa: TRY400 - the reason is the message
         return 1

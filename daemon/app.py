@@ -18,6 +18,7 @@ from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
 from edgellmd.auth import setup_auth
 from edgellmd.errors import Handler, error_middleware
+from edgellmd.frontdoor import GuardedSite
 from edgellmd.registry import EngineFactory, Registry, default_engine_factory
 from edgellmd.settings import Settings
 
@@ -117,10 +118,13 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
 
 async def start_server(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Start serving `app` on host:port (port 0 picks a free one); returns the runner to clean up."""
+    server = app[appkeys.SETTINGS].server
     # handler_cancellation: a client that disconnects cancels its handler, which frees its
     # slot at once instead of when its generation would have ended.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=server.shutdown_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = GuardedSite(runner, host, port, header_timeout=server.header_timeout_s,
+                       max_connections=server.max_connections)
     await site.start()
     return runner

@@ -21,6 +21,9 @@ DEFAULT_MAX_BODY_BYTES: Final = 1_048_576
 DEFAULT_MAX_TOKENS_LIMIT: Final = 4096
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 DEFAULT_STREAM_WRITE_TIMEOUT_S: Final = 30.0
+DEFAULT_HEADER_TIMEOUT_S: Final = 10.0
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+MAX_CONNECTIONS_RANGE: Final = (1, 1_000_000)
 DEFAULT_LOG_LEVEL: Final = "info"
 DEFAULT_LOG_FORMAT: Final = "json"
 DEFAULT_CONTEXT_SIZE: Final = 4096
@@ -77,6 +80,8 @@ class ServerSettings:
     default_max_tokens: int | None = None  # None: until the slot's context is full
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client that stops reading is cut
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # deadline for a connection's first request head
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections beyond this are closed at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +317,12 @@ def _parse_server(checker: _Checker, value: object) -> ServerSettings:
         ),
         stream_write_timeout_s=checker.positive_number(
             data, path, "stream_write_timeout_s", DEFAULT_STREAM_WRITE_TIMEOUT_S
+        ),
+        header_timeout_s=checker.positive_number(
+            data, path, "header_timeout_s", DEFAULT_HEADER_TIMEOUT_S
+        ),
+        max_connections=checker.integer(
+            data, path, "max_connections", DEFAULT_MAX_CONNECTIONS, MAX_CONNECTIONS_RANGE
         ),
     )
 

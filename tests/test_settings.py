@@ -95,6 +95,8 @@ server:
   default_max_tokens: 256
   shutdown_timeout_s: 5.5
   stream_write_timeout_s: 2.5
+  header_timeout_s: 3.5
+  max_connections: 99
 models:
   - name: gemma3:270m
     file: models/gemma.gguf
@@ -131,6 +133,8 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             default_max_tokens=256,
             shutdown_timeout_s=5.5,
             stream_write_timeout_s=2.5,
+            header_timeout_s=3.5,
+            max_connections=99,
         ),
         models=(
             ModelSettings(
@@ -315,8 +319,8 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("timeout-bool", {**with_model(), "server": {"shutdown_timeout_s": True}},
      "server.shutdown_timeout_s", "got True"),
     ("server-unknown-key", {**with_model(), "server": {"colour": "red"}}, "server.colour",
-     "unknown key (expected one of default_max_tokens, host, max_body_bytes, "
-     "max_tokens_limit, port, shutdown_timeout_s, stream_write_timeout_s)"),
+     "unknown key (expected one of default_max_tokens, header_timeout_s, host, max_body_bytes, "
+     "max_connections, max_tokens_limit, port, shutdown_timeout_s, stream_write_timeout_s)"),
     ("server-not-mapping", {**with_model(), "server": [8080]}, "server",
      "must be a mapping with keys host, port"),
     # models
@@ -460,8 +464,9 @@ lock:
         load_settings(config)
 
     expected = [
-        "server.colour: unknown key (expected one of default_max_tokens, host, "
-        "max_body_bytes, max_tokens_limit, port, shutdown_timeout_s, stream_write_timeout_s)",
+        "server.colour: unknown key (expected one of default_max_tokens, header_timeout_s, host, "
+        "max_body_bytes, max_connections, max_tokens_limit, port, shutdown_timeout_s, "
+        "stream_write_timeout_s)",
         "server.port: must be an integer from 1 to 65535, got True",
         "models[0].slots: must be an integer from 1 to 256, got 0",
         "models[1].name: required",
