@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +21,7 @@ from edgellmd.auth import setup_auth
 from edgellmd.errors import Handler, error_middleware
 from edgellmd.frontdoor import GuardedSite
 from edgellmd.registry import EngineFactory, Registry, default_engine_factory
-from edgellmd.settings import Settings
+from edgellmd.settings import ServerSettings, Settings
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("edgellmd.access")
@@ -116,6 +117,15 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
     return registry_ctx
 
 
+def _tls_context(server: ServerSettings) -> ssl.SSLContext | None:
+    if server.tls_cert is None or server.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(server.tls_cert, server.tls_key)
+    return context
+
+
 async def start_server(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Start serving `app` on host:port (port 0 picks a free one); returns the runner to clean up."""
     server = app[appkeys.SETTINGS].server
@@ -125,6 +135,6 @@ async def start_server(app: web.Application, host: str, port: int) -> web.AppRun
                            shutdown_timeout=server.shutdown_timeout_s)
     await runner.setup()
     site = GuardedSite(runner, host, port, header_timeout=server.header_timeout_s,
-                       max_connections=server.max_connections)
+                       max_connections=server.max_connections, ssl_context=_tls_context(server))
     await site.start()
     return runner

@@ -82,6 +82,8 @@ class ServerSettings:
     stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client that stops reading is cut
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # deadline for a connection's first request head
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections beyond this are closed at once
+    tls_cert: Path | None = None  # PEM certificate chain; with tls_key, the daemon speaks HTTPS
+    tls_key: Path | None = None  # PEM private key
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +295,7 @@ def _within(value: int, bounds: tuple[int, int | None]) -> bool:
     return value >= low and (high is None or value <= high)
 
 
-def _parse_server(checker: _Checker, value: object) -> ServerSettings:
+def _parse_server(checker: _Checker, value: object, base_dir: Path) -> ServerSettings:
     path = "server"
     data = checker.section(value, path, _SERVER_KEYS, null_ok=True)
     host = data.get("host", DEFAULT_HOST)
@@ -303,6 +305,7 @@ def _parse_server(checker: _Checker, value: object) -> ServerSettings:
     limit = checker.integer(
         data, path, "max_tokens_limit", DEFAULT_MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT_RANGE
     )
+    tls_cert, tls_key = _tls_pair(checker, data, base_dir)
     return ServerSettings(
         host=host,
         port=checker.integer(data, path, "port", DEFAULT_PORT, PORT_RANGE),
@@ -324,7 +327,18 @@ def _parse_server(checker: _Checker, value: object) -> ServerSettings:
         max_connections=checker.integer(
             data, path, "max_connections", DEFAULT_MAX_CONNECTIONS, MAX_CONNECTIONS_RANGE
         ),
+        tls_cert=tls_cert,
+        tls_key=tls_key,
     )
+
+
+def _tls_pair(checker: _Checker, data: Mapping[str, object],
+              base_dir: Path) -> tuple[Path | None, Path | None]:
+    cert = checker.file_path(data, "server", "tls_cert", base_dir)
+    key = checker.file_path(data, "server", "tls_key", base_dir)
+    if (data.get("tls_cert") is None) != (data.get("tls_key") is None):
+        checker.add("server.tls_cert", "tls_cert and tls_key go together: set both or neither")
+    return cert, key
 
 
 def _parse_logging(checker: _Checker, value: object) -> LoggingSettings:
@@ -403,7 +417,7 @@ def _parse_models(checker: _Checker, value: object, base_dir: Path) -> tuple[Mod
 
 def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
     top = checker.section(data, _TOP_LEVEL, _TOP_KEYS, null_ok=False)
-    server = _parse_server(checker, top.get("server"))
+    server = _parse_server(checker, top.get("server"), base_dir)
     if isinstance(data, dict):  # a non-mapping top level has already been reported
         if "models" in top:
             models = _parse_models(checker, top["models"], base_dir)

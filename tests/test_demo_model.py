@@ -186,3 +186,14 @@ async def test_prefix_reuse_on_a_sliding_window_model_keeps_answers_exact(demo_d
         assert engine.prompt_tokens_reused == before
     finally:
         await loop.run_in_executor(None, engine.close)
+
+
+def test_quickstart_tls_writes_a_pair_and_a_valid_config(tmp_path: Path) -> None:
+    directory = tmp_path / "tls-demo"
+    assert edgellmctl(["quickstart", "--dir", str(directory), "--tls", "--port", str(_free_port())]) == 0
+    config = yaml.safe_load((directory / "edgellm.yaml").read_text())
+    assert config["server"]["tls_cert"] == "tls/cert.pem"
+    assert (directory / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
+    checked = subprocess.run([sys.executable, "-m", "edgellmd", "--check-config",
+                              str(directory / "edgellm.yaml")], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stderr

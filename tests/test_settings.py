@@ -97,6 +97,8 @@ server:
   stream_write_timeout_s: 2.5
   header_timeout_s: 3.5
   max_connections: 99
+  tls_cert: tls/cert.pem
+  tls_key: tls/key.pem
 models:
   - name: gemma3:270m
     file: models/gemma.gguf
@@ -135,6 +137,8 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             stream_write_timeout_s=2.5,
             header_timeout_s=3.5,
             max_connections=99,
+            tls_cert=tmp_path / "tls" / "cert.pem",
+            tls_key=tmp_path / "tls" / "key.pem",
         ),
         models=(
             ModelSettings(
@@ -320,7 +324,8 @@ BAD: list[tuple[str, Any, str, str]] = [
      "server.shutdown_timeout_s", "got True"),
     ("server-unknown-key", {**with_model(), "server": {"colour": "red"}}, "server.colour",
      "unknown key (expected one of default_max_tokens, header_timeout_s, host, max_body_bytes, "
-     "max_connections, max_tokens_limit, port, shutdown_timeout_s, stream_write_timeout_s)"),
+     "max_connections, max_tokens_limit, port, shutdown_timeout_s, stream_write_timeout_s, "
+     "tls_cert, tls_key)"),
     ("server-not-mapping", {**with_model(), "server": [8080]}, "server",
      "must be a mapping with keys host, port"),
     # models
@@ -466,7 +471,7 @@ lock:
     expected = [
         "server.colour: unknown key (expected one of default_max_tokens, header_timeout_s, host, "
         "max_body_bytes, max_connections, max_tokens_limit, port, shutdown_timeout_s, "
-        "stream_write_timeout_s)",
+        "stream_write_timeout_s, tls_cert, tls_key)",
         "server.port: must be an integer from 1 to 65535, got True",
         "models[0].slots: must be an integer from 1 to 256, got 0",
         "models[1].name: required",
