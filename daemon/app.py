@@ -17,7 +17,8 @@ from aiohttp import web
 from edgellmd import appkeys, logs
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
-from edgellmd.auth import setup_auth
+from edgellmd.auth import setup_admin_networks, setup_auth
+from edgellmd.cors import setup_cors
 from edgellmd.errors import Handler, error_middleware
 from edgellmd.frontdoor import GuardedSite
 from edgellmd.registry import EngineFactory, Registry, default_engine_factory
@@ -57,14 +58,17 @@ def create_app(
     """Build the daemon's application; nothing is loaded until the app starts."""
     # Order matters: the request context wraps everything so even error answers carry a
     # request id and an access line; the error middleware turns every failure below it
-    # into OpenAI's envelope; authentication (setup_auth) comes after both, so a refused
-    # key is logged and answered like any other error, and before any handler runs.
+    # into OpenAI's envelope; then CORS (preflights carry no credentials), the admin network
+    # check and authentication with its rate limits, so that a refusal is logged and
+    # answered like any other error before any handler runs.
     app = web.Application(
         middlewares=[request_context, error_middleware],
         client_max_size=settings.server.max_body_bytes,
     )
     app[appkeys.SETTINGS] = settings
     app.on_response_prepare.append(_stamp_headers)
+    setup_cors(app, settings.server.cors_origins)
+    setup_admin_networks(app, settings.auth.admin_cidrs)
     setup_auth(app, settings.auth.keys_file)
     setup_health(app)
     setup_openai(app)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -76,6 +77,37 @@ def authenticate(store: KeyStore, header: str | None, scope: str, peer: str | No
         audit.warning("auth failed: key lacks scope %s", scope, extra={"peer": peer, "key_id": key_id})
         raise PermissionDenied(f"this API key does not have the '{scope}' scope")
     return key
+
+
+class AddressNotAllowed(ApiError):
+    """403: admin endpoints are limited to listed networks and the peer is outside them."""
+
+    status = 403
+    type = "permission_error"
+    default_code = "address_not_allowed"
+
+
+def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
+    """Refuse /admin/* from peers outside `networks` (CIDRs), before any key is looked at."""
+    if not networks:
+        return
+    allowed = [ipaddress.ip_network(n, strict=False) for n in networks]
+
+    @web.middleware
+    async def admin_networks(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if scope_for(request.path) == "admin":
+            peer = request.remote or ""
+            try:
+                address = ipaddress.ip_address(peer)
+            except ValueError:
+                address = None
+            if address is None or not any(address in net for net in allowed):
+                audit.warning("admin refused: address not in auth.admin_cidrs",
+                              extra={"peer": peer, "key_id": None})
+                raise AddressNotAllowed("admin endpoints are not reachable from this address")
+        return await handler(request)
+
+    app.middlewares.append(admin_networks)
 
 
 def setup_auth(app: web.Application, keys_file: Path | None) -> None:

@@ -101,6 +101,14 @@ class ServiceUnavailable(ApiError):
     default_code = "model_not_ready"
 
 
+class GenerationTimeout(ApiError):
+    """504: the model produced nothing within server.progress_timeout_s."""
+
+    status = 504
+    type = "server_error"
+    default_code = "timeout"
+
+
 class InternalError(ApiError):
     """500: something broke on our side; the message never carries details."""
 

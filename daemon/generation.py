@@ -127,10 +127,15 @@ class Generation:
                 self.final = event
             self._queue.put_nowait(event)
 
-    async def events(self) -> AsyncIterator[Event]:
-        """Yield events until (and including) the `Finished` event."""
+    async def events(self, idle_timeout: float | None = None) -> AsyncIterator[Event]:
+        """Yield events until (and including) the `Finished` event.
+
+        With `idle_timeout`, a gap longer than that between two events (or before the first:
+        the time spent waiting for a slot) raises TimeoutError.
+        """
         while True:
-            event = await self._queue.get()
+            async with asyncio.timeout(idle_timeout):
+                event = await self._queue.get()
             yield event
             if isinstance(event, Finished):
                 return

@@ -22,6 +22,7 @@ DEFAULT_MAX_TOKENS_LIMIT: Final = 4096
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 DEFAULT_STREAM_WRITE_TIMEOUT_S: Final = 30.0
 DEFAULT_HEADER_TIMEOUT_S: Final = 10.0
+DEFAULT_PROGRESS_TIMEOUT_S: Final = 300.0
 DEFAULT_MAX_CONNECTIONS: Final = 1024
 MAX_CONNECTIONS_RANGE: Final = (1, 1_000_000)
 DEFAULT_LOG_LEVEL: Final = "info"
@@ -49,6 +50,8 @@ MAX_CONFIG_BYTES: Final = 1_048_576  # a config file is a few hundred bytes; ref
 
 _MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 _TEMPLATE_NAME: Final = re.compile(r"[a-z0-9_.-]{1,64}")
+_ORIGIN: Final = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
+_CIDR: Final = re.compile(r"[0-9A-Fa-f.:]+(/[0-9]{1,3})?")
 _PLAIN_KEY: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TOP_LEVEL: Final = "(top level)"
 _SHOW_CHARS: Final = 40
@@ -81,9 +84,11 @@ class ServerSettings:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client that stops reading is cut
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # deadline for a connection's first request head
+    progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S  # longest wait for a request's next token
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections beyond this are closed at once
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key, the daemon speaks HTTPS
     tls_key: Path | None = None  # PEM private key
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: no CORS
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,7 @@ class AuthSettings:
     """Who may call the API."""
 
     keys_file: Path | None = None  # YAML of hashed API keys (0600); None: no authentication
+    admin_cidrs: tuple[str, ...] = ()  # /admin/* only from these networks; empty: from anywhere
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,12 +330,34 @@ def _parse_server(checker: _Checker, value: object, base_dir: Path) -> ServerSet
         header_timeout_s=checker.positive_number(
             data, path, "header_timeout_s", DEFAULT_HEADER_TIMEOUT_S
         ),
+        progress_timeout_s=checker.positive_number(
+            data, path, "progress_timeout_s", DEFAULT_PROGRESS_TIMEOUT_S
+        ),
         max_connections=checker.integer(
             data, path, "max_connections", DEFAULT_MAX_CONNECTIONS, MAX_CONNECTIONS_RANGE
         ),
         tls_cert=tls_cert,
         tls_key=tls_key,
+        cors_origins=_string_list(checker, data, path, "cors_origins", pattern=_ORIGIN,
+                                  wanted="an origin like https://app.example:8443"),
     )
+
+
+def _string_list(checker: _Checker, data: Mapping[str, object], path: str, key: str, *,
+                 pattern: re.Pattern[str], wanted: str) -> tuple[str, ...]:
+    value = data.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        checker.add(f"{path}.{key}", f"must be a list, got {_show(value)}")
+        return ()
+    out: list[str] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str) and pattern.fullmatch(item):
+            out.append(item)
+        else:
+            checker.add(f"{path}.{key}[{i}]", f"must be {wanted}, got {_show(item)}")
+    return tuple(out)
 
 
 def _tls_pair(checker: _Checker, data: Mapping[str, object],
@@ -431,7 +459,15 @@ def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
     if isinstance(data, dict) and models:
         _check_model_files(checker, top.get("models"), lock)
     auth_data = checker.section(top.get("auth"), "auth", _AUTH_KEYS, null_ok=True)
-    auth = AuthSettings(keys_file=checker.file_path(auth_data, "auth", "keys_file", base_dir))
+    cidrs = _string_list(checker, auth_data, "auth", "admin_cidrs", pattern=_CIDR,
+                         wanted="a network like 10.0.0.0/8")
+    for i, cidr in enumerate(cidrs):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            checker.add(f"auth.admin_cidrs[{i}]", f"must be a network like 10.0.0.0/8, got {_show(cidr)}")
+    auth = AuthSettings(keys_file=checker.file_path(auth_data, "auth", "keys_file", base_dir),
+                        admin_cidrs=cidrs)
     if auth.keys_file is None and not _is_loopback(server.host):
         checker.add("server.host", f"{server.host!r} is not a loopback address: serving a network "
                     "without API keys is refused; set auth.keys_file")

@@ -109,3 +109,29 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_freed(
         assert engine.finished["length"] == 0
         assert engine.tokens_generated < 4000
         sock.close()
+
+
+def test_a_request_that_makes_no_progress_is_ended(tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = write_tiny_model(tmp_path_factory.mktemp("progress") / "slow.gguf",
+                            TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048))
+    settings = settings_for([{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096,
+                              "threads": 1}], server={"max_tokens_limit": 4000, "progress_timeout_s": 1.0})
+    with running(settings) as daemon:
+        assert daemon.app is not None
+        engine = daemon.app[appkeys.REGISTRY].get("slow").engine
+        blocker = _open_stream(daemon, {"model": "slow", "prompt": "hog", "max_tokens": 4000,
+                                        "stream": True, "ignore_eos": True})
+        deadline = time.monotonic() + 5
+        while not engine.busy_slots and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Queued behind 4000 tokens, this one gets no token for longer than the deadline.
+        started = time.monotonic()
+        status, body = daemon.post("/v1/completions", {"model": "slow", "prompt": "wait", "max_tokens": 5})
+        assert status == 504
+        assert (body["error"]["type"], body["error"]["code"]) == ("server_error", "timeout")
+        assert 0.9 <= time.monotonic() - started < 3.0
+        deadline = time.monotonic() + 1
+        while engine.queue_depth and time.monotonic() < deadline:  # it leaves at the next step
+            time.sleep(0.01)
+        assert engine.queue_depth == 0
+        blocker.close()

@@ -96,9 +96,11 @@ server:
   shutdown_timeout_s: 5.5
   stream_write_timeout_s: 2.5
   header_timeout_s: 3.5
+  progress_timeout_s: 45
   max_connections: 99
   tls_cert: tls/cert.pem
   tls_key: tls/key.pem
+  cors_origins: [https://app.example:8443]
 models:
   - name: gemma3:270m
     file: models/gemma.gguf
@@ -120,6 +122,7 @@ lock:
   allow_unsigned: true
 auth:
   keys_file: secrets/keys.yaml
+  admin_cidrs: [10.0.0.0/8]
 """
 
 
@@ -136,9 +139,11 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             shutdown_timeout_s=5.5,
             stream_write_timeout_s=2.5,
             header_timeout_s=3.5,
+            progress_timeout_s=45.0,
             max_connections=99,
             tls_cert=tmp_path / "tls" / "cert.pem",
             tls_key=tmp_path / "tls" / "key.pem",
+            cors_origins=("https://app.example:8443",),
         ),
         models=(
             ModelSettings(
@@ -160,7 +165,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             ),
         ),
         logging=LoggingSettings(level="debug", format="text"),
-        auth=AuthSettings(keys_file=tmp_path / "secrets" / "keys.yaml"),
+        auth=AuthSettings(keys_file=tmp_path / "secrets" / "keys.yaml", admin_cidrs=("10.0.0.0/8",)),
         source=tmp_path / "edgellm.yaml",
     )
 
@@ -323,9 +328,9 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("timeout-bool", {**with_model(), "server": {"shutdown_timeout_s": True}},
      "server.shutdown_timeout_s", "got True"),
     ("server-unknown-key", {**with_model(), "server": {"colour": "red"}}, "server.colour",
-     "unknown key (expected one of default_max_tokens, header_timeout_s, host, max_body_bytes, "
-     "max_connections, max_tokens_limit, port, shutdown_timeout_s, stream_write_timeout_s, "
-     "tls_cert, tls_key)"),
+     "unknown key (expected one of cors_origins, default_max_tokens, header_timeout_s, host, "
+     "max_body_bytes, max_connections, max_tokens_limit, port, progress_timeout_s, "
+     "shutdown_timeout_s, stream_write_timeout_s, tls_cert, tls_key)"),
     ("server-not-mapping", {**with_model(), "server": [8080]}, "server",
      "must be a mapping with keys host, port"),
     # models
@@ -469,9 +474,9 @@ lock:
         load_settings(config)
 
     expected = [
-        "server.colour: unknown key (expected one of default_max_tokens, header_timeout_s, host, "
-        "max_body_bytes, max_connections, max_tokens_limit, port, shutdown_timeout_s, "
-        "stream_write_timeout_s, tls_cert, tls_key)",
+        "server.colour: unknown key (expected one of cors_origins, default_max_tokens, "
+        "header_timeout_s, host, max_body_bytes, max_connections, max_tokens_limit, port, "
+        "progress_timeout_s, shutdown_timeout_s, stream_write_timeout_s, tls_cert, tls_key)",
         "server.port: must be an integer from 1 to 65535, got True",
         "models[0].slots: must be an integer from 1 to 256, got 0",
         "models[1].name: required",

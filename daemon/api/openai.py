@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
@@ -22,8 +22,8 @@ from edgellmd.api.schemas import (
     parse_completion,
     read_json_object,
 )
-from edgellmd.errors import InternalError, envelope
-from edgellmd.generation import Finished, Generation, GenerationRequest, TextDelta
+from edgellmd.errors import GenerationTimeout, InternalError, envelope
+from edgellmd.generation import Event, Finished, Generation, GenerationRequest, TextDelta
 from edgellmd.registry import ModelHandle
 
 log = logging.getLogger(__name__)
@@ -134,9 +134,35 @@ class _Shape:
         return body
 
 
-async def _collect(gen: Generation, shape: _Shape) -> web.Response:
+class _NoProgress(Exception):
+    """The generation produced nothing for longer than server.progress_timeout_s."""
+
+
+async def _events(gen: Generation, idle_timeout: float) -> AsyncIterator[Event]:
+    # Tells a stalled generation apart from a stalled client (both are timeouts).
+    events = gen.events(idle_timeout)
+    while True:
+        try:
+            event = await anext(events)
+        except StopAsyncIteration:
+            return
+        except TimeoutError as exc:
+            raise _NoProgress from exc
+        yield event
+
+
+async def _collect(gen: Generation, shape: _Shape, idle_timeout: float) -> web.Response:
     parts: list[str] = []
-    async for event in gen.events():
+    try:
+        return await _collect_events(gen, shape, idle_timeout, parts)
+    except _NoProgress:
+        log.error("generation made no progress for %.0f s; request ended", idle_timeout)  # noqa: TRY400 - no traceback to show
+        raise GenerationTimeout("the model made no progress in time") from None
+
+
+async def _collect_events(gen: Generation, shape: _Shape, idle_timeout: float,
+                          parts: list[str]) -> web.Response:
+    async for event in _events(gen, idle_timeout):
         parts.append(event.text)
         if isinstance(event, Finished):
             if event.reason == "error":
@@ -149,7 +175,8 @@ async def _collect(gen: Generation, shape: _Shape) -> web.Response:
 async def _stream(request: web.Request, gen: Generation, shape: _Shape) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    timeout = request.app[appkeys.SETTINGS].server.stream_write_timeout_s
+    server = request.app[appkeys.SETTINGS].server
+    timeout = server.stream_write_timeout_s
 
     async def write(data: bytes) -> None:
         # A client that stops reading fills the socket buffers and this write waits; past the
@@ -158,7 +185,13 @@ async def _stream(request: web.Request, gen: Generation, shape: _Shape) -> web.S
             await response.write(data)
 
     try:
-        await _send_events(write, gen, shape)
+        try:
+            await _send_events(write, gen, shape, server.progress_timeout_s)
+        except _NoProgress:
+            log.error("generation made no progress for %.0f s; stream ended",  # noqa: TRY400 - no traceback
+                      server.progress_timeout_s)
+            await write(b"data: " + _dumps(envelope(
+                "the model made no progress in time", "server_error", None, "timeout")) + b"\n\n")
         await write(SSE_DONE)
         await response.write_eof()
     except ConnectionResetError:
@@ -172,14 +205,14 @@ async def _stream(request: web.Request, gen: Generation, shape: _Shape) -> web.S
 
 
 async def _send_events(write: Callable[[bytes], Awaitable[None]], gen: Generation,
-                       shape: _Shape) -> None:
+                       shape: _Shape, idle_timeout: float) -> None:
     async def send(obj: dict[str, Any]) -> None:
         await write(b"data: " + _dumps(obj) + b"\n\n")
 
     include_usage = shape.include_usage
     if shape.chat:
         await send(shape.chunk("", None, role=True, include_usage=include_usage))
-    async for event in gen.events():
+    async for event in _events(gen, idle_timeout):
         if isinstance(event, TextDelta):
             if event.text:
                 await write(shape.delta_event(event.text))
@@ -203,7 +236,7 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
     try:
         if common.stream:
             return await _stream(request, gen, shape)
-        return await _collect(gen, shape)
+        return await _collect(gen, shape, request.app[appkeys.SETTINGS].server.progress_timeout_s)
     finally:
         # Normal end, client gone (write error or handler cancelled): either way the slot
         # must be free now, not when the generation would have ended.
