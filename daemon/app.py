@@ -69,7 +69,7 @@ def create_app(
     app.on_response_prepare.append(_stamp_headers)
     setup_cors(app, settings.server.cors_origins)
     setup_admin_networks(app, settings.auth.admin_cidrs)
-    setup_auth(app, settings.auth.keys_file)
+    setup_auth(app, settings.auth.keys_file, metrics_public=settings.auth.metrics_public)
     setup_health(app)
     setup_openai(app)
     app.cleanup_ctx.append(_executor_ctx)

@@ -37,8 +37,10 @@ class PermissionDenied(ApiError):
     default_code = "insufficient_scope"
 
 
-def scope_for(path: str) -> str | None:
+def scope_for(path: str, *, metrics_public: bool = False) -> str | None:
     """The scope a path needs, or None for public paths."""
+    if path == "/metrics":
+        return None if metrics_public else "metrics"
     if path.startswith("/v1/") or path == "/v1":
         return "inference"
     if path.startswith("/admin/") or path == "/admin":
@@ -110,7 +112,7 @@ def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
     app.middlewares.append(admin_networks)
 
 
-def setup_auth(app: web.Application, keys_file: Path | None) -> None:
+def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: bool = False) -> None:
     """Install bearer-key checks on /v1/* and /admin/* (only when a keys file is configured)."""
     if keys_file is None:
         return
@@ -118,7 +120,7 @@ def setup_auth(app: web.Application, keys_file: Path | None) -> None:
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        scope = scope_for(request.path)
+        scope = scope_for(request.path, metrics_public=metrics_public)
         if scope is not None:
             request[appkeys.API_KEY] = authenticate(
                 store_holder[0], request.headers.get("Authorization"), scope, request.remote)

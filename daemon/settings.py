@@ -105,6 +105,7 @@ class AuthSettings:
 
     keys_file: Path | None = None  # YAML of hashed API keys (0600); None: no authentication
     admin_cidrs: tuple[str, ...] = ()  # /admin/* only from these networks; empty: from anywhere
+    metrics_public: bool = False  # /metrics without a key (else the metrics scope is needed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,8 +467,12 @@ def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
             checker.add(f"auth.admin_cidrs[{i}]", f"must be a network like 10.0.0.0/8, got {_show(cidr)}")
+    metrics_public = auth_data.get("metrics_public", False)
+    if not isinstance(metrics_public, bool):
+        checker.add("auth.metrics_public", f"must be true or false, got {_show(metrics_public)}")
+        metrics_public = False
     auth = AuthSettings(keys_file=checker.file_path(auth_data, "auth", "keys_file", base_dir),
-                        admin_cidrs=cidrs)
+                        admin_cidrs=cidrs, metrics_public=metrics_public)
     if auth.keys_file is None and not _is_loopback(server.host):
         checker.add("server.host", f"{server.host!r} is not a loopback address: serving a network "
                     "without API keys is refused; set auth.keys_file")

@@ -113,7 +113,8 @@ def test_request_key_table(guarded: RunningDaemon, keys: Keys, caplog: pytest.Lo
     assert audit, "every refusal leaves an audit line"
     assert getattr(audit[-1], "peer", None) == "127.0.0.1"
     for label, token in keys.tokens.items():
-        secret = token.rsplit("_", 1)[1]
+        secret = token.split("_", 2)[2]  # elk_<id>_<secret>; the secret itself may hold "_"
+        assert len(secret) >= 40
         leaks = [(r.name, r.getMessage()[:200]) for r in caplog.records
                  if secret in r.getMessage() + repr(vars(r))]
         assert not leaks, f"the {label} key's secret reached a log line: {leaks}"
@@ -204,7 +205,7 @@ def test_keys_cli_create_list_revoke(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert path.stat().st_mode & 0o777 == 0o600
     stored = path.read_text()
     assert token not in stored
-    assert token.rsplit("_", 1)[1] not in stored
+    assert token.split("_", 2)[2] not in stored
     key = next(iter(read_keys_file(path).values()))
     limits = key.limits
     assert (limits.rpm, limits.tpm, limits.concurrent, limits.max_tokens) == (60, 1000, 2, 256)
@@ -213,7 +214,7 @@ def test_keys_cli_create_list_revoke(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert key.id in listing
     assert "rpm=60" in listing
     assert "sha256" not in listing
-    assert token.rsplit("_", 1)[1] not in listing
+    assert token.split("_", 2)[2] not in listing
     assert edgellmctl(["keys", "revoke", key.id, "--file", str(path)]) == 0
     assert read_keys_file(path)[key.id].disabled
     assert edgellmctl(["keys", "revoke", "ffffffffffff", "--file", str(path)]) == 1
@@ -244,3 +245,28 @@ def test_malformed_keys_files_name_the_field(data: dict[str, Any], where: str) -
     with pytest.raises(KeysFileError) as caught:
         parse_keys(data)
     assert where in str(caught.value)
+
+
+@pytest.mark.parametrize(("public", "label", "status"), [
+    (False, None, 401), (False, "inference", 403), (False, "metrics", 404),  # 404: scope ok, no route yet
+    (True, None, 404),
+])
+def test_metrics_needs_its_scope_unless_public(models_dir: Path, tmp_path: Path, public: bool,
+                                               label: str | None, status: int) -> None:
+    path = tmp_path / "keys.yaml"
+    tokens = {name: create_key(path, name, [name], limits={})[1] for name in ("inference", "metrics")}
+    settings = parse_settings({"models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"),
+                                           "slots": 1, "context_size": 128, "threads": 1}],
+                               "lock": {"allow_unsigned": True},
+                               "auth": {"keys_file": str(path), "metrics_public": public}},
+                              base_dir=tmp_path)
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    with running(settings) as daemon:
+        headers = {"Authorization": f"Bearer {tokens[label]}"} if label else {}
+        req = urllib.request.Request(daemon.url + "/metrics", headers=headers)  # noqa: S310
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(req, timeout=5)  # noqa: S310 - loopback
+        with caught.value:
+            assert caught.value.code == status

@@ -123,6 +123,7 @@ lock:
 auth:
   keys_file: secrets/keys.yaml
   admin_cidrs: [10.0.0.0/8]
+  metrics_public: true
 """
 
 
@@ -165,7 +166,8 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             ),
         ),
         logging=LoggingSettings(level="debug", format="text"),
-        auth=AuthSettings(keys_file=tmp_path / "secrets" / "keys.yaml", admin_cidrs=("10.0.0.0/8",)),
+        auth=AuthSettings(keys_file=tmp_path / "secrets" / "keys.yaml", admin_cidrs=("10.0.0.0/8",),
+                          metrics_public=True),
         source=tmp_path / "edgellm.yaml",
     )
 
