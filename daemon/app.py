@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("edgellmd.access")
 
 PROMPT_THREADS: Final = 2  # template rendering and tokenization run here, never on the loop
+# HTTP parser limits: an API request has a short request line and a handful of headers.
+MAX_LINE_BYTES: Final = 8190  # request line (aiohttp's default, stated here on purpose)
+MAX_FIELD_BYTES: Final = 8190  # one header
+MAX_HEADERS: Final = 64
+KEEPALIVE_TIMEOUT_S: Final = 75.0  # an idle kept-alive connection is closed after this
 _CLIENT_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _LOAD_TASK: Final = web.AppKey("load_task", asyncio.Task[None])
 
@@ -136,7 +141,9 @@ async def start_server(app: web.Application, host: str, port: int) -> web.AppRun
     # handler_cancellation: a client that disconnects cancels its handler, which frees its
     # slot at once instead of when its generation would have ended.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=server.shutdown_timeout_s)
+                           shutdown_timeout=server.shutdown_timeout_s, max_line_size=MAX_LINE_BYTES,
+                           max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS,
+                           keepalive_timeout=KEEPALIVE_TIMEOUT_S)
     await runner.setup()
     site = GuardedSite(runner, host, port, header_timeout=server.header_timeout_s,
                        max_connections=server.max_connections, ssl_context=_tls_context(server))

@@ -81,3 +81,16 @@ def test_connections_beyond_the_cap_are_closed_and_others_served(guarded_socket:
             sock.close()
     time.sleep(0.2)
     assert guarded_socket.get("/healthz")[0] == 200  # capacity is back once they close
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+    b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(100)) + b"\r\n",
+], ids=["huge-header", "huge-request-line", "too-many-headers"])
+def test_oversized_heads_are_refused(guarded_socket: RunningDaemon, head: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", guarded_socket.port), timeout=5) as sock:
+        sock.sendall(head)
+        answer = sock.recv(4096)
+    assert answer.split(b" ", 2)[1] in (b"400", b"414", b"431")
+    assert guarded_socket.get("/healthz")[0] == 200
