@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from edgellmctl.cli import positive_int
+
 DEFAULT_PROMPT: Final = "Once upon a time, in a small village by the sea,"
 KEY_ENV: Final = "EDGELLM_API_KEY"
 CONNECT_TIMEOUT_S: Final = 10.0
@@ -325,16 +327,6 @@ def format_json(s: BenchSummary) -> str:
     return json.dumps(figures)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -373,9 +365,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="server base URL, with or without /v1, e.g. http://127.0.0.1:8080")
     p.add_argument("--key", help=f"API key, sent as a bearer token (default: ${KEY_ENV}); never printed")
     p.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
-    p.add_argument("-c", "--concurrency", type=_positive, default=1, help="concurrent streams (default 1)")
-    p.add_argument("-n", "--requests", type=_positive, default=8, help="measured requests (default 8)")
-    p.add_argument("-m", "--max-tokens", type=_positive, default=64,
+    p.add_argument("-c", "--concurrency", type=positive_int, default=1, help="concurrent streams (default 1)")
+    p.add_argument("-n", "--requests", type=positive_int, default=8, help="measured requests (default 8)")
+    p.add_argument("-m", "--max-tokens", type=positive_int, default=64,
                    help="max_tokens per request (default 64)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions",

@@ -10,7 +10,8 @@ from typing import Any, Final
 
 import yaml
 
-from edgellmctl.lock import CommandError, parse_duration, write_atomically
+from edgellmctl.cli import CommandError, guarded, positive_int
+from edgellmctl.lock import parse_duration, write_atomically
 from edgellmd.keystore import SCOPES, KeysFileError, key_record, new_token, parse_keys, read_keys_file
 
 DEFAULT_KEYS: Final = Path("keys.yaml")
@@ -83,31 +84,6 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     raise CommandError(f"no key with id {args.id!r} in {args.file}")
 
 
-def _guard(func: Any) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            status: int = func(args)
-        except (CommandError, KeysFileError) as exc:
-            print(f"edgellmctl keys: {exc}", file=sys.stderr)
-            return 1
-        except OSError as exc:
-            print(f"edgellmctl keys: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
-            return 1
-        return status
-
-    return run
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `keys`."""
     keys = sub.add_parser("keys", help="manage API keys")
@@ -122,16 +98,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     create.add_argument("--name", required=True, help="who the key is for")
     create.add_argument("--scope", action="append", choices=SCOPES, required=True,
                         help="inference, admin or metrics (repeatable)")
-    create.add_argument("--rpm", type=_positive, help="requests per minute")
-    create.add_argument("--tpm", type=_positive, help="tokens (prompt + completion) per minute")
-    create.add_argument("--concurrent", type=_positive, help="requests in flight at once")
-    create.add_argument("--max-tokens", type=_positive, help="ceiling on max_tokens")
+    create.add_argument("--rpm", type=positive_int, help="requests per minute")
+    create.add_argument("--tpm", type=positive_int, help="tokens (prompt + completion) per minute")
+    create.add_argument("--concurrent", type=positive_int, help="requests in flight at once")
+    create.add_argument("--max-tokens", type=positive_int, help="ceiling on max_tokens")
     create.add_argument("--expires", help="validity from now: 90d, 12h, 2w (default: never)")
-    create.set_defaults(func=_guard(cmd_create))
-    verb("list", "list keys (never secrets)").set_defaults(func=_guard(cmd_list))
+    create.set_defaults(func=guarded(cmd_create, KeysFileError))
+    verb("list", "list keys (never secrets)").set_defaults(func=guarded(cmd_list, KeysFileError))
     revoke = verb("revoke", "disable a key")
     revoke.add_argument("id", help="the key id (the 12 hex digits after elk_)")
-    revoke.set_defaults(func=_guard(cmd_revoke))
+    revoke.set_defaults(func=guarded(cmd_revoke, KeysFileError))
 
 
 __all__ = ["add_parser", "create_key"]

@@ -15,6 +15,7 @@ from typing import Any, Final
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from edgellmctl.cli import CommandError, guarded
 from edgellmd.lockfile import (
     MODEL_NAME,
     SCHEMA,
@@ -36,10 +37,6 @@ DEFAULT_EXPIRY: Final = "365d"
 _DURATION: Final = re.compile(r"(\d+)([dhw])")
 _UNITS: Final = {"h": timedelta(hours=1), "d": timedelta(days=1), "w": timedelta(weeks=1)}
 MAX_VALIDITY: Final = timedelta(days=100 * 365)  # a signature meant to outlive the box is a mistake
-
-
-class CommandError(Exception):
-    """A user-facing failure: printed without a traceback, exit status 1."""
 
 
 # ---- files ----------------------------------------------------------------------------------
@@ -265,27 +262,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---- parser ---------------------------------------------------------------------------------
 
 
-def _guard(func: Any) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            status: int = func(args)
-        except (CommandError, LockError) as exc:
-            print(f"edgellmctl {args.command}: {exc}", file=sys.stderr)
-            return 1
-        except OSError as exc:
-            print(f"edgellmctl {args.command}: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
-            return 1
-        return status
-
-    return run
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `keygen` and `lock`."""
     keygen = sub.add_parser("keygen", help="make an Ed25519 signing key for lockfiles")
     keygen.add_argument("--out", required=True, type=Path, help="directory for NAME.pem and NAME.pub")
     keygen.add_argument("--name", default="signing", help="file name stem (default: signing)")
-    keygen.set_defaults(func=_guard(cmd_keygen))
+    keygen.set_defaults(func=guarded(cmd_keygen, LockError))
 
     lock = sub.add_parser("lock", help="manage the signed model lockfile")
     verbs = lock.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -299,11 +281,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add.add_argument("name", help="model name, as clients will ask for it")
     add.add_argument("file", type=Path, help="the GGUF file (inside the models directory)")
     add.add_argument("--models-dir", type=Path, help="models directory (default: the lockfile's folder)")
-    add.set_defaults(func=_guard(cmd_add))
+    add.set_defaults(func=guarded(cmd_add, LockError))
 
     remove = verb("remove", "drop a model from the lockfile")
     remove.add_argument("name")
-    remove.set_defaults(func=_guard(cmd_remove))
+    remove.set_defaults(func=guarded(cmd_remove, LockError))
 
     sign_p = verb("sign", "bump the version, set the expiry and sign")
     sign_p.add_argument("--key", type=Path, required=True, help="PEM signing key from keygen")
@@ -311,12 +293,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     sign_p.add_argument("--version", type=int, help="set this version instead of bumping it")
     sign_p.add_argument("--cosign", action="store_true",
                         help="add this key's signature without changing the lock")
-    sign_p.set_defaults(func=_guard(cmd_sign))
+    sign_p.set_defaults(func=guarded(cmd_sign, LockError))
 
     verify = verb("verify", "check signatures, expiry and every file")
     verify.add_argument("--models-dir", type=Path, help="models directory (default: the lockfile's folder)")
     verify.add_argument("--trusted", type=Path, nargs="+", metavar="PUBKEY", help="trusted public keys")
-    verify.set_defaults(func=_guard(cmd_verify))
+    verify.set_defaults(func=guarded(cmd_verify, LockError))
 
     show = verb("show", "print the lockfile as a table")
-    show.set_defaults(func=_guard(cmd_show))
+    show.set_defaults(func=guarded(cmd_show, LockError))
