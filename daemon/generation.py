@@ -83,6 +83,10 @@ class Finished:
 Event = TextDelta | Finished
 
 
+class NoProgress(TimeoutError):
+    """A generation produced no event within its idle timeout."""
+
+
 class Generation:
     """The event-loop side of one request: an async stream of events and a way to cancel it.
 
@@ -131,11 +135,18 @@ class Generation:
         """Yield events until (and including) the `Finished` event.
 
         With `idle_timeout`, a gap longer than that between two events (or before the first:
-        the time spent waiting for a slot) raises TimeoutError.
+        the time spent waiting for a slot) raises NoProgress.
         """
+        queue = self._queue
         while True:
-            async with asyncio.timeout(idle_timeout):
-                event = await self._queue.get()
+            if not queue.empty():  # the common case under load: no timer needed
+                event = queue.get_nowait()
+            else:
+                try:
+                    async with asyncio.timeout(idle_timeout):
+                        event = await queue.get()
+                except TimeoutError:
+                    raise NoProgress from None
             yield event
             if isinstance(event, Finished):
                 return

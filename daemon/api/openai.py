@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
@@ -23,7 +23,7 @@ from edgellmd.api.schemas import (
     read_json_object,
 )
 from edgellmd.errors import GenerationTimeout, InternalError, envelope
-from edgellmd.generation import Event, Finished, Generation, GenerationRequest, TextDelta
+from edgellmd.generation import Finished, Generation, GenerationRequest, NoProgress, TextDelta
 from edgellmd.registry import ModelHandle
 
 log = logging.getLogger(__name__)
@@ -134,35 +134,18 @@ class _Shape:
         return body
 
 
-class _NoProgress(Exception):
-    """The generation produced nothing for longer than server.progress_timeout_s."""
-
-
-async def _events(gen: Generation, idle_timeout: float) -> AsyncIterator[Event]:
-    # Tells a stalled generation apart from a stalled client (both are timeouts).
-    events = gen.events(idle_timeout)
-    while True:
-        try:
-            event = await anext(events)
-        except StopAsyncIteration:
-            return
-        except TimeoutError as exc:
-            raise _NoProgress from exc
-        yield event
-
-
 async def _collect(gen: Generation, shape: _Shape, idle_timeout: float) -> web.Response:
     parts: list[str] = []
     try:
         return await _collect_events(gen, shape, idle_timeout, parts)
-    except _NoProgress:
+    except NoProgress:
         log.error("generation made no progress for %.0f s; request ended", idle_timeout)  # noqa: TRY400 - no traceback to show
         raise GenerationTimeout("the model made no progress in time") from None
 
 
 async def _collect_events(gen: Generation, shape: _Shape, idle_timeout: float,
                           parts: list[str]) -> web.Response:
-    async for event in _events(gen, idle_timeout):
+    async for event in gen.events(idle_timeout):
         parts.append(event.text)
         if isinstance(event, Finished):
             if event.reason == "error":
@@ -181,13 +164,18 @@ async def _stream(request: web.Request, gen: Generation, shape: _Shape) -> web.S
     async def write(data: bytes) -> None:
         # A client that stops reading fills the socket buffers and this write waits; past the
         # deadline the stream is cut so that its slot goes to somebody who is listening.
+        # With nothing buffered a write cannot wait, and needs no timer (the per-token path).
+        transport = request.transport
+        if transport is not None and transport.get_write_buffer_size() == 0:
+            await response.write(data)
+            return
         async with asyncio.timeout(timeout):
             await response.write(data)
 
     try:
         try:
             await _send_events(write, gen, shape, server.progress_timeout_s)
-        except _NoProgress:
+        except NoProgress:
             log.error("generation made no progress for %.0f s; stream ended",  # noqa: TRY400 - no traceback
                       server.progress_timeout_s)
             await write(b"data: " + _dumps(envelope(
@@ -212,7 +200,7 @@ async def _send_events(write: Callable[[bytes], Awaitable[None]], gen: Generatio
     include_usage = shape.include_usage
     if shape.chat:
         await send(shape.chunk("", None, role=True, include_usage=include_usage))
-    async for event in _events(gen, idle_timeout):
+    async for event in gen.events(idle_timeout):
         if isinstance(event, TextDelta):
             if event.text:
                 await write(shape.delta_event(event.text))
