@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from edgellmctl.cli import positive_int
+from edgellmctl.cli import int_at_least, positive_int
 
 DEFAULT_PROMPT: Final = "Once upon a time, in a small village by the sea,"
 KEY_ENV: Final = "EDGELLM_API_KEY"
@@ -327,16 +327,6 @@ def format_json(s: BenchSummary) -> str:
     return json.dumps(figures)
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
-
-
 def _url(text: str) -> str:
     # Messages name what is wrong without echoing the text: it may hold a password. The parser
     # refuses credentials in the URL, so reports may show it.
@@ -372,7 +362,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions",
                    help="completions (default) or chat")
-    p.add_argument("--warmup", type=_non_negative, default=1,
+    p.add_argument("--warmup", type=int_at_least(0), default=1,
                    help="sequential requests before the measured ones, not counted (default 1)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos so every request generates max_tokens tokens "

@@ -13,15 +13,22 @@ class CommandError(Exception):
     """A user-facing failure: printed without a traceback, exit status 1."""
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def guarded(func: Command, *expected: type[Exception]) -> Command:
