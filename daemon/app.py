@@ -15,14 +15,17 @@ from typing import Final
 from aiohttp import web
 
 from edgellmd import appkeys, logs
+from edgellmd.api.admin import setup_admin
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
 from edgellmd.auth import setup_admin_networks, setup_auth
 from edgellmd.cors import setup_cors
 from edgellmd.errors import Handler, error_middleware
 from edgellmd.frontdoor import GuardedSite
-from edgellmd.registry import EngineFactory, Registry, default_engine_factory
+from edgellmd.handle import EngineFactory, default_engine_factory
+from edgellmd.registry import Registry
 from edgellmd.settings import ServerSettings, Settings
+from edgellmd.watch import watcher_ctx
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("edgellmd.access")
@@ -53,7 +56,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     finally:
         access_log.info("%s %s %d %.3fs", request.method, request.path, status,
                         time.monotonic() - started,
-                        extra={"peer": request.remote, "status": status})
+                        extra={"peer": request.remote, "status": status,
+                               "user": request.get(appkeys.USER_TAG)})
         logs.request_id.reset(token)
 
 
@@ -77,8 +81,10 @@ def create_app(
     setup_auth(app, settings.auth.keys_file, metrics_public=settings.auth.metrics_public)
     setup_health(app)
     setup_openai(app)
+    setup_admin(app)
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_registry_ctx(engine_factory))
+    app.cleanup_ctx.append(watcher_ctx)
     return app
 
 
@@ -112,10 +118,11 @@ async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
 def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIterator[None]]:
     async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
         settings = app[appkeys.SETTINGS]
-        registry = Registry(settings.models, app[appkeys.EXECUTOR], factory, settings.lock)
+        registry = Registry(settings.models, app[appkeys.EXECUTOR], factory, settings.lock,
+                            settings.lifecycle)
         app[appkeys.REGISTRY] = registry
         # Load in the background: the server listens at once, /readyz says 503 until done.
-        app[_LOAD_TASK] = asyncio.create_task(registry.load_all(), name="load-models")
+        app[_LOAD_TASK] = asyncio.create_task(registry.start(), name="load-models")
         yield
         task = app[_LOAD_TASK]
         if not task.done():

@@ -22,4 +22,5 @@ RATE_LIMITER: Final = web.AppKey("rate_limiter", RateLimiter)
 REQUEST_ID: Final = web.RequestKey("request_id", str)
 API_KEY: Final = web.RequestKey("api_key", ApiKey)  # the key that authenticated the request
 CORS_ORIGIN: Final = web.RequestKey("cors_origin", str)  # an allowed Origin the request came from
+USER_TAG: Final = web.RequestKey("user_tag", str)  # the request's `user` field, logged as a tag
 TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, for tokens/minute

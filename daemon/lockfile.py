@@ -459,10 +459,8 @@ class _Header:
             raise LockError(f"not a GGUF file: unknown metadata type {vtype}")
 
 
-def read_gguf_facts(path: Path) -> dict[str, str | int]:
-    """Architecture, file type and context length from a GGUF header (weights are not read)."""
-    import gguf  # noqa: PLC0415 - heavy import (numpy), only needed when a model is checked
-
+def read_gguf_values(path: Path) -> dict[str, Any]:
+    """The scalar and string metadata of a GGUF header (arrays skipped, weights never read)."""
     values: dict[str, Any] = {}
     try:
         with path.open("rb") as fh:
@@ -487,6 +485,14 @@ def read_gguf_facts(path: Path) -> dict[str, str | int]:
                     header.skip_value(vtype)
     except OSError as exc:
         raise LockError(f"cannot read: {exc.strerror}") from None
+    return values
+
+
+def read_gguf_facts(path: Path) -> dict[str, str | int]:
+    """Architecture, file type and context length from a GGUF header (weights are not read)."""
+    import gguf  # noqa: PLC0415 - heavy import (numpy), only needed when a model is checked
+
+    values = read_gguf_values(path)
     arch = values.get("general.architecture")
     if not isinstance(arch, str):
         raise LockError("not a GGUF model file: no general.architecture")

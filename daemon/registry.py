@@ -1,33 +1,38 @@
-"""Served models by name: loading them off the event loop, their state, and the handles requests use."""
+"""Served models by name: leases for requests, and verify → preload → load → warm-up → swap.
+
+The "RwLock swap": a request takes a lease on its model's current handle for its whole life
+(`Registry.lease`); a reload builds the new handle off the event loop and then swaps the
+entry's pointer in one assignment on the loop, so new requests get the new model at once
+and never wait for a load. The old handle is retired and freed (engine closed, preloaded
+copy removed) when its last lease ends. A reload that fails at any step leaves the old
+handle serving and records why.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final
 
-from edgellmd import engine as engine_mod
-from edgellmd.chat import (
-    NO_TEMPLATE_MESSAGE,
-    BuiltinChatTemplate,
-    ChatMessage,
-    ChatTemplate,
-    JinjaChatTemplate,
-    TemplateError,
+from edgellmd.chat import TemplateError
+from edgellmd.engine import EmbeddingEngine, EngineError
+from edgellmd.errors import ModelNotFound, ServiceUnavailable
+from edgellmd.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.handle import (
+    EngineFactory,
+    ModelHandle,
+    Provenance,
+    chat_template_for,
+    default_engine_factory,
 )
-from edgellmd.engine import Engine, EngineConfig, EngineError
-from edgellmd.errors import (
-    ContextLengthExceeded,
-    InvalidRequest,
-    ModelNotFound,
-    ServerOverloaded,
-    ServiceUnavailable,
-)
-from edgellmd.generation import Generation, GenerationRequest
 from edgellmd.lockfile import (
     LockedModel,
     LockError,
@@ -37,131 +42,56 @@ from edgellmd.lockfile import (
     load_lock,
     load_public_key,
     open_verified,
+    read_gguf_values,
+    resolve_model_file,
     verify_lock,
 )
-from edgellmd.settings import LockSettings, ModelSettings
+from edgellmd.preload import NoRoom, PreloadArea
+from edgellmd.settings import LifecycleSettings, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[ModelSettings], Engine]
-RETRY_AFTER_LOADING_S = "5"
+RETRY_AFTER_LOADING_S: Final = "5"
+WARM_UP_TIMEOUT_S: Final = 60.0  # a short generation that takes longer than this is a broken model
+MIB: Final = 1024 * 1024
+KV_BYTES_PER_VALUE: Final = 2  # llama.cpp's default KV cache type is f16
+
+__all__ = ["ModelHandle", "ModelState", "Outcome", "Registry"]
 
 
 class ModelState(enum.Enum):
-    """Where a configured model stands."""
+    """Whether a configured model can serve now."""
 
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-
-
-def engine_config(settings: ModelSettings) -> EngineConfig:
-    """Translate a model's settings into what the engine needs, deciding thread counts."""
-    if settings.file is None:
-        raise EngineError(f"model {settings.name}: no file to load")
-    threads = settings.threads or engine_mod.default_threads()
-    return EngineConfig(
-        path=settings.file, slots=settings.slots, context_size=settings.context_size,
-        batch_size=settings.batch_size, threads=threads,
-        threads_batch=settings.threads_batch or threads, gpu_layers=settings.gpu_layers,
-    )
+    LOADING = "loading"  # first load in progress; nothing serves yet
+    READY = "ready"  # serving (a reload may be running beside it)
+    FAILED = "failed"  # not serving: the last load failed
+    UNLOADED = "unloaded"  # not serving: an operator unloaded it, or it was evicted
 
 
-def default_engine_factory(settings: ModelSettings) -> Engine:
-    """Load a model with the real llama.cpp engine (blocking)."""
-    return Engine(engine_config(settings), name=settings.name)
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one load, reload or unload of one model came to."""
 
-
-def chat_template_for(settings: ModelSettings, engine: Engine) -> ChatTemplate | None:
-    """The template a model's chat requests use: configured override first, then the GGUF's own."""
-    info = engine.info
-    if settings.chat_template_file is not None:
-        text = settings.chat_template_file.read_text(encoding="utf-8")
-        return JinjaChatTemplate(text, bos_token=info.bos_text, eos_token=info.eos_text,
-                                 origin=str(settings.chat_template_file))
-    if settings.chat_template is not None:
-        if settings.chat_template not in engine_mod.builtin_chat_templates():
-            raise TemplateError(f"chat_template {settings.chat_template!r} is not a llama.cpp "
-                                "built-in template")
-        return BuiltinChatTemplate(settings.chat_template, engine_mod.apply_builtin_template)
-    if info.chat_template:
-        return JinjaChatTemplate(info.chat_template, bos_token=info.bos_text,
-                                 eos_token=info.eos_text, origin="the model file")
-    return None
-
-
-@dataclass(slots=True)
-class ModelHandle:
-    """A loaded model as requests see it: prompt preparation and generation."""
-
-    settings: ModelSettings
-    engine: Engine
-    template: ChatTemplate | None
-    executor: Executor
-    created: int = field(default_factory=lambda: int(time.time()))
+    model: str
+    result: str  # "loaded", "unchanged", "unloaded" or "failed"
+    reason: str | None
+    trigger: str  # "start", "watch", "admin", "signal"
+    at: float  # wall-clock time it finished
+    version: int | None = None  # the lockfile version the model now serves from
 
     @property
-    def name(self) -> str:
-        """The model's configured name."""
-        return self.settings.name
+    def ok(self) -> bool:
+        """False when the operation failed."""
+        return self.result != "failed"
 
-    def _render_and_tokenize(self, messages: Sequence[ChatMessage]) -> list[int]:
-        assert self.template is not None  # noqa: S101 - checked by the caller
-        text = self.template.render(messages)
-        # Templates that print the BOS themselves must not get a second one from the tokenizer.
-        bos = self.engine.info.bos_text
-        add_special = not (bos and text.startswith(bos))
-        return self.engine.tokenize(text, add_special=add_special, parse_special=True)
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form for the admin API."""
+        return {"model": self.model, "result": self.result, "reason": self.reason,
+                "trigger": self.trigger, "at": self.at, "version": self.version}
 
-    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Render the chat template and tokenize, off the event loop."""
-        if self.template is None:
-            raise InvalidRequest(NO_TEMPLATE_MESSAGE.format(model=self.name), param="messages",
-                                 code="chat_template_missing")
-        loop = asyncio.get_running_loop()
-        try:
-            tokens = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages)
-        except TemplateError as exc:
-            raise InvalidRequest(str(exc), param="messages") from exc
-        self.check_prompt(tokens, "messages")
-        return tokens
 
-    async def text_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Tokenize a completion prompt (or check given token ids), off the event loop."""
-        if isinstance(prompt, str):
-            loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(self.executor, self.engine.tokenize, prompt)
-        else:
-            tokens = list(prompt)
-            if any(t >= self.engine.n_vocab for t in tokens):
-                raise InvalidRequest(f"'prompt' token ids must be below {self.engine.n_vocab}",
-                                     param="prompt")
-        self.check_prompt(tokens, "prompt")
-        return tokens
-
-    def check_prompt(self, tokens: Sequence[int], param: str) -> None:
-        """Refuse empty prompts and prompts that leave no room to generate in a slot."""
-        if not tokens:
-            raise InvalidRequest("the prompt is empty", param=param)
-        limit = self.settings.context_size
-        if len(tokens) >= limit:
-            raise ContextLengthExceeded(
-                f"this model's context is {limit} tokens per request; the prompt has "
-                f"{len(tokens)} tokens and leaves no room for a reply", param=param)
-
-    def generation_limit(self, n_prompt: int, requested: int | None) -> int:
-        """Tokens a request may generate: what it asked for, capped by the room left in its slot."""
-        room = self.settings.context_size - n_prompt
-        return room if requested is None else min(requested, room)
-
-    def submit(self, request: GenerationRequest) -> Generation:
-        """Start a generation, or refuse at once (429) when every slot is busy and the queue full."""
-        engine = self.engine
-        if engine.busy_slots >= self.settings.slots and engine.queue_depth >= self.settings.queue_size:
-            raise ServerOverloaded(
-                f"model {self.name!r} is at capacity ({self.settings.slots} running, "
-                f"{engine.queue_depth} waiting); retry shortly", headers={"Retry-After": "1"})
-        return engine.submit(request, asyncio.get_running_loop())
+class _LoadFailed(Exception):
+    """A step of building a handle failed; the message is the reason operators see."""
 
 
 @dataclass(slots=True)
@@ -170,43 +100,180 @@ class _Entry:
     state: ModelState = ModelState.LOADING
     handle: ModelHandle | None = None
     error: str | None = None
+    reloading: bool = False
+    last: Outcome | None = None
+
+
+def _stat_key(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def estimate_bytes(path: Path, settings: ModelSettings) -> int:
+    """Memory a model will take once loaded: its file plus an f16 KV cache for every slot."""
+    size = path.stat().st_size
+    try:
+        values = read_gguf_values(path)
+    except LockError:
+        return size  # the load itself will say what is wrong with the file
+    arch = values.get("general.architecture")
+    layers = values.get(f"{arch}.block_count")
+    embd = values.get(f"{arch}.embedding_length")
+    heads = values.get(f"{arch}.attention.head_count")
+    heads_kv = values.get(f"{arch}.attention.head_count_kv", heads)
+    if not (isinstance(layers, int) and isinstance(embd, int) and isinstance(heads, int)
+            and isinstance(heads_kv, int) and min(layers, embd, heads, heads_kv) > 0):
+        return size
+    cells = settings.context_size * settings.slots
+    kv = 2 * layers * cells * (embd // heads) * heads_kv * KV_BYTES_PER_VALUE
+    return size + kv
 
 
 class Registry:
-    """Configured models by name, with their load state."""
+    """Configured models by name, each with its current handle, state and last outcome."""
 
     def __init__(self, models: Sequence[ModelSettings], executor: Executor,
                  factory: EngineFactory = default_engine_factory,
-                 lock: LockSettings | None = None) -> None:
+                 lock: LockSettings | None = None,
+                 lifecycle: LifecycleSettings | None = None) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
         self._executor = executor
         self._factory = factory
         self._lock = lock or LockSettings(allow_unsigned=True)
-        self.lock_version: int | None = None  # of the lockfile the served models came from
+        self._lifecycle = lifecycle or LifecycleSettings(preload_dir=None, watch=False)
+        self._mutex = asyncio.Lock()  # one load/reload/unload at a time
+        self._disposals: set[asyncio.Task[None]] = set()
+        self.area: PreloadArea | None = None
+        self.lock_version: int | None = None  # of the last lockfile that verified
+        self.reloads: dict[str, int] = {}  # outcomes by result, for metrics
 
-    async def load_all(self) -> None:
-        """Verify the lockfile, then load every model in turn; failures are recorded, not raised."""
+    # ---- start and stop -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the preload area (removing stale copies), then load every model."""
         loop = asyncio.get_running_loop()
+        root = self._lifecycle.preload_dir
+        if root is not None:
+            max_mb = self._lifecycle.preload_max_mb
+            area = PreloadArea(root, max_bytes=max_mb * MIB if max_mb else None)
+            try:
+                await loop.run_in_executor(None, area.open)
+            except OSError as exc:
+                log.warning("preload directory %s unusable (%s); models load from the models "
+                            "directory", root, exc.strerror or exc)
+            else:
+                self.area = area
         if self._lock.allow_unsigned:
             log.warning("UNSIGNED MODE (lock.allow_unsigned): models load WITHOUT lockfile "
                         "verification; never run a production box like this")
+        await self.reload(trigger="start")
+
+    async def close(self) -> None:
+        """Free every model and remove the preload area, off the event loop."""
+        loop = asyncio.get_running_loop()
+        async with self._mutex:
             for entry in self._entries.values():
-                await self._load(entry, None)
-            return
+                if entry.handle is not None:
+                    handle, entry.handle = entry.handle, None
+                    entry.state = ModelState.UNLOADED
+                    await loop.run_in_executor(None, handle.engine.close)
+            await asyncio.gather(*self._disposals, return_exceptions=True)
+            if self.area is not None:
+                await loop.run_in_executor(None, self.area.close)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def _entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            shown = name if len(name) <= 64 and name.isprintable() else "(unprintable)"
+            raise ModelNotFound(f"the model {shown!r} does not exist", param="model")
+        return entry
+
+    def get(self, name: str) -> ModelHandle:
+        """The serving handle for `name`; 404 for unknown models, 503 when none serves."""
+        entry = self._entry(name)
+        if entry.handle is None:
+            detail = f": {entry.error}" if entry.state is ModelState.UNLOADED and entry.error else ""
+            raise ServiceUnavailable(f"the model {name!r} is {entry.state.value}{detail}",
+                                     headers={"Retry-After": RETRY_AFTER_LOADING_S})
+        return entry.handle
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str) -> AsyncIterator[ModelHandle]:
+        """Hold the model's current handle for a request's whole life; a swap waits for no one."""
+        handle = self.get(name)
+        handle.leases += 1
         try:
-            lock = await loop.run_in_executor(None, self._verified_lock)
-        except LockError as exc:
-            log.error("lockfile %s refused: %s", self._lock.file, exc)  # noqa: TRY400 - the reason is the story
-            for entry in self._entries.values():
-                self._fail(entry, f"lockfile refused: {exc}")
-            return
-        self.lock_version = lock.version
-        for entry in self._entries.values():
-            locked = lock.models.get(entry.settings.name)
-            if locked is None:
-                self._fail(entry, f"model {entry.settings.name!r} is not in the lockfile")
-                continue
-            await self._load(entry, locked)
+            yield handle
+        finally:
+            handle.leases -= 1
+            handle.last_used = time.monotonic()
+            if handle.retired and handle.leases == 0:
+                self._dispose(handle)
+
+    def ready_handles(self) -> list[ModelHandle]:
+        """Handles of every model that can serve now, in configuration order."""
+        return [e.handle for e in self._entries.values() if e.handle is not None]
+
+    def states(self) -> dict[str, tuple[ModelState, str | None]]:
+        """Each model's state and, when it is not serving, why."""
+        return {name: (e.state, e.error) for name, e in self._entries.items()}
+
+    @property
+    def all_ready(self) -> bool:
+        """True when every model that should serve is loaded and warmed (unloaded ones aside)."""
+        return all(e.state in (ModelState.READY, ModelState.UNLOADED) for e in self._entries.values()) \
+            and any(e.state is ModelState.READY for e in self._entries.values())
+
+    # ---- lifecycle operations -------------------------------------------------------------
+
+    async def reload(self, names: Sequence[str] | None = None, *, force: bool = False,
+                     trigger: str = "admin") -> list[Outcome]:
+        """Re-verify the lockfile and replace every named model whose approved bytes changed.
+
+        `force` reloads models whose lock entry and file look unchanged too. Models an
+        operator unloaded stay unloaded unless named explicitly.
+        """
+        entries = [self._entry(n) for n in names] if names is not None else list(self._entries.values())
+        async with self._mutex:
+            lock: Lockfile | None = None
+            if not self._lock.allow_unsigned:
+                loop = asyncio.get_running_loop()
+                try:
+                    lock = await loop.run_in_executor(None, self._verified_lock)
+                except LockError as exc:
+                    reason = f"lockfile refused: {exc}"
+                    log.error("lockfile %s refused: %s", self._lock.file, exc)  # noqa: TRY400 - the reason is the story
+                    return [self._failed(e, reason, trigger) for e in entries]
+                self.lock_version = lock.version
+            outcomes = []
+            for entry in entries:
+                if entry.state is ModelState.UNLOADED and names is None and trigger != "start":
+                    continue  # an operator's unload stands until they load it again
+                outcomes.append(await self._refresh(entry, lock, force=force, trigger=trigger))
+            return outcomes
+
+    async def load(self, name: str) -> Outcome:
+        """Load a model that is unloaded or failed (an operator's request)."""
+        return (await self.reload([name], trigger="admin"))[0]
+
+    async def unload(self, name: str) -> Outcome:
+        """Stop serving a model; requests in flight finish on it first."""
+        entry = self._entry(name)
+        async with self._mutex:
+            return self._unload(entry, "unloaded by an operator", "admin")
+
+    def _unload(self, entry: _Entry, reason: str, trigger: str) -> Outcome:
+        handle, entry.handle = entry.handle, None
+        entry.state, entry.error = ModelState.UNLOADED, reason
+        if handle is not None:
+            self._retire(handle)
+        log.info("model %s unloaded: %s", entry.settings.name, reason)
+        return self._record(entry, Outcome(entry.settings.name, "unloaded", reason, trigger, time.time()))
 
     def _verified_lock(self) -> Lockfile:
         """Read, verify (signature, expiry, rollback) and accept the configured lockfile."""
@@ -222,83 +289,284 @@ class Registry:
                  lock.version, signer[:16])
         return lock
 
-    def _fail(self, entry: _Entry, reason: str) -> None:
-        entry.state, entry.error = ModelState.FAILED, reason
-        log.error("model %s refused: %s", entry.settings.name, reason)
-
-    def _open_verified(self, locked: LockedModel) -> VerifiedFile:
-        assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
-        return open_verified(self._lock.models_dir, locked)
-
-    async def _load(self, entry: _Entry, locked: LockedModel | None) -> None:
-        loop = asyncio.get_running_loop()
-        name = entry.settings.name
-        started = time.monotonic()
-        settings = entry.settings
-        verified: VerifiedFile | None = None
+    def _source(self, entry: _Entry, locked: LockedModel | None) -> Path:
         if locked is not None:
-            try:
-                verified = await loop.run_in_executor(None, self._open_verified, locked)
-            except LockError as exc:
-                self._fail(entry, f"file {locked.file}: {exc}")
-                return
-            # Load through the descriptor that was hashed: a file swapped after the check
-            # is never what llama.cpp reads.
-            settings = replace(settings, file=verified.load_path)
-            log.info("model %s: %s verified (%d bytes, sha256 %s…)", name, locked.file,
-                     locked.size, locked.sha256[:16])
-        log.info("loading model %s", name)
+            assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
+            return resolve_model_file(self._lock.models_dir, locked.file)
+        assert entry.settings.file is not None  # noqa: S101 - settings guarantee (unsigned mode)
+        return entry.settings.file
+
+    def _changed(self, entry: _Entry, locked: LockedModel | None) -> bool:
+        handle = entry.handle
+        if handle is None:
+            return True
+        prov = handle.provenance
+        if locked != prov.locked:
+            return True
         try:
-            # The default executor keeps the prompt threads free during long loads.
-            eng = await loop.run_in_executor(None, self._factory, settings)
+            source = self._source(entry, locked)
+        except LockError:
+            return True  # let the load say why
+        return _stat_key(source) != prov.source_stat
+
+    async def _refresh(self, entry: _Entry, lock: Lockfile | None, *, force: bool,
+                       trigger: str) -> Outcome:
+        name = entry.settings.name
+        locked: LockedModel | None = None
+        if lock is not None:
+            locked = lock.models.get(name)
+            if locked is None:
+                # A newer signed lock that drops a model revokes it: it stops serving.
+                reason = f"model {name!r} is not in the lockfile (version {lock.version})"
+                if entry.handle is not None:
+                    self._unload(entry, reason, trigger)
+                return self._failed(entry, reason, trigger)
+        if not force and not self._changed(entry, locked):
+            return self._record(entry, Outcome(name, "unchanged", None, trigger, time.time(),
+                                               self._version(entry)), log_it=False)
+        old = entry.handle
+        if old is None:
+            entry.state = ModelState.LOADING
+        entry.reloading = True
+        try:
+            handle = await self._build(entry.settings, locked, lock)
+        except _LoadFailed as exc:
+            return self._failed(entry, str(exc), trigger)
+        finally:
+            entry.reloading = False
+        if old is not None and not force and old.provenance.locked == locked and locked is not None:
+            # Same approved bytes (the file was touched or rewritten identically): keep the
+            # warm one, note the new stat so the next check does not reload it again.
+            old.provenance = replace(old.provenance, source_stat=handle.provenance.source_stat,
+                                     lock_version=handle.provenance.lock_version)
+            self._retire(handle)
+            return self._record(entry, Outcome(name, "unchanged", None, trigger, time.time(),
+                                               self._version(entry)))
+        entry.handle, entry.state, entry.error = handle, ModelState.READY, None  # the swap
+        if old is not None:
+            self._retire(old)
+        log.info("model %s now serving %s (%s)", name, handle.provenance.fingerprint,
+                 "replaced the previous version" if old is not None else "first load")
+        return self._record(entry, Outcome(name, "loaded", None, trigger, time.time(),
+                                           handle.provenance.lock_version))
+
+    @staticmethod
+    def _version(entry: _Entry) -> int | None:
+        return entry.handle.provenance.lock_version if entry.handle is not None else None
+
+    def _failed(self, entry: _Entry, reason: str, trigger: str) -> Outcome:
+        if entry.handle is None and entry.state is not ModelState.UNLOADED:
+            entry.state, entry.error = ModelState.FAILED, reason
+        serving = " (the previous version keeps serving)" if entry.handle is not None else ""
+        log.error("model %s: %s failed: %s%s", entry.settings.name,
+                  "load" if trigger == "start" else "reload", reason, serving)
+        return self._record(entry, Outcome(entry.settings.name, "failed", reason, trigger,
+                                           time.time(), self._version(entry)), log_it=False)
+
+    def _record(self, entry: _Entry, outcome: Outcome, *, log_it: bool = True) -> Outcome:
+        if outcome.result != "unchanged" or entry.last is None:
+            entry.last = outcome
+        self.reloads[outcome.result] = self.reloads.get(outcome.result, 0) + 1
+        if log_it and outcome.result != "loaded":
+            log.info("model %s: %s", outcome.model, outcome.result)
+        return outcome
+
+    # ---- building a handle ----------------------------------------------------------------
+
+    async def _build(self, settings: ModelSettings, locked: LockedModel | None,
+                     lock: Lockfile | None) -> ModelHandle:
+        """verify + preload → load → warm-up, all off the loop; raises _LoadFailed with the reason."""
+        loop = asyncio.get_running_loop()
+        name = settings.name
+        started = time.monotonic()
+        try:
+            source = self._source(_Entry(settings), locked)
+        except LockError as exc:
+            raise _LoadFailed(f"file {locked.file if locked else '?'}: {exc}") from None
+        source_stat = _stat_key(source)
+        if source_stat is None:
+            raise _LoadFailed(f"model file not found: {locked.file if locked else source}")
+        try:
+            need = await loop.run_in_executor(None, estimate_bytes, source, settings)
+        except OSError as exc:
+            raise _LoadFailed(f"cannot read {source.name}: {exc.strerror}") from None
+        await self._make_room(settings, need)
+        copy, verified = await self._prepare(settings, source, locked)
+        load_path = copy or (verified.load_path if verified is not None else source)
+        try:
+            engine = await loop.run_in_executor(None, self._factory, replace(settings, file=load_path))
         except (EngineError, OSError) as exc:
-            self._fail(entry, str(exc))
-            return
+            self._discard_copy(copy)
+            raise _LoadFailed(str(exc)) from None
         finally:
             if verified is not None:
                 verified.close()  # the loaded model keeps its own mapping
         try:
-            template = chat_template_for(entry.settings, eng)
+            template = None if settings.embedding else chat_template_for(settings, engine)
         except (TemplateError, EngineError, OSError) as exc:
-            eng.close()
-            entry.state, entry.error = ModelState.FAILED, f"chat template: {exc}"
-            log.error("model %s has an unusable chat template: %s", name, exc)  # noqa: TRY400
-            return
-        entry.handle = ModelHandle(entry.settings, eng, template, self._executor)
-        entry.state, entry.error = ModelState.READY, None
-        log.info("model %s ready in %.2fs (%s, %d slots x %d tokens, template: %s)", name,
-                 time.monotonic() - started, eng.info.description, entry.settings.slots,
-                 entry.settings.context_size, template.source if template else "none")
+            await loop.run_in_executor(None, engine.close)
+            self._discard_copy(copy)
+            raise _LoadFailed(f"chat template: {exc}") from None
+        provenance = Provenance(source=source, source_stat=source_stat, locked=locked,
+                                lock_version=lock.version if lock is not None else None,
+                                copy=copy, memory_bytes=need)
+        handle = ModelHandle(settings, engine, template, self._executor, provenance)
+        try:
+            await self._warm_up(handle)
+        except _LoadFailed:
+            self._dispose(handle)
+            raise
+        log.info("model %s loaded in %.2fs (%s, %d slots x %d tokens, %s, template: %s)", name,
+                 time.monotonic() - started, engine.info.description, settings.slots,
+                 settings.context_size, f"preloaded to {copy}" if copy else f"from {source}",
+                 template.source if template else "none")
+        return handle
 
-    def get(self, name: str) -> ModelHandle:
-        """The ready handle for `name`; 404 for unknown models, 503 while loading or failed."""
-        entry = self._entries.get(name)
-        if entry is None:
-            shown = name if len(name) <= 64 and name.isprintable() else "(unprintable)"
-            raise ModelNotFound(f"the model {shown!r} does not exist", param="model")
-        if entry.handle is None:
-            raise ServiceUnavailable(f"the model {name!r} is {entry.state.value}",
-                                     headers={"Retry-After": RETRY_AFTER_LOADING_S})
-        return entry.handle
-
-    def ready_handles(self) -> list[ModelHandle]:
-        """Handles of every model that can serve now, in configuration order."""
-        return [e.handle for e in self._entries.values() if e.handle is not None]
-
-    def states(self) -> dict[str, tuple[ModelState, str | None]]:
-        """Each model's state and, when it failed, why."""
-        return {name: (e.state, e.error) for name, e in self._entries.items()}
-
-    @property
-    def all_ready(self) -> bool:
-        """True when every configured model is loaded and warmed."""
-        return all(e.state is ModelState.READY for e in self._entries.values())
-
-    async def close(self) -> None:
-        """Stop every scheduler and free every model, off the event loop."""
+    async def _prepare(self, settings: ModelSettings, source: Path,
+                       locked: LockedModel | None) -> tuple[Path | None, VerifiedFile | None]:
+        """Copy into the preload area while hashing, or verify in place when there is no room."""
         loop = asyncio.get_running_loop()
-        for entry in self._entries.values():
-            if entry.handle is not None:
-                handle, entry.handle = entry.handle, None
-                entry.state = ModelState.LOADING
-                await loop.run_in_executor(None, handle.engine.close)
+        label = locked.file if locked is not None else source.name
+        if self.area is not None:
+            try:
+                copy = await loop.run_in_executor(None, self.area.copy, source, settings.name, locked)
+            except NoRoom as exc:
+                log.warning("model %s: no room to preload %s into %s (%s); loading it from the "
+                            "models directory instead", settings.name, label, self.area.root, exc)
+            except LockError as exc:
+                raise _LoadFailed(f"file {label}: {exc}") from None
+            except OSError as exc:
+                raise _LoadFailed(f"file {label}: {exc.strerror or exc}") from None
+            else:
+                if locked is not None:
+                    log.info("model %s: %s verified (%d bytes, sha256 %s…) and preloaded",
+                             settings.name, locked.file, locked.size, locked.sha256[:16])
+                return copy, None
+        if locked is None:
+            return None, None
+        assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
+        try:
+            verified = await loop.run_in_executor(None, open_verified, self._lock.models_dir, locked)
+        except LockError as exc:
+            raise _LoadFailed(f"file {locked.file}: {exc}") from None
+        # Loaded through the descriptor that was hashed: a file swapped after the check is
+        # never what llama.cpp reads.
+        log.info("model %s: %s verified (%d bytes, sha256 %s…)", settings.name, locked.file,
+                 locked.size, locked.sha256[:16])
+        return None, verified
+
+    async def _warm_up(self, handle: ModelHandle) -> None:
+        """A short generation (or one embedding) through the real request path."""
+        engine = handle.engine
+        try:
+            bos = engine.tokenize("", add_special=True) or engine.tokenize("a", add_special=False)
+            if isinstance(engine, EmbeddingEngine):
+                await asyncio.wait_for(handle.embed([bos]), WARM_UP_TIMEOUT_S)
+                return
+            gen = handle.submit(GenerationRequest(prompt_tokens=bos, max_tokens=2, ignore_eos=True,
+                                                  sampling=SamplingParams(temperature=0.0)))
+            final: Finished | None = None
+            async with asyncio.timeout(WARM_UP_TIMEOUT_S):
+                async for event in gen.events():
+                    if isinstance(event, Finished):
+                        final = event
+        except (EngineError, TimeoutError) as exc:
+            raise _LoadFailed(f"warm-up failed: {str(exc) or 'timed out'}") from None
+        if final is None or final.reason == "error":
+            raise _LoadFailed(f"warm-up generation failed: {final.error if final else 'no result'}")
+
+    async def _make_room(self, settings: ModelSettings, need: int) -> None:
+        """Keep loaded models within the memory budget, evicting idle evictable ones (LRU) if allowed."""
+        budget_mb = self._lifecycle.memory_budget_mb
+        if budget_mb is None:
+            return
+        budget = budget_mb * MIB
+        # The model being replaced is not counted: its old copy is freed once its requests end.
+        others = [e for e in self._entries.values()
+                  if e.handle is not None and e.settings.name != settings.name]
+        used = sum(e.handle.provenance.memory_bytes for e in others if e.handle is not None)
+        if used + need <= budget:
+            return
+        candidates = sorted((e for e in others if e.settings.evictable and e.handle is not None
+                             and e.handle.leases == 0 and e.handle.engine.idle),
+                            key=lambda e: e.handle.last_used if e.handle else 0.0)
+        evict: list[_Entry] = []
+        for cand in candidates:
+            if used + need <= budget:
+                break
+            assert cand.handle is not None  # noqa: S101 - filtered above
+            used -= cand.handle.provenance.memory_bytes
+            evict.append(cand)
+        if used + need > budget:
+            raise _LoadFailed(
+                f"memory budget exceeded: {settings.name} needs about {need // MIB} MiB, "
+                f"{(budget - used) // MIB} MiB of the {budget_mb} MiB budget is free and no idle "
+                "evictable model can make room")
+        for cand in evict:
+            self._unload(cand, f"evicted to make room for {settings.name} (memory budget)", "budget")
+
+    # ---- freeing --------------------------------------------------------------------------
+
+    def _retire(self, handle: ModelHandle) -> None:
+        handle.retired = True
+        if handle.leases == 0:
+            self._dispose(handle)
+
+    def _dispose(self, handle: ModelHandle) -> None:
+        """Free a handle's engine and preloaded copy in the background (once)."""
+        if handle.disposing:
+            return
+        handle.retired = handle.disposing = True
+        task = asyncio.get_running_loop().create_task(self._free(handle), name=f"free:{handle.name}")
+        self._disposals.add(task)
+        task.add_done_callback(self._disposals.discard)
+
+    async def _free(self, handle: ModelHandle) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, handle.engine.close)
+        self._discard_copy(handle.provenance.copy)
+        log.info("model %s: previous version %s freed", handle.name, handle.provenance.fingerprint)
+
+    def _discard_copy(self, copy: Path | None) -> None:
+        if copy is not None and self.area is not None:
+            self.area.remove(copy)
+
+    # ---- status ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Everything /admin/status shows: the lockfile, the preload area, each model."""
+        models = []
+        for name, entry in self._entries.items():
+            handle = entry.handle
+            item: dict[str, Any] = {
+                "name": name, "kind": "embedding" if entry.settings.embedding else "generation",
+                "state": entry.state.value, "reason": entry.error, "reloading": entry.reloading,
+                "slots_total": entry.settings.slots, "evictable": entry.settings.evictable,
+                "last_reload": entry.last.as_dict() if entry.last else None,
+            }
+            if handle is not None:
+                prov = handle.provenance
+                item.update({
+                    "version": prov.lock_version,
+                    "sha256": prov.locked.sha256 if prov.locked else None,
+                    "file": prov.locked.file if prov.locked else str(prov.source),
+                    "shm_path": str(prov.copy) if prov.copy else None,
+                    "fingerprint": prov.fingerprint,
+                    "loaded_at": handle.loaded_at,
+                    "memory_bytes": prov.memory_bytes,
+                    "slots_busy": handle.engine.busy_slots,
+                    "queue_depth": handle.engine.queue_depth,
+                    "leases": handle.leases,
+                })
+            models.append(item)
+        budget = self._lifecycle.memory_budget_mb
+        return {
+            "lock": {"file": str(self._lock.file) if self._lock.file else None,
+                     "version": self.lock_version, "unsigned": self._lock.allow_unsigned},
+            "preload": {"dir": str(self.area.path) if self.area and self.area.path else None,
+                        "used_bytes": self.area.used_bytes() if self.area else 0},
+            "memory": {"budget_bytes": budget * MIB if budget else None,
+                       "used_bytes": sum(h.provenance.memory_bytes for h in self.ready_handles())},
+            "retiring": len(self._disposals),
+            "models": models,
+        }

@@ -32,6 +32,8 @@ DEFAULT_SLOTS: Final = 4
 DEFAULT_BATCH_SIZE: Final = 512
 DEFAULT_GPU_LAYERS: Final = 0
 DEFAULT_QUEUE_SIZE: Final = 16
+DEFAULT_PRELOAD_DIR: Final = Path("/dev/shm/edgellm")  # noqa: S108 - tmpfs on purpose: models load from RAM
+DEFAULT_WATCH_SETTLE_S: Final = 2.0
 
 # Limits on what a config may ask for.
 PORT_RANGE: Final = (1, 65535)
@@ -44,6 +46,7 @@ BATCH_SIZE_RANGE: Final = (1, 65536)
 GPU_LAYERS_RANGE: Final = (0, 100_000)  # plus -1, meaning every layer
 GPU_LAYERS_ALL: Final = -1
 QUEUE_SIZE_RANGE: Final = (0, 100_000)
+MEMORY_BUDGET_MB_RANGE: Final = (1, None)
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMATS: Final = ("json", "text")
 MAX_CONFIG_BYTES: Final = 1_048_576  # a config file is a few hundred bytes; refuse anything absurd
@@ -135,6 +138,21 @@ class ModelSettings:
     chat_template: str | None = None  # a llama.cpp built-in template name
     chat_template_file: Path | None = None  # a Jinja2 template file; absolute
     queue_size: int = DEFAULT_QUEUE_SIZE  # requests that may wait for a slot; more get 429
+    embedding: bool = False  # an embedding model: served by /v1/embeddings only
+    evictable: bool = False  # may be unloaded (least recently used first) to fit another in the budget
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleSettings:
+    """Where models are preloaded, how file changes are watched, and the memory they may use."""
+
+    # Models are copied here (tmpfs) while they are hashed and loaded from the copy; None:
+    # loaded from the models directory. Each daemon keeps its copies in a subdirectory.
+    preload_dir: Path | None = DEFAULT_PRELOAD_DIR
+    preload_max_mb: int | None = None  # cap on what the copies may occupy; None: the free space
+    watch: bool = True  # reload when a model file or the lockfile changes
+    watch_settle_s: float = DEFAULT_WATCH_SETTLE_S  # a file must be unchanged this long first
+    memory_budget_mb: int | None = None  # loaded models' estimated size; None: no budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +164,7 @@ class Settings:
     logging: LoggingSettings
     lock: LockSettings = LockSettings(allow_unsigned=True)
     auth: AuthSettings = AuthSettings()
+    lifecycle: LifecycleSettings = LifecycleSettings()
     source: Path | None = None  # the file it was read from
 
 
@@ -154,7 +173,8 @@ _LOGGING_KEYS: Final = tuple(f.name for f in fields(LoggingSettings))
 _MODEL_KEYS: Final = tuple(f.name for f in fields(ModelSettings))
 _LOCK_KEYS: Final = tuple(f.name for f in fields(LockSettings))
 _AUTH_KEYS: Final = tuple(f.name for f in fields(AuthSettings))
-_TOP_KEYS: Final = ("server", "models", "logging", "lock", "auth")
+_LIFECYCLE_KEYS: Final = tuple(f.name for f in fields(LifecycleSettings))
+_TOP_KEYS: Final = ("server", "models", "logging", "lock", "auth", "lifecycle")
 
 
 def _show(value: object) -> str:
@@ -246,6 +266,13 @@ class _Checker:
             if math.isfinite(number) and number > 0:
                 return number
         self.add(_join(path, key), f"must be a finite number > 0, got {_show(value)}")
+        return default
+
+    def boolean(self, data: Mapping[str, object], path: str, key: str, *, default: bool) -> bool:
+        value = data.get(key, default)
+        if isinstance(value, bool):
+            return value
+        self.add(_join(path, key), f"must be true or false, got {_show(value)}")
         return default
 
     def choice(
@@ -419,6 +446,8 @@ def _parse_model(checker: _Checker, value: object, path: str, base_dir: Path) ->
         chat_template=chat_template,
         chat_template_file=chat_template_file,
         queue_size=checker.integer(data, path, "queue_size", DEFAULT_QUEUE_SIZE, QUEUE_SIZE_RANGE),
+        embedding=checker.boolean(data, path, "embedding", default=False),
+        evictable=checker.boolean(data, path, "evictable", default=False),
     )
 
 
@@ -467,16 +496,31 @@ def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
             checker.add(f"auth.admin_cidrs[{i}]", f"must be a network like 10.0.0.0/8, got {_show(cidr)}")
-    metrics_public = auth_data.get("metrics_public", False)
-    if not isinstance(metrics_public, bool):
-        checker.add("auth.metrics_public", f"must be true or false, got {_show(metrics_public)}")
-        metrics_public = False
+    metrics_public = checker.boolean(auth_data, "auth", "metrics_public", default=False)
     auth = AuthSettings(keys_file=checker.file_path(auth_data, "auth", "keys_file", base_dir),
                         admin_cidrs=cidrs, metrics_public=metrics_public)
     if auth.keys_file is None and not _is_loopback(server.host):
         checker.add("server.host", f"{server.host!r} is not a loopback address: serving a network "
                     "without API keys is refused; set auth.keys_file")
-    return Settings(server=server, models=models, logging=logging, lock=lock, auth=auth)
+    lifecycle = _parse_lifecycle(checker, top.get("lifecycle"), base_dir)
+    return Settings(server=server, models=models, logging=logging, lock=lock, auth=auth,
+                    lifecycle=lifecycle)
+
+
+def _parse_lifecycle(checker: _Checker, value: object, base_dir: Path) -> LifecycleSettings:
+    path = "lifecycle"
+    data = checker.section(value, path, _LIFECYCLE_KEYS, null_ok=True)
+    preload_dir: Path | None = DEFAULT_PRELOAD_DIR
+    if "preload_dir" in data:
+        preload_dir = checker.file_path(data, path, "preload_dir", base_dir)
+    return LifecycleSettings(
+        preload_dir=preload_dir,
+        preload_max_mb=checker.optional_integer(data, path, "preload_max_mb", MEMORY_BUDGET_MB_RANGE),
+        watch=checker.boolean(data, path, "watch", default=True),
+        watch_settle_s=checker.positive_number(data, path, "watch_settle_s", DEFAULT_WATCH_SETTLE_S),
+        memory_budget_mb=checker.optional_integer(data, path, "memory_budget_mb",
+                                                  MEMORY_BUDGET_MB_RANGE),
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -495,10 +539,7 @@ def _parse_lock(checker: _Checker, value: object, base_dir: Path) -> LockSetting
                     "lock.models_dir, lock.state_dir), or set lock.allow_unsigned: true for development")
         return LockSettings(allow_unsigned=True)
     data = checker.section(value, path, _LOCK_KEYS, null_ok=False)
-    unsigned = data.get("allow_unsigned", False)
-    if not isinstance(unsigned, bool):
-        checker.add(f"{path}.allow_unsigned", f"must be true or false, got {_show(unsigned)}")
-        unsigned = False
+    unsigned = checker.boolean(data, path, "allow_unsigned", default=False)
     locations = ("file", "models_dir", "state_dir")
     if unsigned:
         for key in (*locations, "trusted_keys"):

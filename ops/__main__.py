@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from edgellmctl import __version__, bench, keys, lock, quickstart
+from edgellmctl import __version__, admin, bench, keys, lock, quickstart
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     lock.add_parser(sub)
     keys.add_parser(sub)
     bench.add_parser(sub)
+    admin.add_parsers(sub)
     return parser
 
 

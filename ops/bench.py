@@ -14,11 +14,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
-from urllib.parse import urlsplit
 
 import aiohttp
 
-from edgellmctl.cli import int_at_least, positive_int
+from edgellmctl.cli import http_url, int_at_least, positive_int
 
 DEFAULT_PROMPT: Final = "Once upon a time, in a small village by the sea,"
 KEY_ENV: Final = "EDGELLM_API_KEY"
@@ -327,31 +326,13 @@ def format_json(s: BenchSummary) -> str:
     return json.dumps(figures)
 
 
-def _url(text: str) -> str:
-    # Messages name what is wrong without echoing the text: it may hold a password. The parser
-    # refuses credentials in the URL, so reports may show it.
-    try:
-        parts = urlsplit(text)
-        _ = parts.port  # raises ValueError for a port that is not a number in 0..65535
-    except ValueError:
-        raise argparse.ArgumentTypeError("not a valid URL") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError("must be an http:// or https:// URL with a host, "
-                                         "e.g. http://127.0.0.1:8080")
-    if parts.username is not None or parts.password is not None:
-        raise argparse.ArgumentTypeError("must not carry credentials; pass the key with --key")
-    if parts.query or parts.fragment:
-        raise argparse.ArgumentTypeError("must be the server's base URL, without a query or fragment")
-    return text
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `bench`."""
     p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server",
                        description="Stream completions from any OpenAI-compatible server (edgellmd, "
                        "llama-server, llama_cpp.server) and print aggregate tokens/s, time to first "
                        "token and latency percentiles.")
-    p.add_argument("--url", required=True, type=_url,
+    p.add_argument("--url", required=True, type=http_url,
                    help="server base URL, with or without /v1, e.g. http://127.0.0.1:8080")
     p.add_argument("--key", help=f"API key, sent as a bearer token (default: ${KEY_ENV}); never printed")
     p.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")

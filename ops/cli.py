@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -45,3 +46,22 @@ def guarded(func: Command, *expected: type[Exception]) -> Command:
         return 1
 
     return run
+
+
+def http_url(text: str) -> str:
+    """argparse type: a server base URL (http or https, a host, no credentials, query or fragment)."""
+    # Messages name what is wrong without echoing the text: it may hold a password. The parser
+    # refuses credentials in the URL, so reports may show it.
+    try:
+        parts = urlsplit(text)
+        _ = parts.port  # raises ValueError for a port that is not a number in 0..65535
+    except ValueError:
+        raise argparse.ArgumentTypeError("not a valid URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError("must be an http:// or https:// URL with a host, "
+                                         "e.g. http://127.0.0.1:8080")
+    if parts.username is not None or parts.password is not None:
+        raise argparse.ArgumentTypeError("must not carry credentials; pass the key with --key")
+    if parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError("must be the server's base URL, without a query or fragment")
+    return text

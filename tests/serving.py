@@ -21,11 +21,14 @@ from edgellmd.settings import Settings, parse_settings
 
 
 def settings_for(models: list[dict[str, Any]], server: dict[str, Any] | None = None,
-                 base_dir: Path | None = None, lock: dict[str, Any] | None = None) -> Settings:
+                 base_dir: Path | None = None, lock: dict[str, Any] | None = None,
+                 lifecycle: dict[str, Any] | None = None,
+                 auth: dict[str, Any] | None = None) -> Settings:
     """Settings from plain dicts, as a YAML file would give them (the test server picks its own port)."""
     data: dict[str, Any] = {"server": {**(server or {})}, "models": models,
                             "logging": {"level": "debug", "format": "text"},
-                            "lock": lock or {"allow_unsigned": True}}
+                            "lock": lock or {"allow_unsigned": True},
+                            "lifecycle": lifecycle, "auth": auth}
     return parse_settings(data, base_dir=base_dir or Path.cwd())
 
 

@@ -86,7 +86,7 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_freed(
                             server={"max_tokens_limit": 4000, "stream_write_timeout_s": 1.0})
     with running(settings) as daemon:
         assert daemon.app is not None
-        engine = daemon.app[appkeys.REGISTRY].get("slow").engine
+        engine = daemon.app[appkeys.REGISTRY].get("slow").generator
         daemon.shrink_send_buffers(4096)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
@@ -118,7 +118,7 @@ def test_a_request_that_makes_no_progress_is_ended(tmp_path_factory: pytest.Temp
                               "threads": 1}], server={"max_tokens_limit": 4000, "progress_timeout_s": 1.0})
     with running(settings) as daemon:
         assert daemon.app is not None
-        engine = daemon.app[appkeys.REGISTRY].get("slow").engine
+        engine = daemon.app[appkeys.REGISTRY].get("slow").generator
         blocker = _open_stream(daemon, {"model": "slow", "prompt": "hog", "max_tokens": 4000,
                                         "stream": True, "ignore_eos": True})
         deadline = time.monotonic() + 5

@@ -12,6 +12,7 @@ import yaml
 from edgellmd.settings import (
     AuthSettings,
     ConfigError,
+    LifecycleSettings,
     LoggingSettings,
     ModelSettings,
     ServerSettings,
@@ -112,9 +113,11 @@ models:
     gpu_layers: -1
     chat_template: gemma
     queue_size: 4
+    evictable: true
   - name: Tiny-1.0_b
     file: /srv/models/tiny.gguf
     chat_template_file: templates/tiny.jinja
+    embedding: true
 logging:
   level: DEBUG
   format: text
@@ -124,6 +127,12 @@ auth:
   keys_file: secrets/keys.yaml
   admin_cidrs: [10.0.0.0/8]
   metrics_public: true
+lifecycle:
+  preload_dir: shm
+  preload_max_mb: 512
+  watch: false
+  watch_settle_s: 0.5
+  memory_budget_mb: 4096
 """
 
 
@@ -158,16 +167,20 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 gpu_layers=-1,
                 chat_template="gemma",
                 queue_size=4,
+                evictable=True,
             ),
             ModelSettings(
                 name="Tiny-1.0_b",
                 file=Path("/srv/models/tiny.gguf"),
                 chat_template_file=tmp_path / "templates" / "tiny.jinja",
+                embedding=True,
             ),
         ),
         logging=LoggingSettings(level="debug", format="text"),
         auth=AuthSettings(keys_file=tmp_path / "secrets" / "keys.yaml", admin_cidrs=("10.0.0.0/8",),
                           metrics_public=True),
+        lifecycle=LifecycleSettings(preload_dir=tmp_path / "shm", preload_max_mb=512, watch=False,
+                                    watch_settle_s=0.5, memory_budget_mb=4096),
         source=tmp_path / "edgellm.yaml",
     )
 
@@ -180,6 +193,7 @@ def test_full_config_sets_every_field_away_from_its_default(tmp_path: Path) -> N
         (settings.server, defaults.server),
         (settings.logging, defaults.logging),
         (settings.auth, defaults.auth),
+        (settings.lifecycle, defaults.lifecycle),
     ]
     for got, default in sections:
         for field in dataclasses.fields(got):
@@ -361,6 +375,22 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("gpu-layers-too-many", with_model(gpu_layers=100_001), "models[0].gpu_layers",
      "got 100001"),
     ("gpu-layers-string", with_model(gpu_layers="all"), "models[0].gpu_layers", "got 'all'"),
+    ("embedding-string", with_model(embedding="yes"), "models[0].embedding",
+     "must be true or false, got 'yes'"),
+    ("evictable-int", with_model(evictable=1), "models[0].evictable", "must be true or false, got 1"),
+    # lifecycle
+    ("lifecycle-list", {**with_model(), "lifecycle": [1]}, "lifecycle", "must be a mapping"),
+    ("lifecycle-unknown", {**with_model(), "lifecycle": {"shm": 1}}, "lifecycle.shm", "unknown key"),
+    ("preload-dir-int", {**with_model(), "lifecycle": {"preload_dir": 5}}, "lifecycle.preload_dir",
+     "must be a non-empty string"),
+    ("preload-max-zero", {**with_model(), "lifecycle": {"preload_max_mb": 0}},
+     "lifecycle.preload_max_mb", "null or an integer >= 1, got 0"),
+    ("watch-string", {**with_model(), "lifecycle": {"watch": "on"}}, "lifecycle.watch",
+     "must be true or false"),
+    ("settle-zero", {**with_model(), "lifecycle": {"watch_settle_s": 0}}, "lifecycle.watch_settle_s",
+     "must be a finite number > 0, got 0"),
+    ("budget-negative", {**with_model(), "lifecycle": {"memory_budget_mb": -5}},
+     "lifecycle.memory_budget_mb", "got -5"),
     ("name-missing", {"models": [{"file": "tiny.gguf"}], "lock": UL}, "models[0].name", "required"),
     ("name-null", {"models": [{"name": None, "file": "tiny.gguf"}], "lock": UL}, "models[0].name",
      "required"),
@@ -406,10 +436,10 @@ BAD: list[tuple[str, Any, str, str]] = [
      "logging.file", "unknown key (expected one of format, level)"),
     # top level and file
     ("top-unknown-key", {**with_model(), "servers": {}}, "servers",
-     "unknown key (expected one of auth, lock, logging, models, server)"),
+     "unknown key (expected one of auth, lifecycle, lock, logging, models, server)"),
     ("top-non-string-key", "1: one\n" + MINIMAL, "1", "unknown key"),
     ("top-level-list", "- name: tiny\n  file: tiny.gguf\n", "(top level)",
-     "must be a mapping with keys server, models, logging, lock, auth, got [{"),
+     "must be a mapping with keys server, models, logging, lock, auth, lifecycle, got [{"),
     ("top-level-string", "just text\n", "(top level)", "got 'just text'"),
     ("empty-file", "", "{file}", "config file is empty"),
     ("comments-only", "# nothing yet\n", "{file}", "config file is empty"),
@@ -546,7 +576,7 @@ def test_parse_settings_rejects_non_mapping_data(tmp_path: Path) -> None:
         parse_settings(None, base_dir=tmp_path)
 
     assert caught.value.problems == [
-        "(top level): must be a mapping with keys server, models, logging, lock, auth, got None"
+        "(top level): must be a mapping with keys server, models, logging, lock, auth, lifecycle, got None"
     ]
 
 

@@ -1,10 +1,12 @@
-"""OpenAI-compatible endpoints: /v1/models, /v1/chat/completions and /v1/completions."""
+"""OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
+import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,14 +19,16 @@ from edgellmd.api.schemas import (
     ChatRequest,
     CommonRequest,
     CompletionRequest,
+    EmbeddingRequest,
     Limits,
     parse_chat,
     parse_completion,
+    parse_embeddings,
     read_json_object,
 )
 from edgellmd.errors import GenerationTimeout, InternalError, envelope
 from edgellmd.generation import Finished, Generation, GenerationRequest, NoProgress, TextDelta
-from edgellmd.registry import ModelHandle
+from edgellmd.handle import ModelHandle
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +83,11 @@ def _generation_request(handle: ModelHandle, common: CommonRequest, tokens: list
 class _Shape:
     """How one endpoint shapes its objects (chat and text completions differ only here)."""
 
-    def __init__(self, *, chat: bool, model: str, include_usage: bool = False) -> None:
+    def __init__(self, *, chat: bool, handle: ModelHandle, include_usage: bool = False) -> None:
         self.chat = chat
-        self.model = model
+        self.model = handle.name
+        # Which approved bytes answered: a reload in the middle of a stream cannot mix two.
+        self.fingerprint = handle.provenance.fingerprint
         self.include_usage = include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -98,7 +104,7 @@ class _Shape:
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+                "system_fingerprint": self.fingerprint}
 
     def complete(self, text: str, fin: Finished) -> dict[str, Any]:
         if self.chat:
@@ -229,7 +235,7 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
         # Normal end, client gone (write error or handler cancelled): either way the slot
         # must be free now, not when the generation would have ended.
         gen.cancel()
-        handle.engine.wake()
+        handle.generator.wake()
         fin = gen.final
         request[appkeys.TOKENS_USED] = (fin.prompt_tokens + fin.completion_tokens if fin
                                         else len(tokens))
@@ -238,19 +244,44 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body: ChatRequest = parse_chat(await read_json_object(request), _limits(request))
-    handle = request.app[appkeys.REGISTRY].get(body.common.model)
-    tokens = await handle.chat_prompt(body.messages)
-    shape = _Shape(chat=True, model=handle.name, include_usage=body.common.include_usage)
-    return await _run(request, handle, body.common, tokens, shape)
+    async with request.app[appkeys.REGISTRY].lease(body.common.model) as handle:
+        tokens = await handle.chat_prompt(body.messages)
+        shape = _Shape(chat=True, handle=handle, include_usage=body.common.include_usage)
+        return await _run(request, handle, body.common, tokens, shape)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     body: CompletionRequest = parse_completion(await read_json_object(request), _limits(request))
-    handle = request.app[appkeys.REGISTRY].get(body.common.model)
-    tokens = await handle.text_prompt(body.prompt)
-    shape = _Shape(chat=False, model=handle.name, include_usage=body.common.include_usage)
-    return await _run(request, handle, body.common, tokens, shape)
+    async with request.app[appkeys.REGISTRY].lease(body.common.model) as handle:
+        handle.generator  # noqa: B018 - refuses embedding models before tokenizing
+        tokens = await handle.text_prompt(body.prompt)
+        shape = _Shape(chat=False, handle=handle, include_usage=body.common.include_usage)
+        return await _run(request, handle, body.common, tokens, shape)
+
+
+def _vector(values: list[float], encoding: str) -> list[float] | str:
+    if encoding == "base64":  # little-endian float32, as OpenAI's clients decode it
+        return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+    return values
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """POST /v1/embeddings: one unit vector per input, from a model configured with embedding: true."""
+    body: EmbeddingRequest = parse_embeddings(await read_json_object(request))
+    if body.user is not None:
+        request[appkeys.USER_TAG] = body.user
+    async with request.app[appkeys.REGISTRY].lease(body.model) as handle:
+        handle.embedder  # noqa: B018 - refuses generation models before tokenizing
+        inputs = [await handle.text_prompt(item, param="input") for item in body.inputs]
+        request[appkeys.TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
+        vectors = await handle.embed(inputs)
+    return web.json_response({
+        "object": "list", "model": handle.name,
+        "data": [{"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+    }, dumps=lambda obj: json.dumps(obj, separators=(",", ":")))
 
 
 Route = tuple[str, str, Callable[[web.Request], Any]]
@@ -258,6 +289,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     ("GET", "/v1/models", list_models),
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
+    ("POST", "/v1/embeddings", embeddings),
 )
 
 

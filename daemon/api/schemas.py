@@ -18,6 +18,8 @@ MAX_STOP_SEQUENCES: Final = 4  # OpenAI's limit
 MAX_STOP_LENGTH: Final = 256  # characters per stop string
 MAX_JSON_DEPTH: Final = 32  # deeper bodies are refused before anyone walks them
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's documented default for /v1/completions
+MAX_EMBEDDING_INPUTS: Final = 2048  # OpenAI's limit on inputs per embeddings request
+ENCODING_FORMATS: Final = ("float", "base64")
 CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant"})
 
 # Accepted and ignored: they do not change what is generated.
@@ -35,6 +37,7 @@ _CHAT_FIELDS: Final = _SAMPLING | _IGNORED | {
     "function_call", "response_format", "modalities", "audio", "web_search_options",
 }
 _COMPLETION_FIELDS: Final = _SAMPLING | _IGNORED | {"prompt", "echo", "suffix", "best_of"}
+_EMBEDDING_FIELDS: Final = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,16 @@ class CompletionRequest:
 
     common: CommonRequest
     prompt: str | tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    """A validated `POST /v1/embeddings` body; each input is text or token ids."""
+
+    model: str
+    inputs: tuple[str | tuple[int, ...], ...]  # always a tuple, even for one string
+    encoding_format: str  # one of ENCODING_FORMATS
+    user: str | None
 
 
 def _depth(value: Any, limit: int) -> int:
@@ -385,3 +398,66 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
     if isinstance(value, list) and len(value) > 1:
         raise UnsupportedParameter("several prompts in one request are not supported", param="prompt")
     raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def parse_embeddings(data: Mapping[str, Any], max_inputs: int = MAX_EMBEDDING_INPUTS) -> EmbeddingRequest:
+    """Validate an embeddings body."""
+    _reject_unknown(data, _EMBEDDING_FIELDS)
+    f = _Fields(data)
+    if f.present("dimensions"):  # the model's vectors have one size; shortening them is not done here
+        raise _unsupported("dimensions")
+    model = f.string("model", required=True)
+    assert model is not None  # noqa: S101 - required=True guarantees it
+    if not model:
+        raise InvalidRequest("'model' must not be empty", param="model")
+    inputs = _embedding_inputs(data.get("input"), max_inputs)
+    encoding_format = f.string("encoding_format")
+    if encoding_format is None:
+        encoding_format = "float"
+    if encoding_format not in ENCODING_FORMATS:
+        raise InvalidRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    return EmbeddingRequest(model=model, inputs=inputs, encoding_format=encoding_format,
+                            user=f.string("user"))
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(value: list[Any], where: str) -> tuple[int, ...]:
+    if not value:
+        raise InvalidRequest(f"'{where}' must not be an empty list", param="input")
+    if not all(_is_token(t) for t in value):
+        raise InvalidRequest(f"'{where}' must hold only integer token ids", param="input")
+    if any(t < 0 for t in value):
+        raise InvalidRequest(f"'{where}' token ids must not be negative", param="input")
+    return tuple(value)
+
+
+def _embedding_inputs(value: Any, max_inputs: int) -> tuple[str | tuple[int, ...], ...]:
+    # OpenAI's four shapes: a string, a list of strings, a list of token ids (one input),
+    # or a list of lists of token ids; never a mix of them, never deeper.
+    if value is None:
+        raise InvalidRequest("'input' is required", param="input")
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequest("'input' must not be an empty string", param="input")
+        return (value,)
+    shapes = ("'input' must be a string, a list of strings, a list of token ids "
+              "or a list of lists of token ids")
+    if not isinstance(value, list):
+        raise InvalidRequest(shapes, param="input")
+    if not value:
+        raise InvalidRequest("'input' must not be an empty list", param="input")
+    if all(_is_token(t) for t in value):
+        return (_token_ids(value, "input"),)
+    if len(value) > max_inputs:
+        raise InvalidRequest(f"'input' takes at most {max_inputs} inputs, got {len(value)}", param="input")
+    if all(isinstance(v, str) for v in value):
+        for i, text in enumerate(value):
+            if not text:
+                raise InvalidRequest(f"'input[{i}]' must not be an empty string", param="input")
+        return tuple(value)
+    if all(isinstance(v, list) for v in value):
+        return tuple(_token_ids(v, f"input[{i}]") for i, v in enumerate(value))
+    raise InvalidRequest(shapes, param="input")

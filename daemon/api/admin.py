@@ -1,0 +1,75 @@
+"""Operator endpoints under /admin (admin scope, admin networks): status, reload, load, unload."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Final
+
+from aiohttp import web
+
+from edgellmd import appkeys
+from edgellmd.api.schemas import read_json_object
+from edgellmd.errors import InvalidRequest
+from edgellmd.registry import Outcome
+
+audit = logging.getLogger("edgellmd.audit")
+
+_RELOAD_KEYS: Final = frozenset({"model", "force"})
+CONFLICT: Final = 409  # an operation that failed leaves the model as it was
+
+
+def _answer(request: web.Request, action: str, outcomes: Sequence[Outcome]) -> web.Response:
+    """200 when every operation succeeded (or had nothing to do), else 409; the body says which."""
+    ok = all(o.ok for o in outcomes)
+    key = request.get(appkeys.API_KEY)
+    audit.info("admin %s: %s", action, ", ".join(f"{o.model} {o.result}" for o in outcomes) or "nothing",
+               extra={"peer": request.remote, "key_id": key.id if key else None})
+    return web.json_response({"ok": ok, "results": [o.as_dict() for o in outcomes]},
+                             status=200 if ok else CONFLICT)
+
+
+async def status(request: web.Request) -> web.Response:
+    """GET /admin/status: the lockfile, the preload area and every model's state."""
+    return web.json_response(request.app[appkeys.REGISTRY].status())
+
+
+async def reload(request: web.Request) -> web.Response:
+    """POST /admin/reload [{"model": name, "force": bool}]: answers once the reload finished."""
+    body: dict[str, Any] = {}
+    if request.can_read_body:
+        body = dict(await read_json_object(request))
+    unknown = sorted(set(body) - _RELOAD_KEYS)
+    if unknown:
+        raise InvalidRequest(f"unknown field {unknown[0][:64]!r} (expected model, force)",
+                             param=unknown[0][:64])
+    model = body.get("model")
+    force = body.get("force", False)
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string", param="model")
+    if not isinstance(force, bool):
+        raise InvalidRequest("'force' must be true or false", param="force")
+    registry = request.app[appkeys.REGISTRY]
+    outcomes = await registry.reload([model] if model is not None else None, force=force,
+                                     trigger="admin")
+    return _answer(request, "reload", outcomes)
+
+
+async def load(request: web.Request) -> web.Response:
+    """POST /admin/models/{name}/load: load (verify, preload, warm up) an unloaded model."""
+    registry = request.app[appkeys.REGISTRY]
+    return _answer(request, "load", [await registry.load(request.match_info["name"])])
+
+
+async def unload(request: web.Request) -> web.Response:
+    """POST /admin/models/{name}/unload: stop serving a model once its requests end."""
+    registry = request.app[appkeys.REGISTRY]
+    return _answer(request, "unload", [await registry.unload(request.match_info["name"])])
+
+
+def setup_admin(app: web.Application) -> None:
+    """Install the /admin routes (auth requires the admin scope for every /admin path)."""
+    app.router.add_get("/admin/status", status)
+    app.router.add_post("/admin/reload", reload)
+    app.router.add_post("/admin/models/{name}/load", load)
+    app.router.add_post("/admin/models/{name}/unload", unload)

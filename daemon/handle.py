@@ -1,0 +1,198 @@
+"""A loaded model as requests see it: prompt preparation, generation, embeddings, and its identity."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgellmd import engine as engine_mod
+from edgellmd.chat import (
+    NO_TEMPLATE_MESSAGE,
+    BuiltinChatTemplate,
+    ChatMessage,
+    ChatTemplate,
+    JinjaChatTemplate,
+    TemplateError,
+)
+from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError
+from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ServerOverloaded
+from edgellmd.generation import Generation, GenerationRequest
+from edgellmd.lockfile import LockedModel
+from edgellmd.settings import ModelSettings
+
+AnyEngine = Engine | EmbeddingEngine
+EngineFactory = Callable[[ModelSettings], AnyEngine]
+
+
+def engine_config(settings: ModelSettings) -> EngineConfig:
+    """Translate a model's settings into what the engine needs, deciding thread counts."""
+    if settings.file is None:
+        raise EngineError(f"model {settings.name}: no file to load")
+    threads = settings.threads or engine_mod.default_threads()
+    return EngineConfig(
+        path=settings.file, slots=settings.slots, context_size=settings.context_size,
+        batch_size=settings.batch_size, threads=threads,
+        threads_batch=settings.threads_batch or threads, gpu_layers=settings.gpu_layers,
+    )
+
+
+def default_engine_factory(settings: ModelSettings) -> AnyEngine:
+    """Load a model with the real llama.cpp engine (blocking): a generator or an embedder."""
+    if settings.embedding:
+        return EmbeddingEngine(engine_config(settings), name=settings.name)
+    return Engine(engine_config(settings), name=settings.name)
+
+
+def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplate | None:
+    """The template a model's chat requests use: configured override first, then the GGUF's own."""
+    info = engine.info
+    if settings.chat_template_file is not None:
+        text = settings.chat_template_file.read_text(encoding="utf-8")
+        return JinjaChatTemplate(text, bos_token=info.bos_text, eos_token=info.eos_text,
+                                 origin=str(settings.chat_template_file))
+    if settings.chat_template is not None:
+        if settings.chat_template not in engine_mod.builtin_chat_templates():
+            raise TemplateError(f"chat_template {settings.chat_template!r} is not a llama.cpp "
+                                "built-in template")
+        return BuiltinChatTemplate(settings.chat_template, engine_mod.apply_builtin_template)
+    if info.chat_template:
+        return JinjaChatTemplate(info.chat_template, bos_token=info.bos_text,
+                                 eos_token=info.eos_text, origin="the model file")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where a loaded model's bytes came from, for status pages and change detection."""
+
+    source: Path  # the file in the models directory (or the configured file, unsigned)
+    source_stat: tuple[int, int, int, int] | None  # dev, inode, size, mtime_ns when verified
+    locked: LockedModel | None  # the lock entry it was verified against; None: unsigned mode
+    lock_version: int | None
+    copy: Path | None  # the preloaded copy it was loaded from; None: loaded from `source`
+    memory_bytes: int  # estimated: weights plus KV cache
+
+    @property
+    def fingerprint(self) -> str:
+        """A short identity of the served bytes, sent as OpenAI's system_fingerprint."""
+        if self.locked is None:
+            return "edgellm-unsigned"
+        return f"edgellm-v{self.lock_version}-{self.locked.sha256[:12]}"
+
+
+@dataclass(slots=True, eq=False)
+class ModelHandle:
+    """One loaded model; requests hold a lease on it for their whole life (see Registry.lease)."""
+
+    settings: ModelSettings
+    engine: AnyEngine
+    template: ChatTemplate | None
+    executor: Executor
+    provenance: Provenance
+    created: int = field(default_factory=lambda: int(time.time()))
+    loaded_at: float = field(default_factory=time.time)
+    leases: int = 0  # requests using it now
+    retired: bool = False  # replaced or unloaded: freed when the last lease ends
+    disposing: bool = False  # its engine is being closed
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        """The model's configured name."""
+        return self.settings.name
+
+    @property
+    def generator(self) -> Engine:
+        """The text generation engine; 400 for an embedding model."""
+        if isinstance(self.engine, Engine):
+            return self.engine
+        raise InvalidRequest(f"the model {self.name!r} is an embedding model: use /v1/embeddings",
+                             param="model", code="model_not_supported")
+
+    @property
+    def embedder(self) -> EmbeddingEngine:
+        """The embedding engine; 400 for a text generation model."""
+        if isinstance(self.engine, EmbeddingEngine):
+            return self.engine
+        raise InvalidRequest(f"the model {self.name!r} does not produce embeddings",
+                             param="model", code="model_not_supported")
+
+    def _render_and_tokenize(self, messages: Sequence[ChatMessage]) -> list[int]:
+        assert self.template is not None  # noqa: S101 - checked by the caller
+        text = self.template.render(messages)
+        # Templates that print the BOS themselves must not get a second one from the tokenizer.
+        bos = self.engine.info.bos_text
+        add_special = not (bos and text.startswith(bos))
+        return self.engine.tokenize(text, add_special=add_special, parse_special=True)
+
+    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Render the chat template and tokenize, off the event loop."""
+        self.generator  # noqa: B018 - refuses embedding models
+        if self.template is None:
+            raise InvalidRequest(NO_TEMPLATE_MESSAGE.format(model=self.name), param="messages",
+                                 code="chat_template_missing")
+        loop = asyncio.get_running_loop()
+        try:
+            tokens = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages)
+        except TemplateError as exc:
+            raise InvalidRequest(str(exc), param="messages") from exc
+        self.check_prompt(tokens, "messages")
+        return tokens
+
+    async def text_prompt(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+        """Tokenize a prompt (or check given token ids), off the event loop."""
+        if isinstance(prompt, str):
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(self.executor, self.engine.tokenize, prompt)
+        else:
+            tokens = list(prompt)
+            if any(t >= self.engine.n_vocab for t in tokens):
+                raise InvalidRequest(f"'{param}' token ids must be below {self.engine.n_vocab}",
+                                     param=param)
+        self.check_prompt(tokens, param)
+        return tokens
+
+    def check_prompt(self, tokens: Sequence[int], param: str) -> None:
+        """Refuse empty prompts and prompts that leave no room to generate in a slot."""
+        if not tokens:
+            raise InvalidRequest("the prompt is empty", param=param)
+        limit = self.settings.context_size
+        if self.settings.embedding:
+            if len(tokens) > limit:
+                raise ContextLengthExceeded(f"this model embeds at most {limit} tokens per input; "
+                                            f"an input has {len(tokens)}", param=param)
+            return
+        if len(tokens) >= limit:
+            raise ContextLengthExceeded(
+                f"this model's context is {limit} tokens per request; the prompt has "
+                f"{len(tokens)} tokens and leaves no room for a reply", param=param)
+
+    def generation_limit(self, n_prompt: int, requested: int | None) -> int:
+        """Tokens a request may generate: what it asked for, capped by the room left in its slot."""
+        room = self.settings.context_size - n_prompt
+        return room if requested is None else min(requested, room)
+
+    def check_capacity(self) -> None:
+        """Refuse at once (429) when every slot is busy and the queue is full."""
+        engine = self.engine
+        if engine.busy_slots >= self.settings.slots and engine.queue_depth >= self.settings.queue_size:
+            raise ServerOverloaded(
+                f"model {self.name!r} is at capacity ({self.settings.slots} running, "
+                f"{engine.queue_depth} waiting); retry shortly", headers={"Retry-After": "1"})
+
+    def submit(self, request: GenerationRequest) -> Generation:
+        """Start a generation, or refuse at once (429) when every slot is busy and the queue full."""
+        generator = self.generator
+        self.check_capacity()
+        return generator.submit(request, asyncio.get_running_loop())
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Embed tokenized inputs on the model's own thread (429 when it is saturated)."""
+        embedder = self.embedder
+        self.check_capacity()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, embedder.embed, inputs)

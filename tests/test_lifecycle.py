@@ -1,0 +1,564 @@
+"""Model lifecycle on the real engine: hot swap under load, bad and slow files, preload, budget, admin."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from edgellmctl.__main__ import main as edgellmctl
+from edgellmctl.keys import create_key
+from edgellmd import appkeys
+from edgellmd.lockfile import format_time, sign
+from edgellmd.preload import AREA_PREFIX
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import RunningDaemon, running, settings_for
+
+MODEL = "tiny"
+SETTLE_S = 0.3
+PROMPT = "The swap test"
+MAX_TOKENS = 12
+BIG = TinyModelSpec(seed=5, n_ff=2048)  # about 4 MiB: more than a 1 MiB preload cap
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@dataclass
+class Box:
+    """A signed box: models dir, lockfile, key, state dir and a private preload root."""
+
+    root: Path
+    key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        self.models.mkdir(parents=True)
+        self.sources.mkdir()
+        self.pub.write_bytes(self.key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def sources(self) -> Path:
+        return self.root / "sources"
+
+    @property
+    def shm(self) -> Path:
+        return self.root / "shm"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "models.lock"
+
+    @property
+    def pub(self) -> Path:
+        return self.root / "signer.pub"
+
+    def source(self, name: str, spec: TinyModelSpec) -> Path:
+        path = self.sources / name
+        if not path.exists():
+            write_tiny_model(path, spec)
+        return path
+
+    def publish(self, entries: dict[str, tuple[str, bytes]], *, write_files: bool = True) -> int:
+        """Write model files (atomically, by rename) and then a newly signed lock naming them."""
+        models: dict[str, Any] = {}
+        for name, (file, data) in entries.items():
+            if write_files:
+                tmp = self.models / f".{file}.tmp"
+                tmp.write_bytes(data)
+                tmp.rename(self.models / file)
+            models[name] = {"file": file, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                            "gguf": {"architecture": "llama"}}
+        return self.sign_lock(models)
+
+    def sign_lock(self, models: dict[str, Any]) -> int:
+        self.version += 1
+        now = datetime.now(UTC)
+        doc: dict[str, Any] = {"schema": 1, "version": self.version, "issued": format_time(now),
+                               "expires": format_time(now + timedelta(days=1)), "models": models}
+        doc["signatures"] = [sign(doc, self.key)]
+        tmp = self.root / ".models.lock.tmp"
+        tmp.write_text(json.dumps(doc))
+        tmp.rename(self.lock)
+        return self.version
+
+    def lock_settings(self) -> dict[str, Any]:
+        return {"file": str(self.lock), "models_dir": str(self.models),
+                "state_dir": str(self.root / "state"), "trusted_keys": [str(self.pub)]}
+
+    def settings(self, models: list[dict[str, Any]] | None = None, **lifecycle: Any) -> Any:
+        models = models or [{"name": MODEL, "threads": 1, "context_size": 128, "slots": 2}]
+        return settings_for(models, lock=self.lock_settings(),
+                            lifecycle={"preload_dir": str(self.shm), "watch_settle_s": SETTLE_S,
+                                       **lifecycle})
+
+    def copies(self) -> list[Path]:
+        return sorted(p for p in self.shm.glob(f"{AREA_PREFIX}*/*.gguf"))
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Box:
+    return Box(tmp_path)
+
+
+def model_status(daemon: RunningDaemon, name: str = MODEL) -> dict[str, Any]:
+    status, body = daemon.get("/admin/status")
+    assert status == 200, body
+    return next(m for m in body["models"] if m["name"] == name)
+
+
+def wait_status(daemon: RunningDaemon, test: Callable[[dict[str, Any]], bool], what: str,
+                name: str = MODEL) -> dict[str, Any]:
+    """The model's /admin/status entry once `test` holds for it."""
+    found: list[dict[str, Any]] = []
+
+    def check() -> bool:
+        found[:] = [model_status(daemon, name)]
+        return test(found[0])
+
+    wait_for(check, what=what)
+    return found[0]
+
+
+def _has_version(version: int, status: dict[str, Any]) -> bool:
+    return bool(status["version"] == version)
+
+
+def complete(daemon: RunningDaemon, model: str = MODEL) -> tuple[int, dict[str, Any]]:
+    return daemon.post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                           "temperature": 0, "ignore_eos": True})
+
+
+# ---- the swap under load ------------------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    status: int
+    fingerprints: set[str]
+    text: str
+    done: bool
+    error: str | None = None
+
+
+async def _stream_once(session: aiohttp.ClientSession, url: str) -> StreamResult:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    try:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                return StreamResult(response.status, set(), "", done=False, error=await response.text())
+            prints: set[str] = set()
+            parts: list[str] = []
+            done = False
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return StreamResult(200, prints, "".join(parts), done=False, error=str(chunk))
+                prints.add(chunk["system_fingerprint"])
+                parts.append(chunk["choices"][0]["text"])
+            return StreamResult(200, prints, "".join(parts), done=done)
+    except aiohttp.ClientError as exc:
+        return StreamResult(0, set(), "", done=False, error=repr(exc))
+
+
+async def _clients(url: str, n: int, stop: threading.Event) -> list[StreamResult]:
+    results: list[StreamResult] = []
+
+    async def client() -> None:
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                results.append(await _stream_once(session, url))
+
+    await asyncio.gather(*(client() for _ in range(n)))
+    return results
+
+
+def test_swap_under_load_loses_nothing_and_never_mixes_versions(box: Box) -> None:
+    data = {"a": box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes(),
+            "b": box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes()}
+    box.publish({MODEL: ("tiny.gguf", data["a"])})
+    # What each model says alone, to compare every answer under load with.
+    expected: dict[str, str] = {}
+    for label in ("a", "b"):
+        sub = Box(box.root / f"ref-{label}")
+        sub.publish({MODEL: ("tiny.gguf", data[label])})
+        with running(sub.settings(watch=False)) as ref:
+            status, body = complete(ref)
+            assert status == 200, body
+            expected[label] = body["choices"][0]["text"]
+    assert expected["a"] != expected["b"]
+    sha_label = {hashlib.sha256(v).hexdigest()[:12]: k for k, v in data.items()}
+
+    with running(box.settings(models=[{"name": MODEL, "threads": 1, "context_size": 128,
+                                       "slots": 4, "queue_size": 64}])) as daemon:
+        stop = threading.Event()
+        results: list[StreamResult] = []
+        # The clients run in their own thread and event loop until the swaps are done.
+        clients = threading.Thread(target=lambda: results.extend(asyncio.run(_clients(daemon.url, 8, stop))))
+        clients.start()
+        versions_seen = [model_status(daemon)["version"]]
+        try:
+            wait_for(lambda: _served(daemon) >= 8, what="load to start")
+            for i in range(10):
+                label = "b" if i % 2 == 0 else "a"
+                version = box.publish({MODEL: ("tiny.gguf", data[label])})
+                m = wait_status(daemon, partial(_has_version, version), f"version {version}")
+                assert m["state"] == "ready"
+                assert m["sha256"] == hashlib.sha256(data[label]).hexdigest()
+                versions_seen.append(m["version"])
+                time.sleep(0.2)  # let requests run on this version
+        finally:
+            stop.set()
+            clients.join(60)
+        assert versions_seen == list(range(1, 12))
+        assert len(results) > 40
+        failures = [r for r in results if r.error or not r.done]
+        assert failures == []
+        per_version: dict[str, int] = {}
+        for r in results:
+            assert len(r.fingerprints) == 1, r.fingerprints
+            (fingerprint,) = r.fingerprints
+            label = sha_label[fingerprint.rsplit("-", 1)[1]]
+            assert r.text == expected[label], (fingerprint, r.text)
+            per_version[fingerprint] = per_version.get(fingerprint, 0) + 1
+        assert len(per_version) >= 6  # answers came from many of the versions in turn
+        reloads = daemon.app[appkeys.REGISTRY].reloads if daemon.app else {}
+        assert reloads.get("failed", 0) == 0
+        # Every retired version was freed: only the serving copy is left in /dev/shm.
+        wait_for(lambda: len(box.copies()) == 1, what="retired copies to be removed")
+        assert box.copies()[0] == Path(model_status(daemon)["shm_path"])
+    assert box.copies() == []  # and the daemon's area goes with it
+
+
+def _served(daemon: RunningDaemon) -> int:
+    return daemon.app[appkeys.REGISTRY].get(MODEL).generator.tokens_generated if daemon.app else 0
+
+
+# ---- bad and slow replacements ------------------------------------------------------------------
+
+
+def test_a_corrupt_replacement_is_reported_and_the_old_model_keeps_serving(box: Box) -> None:
+    good = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    other = box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes()
+    box.publish({MODEL: ("tiny.gguf", good)})
+    with running(box.settings()) as daemon:
+        before = model_status(daemon)
+        corrupt = bytearray(other)
+        corrupt[len(corrupt) // 2] ^= 0xFF
+        tmp = box.models / ".tiny.tmp"
+        tmp.write_bytes(bytes(corrupt))
+        tmp.rename(box.models / "tiny.gguf")
+        box.publish({MODEL: ("tiny.gguf", other)}, write_files=False)  # the lock vouches for `other`
+        m = wait_status(daemon, lambda s: s["last_reload"]["result"] == "failed", "the failed reload")
+        assert "sha256" in m["last_reload"]["reason"]
+        assert (m["state"], m["version"], m["sha256"]) == ("ready", 1, before["sha256"])
+        status, body = complete(daemon)
+        assert status == 200
+        assert body["system_fingerprint"] == before["fingerprint"]
+        # Fixing the file recovers without a restart.
+        tmp.write_bytes(other)
+        tmp.rename(box.models / "tiny.gguf")
+        m = wait_status(daemon, lambda s: s["version"] == 2, "recovery")
+        assert m["last_reload"]["result"] == "loaded"
+        wait_for(lambda: len(box.copies()) == 1, what="the old copy to go")
+
+
+def test_a_slowly_written_file_is_loaded_once_complete_and_not_before(box: Box) -> None:
+    first = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    second = box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes()
+    box.publish({MODEL: ("tiny.gguf", first)})
+    with running(box.settings(watch_settle_s=0.5)) as daemon:
+        box.publish({MODEL: ("tiny.gguf", second)}, write_files=False)
+        chunk = len(second) // 16 + 1
+        with (box.models / "tiny.gguf").open("wb") as out:  # in place, like a slow download
+            for start in range(0, len(second), chunk):
+                out.write(second[start:start + chunk])
+                out.flush()
+                time.sleep(0.1)
+                m = model_status(daemon)
+                assert (m["state"], m["version"]) == ("ready", 1)
+                assert complete(daemon)[0] == 200
+        m = wait_status(daemon, lambda s: s["version"] == 2, "the new version")
+        assert m["sha256"] == hashlib.sha256(second).hexdigest()
+        registry = daemon.app[appkeys.REGISTRY] if daemon.app else None
+        assert registry is not None
+        assert registry.reloads.get("failed", 0) == 0  # never tried on the half-written file
+        assert registry.reloads.get("loaded", 0) == 2  # the start and the one reload
+
+
+def test_temporary_files_do_not_trigger_reloads(box: Box) -> None:
+    box.publish({MODEL: ("tiny.gguf", box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes())})
+    with running(box.settings()) as daemon:
+        for name in (".tiny.gguf.swp", "tiny.gguf.part", "new.gguf.crdownload", "x.tmp"):
+            (box.models / name).write_bytes(b"partial")
+        time.sleep(SETTLE_S * 4)
+        last = model_status(daemon)["last_reload"]
+        assert (last["result"], last["trigger"]) == ("loaded", "start")
+
+
+def test_a_model_dropped_from_a_newer_lock_stops_serving(box: Box) -> None:
+    data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    box.publish({MODEL: ("tiny.gguf", data)})
+    with running(box.settings()) as daemon:
+        box.sign_lock({})
+        wait_for(lambda: model_status(daemon)["state"] == "unloaded", what="revocation")
+        status, body = complete(daemon)
+        assert status == 503
+        assert "not in the lockfile" in body["error"]["message"]
+
+
+# ---- preload ------------------------------------------------------------------------------------
+
+
+def test_no_room_in_the_preload_area_falls_back_to_the_models_dir_still_verified(
+        box: Box, caplog: pytest.LogCaptureFixture) -> None:
+    big = box.source("big.gguf", BIG).read_bytes()
+    assert len(big) > 1024 * 1024
+    box.publish({MODEL: ("big.gguf", big)})
+    with caplog.at_level(logging.INFO), running(box.settings(preload_max_mb=1)) as daemon:
+        m = model_status(daemon)
+        assert m["shm_path"] is None
+        assert m["sha256"] == hashlib.sha256(big).hexdigest()
+        assert complete(daemon)[0] == 200
+        # Still verified in place: a tampered file is refused.
+        tampered = bytearray(big)
+        tampered[-1] ^= 0xFF
+        (box.models / ".big.tmp").write_bytes(bytes(tampered))
+        (box.models / ".big.tmp").rename(box.models / "big.gguf")
+        m = wait_status(daemon, lambda s: s["last_reload"]["result"] == "failed", "the refused reload")
+        assert "sha256" in m["last_reload"]["reason"]
+    assert any("no room to preload" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+    assert any("verified" in r.getMessage() for r in caplog.records)
+    assert box.copies() == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> None:
+    data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    box.publish({MODEL: ("tiny.gguf", data)})
+    port = _free_port()
+    lock = box.lock_settings()
+    config = {"server": {"port": port}, "models": [{"name": MODEL, "threads": 1, "context_size": 128,
+                                                     "slots": 1}],
+              "lock": lock, "lifecycle": {"preload_dir": str(box.shm), "watch": False}}
+    config_path = box.root / "edgellm.json.yaml"
+    config_path.write_text(json.dumps(config))
+    proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(config_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def ready() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    return s.recv(64).startswith(b"HTTP/1.1 200")
+            except OSError:
+                return False
+        wait_for(ready, timeout=60, what="the daemon to be ready")
+        stale = box.copies()
+        assert len(stale) == 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert box.copies() == stale  # a killed daemon cleans nothing up
+    with running(box.settings(watch=False)) as daemon:
+        fresh = box.copies()
+        assert len(fresh) == 1
+        assert fresh[0].parent != stale[0].parent
+        assert not stale[0].parent.exists()
+        assert Path(model_status(daemon)["shm_path"]) == fresh[0]
+
+
+# ---- several models, the memory budget and the admin API ----------------------------------------
+
+
+def test_memory_budget_evicts_the_idle_evictable_model_or_refuses(box: Box) -> None:
+    big = box.source("big.gguf", BIG).read_bytes()
+    box.publish({"first": ("big.gguf", big), "second": ("big.gguf", big)})
+    models = [{"name": "first", "threads": 1, "context_size": 128, "slots": 1, "evictable": True},
+              {"name": "second", "threads": 1, "context_size": 128, "slots": 1}]
+    budget = len(big) // (1024 * 1024) + 2  # room for one of them
+    with running(box.settings(models=models, memory_budget_mb=budget)) as daemon:
+        first, second = model_status(daemon, "first"), model_status(daemon, "second")
+        assert (first["state"], second["state"]) == ("unloaded", "ready")
+        assert "evicted to make room for second" in first["reason"]
+        status, body = complete(daemon, "first")
+        assert status == 503
+        assert "evicted" in body["error"]["message"]
+        # `second` is not evictable: loading `first` again is refused, nothing changes.
+        status, body = daemon.post("/admin/models/first/load", {})
+        assert status == 409
+        assert body["results"][0]["result"] == "failed"
+        assert "memory budget exceeded" in body["results"][0]["reason"]
+        assert model_status(daemon, "second")["state"] == "ready"
+        # Unloading `second` makes room.
+        assert daemon.post("/admin/models/second/unload", {})[0] == 200
+        status, body = daemon.post("/admin/models/first/load", {})
+        assert status == 200, body
+        assert complete(daemon, "first")[0] == 200
+
+
+def test_admin_reload_reports_each_model_and_force_reloads(box: Box) -> None:
+    data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    box.publish({MODEL: ("tiny.gguf", data)})
+    with running(box.settings(watch=False)) as daemon:
+        first = model_status(daemon)
+        assert first["file"] == "tiny.gguf"
+        assert first["shm_path"].startswith(str(box.shm))
+        assert (first["slots_busy"], first["slots_total"], first["queue_depth"]) == (0, 2, 0)
+        status, body = daemon.post("/admin/reload", {})
+        assert (status, [r["result"] for r in body["results"]]) == (200, ["unchanged"])
+        status, body = daemon.post("/admin/reload", {"model": MODEL, "force": True})
+        assert (status, body["results"][0]["result"]) == (200, "loaded")
+        assert model_status(daemon)["loaded_at"] > first["loaded_at"]
+        assert daemon.post("/admin/reload", {"model": "nope"})[0] == 404
+        assert daemon.post("/admin/reload", {"force": "yes"})[0] == 400
+        assert daemon.post("/admin/reload", {"models": []})[0] == 400
+        assert daemon.post("/admin/models/nope/load", {})[0] == 404
+
+
+def test_edgellmctl_status_and_reload_use_the_admin_key(box: Box, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    box.publish({MODEL: ("tiny.gguf", data)})
+    keys = box.root / "keys.yaml"
+    _, admin = create_key(keys, "ops", ["admin"], limits={})
+    _, inference = create_key(keys, "app", ["inference"], limits={})
+    (box.root / "admin.key").write_text(admin + "\n")
+    (box.root / "app.key").write_text(inference + "\n")
+    settings = settings_for([{"name": MODEL, "threads": 1, "context_size": 128, "slots": 2}],
+                            lock=box.lock_settings(), auth={"keys_file": str(keys)},
+                            lifecycle={"preload_dir": str(box.shm), "watch": False})
+    monkeypatch.delenv("EDGELLM_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("EDGELLM_ADMIN_KEY_FILE", raising=False)
+    with running(settings) as daemon:
+        common = ["--url", daemon.url, "--key-file", str(box.root / "admin.key")]
+        assert edgellmctl(["status", *common]) == 0
+        out = capsys.readouterr().out
+        assert "MODEL" in out
+        assert "version 1" in out
+        assert MODEL in out
+        assert hashlib.sha256(data).hexdigest()[:12] in out
+        assert admin not in out
+        box.publish({MODEL: ("tiny.gguf", box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes())})
+        assert edgellmctl(["reload", MODEL, *common]) == 0
+        assert capsys.readouterr().out.strip() == f"{MODEL}: loaded (version 2)"
+        assert edgellmctl(["status", *common, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["models"][0]["version"] == 2
+        # A failed reload exits 1 and says why.
+        (box.models / "tiny.gguf").write_bytes(b"GGUF broken")
+        assert edgellmctl(["reload", *common]) == 1
+        assert "tiny: failed (version 2): file tiny.gguf" in capsys.readouterr().out
+        # Without the admin scope, or without a key: refused, and the key is never printed.
+        assert edgellmctl(["status", "--url", daemon.url, "--key-file", str(box.root / "app.key")]) == 1
+        err = capsys.readouterr().err
+        assert "HTTP 403" in err
+        assert inference not in err
+        assert edgellmctl(["status", "--url", daemon.url]) == 1
+        assert "no admin key" in capsys.readouterr().err
+
+
+def test_edgellmctl_status_when_the_daemon_is_down(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGELLM_ADMIN_KEY", "elk_0123456789ab_secret")
+    assert edgellmctl(["status", "--url", f"http://127.0.0.1:{_free_port()}"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
+
+
+@pytest.fixture
+def embedder(models_dir: Path) -> Iterator[RunningDaemon]:
+    settings = settings_for([
+        {"name": "embed", "file": str(models_dir / "tiny.gguf"), "embedding": True, "slots": 2,
+         "context_size": 128, "threads": 1},
+        {"name": MODEL, "file": str(models_dir / "tiny.gguf"), "slots": 1, "context_size": 128,
+         "threads": 1},
+    ], lifecycle={"watch": False})
+    with running(settings) as daemon:
+        yield daemon
+
+
+def test_embeddings_with_the_openai_client(embedder: RunningDaemon) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=embedder.url + "/v1", api_key="unused")
+    one = client.embeddings.create(model="embed", input="hello world")
+    assert len(one.data) == 1
+    assert len(one.data[0].embedding) == 64  # the tiny model's n_embd
+    many = client.embeddings.create(model="embed", input=["hello world", "other", "hello world"],
+                                    encoding_format="float")
+    vectors = [d.embedding for d in many.data]
+    assert [d.index for d in many.data] == [0, 1, 2]
+    assert vectors[0] == vectors[2]
+    assert vectors[0] != vectors[1]
+    assert max(abs(a - b) for a, b in zip(vectors[0], one.data[0].embedding, strict=True)) < 1e-6
+    assert abs(sum(v * v for v in vectors[1]) - 1.0) < 1e-4
+    assert many.usage.prompt_tokens == many.usage.total_tokens > 0
+
+
+@pytest.mark.parametrize(("model", "path", "body", "status", "fragment"), [
+    ("embed", "/v1/completions", {"prompt": "x"}, 400, "embedding model"),
+    ("embed", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400,
+     "embedding model"),
+    (MODEL, "/v1/embeddings", {"input": "x"}, 400, "does not produce embeddings"),
+    ("embed", "/v1/embeddings", {"input": "x" * 400}, 400, "at most 128 tokens"),
+    ("embed", "/v1/embeddings", {"input": [1, 2, 99999]}, 400, "below"),
+    ("nope", "/v1/embeddings", {"input": "x"}, 404, "does not exist"),
+])
+def test_embedding_requests_are_routed_by_kind(embedder: RunningDaemon, model: str, path: str,
+                                               body: dict[str, Any], status: int, fragment: str) -> None:
+    got, answer = embedder.post(path, {"model": model, **body})
+    assert got == status, answer
+    assert fragment in answer["error"]["message"]
+
+
+def test_the_preload_dir_is_per_daemon_and_removed_at_stop(box: Box) -> None:
+    box.publish({MODEL: ("tiny.gguf", box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes())})
+    with running(box.settings(watch=False)), running(box.settings(watch=False)):
+        copies = box.copies()
+        assert len(copies) == 2
+        assert copies[0].parent != copies[1].parent
+        assert oct(os.stat(copies[0].parent).st_mode & 0o777) == "0o700"
+    assert box.copies() == []
