@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Final
 
-from edgellmd import __version__, logs
+from edgellmd import __version__, appkeys, logs
 from edgellmd.app import create_app, start_server
 from edgellmd.settings import ConfigError, Settings, check_config, load_settings
 
@@ -32,12 +32,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(settings: Settings) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully (bounded by shutdown_timeout_s)."""
-    runner = await start_server(create_app(settings), settings.server.host, settings.server.port)
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (bounded by shutdown_timeout_s).
+
+    SIGHUP reloads: the lockfile is verified again and changed models are swapped in.
+    """
+    app = create_app(settings)
+    runner = await start_server(app, settings.server.host, settings.server.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    reloads: set[asyncio.Task[object]] = set()
+
+    def reload_on_signal() -> None:
+        # SIGHUP (systemctl reload): re-verify the lockfile and swap changed models.
+        log.info("SIGHUP: reloading models")
+        task: asyncio.Task[object] = loop.create_task(app[appkeys.REGISTRY].reload(trigger="signal"))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, reload_on_signal)
     log.info("listening on %s:%d", settings.server.host, settings.server.port)
     try:
         await stop.wait()

@@ -754,9 +754,8 @@ class EmbeddingEngine:
         # come back as the pool of its second part only (and non-causal models refuse to
         # split at all). So one ubatch holds a whole batch, and a batch at least one input.
         cparams.n_batch = cparams.n_ubatch = max(config.batch_size, config.context_size)
-        # One pool of cells for all sequences: llama.cpp then splits a batch "simply" (in
-        # order, up to n_ubatch), where per-sequence regions would split it into equal-length
-        # ubatches and cut sequences apart. Attention masks out other sequences' cells.
+        # The cache is emptied before every decode, so per-sequence regions (which the Engine
+        # keeps for prefix reuse) buy nothing here: one pool of cells serves any batch.
         cparams.kv_unified = True
         cparams.n_threads = config.threads
         cparams.n_threads_batch = config.threads_batch

@@ -74,7 +74,14 @@ class PreloadArea:
         """Bytes held by the copies in this area."""
         if self.path is None:
             return 0
-        return sum(p.stat().st_size for p in self.path.iterdir() if p.name != LOCK_NAME)
+        total = 0
+        with os.scandir(self.path) as entries:
+            for item in entries:
+                try:
+                    total += item.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue  # removed meanwhile (a retired copy)
+        return total
 
     def room(self) -> int:
         """Bytes a new copy may take: the filesystem's free space less a margin, within max_bytes."""

@@ -146,6 +146,7 @@ class Registry:
         self._lifecycle = lifecycle or LifecycleSettings(preload_dir=None, watch=False)
         self._mutex = asyncio.Lock()  # one load/reload/unload at a time
         self._disposals: set[asyncio.Task[None]] = set()
+        self._draining: set[ModelHandle] = set()  # retired, waiting for their last request
         self.area: PreloadArea | None = None
         self.lock_version: int | None = None  # of the last lockfile that verified
         self.reloads: dict[str, int] = {}  # outcomes by result, for metrics
@@ -511,12 +512,15 @@ class Registry:
         handle.retired = True
         if handle.leases == 0:
             self._dispose(handle)
+        else:
+            self._draining.add(handle)
 
     def _dispose(self, handle: ModelHandle) -> None:
         """Free a handle's engine and preloaded copy in the background (once)."""
         if handle.disposing:
             return
         handle.retired = handle.disposing = True
+        self._draining.discard(handle)
         task = asyncio.get_running_loop().create_task(self._free(handle), name=f"free:{handle.name}")
         self._disposals.add(task)
         task.add_done_callback(self._disposals.discard)
@@ -567,6 +571,8 @@ class Registry:
                         "used_bytes": self.area.used_bytes() if self.area else 0},
             "memory": {"budget_bytes": budget * MIB if budget else None,
                        "used_bytes": sum(h.provenance.memory_bytes for h in self.ready_handles())},
-            "retiring": len(self._disposals),
+            # Replaced or unloaded versions that still have requests running on them.
+            "draining": [{"name": h.name, "fingerprint": h.provenance.fingerprint, "leases": h.leases}
+                         for h in self._draining],
             "models": models,
         }

@@ -70,7 +70,7 @@ def test_tokenize(engine: EmbeddingEngine) -> None:
     tokens = engine.tokenize("héllo")
     assert tokens[0] == BOS_ID
     assert len(tokens) == 1 + len("héllo".encode())
-    assert engine.tokenize("hi", add_special=False) == tokens[1:1] + engine.tokenize("hi")[1:]
+    assert engine.tokenize("hi", add_special=False) == engine.tokenize("hi")[1:]
 
 
 def test_vectors_have_unit_length(engine: EmbeddingEngine) -> None:
@@ -211,7 +211,7 @@ def test_close_fails_running_and_waiting_calls(tmp_path: Path) -> None:
     path = write_tiny_model(tmp_path / "wide.gguf", TinyModelSpec(seed=12, n_embd=512, n_head=8,
                                                                   n_head_kv=4, n_ff=2048))
     eng = make_engine(path)
-    inputs = [eng.tokenize(f"input {i} " * 6) for i in range(2000)]
+    inputs = [[BOS_ID] + [3 + (i + k) % 256 for k in range(CONTEXT - 1)] for i in range(2000)]
     errors: list[BaseException | None] = [None, None]
 
     def call(k: int) -> None:

@@ -24,7 +24,12 @@ async def readyz(request: web.Request) -> web.Response:
     if registry.all_ready:
         return web.json_response({"status": "ready", "models": models})
     states = {s for s, _ in registry.states().values()}
-    status = "failed" if ModelState.FAILED in states else "loading"
+    if ModelState.FAILED in states:
+        status = "failed"
+    elif ModelState.LOADING in states:
+        status = "loading"
+    else:
+        status = "unloaded"  # an operator unloaded every model
     return web.json_response({"status": status, "models": models}, status=503,
                              headers={"Retry-After": "5"})
 
