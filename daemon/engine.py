@@ -49,8 +49,8 @@ _PIECE_BUF: Final = 256  # bytes; longer pieces are retried with the size llama.
 _DEFAULT_SEED: Final = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a fresh random seed per chain
 _IDLE_WAIT_S: Final = 0.5  # the idle scheduler still wakes up to report liveness
 _LOCKSTEP_WAIT_S: Final = 0.02  # longest the scheduler waits for the event loop to send a step
-_GGML_LOG_LEVEL_WARN: Final = 2  # enum ggml_log_level; the bindings do not export it
-_GGML_LOG_LEVEL_ERROR: Final = 3
+_GGML_LOG_LEVEL_WARN: Final = 3  # enum ggml_log_level (NONE, DEBUG, INFO, WARN, ERROR, CONT); not exported
+_GGML_LOG_LEVEL_ERROR: Final = 4
 
 
 class EngineError(Exception):
@@ -878,7 +878,10 @@ class EmbeddingEngine:
                     self._cond.wait(_IDLE_WAIT_S)
                 if self._stopping:
                     return
-                job = self._current = self._jobs.popleft()
+                # Current before it leaves the queue: `idle` (read without the lock) never
+                # sees neither while a job moves from one to the other.
+                job = self._current = self._jobs[0]
+                self._jobs.popleft()
             try:
                 job.future.set_result(self._embed_all(job.inputs))
             except EngineError as exc:
