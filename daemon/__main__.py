@@ -10,13 +10,17 @@ import sys
 from collections.abc import Sequence
 from typing import Final
 
+from aiohttp import web
+
 from edgellmd import __version__, appkeys, logs
 from edgellmd.app import create_app, start_server
+from edgellmd.generation import SHUTTING_DOWN
 from edgellmd.settings import ConfigError, Settings, check_config, load_settings
 
 log = logging.getLogger("edgellmd")
 
 SWITCH_INTERVAL_S: Final = 0.0005
+FINAL_WRITE_S: Final = 2.0  # after the drain deadline, for cut streams to send their error event
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,12 +59,28 @@ async def serve(settings: Settings) -> None:
     log.info("listening on %s:%d", settings.server.host, settings.server.port)
     try:
         await stop.wait()
+        app[appkeys.NOTIFIER].stopping()
         log.info("shutting down: no new connections, in-flight requests get %.0f s",
                  settings.server.shutdown_timeout_s)
+        await drain(app, runner, settings.server.shutdown_timeout_s)
     finally:
         # Stops accepting, lets handlers finish up to the timeout, then runs every cleanup
         # context (schedulers stopped, models freed).
         await runner.cleanup()
+
+
+async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) -> None:
+    """Stop accepting; let running generations finish until the deadline, then end them with an error."""
+    for site in runner.sites:
+        server = site._server  # aiohttp keeps the asyncio server private; closing it stops accepting
+        if server is not None:
+            server.close()
+    running = app[appkeys.GENERATIONS]
+    if await running.wait_empty(deadline_s):
+        return
+    log.warning("shutdown deadline passed: ending %d running request(s) with an error", len(running))
+    running.abort_all(SHUTTING_DOWN)
+    await running.wait_empty(FINAL_WRITE_S)  # time for the handlers to write their last event
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,9 +22,11 @@ from edgellmd.auth import setup_admin_networks, setup_auth
 from edgellmd.cors import setup_cors
 from edgellmd.errors import Handler, error_middleware
 from edgellmd.frontdoor import GuardedSite
+from edgellmd.generation import Running
 from edgellmd.handle import EngineFactory, default_engine_factory
 from edgellmd.registry import Registry
 from edgellmd.settings import ServerSettings, Settings
+from edgellmd.systemd import Notifier, Supervisor
 from edgellmd.watch import watcher_ctx
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,6 @@ MAX_FIELD_BYTES: Final = 8190  # one header
 MAX_HEADERS: Final = 64
 KEEPALIVE_TIMEOUT_S: Final = 75.0  # an idle kept-alive connection is closed after this
 _CLIENT_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
-_LOAD_TASK: Final = web.AppKey("load_task", asyncio.Task[None])
 
 
 @web.middleware
@@ -62,7 +63,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
 
 
 def create_app(
-    settings: Settings, *, engine_factory: EngineFactory = default_engine_factory
+    settings: Settings, *, engine_factory: EngineFactory = default_engine_factory,
+    notifier: Notifier | None = None,
 ) -> web.Application:
     """Build the daemon's application; nothing is loaded until the app starts."""
     # Order matters: the request context wraps everything so even error answers carry a
@@ -75,6 +77,8 @@ def create_app(
         client_max_size=settings.server.max_body_bytes,
     )
     app[appkeys.SETTINGS] = settings
+    app[appkeys.NOTIFIER] = notifier or Notifier()
+    app[appkeys.GENERATIONS] = Running()
     app.on_response_prepare.append(_stamp_headers)
     setup_cors(app, settings.server.cors_origins)
     setup_admin_networks(app, settings.auth.admin_cidrs)
@@ -85,6 +89,7 @@ def create_app(
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_registry_ctx(engine_factory))
     app.cleanup_ctx.append(watcher_ctx)
+    app.cleanup_ctx.append(_systemd_ctx)
     return app
 
 
@@ -122,15 +127,23 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
                             settings.lifecycle)
         app[appkeys.REGISTRY] = registry
         # Load in the background: the server listens at once, /readyz says 503 until done.
-        app[_LOAD_TASK] = asyncio.create_task(registry.start(), name="load-models")
+        app[appkeys.LOAD_TASK] = asyncio.create_task(registry.start(), name="load-models")
         yield
-        task = app[_LOAD_TASK]
+        task = app[appkeys.LOAD_TASK]
         if not task.done():
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await registry.close()
 
     return registry_ctx
+
+
+async def _systemd_ctx(app: web.Application) -> AsyncIterator[None]:
+    # After the registry's context: READY=1 waits for its first load, pings watch its engines.
+    supervisor = Supervisor(app[appkeys.NOTIFIER], app[appkeys.REGISTRY])
+    supervisor.start(app[appkeys.LOAD_TASK])
+    yield
+    await supervisor.stop()
 
 
 def _tls_context(server: ServerSettings) -> ssl.SSLContext | None:

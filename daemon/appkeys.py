@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from aiohttp import web
 
+from edgellmd.generation import Running
 from edgellmd.keystore import ApiKey, KeyStore
 from edgellmd.ratelimit import RateLimiter
 from edgellmd.registry import Registry
 from edgellmd.settings import Settings
+from edgellmd.systemd import Notifier
 
 SETTINGS: Final = web.AppKey("settings", Settings)
 REGISTRY: Final = web.AppKey("registry", Registry)
 EXECUTOR: Final = web.AppKey("executor", ThreadPoolExecutor)
 KEY_STORE: Final = web.AppKey("key_store", KeyStore)
+GENERATIONS: Final = web.AppKey("generations", Running)  # running, for the shutdown drain
+NOTIFIER: Final = web.AppKey("notifier", Notifier)
+LOAD_TASK: Final = web.AppKey("load_task", asyncio.Task[None])  # the first load of every model
 RATE_LIMITER: Final = web.AppKey("rate_limiter", RateLimiter)
 
 # Per-request state (request[...]).

@@ -19,6 +19,7 @@ DEFAULT_TOP_K: Final = 40
 DEFAULT_PENALTY_LAST_N: Final = 64
 
 _ids = itertools.count(1)
+SHUTTING_DOWN: Final = "the server is shutting down"  # Finished.error of generations cut by a shutdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,12 @@ class Generation:
         """Ask the scheduler to drop this generation and free its slot."""
         self._cancelled.set()
 
+    def abort(self, reason: str) -> None:
+        """End it now from the loop's side (shutdown): the consumer sees an error as its last event."""
+        done = self.final.completion_tokens if self.final else 0
+        self.push([Finished("error", len(self.request.prompt_tokens), done, error=reason)])
+        self.cancel()
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop that consumes this generation's events."""
@@ -200,3 +207,42 @@ class StopMatcher:
         """Release held-back text at the end of a generation that did not hit a stop."""
         held, self._held = self._held, ""
         return held
+
+
+class Running:
+    """The generations requests are consuming now, so that a shutdown can wait for them or end them."""
+
+    def __init__(self) -> None:
+        self._items: set[Generation] = set()
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, gen: Generation) -> None:
+        """A request started consuming `gen`."""
+        self._items.add(gen)
+        self._empty.clear()
+
+    def discard(self, gen: Generation) -> None:
+        """The request is done with `gen`."""
+        self._items.discard(gen)
+        if not self._items:
+            self._empty.set()
+
+    def abort_all(self, reason: str) -> int:
+        """End every running generation with an error event; returns how many."""
+        items = list(self._items)
+        for gen in items:
+            gen.abort(reason)
+        return len(items)
+
+    async def wait_empty(self, deadline_s: float) -> bool:
+        """Wait up to `deadline_s` for every request to finish; True when they did."""
+        try:
+            async with asyncio.timeout(deadline_s):
+                await self._empty.wait()
+        except TimeoutError:
+            return False
+        return True

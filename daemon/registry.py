@@ -16,7 +16,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -150,6 +150,8 @@ class Registry:
         self.area: PreloadArea | None = None
         self.lock_version: int | None = None  # of the last lockfile that verified
         self.reloads: dict[str, int] = {}  # outcomes by result, for metrics
+        # Called with ("reload_started", []) and ("reload_finished", outcomes) around reloads.
+        self.observers: list[Callable[[str, list[Outcome]], None]] = []
 
     # ---- start and stop -----------------------------------------------------------------
 
@@ -241,22 +243,37 @@ class Registry:
         """
         entries = [self._entry(n) for n in names] if names is not None else list(self._entries.values())
         async with self._mutex:
-            lock: Lockfile | None = None
-            if not self._lock.allow_unsigned:
-                loop = asyncio.get_running_loop()
-                try:
-                    lock = await loop.run_in_executor(None, self._verified_lock)
-                except LockError as exc:
-                    reason = f"lockfile refused: {exc}"
-                    log.error("lockfile %s refused: %s", self._lock.file, exc)  # noqa: TRY400 - the reason is the story
-                    return [self._failed(e, reason, trigger) for e in entries]
-                self.lock_version = lock.version
-            outcomes = []
-            for entry in entries:
-                if entry.state is ModelState.UNLOADED and names is None and trigger != "start":
-                    continue  # an operator's unload stands until they load it again
-                outcomes.append(await self._refresh(entry, lock, force=force, trigger=trigger))
+            if trigger != "start":
+                self._notify("reload_started", [])
+            outcomes = await self._reload(entries, names, force=force, trigger=trigger)
+            self._notify("reload_finished", outcomes)
             return outcomes
+
+    def _notify(self, event: str, outcomes: list[Outcome]) -> None:
+        for observer in self.observers:
+            try:
+                observer(event, outcomes)
+            except Exception:
+                log.exception("registry observer failed on %s", event)
+
+    async def _reload(self, entries: list[_Entry], names: Sequence[str] | None, *, force: bool,
+                      trigger: str) -> list[Outcome]:
+        lock: Lockfile | None = None
+        if not self._lock.allow_unsigned:
+            loop = asyncio.get_running_loop()
+            try:
+                lock = await loop.run_in_executor(None, self._verified_lock)
+            except LockError as exc:
+                reason = f"lockfile refused: {exc}"
+                log.error("lockfile %s refused: %s", self._lock.file, exc)  # noqa: TRY400 - the reason is the story
+                return [self._failed(e, reason, trigger) for e in entries]
+            self.lock_version = lock.version
+        outcomes = []
+        for entry in entries:
+            if entry.state is ModelState.UNLOADED and names is None and trigger != "start":
+                continue  # an operator's unload stands until they load it again
+            outcomes.append(await self._refresh(entry, lock, force=force, trigger=trigger))
+        return outcomes
 
     async def load(self, name: str) -> Outcome:
         """Load a model that is unloaded or failed (an operator's request)."""

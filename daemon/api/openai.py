@@ -26,8 +26,15 @@ from edgellmd.api.schemas import (
     parse_embeddings,
     read_json_object,
 )
-from edgellmd.errors import GenerationTimeout, InternalError, envelope
-from edgellmd.generation import Finished, Generation, GenerationRequest, NoProgress, TextDelta
+from edgellmd.errors import GenerationTimeout, InternalError, ServiceUnavailable, envelope
+from edgellmd.generation import (
+    SHUTTING_DOWN,
+    Finished,
+    Generation,
+    GenerationRequest,
+    NoProgress,
+    TextDelta,
+)
 from edgellmd.handle import ModelHandle
 
 log = logging.getLogger(__name__)
@@ -155,6 +162,8 @@ async def _collect_events(gen: Generation, shape: _Shape, idle_timeout: float,
         parts.append(event.text)
         if isinstance(event, Finished):
             if event.reason == "error":
+                if event.error == SHUTTING_DOWN:
+                    raise ServiceUnavailable(SHUTTING_DOWN)
                 log.error("generation failed: %s", event.error)
                 raise InternalError("the model failed while generating")
             return web.json_response(shape.complete("".join(parts), event))
@@ -212,6 +221,9 @@ async def _send_events(write: Callable[[bytes], Awaitable[None]], gen: Generatio
                 await write(shape.delta_event(event.text))
             continue
         if event.reason == "error":
+            if event.error == SHUTTING_DOWN:
+                await send(envelope(SHUTTING_DOWN, "server_error", None, "server_shutting_down"))
+                break
             log.error("generation failed mid-stream: %s", event.error)
             await send(envelope("the model failed while generating", "server_error", None,
                                 "internal_error"))
@@ -227,6 +239,8 @@ async def _send_events(write: Callable[[bytes], Awaitable[None]], gen: Generatio
 async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
                tokens: list[int], shape: _Shape) -> web.StreamResponse:
     gen = handle.submit(_generation_request(handle, common, tokens))
+    active = request.app[appkeys.GENERATIONS]
+    active.add(gen)
     try:
         if common.stream:
             return await _stream(request, gen, shape)
@@ -234,6 +248,7 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
     finally:
         # Normal end, client gone (write error or handler cancelled): either way the slot
         # must be free now, not when the generation would have ended.
+        active.discard(gen)
         gen.cancel()
         handle.generator.wake()
         fin = gen.final

@@ -1,0 +1,209 @@
+"""systemd integration: READY/STATUS/RELOADING/STOPPING/EXTEND_TIMEOUT, and an honest watchdog.
+
+sdnotify's SystemdNotifier silently drops every message when NOTIFY_SOCKET was unset when it
+was built and swallows send errors; this wrapper builds it only when the socket is set, in
+its raising mode, and logs failures (once per kind) instead of hiding them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Final
+
+import sdnotify
+
+from edgellmd.registry import Outcome, Registry
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY_S: Final = 10.0  # STATUS= refresh while nothing else changes
+EXTEND_EVERY_S: Final = 10.0  # while a load runs, ask for this much more start/reload time ...
+EXTEND_BY_S: Final = 30.0  # ... each time
+USEC: Final = 1_000_000
+
+
+class Notifier:
+    """Messages to systemd's notify socket; a quiet no-op when not started by systemd."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        env = os.environ if env is None else env
+        self.address = env.get("NOTIFY_SOCKET") or None
+        self._sd: sdnotify.SystemdNotifier | None = None
+        self._failed: set[str] = set()
+        self.sent: list[str] = []  # every message, for diagnostics
+        if self.address is not None:
+            try:
+                self._sd = sdnotify.SystemdNotifier(debug=True)  # reads NOTIFY_SOCKET itself
+            except OSError as exc:
+                log.error("cannot reach systemd's notify socket %s: %s", self.address, exc.strerror or exc)  # noqa: TRY400
+        self.watchdog_s = _watchdog_interval(env)
+
+    @property
+    def enabled(self) -> bool:
+        """True when messages reach systemd."""
+        return self._sd is not None
+
+    def send(self, *fields: str) -> bool:
+        """Send one message of `KEY=value` fields; False (logged once per kind) when it fails."""
+        if self._sd is None:
+            return False
+        message = "\n".join(fields)
+        try:
+            self._sd.notify(message)
+        except OSError as exc:
+            kind = fields[0].split("=", 1)[0]
+            if kind not in self._failed:
+                self._failed.add(kind)
+                log.error("systemd notify %s failed: %s", kind, exc.strerror or exc)  # noqa: TRY400
+            return False
+        self.sent.append(message)
+        return True
+
+    def ready(self, status: str) -> None:
+        """The service is up (after start or after a reload)."""
+        self.send("READY=1", f"STATUS={status}")
+
+    def status(self, status: str) -> None:
+        """A one-line summary for `systemctl status`."""
+        self.send(f"STATUS={status}")
+
+    def reloading(self) -> None:
+        """A reload starts (systemd requires the monotonic timestamp with it)."""
+        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+
+    def extend_timeout(self, seconds: float) -> None:
+        """Ask for more time for the current start, reload or stop."""
+        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * USEC)}")
+
+    def stopping(self) -> None:
+        """Shutdown begins."""
+        self.send("STOPPING=1", "STATUS=stopping: draining in-flight requests")
+
+    def watchdog(self) -> None:
+        """The service is healthy."""
+        self.send("WATCHDOG=1")
+
+
+def _watchdog_interval(env: Mapping[str, str]) -> float | None:
+    """WATCHDOG_USEC in seconds when it is meant for this process (WATCHDOG_PID), else None."""
+    try:
+        usec = int(env.get("WATCHDOG_USEC", "0"))
+        pid = int(env.get("WATCHDOG_PID", str(os.getpid())))
+    except ValueError:
+        log.warning("ignoring malformed WATCHDOG_USEC/WATCHDOG_PID")
+        return None
+    if usec <= 0 or pid != os.getpid():
+        return None
+    return usec / USEC
+
+
+def summary(registry: Registry) -> str:
+    """`2/2 models ready; tiny v7 1/4 busy; last reload: tiny loaded` — for STATUS=."""
+    status = registry.status()
+    models = status["models"]
+    ready = [m for m in models if m["state"] == "ready"]
+    parts = [f"{len(ready)}/{len(models)} models ready"]
+    for m in models:
+        if m["state"] == "ready":
+            version = f" v{m['version']}" if m.get("version") is not None else ""
+            parts.append(f"{m['name']}{version} {m['slots_busy']}/{m['slots_total']} busy")
+        else:
+            parts.append(f"{m['name']} {m['state']}" + (f" ({m['reason'][:80]})" if m.get("reason") else ""))
+    lasts = [m["last_reload"] for m in models if m.get("last_reload")]
+    if lasts:
+        last = max(lasts, key=lambda r: r["at"])
+        parts.append(f"last reload: {last['model']} {last['result']}")
+    return "; ".join(parts)
+
+
+class Supervisor:
+    """Drives the notifier from the registry's life and runs the watchdog pings."""
+
+    def __init__(self, notifier: Notifier, registry: Registry) -> None:
+        self.notifier = notifier
+        self.registry = registry
+        self._ready_sent = False
+        self._unhealthy_logged = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self, load_task: asyncio.Task[None]) -> None:
+        """Begin: extend the start timeout while models load, then READY=1 once all are warm."""
+        watchdog = self.notifier.watchdog_s
+        if self.notifier.enabled:
+            log.info("systemd notify socket in use%s",
+                     f"; watchdog ping every {watchdog / 2:.1f}s" if watchdog else "")
+        self.registry.observers.append(self._on_registry)
+        self._tasks.append(asyncio.create_task(self._startup(load_task), name="systemd-startup"))
+        self._tasks.append(asyncio.create_task(self._status_loop(), name="systemd-status"))
+        if self.notifier.watchdog_s is not None:
+            self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s),
+                                                   name="systemd-watchdog"))
+
+    async def stop(self) -> None:
+        """Cancel the background tasks."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _startup(self, load_task: asyncio.Task[None]) -> None:
+        while not load_task.done():
+            self.notifier.extend_timeout(EXTEND_BY_S)
+            await asyncio.wait({load_task}, timeout=EXTEND_EVERY_S)
+        self._maybe_ready()
+
+    def _maybe_ready(self) -> None:
+        text = summary(self.registry)
+        if self.registry.all_ready:
+            self.notifier.ready(text)
+            self._ready_sent = True
+        else:
+            self.notifier.status(text)
+
+    def _on_registry(self, event: str, outcomes: list[Outcome]) -> None:
+        if event == "reload_started":
+            if self._ready_sent:
+                self.notifier.reloading()
+            self.notifier.extend_timeout(EXTEND_BY_S)
+        elif event == "reload_finished" and self._ready_sent:
+            self._maybe_ready()
+        elif event == "reload_finished" and outcomes:
+            self._maybe_ready()  # models that failed at start may have come back
+
+    async def _status_loop(self) -> None:
+        while True:
+            await asyncio.sleep(STATUS_EVERY_S)
+            if self._ready_sent:
+                self.notifier.status(summary(self.registry))
+
+    def healthy(self, now: float, window: float) -> str | None:
+        """Why the daemon must not ping the watchdog now, or None when it may."""
+        for handle in self.registry.ready_handles():
+            silent = now - handle.engine.heartbeat
+            if silent > window:
+                return f"the scheduler of model {handle.name} has shown no progress for {silent:.1f}s"
+        return None
+
+    async def _watchdog_loop(self, timeout_s: float) -> None:
+        # Pinging at half the timeout from the event loop proves the loop runs; the heartbeat
+        # check proves every scheduler thread finished a step or idled within the timeout.
+        interval = timeout_s / 2
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + interval
+            await asyncio.sleep(interval)
+            lag = loop.time() - due
+            problem = self.healthy(time.monotonic(), timeout_s)
+            if problem is None and lag > interval:
+                problem = f"the event loop was blocked for {lag:.1f}s"
+            if problem is None:
+                self.notifier.watchdog()
+                if self._unhealthy_logged:
+                    log.warning("healthy again: watchdog pings resumed")
+                    self._unhealthy_logged = False
+            elif not self._unhealthy_logged:
+                log.error("not pinging the systemd watchdog: %s", problem)
+                self._unhealthy_logged = True
