@@ -67,6 +67,7 @@ async def serve(settings: Settings) -> None:
         # Stops accepting, lets handlers finish up to the timeout, then runs every cleanup
         # context (schedulers stopped, models freed).
         await runner.cleanup()
+        app[appkeys.NOTIFIER].close()
 
 
 async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) -> None:

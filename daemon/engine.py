@@ -956,3 +956,9 @@ def _unit(vector: list[float]) -> list[float]:
     """`vector` scaled to length 1 (OpenAI's embeddings are unit vectors); zeros stay zeros."""
     norm = math.sqrt(math.fsum(x * x for x in vector))
     return [x / norm for x in vector] if norm > 0.0 else vector
+
+
+def supports_gpu_offload() -> bool:
+    """True when this llama.cpp build can offload layers to a GPU (False for a CPU-only build)."""
+    _init_backend()  # the backend registry lists GPU devices once the backend is set up
+    return bool(llama.llama_supports_gpu_offload())

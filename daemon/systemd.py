@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping
 from typing import Final
@@ -37,10 +38,17 @@ class Notifier:
         self.sent: list[str] = []  # every message, for diagnostics
         if self.address is not None:
             try:
+                _probe(self.address)  # sdnotify would leak its socket when this fails
                 self._sd = sdnotify.SystemdNotifier(debug=True)  # reads NOTIFY_SOCKET itself
             except OSError as exc:
                 log.error("cannot reach systemd's notify socket %s: %s", self.address, exc.strerror or exc)  # noqa: TRY400
         self.watchdog_s = _watchdog_interval(env)
+
+    def close(self) -> None:
+        """Close the socket (no message can be sent afterwards)."""
+        if self._sd is not None and self._sd.socket is not None:
+            self._sd.socket.close()
+        self._sd = None
 
     @property
     def enabled(self) -> bool:
@@ -86,6 +94,13 @@ class Notifier:
     def watchdog(self) -> None:
         """The service is healthy."""
         self.send("WATCHDOG=1")
+
+
+def _probe(address: str) -> None:
+    """Connect to the notify socket once, raising OSError when nobody listens there."""
+    target = "\0" + address[1:] if address.startswith("@") else address
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.connect(target)
 
 
 def _watchdog_interval(env: Mapping[str, str]) -> float | None:
@@ -196,6 +211,8 @@ class Supervisor:
             due = loop.time() + interval
             await asyncio.sleep(interval)
             lag = loop.time() - due
+            if not self._ready_sent:
+                continue  # systemd arms the watchdog once start-up completed (READY=1)
             problem = self.healthy(time.monotonic(), timeout_s)
             if problem is None and lag > interval:
                 problem = f"the event loop was blocked for {lag:.1f}s"

@@ -1,0 +1,305 @@
+"""systemd integration of a real edgellmd process: notify messages, watchdog pings, SIGTERM drain."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgellmd.systemd import Notifier
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+
+WATCHDOG_USEC = 1_000_000  # systemd's smallest sensible value: a ping every 0.5 s
+# Eight wide layers and a 2000-token prompt in one chunk: a single llama_decode that takes
+# seconds on one thread, which is what a hung scheduler looks like from outside.
+STALL_SPEC = TinyModelSpec(seed=21, n_embd=512, n_head=8, n_head_kv=8, n_layer=8, n_ff=2048)
+
+
+@dataclass
+class NotifySocket:
+    """A real AF_UNIX datagram socket standing in for systemd's."""
+
+    path: Path
+    sock: socket.socket = field(init=False)
+    messages: list[tuple[float, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(self.path))
+        self.sock.settimeout(0.1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.messages.append((time.monotonic(), data.decode()))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+    def fields(self) -> list[str]:
+        return [line for _, m in self.messages for line in m.split("\n")]
+
+    def times(self, field_: str) -> list[float]:
+        return [t for t, m in self.messages if field_ in m.split("\n")]
+
+    def wait_for(self, field_: str, timeout: float = 60.0, after: float = 0.0) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hits = [t for t in self.times(field_) if t > after]
+            if hits:
+                return hits[0]
+            time.sleep(0.02)
+        raise AssertionError(f"no {field_!r} within {timeout}s; got {self.fields()}")
+
+
+@pytest.fixture
+def notify(tmp_path: Path) -> Iterator[NotifySocket]:
+    sock = NotifySocket(tmp_path / "notify.sock")
+    yield sock
+    sock.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen[bytes]
+    port: int
+    shm: Path
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:  # noqa: S310 - loopback
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.load(exc)
+        except OSError:
+            return 0, None
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),  # noqa: S310
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:  # noqa: S310 - loopback
+            return r.status, json.load(r)
+
+
+def start_daemon(tmp_path: Path, model: Path, env: dict[str, str], **server: Any) -> Proc:
+    port = _free_port()
+    shm = tmp_path / "shm"
+    config = {"server": {"port": port, **server},
+              "models": [{"name": "m", "file": str(model), "threads": 1, "slots": 3,
+                          "context_size": 4096, "batch_size": 2048}],
+              "lock": {"allow_unsigned": True},
+              "lifecycle": {"preload_dir": str(shm), "watch": False},
+              "logging": {"format": "text", "level": "info"}}
+    path = tmp_path / "edgellm.yaml"
+    path.write_text(json.dumps(config))
+    log = tmp_path / "daemon.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(path)],
+                                env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+    return Proc(proc, port, shm, log)
+
+
+def stop(proc: Proc) -> int:
+    if proc.proc.poll() is None:
+        proc.proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def stall_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("stall") / "stall.gguf", STALL_SPEC)
+
+
+def test_notify_sequence_watchdog_cadence_and_stall(tmp_path: Path, notify: NotifySocket,
+                                                    stall_model: Path) -> None:
+    env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+    daemon = start_daemon(tmp_path, stall_model, env)
+    try:
+        ready_at = notify.wait_for("READY=1")
+        status, body = daemon.get("/readyz")
+        assert status == 200, body  # READY=1 came only once the model was warm
+        before_ready = [m for t, m in notify.messages if t < ready_at]
+        assert before_ready, "EXTEND_TIMEOUT_USEC is sent while the model loads"
+        assert all("EXTEND_TIMEOUT_USEC=" in m for m in before_ready)
+        ready_message = next(m for t, m in notify.messages if t == ready_at)
+        assert "STATUS=1/1 models ready" in ready_message
+
+        # Pings at half of WATCHDOG_USEC.
+        time.sleep(2.6)
+        pings = [t for t in notify.times("WATCHDOG=1") if t > ready_at]
+        assert len(pings) >= 4
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
+        assert all(0.3 < g < 0.8 for g in gaps), gaps
+
+        # A reload is framed by RELOADING=1 (with the monotonic time) and READY=1.
+        mark = time.monotonic()
+        assert daemon.post("/admin/reload", {"force": True})[0] == 200
+        reloading = notify.wait_for("RELOADING=1", after=mark)
+        message = next(m for t, m in notify.messages if t == reloading)
+        assert any(line.startswith("MONOTONIC_USEC=") for line in message.split("\n"))
+        assert notify.wait_for("READY=1", after=reloading) >= reloading
+
+        # A scheduler stuck in one long llama_decode: the pings stop, then resume.
+        mark = time.monotonic()
+        done = threading.Event()
+
+        def long_prefill() -> None:
+            try:
+                daemon.post("/v1/completions", {"model": "m", "max_tokens": 1,
+                                                "prompt": [3 + i % 250 for i in range(2000)]})
+            finally:
+                done.set()
+
+        threading.Thread(target=long_prefill, daemon=True).start()
+        assert done.wait(120)
+        finished = time.monotonic()
+        time.sleep(1.2)
+        pings = [t for t in notify.times("WATCHDOG=1") if t > mark]
+        gaps = [b - a for a, b in itertools.pairwise(pings)]
+        assert max(gaps) > WATCHDOG_USEC / 1e6, (gaps, finished - mark)
+        assert pings[-1] > finished  # pinging again once the scheduler is back
+        assert "not pinging the systemd watchdog: the scheduler of model m" in daemon.log.read_text()
+    finally:
+        code = stop(daemon)
+    assert code == 0
+    assert notify.fields().count("STOPPING=1") == 1
+    assert not list(daemon.shm.glob("edgellmd-*"))
+
+
+def _stream(url: str, max_tokens: int, out: list[list[dict[str, Any]]]) -> None:
+    body = json.dumps({"model": "m", "prompt": "go", "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,  # noqa: S310 - loopback
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    events: list[dict[str, Any]] = []
+    with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - loopback
+        for raw in r:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                events.append({"done": True})
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    out.append(events)
+
+
+@pytest.mark.parametrize(("deadline", "max_tokens", "finish"), [
+    (60, 40, "complete"),  # the streams finish within the drain deadline
+    (1, 4000, "cut"),  # past it: an error event, then [DONE]
+])
+def test_sigterm_drains_running_streams(tmp_path: Path, deadline: int, max_tokens: int,
+                                        finish: str, stall_model: Path) -> None:
+    model = write_tiny_model(tmp_path / "small.gguf", TinyModelSpec(seed=22, n_embd=256, n_ff=1024))
+    del stall_model
+    daemon = start_daemon(tmp_path, model, {}, shutdown_timeout_s=deadline, max_tokens_limit=4000)
+    try:
+        deadline_at = time.monotonic() + 60
+        while daemon.get("/readyz")[0] != 200:
+            assert time.monotonic() < deadline_at, daemon.log.read_text()
+            time.sleep(0.05)
+        assert any(daemon.shm.glob("edgellmd-*/*.gguf"))
+        results: list[list[dict[str, Any]]] = []
+        threads = [threading.Thread(target=_stream, args=(daemon.url, max_tokens, results))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        wait = time.monotonic() + 30
+        while daemon.get("/admin/status")[1]["models"][0]["slots_busy"] < 3:
+            assert time.monotonic() < wait
+            time.sleep(0.02)
+        daemon.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+    finally:
+        code = stop(daemon)
+    assert code == 0
+    assert len(results) == 3
+    for events in results:
+        assert events[-1] == {"done": True}
+        last = events[-2]
+        if finish == "complete":
+            assert last["choices"][0]["finish_reason"] == "length"
+            assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) > 0
+        else:
+            assert last["error"]["code"] == "server_shutting_down"
+    assert not list(daemon.shm.glob("edgellmd-*"))  # no /dev/shm copy left behind
+
+
+def test_notifier_without_a_socket_is_a_quiet_no_op() -> None:
+    notifier = Notifier({})
+    assert not notifier.enabled
+    assert notifier.send("READY=1") is False
+    assert notifier.watchdog_s is None
+
+
+def test_notifier_reports_an_unreachable_socket(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = str(tmp_path / "nobody-listens")
+    monkeypatch.setenv("NOTIFY_SOCKET", missing)
+    with caplog.at_level(logging.ERROR):
+        notifier = Notifier({"NOTIFY_SOCKET": missing})
+    assert not notifier.enabled
+    assert "cannot reach systemd's notify socket" in caplog.text
+
+
+def test_watchdog_is_only_for_this_process() -> None:
+    mine = {"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": str(os.getpid())}
+    assert Notifier(mine).watchdog_s == 4.0
+    assert Notifier({**mine, "WATCHDOG_PID": "1"}).watchdog_s is None
+    assert Notifier({"WATCHDOG_USEC": "soon"}).watchdog_s is None
+
+
+def test_abstract_notify_socket_addresses_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"edgellm-test-{os.getpid()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind("\0" + name)
+    server.settimeout(5)
+    try:
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        notifier = Notifier({"NOTIFY_SOCKET": "@" + name})
+        notifier.ready("1/1 models ready")
+        assert server.recv(4096) == b"READY=1\nSTATUS=1/1 models ready"
+        notifier.close()
+        assert notifier.send("WATCHDOG=1") is False
+    finally:
+        server.close()
