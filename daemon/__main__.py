@@ -15,6 +15,7 @@ from aiohttp import web
 from edgellmd import __version__, appkeys, logs
 from edgellmd.app import create_app, start_server
 from edgellmd.generation import SHUTTING_DOWN
+from edgellmd.host import Pinning, pin_cpus
 from edgellmd.settings import ConfigError, Settings, check_config, load_settings
 
 log = logging.getLogger("edgellmd")
@@ -35,12 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, pinning: Pinning | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (bounded by shutdown_timeout_s).
 
     SIGHUP reloads: the lockfile is verified again and changed models are swapped in.
     """
-    app = create_app(settings)
+    app = create_app(settings, pinning=pinning)
     runner = await start_server(app, settings.server.host, settings.server.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -106,10 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # hundred microseconds of Python; with the default 5 ms switch interval a busy event
     # loop can hold them off for a whole token's time (measured: 10-20% of throughput).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # Before any thread exists: threads inherit the affinity of the thread that starts them.
+    pinning = pin_cpus(settings.host.cpus)
     log.info("edgellmd %s starting on %s:%d with %d model(s)", __version__, settings.server.host,
              settings.server.port, len(settings.models))
     try:
-        asyncio.run(serve(settings))
+        asyncio.run(serve(settings, pinning))
     except OSError as exc:
         log.error("cannot serve on %s:%d: %s", settings.server.host, settings.server.port, exc)  # noqa: TRY400 - the reason is the message
         return 1

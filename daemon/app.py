@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import ssl
 import time
@@ -24,6 +25,7 @@ from edgellmd.errors import Handler, error_middleware
 from edgellmd.frontdoor import GuardedSite
 from edgellmd.generation import Running
 from edgellmd.handle import EngineFactory, default_engine_factory
+from edgellmd.host import Pinning
 from edgellmd.registry import Registry
 from edgellmd.settings import ServerSettings, Settings
 from edgellmd.systemd import Notifier, Supervisor
@@ -64,7 +66,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
 
 def create_app(
     settings: Settings, *, engine_factory: EngineFactory = default_engine_factory,
-    notifier: Notifier | None = None,
+    notifier: Notifier | None = None, pinning: Pinning | None = None,
 ) -> web.Application:
     """Build the daemon's application; nothing is loaded until the app starts."""
     # Order matters: the request context wraps everything so even error answers carry a
@@ -79,6 +81,7 @@ def create_app(
     app[appkeys.SETTINGS] = settings
     app[appkeys.NOTIFIER] = notifier or Notifier()
     app[appkeys.GENERATIONS] = Running()
+    app[appkeys.PINNING] = pinning or Pinning(frozenset(os.sched_getaffinity(0)), None, pinned=False)
     app.on_response_prepare.append(_stamp_headers)
     setup_cors(app, settings.server.cors_origins)
     setup_admin_networks(app, settings.auth.admin_cidrs)

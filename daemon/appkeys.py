@@ -9,6 +9,7 @@ from typing import Final
 from aiohttp import web
 
 from edgellmd.generation import Running
+from edgellmd.host import Pinning
 from edgellmd.keystore import ApiKey, KeyStore
 from edgellmd.ratelimit import RateLimiter
 from edgellmd.registry import Registry
@@ -20,6 +21,7 @@ REGISTRY: Final = web.AppKey("registry", Registry)
 EXECUTOR: Final = web.AppKey("executor", ThreadPoolExecutor)
 KEY_STORE: Final = web.AppKey("key_store", KeyStore)
 GENERATIONS: Final = web.AppKey("generations", Running)  # running, for the shutdown drain
+PINNING: Final = web.AppKey("pinning", Pinning)  # the CPUs the process was pinned to
 NOTIFIER: Final = web.AppKey("notifier", Notifier)
 LOAD_TASK: Final = web.AppKey("load_task", asyncio.Task[None])  # the first load of every model
 RATE_LIMITER: Final = web.AppKey("rate_limiter", RateLimiter)

@@ -578,6 +578,8 @@ class Registry:
                     "slots_busy": handle.engine.busy_slots,
                     "queue_depth": handle.engine.queue_depth,
                     "leases": handle.leases,
+                    "threads": handle.engine.config.threads,
+                    "threads_batch": handle.engine.config.threads_batch,
                 })
             models.append(item)
         budget = self._lifecycle.memory_budget_mb

@@ -13,6 +13,9 @@ from typing import Final, TypeGuard
 
 import yaml
 
+from edgellmd.host import AUTO as AUTO_CPUS
+from edgellmd.host import CpuListError, parse_cpu_list
+
 # Defaults. Any change here must be reflected in the README's Configuration section and in
 # the Ansible role's defaults/main.yml.
 DEFAULT_HOST: Final = "127.0.0.1"  # loopback: exposing the daemon is an explicit decision
@@ -34,6 +37,8 @@ DEFAULT_GPU_LAYERS: Final = 0
 DEFAULT_QUEUE_SIZE: Final = 16
 DEFAULT_PRELOAD_DIR: Final = Path("/dev/shm/edgellm")  # noqa: S108 - tmpfs on purpose: models load from RAM
 DEFAULT_WATCH_SETTLE_S: Final = 2.0
+DEFAULT_GPU_POLL_S: Final = 10.0
+DEFAULT_GPU_HEADROOM_MB: Final = 1024  # CUDA context, compute buffers and fragmentation
 
 # Limits on what a config may ask for.
 PORT_RANGE: Final = (1, 65535)
@@ -47,6 +52,7 @@ GPU_LAYERS_RANGE: Final = (0, 100_000)  # plus -1, meaning every layer
 GPU_LAYERS_ALL: Final = -1
 QUEUE_SIZE_RANGE: Final = (0, 100_000)
 MEMORY_BUDGET_MB_RANGE: Final = (1, None)
+GPU_HEADROOM_MB_RANGE: Final = (0, None)
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMATS: Final = ("json", "text")
 MAX_CONFIG_BYTES: Final = 1_048_576  # a config file is a few hundred bytes; refuse anything absurd
@@ -156,6 +162,15 @@ class LifecycleSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class HostSettings:
+    """How the daemon uses its hardware."""
+
+    cpus: str | None = None  # "0-3,8" or "auto" (one per physical core); None: what it is allowed
+    gpu_poll_s: float = DEFAULT_GPU_POLL_S  # NVML polling interval
+    gpu_headroom_mb: int = DEFAULT_GPU_HEADROOM_MB  # VRAM left free by gpu_layers: auto
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """The whole daemon configuration."""
 
@@ -165,6 +180,7 @@ class Settings:
     lock: LockSettings = LockSettings(allow_unsigned=True)
     auth: AuthSettings = AuthSettings()
     lifecycle: LifecycleSettings = LifecycleSettings()
+    host: HostSettings = HostSettings()
     source: Path | None = None  # the file it was read from
 
 
@@ -174,7 +190,8 @@ _MODEL_KEYS: Final = tuple(f.name for f in fields(ModelSettings))
 _LOCK_KEYS: Final = tuple(f.name for f in fields(LockSettings))
 _AUTH_KEYS: Final = tuple(f.name for f in fields(AuthSettings))
 _LIFECYCLE_KEYS: Final = tuple(f.name for f in fields(LifecycleSettings))
-_TOP_KEYS: Final = ("server", "models", "logging", "lock", "auth", "lifecycle")
+_HOST_KEYS: Final = tuple(f.name for f in fields(HostSettings))
+_TOP_KEYS: Final = ("server", "models", "logging", "lock", "auth", "lifecycle", "host")
 
 
 def _show(value: object) -> str:
@@ -503,8 +520,35 @@ def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
         checker.add("server.host", f"{server.host!r} is not a loopback address: serving a network "
                     "without API keys is refused; set auth.keys_file")
     lifecycle = _parse_lifecycle(checker, top.get("lifecycle"), base_dir)
+    host = _parse_host(checker, top.get("host"))
     return Settings(server=server, models=models, logging=logging, lock=lock, auth=auth,
-                    lifecycle=lifecycle)
+                    lifecycle=lifecycle, host=host)
+
+
+def _parse_host(checker: _Checker, value: object) -> HostSettings:
+    path = "host"
+    data = checker.section(value, path, _HOST_KEYS, null_ok=True)
+    cpus = data.get("cpus")
+    if isinstance(cpus, int) and not isinstance(cpus, bool):
+        cpus = str(cpus)  # `cpus: 3` in YAML is an int
+    if cpus is not None:
+        if not isinstance(cpus, str):
+            checker.add(f"{path}.cpus", f"must be a CPU list like \"0-3,8\" or \"auto\", got {_show(cpus)}")
+            cpus = None
+        elif cpus.strip().lower() == AUTO_CPUS:
+            cpus = AUTO_CPUS
+        else:
+            try:
+                parse_cpu_list(cpus)
+            except CpuListError as exc:
+                checker.add(f"{path}.cpus", f"{exc}, got {_show(cpus)}")
+                cpus = None
+    return HostSettings(
+        cpus=cpus,
+        gpu_poll_s=checker.positive_number(data, path, "gpu_poll_s", DEFAULT_GPU_POLL_S),
+        gpu_headroom_mb=checker.integer(data, path, "gpu_headroom_mb", DEFAULT_GPU_HEADROOM_MB,
+                                        GPU_HEADROOM_MB_RANGE),
+    )
 
 
 def _parse_lifecycle(checker: _Checker, value: object, base_dir: Path) -> LifecycleSettings:
