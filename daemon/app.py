@@ -9,8 +9,10 @@ import re
 import ssl
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Final
 
 from aiohttp import web
@@ -21,11 +23,14 @@ from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
 from edgellmd.auth import setup_admin_networks, setup_auth
 from edgellmd.cors import setup_cors
+from edgellmd.engine import supports_gpu_offload
 from edgellmd.errors import Handler, error_middleware
 from edgellmd.frontdoor import GuardedSite
 from edgellmd.generation import Running
+from edgellmd.gpu import GpuMonitor
 from edgellmd.handle import EngineFactory, default_engine_factory
 from edgellmd.host import Pinning
+from edgellmd.metrics import Metrics
 from edgellmd.registry import Registry
 from edgellmd.settings import ServerSettings, Settings
 from edgellmd.systemd import Notifier, Supervisor
@@ -55,13 +60,28 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     try:
         response = await handler(request)
         status = response.status
+    except web.HTTPException as exc:  # routing answers (404/405) raised below the error middleware
+        status = exc.status
+        raise
+    else:
         return response
     finally:
+        _count(request, status, time.monotonic() - started)
         access_log.info("%s %s %d %.3fs", request.method, request.path, status,
                         time.monotonic() - started,
                         extra={"peer": request.remote, "status": status,
                                "user": request.get(appkeys.USER_TAG)})
         logs.request_id.reset(token)
+
+
+def _count(request: web.Request, status: int, seconds: float) -> None:
+    # Label by route pattern, never by raw path: a scanner must not mint a series per URL.
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    key = request.get(appkeys.API_KEY)
+    metrics = request.app[appkeys.METRICS]
+    metrics.requests.labels(endpoint, str(status), key.id if key else "").inc()
+    metrics.request_duration.labels(endpoint).observe(seconds)
 
 
 def create_app(
@@ -81,6 +101,7 @@ def create_app(
     app[appkeys.SETTINGS] = settings
     app[appkeys.NOTIFIER] = notifier or Notifier()
     app[appkeys.GENERATIONS] = Running()
+    app[appkeys.METRICS] = Metrics()
     app[appkeys.PINNING] = pinning or Pinning(frozenset(os.sched_getaffinity(0)), None, pinned=False)
     app.on_response_prepare.append(_stamp_headers)
     setup_cors(app, settings.server.cors_origins)
@@ -92,6 +113,7 @@ def create_app(
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_registry_ctx(engine_factory))
     app.cleanup_ctx.append(watcher_ctx)
+    app.cleanup_ctx.append(_gpu_ctx)
     app.cleanup_ctx.append(_systemd_ctx)
     return app
 
@@ -129,6 +151,10 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
         registry = Registry(settings.models, app[appkeys.EXECUTOR], factory, settings.lock,
                             settings.lifecycle)
         app[appkeys.REGISTRY] = registry
+        app[appkeys.METRICS].add_state(
+            registry, refusals=lambda: _limiter_refusals(app),
+            gpu=lambda: app[appkeys.GPU_MONITOR].latest if appkeys.GPU_MONITOR in app else None,
+            shm=_existing(settings.lifecycle.preload_dir), models_dir=settings.lock.models_dir)
         # Load in the background: the server listens at once, /readyz says 503 until done.
         app[appkeys.LOAD_TASK] = asyncio.create_task(registry.start(), name="load-models")
         yield
@@ -139,6 +165,31 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
         await registry.close()
 
     return registry_ctx
+
+
+def _limiter_refusals(app: web.Application) -> Counter[str]:
+    limiter = app.get(appkeys.RATE_LIMITER)
+    return limiter.refusals if limiter is not None else Counter()
+
+
+def _existing(path: Path | None) -> Path | None:
+    """The path, or its closest existing parent (a preload dir not created yet: its tmpfs)."""
+    while path is not None and not path.exists():
+        path = path.parent if path.parent != path else None
+    return path
+
+
+async def _gpu_ctx(app: web.Application) -> AsyncIterator[None]:
+    # NVML polled off the loop; absent driver or GPUs are reported once, never fatal.
+    settings = app[appkeys.SETTINGS]
+    offloading = [m.gpu_layers for m in settings.models if m.gpu_layers != 0]
+    monitor = GpuMonitor(settings.host.gpu_poll_s, pid=os.getpid(),
+                         offload_supported=supports_gpu_offload(),
+                         gpu_layers=offloading[0] if offloading else 0)
+    app[appkeys.GPU_MONITOR] = monitor
+    await monitor.start()
+    yield
+    await monitor.stop()
 
 
 async def _systemd_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -9,8 +9,10 @@ from typing import Final
 from aiohttp import web
 
 from edgellmd.generation import Running
+from edgellmd.gpu import GpuMonitor
 from edgellmd.host import Pinning
 from edgellmd.keystore import ApiKey, KeyStore
+from edgellmd.metrics import Metrics
 from edgellmd.ratelimit import RateLimiter
 from edgellmd.registry import Registry
 from edgellmd.settings import Settings
@@ -21,6 +23,8 @@ REGISTRY: Final = web.AppKey("registry", Registry)
 EXECUTOR: Final = web.AppKey("executor", ThreadPoolExecutor)
 KEY_STORE: Final = web.AppKey("key_store", KeyStore)
 GENERATIONS: Final = web.AppKey("generations", Running)  # running, for the shutdown drain
+METRICS: Final = web.AppKey("metrics", Metrics)
+GPU_MONITOR: Final = web.AppKey("gpu_monitor", GpuMonitor)
 PINNING: Final = web.AppKey("pinning", Pinning)  # the CPUs the process was pinned to
 NOTIFIER: Final = web.AppKey("notifier", Notifier)
 LOAD_TASK: Final = web.AppKey("load_task", asyncio.Task[None])  # the first load of every model

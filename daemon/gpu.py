@@ -17,7 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
@@ -422,7 +422,7 @@ def auto_gpu_layers(*, free_bytes: int, headroom_bytes: int, layer_bytes: Sequen
     if n_layers > 0 and not layer_bytes:
         raise ValueError("layer_bytes is empty but n_layers is not 0")
     sizes = list(layer_bytes[:n_layers])
-    sizes += [max(layer_bytes)] * (n_layers - len(sizes))
+    sizes += [max(layer_bytes, default=0)] * (n_layers - len(sizes))
     budget = free_bytes - headroom_bytes
     if sum(sizes) + other_bytes <= budget:
         return -1
@@ -559,7 +559,7 @@ class GpuMonitor:
         """`offload_supported`, `gpu_layers` and `model_file_types` feed `verdicts`."""
         self.interval_s = interval_s
         self.latest: GpuSnapshot | None = None
-        self.verdicts: tuple[Verdict, ...] = ()  # those of `latest`
+        self.latest_verdicts: tuple[Verdict, ...] = ()  # those of `latest`
         self._read: Callable[[], GpuSnapshot] = lambda: read_gpus(nvml, pid=pid)
         self._judge: Callable[[GpuSnapshot], list[Verdict]] = lambda snapshot: verdicts(
             snapshot, offload_supported=offload_supported, gpu_layers=gpu_layers,
@@ -600,8 +600,9 @@ class GpuMonitor:
 
     def _update(self, snapshot: GpuSnapshot) -> None:
         """Store the snapshot; log verdicts that appeared (at their level) and that cleared."""
+        snapshot = self._remember_identity(snapshot)
         found = self._judge(snapshot)
-        before = {(v.gpu, v.code): v for v in self.verdicts}
+        before = {(v.gpu, v.code): v for v in self.latest_verdicts}
         after = {(v.gpu, v.code): v for v in found}
         for key, verdict in after.items():
             old = before.get(key)
@@ -613,4 +614,13 @@ class GpuMonitor:
                 where = "" if verdict.gpu is None else f"GPU {verdict.gpu}: "
                 log.info("%s%s cleared", where, verdict.code)
         self.latest = snapshot
-        self.verdicts = tuple(found)
+        self.latest_verdicts = tuple(found)
+
+    def _remember_identity(self, snapshot: GpuSnapshot) -> GpuSnapshot:
+        """A lost GPU keeps the name and UUID it had, so the operator learns which one it was."""
+        known = {d.index: d for d in self.latest.devices} if self.latest is not None else {}
+        devices = tuple(
+            replace(d, name=d.name or known[d.index].name, uuid=d.uuid or known[d.index].uuid)
+            if d.lost and d.index in known else d
+            for d in snapshot.devices)
+        return replace(snapshot, devices=devices)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ class ModelHandle:
     leases: int = 0  # requests using it now
     retired: bool = False  # replaced or unloaded: freed when the last lease ends
     disposing: bool = False  # its engine is being closed
+    counters: Tally[str] = field(default_factory=Tally)  # the model's, shared across its versions
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -180,6 +182,7 @@ class ModelHandle:
         """Refuse at once (429) when every slot is busy and the queue is full."""
         engine = self.engine
         if engine.busy_slots >= self.settings.slots and engine.queue_depth >= self.settings.queue_size:
+            self.counters["queue_rejections"] += 1
             raise ServerOverloaded(
                 f"model {self.name!r} is at capacity ({self.settings.slots} running, "
                 f"{engine.queue_depth} waiting); retry shortly", headers={"Retry-After": "1"})

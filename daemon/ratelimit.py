@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Final
@@ -84,6 +85,7 @@ class RateLimiter:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._states: dict[str, KeyState] = {}
+        self.refusals: Counter[str] = Counter()  # by reason: rpm, tpm, concurrency (for metrics)
 
     def _state(self, key: ApiKey) -> KeyState:
         limits = (key.limits.rpm, key.limits.tpm)
@@ -103,16 +105,19 @@ class RateLimiter:
         state = self._state(key)
         now = self._clock()
         if key.limits.concurrent is not None and state.in_flight >= key.limits.concurrent:
+            self.refusals["concurrency"] += 1
             raise RateLimited(f"this key allows {key.limits.concurrent} concurrent request(s)",
                               headers={"Retry-After": "1"})
         waits = []
         if state.requests is not None:
-            waits.append(("requests per minute", state.requests.wait_for(1, now)))
+            waits.append(("rpm", state.requests.wait_for(1, now)))
         if state.tokens is not None:
             # Tokens are charged when a request ends; a key in debt waits until it is paid.
-            waits.append(("tokens per minute", state.tokens.wait_for(0, now)))
-        for what, wait in waits:
+            waits.append(("tpm", state.tokens.wait_for(0, now)))
+        for reason, wait in waits:
             if wait > 0:
+                self.refusals[reason] += 1
+                what = "requests per minute" if reason == "rpm" else "tokens per minute"
                 raise RateLimited(f"rate limit reached for {what}; retry in {math.ceil(wait)} s",
                                   headers={"Retry-After": str(max(1, math.ceil(wait)))})
         if state.requests is not None:

@@ -16,6 +16,7 @@ import enum
 import logging
 import os
 import time
+from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
@@ -149,7 +150,10 @@ class Registry:
         self._draining: set[ModelHandle] = set()  # retired, waiting for their last request
         self.area: PreloadArea | None = None
         self.lock_version: int | None = None  # of the last lockfile that verified
-        self.reloads: dict[str, int] = {}  # outcomes by result, for metrics
+        self.reloads: Tally[str] = Tally()  # outcomes by result
+        self.reloads_by_model: Tally[tuple[str, str]] = Tally()  # by (model, result), for metrics
+        # Per model, shared by every version of it: 429 server_overloaded refusals and the like.
+        self._counters: dict[str, Tally[str]] = {m.name: Tally() for m in models}
         # Called with ("reload_started", []) and ("reload_finished", outcomes) around reloads.
         self.observers: list[Callable[[str, list[Outcome]], None]] = []
 
@@ -217,6 +221,11 @@ class Registry:
             handle.last_used = time.monotonic()
             if handle.retired and handle.leases == 0:
                 self._dispose(handle)
+
+    @property
+    def rejections(self) -> dict[str, int]:
+        """429 server_overloaded refusals per model since start."""
+        return {name: c["queue_rejections"] for name, c in self._counters.items()}
 
     def ready_handles(self) -> list[ModelHandle]:
         """Handles of every model that can serve now, in configuration order."""
@@ -384,7 +393,8 @@ class Registry:
     def _record(self, entry: _Entry, outcome: Outcome, *, log_it: bool = True) -> Outcome:
         if outcome.result != "unchanged" or entry.last is None:
             entry.last = outcome
-        self.reloads[outcome.result] = self.reloads.get(outcome.result, 0) + 1
+        self.reloads[outcome.result] += 1
+        self.reloads_by_model[outcome.model, outcome.result] += 1
         if log_it and outcome.result != "loaded":
             log.info("model %s: %s", outcome.model, outcome.result)
         return outcome
@@ -428,7 +438,8 @@ class Registry:
         provenance = Provenance(source=source, source_stat=source_stat, locked=locked,
                                 lock_version=lock.version if lock is not None else None,
                                 copy=copy, memory_bytes=need)
-        handle = ModelHandle(settings, engine, template, self._executor, provenance)
+        handle = ModelHandle(settings, engine, template, self._executor, provenance,
+                             counters=self._counters[name])
         try:
             await self._warm_up(handle)
         except _LoadFailed:
@@ -562,7 +573,8 @@ class Registry:
             item: dict[str, Any] = {
                 "name": name, "kind": "embedding" if entry.settings.embedding else "generation",
                 "state": entry.state.value, "reason": entry.error, "reloading": entry.reloading,
-                "slots_total": entry.settings.slots, "evictable": entry.settings.evictable,
+                "slots_total": entry.settings.slots, "queue_size": entry.settings.queue_size,
+                "evictable": entry.settings.evictable,
                 "last_reload": entry.last.as_dict() if entry.last else None,
             }
             if handle is not None:

@@ -1,4 +1,4 @@
-"""`edgellmctl status|reload|load|unload`: the daemon's admin API, as readable tables."""
+"""`edgellmctl status|stats|reload|load|unload`: the daemon's admin API, as readable tables."""
 
 from __future__ import annotations
 
@@ -138,6 +138,88 @@ def format_results(answer: dict[str, Any]) -> str:
     return "\n".join(lines) or "no models"
 
 
+def _samples(metrics: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    family = metrics.get(name.removesuffix("_total"), {})
+    return [s for s in family.get("samples", []) if s.get("name") == name]
+
+
+def _by(metrics: dict[str, Any], name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in _samples(metrics, name):
+        key = str(s["labels"].get(label, ""))
+        out[key] = out.get(key, 0.0) + float(s["value"])
+    return out
+
+
+def _mean(metrics: dict[str, Any], name: str, model: str) -> str:
+    total = _by(metrics, f"{name}_sum", "model").get(model, 0.0)
+    count = _by(metrics, f"{name}_count", "model").get(model, 0.0)
+    return f"{total / count * 1000:.0f} ms" if count else "-"
+
+
+def _gib(n: object) -> str:
+    return f"{float(n) / 2**30:.1f}" if isinstance(n, (int, float)) else "-"
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """The /admin/stats answer as a few readable blocks."""
+    metrics = stats.get("metrics", {})
+    by_status = _by(metrics, "edgellm_requests_total", "status")
+    lines = [f"requests: {sum(by_status.values()):.0f} (" + ", ".join(
+        f"{k}: {v:.0f}" for k, v in sorted(by_status.items())) + ")" if by_status else "requests: 0"]
+    rows = [["MODEL", "STATE", "SLOTS", "QUEUE", "PROMPT TOK", "COMPLETION TOK", "TTFT AVG", "ITL AVG"]]
+    prompt = _by(metrics, "edgellm_prompt_tokens_total", "model")
+    completion = _by(metrics, "edgellm_completion_tokens_total", "model")
+    for m in stats.get("models", {}).get("models", []):
+        name = str(m.get("name"))
+        rows.append([name, str(m.get("state")), f"{m.get('slots_busy', '-')}/{m.get('slots_total')}",
+                     f"{m.get('queue_depth', '-')}/{m.get('queue_size')}", f"{prompt.get(name, 0):.0f}",
+                     f"{completion.get(name, 0):.0f}",
+                     _mean(metrics, "edgellm_time_to_first_token_seconds", name),
+                     _mean(metrics, "edgellm_inter_token_latency_seconds", name)])
+    lines.append(_table(rows))
+    limited = _by(metrics, "edgellm_rate_limited_total", "reason")
+    rejected = _by(metrics, "edgellm_queue_rejections_total", "model")
+    lines.append("rate limited: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(limited.items()))
+                 + "; queue rejections: " + (", ".join(f"{k} {v:.0f}" for k, v in sorted(rejected.items()))
+                                             or "0"))
+    host = stats.get("host", {})
+    proc = host.get("process", {})
+    shm = host.get("shm") or {}
+    pinning = host.get("pinning", {})
+    cpu = 100 * float(host.get("cpu_usage_ratio", 0))
+    lines.append(f"host: cpu {cpu:.0f}%, load {host.get('load1', 0):.2f}, "
+                 f"memory {_gib(host.get('memory_used_bytes'))}/{_gib(host.get('memory_total_bytes'))} GiB, "
+                 f"cpus {pinning.get('cpus', host.get('affinity', '-'))}"
+                 + (" (pinned)" if pinning.get("pinned") else ""))
+    lines.append(f"daemon: rss {_gib(proc.get('rss_bytes'))} GiB, threads {proc.get('threads', '-')}, "
+                 f"open files {proc.get('open_fds', '-')}, /dev/shm {_gib(shm.get('used_bytes'))}/"
+                 f"{_gib(shm.get('total_bytes'))} GiB")
+    gpu = stats.get("gpu", {})
+    if not gpu.get("available"):
+        lines.append(f"gpu: none ({gpu.get('reason') or 'NVML unavailable'})")
+    for d in gpu.get("devices", []):
+        cc = d.get("compute_capability")
+        head = f"gpu {d.get('index')}: {d.get('name')}" + (f" (cc {cc[0]}.{cc[1]})" if cc else "")
+        if d.get("lost"):
+            lines.append(f"{head}: LOST")
+            continue
+        lines.append(f"{head}: memory {_gib(d.get('memory_used'))}/{_gib(d.get('memory_total'))} GiB, "
+                     f"util {d.get('utilization_gpu', '-')}%, {d.get('temperature_c', '-')} C, "
+                     f"{d.get('power_w', '-')}/{d.get('power_limit_w', '-')} W"
+                     + (f", throttled: {', '.join(d['throttle_reasons'])}"
+                        if d.get("throttle_reasons") else ""))
+    lines.extend(f"  {v.get('level')}: {str(v.get('message'))[:MAX_REASON]}" for v in gpu.get("verdicts", []))
+    return "\n".join(lines)
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """Print the daemon's figures."""
+    _, answer = _Client(args).call("GET", "/admin/stats")
+    print(json.dumps(answer, indent=2) if args.json else format_stats(answer))
+    return 0
+
+
 def run_status(args: argparse.Namespace) -> int:
     """Print the daemon's model status."""
     _, answer = _Client(args).call("GET", "/admin/status")
@@ -173,10 +255,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `status`, `reload`, `load` and `unload`."""
+    """Register `status`, `stats`, `reload`, `load` and `unload`."""
     p = sub.add_parser("status", help="show each model's state, version and last reload")
     _common(p)
     p.set_defaults(func=guarded(run_status))
+    p = sub.add_parser("stats", help="show request, model, host and GPU figures")
+    _common(p)
+    p.set_defaults(func=guarded(run_stats))
     p = sub.add_parser("reload", help="re-verify the lockfile and swap in changed models",
                        description="Re-read and verify the lockfile, then verify, preload, load and "
                        "warm up every model whose approved file changed, and swap it in while "

@@ -248,8 +248,7 @@ def test_malformed_keys_files_name_the_field(data: dict[str, Any], where: str) -
 
 
 @pytest.mark.parametrize(("public", "label", "status"), [
-    (False, None, 401), (False, "inference", 403), (False, "metrics", 404),  # 404: scope ok, no route yet
-    (True, None, 404),
+    (False, None, 401), (False, "inference", 403), (False, "metrics", 200), (True, None, 200),
 ])
 def test_metrics_needs_its_scope_unless_public(models_dir: Path, tmp_path: Path, public: bool,
                                                label: str | None, status: int) -> None:
@@ -266,7 +265,11 @@ def test_metrics_needs_its_scope_unless_public(models_dir: Path, tmp_path: Path,
     with running(settings) as daemon:
         headers = {"Authorization": f"Bearer {tokens[label]}"} if label else {}
         req = urllib.request.Request(daemon.url + "/metrics", headers=headers)  # noqa: S310
-        with pytest.raises(urllib.error.HTTPError) as caught:
-            urllib.request.urlopen(req, timeout=5)  # noqa: S310 - loopback
-        with caught.value:
-            assert caught.value.code == status
+        try:
+            with urllib.request.urlopen(req, timeout=5) as answer:  # noqa: S310 - loopback
+                code, body = answer.status, answer.read()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                code, body = exc.code, exc.read()
+        assert code == status
+        assert (b"edgellm_build_info" in body) == (status == 200)

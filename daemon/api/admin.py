@@ -1,9 +1,11 @@
-"""Operator endpoints under /admin (admin scope, admin networks): status, reload, load, unload."""
+"""Operator endpoints under /admin (admin scope, admin networks): status, stats, reload, load, unload."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from aiohttp import web
@@ -11,6 +13,7 @@ from aiohttp import web
 from edgellmd import appkeys
 from edgellmd.api.schemas import read_json_object
 from edgellmd.errors import InvalidRequest
+from edgellmd.host import format_cpu_list, host_stats
 from edgellmd.registry import Outcome
 
 audit = logging.getLogger("edgellmd.audit")
@@ -32,6 +35,35 @@ def _answer(request: web.Request, action: str, outcomes: Sequence[Outcome]) -> w
 async def status(request: web.Request) -> web.Response:
     """GET /admin/status: the lockfile, the preload area and every model's state."""
     return web.json_response(request.app[appkeys.REGISTRY].status())
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, frozenset, set)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+async def stats(request: web.Request) -> web.Response:
+    """GET /admin/stats: the /metrics figures as JSON, with the host, GPU and model details."""
+    app = request.app
+    settings = app[appkeys.SETTINGS]
+    metrics = await asyncio.to_thread(app[appkeys.METRICS].as_json)
+    host = await asyncio.to_thread(host_stats, shm=settings.lifecycle.preload_dir,
+                                   models_dir=settings.lock.models_dir)
+    monitor = app.get(appkeys.GPU_MONITOR)
+    snapshot = monitor.latest if monitor is not None else None
+    gpu: dict[str, Any] = (_jsonable(snapshot) if snapshot is not None
+                           else {"available": False, "reason": "not read yet", "devices": []})
+    gpu["verdicts"] = _jsonable(monitor.latest_verdicts) if monitor is not None else []
+    pinning = app[appkeys.PINNING]
+    host["pinning"] = {"cpus": format_cpu_list(pinning.cpus), "requested": pinning.requested,
+                       "pinned": pinning.pinned, "note": pinning.note}
+    return web.json_response({"metrics": metrics, "host": host, "gpu": gpu,
+                              "models": app[appkeys.REGISTRY].status()})
 
 
 async def reload(request: web.Request) -> web.Response:
@@ -70,6 +102,7 @@ async def unload(request: web.Request) -> web.Response:
 def setup_admin(app: web.Application) -> None:
     """Install the /admin routes (auth requires the admin scope for every /admin path)."""
     app.router.add_get("/admin/status", status)
+    app.router.add_get("/admin/stats", stats)
     app.router.add_post("/admin/reload", reload)
     app.router.add_post("/admin/models/{name}/load", load)
     app.router.add_post("/admin/models/{name}/unload", unload)

@@ -1,10 +1,13 @@
-"""Liveness and readiness probes for systemd, load balancers and operators."""
+"""Liveness and readiness probes for systemd and load balancers, and /metrics for Prometheus."""
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp import web
 
 from edgellmd import appkeys
+from edgellmd.metrics import CONTENT_TYPE
 from edgellmd.registry import ModelState
 
 
@@ -34,7 +37,14 @@ async def readyz(request: web.Request) -> web.Response:
                              headers={"Retry-After": "5"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text exposition (the metrics scope unless auth.metrics_public)."""
+    body = await asyncio.to_thread(request.app[appkeys.METRICS].render)  # psutil reads /proc
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
 def setup_health(app: web.Application) -> None:
-    """Install the probe routes (public: no key needed)."""
+    """Install the probe routes (public: no key needed) and /metrics."""
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)

@@ -36,6 +36,7 @@ from edgellmd.generation import (
     TextDelta,
 )
 from edgellmd.handle import ModelHandle
+from edgellmd.metrics import TokenTiming
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,10 @@ def _generation_request(handle: ModelHandle, common: CommonRequest, tokens: list
 class _Shape:
     """How one endpoint shapes its objects (chat and text completions differ only here)."""
 
-    def __init__(self, *, chat: bool, handle: ModelHandle, include_usage: bool = False) -> None:
+    def __init__(self, *, chat: bool, handle: ModelHandle, timing: TokenTiming,
+                 include_usage: bool = False) -> None:
         self.chat = chat
+        self.timing = timing
         self.model = handle.name
         # Which approved bytes answered: a reload in the middle of a stream cannot mix two.
         self.fingerprint = handle.provenance.fingerprint
@@ -158,8 +161,10 @@ async def _collect(gen: Generation, shape: _Shape, idle_timeout: float) -> web.R
 
 async def _collect_events(gen: Generation, shape: _Shape, idle_timeout: float,
                           parts: list[str]) -> web.Response:
+    timing = shape.timing
     async for event in gen.events(idle_timeout):
         parts.append(event.text)
+        timing.tokens(event.completion_tokens)
         if isinstance(event, Finished):
             if event.reason == "error":
                 if event.error == SHUTTING_DOWN:
@@ -215,7 +220,9 @@ async def _send_events(write: Callable[[bytes], Awaitable[None]], gen: Generatio
     include_usage = shape.include_usage
     if shape.chat:
         await send(shape.chunk("", None, role=True, include_usage=include_usage))
+    timing = shape.timing
     async for event in gen.events(idle_timeout):
+        timing.tokens(event.completion_tokens)
         if isinstance(event, TextDelta):
             if event.text:
                 await write(shape.delta_event(event.text))
@@ -254,6 +261,10 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
         fin = gen.final
         request[appkeys.TOKENS_USED] = (fin.prompt_tokens + fin.completion_tokens if fin
                                         else len(tokens))
+        if fin is not None:
+            metrics = request.app[appkeys.METRICS]
+            metrics.prompt_tokens.labels(handle.name).inc(fin.prompt_tokens)
+            metrics.completion_tokens.labels(handle.name).inc(fin.completion_tokens)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -261,7 +272,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: ChatRequest = parse_chat(await read_json_object(request), _limits(request))
     async with request.app[appkeys.REGISTRY].lease(body.common.model) as handle:
         tokens = await handle.chat_prompt(body.messages)
-        shape = _Shape(chat=True, handle=handle, include_usage=body.common.include_usage)
+        shape = _Shape(chat=True, handle=handle, include_usage=body.common.include_usage,
+                       timing=request.app[appkeys.METRICS].timing(handle.name))
         return await _run(request, handle, body.common, tokens, shape)
 
 
@@ -271,7 +283,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with request.app[appkeys.REGISTRY].lease(body.common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
         tokens = await handle.text_prompt(body.prompt)
-        shape = _Shape(chat=False, handle=handle, include_usage=body.common.include_usage)
+        shape = _Shape(chat=False, handle=handle, include_usage=body.common.include_usage,
+                       timing=request.app[appkeys.METRICS].timing(handle.name))
         return await _run(request, handle, body.common, tokens, shape)
 
 
@@ -291,6 +304,7 @@ async def embeddings(request: web.Request) -> web.Response:
         inputs = [await handle.text_prompt(item, param="input") for item in body.inputs]
         request[appkeys.TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
         vectors = await handle.embed(inputs)
+        request.app[appkeys.METRICS].prompt_tokens.labels(handle.name).inc(n_tokens)
     return web.json_response({
         "object": "list", "model": handle.name,
         "data": [{"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
