@@ -111,9 +111,9 @@ def create_app(
     setup_openai(app)
     setup_admin(app)
     app.cleanup_ctx.append(_executor_ctx)
+    app.cleanup_ctx.append(_gpu_ctx)  # before the registry: gpu_layers: auto reads its snapshot
     app.cleanup_ctx.append(_registry_ctx(engine_factory))
     app.cleanup_ctx.append(watcher_ctx)
-    app.cleanup_ctx.append(_gpu_ctx)
     app.cleanup_ctx.append(_systemd_ctx)
     return app
 
@@ -148,12 +148,14 @@ async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
 def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIterator[None]]:
     async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
         settings = app[appkeys.SETTINGS]
+        monitor = app[appkeys.GPU_MONITOR]
         registry = Registry(settings.models, app[appkeys.EXECUTOR], factory, settings.lock,
-                            settings.lifecycle)
+                            settings.lifecycle, gpu=lambda: monitor.latest,
+                            gpu_headroom_bytes=settings.host.gpu_headroom_mb * 1024 * 1024)
         app[appkeys.REGISTRY] = registry
         app[appkeys.METRICS].add_state(
             registry, refusals=lambda: _limiter_refusals(app),
-            gpu=lambda: app[appkeys.GPU_MONITOR].latest if appkeys.GPU_MONITOR in app else None,
+            gpu=lambda: monitor.latest,
             shm=_existing(settings.lifecycle.preload_dir), models_dir=settings.lock.models_dir)
         # Load in the background: the server listens at once, /readyz says 503 until done.
         app[appkeys.LOAD_TASK] = asyncio.create_task(registry.start(), name="load-models")

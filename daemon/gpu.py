@@ -435,6 +435,33 @@ def auto_gpu_layers(*, free_bytes: int, headroom_bytes: int, layer_bytes: Sequen
     return k
 
 
+def plan_gpu_layers(path: Path, *, snapshot: GpuSnapshot | None, offload_supported: bool,
+                    headroom_bytes: int, kv_bytes: int) -> tuple[int, str]:
+    """`gpu_layers: auto` for one model file: the layer count and a sentence saying why.
+
+    Free memory is summed over the GPUs that answer (llama.cpp splits layers across them);
+    each layer also carries its share of the KV cache (`kv_bytes` for the whole model).
+    """
+    if not offload_supported:
+        return 0, "this llama.cpp build cannot offload (CPU-only build)"
+    devices = [d for d in snapshot.devices if not d.lost] if snapshot and snapshot.available else []
+    if not devices:
+        reason = snapshot.reason if snapshot and snapshot.reason else "no GPU answers NVML"
+        return 0, f"no usable GPU ({reason})"
+    free = sum(d.memory_free or 0 for d in devices)
+    try:
+        layers, other = gguf_layer_bytes(path)
+    except (OSError, ValueError) as exc:
+        return 0, f"cannot size the model's layers: {exc}"
+    n = len(layers)
+    share = kv_bytes // n if n else 0
+    count = auto_gpu_layers(free_bytes=free, headroom_bytes=headroom_bytes,
+                            layer_bytes=[b + share for b in layers], other_bytes=other, n_layers=n)
+    shown = "all" if count == -1 else f"{count} of {n}"
+    return count, (f"{shown} layers fit in {free / 2**30:.1f} GiB free VRAM less "
+                   f"{headroom_bytes / 2**30:.1f} GiB headroom")
+
+
 # ggml types: (elements per block, bytes per block), as gguf.GGML_QUANT_SIZES (checked by a test).
 GGML_BLOCKS: Final[Mapping[int, tuple[int, int]]] = MappingProxyType({
     0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),

@@ -20,13 +20,15 @@ from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
 from edgellmd.chat import TemplateError
-from edgellmd.engine import EmbeddingEngine, EngineError
+from edgellmd.engine import EmbeddingEngine, EngineError, supports_gpu_offload
 from edgellmd.errors import ModelNotFound, ServiceUnavailable
 from edgellmd.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.gpu import GpuSnapshot, plan_gpu_layers
 from edgellmd.handle import (
     EngineFactory,
     ModelHandle,
@@ -48,7 +50,7 @@ from edgellmd.lockfile import (
     verify_lock,
 )
 from edgellmd.preload import NoRoom, PreloadArea
-from edgellmd.settings import LifecycleSettings, LockSettings, ModelSettings
+from edgellmd.settings import GPU_LAYERS_AUTO, LifecycleSettings, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +141,16 @@ class Registry:
     def __init__(self, models: Sequence[ModelSettings], executor: Executor,
                  factory: EngineFactory = default_engine_factory,
                  lock: LockSettings | None = None,
-                 lifecycle: LifecycleSettings | None = None) -> None:
+                 lifecycle: LifecycleSettings | None = None, *,
+                 gpu: Callable[[], GpuSnapshot | None] = lambda: None,
+                 gpu_headroom_bytes: int = 0) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
         self._executor = executor
         self._factory = factory
         self._lock = lock or LockSettings(allow_unsigned=True)
         self._lifecycle = lifecycle or LifecycleSettings(preload_dir=None, watch=False)
+        self._gpu = gpu  # the GPU monitor's latest snapshot, for gpu_layers: auto
+        self._gpu_headroom = gpu_headroom_bytes
         self._mutex = asyncio.Lock()  # one load/reload/unload at a time
         self._disposals: set[asyncio.Task[None]] = set()
         self._draining: set[ModelHandle] = set()  # retired, waiting for their last request
@@ -421,6 +427,12 @@ class Registry:
         await self._make_room(settings, need)
         copy, verified = await self._prepare(settings, source, locked)
         load_path = copy or (verified.load_path if verified is not None else source)
+        if settings.gpu_layers == GPU_LAYERS_AUTO:
+            layers, why = await loop.run_in_executor(None, partial(
+                plan_gpu_layers, source, snapshot=self._gpu(), offload_supported=supports_gpu_offload(),
+                headroom_bytes=self._gpu_headroom, kv_bytes=need - source_stat[2]))
+            log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)
+            settings = replace(settings, gpu_layers=layers)
         try:
             engine = await loop.run_in_executor(None, self._factory, replace(settings, file=load_path))
         except (EngineError, OSError) as exc:

@@ -50,6 +50,7 @@ THREADS_RANGE: Final = (1, 1024)
 BATCH_SIZE_RANGE: Final = (1, 65536)
 GPU_LAYERS_RANGE: Final = (0, 100_000)  # plus -1, meaning every layer
 GPU_LAYERS_ALL: Final = -1
+GPU_LAYERS_AUTO: Final = -2  # `gpu_layers: auto`: as many as fit in free VRAM, decided at load time
 QUEUE_SIZE_RANGE: Final = (0, 100_000)
 MEMORY_BUDGET_MB_RANGE: Final = (1, None)
 GPU_HEADROOM_MB_RANGE: Final = (0, None)
@@ -140,7 +141,7 @@ class ModelSettings:
     threads: int | None = None  # None: decided at load time
     threads_batch: int | None = None  # None: decided at load time
     batch_size: int = DEFAULT_BATCH_SIZE  # llama.cpp n_batch, also the prefill chunk
-    gpu_layers: int = DEFAULT_GPU_LAYERS  # -1: all layers
+    gpu_layers: int = DEFAULT_GPU_LAYERS  # -1: all layers; GPU_LAYERS_AUTO: what fits in VRAM
     chat_template: str | None = None  # a llama.cpp built-in template name
     chat_template_file: Path | None = None  # a Jinja2 template file; absolute
     queue_size: int = DEFAULT_QUEUE_SIZE  # requests that may wait for a slot; more get 429
@@ -457,7 +458,7 @@ def _parse_model(checker: _Checker, value: object, path: str, base_dir: Path) ->
         threads=checker.optional_integer(data, path, "threads", THREADS_RANGE),
         threads_batch=checker.optional_integer(data, path, "threads_batch", THREADS_RANGE),
         batch_size=checker.integer(data, path, "batch_size", DEFAULT_BATCH_SIZE, BATCH_SIZE_RANGE),
-        gpu_layers=checker.integer(
+        gpu_layers=GPU_LAYERS_AUTO if data.get("gpu_layers") == "auto" else checker.integer(
             data, path, "gpu_layers", DEFAULT_GPU_LAYERS, GPU_LAYERS_RANGE, also=GPU_LAYERS_ALL
         ),
         chat_template=chat_template,

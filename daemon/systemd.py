@@ -144,6 +144,7 @@ class Supervisor:
         self._ready_sent = False
         self._unhealthy_logged = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._extending: asyncio.Task[None] | None = None
 
     def start(self, load_task: asyncio.Task[None]) -> None:
         """Begin: extend the start timeout while models load, then READY=1 once all are warm."""
@@ -160,6 +161,8 @@ class Supervisor:
 
     async def stop(self) -> None:
         """Cancel the background tasks."""
+        if self._extending is not None:
+            self._tasks.append(self._extending)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -182,11 +185,19 @@ class Supervisor:
         if event == "reload_started":
             if self._ready_sent:
                 self.notifier.reloading()
+            # A reload may verify and copy gigabytes: keep asking for time while it runs.
+            self._extending = asyncio.get_running_loop().create_task(self._extend_while_reloading())
+        elif event == "reload_finished":
+            if self._extending is not None:
+                self._extending.cancel()
+                self._extending = None
+            if self._ready_sent or outcomes:
+                self._maybe_ready()  # after a reload; or models that failed at start came back
+
+    async def _extend_while_reloading(self) -> None:
+        while True:
             self.notifier.extend_timeout(EXTEND_BY_S)
-        elif event == "reload_finished" and self._ready_sent:
-            self._maybe_ready()
-        elif event == "reload_finished" and outcomes:
-            self._maybe_ready()  # models that failed at start may have come back
+            await asyncio.sleep(EXTEND_EVERY_S)
 
     async def _status_loop(self) -> None:
         while True:

@@ -515,3 +515,49 @@ async def test_monitor_reads_off_the_event_loop() -> None:
     await monitor.stop()
     assert loop_thread
     assert not any(loop_thread)
+
+
+# ---- gpu_layers: auto, end to end on a model file ------------------------------------------------
+
+
+def _small_vram(free: int) -> FakeNvml:
+    return fakenvml.h200({"nvmlDeviceGetMemoryInfo": {"total": 2 * free, "free": free, "used": free}})
+
+
+def test_plan_gpu_layers_follows_free_memory(tmp_path: Path) -> None:
+    from edgellmd.gpu import plan_gpu_layers  # noqa: PLC0415
+
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=2, n_layer=4, n_ff=1024))
+    layers, other = gguf_layer_bytes(model)
+    per_layer = layers[0]
+    kv = 4 * 1000  # 1000 bytes of KV cache per layer
+
+    def plan(nvml: FakeNvml, *, offload: bool = True, headroom: int = 0) -> tuple[int, str]:
+        return plan_gpu_layers(model, snapshot=read_gpus(nvml), offload_supported=offload,
+                               headroom_bytes=headroom, kv_bytes=kv)
+
+    assert plan(fakenvml.h200())[0] == -1  # 140 GiB free: everything
+    assert "all layers fit" in plan(fakenvml.h200())[1]
+    # Room for the non-layer tensors and exactly two layers (with their KV share).
+    two = other + 2 * (per_layer + 1000)
+    assert plan(_small_vram(two))[0] == 2
+    assert plan(_small_vram(two + 10_000), headroom=10_000)[0] == 2  # headroom is kept free
+    assert plan(_small_vram(other - 1))[0] == 0
+    assert plan(fakenvml.h200(), offload=False) == (0, "this llama.cpp build cannot offload (CPU-only build)")
+    count, why = plan(fakenvml.no_driver())
+    assert count == 0
+    assert why.startswith("no usable GPU")
+    assert plan(fakenvml.gpu_lost_after(0))[0] == -1  # the second GPU still has room
+
+
+def test_gpu_layers_auto_is_a_setting_and_loads_on_cpu(tmp_path: Path) -> None:
+    from edgellmd.settings import GPU_LAYERS_AUTO  # noqa: PLC0415
+    from tests.serving import running, settings_for  # noqa: PLC0415
+
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=2))
+    settings = settings_for([{"name": "m", "file": str(model), "gpu_layers": "auto", "slots": 1,
+                              "context_size": 128, "threads": 1}], lifecycle={"watch": False})
+    assert settings.models[0].gpu_layers == GPU_LAYERS_AUTO
+    with running(settings) as daemon:  # this build cannot offload: auto means 0, and it loads
+        status, body = daemon.post("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 2})
+        assert status == 200, body

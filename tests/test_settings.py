@@ -12,6 +12,7 @@ import yaml
 from edgellmd.settings import (
     AuthSettings,
     ConfigError,
+    HostSettings,
     LifecycleSettings,
     LoggingSettings,
     ModelSettings,
@@ -133,6 +134,10 @@ lifecycle:
   watch: false
   watch_settle_s: 0.5
   memory_budget_mb: 4096
+host:
+  cpus: 0-3,8
+  gpu_poll_s: 2.5
+  gpu_headroom_mb: 2048
 """
 
 
@@ -181,6 +186,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                           metrics_public=True),
         lifecycle=LifecycleSettings(preload_dir=tmp_path / "shm", preload_max_mb=512, watch=False,
                                     watch_settle_s=0.5, memory_budget_mb=4096),
+        host=HostSettings(cpus="0-3,8", gpu_poll_s=2.5, gpu_headroom_mb=2048),
         source=tmp_path / "edgellm.yaml",
     )
 
@@ -194,6 +200,7 @@ def test_full_config_sets_every_field_away_from_its_default(tmp_path: Path) -> N
         (settings.logging, defaults.logging),
         (settings.auth, defaults.auth),
         (settings.lifecycle, defaults.lifecycle),
+        (settings.host, defaults.host),
     ]
     for got, default in sections:
         for field in dataclasses.fields(got):
@@ -436,10 +443,10 @@ BAD: list[tuple[str, Any, str, str]] = [
      "logging.file", "unknown key (expected one of format, level)"),
     # top level and file
     ("top-unknown-key", {**with_model(), "servers": {}}, "servers",
-     "unknown key (expected one of auth, lifecycle, lock, logging, models, server)"),
+     "unknown key (expected one of auth, host, lifecycle, lock, logging, models, server)"),
     ("top-non-string-key", "1: one\n" + MINIMAL, "1", "unknown key"),
     ("top-level-list", "- name: tiny\n  file: tiny.gguf\n", "(top level)",
-     "must be a mapping with keys server, models, logging, lock, auth, lifecycle, got [{"),
+     "must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, got [{"),
     ("top-level-string", "just text\n", "(top level)", "got 'just text'"),
     ("empty-file", "", "{file}", "config file is empty"),
     ("comments-only", "# nothing yet\n", "{file}", "config file is empty"),
@@ -576,7 +583,7 @@ def test_parse_settings_rejects_non_mapping_data(tmp_path: Path) -> None:
         parse_settings(None, base_dir=tmp_path)
 
     assert caught.value.problems == [
-        "(top level): must be a mapping with keys server, models, logging, lock, auth, lifecycle, got None"
+        "(top level): must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, got None"
     ]
 
 
