@@ -583,7 +583,8 @@ def test_parse_settings_rejects_non_mapping_data(tmp_path: Path) -> None:
         parse_settings(None, base_dir=tmp_path)
 
     assert caught.value.problems == [
-        "(top level): must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, got None"
+        "(top level): must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, "
+        "got None"
     ]
 
 
