@@ -1,0 +1,314 @@
+"""`edgellmctl doctor`: check a host before and after provisioning, one line per check with its fix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import psutil
+
+from edgellmd.gpu import read_gpus, verdicts
+from edgellmd.host import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
+from edgellmd.lockfile import LockError, load_lock, resolve_model_file
+from edgellmd.settings import GPU_LAYERS_AUTO, ConfigError, Settings, load_settings
+
+DEFAULT_CONFIG: Final = Path("/etc/edgellm/edgellm.yaml")
+UNIT_PATHS: Final = (Path("/etc/systemd/system/edgellm.service"), Path("/lib/systemd/system/edgellm.service"),
+                     Path("/usr/lib/systemd/system/edgellm.service"))
+SHM: Final = Path("/dev/shm")  # noqa: S108 - the tmpfs models are preloaded into
+MAX_EXPOSURE: Final = 2.0  # systemd-analyze security: "OK" and better
+GIB: Final = 1024**3
+_EXPOSURE: Final = re.compile(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One finding: `level` is ok, warn or fail; `fix` says what to do when it is not ok."""
+
+    name: str
+    level: str
+    detail: str
+    fix: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """Where the checks read the machine (tests point these at fixtures)."""
+
+    cpuinfo: Path = Path("/proc/cpuinfo")
+    shm: Path = SHM
+    systemd_analyze: str | None = shutil.which("systemd-analyze")
+    nvml: Any = None  # pynvml, or a stand-in
+
+
+def _ok(name: str, detail: str) -> Check:
+    return Check(name, "ok", detail)
+
+
+def check_cpu_flags(host: Host) -> Check:
+    """AVX2 makes llama.cpp's CPU kernels several times faster; AVX-512 helps further."""
+    try:
+        text = host.cpuinfo.read_text()
+    except OSError as exc:
+        return Check("cpu flags", "warn", f"cannot read {host.cpuinfo}: {exc.strerror}")
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    if "avx2" not in flags and "asimd" not in flags:
+        return Check("cpu flags", "warn", "no AVX2: llama.cpp's CPU kernels will be several times slower",
+                     "use a CPU with AVX2 (x86-64-v3) for CPU inference, or offload to a GPU")
+    extras = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return _ok("cpu flags", "AVX2" + (f", {', '.join(extras)}" if extras else "") if "avx2" in flags
+               else "ARM NEON (asimd)")
+
+
+def check_affinity(settings: Settings | None) -> Check:
+    """The CPUs the daemon may use, and whether host.cpus fits inside them."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    shown = f"{len(allowed)} CPUs allowed ({format_cpu_list(allowed)})"
+    wanted = settings.host.cpus if settings else None
+    if wanted is None:
+        return _ok("cpu affinity", shown + "; host.cpus not set")
+    target = one_per_core(allowed) if wanted == AUTO else parse_cpu_list(wanted)
+    outside = target - allowed
+    if outside:
+        return Check("cpu affinity", "warn", f"host.cpus {wanted} includes CPUs {format_cpu_list(outside)} "
+                     f"this process may not use; {shown}",
+                     "change host.cpus, or the cgroup/cpuset (systemd: AllowedCPUs=) that limits the service")
+    return _ok("cpu affinity", f"host.cpus {wanted} -> {format_cpu_list(target)}; {shown}")
+
+
+def _model_sizes(settings: Settings) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    if settings.lock.allow_unsigned:
+        for m in settings.models:
+            if m.file is not None and m.file.exists():
+                sizes[m.name] = m.file.stat().st_size
+        return sizes
+    if settings.lock.file is None:
+        return sizes
+    lock = load_lock(settings.lock.file)
+    for name, entry in lock.models.items():
+        sizes[name] = entry.size
+    return sizes
+
+
+def check_memory(settings: Settings | None) -> Iterator[Check]:
+    """RAM against the models' sizes, and /dev/shm against a swap (two copies of the largest)."""
+    if settings is None:
+        return
+    try:
+        sizes = _model_sizes(settings)
+    except (LockError, OSError) as exc:
+        yield Check("memory", "warn", f"cannot size the models: {exc}")
+        return
+    if not sizes:
+        yield Check("memory", "warn", "no model files found to size")
+        return
+    total = sum(sizes.values())
+    memory = psutil.virtual_memory()
+    detail = (f"models {total / GIB:.1f} GiB, RAM {memory.total / GIB:.1f} GiB "
+              f"({memory.available / GIB:.1f} free)")
+    if total * 1.2 > memory.total:
+        yield Check("memory", "fail", detail,
+                    "add RAM, use smaller quantizations (Q4_K_M), or serve fewer models")
+    else:
+        yield _ok("memory", detail)
+
+
+def check_shm(settings: Settings | None, host: Host) -> Check:
+    """The preload tmpfs must hold two copies of the largest model for a hot swap."""
+    if settings is not None and settings.lifecycle.preload_dir is None:
+        return _ok("shm", "preloading is off (lifecycle.preload_dir: null)")
+    try:
+        usage = shutil.disk_usage(host.shm)
+    except OSError as exc:
+        return Check("shm", "warn", f"cannot read {host.shm}: {exc.strerror}",
+                     "mount a tmpfs on /dev/shm, or set lifecycle.preload_dir: null")
+    largest = 0
+    if settings is not None:
+        try:
+            largest = max(_model_sizes(settings).values(), default=0)
+        except (LockError, OSError):
+            largest = 0
+    detail = f"{usage.free / GIB:.1f} GiB free of {usage.total / GIB:.1f} GiB"
+    if largest and usage.free < 2 * largest:
+        return Check("shm", "warn", f"{detail}; a swap of the largest model ({largest / GIB:.1f} GiB) "
+                     "needs room for two copies, so models will load from the models directory",
+                     f"grow it: mount -o remount,size={max(1, int(2.2 * largest / GIB))}G /dev/shm "
+                     "(the Ansible role sets edgellm_shm_size)")
+    return _ok("shm", detail)
+
+
+def check_gpu(settings: Settings | None, host: Host,
+              offload_supported: Callable[[], bool]) -> Iterator[Check]:
+    """GPUs, their compute capability against this llama.cpp build, and the monitor's verdicts."""
+    layers = max((m.gpu_layers for m in settings.models), key=abs, default=0) if settings else 0
+    snapshot = read_gpus(host.nvml)
+    supported = offload_supported()
+    build = "this llama.cpp build can offload" if supported else "this llama.cpp build is CPU-only"
+    if not snapshot.available:
+        level = "warn" if layers != 0 else "ok"
+        yield Check("gpu", level, f"no NVIDIA GPU monitoring ({snapshot.reason}); {build}",
+                    "install the NVIDIA driver, or set gpu_layers: 0" if level == "warn" else None)
+        return
+    for gpu in snapshot.devices:
+        cc = gpu.compute_capability
+        yield _ok("gpu", f"GPU {gpu.index}: {gpu.name}, compute capability "
+                  f"{f'{cc[0]}.{cc[1]}' if cc else '?'}; {build}")
+    wanted = GPU_LAYERS_AUTO if layers == GPU_LAYERS_AUTO else layers
+    for verdict in verdicts(snapshot, offload_supported=supported, gpu_layers=wanted):
+        if verdict.level == "info":
+            continue
+        yield Check(f"gpu {verdict.code}", "fail" if verdict.level == "error" else "warn", verdict.message)
+
+
+def _mode_problem(path: Path, *, secret: bool) -> str | None:
+    try:
+        st = path.stat()
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if secret and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) & ~stat.S_IRGRP:
+        return f"{path} is mode {stat.S_IMODE(st.st_mode):04o}: readable or writable by others"
+    if st.st_mode & stat.S_IWOTH:
+        return f"{path} is world-writable"
+    return None
+
+
+def check_permissions(settings: Settings | None, config: Path | None) -> Iterator[Check]:
+    """Keys file private, lockfile and trusted keys not writable by others, no signing key on the box."""
+    if settings is None:
+        return
+    items: list[tuple[Path, bool]] = []
+    if config is not None:
+        items.append((config, False))
+    if settings.auth.keys_file is not None:
+        items.append((settings.auth.keys_file, True))
+    if settings.lock.file is not None:
+        items.append((settings.lock.file, False))
+    items.extend((key, False) for key in settings.lock.trusted_keys)
+    problems = [p for path, secret in items if (p := _mode_problem(path, secret=secret))]
+    for key in settings.lock.trusted_keys:
+        try:
+            if b"PRIVATE KEY" in key.read_bytes()[:200]:
+                problems.append(f"{key} is a private key: only public keys belong on a serving box")
+        except OSError:
+            continue
+    if problems:
+        yield Check("permissions", "fail", "; ".join(problems),
+                    "chmod 0600 the keys file, chmod o-w the others, keep signing keys off the box")
+    else:
+        yield _ok("permissions", f"{len(items)} files: keys private, none writable by others")
+
+
+def check_config(config: Path | None) -> tuple[Check, Settings | None]:
+    """The daemon's own validation of the config file."""
+    if config is None:
+        return Check("config", "warn", "no config file given or found at /etc/edgellm/edgellm.yaml",
+                     "pass --config FILE"), None
+    try:
+        settings = load_settings(config)
+    except ConfigError as exc:
+        first = exc.problems[0] if exc.problems else "invalid"
+        more = f" (and {len(exc.problems) - 1} more)" if len(exc.problems) > 1 else ""
+        return Check("config", "fail", f"{first}{more}",
+                     f"run edgellmd --check-config {config} and fix every line"), None
+    problems = []
+    if not settings.lock.allow_unsigned and settings.lock.file is not None and settings.lock.models_dir:
+        try:
+            lock = load_lock(settings.lock.file)
+            for entry in lock.models.values():
+                path = resolve_model_file(settings.lock.models_dir, entry.file)
+                if not path.exists():
+                    problems.append(f"{entry.file} is missing")
+        except LockError as exc:
+            problems.append(f"lockfile: {exc}")
+    if settings.lock.allow_unsigned:
+        return Check("config", "warn", f"{config}: valid, but lock.allow_unsigned is set",
+                     "sign a lockfile (edgellmctl lock sign) and configure lock.*"), settings
+    if problems:
+        return Check("config", "fail", f"{config}: " + "; ".join(problems),
+                     "copy the files the lock names into lock.models_dir"), settings
+    return _ok("config", f"{config}: valid"), settings
+
+
+def check_unit(unit: Path | None, host: Host) -> Check:
+    """The installed unit's hardening, as systemd-analyze security rates it."""
+    if unit is None:
+        return Check("systemd unit", "warn", "edgellm.service is not installed",
+                     "install systemd/edgellm.service (the Ansible role does)")
+    if host.systemd_analyze is None:
+        return Check("systemd unit", "warn", "systemd-analyze is not available to rate the unit")
+    result = subprocess.run([host.systemd_analyze, "security", "--offline=true", str(unit)],  # noqa: S603
+                            capture_output=True, text=True, timeout=60, check=False)
+    match = _EXPOSURE.search(result.stdout + result.stderr)
+    if match is None:
+        return Check("systemd unit", "warn", f"systemd-analyze security could not rate {unit}")
+    exposure = float(match.group(1))
+    if exposure > MAX_EXPOSURE:
+        return Check("systemd unit", "fail", f"{unit}: exposure {exposure} (more than {MAX_EXPOSURE})",
+                     "restore the hardening of the shipped systemd/edgellm.service")
+    return _ok("systemd unit", f"{unit}: exposure {exposure} (OK)")
+
+
+def run_checks(config: Path | None, unit: Path | None, host: Host,
+               offload_supported: Callable[[], bool]) -> list[Check]:
+    """Every check, in the order an operator reads them."""
+    checks = [check_cpu_flags(host)]
+    config_check, settings = check_config(config)
+    try:
+        checks.append(check_affinity(settings))
+    except CpuListError as exc:
+        checks.append(Check("cpu affinity", "fail", str(exc)))
+    checks.extend(check_memory(settings))
+    checks.append(check_shm(settings, host))
+    checks.extend(check_gpu(settings, host, offload_supported))
+    checks.extend(check_permissions(settings, config))
+    checks.append(config_check)
+    checks.append(check_unit(unit, host))
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    """One line per check, the fix indented below a failing one."""
+    lines = []
+    for c in checks:
+        lines.append(f"{c.level.upper():4}  {c.name}: {c.detail}")
+        if c.fix and c.level != "ok":
+            lines.append(f"      fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print every check; exit 1 when any failed."""
+    from edgellmd.engine import supports_gpu_offload  # noqa: PLC0415 - loads llama.cpp
+
+    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    unit = args.unit or next((p for p in UNIT_PATHS if p.exists()), None)
+    checks = run_checks(config, unit, Host(), supports_gpu_offload)
+    print(json.dumps([asdict(c) for c in checks], indent=2) if args.json else format_checks(checks))
+    return 1 if any(c.level == "fail" for c in checks) else 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `doctor`."""
+    p = sub.add_parser("doctor", help="check this host: CPU, memory, shm, GPU, permissions, config, unit",
+                       description="Check a host before and after provisioning: CPU flags, affinity, memory "
+                       "against the models, /dev/shm size, GPU compute capability against this llama.cpp "
+                       "build, permissions of keys and lock, config validity and the unit's hardening. "
+                       "One line per check, with the fix when it fails; exit status 1 if any failed.")
+    p.add_argument("--config", type=Path, help=f"daemon config (default: {DEFAULT_CONFIG} if present)")
+    p.add_argument("--unit", type=Path, help="systemd unit to rate (default: the installed edgellm.service)")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.set_defaults(func=run)
