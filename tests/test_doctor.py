@@ -1,0 +1,184 @@
+"""`edgellmctl doctor`: each check on good and bad hosts, boxes and units, with its fix."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections import namedtuple
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from edgellmctl import doctor
+from edgellmctl.__main__ import main as edgellmctl
+from edgellmctl.doctor import Host, check_cpu_flags, check_shm, run_checks
+from edgellmctl.keys import create_key
+from edgellmd.lockfile import format_time, sign
+from edgellmd.settings import load_settings
+from tests import fakenvml
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cpuinfo(tmp_path: Path, flags: str) -> Host:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: {flags}\n\n")
+    return Host(cpuinfo=path)
+
+
+@pytest.mark.parametrize(("flags", "level", "detail"), [
+    ("fpu sse2 avx avx2 fma", "ok", "AVX2"),
+    ("fpu sse2 avx avx2 avx512f avx512_vnni", "ok", "AVX2, avx512f, avx512_vnni"),
+    ("fpu sse2 avx", "warn", "no AVX2"),
+])
+def test_cpu_flags(tmp_path: Path, flags: str, level: str, detail: str) -> None:
+    check = check_cpu_flags(cpuinfo(tmp_path, flags))
+    assert check.level == level
+    assert check.detail == detail if level == "ok" else detail in check.detail
+    assert (check.fix is not None) == (level != "ok")
+
+
+def write_box(root: Path, *, keys_mode: int = 0o600, private_as_trusted: bool = False,
+              drop_model: bool = False) -> Path:
+    """A provisioned box: signed lock, tiny model, keys file, config; returns the config path."""
+    models = root / "models"
+    models.mkdir(parents=True)
+    data = write_tiny_model(models / "tiny.gguf", TinyModelSpec(seed=1)).read_bytes()
+    key = Ed25519PrivateKey.generate()
+    pub = root / "signer.pub"
+    if private_as_trusted:
+        pub.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    else:
+        pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
+    now = datetime.now(UTC)
+    doc: dict[str, Any] = {"schema": 1, "version": 1, "issued": format_time(now),
+                           "expires": format_time(now + timedelta(days=1)),
+                           "models": {"tiny": {"file": "tiny.gguf", "size": len(data),
+                                               "sha256": hashlib.sha256(data).hexdigest()}}}
+    doc["signatures"] = [sign(doc, key)]
+    (root / "models.lock").write_text(json.dumps(doc))
+    create_key(root / "keys.yaml", "app", ["inference"], limits={})
+    (root / "keys.yaml").chmod(keys_mode)
+    if drop_model:
+        (models / "tiny.gguf").unlink()
+    config = root / "edgellm.yaml"
+    config.write_text(json.dumps({
+        "models": [{"name": "tiny", "context_size": 128}],
+        "lock": {"file": "models.lock", "trusted_keys": ["signer.pub"], "models_dir": "models",
+                 "state_dir": "state"},
+        "auth": {"keys_file": "keys.yaml"},
+    }))
+    return config
+
+
+def levels(checks: list[doctor.Check]) -> dict[str, str]:
+    return {c.name: c.level for c in checks}
+
+
+def test_a_good_box_passes_every_file_check(tmp_path: Path) -> None:
+    config = write_box(tmp_path)
+    checks = run_checks(config, None, Host(nvml=fakenvml.no_driver()), lambda: False)
+    got = levels(checks)
+    assert got["config"] == "ok"
+    assert got["permissions"] == "ok"
+    assert got["memory"] == "ok"
+    assert got["shm"] == "ok"
+    assert got["systemd unit"] == "warn"  # not installed here
+
+
+@pytest.mark.parametrize(("box", "name", "fragment"), [
+    ({"keys_mode": 0o644}, "permissions", "readable or writable by others"),
+    ({"private_as_trusted": True}, "permissions", "is a private key"),
+    ({"drop_model": True}, "config", "tiny.gguf is missing"),
+])
+def test_a_bad_box_fails_with_the_reason_and_a_fix(tmp_path: Path, box: dict[str, Any], name: str,
+                                                   fragment: str) -> None:
+    config = write_box(tmp_path, **box)
+    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.no_driver()), lambda: False)}
+    assert checks[name].level == "fail"
+    assert fragment in checks[name].detail
+    assert checks[name].fix
+
+
+def test_an_invalid_config_is_reported_with_its_first_problem(tmp_path: Path) -> None:
+    config = tmp_path / "edgellm.yaml"
+    config.write_text("models: []\nlock: {allow_unsigned: true}\nserver: {port: 0}\n")
+    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.no_driver()), lambda: False)}
+    assert checks["config"].level == "fail"
+    assert "and 1 more" in checks["config"].detail
+    assert checks["config"].detail.startswith(("models:", "server.port:"))
+
+
+def test_shm_too_small_for_a_swap_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = load_settings(write_box(tmp_path))
+    usage = namedtuple("usage", "total used free")
+    model_size = (tmp_path / "models" / "tiny.gguf").stat().st_size
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * model_size, 9 * model_size, model_size))
+    check = check_shm(settings, Host())
+    assert check.level == "warn"
+    assert "two copies" in check.detail
+    assert check.fix is not None
+    assert "remount" in check.fix
+
+
+@pytest.mark.parametrize(("nvml", "layers", "offload", "expected"), [
+    (fakenvml.h200, -1, True, {"gpu": "ok"}),
+    (fakenvml.h200, -1, False, {"gpu no_offload_build": "warn"}),
+    (fakenvml.p40, -1, True, {"gpu pascal_fp16_slow": "warn"}),
+    (fakenvml.maxwell, -1, True, {"gpu compute_capability_unsupported": "fail"}),
+    (fakenvml.no_driver, -1, True, {"gpu": "warn"}),
+    (fakenvml.no_driver, 0, False, {"gpu": "ok"}),
+])
+def test_gpu_checks_follow_the_verdicts(tmp_path: Path, nvml: Any, layers: int, offload: bool,
+                                        expected: dict[str, str]) -> None:
+    config = write_box(tmp_path)
+    data = json.loads(config.read_text())
+    data["models"][0]["gpu_layers"] = layers
+    config.write_text(json.dumps(data))
+    got = levels(run_checks(config, None, Host(nvml=nvml()), lambda: offload))
+    for name, level in expected.items():
+        assert got.get(name) == level, got
+
+
+def test_the_unit_rating(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.fail("systemd-analyze is missing: install the systemd package")
+    weak = tmp_path / "weak.service"
+    weak.write_text("[Service]\nExecStart=/bin/true\n")
+    host = Host()
+    check = doctor.check_unit(weak, host)
+    assert check.level == "fail"
+    assert "exposure" in check.detail
+    shipped = REPO / "systemd" / "edgellm.service"
+    if shipped.exists():
+        assert doctor.check_unit(shipped, host).level == "ok"
+
+
+def test_the_command_prints_one_line_per_check_and_fails_on_a_failure(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "read_gpus", lambda _nvml: fakenvml_snapshot())
+    config = write_box(tmp_path, keys_mode=0o644)
+    assert edgellmctl(["doctor", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  permissions:" in out
+    assert "      fix: chmod 0600 the keys file" in out
+    assert edgellmctl(["doctor", "--config", str(config), "--json"]) == 1
+    parsed = json.loads(capsys.readouterr().out)
+    assert {c["name"] for c in parsed} >= {"cpu flags", "cpu affinity", "memory", "shm", "permissions",
+                                           "config", "systemd unit"}
+    (tmp_path / "keys.yaml").chmod(0o600)
+    assert edgellmctl(["doctor", "--config", str(config)]) == 0
+
+
+def fakenvml_snapshot() -> Any:
+    from edgellmd.gpu import read_gpus  # noqa: PLC0415
+
+    return read_gpus(fakenvml.no_driver())
