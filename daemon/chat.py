@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
@@ -23,6 +24,30 @@ class ChatMessage:
 
     role: str
     content: str
+    tool_calls: tuple[Mapping[str, Any], ...] = ()  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool message answers this call
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates expect it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            # Templates print arguments with `| tojson`: they want an object, not OpenAI's string.
+            out["tool_calls"] = [
+                {**call, "function": {**call["function"], "arguments": _arguments(call["function"])}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _arguments(function: Mapping[str, Any]) -> Any:
+    try:
+        return json.loads(function.get("arguments") or "{}")
+    except ValueError:
+        return function.get("arguments")
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -40,7 +65,10 @@ def _environment() -> jinja2.Environment:
 class ChatTemplate:
     """Turns a list of chat messages into the prompt text the model was trained on."""
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:  # pragma: no cover - interface
+    supports_tools = False  # whether the template renders `tools` and tool messages
+
+    def render(self, messages: Sequence[ChatMessage],
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:  # pragma: no cover - interface
         """Return the prompt text, ending where the assistant's reply begins."""
         raise NotImplementedError
 
@@ -61,20 +89,25 @@ class JinjaChatTemplate(ChatTemplate):
         self._bos = bos_token
         self._eos = eos_token
         self._origin = origin
+        # A template that never mentions `tools` cannot show them to the model.
+        self.supports_tools = "tools" in text
 
     @property
     def source(self) -> str:
         """Where the template came from."""
         return self._origin
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
+    def render(self, messages: Sequence[ChatMessage],
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """Render with `add_generation_prompt=True`, as llama-server and transformers do."""
         context: dict[str, Any] = {
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
+            "messages": [m.as_dict() for m in messages],
             "add_generation_prompt": True,
             "bos_token": self._bos,
             "eos_token": self._eos,
         }
+        if tools:
+            context["tools"] = list(tools)
         try:
             return self._template.render(context)
         except TemplateError:
@@ -95,8 +128,9 @@ class BuiltinChatTemplate(ChatTemplate):
         """The built-in template's name."""
         return f"built-in template {self._name!r}"
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        """Render through llama.cpp."""
+    def render(self, messages: Sequence[ChatMessage],
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Render through llama.cpp (which knows no tools)."""
         return self._renderer(self._name, [(m.role, m.content) for m in messages])
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import llama_cpp as llama
+import numpy as np
 
 from edgellmd.generation import (
     Event,
@@ -40,6 +42,7 @@ from edgellmd.generation import (
     SamplingParams,
     StopMatcher,
     TextDelta,
+    TokenLogprob,
     Utf8Stream,
 )
 
@@ -212,13 +215,20 @@ class _Slot:
     """Scheduler-thread state of one sequence in the batch."""
 
     __slots__ = (
-        "batch_index", "chain", "completion", "gen", "last", "n_past", "prefilled", "prompt",
-        "stops", "utf8",
+        "batch_index", "chain", "check", "completion", "gen", "grammar", "grammar_chain", "last",
+        "n_past", "prefilled", "prompt", "stops", "utf8",
     )
 
-    def __init__(self, gen: Generation, chain: Any) -> None:
+    def __init__(self, gen: Generation, chain: Any, grammar_chain: Any = None) -> None:
         self.gen = gen
         self.chain = chain
+        # Structured output: the full chain with the grammar first, used only when the fast
+        # chain's pick breaks the grammar; `grammar` is that chain's grammar sampler.
+        self.grammar_chain = grammar_chain
+        self.grammar = llama.llama_sampler_chain_get(grammar_chain, 0) if grammar_chain else None
+        self.check: Any = None
+        if grammar_chain:
+            self.check = (llama.llama_token_data * 1)()
         self.prompt: Sequence[int] = gen.request.prompt_tokens
         self.prefilled = 0  # prompt tokens already in the KV cache
         self.n_past = 0  # position of the next token
@@ -425,9 +435,15 @@ class Engine:
             logits[j] = out
         batch.n_tokens = len(items)
 
-    def _make_chain(self, sp: SamplingParams) -> Any:
+    def _make_chain(self, sp: SamplingParams, *, grammar: Any = None) -> Any:
         chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         add = llama.llama_sampler_chain_add
+        if grammar is not None:
+            add(chain, grammar)
+        if sp.logit_bias:
+            biases: Any = (llama.llama_logit_bias * len(sp.logit_bias))(
+                *(llama.llama_logit_bias(token, bias) for token, bias in sp.logit_bias))
+            add(chain, llama.llama_sampler_init_logit_bias(self.n_vocab, len(sp.logit_bias), biases))
         if sp.penalized:
             add(chain, llama.llama_sampler_init_penalties(
                 self.n_vocab, sp.penalty_last_n, sp.repeat_penalty,
@@ -497,7 +513,16 @@ class Engine:
             llama.llama_memory_seq_rm(self._memory, best, -1, -1)
             reuse = 0
         del self._kv[best][reuse:]
-        slot = _Slot(gen, self._make_chain(gen.request.sampling))
+        sp = gen.request.sampling
+        grammar_chain = None
+        if sp.grammar is not None:
+            grammar = llama.llama_sampler_init_grammar(self._vocab, sp.grammar.encode(), b"root")
+            if not grammar:  # the API layer compiles grammars it makes; this is a safety net
+                gen.push_threadsafe([Finished("error", len(prompt), 0, error="the grammar does not parse")])
+                self.finished["error"] += 1
+                return
+            grammar_chain = self._make_chain(sp, grammar=grammar)
+        slot = _Slot(gen, self._make_chain(sp), grammar_chain)
         slot.prefilled = slot.n_past = reuse
         self.prompt_tokens_reused += reuse
         self._slots[best] = slot
@@ -555,8 +580,11 @@ class Engine:
             if slot is None or slot.batch_index < 0:
                 continue
             token = llama.llama_sampler_sample(slot.chain, self._ctx, slot.batch_index)
+            if slot.grammar is not None:
+                token = self._constrain(slot, token)
+            logprob = self._logprob(slot, token) if slot.gen.request.logprobs is not None else None
             slot.batch_index = -1
-            events = self._advance(i, slot, token)
+            events = self._advance(i, slot, token, logprob)
             if events:
                 outbox.append((slot.gen, events))
         if outbox:
@@ -564,7 +592,44 @@ class Engine:
         self.heartbeat = time.monotonic()
         return True
 
-    def _advance(self, i: int, slot: _Slot, token: int) -> list[Event]:
+    def _constrain(self, slot: _Slot, token: int) -> int:
+        """Keep `token` if the grammar allows it, else resample with the grammar applied.
+
+        As llama-server does: checking one token is cheap, applying a grammar to every
+        candidate of a 262k vocabulary is not, and most picks are already valid.
+        """
+        check = slot.check
+        check[0].id, check[0].logit, check[0].p = token, 0.0, 0.0
+        array = llama.llama_token_data_array(check, 1, -1, False)
+        llama.llama_sampler_apply(slot.grammar, ctypes.byref(array))
+        if math.isinf(check[0].logit):
+            # The grammar chain samples and accepts (the grammar advances inside it).
+            return int(llama.llama_sampler_sample(slot.grammar_chain, self._ctx, slot.batch_index))
+        llama.llama_sampler_accept(slot.grammar, token)
+        return token
+
+    def _logprob(self, slot: _Slot, token: int) -> TokenLogprob:
+        """Log-softmax of the model's logits at this position (numpy over the C array)."""
+        top_n = slot.gen.request.logprobs or 0
+        pointer = llama.llama_get_logits_ith(self._ctx, slot.batch_index)
+        logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        peak = float(logits.max())
+        norm = peak + math.log(float(np.exp(logits - peak).sum()))
+        top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+        if top_n > 0:
+            best = np.argpartition(logits, -top_n)[-top_n:]
+            best = best[np.argsort(logits[best])[::-1]]
+            top = tuple(self._logprob_entry(int(t), float(logits[t]) - norm) for t in best)
+        text, raw, value = self._logprob_entry(token, float(logits[token]) - norm)
+        return TokenLogprob(text, raw, value, top)
+
+    def _logprob_entry(self, token: int, value: float) -> tuple[str, tuple[int, ...], float]:
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self._piece(token)
+        return piece.decode("utf-8", "replace"), tuple(piece), value
+
+    def _advance(self, i: int, slot: _Slot, token: int, logprob: TokenLogprob | None = None) -> list[Event]:
         """Account for one sampled token; returns the events it produces."""
         req = slot.gen.request
         if not req.ignore_eos and llama.llama_vocab_is_eog(self._vocab, token):
@@ -576,11 +641,12 @@ class Engine:
         if piece is None:  # the vocabulary never changes: convert each token once
             piece = self._pieces[token] = self._piece(token)
         text, hit = slot.stops.feed(slot.utf8.feed(piece))
+        delta = TextDelta(text, slot.completion, (logprob,) if logprob is not None else ())
         if hit:
-            return [TextDelta(text, slot.completion), *self._finish(i, "stop", flushed=True)]
+            return [delta, *self._finish(i, "stop", flushed=True)]
         if slot.completion >= req.max_tokens or slot.n_past + 1 >= self.config.context_size:
-            return [TextDelta(text, slot.completion), *self._finish(i, "length")]
-        return [TextDelta(text, slot.completion)]
+            return [delta, *self._finish(i, "length")]
+        return [delta]
 
     def _finish(self, i: int, reason: FinishReason, *, error: str | None = None,
                 flushed: bool = False, deliver: bool = False) -> list[Event]:
@@ -592,6 +658,8 @@ class Engine:
             llama.llama_memory_seq_rm(self._memory, i, -1, -1)
             self._kv[i].clear()
         llama.llama_sampler_free(slot.chain)
+        if slot.grammar_chain:
+            llama.llama_sampler_free(slot.grammar_chain)
         tail = ""
         if not flushed and reason in ("stop", "length"):
             tail, _ = slot.stops.feed(slot.utf8.flush())
@@ -645,6 +713,14 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[k] != b[k]:
             return k
     return n
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """GBNF for a JSON schema (llama.cpp's own converter; the caller checks the schema first)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: PLC0415 - pure Python, rarely used
+
+    text: str = json_schema_to_gbnf(json.dumps(schema))
+    return text
 
 
 def default_threads() -> int:

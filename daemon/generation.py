@@ -35,6 +35,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     penalty_last_n: int = DEFAULT_PENALTY_LAST_N
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: str | None = None  # GBNF the output must match (structured output, tool calls)
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +62,17 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's logprob and its k best alternatives
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model, with the most likely alternatives."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()  # (token, bytes, logprob), best first
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,7 @@ class TextDelta:
 
     text: str
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) this delta accounts for
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +93,7 @@ class Finished:
     completion_tokens: int
     text: str = ""  # any text released by the finish (held back for a stop-string check)
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 Event = TextDelta | Finished

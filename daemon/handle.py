@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from edgellmd import engine as engine_mod
 from edgellmd.chat import (
@@ -123,23 +124,30 @@ class ModelHandle:
         raise InvalidRequest(f"the model {self.name!r} does not produce embeddings",
                              param="model", code="model_not_supported")
 
-    def _render_and_tokenize(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def _render_and_tokenize(self, messages: Sequence[ChatMessage],
+                             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         assert self.template is not None  # noqa: S101 - checked by the caller
-        text = self.template.render(messages)
+        text = self.template.render(messages, tools)
         # Templates that print the BOS themselves must not get a second one from the tokenizer.
         bos = self.engine.info.bos_text
         add_special = not (bos and text.startswith(bos))
         return self.engine.tokenize(text, add_special=add_special, parse_special=True)
 
-    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Render the chat template and tokenize, off the event loop."""
+    async def chat_prompt(self, messages: Sequence[ChatMessage],
+                          tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Render the chat template (with `tools` when given) and tokenize, off the event loop."""
         self.generator  # noqa: B018 - refuses embedding models
         if self.template is None:
             raise InvalidRequest(NO_TEMPLATE_MESSAGE.format(model=self.name), param="messages",
                                  code="chat_template_missing")
+        tooling = tools or any(m.tool_calls or m.role == "tool" for m in messages)
+        if tooling and not self.template.supports_tools:
+            raise InvalidRequest(f"the chat template of model {self.name!r} ({self.template.source}) has no "
+                                 "tool support: it does not render 'tools' or tool messages", param="tools",
+                                 code="tools_not_supported")
         loop = asyncio.get_running_loop()
         try:
-            tokens = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages)
+            tokens = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages, tools)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         self.check_prompt(tokens, "messages")

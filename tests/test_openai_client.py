@@ -137,9 +137,9 @@ def test_bad_request_errors(client: openai.OpenAI, stream: bool) -> None:
     assert caught.value.param == "temperature"
     assert caught.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="tiny", prompt="hello", n=2, stream=stream)
+        client.completions.create(model="tiny", prompt="hello", echo=True, stream=stream)
     assert caught.value.code == "unsupported_parameter"
-    assert caught.value.param == "n"
+    assert caught.value.param == "echo"
 
 
 async def test_async_chat_and_stream_agree(aclient: openai.AsyncOpenAI) -> None:

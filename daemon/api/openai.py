@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
 import struct
-import time
-import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Final
 
 from aiohttp import web
 
 from edgellmd import appkeys
+from edgellmd.api.responses import Shape, collect, stream
 from edgellmd.api.schemas import (
     ChatRequest,
     CommonRequest,
@@ -26,28 +25,14 @@ from edgellmd.api.schemas import (
     parse_embeddings,
     read_json_object,
 )
-from edgellmd.errors import GenerationTimeout, InternalError, ServiceUnavailable, envelope
-from edgellmd.generation import (
-    SHUTTING_DOWN,
-    Finished,
-    Generation,
-    GenerationRequest,
-    NoProgress,
-    TextDelta,
-)
+from edgellmd.chat import ChatMessage
+from edgellmd.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from edgellmd.generation import Generation, GenerationRequest
 from edgellmd.handle import ModelHandle
-from edgellmd.metrics import TokenTiming
 
 log = logging.getLogger(__name__)
 
 OWNED_BY: Final = "edgellm"
-_SENTINEL: Final = "\x00edgellm-delta\x00"  # never produced by a tokenizer: its JSON form is unique
-SSE_DONE: Final = b"data: [DONE]\n\n"
-SSE_HEADERS: Final = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",  # tell reverse proxies not to buffer the stream
-}
 
 
 def _limits(request: web.Request) -> Limits:
@@ -61,231 +46,110 @@ def _limits(request: web.Request) -> Limits:
                   default_max_tokens=min(default, ceiling) if default is not None else None)
 
 
-def _usage(fin: Finished) -> dict[str, int]:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
-
-
-def _finish_reason(fin: Finished) -> str:
-    return "length" if fin.reason == "length" else "stop"
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: the models that can serve now."""
     handles = request.app[appkeys.REGISTRY].ready_handles()
-    return web.json_response({"object": "list", "data": [
-        {"id": h.name, "object": "model", "created": h.created, "owned_by": OWNED_BY}
-        for h in handles]})
+    return web.json_response({"object": "list", "data": [_model_object(h) for h in handles]})
 
 
-def _generation_request(handle: ModelHandle, common: CommonRequest, tokens: list[int]) -> GenerationRequest:
+def _model_object(handle: ModelHandle) -> dict[str, Any]:
+    return {"id": handle.name, "object": "model", "created": handle.created, "owned_by": OWNED_BY}
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: one model, when it can serve now."""
+    name = request.match_info["model"]
+    try:
+        handle = request.app[appkeys.REGISTRY].get(name)
+    except ServiceUnavailable:
+        handle = None
+    if handle is None:
+        shown = name if len(name) <= 64 and name.isprintable() else "(unprintable)"
+        raise ModelNotFound(f"the model {shown!r} does not exist or is not loaded", param="model")
+    return web.json_response(_model_object(handle))
+
+
+def _generation_request(handle: ModelHandle, common: CommonRequest, tokens: list[int],
+                        choice: int) -> GenerationRequest:
+    sampling = common.sampling
+    if choice and sampling.seed is not None:  # seeded choices differ from each other, reproducibly
+        sampling = replace(sampling, seed=sampling.seed + choice)
     return GenerationRequest(
         prompt_tokens=tokens, max_tokens=handle.generation_limit(len(tokens), common.max_tokens),
-        sampling=common.sampling, stop=common.stop, ignore_eos=common.ignore_eos)
+        sampling=sampling, stop=common.stop, ignore_eos=common.ignore_eos, logprobs=common.logprobs)
 
 
-class _Shape:
-    """How one endpoint shapes its objects (chat and text completions differ only here)."""
-
-    def __init__(self, *, chat: bool, handle: ModelHandle, timing: TokenTiming,
-                 include_usage: bool = False) -> None:
-        self.chat = chat
-        self.timing = timing
-        self.model = handle.name
-        # Which approved bytes answered: a reload in the middle of a stream cannot mix two.
-        self.fingerprint = handle.provenance.fingerprint
-        self.include_usage = include_usage
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self._delta_frame: tuple[bytes, bytes] | None = None
-
-    def delta_event(self, text: str) -> bytes:
-        """The SSE event for a text delta: a prefix and suffix rendered once, the text encoded per token."""
-        if self._delta_frame is None:
-            rendered = _dumps(self.chunk(_SENTINEL, None, include_usage=self.include_usage))
-            head, tail = rendered.split(_dumps(_SENTINEL))
-            self._delta_frame = (b"data: " + head, tail + b"\n\n")
-        head, tail = self._delta_frame
-        return head + _dumps(text) + tail
-
-    def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint}
-
-    def complete(self, text: str, fin: Finished) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None, "finish_reason": _finish_reason(fin)}
-            body = self._base("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": _finish_reason(fin)}
-            body = self._base("text_completion")
-        body["choices"] = [choice]
-        body["usage"] = _usage(fin)
-        return body
-
-    def chunk(self, text: str | None, finish_reason: str | None, *, role: bool = False,
-              usage: dict[str, int] | None = None, include_usage: bool = False) -> dict[str, Any]:
-        if self.chat:
-            body = self._base("chat.completion.chunk")
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-        else:
-            body = self._base("text_completion")
-            choices = [{"index": 0, "text": text or "", "logprobs": None,
-                        "finish_reason": finish_reason}]
-        body["choices"] = [] if usage is not None else choices
-        if include_usage:
-            body["usage"] = usage
-        return body
-
-
-async def _collect(gen: Generation, shape: _Shape, idle_timeout: float) -> web.Response:
-    parts: list[str] = []
+def _submit_all(handle: ModelHandle, common: CommonRequest, tokens: list[int]) -> list[Generation]:
+    """One generation per choice; all or none (a 429 on the third cancels the first two)."""
+    n_vocab = handle.engine.n_vocab
+    if any(token >= n_vocab for token, _ in common.sampling.logit_bias):
+        raise InvalidRequest(f"'logit_bias' token ids must be below {n_vocab}", param="logit_bias")
+    gens: list[Generation] = []
     try:
-        return await _collect_events(gen, shape, idle_timeout, parts)
-    except NoProgress:
-        log.error("generation made no progress for %.0f s; request ended", idle_timeout)  # noqa: TRY400 - no traceback to show
-        raise GenerationTimeout("the model made no progress in time") from None
-
-
-async def _collect_events(gen: Generation, shape: _Shape, idle_timeout: float,
-                          parts: list[str]) -> web.Response:
-    timing = shape.timing
-    async for event in gen.events(idle_timeout):
-        parts.append(event.text)
-        timing.tokens(event.completion_tokens)
-        if isinstance(event, Finished):
-            if event.reason == "error":
-                if event.error == SHUTTING_DOWN:
-                    raise ServiceUnavailable(SHUTTING_DOWN)
-                log.error("generation failed: %s", event.error)
-                raise InternalError("the model failed while generating")
-            return web.json_response(shape.complete("".join(parts), event))
-    raise InternalError("the generation ended without finishing")  # pragma: no cover
-
-
-async def _stream(request: web.Request, gen: Generation, shape: _Shape) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
-    server = request.app[appkeys.SETTINGS].server
-    timeout = server.stream_write_timeout_s
-
-    async def write(data: bytes) -> None:
-        # A client that stops reading fills the socket buffers and this write waits; past the
-        # deadline the stream is cut so that its slot goes to somebody who is listening.
-        # With nothing buffered a write cannot wait, and needs no timer (the per-token path).
-        transport = request.transport
-        if transport is not None and transport.get_write_buffer_size() == 0:
-            await response.write(data)
-            return
-        async with asyncio.timeout(timeout):
-            await response.write(data)
-
-    try:
-        try:
-            await _send_events(write, gen, shape, server.progress_timeout_s)
-        except NoProgress:
-            log.error("generation made no progress for %.0f s; stream ended",  # noqa: TRY400 - no traceback
-                      server.progress_timeout_s)
-            await write(b"data: " + _dumps(envelope(
-                "the model made no progress in time", "server_error", None, "timeout")) + b"\n\n")
-        await write(SSE_DONE)
-        await response.write_eof()
-    except ConnectionResetError:
-        # The client went away mid-stream; the caller frees the slot. Nothing to answer.
-        log.info("client disconnected mid-stream")
-    except TimeoutError:
-        log.warning("client stopped reading its stream for %.1f s; stream cut", timeout)
-        if request.transport is not None:
-            request.transport.abort()
-    return response
-
-
-async def _send_events(write: Callable[[bytes], Awaitable[None]], gen: Generation,
-                       shape: _Shape, idle_timeout: float) -> None:
-    async def send(obj: dict[str, Any]) -> None:
-        await write(b"data: " + _dumps(obj) + b"\n\n")
-
-    include_usage = shape.include_usage
-    if shape.chat:
-        await send(shape.chunk("", None, role=True, include_usage=include_usage))
-    timing = shape.timing
-    async for event in gen.events(idle_timeout):
-        timing.tokens(event.completion_tokens)
-        if isinstance(event, TextDelta):
-            if event.text:
-                await write(shape.delta_event(event.text))
-            continue
-        if event.reason == "error":
-            if event.error == SHUTTING_DOWN:
-                await send(envelope(SHUTTING_DOWN, "server_error", None, "server_shutting_down"))
-                break
-            log.error("generation failed mid-stream: %s", event.error)
-            await send(envelope("the model failed while generating", "server_error", None,
-                                "internal_error"))
-            break
-        if event.text:
-            await write(shape.delta_event(event.text))
-        await send(shape.chunk(None if shape.chat else "", _finish_reason(event),
-                               include_usage=include_usage))
-        if include_usage:
-            await send(shape.chunk(None, None, usage=_usage(event), include_usage=True))
+        for choice in range(common.n):
+            gens.append(handle.submit(_generation_request(handle, common, tokens, choice)))  # noqa: PERF401 - partial list needed on failure
+    except BaseException:
+        for gen in gens:
+            gen.cancel()
+        raise
+    return gens
 
 
 async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
-               tokens: list[int], shape: _Shape) -> web.StreamResponse:
-    gen = handle.submit(_generation_request(handle, common, tokens))
+               tokens: list[int], shape: Shape) -> web.StreamResponse:
+    if common.user is not None:
+        request[appkeys.USER_TAG] = common.user[:64]
+    gens = _submit_all(handle, common, tokens)
+    metrics = request.app[appkeys.METRICS]
+    timings = [metrics.timing(handle.name) for _ in gens]
     active = request.app[appkeys.GENERATIONS]
-    active.add(gen)
+    for gen in gens:
+        active.add(gen)
+    server = request.app[appkeys.SETTINGS].server
     try:
         if common.stream:
-            return await _stream(request, gen, shape)
-        return await _collect(gen, shape, request.app[appkeys.SETTINGS].server.progress_timeout_s)
+            return await stream(request, gens, timings, shape, write_timeout=server.stream_write_timeout_s,
+                                idle_timeout=server.progress_timeout_s)
+        return await collect(gens, timings, shape, server.progress_timeout_s)
     finally:
-        # Normal end, client gone (write error or handler cancelled): either way the slot
-        # must be free now, not when the generation would have ended.
-        active.discard(gen)
-        gen.cancel()
+        # Normal end, client gone (write error or handler cancelled): either way the slots
+        # must be free now, not when the generations would have ended.
+        for gen in gens:
+            active.discard(gen)
+            gen.cancel()
         handle.generator.wake()
-        fin = gen.final
-        request[appkeys.TOKENS_USED] = (fin.prompt_tokens + fin.completion_tokens if fin
-                                        else len(tokens))
-        if fin is not None:
-            metrics = request.app[appkeys.METRICS]
-            metrics.prompt_tokens.labels(handle.name).inc(fin.prompt_tokens)
-            metrics.completion_tokens.labels(handle.name).inc(fin.completion_tokens)
+        finals = [gen.final for gen in gens if gen.final is not None]
+        completion = sum(fin.completion_tokens for fin in finals)
+        request[appkeys.TOKENS_USED] = len(tokens) + completion
+        if finals:
+            metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
+            metrics.completion_tokens.labels(handle.name).inc(completion)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body: ChatRequest = parse_chat(await read_json_object(request), _limits(request))
-    async with request.app[appkeys.REGISTRY].lease(body.common.model) as handle:
-        tokens = await handle.chat_prompt(body.messages)
-        shape = _Shape(chat=True, handle=handle, include_usage=body.common.include_usage,
-                       timing=request.app[appkeys.METRICS].timing(handle.name))
-        return await _run(request, handle, body.common, tokens, shape)
+    common = body.common
+    async with request.app[appkeys.REGISTRY].lease(common.model) as handle:
+        messages = body.messages
+        if body.tools is not None and body.tools.instructions:
+            messages = (ChatMessage("system", body.tools.instructions), *messages)
+        tokens = await handle.chat_prompt(messages, body.tools.tools if body.tools else None)
+        shape = Shape(chat=True, model=handle.name, fingerprint=handle.provenance.fingerprint,
+                      include_usage=common.include_usage, logprobs=common.logprobs, tools=body.tools)
+        return await _run(request, handle, common, tokens, shape)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     body: CompletionRequest = parse_completion(await read_json_object(request), _limits(request))
-    async with request.app[appkeys.REGISTRY].lease(body.common.model) as handle:
+    common = body.common
+    async with request.app[appkeys.REGISTRY].lease(common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
         tokens = await handle.text_prompt(body.prompt)
-        shape = _Shape(chat=False, handle=handle, include_usage=body.common.include_usage,
-                       timing=request.app[appkeys.METRICS].timing(handle.name))
-        return await _run(request, handle, body.common, tokens, shape)
+        shape = Shape(chat=False, model=handle.name, fingerprint=handle.provenance.fingerprint,
+                      include_usage=common.include_usage, logprobs=common.logprobs)
+        return await _run(request, handle, common, tokens, shape)
 
 
 def _vector(values: list[float], encoding: str) -> list[float] | str:
@@ -316,6 +180,7 @@ async def embeddings(request: web.Request) -> web.Response:
 Route = tuple[str, str, Callable[[web.Request], Any]]
 ROUTES: Final[tuple[Route, ...]] = (
     ("GET", "/v1/models", list_models),
+    ("GET", "/v1/models/{model}", get_model),
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/embeddings", embeddings),

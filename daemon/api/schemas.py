@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from aiohttp import web
 
+from edgellmd.api.structured import ToolPlan, response_format_grammar, tool_plan
 from edgellmd.chat import ChatMessage
 from edgellmd.errors import InvalidRequest, UnsupportedMediaType, UnsupportedParameter
 from edgellmd.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
@@ -20,7 +21,11 @@ MAX_JSON_DEPTH: Final = 32  # deeper bodies are refused before anyone walks them
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's documented default for /v1/completions
 MAX_EMBEDDING_INPUTS: Final = 2048  # OpenAI's limit on inputs per embeddings request
 ENCODING_FORMATS: Final = ("float", "base64")
-CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant"})
+CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_CHOICES: Final = 16  # n; each choice takes a slot
+MAX_LOGIT_BIAS: Final = 1024  # entries
+MAX_TOP_LOGPROBS: Final = 20  # chat; OpenAI's limit
+MAX_COMPLETION_LOGPROBS: Final = 5  # legacy completions; OpenAI's limit
 
 # Accepted and ignored: they do not change what is generated.
 _IGNORED: Final = frozenset({
@@ -59,6 +64,9 @@ class CommonRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    n: int = 1  # choices, each its own sequence in the batch
+    logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
+    user: str | None = None  # the client's end-user tag, logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +75,7 @@ class ChatRequest:
 
     common: CommonRequest
     messages: tuple[ChatMessage, ...]
+    tools: ToolPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,11 +253,7 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
     if max_tokens is None:  # no limit asked for: the ceiling still applies
         max_tokens = limits.max_tokens_limit
 
-    n = f.integer("n", lo=1, hi=128)
-    if n is not None and n != 1:
-        raise _unsupported("n", "greater than 1")
-    if f.data.get("logit_bias"):
-        raise _unsupported("logit_bias")
+    n = f.integer("n", lo=1, hi=MAX_CHOICES) or 1
     stream = f.boolean("stream", False)
     include_usage = False
     options = f.data.get("stream_options")
@@ -275,11 +280,31 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
         frequency_penalty=f.number("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         penalty_last_n=DEFAULT_PENALTY_LAST_N,
         seed=seed,
+        logit_bias=_logit_bias(f.data.get("logit_bias")),
     )
     return CommonRequest(
         model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(f), stream=stream,
-        include_usage=include_usage, ignore_eos=f.boolean("ignore_eos", False),
+        include_usage=include_usage, ignore_eos=f.boolean("ignore_eos", False), n=n,
+        user=f.string("user"),
     )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} with biases from -100 (ban) to 100 (force)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids",
+                             param="logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 9):
+            raise InvalidRequest("'logit_bias' keys must be token ids (as strings)", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise InvalidRequest("'logit_bias' values must be numbers from -100 to 100", param="logit_bias")
+        # -100 bans the token outright, as OpenAI documents.
+        out.append((int(key), float("-inf") if bias <= -100 else float(bias)))
+    return tuple(out)
 
 
 def _content(value: Any, param: str) -> str:
@@ -316,51 +341,75 @@ def _messages(f: _Fields) -> tuple[ChatMessage, ...]:
         role = msg.get("role")
         if not isinstance(role, str):
             raise InvalidRequest(f"'{where}.role' must be a string", param=f"{where}.role")
-        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
-            raise UnsupportedParameter("tool and function messages are not supported yet",
+        if role == "function" or msg.get("function_call"):
+            raise UnsupportedParameter("the deprecated 'function' messages are not supported; use tools",
                                        param=f"{where}.role")
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}",
                                  param=f"{where}.role")
-        unknown = set(msg) - {"role", "content", "name", "refusal"}
+        unknown = set(msg) - {"role", "content", "name", "refusal", "tool_calls", "tool_call_id"}
         if unknown:
             key = _safe_name(sorted(unknown)[0])
             raise InvalidRequest(f"unrecognized message field: {key}", param=f"{where}.{key}")
+        calls = _tool_calls(msg.get("tool_calls"), role, where)
         content = msg.get("content")
-        if content is None:
+        if content is None and not calls:
             raise InvalidRequest(f"'{where}.content' is required", param=f"{where}.content")
+        call_id = msg.get("tool_call_id")
+        if role == "tool" and not isinstance(call_id, str):
+            raise InvalidRequest(f"'{where}.tool_call_id' is required for tool messages",
+                                 param=f"{where}.tool_call_id")
+        name = msg.get("name")
         # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
         out.append(ChatMessage("system" if role == "developer" else role,
-                               _content(content, f"{where}.content")))
+                               "" if content is None else _content(content, f"{where}.content"),
+                               tool_calls=calls, tool_call_id=call_id if role == "tool" else None,
+                               name=name if isinstance(name, str) else None))
     return tuple(out)
+
+
+def _tool_calls(value: Any, role: str, where: str) -> tuple[dict[str, Any], ...]:
+    if value is None:
+        return ()
+    param = f"{where}.tool_calls"
+    if role != "assistant" or not isinstance(value, list):
+        raise InvalidRequest(f"'{param}' must be a list, on assistant messages only", param=param)
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", ""), str) and isinstance(call.get("id", ""), str)):
+            raise InvalidRequest(
+                f"'{param}[{j}]' must be {{id, type: function, function: {{name, arguments}}}}",
+                param=f"{param}[{j}]")
+    return tuple(value)
 
 
 def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     """Validate a chat completion body."""
     _reject_unknown(data, _CHAT_FIELDS)
     f = _Fields(data)
-    for name in ("tools", "functions", "function_call", "audio", "web_search_options"):
+    for name in ("functions", "function_call", "audio", "web_search_options"):
         if f.present(name):
             raise _unsupported(name)
-    if f.present("tool_choice") and data["tool_choice"] != "none":
-        raise _unsupported("tool_choice")
-    if f.boolean("logprobs", False) or f.present("top_logprobs"):
-        raise _unsupported("logprobs" if data.get("logprobs") else "top_logprobs")
-    response_format = data.get("response_format")
-    if response_format is not None:
-        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
-            raise InvalidRequest("'response_format' must be an object with a 'type'",
-                                 param="response_format")
-        if response_format["type"] != "text":
-            raise UnsupportedParameter(
-                f"response_format type {response_format['type'][:32]!r} is not supported yet",
-                param="response_format")
+    logprobs = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    grammar = response_format_grammar(data["response_format"]) if f.present("response_format") else None
+    tools = tool_plan(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+    if tools is not None and tools.grammar is not None:
+        if grammar is not None:
+            raise InvalidRequest("'response_format' cannot be combined with tool calls; "
+                                 "set tool_choice: none", param="response_format")
+        grammar = tools.grammar
     modalities = data.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise _unsupported("modalities", "other than ['text']")
     common = _common(f, limits, max_tokens_names=("max_tokens", "max_completion_tokens"),
                      default_max_tokens=None)
-    return ChatRequest(common=common, messages=_messages(f))
+    common = replace(common, logprobs=(top or 0) if logprobs else None,
+                     sampling=replace(common.sampling, grammar=grammar))
+    return ChatRequest(common=common, messages=_messages(f), tools=tools)
 
 
 def parse_completion(data: Mapping[str, Any], limits: Limits) -> CompletionRequest:
@@ -374,11 +423,10 @@ def parse_completion(data: Mapping[str, Any], limits: Limits) -> CompletionReque
     best_of = f.integer("best_of", lo=1, hi=128)
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of", "greater than 1")
-    if f.present("logprobs"):
-        raise _unsupported("logprobs")
+    logprobs = f.integer("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)
     common = _common(f, limits, max_tokens_names=("max_tokens",),
                      default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return CompletionRequest(common=common, prompt=_prompt(data.get("prompt")))
+    return CompletionRequest(common=replace(common, logprobs=logprobs), prompt=_prompt(data.get("prompt")))
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:

@@ -1,0 +1,344 @@
+"""OpenAI's response objects for chat and text completions: whole answers and SSE streams.
+
+One request runs one generation per choice (`n`); a stream interleaves their chunks by
+`index`. The common case (one choice, no logprobs, no tools) takes a fast path that
+renders each token's chunk from a frame prepared once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from aiohttp import web
+
+from edgellmd.api.structured import ToolPlan, parse_tool_reply
+from edgellmd.errors import GenerationTimeout, InternalError, ServiceUnavailable, envelope
+from edgellmd.generation import (
+    SHUTTING_DOWN,
+    Event,
+    Finished,
+    Generation,
+    NoProgress,
+    TextDelta,
+    TokenLogprob,
+)
+from edgellmd.metrics import TokenTiming
+
+log = logging.getLogger(__name__)
+
+_SENTINEL: Final = "\x00edgellm-delta\x00"  # never produced by a tokenizer: its JSON form is unique
+SSE_DONE: Final = b"data: [DONE]\n\n"
+SSE_HEADERS: Final = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # tell reverse proxies not to buffer the stream
+}
+Write = Callable[[bytes], Awaitable[None]]
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _finish_reason(fin: Finished) -> str:
+    return "length" if fin.reason == "length" else "stop"
+
+
+@dataclass
+class Choice:
+    """What one choice produced."""
+
+    index: int
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: Finished | None = None
+
+    @property
+    def text(self) -> str:
+        """The choice's text so far."""
+        return "".join(self.parts)
+
+
+class Shape:
+    """How one endpoint shapes its objects (chat and text completions differ only here)."""
+
+    def __init__(self, *, chat: bool, model: str, fingerprint: str, include_usage: bool = False,
+                 logprobs: int | None = None, tools: ToolPlan | None = None) -> None:
+        self.chat = chat
+        self.model = model
+        # Which approved bytes answered: a reload in the middle of a stream cannot mix two.
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
+        self.want_logprobs = logprobs is not None
+        # Tool calls are parsed from the whole reply: with a tool grammar the text is buffered.
+        self.tools = tools if tools is not None and tools.grammar is not None else None
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self._delta_frame: tuple[bytes, bytes] | None = None
+
+    def delta_event(self, text: str) -> bytes:
+        """The SSE event for a text delta of choice 0: a frame rendered once, the text encoded per token."""
+        if self._delta_frame is None:
+            rendered = dumps(self.chunk(_SENTINEL, None))
+            head, tail = rendered.split(dumps(_SENTINEL))
+            self._delta_frame = (b"data: " + head, tail + b"\n\n")
+        head, tail = self._delta_frame
+        return head + dumps(text) + tail
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+    def logprobs(self, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens (chat: `content`; completions: the legacy lists)."""
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return {"content": [
+                {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top]}
+                for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t: lp for t, _, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _message(self, choice: Choice) -> tuple[dict[str, Any], str]:
+        assert choice.final is not None  # noqa: S101 - only finished choices are shaped
+        reason = _finish_reason(choice.final)
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        if self.tools is not None:
+            reply = parse_tool_reply(choice.text, self.tools.names)
+            message["content"] = reply.content
+            if reply.calls:
+                message["tool_calls"] = list(reply.calls)
+                reason = "tool_calls"
+        return message, reason
+
+    def complete(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        """The whole answer."""
+        out = []
+        for c in choices:
+            assert c.final is not None  # noqa: S101 - complete() gets finished choices
+            if self.chat:
+                message, reason = self._message(c)
+                out.append({"index": c.index, "message": message, "logprobs": self.logprobs(c.logprobs),
+                            "finish_reason": reason})
+            else:
+                out.append({"index": c.index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
+                            "finish_reason": _finish_reason(c.final)})
+        body = self._base("chat.completion" if self.chat else "text_completion")
+        body["choices"] = out
+        body["usage"] = usage(choices)
+        return body
+
+    def chunk(self, text: str | None, finish_reason: str | None, *, index: int = 0, role: bool = False,
+              logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+              usage: dict[str, int] | None = None) -> dict[str, Any]:
+        """One streamed chunk (a usage chunk when `usage` is given)."""
+        if self.chat:
+            body = self._base("chat.completion.chunk")
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        else:
+            body = self._base("text_completion")
+            choices = [{"index": index, "text": text or "", "logprobs": logprobs,
+                        "finish_reason": finish_reason}]
+        body["choices"] = [] if usage is not None else choices
+        if self.include_usage:
+            body["usage"] = usage
+        return body
+
+
+def usage(choices: Sequence[Choice]) -> dict[str, int]:
+    """Prompt tokens once (every choice shares the prompt), completion tokens summed."""
+    prompt = max((c.final.prompt_tokens for c in choices if c.final), default=0)
+    completion = sum(c.final.completion_tokens for c in choices if c.final)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _failed(event: Finished) -> Exception:
+    if event.error == SHUTTING_DOWN:
+        return ServiceUnavailable(SHUTTING_DOWN)
+    log.error("generation failed: %s", event.error)
+    return InternalError("the model failed while generating")
+
+
+async def collect(gens: Sequence[Generation], timings: Sequence[TokenTiming], shape: Shape,
+                  idle_timeout: float) -> web.Response:
+    """Wait for every choice and answer with the whole completion."""
+
+    async def one(i: int) -> Choice:
+        choice = Choice(i)
+        async for event in gens[i].events(idle_timeout):
+            timings[i].tokens(event.completion_tokens)
+            choice.parts.append(event.text)
+            choice.logprobs.extend(event.logprobs)
+            if isinstance(event, Finished):
+                if event.reason == "error":
+                    raise _failed(event)
+                choice.final = event
+                return choice
+        raise InternalError("the generation ended without finishing")  # pragma: no cover
+
+    try:
+        choices = await asyncio.gather(*(one(i) for i in range(len(gens))))
+    except NoProgress:
+        log.error("generation made no progress for %.0f s; request ended", idle_timeout)  # noqa: TRY400 - no traceback to show
+        raise GenerationTimeout("the model made no progress in time") from None
+    return web.json_response(shape.complete(choices))
+
+
+async def send_events(write: Write, gens: Sequence[Generation], timings: Sequence[TokenTiming],
+                      shape: Shape, idle_timeout: float) -> None:
+    """Write every choice's chunks as they come; raises NoProgress past the idle timeout."""
+    if len(gens) == 1 and not shape.want_logprobs and shape.tools is None:
+        await _send_single(write, gens[0], timings[0], shape, idle_timeout)
+        return
+    queue: asyncio.Queue[tuple[int, Event | NoProgress]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for event in gens[i].events(idle_timeout):
+                timings[i].tokens(event.completion_tokens)
+                queue.put_nowait((i, event))
+        except NoProgress as exc:
+            queue.put_nowait((i, exc))
+
+    pumps = [asyncio.create_task(pump(i)) for i in range(len(gens))]
+    try:
+        await _send_merged(write, queue, len(gens), shape)
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _send(write: Write, obj: dict[str, Any]) -> None:
+    await write(b"data: " + dumps(obj) + b"\n\n")
+
+
+async def _send_error(write: Write, event: Finished) -> None:
+    if event.error == SHUTTING_DOWN:
+        await _send(write, envelope(SHUTTING_DOWN, "server_error", None, "server_shutting_down"))
+        return
+    log.error("generation failed mid-stream: %s", event.error)
+    await _send(write, envelope("the model failed while generating", "server_error", None, "internal_error"))
+
+
+async def _send_merged(write: Write, queue: asyncio.Queue[tuple[int, Event | NoProgress]], n: int,
+                       shape: Shape) -> None:
+    choices = [Choice(i) for i in range(n)]
+    offsets = [0] * n
+    if shape.chat:
+        for i in range(n):
+            await _send(write, shape.chunk("", None, index=i, role=True))
+    remaining = n
+    while remaining:
+        i, event = await queue.get()
+        if isinstance(event, NoProgress):
+            raise event
+        choice = choices[i]
+        if isinstance(event, Finished) and event.reason == "error":
+            await _send_error(write, event)
+            return
+        if shape.tools is not None:  # buffered: a tool call is known once the reply is whole
+            choice.parts.append(event.text)
+            choice.logprobs.extend(event.logprobs)
+        elif event.text or event.logprobs:
+            await _send(write, shape.chunk(event.text if shape.chat or event.text else "", None, index=i,
+                                           logprobs=shape.logprobs(event.logprobs, offsets[i])))
+            offsets[i] += len(event.text)
+        if isinstance(event, Finished):
+            choice.final = event
+            remaining -= 1
+            await _send_finish(write, shape, choice)
+    if shape.include_usage:
+        await _send(write, shape.chunk(None, None, usage=usage(choices)))
+
+
+async def _send_finish(write: Write, shape: Shape, choice: Choice) -> None:
+    assert choice.final is not None  # noqa: S101 - called on finish
+    if shape.tools is None:
+        await _send(write, shape.chunk(None if shape.chat else "", _finish_reason(choice.final),
+                                       index=choice.index))
+        return
+    message, reason = shape._message(choice)
+    calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls", []))]
+    await _send(write, shape.chunk(message["content"], None, index=choice.index, tool_calls=calls,
+                                   logprobs=shape.logprobs(choice.logprobs)))
+    await _send(write, shape.chunk(None, reason, index=choice.index))
+
+
+async def _send_single(write: Write, gen: Generation, timing: TokenTiming, shape: Shape,
+                       idle_timeout: float) -> None:
+    """The per-token path of a plain one-choice stream: one prepared frame, no dict per token."""
+    if shape.chat:
+        await _send(write, shape.chunk("", None, role=True))
+    async for event in gen.events(idle_timeout):
+        timing.tokens(event.completion_tokens)
+        if isinstance(event, TextDelta):
+            if event.text:
+                await write(shape.delta_event(event.text))
+            continue
+        if event.reason == "error":
+            await _send_error(write, event)
+            break
+        if event.text:
+            await write(shape.delta_event(event.text))
+        await _send(write, shape.chunk(None if shape.chat else "", _finish_reason(event)))
+        if shape.include_usage:
+            choice = Choice(0, final=event)
+            await _send(write, shape.chunk(None, None, usage=usage([choice])))
+
+
+async def stream(request: web.Request, gens: Sequence[Generation], timings: Sequence[TokenTiming],
+                 shape: Shape, *, write_timeout: float, idle_timeout: float) -> web.StreamResponse:
+    """Answer with an SSE stream of chunks, ending with [DONE]."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+
+    async def write(data: bytes) -> None:
+        # A client that stops reading fills the socket buffers and this write waits; past the
+        # deadline the stream is cut so that its slot goes to somebody who is listening.
+        # With nothing buffered a write cannot wait, and needs no timer (the per-token path).
+        transport = request.transport
+        if transport is not None and transport.get_write_buffer_size() == 0:
+            await response.write(data)
+            return
+        async with asyncio.timeout(write_timeout):
+            await response.write(data)
+
+    try:
+        try:
+            await send_events(write, gens, timings, shape, idle_timeout)
+        except NoProgress:
+            log.error("generation made no progress for %.0f s; stream ended", idle_timeout)  # noqa: TRY400 - no traceback
+            await write(b"data: " + dumps(envelope(
+                "the model made no progress in time", "server_error", None, "timeout")) + b"\n\n")
+        await write(SSE_DONE)
+        await response.write_eof()
+    except ConnectionResetError:
+        # The client went away mid-stream; the caller frees the slot. Nothing to answer.
+        log.info("client disconnected mid-stream")
+    except TimeoutError:
+        log.warning("client stopped reading its stream for %.1f s; stream cut", write_timeout)
+        if request.transport is not None:
+            request.transport.abort()
+    return response

@@ -1,0 +1,207 @@
+"""Structured output and tool calls: OpenAI's JSON-schema subset, checked, and turned into grammars.
+
+`response_format` json_object / json_schema constrain the reply with a grammar (llama.cpp's
+grammar sampler). Tool calls use the same machinery, as llama.cpp's generic tool-call format
+does: the reply is constrained to `{"tool_calls": [{"name", "arguments"}]}` (or, with
+`tool_choice: auto`, alternatively `{"response": "..."}`), which works with any model, and
+is turned back into OpenAI's `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from edgellmd.engine import json_schema_grammar
+from edgellmd.errors import InvalidRequest, UnsupportedParameter
+
+# OpenAI's structured-output subset: types, and the keywords it documents per type.
+SCHEMA_TYPES: Final = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+SCHEMA_KEYWORDS: Final = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
+    "$ref", "$defs", "definitions", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
+    # Annotations: no effect on the grammar.
+    "title", "description", "$schema", "$id", "$comment", "examples", "default", "strict",
+})
+MAX_SCHEMA_NODES: Final = 2000
+MAX_TOOLS: Final = 128
+FUNCTION_NAME_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+TOOL_INSTRUCTIONS: Final = (
+    "You can call the tools described to you. To call tools, reply only with a JSON object "
+    '{{"tool_calls": [{{"name": <tool name>, "arguments": <arguments object>}}]}}{answer}.'
+)
+
+
+def _unsupported(keyword: str, where: str, param: str) -> UnsupportedParameter:
+    shown = keyword if len(keyword) <= 40 and keyword.isprintable() else "(unprintable)"
+    return UnsupportedParameter(f"JSON schema keyword {shown!r} (at {where}) is not supported; "
+                                "the supported subset is OpenAI's structured-output subset", param=param)
+
+
+def check_schema(schema: Any, param: str, where: str = "#") -> None:
+    """Refuse a schema outside the supported subset with a 400 naming the first offending keyword."""
+    nodes = 0
+    pending: list[tuple[Any, str]] = [(schema, where)]
+    while pending:
+        node, path = pending.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise InvalidRequest(f"the JSON schema has more than {MAX_SCHEMA_NODES} nodes", param=param)
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            raise InvalidRequest(f"the JSON schema at {path} must be an object", param=param)
+        for key, value in node.items():
+            if key not in SCHEMA_KEYWORDS:
+                raise _unsupported(str(key), path, param)
+            if key == "type":
+                types = value if isinstance(value, list) else [value]
+                if not all(isinstance(t, str) and t in SCHEMA_TYPES for t in types):
+                    raise InvalidRequest(f"the JSON schema at {path} has an unknown 'type'", param=param)
+            elif key in ("properties", "$defs", "definitions"):
+                if not isinstance(value, dict):
+                    raise InvalidRequest(f"'{key}' at {path} must be an object", param=param)
+                pending.extend((sub, f"{path}/{key}/{name}") for name, sub in value.items())
+            elif key == "items" or (key == "additionalProperties" and isinstance(value, dict)):
+                pending.append((value, f"{path}/{key}"))
+            elif key == "anyOf":
+                if not isinstance(value, list) or not value:
+                    raise InvalidRequest(f"'anyOf' at {path} must be a non-empty list", param=param)
+                pending.extend((sub, f"{path}/anyOf/{i}") for i, sub in enumerate(value))
+
+
+def _grammar(schema: Mapping[str, Any], param: str) -> str:
+    try:
+        return json_schema_grammar(dict(schema))
+    except (ValueError, KeyError, TypeError, AssertionError, RecursionError) as exc:
+        raise InvalidRequest(f"the JSON schema cannot be turned into a grammar: {str(exc)[:200]}",
+                             param=param) from None
+
+
+def response_format_grammar(value: Any) -> str | None:
+    """The grammar a `response_format` asks for; None for plain text."""
+    param = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidRequest("'response_format' must be an object with a 'type'", param=param)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _grammar({"type": "object"}, param)
+    if kind != "json_schema":
+        raise InvalidRequest("'response_format.type' must be text, json_object or json_schema",
+                             param="response_format.type")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InvalidRequest("'response_format.json_schema' must be an object with a 'name' and a 'schema'",
+                             param="response_format.json_schema")
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise InvalidRequest(f"unrecognized field in 'response_format.json_schema': "
+                             f"{sorted(unknown)[0][:40]}", param="response_format.json_schema")
+    schema = spec.get("schema", {"type": "object"})
+    check_schema(schema, "response_format.json_schema.schema")
+    return _grammar(schema if isinstance(schema, dict) else {}, "response_format.json_schema.schema")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a chat request's tools ask of the reply."""
+
+    tools: tuple[Mapping[str, Any], ...]  # as the client sent them (checked), for the chat template
+    mode: str  # "none", "auto", "required" (a named function is "required" with one tool)
+    grammar: str | None
+    instructions: str = ""
+    names: tuple[str, ...] = field(default=())
+
+
+def _function(tool: Any, i: int) -> tuple[str, Mapping[str, Any]]:
+    where = f"tools[{i}]"
+    if (not isinstance(tool, dict) or tool.get("type") != "function"
+            or not isinstance(tool.get("function"), dict)):
+        raise InvalidRequest(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                             param=where)
+    fn = tool["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64 or set(name) - FUNCTION_NAME_CHARS:
+        raise InvalidRequest(f"'{where}.function.name' must be 1 to 64 of a-z A-Z 0-9 _ -",
+                             param=f"{where}.function.name")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    check_schema(params, f"{where}.function.parameters")
+    return name, params if isinstance(params, dict) else {}
+
+
+def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
+    """Check `tools`/`tool_choice`/`parallel_tool_calls` and build the reply's grammar."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"'tools' must be a list of 1 to {MAX_TOOLS} tools", param="tools")
+    functions = [_function(t, i) for i, t in enumerate(tools)]
+    names = tuple(name for name, _ in functions)
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tool names must be unique", param="tools")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    mode = "auto" if tool_choice is None else tool_choice
+    chosen = functions
+    if isinstance(mode, dict):
+        fn = mode.get("function") if mode.get("type") == "function" else None
+        wanted = fn.get("name") if isinstance(fn, dict) else None
+        match = [f for f in functions if f[0] == wanted]
+        if not match:
+            raise InvalidRequest("'tool_choice' must name one of the tools", param="tool_choice")
+        chosen, mode = match, "required"
+    elif mode not in ("none", "auto", "required"):
+        raise InvalidRequest("'tool_choice' must be none, auto, required or a named function",
+                             param="tool_choice")
+    if mode == "none":
+        return ToolPlan(tuple(tools), "none", None, names=names)
+    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                       "required": ["name", "arguments"], "additionalProperties": False}
+                      for name, params in chosen]}
+    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    if parallel is False:
+        calls["maxItems"] = 1
+    with_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                  "additionalProperties": False}
+    schema: dict[str, Any] = with_calls
+    answer = ""
+    if mode == "auto":
+        schema = {"anyOf": [with_calls, {"type": "object", "properties": {"response": {"type": "string"}},
+                                         "required": ["response"], "additionalProperties": False}]}
+        answer = ', or, to answer without tools, {"response": <your answer>}'
+    return ToolPlan(tuple(tools), mode, _grammar(schema, "tools"), TOOL_INSTRUCTIONS.format(answer=answer),
+                    names)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolReply:
+    """A constrained reply turned back into OpenAI's shape."""
+
+    content: str | None
+    calls: tuple[dict[str, Any], ...]  # [{"id", "type": "function", "function": {"name", "arguments"}}]
+
+
+def parse_tool_reply(text: str, names: Sequence[str]) -> ToolReply:
+    """Read `{"tool_calls": [...]}` or `{"response": "..."}`; anything else is plain content."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return ToolReply(text, ())  # cut short (max_tokens): hand back what there is
+    if isinstance(data, dict) and isinstance(data.get("response"), str):
+        return ToolReply(data["response"], ())
+    raw = data.get("tool_calls") if isinstance(data, dict) else None
+    if not isinstance(raw, list):
+        return ToolReply(text, ())
+    calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+              "function": {"name": item["name"],
+                           "arguments": json.dumps(item.get("arguments", {}), ensure_ascii=False)}}
+             for item in raw if isinstance(item, dict) and item.get("name") in names]
+    return ToolReply(None if calls else text, tuple(calls))
