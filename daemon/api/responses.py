@@ -111,7 +111,9 @@ class Shape:
             offsets.append(offset)
             offset += len(e.token)
         return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{t: lp for t, _, lp in e.top} for e in entries], "text_offset": offsets}
+                # Keyed by text: byte tokens that print alike keep the likelier one (best last).
+                "top_logprobs": [{t: lp for t, _, lp in reversed(e.top)} for e in entries],
+                "text_offset": offsets}
 
     def _message(self, choice: Choice) -> tuple[dict[str, Any], str]:
         assert choice.final is not None  # noqa: S101 - only finished choices are shaped

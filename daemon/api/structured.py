@@ -29,6 +29,7 @@ SCHEMA_KEYWORDS: Final = frozenset({
 })
 MAX_SCHEMA_NODES: Final = 2000
 MAX_TOOLS: Final = 128
+MAX_PARALLEL_CALLS: Final = 8  # calls in one reply: a model that never stops calling is cut here
 FUNCTION_NAME_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 TOOL_INSTRUCTIONS: Final = (
     "You can call the tools described to you. To call tools, reply only with a JSON object "
@@ -166,9 +167,8 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
                        "required": ["name", "arguments"], "additionalProperties": False}
                       for name, params in chosen]}
-    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
-    if parallel is False:
-        calls["maxItems"] = 1
+    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1,
+                             "maxItems": 1 if parallel is False else MAX_PARALLEL_CALLS}
     with_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                   "additionalProperties": False}
     schema: dict[str, Any] = with_calls

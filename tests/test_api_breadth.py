@@ -1,0 +1,300 @@
+"""OpenAI API breadth with the real `openai` client: structured output, tools, logprobs, n, logit_bias."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import RunningDaemon, running, settings_for
+
+# A chat template with tool support, in the Hugging Face dialect (tools listed in the system
+# turn, assistant tool calls and tool results rendered as their own turns).
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n"
+    "{% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.tool_calls %}<|assistant|>{% for c in m.tool_calls %}<call>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}\n"
+    "{% elif m.role == 'tool' %}<|tool|>{{ m.tool_call_id }}: {{ m.content }}\n"
+    "{% else %}<|{{ m.role }}|>{{ m.content }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Any: the openai client's TypedDict parameters would need every literal spelled out.
+WEATHER: Any = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "celsius": {"type": "boolean"}},
+        "required": ["city", "celsius"], "additionalProperties": False}}}
+TIME: Any = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer"}}, "required": ["zone"], "additionalProperties": False}}}
+ASK: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+class Person(BaseModel):
+    """The structured-output test schema: every value bounded, so any model finishes it."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: Literal["ada", "bob", "cyd"]
+    age: int
+    member: bool
+    role: Literal["admin", "user"] | None
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    root = tmp_path_factory.mktemp("breadth")
+    plain = write_tiny_model(root / "plain.gguf", TinyModelSpec(seed=31))
+    tools = write_tiny_model(root / "tools.gguf", TinyModelSpec(seed=32, chat_template=TOOLS_TEMPLATE))
+    settings = settings_for([
+        {"name": "plain", "file": str(plain), "slots": 4, "context_size": 512, "threads": 1},
+        {"name": "tools", "file": str(tools), "slots": 4, "context_size": 1024, "threads": 1},
+    ], server={"max_tokens_limit": 1024}, lifecycle={"watch": False})
+    with running(settings) as d:
+        yield d
+
+
+@pytest.fixture
+def client(daemon: RunningDaemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+
+
+# ---- structured output ------------------------------------------------------------------------
+
+
+def test_json_schema_output_validates_in_every_seeded_run(client: openai.OpenAI) -> None:
+    for seed in range(20):
+        answer = client.beta.chat.completions.parse(
+            model="plain", messages=[{"role": "user", "content": "Describe a person."}],
+            response_format=Person, seed=seed, temperature=1.0, max_tokens=200)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Person)  # the client validated it with pydantic
+        assert Person.model_validate_json(choice.message.content or "") == choice.message.parsed
+
+
+def test_json_object_output_is_a_json_object(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        answer = client.chat.completions.create(
+            model="plain", messages=ASK, response_format={"type": "json_object"}, seed=seed,
+            temperature=0.7, max_tokens=400)
+        if answer.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
+        else:  # a random model may fill a long string; what it wrote is still JSON's prefix
+            assert (answer.choices[0].message.content or "").startswith("{")
+
+
+@pytest.mark.parametrize(("schema", "keyword"), [
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}}, "minLength"),
+    ({"type": "object", "allOf": [{"type": "object"}]}, "allOf"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "not"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+])
+def test_unsupported_schema_keywords_are_named(client: openai.OpenAI, schema: dict[str, Any],
+                                               keyword: str) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="plain", messages=ASK, response_format=fmt)
+    assert caught.value.code == "unsupported_parameter"
+    assert f"'{keyword}'" in caught.value.message
+
+
+# ---- tools ------------------------------------------------------------------------------------
+
+
+def _call_round_trip(client: openai.OpenAI, calls: list[dict[str, Any]]) -> str:
+    history: list[Any] = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls}]
+    history += [{"role": "tool", "tool_call_id": c["id"], "content": "12 degrees, rain"} for c in calls]
+    answer = client.chat.completions.create(model="tools", messages=history, tools=[WEATHER],
+                                            tool_choice="none", max_tokens=8)
+    assert answer.choices[0].message.tool_calls is None
+    return answer.choices[0].message.content or ""
+
+
+def test_tool_call_round_trip(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER],
+                                            tool_choice="required", max_tokens=1000)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert calls
+    for call in calls:
+        assert call.type == "function"
+        assert call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        assert args["city"] in ("Paris", "Oslo", "Lima")
+        assert isinstance(args["celsius"], bool)
+        assert call.id.startswith("call_")
+    reply = _call_round_trip(client, [c.model_dump(exclude_none=True) for c in calls])
+    assert isinstance(reply, str)
+
+
+def test_streamed_tool_call_round_trip(client: openai.OpenAI) -> None:
+    named: Any = {"type": "function", "function": {"name": "get_time"}}
+    stream = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER, TIME],
+                                            tool_choice=named, max_tokens=1000, stream=True)
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"id": "", "type": "function",
+                                                       "function": {"name": "", "arguments": ""}})
+                entry["id"] += delta.id or ""
+                if delta.function is not None:
+                    entry["function"]["name"] += delta.function.name or ""
+                    entry["function"]["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert calls
+    for call in calls.values():
+        assert call["function"]["name"] == "get_time"  # the named function, only
+        assert isinstance(json.loads(call["function"]["arguments"])["zone"], int)
+    _call_round_trip(client, list(calls.values()))
+
+
+def test_parallel_calls_and_auto(client: openai.OpenAI) -> None:
+    for seed in range(6):
+        answer = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER, TIME],
+                                                tool_choice="auto", seed=seed, temperature=1.0,
+                                                max_tokens=1000)
+        message = answer.choices[0].message
+        if message.tool_calls:
+            assert answer.choices[0].finish_reason == "tool_calls"
+            assert 1 <= len(message.tool_calls) <= 8
+            assert {c.function.name for c in message.tool_calls  # type: ignore[union-attr] # function calls only
+                    } <= {"get_weather", "get_time"}
+        else:  # auto may answer directly: then plain content
+            assert isinstance(message.content, str)
+    one = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER, TIME],
+                                         tool_choice="required", parallel_tool_calls=False, max_tokens=1000)
+    assert len(one.choices[0].message.tool_calls or []) == 1
+
+
+def test_tools_are_refused_for_a_template_without_tool_support(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="plain", messages=ASK, tools=[WEATHER])
+    assert caught.value.code == "tools_not_supported"
+    assert "no tool support" in caught.value.message
+
+
+# ---- logprobs, n, logit_bias, seed, models ---------------------------------------------------
+
+
+def test_chat_logprobs_agree_with_greedy_choices(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model="plain", messages=ASK, temperature=0, max_tokens=12,
+                                            logprobs=True, top_logprobs=4)
+    content = answer.choices[0].logprobs.content if answer.choices[0].logprobs else None
+    assert content is not None
+    assert len(content) == answer.usage.completion_tokens if answer.usage else False
+    for entry in content:
+        assert math.isfinite(entry.logprob)
+        assert entry.logprob <= 0
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 4
+        assert tops == sorted(tops, reverse=True)
+        assert all(math.isfinite(t) for t in tops)
+        # Greedy: the sampled token is the most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert bytes(entry.bytes or []).decode("utf-8", "replace") == entry.token
+
+
+def test_completion_logprobs_legacy_shape(client: openai.OpenAI) -> None:
+    answer = client.completions.create(model="plain", prompt="Once", temperature=0, max_tokens=6,
+                                       logprobs=2)
+    lp = answer.choices[0].logprobs
+    assert lp is not None
+    assert lp.tokens is not None
+    assert lp.token_logprobs is not None
+    assert lp.top_logprobs is not None
+    assert lp.text_offset is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset[0] == 0
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value == pytest.approx(max(top.values()))
+        assert token in top
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices(client: openai.OpenAI, stream: bool) -> None:
+    if not stream:
+        answer = client.completions.create(model="plain", prompt="Once", max_tokens=5, n=3, seed=3,
+                                           temperature=1.0, extra_body={"ignore_eos": True})
+        assert sorted(c.index for c in answer.choices) == [0, 1, 2]
+        assert answer.usage is not None
+        assert answer.usage.completion_tokens == 15  # the sum over the choices
+        return
+    options: Any = {"include_usage": True}
+    chunks = list(client.chat.completions.create(
+        model="plain", messages=ASK, max_tokens=5, n=3, seed=3, temperature=1.0, stream=True,
+        stream_options=options))
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1, 2}
+    usage = chunks[-1].usage
+    assert usage is not None
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks
+                        if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert usage.completion_tokens <= 15
+    assert len(texts) == 3
+
+
+def test_seeds_reproduce_and_choices_differ(client: openai.OpenAI) -> None:
+    def run() -> list[str]:
+        answer = client.completions.create(model="plain", prompt="The", max_tokens=12, n=2, seed=11,
+                                           temperature=1.5, top_p=1.0)
+        return [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
+
+    first = run()
+    assert run() == first  # documented: the same seed gives the same text
+    single = client.completions.create(model="plain", prompt="The", max_tokens=12, seed=11, temperature=1.5)
+    assert single.choices[0].text == first[0]  # choice i uses seed + i
+
+
+def test_logit_bias_forces_and_bans(client: openai.OpenAI) -> None:
+    a = 3 + ord("a")  # the tiny vocabulary: 3 specials, then one token per byte
+    forced = client.completions.create(model="plain", prompt="x", max_tokens=8, temperature=0,
+                                       logit_bias={str(a): 100})
+    assert forced.choices[0].text == "a" * 8
+    plain = client.completions.create(model="plain", prompt="x", max_tokens=8, temperature=0)
+    first = plain.choices[0].text.encode()[0]
+    banned = client.completions.create(model="plain", prompt="x", max_tokens=8, temperature=0,
+                                       logit_bias={str(3 + first): -100})
+    assert banned.choices[0].text.encode()[0] != first
+
+
+def test_models_retrieve(client: openai.OpenAI) -> None:
+    model = client.models.retrieve("tools")
+    assert (model.id, model.object, model.owned_by) == ("tools", "model", "edgellm")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_user_is_logged_as_a_tag(daemon: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:
+    import logging  # noqa: PLC0415
+
+    with caplog.at_level(logging.INFO, logger="edgellmd.access"):
+        status, _ = daemon.post("/v1/completions", {"model": "plain", "prompt": "x", "max_tokens": 1,
+                                                    "user": "app-user-42"})
+    assert status == 200
+    assert any(getattr(r, "user", None) == "app-user-42" for r in caplog.records)
+
+
+def test_tiny_vocabulary_byte_tokens(tmp_path: Path) -> None:
+    # Guards the token arithmetic the logit_bias test relies on.
+    from tests.ggufmodels import N_VOCAB  # noqa: PLC0415
+
+    assert N_VOCAB == 3 + 256
+    del tmp_path
