@@ -720,7 +720,10 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: PLC0415 - pure Python, rarely used
 
     text: str = json_schema_to_gbnf(json.dumps(schema))
-    return text
+    # Allow a newline and indentation where the converter allows one optional space (as
+    # llama.cpp's current converter does): models pretty-print JSON, and every token the
+    # grammar rejects costs a resample over the whole vocabulary. Still bounded.
+    return text.replace('space ::= " "?', 'space ::= | " " | "\\n" [ \\t]{0,20}')
 
 
 def default_threads() -> int:

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
@@ -50,6 +51,7 @@ class BenchConfig:
     key: str | None = field(default=None, repr=False)  # never in a repr or a log
     warmup: int = 1
     ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None  # chat only: structured output to measure
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +222,8 @@ def request_body(config: BenchConfig, model: str, index: int) -> dict[str, Any]:
         body["prompt"] = config.prompt
     if config.ignore_eos:
         body["ignore_eos"] = True
+    if config.response_format is not None:
+        body["response_format"] = config.response_format
     return body
 
 
@@ -348,6 +352,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos so every request generates max_tokens tokens "
                    "(edgellmd, llama-server and llama_cpp.server honour it)")
+    p.add_argument("--json-schema", type=Path, metavar="FILE",
+                   help="chat only: ask for structured output following this JSON schema "
+                   "(response_format json_schema) to measure constrained decoding")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -358,10 +365,21 @@ def run(args: argparse.Namespace) -> int:
     if key is not None and not (key.isascii() and key.isprintable()):
         print("edgellmctl bench: the API key holds characters an HTTP header cannot carry", file=sys.stderr)
         return 2
+    response_format = None
+    if args.json_schema is not None:
+        if args.endpoint != "chat":
+            print("edgellmctl bench: --json-schema needs --endpoint chat", file=sys.stderr)
+            return 2
+        try:
+            schema = json.loads(args.json_schema.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            print(f"edgellmctl bench: cannot read the JSON schema {args.json_schema}: {exc}", file=sys.stderr)
+            return 2
+        response_format = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     config = BenchConfig(
         base_url=args.url, model=args.model, concurrency=args.concurrency, requests=args.requests,
         max_tokens=args.max_tokens, prompt=args.prompt, endpoint=args.endpoint, key=key,
-        warmup=args.warmup, ignore_eos=args.ignore_eos,
+        warmup=args.warmup, ignore_eos=args.ignore_eos, response_format=response_format,
     )
     try:
         summary = asyncio.run(run_bench(config))

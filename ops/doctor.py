@@ -179,7 +179,8 @@ def _mode_problem(path: Path, *, secret: bool) -> str | None:
         st = path.stat()
     except OSError as exc:
         return f"{path}: {exc.strerror}"
-    if secret and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) & ~stat.S_IRGRP:
+    if secret and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        # The daemon itself refuses a keys file with any group or other bit.
         return f"{path} is mode {stat.S_IMODE(st.st_mode):04o}: readable or writable by others"
     if st.st_mode & stat.S_IWOTH:
         return f"{path} is world-writable"

@@ -123,8 +123,11 @@ def _call_round_trip(client: openai.OpenAI, calls: list[dict[str, Any]]) -> str:
 
 
 def test_tool_call_round_trip(client: openai.OpenAI) -> None:
+    # One call (parallel_tool_calls: false): a random model pads JSON with whitespace, and
+    # several calls could run past max_tokens.
     answer = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER],
-                                            tool_choice="required", max_tokens=1000)
+                                            tool_choice="required", parallel_tool_calls=False,
+                                            max_tokens=1000)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -144,7 +147,8 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
 def test_streamed_tool_call_round_trip(client: openai.OpenAI) -> None:
     named: Any = {"type": "function", "function": {"name": "get_time"}}
     stream = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER, TIME],
-                                            tool_choice=named, max_tokens=1000, stream=True)
+                                            tool_choice=named, parallel_tool_calls=False,
+                                            max_tokens=1000, stream=True)
     calls: dict[int, dict[str, Any]] = {}
     finish = None
     for chunk in stream:
@@ -181,6 +185,21 @@ def test_parallel_calls_and_auto(client: openai.OpenAI) -> None:
     one = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER, TIME],
                                          tool_choice="required", parallel_tool_calls=False, max_tokens=1000)
     assert len(one.choices[0].message.tool_calls or []) == 1
+
+
+def test_parallel_calls_are_parsed_in_order() -> None:
+    from edgellmd.api.structured import parse_tool_reply  # noqa: PLC0415
+
+    text = json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                      {"name": "get_time", "arguments": {"zone": 2}},
+                                      {"name": "not_offered", "arguments": {}}]})
+    reply = parse_tool_reply(text, ("get_weather", "get_time"))
+    assert reply.content is None
+    assert [c["function"]["name"] for c in reply.calls] == ["get_weather", "get_time"]
+    assert json.loads(reply.calls[1]["function"]["arguments"]) == {"zone": 2}
+    assert len({c["id"] for c in reply.calls}) == 2
+    assert parse_tool_reply('{"response": "hi"}', ("get_time",)).content == "hi"
+    assert parse_tool_reply('{"tool_calls": [{"na', ("get_time",)).content == '{"tool_calls": [{"na'
 
 
 def test_tools_are_refused_for_a_template_without_tool_support(client: openai.OpenAI) -> None:
