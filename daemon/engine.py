@@ -48,6 +48,7 @@ from edgellmd.generation import (
 
 log = logging.getLogger(__name__)
 
+_RESAMPLE_CANDIDATES: Final = 64  # grammar misses resample among the likeliest tokens first
 _PIECE_BUF: Final = 256  # bytes; longer pieces are retried with the size llama.cpp asks for
 _DEFAULT_SEED: Final = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a fresh random seed per chain
 _IDLE_WAIT_S: Final = 0.5  # the idle scheduler still wakes up to report liveness
@@ -603,10 +604,39 @@ class Engine:
         array = llama.llama_token_data_array(check, 1, -1, False)
         llama.llama_sampler_apply(slot.grammar, ctypes.byref(array))
         if math.isinf(check[0].logit):
-            # The grammar chain samples and accepts (the grammar advances inside it).
-            return int(llama.llama_sampler_sample(slot.grammar_chain, self._ctx, slot.batch_index))
+            token = self._resample_best(slot)
+            if token < 0:
+                # Nothing likely fits: the grammar chain samples from the whole vocabulary and
+                # accepts (the grammar advances inside it).
+                return int(llama.llama_sampler_sample(slot.grammar_chain, self._ctx, slot.batch_index))
         llama.llama_sampler_accept(slot.grammar, token)
         return token
+
+    def _resample_best(self, slot: _Slot) -> int:
+        """Sample among the likeliest candidates the grammar allows; -1 when none of them fits.
+
+        The fast chain keeps top_k (40) tokens anyway, so drawing from the valid ones among
+        the top RESAMPLE_CANDIDATES follows the same sampler; only when none fits does the
+        grammar have to walk the whole vocabulary (measured on the demo model: tens of
+        milliseconds each time, a fifth of the tokens of a pretty-printed JSON reply).
+        """
+        pointer = llama.llama_get_logits_ith(self._ctx, slot.batch_index)
+        logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+        k = min(_RESAMPLE_CANDIDATES, self.n_vocab)
+        best = np.argpartition(logits, -k)[-k:]
+        candidates = (llama.llama_token_data * k)()
+        for j, token in enumerate(best.tolist()):
+            candidates[j].id, candidates[j].logit, candidates[j].p = token, float(logits[token]), 0.0
+        array = llama.llama_token_data_array(candidates, k, -1, False)
+        llama.llama_sampler_apply(slot.grammar, ctypes.byref(array))
+        if all(math.isinf(candidates[j].logit) for j in range(k)):
+            return -1
+        # The request's own samplers (penalties, top-k/p, temperature, draw) pick among them.
+        llama.llama_sampler_apply(slot.chain, ctypes.byref(array))
+        if not 0 <= array.selected < array.size:
+            return -1
+        chosen = array.data[array.selected]
+        return -1 if math.isinf(chosen.logit) else int(chosen.id)
 
     def _logprob(self, slot: _Slot, token: int) -> TokenLogprob:
         """Log-softmax of the model's logits at this position (numpy over the C array)."""
