@@ -397,8 +397,14 @@ class Registry:
                                            time.time(), self._version(entry)), log_it=False)
 
     def _record(self, entry: _Entry, outcome: Outcome, *, log_it: bool = True) -> Outcome:
-        if outcome.result != "unchanged" or entry.last is None:
+        # "unchanged" does not hide the last load, but it does replace a failure: once the
+        # file or lockfile is fixed, /admin/status, `edgellmctl status` and systemd's STATUS=
+        # must stop reporting a fault that is gone.
+        recovered = entry.last is not None and not entry.last.ok and outcome.ok
+        if outcome.result != "unchanged" or entry.last is None or recovered:
             entry.last = outcome
+        if recovered:
+            log.info("model %s: recovered (%s) after the failed reload", outcome.model, outcome.result)
         self.reloads[outcome.result] += 1
         self.reloads_by_model[outcome.model, outcome.result] += 1
         if log_it and outcome.result != "loaded":
