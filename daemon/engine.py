@@ -240,41 +240,23 @@ class _Slot:
         self.stops = StopMatcher(gen.request.stop)
 
 
-class Engine:
-    """One loaded model and its scheduler thread; all public methods are thread-safe."""
+class _NativeThread:
+    """One model on one thread: it loads, warms up and then serves until stopped.
 
-    def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
-        """Load the model and start its scheduler (blocking: call it off the event loop).
+    Everything native happens on that thread (see Engine); subclasses provide _load,
+    _warm_up, _run, _release and _free_native.
+    """
 
-        Everything native happens on the engine's own thread: llama.cpp's CPU backend runs
-        on OpenMP, which keeps a team of threads per calling thread, and more OpenMP threads
-        than CPUs makes libgomp stop spinning at barriers and sleep instead. A model loaded
-        and warmed on one thread and decoded on another measured 20 context switches per
-        graph node and a quarter of the throughput gone.
-        """
-        _init_backend()
-        self.config: Final = config
-        self.name: Final = name
-        if not config.path.is_file():
-            raise ModelLoadError(f"model file not found: {config.path}")
-        self._cond = threading.Condition()
-        self._pending: deque[Generation] = deque()
-        self._slots: list[_Slot | None] = [None] * config.slots
-        self._stopping = False
-        # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
-        self.heartbeat = time.monotonic()
-        # Generations ended, by finish reason, and tokens generated (written by the scheduler).
-        self.finished: Counter[str] = Counter()
-        self.tokens_generated = 0
-        self.prompt_tokens_reused = 0
-        self._pieces: dict[int, bytes] = {}  # token -> bytes, filled by the scheduler
-        # Tokens whose keys/values each sequence holds in the KV cache, position by position.
-        # A finished sequence keeps them so that the next prompt with the same prefix (a
-        # system prompt, a growing conversation) skips that part of the prefill.
-        self._kv: list[list[int]] = [[] for _ in range(config.slots)]
+    config: EngineConfig
+    _model: Any
+    _vocab: Any
+    n_vocab: int
+
+    def _start_thread(self, name: str) -> None:
+        """Start the thread and wait for the load; re-raise its error here."""
         self._loaded = threading.Event()
         self._load_errors: list[BaseException] = []  # set by the engine thread
-        self._thread = threading.Thread(target=self._main, name=f"engine:{name}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         self._loaded.wait()
         if self._load_errors:
@@ -296,7 +278,7 @@ class Engine:
         finally:
             self._release()
 
-    def _load(self) -> None:
+    def _load_model(self) -> None:
         config = self.config
         mparams = llama.llama_model_default_params()
         mparams.n_gpu_layers = config.gpu_layers
@@ -306,6 +288,61 @@ class Engine:
         self._model = model
         self._vocab = llama.llama_model_get_vocab(model)
         self.n_vocab = llama.llama_vocab_n_tokens(self._vocab)
+
+    def _load(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _warm_up(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _run(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _release(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _free_native(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Engine(_NativeThread):
+    """One loaded model and its scheduler thread; all public methods are thread-safe."""
+
+    def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
+        """Load the model and start its scheduler (blocking: call it off the event loop).
+
+        Everything native happens on the engine's own thread: llama.cpp's CPU backend runs
+        on OpenMP, which keeps a team of threads per calling thread, and more OpenMP threads
+        than CPUs makes libgomp stop spinning at barriers and sleep instead. A model loaded
+        and warmed on one thread and decoded on another measured 20 context switches per
+        graph node and a quarter of the throughput gone.
+        """
+        _init_backend()
+        self.config = config
+        self.name: Final = name
+        if not config.path.is_file():
+            raise ModelLoadError(f"model file not found: {config.path}")
+        self._cond = threading.Condition()
+        self._pending: deque[Generation] = deque()
+        self._slots: list[_Slot | None] = [None] * config.slots
+        self._stopping = False
+        # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
+        self.heartbeat = time.monotonic()
+        # Generations ended, by finish reason, and tokens generated (written by the scheduler).
+        self.finished: Counter[str] = Counter()
+        self.tokens_generated = 0
+        self.prompt_tokens_reused = 0
+        self._pieces: dict[int, bytes] = {}  # token -> bytes, filled by the scheduler
+        # Tokens whose keys/values each sequence holds in the KV cache, position by position.
+        # A finished sequence keeps them so that the next prompt with the same prefix (a
+        # system prompt, a growing conversation) skips that part of the prefill.
+        self._kv: list[list[int]] = [[] for _ in range(config.slots)]
+        self._start_thread(f"engine:{name}")
+
+    def _load(self) -> None:
+        config = self.config
+        self._load_model()
+        model = self._model
         self._n_swa = max(0, llama.llama_model_n_swa(model))
 
         cparams = llama.llama_context_default_params()
@@ -790,7 +827,7 @@ class _EmbedJob:
         self.future: Future[list[list[float]]] = Future()
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(_NativeThread):
     """One embedding model: a llama_context created with embeddings on, run on its own thread."""
 
     def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
@@ -800,7 +837,7 @@ class EmbeddingEngine:
         docstring gives (one OpenMP team per calling thread); embed() only queues a job.
         """
         _init_backend()
-        self.config: Final = config
+        self.config = config
         self.name: Final = name
         if not config.path.is_file():
             raise ModelLoadError(f"model file not found: {config.path}")
@@ -811,40 +848,12 @@ class EmbeddingEngine:
         self._tokenizing = 0  # tokenize() calls in progress: the vocabulary is freed after them
         # Liveness for the systemd watchdog: when the thread last finished a batch or idled.
         self.heartbeat = time.monotonic()
-        self._loaded = threading.Event()
-        self._load_errors: list[BaseException] = []  # set by the engine thread
-        self._thread = threading.Thread(target=self._main, name=f"embed:{name}", daemon=True)
-        self._thread.start()
-        self._loaded.wait()
-        if self._load_errors:
-            self._thread.join()
-            raise self._load_errors[0]
-
-    def _main(self) -> None:
-        try:
-            self._load()
-            self._warm_up()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor's caller
-            self._load_errors.append(exc if isinstance(exc, EngineError) else ModelLoadError(str(exc)))
-            self._free_native()
-            self._loaded.set()
-            return
-        self._loaded.set()
-        try:
-            self._run()
-        finally:
-            self._release()
+        self._start_thread(f"embed:{name}")
 
     def _load(self) -> None:
         config = self.config
-        mparams = llama.llama_model_default_params()
-        mparams.n_gpu_layers = config.gpu_layers
-        model = llama.llama_model_load_from_file(str(config.path).encode(), mparams)
-        if not model:
-            raise ModelLoadError(f"llama.cpp could not load {config.path} (not a supported GGUF model?)")
-        self._model = model
-        self._vocab = llama.llama_model_get_vocab(model)
-        self.n_vocab = llama.llama_vocab_n_tokens(self._vocab)
+        self._load_model()
+        model = self._model
         # The pooled vector's size: n_embd_out, which equals n_embd except for models whose
         # output width differs from their hidden width (deepstack ones such as Qwen3-VL);
         # llama.cpp sizes llama_get_embeddings_seq's result with it.
