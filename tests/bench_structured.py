@@ -78,22 +78,24 @@ def main() -> None:
             grammar = json_schema_grammar(SCHEMA)
             plain: list[float] = []
             constrained: list[float] = []
-            counts = [0, 0]
+            counts = [0, 0, 0]
             for i in range(args.rounds):
                 rate, n = asyncio.run(run(engine, tokens, args.streams, None, args.max_tokens))
                 plain.append(rate)
-                rejections[0] = 0
+                rejections[:] = [0, 0]
                 crate, cn = asyncio.run(run(engine, tokens, args.streams, grammar, args.max_tokens))
                 constrained.append(crate)
-                counts = [counts[0] + cn, counts[1] + rejections[0]]
+                counts = [counts[0] + cn, counts[1] + rejections[0], counts[2] + rejections[1]]
                 print(f"round {i + 1}: unconstrained {rate:6.1f} tok/s ({n} tokens), "
-                      f"json_schema {crate:6.1f} tok/s ({cn} tokens, {rejections[0]} grammar rejections)")
+                      f"json_schema {crate:6.1f} tok/s ({cn} tokens, {rejections[0]} grammar misses, "
+                      f"{rejections[1]} resampled over the whole vocabulary)")
         finally:
             engine.close()
     p, c = statistics.median(plain), statistics.median(constrained)
     print(json.dumps({"streams": args.streams, "unconstrained_tokens_per_s": round(p, 1),
                       "json_schema_tokens_per_s": round(c, 1), "ratio": round(c / p, 3),
-                      "rejected_share": round(counts[1] / max(1, counts[0]), 3)}))
+                      "miss_share": round(counts[1] / max(1, counts[0]), 3),
+                      "full_vocabulary_share": round(counts[2] / max(1, counts[0]), 3)}))
 
 
 if __name__ == "__main__":

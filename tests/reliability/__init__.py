@@ -1,0 +1,1 @@
+"""Reliability suite: load, soak, faults and abuse against a real edgellmd process (marker `reliability`)."""
