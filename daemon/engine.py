@@ -14,6 +14,7 @@ pooling layer; its thread takes embed() jobs in order and returns one unit vecto
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import ctypes
@@ -240,7 +241,7 @@ class _Slot:
         self.stops = StopMatcher(gen.request.stop)
 
 
-class _NativeThread:
+class _NativeThread(abc.ABC):
     """One model on one thread: it loads, warms up and then serves until stopped.
 
     Everything native happens on that thread (see Engine); subclasses provide _load,
@@ -250,6 +251,8 @@ class _NativeThread:
     config: EngineConfig
     _model: Any
     _vocab: Any
+    _ctx: Any
+    _batch: Any
     n_vocab: int
 
     def _start_thread(self, name: str) -> None:
@@ -289,20 +292,33 @@ class _NativeThread:
         self._vocab = llama.llama_model_get_vocab(model)
         self.n_vocab = llama.llama_vocab_n_tokens(self._vocab)
 
-    def _load(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _load(self) -> None:
+        """Provided by each engine (runs on the engine thread)."""
 
-    def _warm_up(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _warm_up(self) -> None:
+        """Provided by each engine (runs on the engine thread)."""
 
-    def _run(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _run(self) -> None:
+        """Provided by each engine (runs on the engine thread)."""
 
-    def _release(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Provided by each engine (runs on the engine thread)."""
 
-    def _free_native(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    def _free_native(self) -> None:
+        # Whatever _load got as far as creating, in reverse order.
+        if getattr(self, "_batch", None) is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            llama.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama.llama_model_free(self._model)
+            self._model = None
 
 
 class Engine(_NativeThread):
@@ -436,18 +452,6 @@ class Engine(_NativeThread):
             if slot is not None:
                 self._finish(i, "error", error="the model was unloaded", deliver=True)
         self._free_native()
-
-    def _free_native(self) -> None:
-        # Whatever _load got as far as creating, in reverse order.
-        if getattr(self, "_batch", None) is not None:
-            llama.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            llama.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            llama.llama_model_free(self._model)
-            self._model = None
 
     # ---- scheduler thread -----------------------------------------------------------------
 
@@ -912,18 +916,6 @@ class EmbeddingEngine(_NativeThread):
         except EngineError as exc:
             raise ModelLoadError(f"warm-up embedding failed for {self.config.path}: {exc}") from exc
         log.info("embedding model %s: %d dimensions, %s pooling", self.name, self.n_embd, self.pooling)
-
-    def _free_native(self) -> None:
-        # Whatever _load got as far as creating, in reverse order.
-        if getattr(self, "_batch", None) is not None:
-            llama.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            llama.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            llama.llama_model_free(self._model)
-            self._model = None
 
     # ---- interface (any thread) -----------------------------------------------------------
 
