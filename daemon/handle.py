@@ -27,11 +27,27 @@ from edgellmd.lockfile import LockedModel
 from edgellmd.settings import ModelSettings
 
 AnyEngine = Engine | EmbeddingEngine
-EngineFactory = Callable[[ModelSettings], AnyEngine]
+# (settings, mmap): mmap is True only for a private preload copy, which nobody else can
+# truncate under the mapping (see engine_config).
+EngineFactory = Callable[[ModelSettings, bool], AnyEngine]
+
+# A prompt longer than this many characters per token of the context is first tokenized in
+# prefixes (see ModelHandle._tokenize_bounded). Real text averages 3 to 5 characters a token.
+PREFIX_CHARS_PER_TOKEN = 8
 
 
-def engine_config(settings: ModelSettings) -> EngineConfig:
-    """Translate a model's settings into what the engine needs, deciding thread counts."""
+def _prefix_slack(limit: int) -> int:
+    """Tokens a prefix cut mid-word may hold beyond what the same text holds in the whole."""
+    return 16 + limit // 8
+
+
+def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfig:
+    """Translate a model's settings into what the engine needs, deciding thread counts.
+
+    `mmap`: memory-map the file rather than read it. Only for a private preload copy: a
+    mapped file that someone truncates in place kills the process with SIGBUS at the next
+    touch of a lost page, so a file in the models directory is read into memory instead.
+    """
     if settings.file is None:
         raise EngineError(f"model {settings.name}: no file to load")
     threads = settings.threads or engine_mod.default_threads()
@@ -39,14 +55,16 @@ def engine_config(settings: ModelSettings) -> EngineConfig:
         path=settings.file, slots=settings.slots, context_size=settings.context_size,
         batch_size=settings.batch_size, threads=threads,
         threads_batch=settings.threads_batch or threads, gpu_layers=settings.gpu_layers,
+        mmap=mmap,
     )
 
 
-def default_engine_factory(settings: ModelSettings) -> AnyEngine:
+def default_engine_factory(settings: ModelSettings, mmap: bool = False) -> AnyEngine:
     """Load a model with the real llama.cpp engine (blocking): a generator or an embedder."""
+    config = engine_config(settings, mmap=mmap)
     if settings.embedding:
-        return EmbeddingEngine(engine_config(settings), name=settings.name)
-    return Engine(engine_config(settings), name=settings.name)
+        return EmbeddingEngine(config, name=settings.name)
+    return Engine(config, name=settings.name)
 
 
 def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplate | None:
@@ -124,6 +142,32 @@ class ModelHandle:
         raise InvalidRequest(f"the model {self.name!r} does not produce embeddings",
                              param="model", code="model_not_supported")
 
+    def _tokenize_bounded(self, text: str, param: str, *, add_special: bool = True,
+                          parse_special: bool = False) -> list[int]:
+        """Tokenize `text`, giving up early (400) once a prefix proves it cannot fit the context.
+
+        Tokenizing is linear or worse in the text's length and runs on the prompt pool that
+        every request shares, so a prompt far past the context must not be tokenized whole:
+        prefixes of growing length (`PREFIX_CHARS_PER_TOKEN` characters per token of the
+        context, doubling) are tried first. A prefix cut mid-word may hold a few more tokens
+        than the same text inside the whole prompt, so a prefix must exceed the limit by
+        `_prefix_slack` before it proves anything.
+        """
+        limit = self.settings.context_size
+        enough = limit + _prefix_slack(limit)
+        chars = limit * PREFIX_CHARS_PER_TOKEN
+        while chars < len(text):
+            n_prefix = len(self.engine.tokenize(text[:chars], add_special=add_special,
+                                                parse_special=parse_special))
+            if n_prefix >= enough:
+                at_least = n_prefix - _prefix_slack(limit)
+                what = "an input" if self.settings.embedding else "the prompt"
+                raise ContextLengthExceeded(
+                    f"this model's context is {limit} tokens per request; {what} has at least "
+                    f"{at_least} tokens (its first {chars} characters alone)", param=param)
+            chars *= 2
+        return self.engine.tokenize(text, add_special=add_special, parse_special=parse_special)
+
     def _render_and_tokenize(self, messages: Sequence[ChatMessage],
                              tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         assert self.template is not None  # noqa: S101 - checked by the caller
@@ -131,7 +175,7 @@ class ModelHandle:
         # Templates that print the BOS themselves must not get a second one from the tokenizer.
         bos = self.engine.info.bos_text
         add_special = not (bos and text.startswith(bos))
-        return self.engine.tokenize(text, add_special=add_special, parse_special=True)
+        return self._tokenize_bounded(text, "messages", add_special=add_special, parse_special=True)
 
     async def chat_prompt(self, messages: Sequence[ChatMessage],
                           tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
@@ -157,7 +201,7 @@ class ModelHandle:
         """Tokenize a prompt (or check given token ids), off the event loop."""
         if isinstance(prompt, str):
             loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(self.executor, self.engine.tokenize, prompt)
+            tokens = await loop.run_in_executor(self.executor, self._tokenize_bounded, prompt, param)
         else:
             tokens = list(prompt)
             if any(t >= self.engine.n_vocab for t in tokens):
@@ -187,9 +231,14 @@ class ModelHandle:
         return room if requested is None else min(requested, room)
 
     def check_capacity(self) -> None:
-        """Refuse at once (429) when every slot is busy and the queue is full."""
+        """Refuse at once (429) when the slots and the queue together hold all they may.
+
+        The bound counts running and waiting requests together: a slot that is free but not
+        yet filled (the scheduler is inside a decode step) must not let the queue grow past
+        ``queue_size``.
+        """
         engine = self.engine
-        if engine.busy_slots >= self.settings.slots and engine.queue_depth >= self.settings.queue_size:
+        if engine.busy_slots + engine.queue_depth >= self.settings.slots + self.settings.queue_size:
             self.counters["queue_rejections"] += 1
             raise ServerOverloaded(
                 f"model {self.name!r} is at capacity ({self.settings.slots} running, "

@@ -440,7 +440,10 @@ class Registry:
             log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)
             settings = replace(settings, gpu_layers=layers)
         try:
-            engine = await loop.run_in_executor(None, self._factory, replace(settings, file=load_path))
+            # Mapped only from a private preload copy: a file in the models directory that is
+            # truncated in place under a mapping would kill the daemon (SIGBUS).
+            engine = await loop.run_in_executor(None, self._factory, replace(settings, file=load_path),
+                                                copy is not None)
         except (EngineError, OSError) as exc:
             self._discard_copy(copy)
             raise _LoadFailed(str(exc)) from None

@@ -1,9 +1,13 @@
 """Benchmark: decoding throughput with a JSON-schema grammar against unconstrained, on the demo model.
 
-Run: `.venv/bin/python -m tests.bench_structured [--streams 8] [--rounds 3]`. It prints
-tokens/s per round (interleaved, so both see the same machine), their medians, the ratio,
-and how often the grammar rejected the sampler's first pick (each rejection applies the
-grammar to the whole vocabulary). Not a test: figures depend on the machine.
+Run: `.venv/bin/python -m tests.bench_structured [--streams 8] [--rounds 3] [--seconds 10]`.
+Each of `--streams` clients sends request after request (closed loop), so the batch always
+holds that many sequences however early a reply ends; tokens are counted over a fixed
+window, then what is still running is cancelled. Rounds alternate unconstrained and
+json_schema (both see the same machine); it prints tokens/s per round, their medians, the
+ratio, how often the grammar rejected the sampler's first pick (resampled among the
+likeliest candidates) and how often none of those fitted (the grammar then walks the whole
+vocabulary). Not a test: figures depend on the machine.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from edgellmd.engine import Engine, EngineConfig, apply_builtin_template, default_threads, json_schema_grammar
-from edgellmd.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 
 SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False, "required": ["title", "author", "year", "genre"],
@@ -36,38 +40,64 @@ def demo_model(directory: Path) -> Path:
 
 
 async def run(engine: Engine, tokens: list[int], streams: int, grammar: str | None,
-              max_tokens: int) -> tuple[float, int]:
+              max_tokens: int, seconds: float) -> tuple[float, int, int]:
+    """Tokens/s over `seconds` with `streams` closed-loop clients; also tokens and requests."""
     loop = asyncio.get_running_loop()
-    gens = [engine.submit(GenerationRequest(tokens, max_tokens, SamplingParams(
-        temperature=0.8, seed=i, grammar=grammar)), loop) for i in range(streams)]
     started = time.perf_counter()
-    total = 0
+    deadline = started + seconds
+    counted = [0, 0]  # tokens, requests finished
 
-    async def drain(gen: Any) -> None:
-        nonlocal total
-        async for event in gen.events():
-            if isinstance(event, Finished):
-                total += event.completion_tokens
+    async def client(first_seed: int) -> None:
+        seed = first_seed
+        while time.perf_counter() < deadline:
+            gen = engine.submit(GenerationRequest(tokens, max_tokens, SamplingParams(
+                temperature=0.8, seed=seed, grammar=grammar)), loop)
+            seed += streams
+            seen = 0
+            try:
+                async for event in gen.events():
+                    if time.perf_counter() >= deadline:
+                        break
+                    if isinstance(event, TextDelta):
+                        seen = event.completion_tokens
+                    elif isinstance(event, Finished):
+                        counted[1] += 1
+            finally:
+                gen.cancel()
+                engine.wake()
+            counted[0] += seen
 
-    await asyncio.gather(*(drain(g) for g in gens))
-    return total / (time.perf_counter() - started), total
+    await asyncio.gather(*(client(i) for i in range(streams)))
+    # Let the cancelled ones leave their slots before the next round starts.
+    for _ in range(1000):
+        if engine.idle:
+            break
+        await asyncio.sleep(0.01)
+    return counted[0] / seconds, counted[0], counted[1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    rejections = [0]
-    original = Engine._constrain
+    misses = [0, 0]  # first picks the grammar refused; of those, none of the candidates fitted
+    constrain, resample = Engine._constrain, Engine._resample_best
 
-    def counting(self: Engine, slot: Any, token: int) -> int:
-        picked: int = original(self, slot, token)
-        rejections[0] += picked != token
+    def counting_constrain(self: Engine, slot: Any, token: int) -> int:
+        picked: int = constrain(self, slot, token)
+        misses[0] += picked != token
         return picked
 
-    Engine._constrain = counting  # type: ignore[method-assign]
+    def counting_resample(self: Engine, slot: Any) -> int:
+        picked: int = resample(self, slot)
+        misses[1] += picked < 0
+        return picked
+
+    Engine._constrain = counting_constrain  # type: ignore[method-assign]
+    Engine._resample_best = counting_resample  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
         path = demo_model(Path(tmp))
         threads = default_threads()
@@ -80,15 +110,17 @@ def main() -> None:
             constrained: list[float] = []
             counts = [0, 0, 0]
             for i in range(args.rounds):
-                rate, n = asyncio.run(run(engine, tokens, args.streams, None, args.max_tokens))
+                rate, n, done = asyncio.run(run(engine, tokens, args.streams, None, args.max_tokens,
+                                                args.seconds))
                 plain.append(rate)
-                rejections[:] = [0, 0]
-                crate, cn = asyncio.run(run(engine, tokens, args.streams, grammar, args.max_tokens))
+                misses[:] = [0, 0]
+                crate, cn, cdone = asyncio.run(run(engine, tokens, args.streams, grammar, args.max_tokens,
+                                                   args.seconds))
                 constrained.append(crate)
-                counts = [counts[0] + cn, counts[1] + rejections[0], counts[2] + rejections[1]]
-                print(f"round {i + 1}: unconstrained {rate:6.1f} tok/s ({n} tokens), "
-                      f"json_schema {crate:6.1f} tok/s ({cn} tokens, {rejections[0]} grammar misses, "
-                      f"{rejections[1]} resampled over the whole vocabulary)")
+                counts = [counts[0] + cn, counts[1] + misses[0], counts[2] + misses[1]]
+                print(f"round {i + 1}: unconstrained {rate:6.1f} tok/s ({n} tokens, {done} replies), "
+                      f"json_schema {crate:6.1f} tok/s ({cn} tokens, {cdone} replies, {misses[0]} grammar "
+                      f"misses, {misses[1]} resampled over the whole vocabulary)")
         finally:
             engine.close()
     p, c = statistics.median(plain), statistics.median(constrained)

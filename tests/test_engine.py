@@ -80,6 +80,45 @@ def test_missing_and_invalid_files_are_refused(tmp_path: Path) -> None:
         make_engine(junk)
 
 
+@pytest.mark.parametrize("mmap", [False, True])
+async def test_the_file_is_mapped_only_when_asked(tmp_path: Path, mmap: bool) -> None:
+    # A mapped file truncated in place kills the process (SIGBUS): the registry maps only
+    # its private preload copies and reads a models-directory file into memory.
+    path = write_tiny_model(tmp_path / "mapped.gguf", TinyModelSpec(seed=5))
+    engine = Engine(EngineConfig(path=path, slots=1, context_size=128, batch_size=64, threads=1,
+                                 threads_batch=1, mmap=mmap), name="mapped")
+    try:
+        mapped = str(path) in await asyncio.to_thread(Path("/proc/self/maps").read_text)
+        _, fin = await generate(engine, "abc", 8)
+    finally:
+        engine.close()
+    assert mapped == mmap
+    assert fin.completion_tokens == 8
+
+
+async def test_a_grammar_holds_when_the_model_never_picks_its_tokens(engine: Engine) -> None:
+    # The tiny model's first picks are almost never "z": every token is a grammar miss,
+    # resampled among the likeliest candidates the grammar allows.
+    for sampling in (SamplingParams(temperature=0.0, grammar='root ::= "z"+'),
+                     SamplingParams(temperature=1.0, seed=3, grammar='root ::= "z"+')):
+        text, fin = await generate(engine, "Once upon a time", 24, sampling=sampling, ignore_eos=False)
+        assert text == "z" * fin.completion_tokens
+        assert fin.completion_tokens >= 1
+
+
+async def test_grammar_misses_are_resampled_with_the_requests_logit_bias(engine: Engine) -> None:
+    # "!" (+100) wins every first pick and breaks the grammar; among the letters the grammar
+    # allows, "q" (+60) must win the resample at temperature 0 however low the model ranks it.
+    bang, q = engine.tokenize("!", add_special=False)[0], engine.tokenize("q", add_special=False)[0]
+    sampling = SamplingParams(temperature=0.0, grammar="root ::= [a-z]+",
+                              logit_bias=((bang, 100.0), (q, 60.0)))
+    text, _ = await generate(engine, "Once upon a time", 32, sampling=sampling)
+    assert text == "q" * 32
+    without_grammar, _ = await generate(engine, "Once upon a time", 8, sampling=SamplingParams(
+        temperature=0.0, logit_bias=((bang, 100.0), (q, 60.0))))
+    assert without_grammar == "!" * 8
+
+
 async def test_generates_exactly_max_tokens(engine: Engine) -> None:
     text, fin = await generate(engine, "Once upon a time", 40)
     assert fin.reason == "length"

@@ -131,6 +131,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: ChatRequest = parse_chat(await read_json_object(request), _limits(request))
     common = body.common
     async with request.app[appkeys.REGISTRY].lease(common.model) as handle:
+        handle.generator  # noqa: B018 - refuses embedding models before tokenizing
+        handle.check_capacity()  # a request that will be refused costs no tokenizing
         messages = body.messages
         if body.tools is not None and body.tools.instructions:
             messages = (ChatMessage("system", body.tools.instructions), *messages)
@@ -146,6 +148,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     common = body.common
     async with request.app[appkeys.REGISTRY].lease(common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
+        handle.check_capacity()  # a request that will be refused costs no tokenizing
         tokens = await handle.text_prompt(body.prompt)
         shape = Shape(chat=False, model=handle.name, fingerprint=handle.provenance.fingerprint,
                       include_usage=common.include_usage, logprobs=common.logprobs)

@@ -107,15 +107,6 @@ def test_abuse_is_refused_cleanly_and_spares_other_clients(box: SignedBox, figur
     assert ready == 200
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "daemon bug in handle.py (ModelHandle.chat_prompt / text_prompt): a prompt is rendered and "
-    "tokenized whole, on the 2-thread prompt pool every request shares, before its length is "
-    "checked against the context. Two stuffed prompts (150,000 characters, far past a 256-token "
-    "context, well within max_body_bytes) hold both threads for seconds, and every other "
-    "client's request waits behind them (measured: a 16-token completion took 4.4 s instead of 7 ms). "
-    "Fix: refuse, or tokenize "
-    "only a bounded prefix, when the prompt's byte length alone proves it cannot fit "
-    "(bytes / longest token > context_size)."))
 def test_stuffed_prompts_do_not_hold_up_other_clients(box: SignedBox) -> None:
     box.publish(box.model_bytes(STEADY_SPEC))
     with DaemonProcess(box, box.config(free_port())) as daemon:

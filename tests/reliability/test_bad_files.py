@@ -294,12 +294,6 @@ def test_a_full_dev_shm_loads_from_the_models_dir_verified_and_preloads_again_on
     assert not (SHM / "someone-else").exists()  # the machine's own /dev/shm was never filled
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "daemon bug in engine.py: a model with no preload copy (lifecycle.preload_dir: null, or "
-    "/dev/shm full so the load fell back to the models directory) is memory-mapped from the "
-    "models directory (llama.cpp's default use_mmap), so truncating that file in place while "
-    "serving kills the daemon with SIGBUS (exit status -7) at its next decode. Fix: load "
-    "with use_mmap=False when the model is not loaded from a preload copy."))
 def test_a_model_file_truncated_in_place_without_a_preload_copy_does_not_kill_the_daemon(
         box: SignedBox) -> None:
     data = box.model_bytes(STEADY_SPEC)

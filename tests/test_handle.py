@@ -1,0 +1,123 @@
+"""ModelHandle's admission checks: the capacity bound and the bounded tokenizing of long prompts."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from edgellmd.errors import ContextLengthExceeded, ServerOverloaded
+from edgellmd.handle import PREFIX_CHARS_PER_TOKEN, ModelHandle, Provenance
+from edgellmd.settings import ModelSettings
+
+CONTEXT = 256
+
+
+class CountingEngine:
+    """Stands in for the engine: a tokenizer of `chars_per_token` characters a token that
+    records how many characters it was asked to tokenize, and settable slot counts."""
+
+    def __init__(self, chars_per_token: int = 1) -> None:
+        self.chars_per_token = chars_per_token
+        self.calls: list[int] = []
+        self.busy_slots = 0
+        self.queue_depth = 0
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        self.calls.append(len(text))
+        return [7] * (int(add_special) + math.ceil(len(text) / self.chars_per_token))
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+def make_handle(engine: CountingEngine, executor: ThreadPoolExecutor, **settings: Any) -> ModelHandle:
+    fields: dict[str, Any] = {"name": "m", "file": None, "context_size": CONTEXT, **settings}
+    provenance = Provenance(source=Path("m.gguf"), source_stat=None, locked=None, lock_version=None,
+                            copy=None, memory_bytes=0)
+    return ModelHandle(settings=ModelSettings(**fields), engine=cast(Any, engine), template=None,
+                       executor=executor, provenance=provenance)
+
+
+async def test_a_prompt_far_past_the_context_is_refused_after_tokenizing_a_prefix(
+        executor: ThreadPoolExecutor) -> None:
+    engine = CountingEngine()
+    handle = make_handle(engine, executor)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await handle.text_prompt("stuff " * 200_000)
+    assert engine.calls == [CONTEXT * PREFIX_CHARS_PER_TOKEN]  # never the whole 1.2 MB
+    assert refused.value.param == "prompt"
+    assert "at least" in refused.value.message
+    assert f"context is {CONTEXT} tokens" in refused.value.message
+
+
+async def test_a_long_prompt_that_tokenizes_compactly_is_tokenized_whole(
+        executor: ThreadPoolExecutor) -> None:
+    # 50 characters a token: 10,000 characters are 200 tokens plus BOS, which fit in 256.
+    engine = CountingEngine(chars_per_token=50)
+    handle = make_handle(engine, executor)
+    tokens = await handle.text_prompt("x" * 10_000)
+    assert len(tokens) == 201
+    first = CONTEXT * PREFIX_CHARS_PER_TOKEN
+    assert engine.calls == [first, 2 * first, 4 * first, 10_000]  # doubling prefixes, then whole
+
+
+async def test_a_prompt_within_the_prefix_length_is_tokenized_once(executor: ThreadPoolExecutor) -> None:
+    engine = CountingEngine()
+    handle = make_handle(engine, executor)
+    assert len(await handle.text_prompt("a" * 254)) == 255  # BOS + 254: just fits
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await handle.text_prompt("a" * 255)
+    assert engine.calls == [254, 255]
+    assert "the prompt has 256 tokens" in refused.value.message
+
+
+async def test_a_prefix_within_the_slack_proves_nothing(executor: ThreadPoolExecutor) -> None:
+    # 3,000 characters at 8 a token: the first prefix (2,048 characters) holds 257 tokens,
+    # past the context but not past the slack a mid-word cut may add, so the whole is counted.
+    engine = CountingEngine(chars_per_token=8)
+    handle = make_handle(engine, executor)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await handle.text_prompt("y" * 3_000)
+    assert engine.calls == [2_048, 3_000]
+    assert "the prompt has 376 tokens" in refused.value.message
+
+
+async def test_embedding_inputs_are_bounded_the_same_way(executor: ThreadPoolExecutor) -> None:
+    engine = CountingEngine()
+    handle = make_handle(engine, executor, embedding=True)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        await handle.text_prompt("z" * 100_000, param="input")
+    assert engine.calls == [CONTEXT * PREFIX_CHARS_PER_TOKEN]
+    assert refused.value.param == "input"
+    assert "an input has at least" in refused.value.message
+
+
+@pytest.mark.parametrize(("busy", "waiting", "refused"), [
+    (0, 0, False),
+    (1, 1, False),  # a slot is free: room for one more
+    (1, 2, True),  # the free slot's request already waits for the scheduler: full
+    (0, 3, True),  # nothing running yet, but slots and queue are spoken for
+    (2, 0, False),
+    (2, 1, True),
+])
+def test_capacity_counts_running_and_waiting_together(executor: ThreadPoolExecutor, busy: int,
+                                                     waiting: int, refused: bool) -> None:
+    engine = CountingEngine()
+    engine.busy_slots, engine.queue_depth = busy, waiting
+    handle = make_handle(engine, executor, slots=2, queue_size=1)
+    if refused:
+        with pytest.raises(ServerOverloaded) as overloaded:
+            handle.check_capacity()
+        assert overloaded.value.headers == {"Retry-After": "1"}
+        assert handle.counters["queue_rejections"] == 1
+    else:
+        handle.check_capacity()
+        assert handle.counters["queue_rejections"] == 0
