@@ -456,6 +456,16 @@ class Engine(_NativeThread):
         """Generations waiting for a slot."""
         return len(self._pending)
 
+    def occupancy(self) -> tuple[int, int]:
+        """Slots busy and generations waiting, read together.
+
+        Under the scheduler's lock: a generation moving from the queue into a slot is then
+        counted exactly once (read separately, it could be counted in neither, and admission
+        would let one request too many in).
+        """
+        with self._cond:
+            return self.busy_slots, len(self._pending)
+
     @property
     def idle(self) -> bool:
         """True when nothing is running or waiting."""
@@ -1019,6 +1029,11 @@ class EmbeddingEngine(_NativeThread):
     def queue_depth(self) -> int:
         """embed() calls waiting for the current one to finish."""
         return len(self._jobs)
+
+    def occupancy(self) -> tuple[int, int]:
+        """Inputs being embedded and calls waiting, read together."""
+        with self._cond:
+            return self.busy_slots, len(self._jobs)
 
     @property
     def idle(self) -> bool:

@@ -237,12 +237,12 @@ class ModelHandle:
         yet filled (the scheduler is inside a decode step) must not let the queue grow past
         ``queue_size``.
         """
-        engine = self.engine
-        if engine.busy_slots + engine.queue_depth >= self.settings.slots + self.settings.queue_size:
+        busy, waiting = self.engine.occupancy()
+        if busy + waiting >= self.settings.slots + self.settings.queue_size:
             self.counters["queue_rejections"] += 1
             raise ServerOverloaded(
-                f"model {self.name!r} is at capacity ({self.settings.slots} running, "
-                f"{engine.queue_depth} waiting); retry shortly", headers={"Retry-After": "1"})
+                f"model {self.name!r} is at capacity ({busy} running, {waiting} waiting); "
+                "retry shortly", headers={"Retry-After": "1"})
 
     def submit(self, request: GenerationRequest) -> Generation:
         """Start a generation, or refuse at once (429) when every slot is busy and the queue full."""

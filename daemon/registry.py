@@ -600,6 +600,7 @@ class Registry:
             }
             if handle is not None:
                 prov = handle.provenance
+                busy, waiting = handle.engine.occupancy()
                 item.update({
                     "version": prov.lock_version,
                     "sha256": prov.locked.sha256 if prov.locked else None,
@@ -608,8 +609,8 @@ class Registry:
                     "fingerprint": prov.fingerprint,
                     "loaded_at": handle.loaded_at,
                     "memory_bytes": prov.memory_bytes,
-                    "slots_busy": handle.engine.busy_slots,
-                    "queue_depth": handle.engine.queue_depth,
+                    "slots_busy": busy,
+                    "queue_depth": waiting,
                     "leases": handle.leases,
                     "threads": handle.engine.config.threads,
                     "threads_batch": handle.engine.config.threads_batch,

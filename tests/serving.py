@@ -3,21 +3,118 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmd.app import create_app, start_server
+from edgellmd.lockfile import format_time, sign
 from edgellmd.settings import Settings, parse_settings
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, what: str = "a condition",
+             interval: float = 0.02) -> Any:
+    """Poll until `condition()` is truthy and return it; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class SignedLock:
+    """A models directory and the lockfile that vouches for it, signed by a key of its own."""
+
+    root: Path
+    key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        self.models.mkdir(parents=True)
+        self.sources.mkdir()
+        self.pub.write_bytes(self.key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+
+    @property
+    def models(self) -> Path:
+        """The models directory the lockfile's paths are relative to."""
+        return self.root / "models"
+
+    @property
+    def sources(self) -> Path:
+        """Where model files are made before they are published."""
+        return self.root / "sources"
+
+    @property
+    def lock(self) -> Path:
+        """The signed lockfile."""
+        return self.root / "models.lock"
+
+    @property
+    def pub(self) -> Path:
+        """The signer's public key (the daemon's trusted key)."""
+        return self.root / "signer.pub"
+
+    @property
+    def state(self) -> Path:
+        """lock.state_dir: the highest lockfile version accepted."""
+        return self.root / "state"
+
+    @staticmethod
+    def entry(file: str, data: bytes) -> dict[str, Any]:
+        """A lockfile entry for `data` stored as `file`."""
+        return {"file": file, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                "gguf": {"architecture": "llama"}}
+
+    def sign_lock(self, models: dict[str, Any], *, version: int | None = None) -> int:
+        """Write a newly signed lockfile (atomically); `version` defaults to the next one."""
+        if version is None:
+            version = self.version + 1
+        self.version = max(self.version, version)
+        now = datetime.now(UTC)
+        doc: dict[str, Any] = {"schema": 1, "version": version, "issued": format_time(now),
+                               "expires": format_time(now + timedelta(days=1)), "models": models}
+        doc["signatures"] = [sign(doc, self.key)]
+        self.replace(self.lock, json.dumps(doc).encode())
+        return version
+
+    @staticmethod
+    def replace(path: Path, data: bytes) -> None:
+        """Write `data` to `path` the way operators should: a hidden temporary, then a rename."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(data)
+        tmp.rename(path)
+
+    def lock_settings(self) -> dict[str, Any]:
+        """The daemon's `lock` section for this directory and key."""
+        return {"file": str(self.lock), "models_dir": str(self.models), "state_dir": str(self.state),
+                "trusted_keys": [str(self.pub)]}
 
 
 def settings_for(models: list[dict[str, Any]], server: dict[str, Any] | None = None,

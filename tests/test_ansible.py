@@ -12,7 +12,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from edgellmctl.keys import create_key
 from edgellmd.lockfile import format_time, sign
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import running, settings_for
+from tests.serving import free_port, running, settings_for
 
 REPO: Final = Path(__file__).resolve().parent.parent
 ANSIBLE: Final = REPO / "ansible"
@@ -60,13 +59,6 @@ def tool(name: str, package: str) -> str:
     if found is None:
         pytest.fail(f"{name} not found: install {package}")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def ansible_env(tmp: Path) -> dict[str, str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,9 @@ import pytest
 import yaml
 
 from edgellmctl.__main__ import main as edgellmctl
+from tests.serving import free_port
 
 pytestmark = pytest.mark.demo
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> dict[str, object]:
@@ -46,7 +39,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("demo")
-    assert edgellmctl(["quickstart", "--dir", str(directory), "--port", str(_free_port()),
+    assert edgellmctl(["quickstart", "--dir", str(directory), "--port", str(free_port()),
                        "--slots", "2", "--context", "1024"]) == 0
     return directory
 
@@ -136,7 +129,7 @@ def test_streamed_completion_matches_the_non_streamed_one(demo_daemon: str, demo
 def test_sigterm_exits_cleanly(demo_dir: Path) -> None:
     config = demo_dir / "other.yaml"
     data = yaml.safe_load((demo_dir / "edgellm.yaml").read_text())
-    data["server"]["port"] = _free_port()
+    data["server"]["port"] = free_port()
     config.write_text(yaml.safe_dump(data))
     proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
@@ -190,7 +183,7 @@ async def test_prefix_reuse_on_a_sliding_window_model_keeps_answers_exact(demo_d
 
 def test_quickstart_tls_writes_a_pair_and_a_valid_config(tmp_path: Path) -> None:
     directory = tmp_path / "tls-demo"
-    assert edgellmctl(["quickstart", "--dir", str(directory), "--tls", "--port", str(_free_port())]) == 0
+    assert edgellmctl(["quickstart", "--dir", str(directory), "--tls", "--port", str(free_port())]) == 0
     config = yaml.safe_load((directory / "edgellm.yaml").read_text())
     assert config["server"]["tls_cert"] == "tls/cert.pem"
     assert (directory / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600

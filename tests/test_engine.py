@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,6 +119,39 @@ async def test_grammar_misses_are_resampled_with_the_requests_logit_bias(engine:
     without_grammar, _ = await generate(engine, "Once upon a time", 8, sampling=SamplingParams(
         temperature=0.0, logit_bias=((bang, 100.0), (q, 60.0))))
     assert without_grammar == "!" * 8
+
+
+async def test_occupancy_counts_a_generation_moving_into_a_slot_once(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Between leaving the queue and filling its slot a generation is in neither; admission
+    # reading the two apart let one request too many in under overload.
+    engine = make_engine(tiny_model, slots=1)
+    moving, release = threading.Event(), threading.Event()
+    seen: list[tuple[int, int]] = []
+    assign = Engine._assign
+
+    def slow_assign(self: Engine, gen: Any) -> None:
+        moving.set()
+        release.wait(10)
+        assign(self, gen)
+
+    monkeypatch.setattr(Engine, "_assign", slow_assign)
+    try:
+        gen = engine.submit(GenerationRequest(engine.tokenize("abc"), 4, GREEDY), asyncio.get_running_loop())
+        assert await asyncio.to_thread(moving.wait, 10)
+        assert (engine.busy_slots, engine.queue_depth) == (0, 0)  # read apart: counted nowhere
+        reader = threading.Thread(target=lambda: seen.append(engine.occupancy()))
+        reader.start()
+        await asyncio.sleep(0.2)
+        assert seen == []  # waits for the move to finish
+        release.set()
+        await asyncio.to_thread(reader.join, 10)
+        assert seen == [(1, 0)]
+        async for _ in gen.events():
+            pass
+    finally:
+        release.set()
+        engine.close()
 
 
 async def test_generates_exactly_max_tokens(engine: Engine) -> None:

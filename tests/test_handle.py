@@ -27,6 +27,9 @@ class CountingEngine:
         self.busy_slots = 0
         self.queue_depth = 0
 
+    def occupancy(self) -> tuple[int, int]:
+        return self.busy_slots, self.queue_depth
+
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         self.calls.append(len(text))
         return [7] * (int(add_special) + math.ceil(len(text) / self.chars_per_token))

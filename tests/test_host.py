@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 from edgellmd.host import CpuListError, format_cpu_list, host_stats, one_per_core, parse_cpu_list
 from edgellmd.settings import ConfigError, parse_settings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import free_port
 
 
 @pytest.mark.parametrize(("text", "cpus"), [
@@ -65,13 +65,6 @@ def test_host_settings_accept_auto_and_a_single_number() -> None:
     assert parse_settings({**data, "host": {"cpus": 3}}, base_dir=Path.cwd()).host.cpus == "3"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _affinities(pid: int) -> dict[str, str]:
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -89,7 +82,7 @@ def test_a_pinned_daemon_runs_every_thread_on_its_cpus(tmp_path: Path, cpus: str
         pytest.skip("CPU 0 is not available to the tests")
     expected = {0} if cpus == "0" else one_per_core(frozenset(allowed))
     model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
-    port = _free_port()
+    port = free_port()
     config = {"server": {"port": port}, "host": {"cpus": cpus},
               "models": [{"name": "m", "file": str(model), "slots": 1, "context_size": 128}],
               "lock": {"allow_unsigned": True}, "lifecycle": {"preload_dir": None, "watch": False}}

@@ -15,24 +15,20 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
 from edgellmd import appkeys
-from edgellmd.lockfile import format_time, sign
 from edgellmd.preload import AREA_PREFIX
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, SignedLock, free_port, running, settings_for, wait_for
 
 MODEL = "tiny"
 SETTLE_S = 0.3
@@ -41,49 +37,13 @@ MAX_TOKENS = 12
 BIG = TinyModelSpec(seed=5, n_ff=2048)  # about 4 MiB: more than a 1 MiB preload cap
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @dataclass
-class Box:
-    """A signed box: models dir, lockfile, key, state dir and a private preload root."""
-
-    root: Path
-    key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
-    version: int = 0
-
-    def __post_init__(self) -> None:
-        self.models.mkdir(parents=True)
-        self.sources.mkdir()
-        self.pub.write_bytes(self.key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-
-    @property
-    def models(self) -> Path:
-        return self.root / "models"
-
-    @property
-    def sources(self) -> Path:
-        return self.root / "sources"
+class Box(SignedLock):
+    """A signed models directory with a private preload root."""
 
     @property
     def shm(self) -> Path:
         return self.root / "shm"
-
-    @property
-    def lock(self) -> Path:
-        return self.root / "models.lock"
-
-    @property
-    def pub(self) -> Path:
-        return self.root / "signer.pub"
 
     def source(self, name: str, spec: TinyModelSpec) -> Path:
         path = self.sources / name
@@ -93,30 +53,10 @@ class Box:
 
     def publish(self, entries: dict[str, tuple[str, bytes]], *, write_files: bool = True) -> int:
         """Write model files (atomically, by rename) and then a newly signed lock naming them."""
-        models: dict[str, Any] = {}
-        for name, (file, data) in entries.items():
-            if write_files:
-                tmp = self.models / f".{file}.tmp"
-                tmp.write_bytes(data)
-                tmp.rename(self.models / file)
-            models[name] = {"file": file, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                            "gguf": {"architecture": "llama"}}
-        return self.sign_lock(models)
-
-    def sign_lock(self, models: dict[str, Any]) -> int:
-        self.version += 1
-        now = datetime.now(UTC)
-        doc: dict[str, Any] = {"schema": 1, "version": self.version, "issued": format_time(now),
-                               "expires": format_time(now + timedelta(days=1)), "models": models}
-        doc["signatures"] = [sign(doc, self.key)]
-        tmp = self.root / ".models.lock.tmp"
-        tmp.write_text(json.dumps(doc))
-        tmp.rename(self.lock)
-        return self.version
-
-    def lock_settings(self) -> dict[str, Any]:
-        return {"file": str(self.lock), "models_dir": str(self.models),
-                "state_dir": str(self.root / "state"), "trusted_keys": [str(self.pub)]}
+        if write_files:
+            for file, data in entries.values():
+                self.replace(self.models / file, data)
+        return self.sign_lock({name: self.entry(file, data) for name, (file, data) in entries.items()})
 
     def settings(self, models: list[dict[str, Any]] | None = None, **lifecycle: Any) -> Any:
         models = models or [{"name": MODEL, "threads": 1, "context_size": 128, "slots": 2}]
@@ -372,17 +312,10 @@ def test_no_room_in_the_preload_area_falls_back_to_the_models_dir_still_verified
     assert box.copies() == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> None:
     data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
     box.publish({MODEL: ("tiny.gguf", data)})
-    port = _free_port()
+    port = free_port()
     lock = box.lock_settings()
     config = {"server": {"port": port}, "models": [{"name": MODEL, "threads": 1, "context_size": 128,
                                                      "slots": 1}],
@@ -514,7 +447,7 @@ def test_edgellmctl_status_and_reload_use_the_admin_key(box: Box, capsys: pytest
 def test_edgellmctl_status_when_the_daemon_is_down(capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGELLM_ADMIN_KEY", "elk_0123456789ab_secret")
-    assert edgellmctl(["status", "--url", f"http://127.0.0.1:{_free_port()}"]) == 1
+    assert edgellmctl(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "cannot reach" in capsys.readouterr().err
 
 

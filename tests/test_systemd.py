@@ -23,6 +23,7 @@ import pytest
 
 from edgellmd.systemd import Notifier
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import free_port
 
 WATCHDOG_USEC = 1_000_000  # systemd's smallest sensible value: a ping every 0.5 s
 # Eight wide layers and a 2000-token prompt in one chunk: a single llama_decode that takes
@@ -84,13 +85,6 @@ def notify(tmp_path: Path) -> Iterator[NotifySocket]:
     sock.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass
 class Proc:
     proc: subprocess.Popen[bytes]
@@ -119,7 +113,7 @@ class Proc:
 
 
 def start_daemon(tmp_path: Path, model: Path, env: dict[str, str], **server: Any) -> Proc:
-    port = _free_port()
+    port = free_port()
     shm = tmp_path / "shm"
     config = {"server": {"port": port, **server},
               "models": [{"name": "m", "file": str(model), "threads": 1, "slots": 3,

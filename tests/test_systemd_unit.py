@@ -27,6 +27,7 @@ import pytest
 
 from edgellmd.__main__ import FINAL_WRITE_S, build_parser
 from edgellmd.settings import DEFAULT_PRELOAD_DIR, DEFAULT_SHUTDOWN_TIMEOUT_S
+from tests.serving import free_port
 
 SYSTEMD_DIR: Final = Path(__file__).resolve().parent.parent / "systemd"
 UNIT: Final = SYSTEMD_DIR / "edgellm.service"
@@ -551,8 +552,3 @@ def test_daemon_stays_inside_the_unit_filters(tmp_path: Path, tiny_model: Path, 
     assert set(SOCKET_FAMILY.findall(text)) <= families, "RestrictAddressFamilies= would refuse these"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port

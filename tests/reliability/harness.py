@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import math
 import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,20 +18,17 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self
 
 import aiohttp
 import psutil
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgellmctl.keys import create_key
-from edgellmd.lockfile import format_time, sign
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import SignedLock
 
 MODE_VARIABLE: Final = "EDGELLM_RELIABILITY"  # "full": the long run; anything else: the CI run
 FIGURES_VARIABLE: Final = "EDGELLM_RELIABILITY_FIGURES"  # a file every scenario appends its figures to
@@ -121,62 +116,20 @@ def median(values: Sequence[float]) -> float:
     return percentile(values, 50)
 
 
-def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, what: str = "a condition",
-             interval: float = 0.02) -> Any:
-    """Poll until `condition()` is truthy and return it; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
 # ---- a signed box -----------------------------------------------------------------------------------
 
 
 @dataclass
-class SignedBox:
+class SignedBox(SignedLock):
     """An operator's box: models dir, signed lockfile, trusted key, rollback state, API keys."""
 
-    root: Path
-    key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
-    version: int = 0
     app_token: str = ""  # inference scope
     admin_token: str = ""  # admin and metrics scopes
 
     def __post_init__(self) -> None:
-        self.models.mkdir(parents=True)
-        self.sources.mkdir()
-        self.pub.write_bytes(self.key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        super().__post_init__()
         _, self.app_token = create_key(self.keys_file, "app", ["inference"], limits={})
         _, self.admin_token = create_key(self.keys_file, "ops", ["admin", "metrics"], limits={})
-
-    @property
-    def models(self) -> Path:
-        """The models directory the lockfile's paths are relative to."""
-        return self.root / "models"
-
-    @property
-    def sources(self) -> Path:
-        return self.root / "sources"
-
-    @property
-    def lock(self) -> Path:
-        """The signed lockfile."""
-        return self.root / "models.lock"
-
-    @property
-    def pub(self) -> Path:
-        return self.root / "signer.pub"
-
-    @property
-    def state(self) -> Path:
-        """lock.state_dir: the highest lockfile version accepted."""
-        return self.root / "state"
 
     @property
     def keys_file(self) -> Path:
@@ -196,31 +149,6 @@ class SignedBox:
             self.replace(self.models / file, data)
         return self.sign_lock({name: self.entry(file, data)})
 
-    @staticmethod
-    def entry(file: str, data: bytes) -> dict[str, Any]:
-        """A lockfile entry for `data` stored as `file`."""
-        return {"file": file, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "gguf": {"architecture": "llama"}}
-
-    def sign_lock(self, models: dict[str, Any], *, version: int | None = None) -> int:
-        """Write a newly signed lockfile (atomically); `version` defaults to the next one."""
-        if version is None:
-            version = self.version + 1
-        self.version = max(self.version, version)
-        now = datetime.now(UTC)
-        doc: dict[str, Any] = {"schema": 1, "version": version, "issued": format_time(now),
-                               "expires": format_time(now + timedelta(days=1)), "models": models}
-        doc["signatures"] = [sign(doc, self.key)]
-        self.replace(self.lock, json.dumps(doc).encode())
-        return version
-
-    @staticmethod
-    def replace(path: Path, data: bytes) -> None:
-        """Write `data` to `path` the way operators should: a hidden temporary, then a rename."""
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(data)
-        tmp.rename(path)
-
     def highest_version(self) -> int:
         """What the rollback state file says."""
         data = json.loads((self.state / "lock-state.json").read_text())
@@ -235,8 +163,7 @@ class SignedBox:
             "server": {"host": "127.0.0.1", "port": port, **(server or {})},
             "models": [{"name": MODEL, "threads": 1, "context_size": 256, "slots": 4, "queue_size": 16,
                         **(model or {})}, *extra_models],
-            "lock": {"file": str(self.lock), "models_dir": str(self.models), "state_dir": str(self.state),
-                     "trusted_keys": [str(self.pub)]},
+            "lock": self.lock_settings(),
             "auth": {"keys_file": str(self.keys_file), **(auth or {})},
             "lifecycle": {"preload_dir": str(self.root / "shm"), "watch": True, "watch_settle_s": 0.3,
                           **(lifecycle or {})},
@@ -245,14 +172,6 @@ class SignedBox:
 
 
 # ---- the daemon as a process ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +193,7 @@ class Usage:
     threads: int
     shm_bytes: int  # bytes of files under its preload directory
     shm_files: int
+    cpu_s: float = 0.0  # CPU time the daemon has used so far (user and system)
 
 
 class DaemonProcess:
@@ -436,15 +356,16 @@ class DaemonProcess:
     # -- resources and logs
 
     def usage(self) -> Usage:
-        """RSS, open descriptors, threads and preload-area bytes of the daemon now."""
+        """RSS, open descriptors, threads, CPU time and preload-area bytes of the daemon now."""
         assert self._process is not None
         with self._process.oneshot():
             rss = self._process.memory_info().rss
             fds = self._process.num_fds()
             threads = self._process.num_threads()
+            times = self._process.cpu_times()
         preload = self.config["lifecycle"].get("preload_dir")
         shm_bytes, shm_files = tree_size(Path(preload)) if preload else (0, 0)
-        return Usage(time.monotonic(), rss, fds, threads, shm_bytes, shm_files)
+        return Usage(time.monotonic(), rss, fds, threads, shm_bytes, shm_files, times.user + times.system)
 
     def records(self) -> list[dict[str, Any]]:
         """The daemon's JSON log lines so far (other lines, such as a traceback's, are skipped)."""

@@ -26,9 +26,9 @@ from tests.reliability.harness import (
     describe,
     duration,
     failures,
-    free_port,
     median,
 )
+from tests.serving import free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

@@ -24,12 +24,11 @@ from tests.reliability.harness import (
     completion,
     describe,
     failures,
-    free_port,
     in_mount_namespace,
     obeying_file_modes,
     private_tmpfs,
-    wait_for,
 )
+from tests.serving import free_port, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

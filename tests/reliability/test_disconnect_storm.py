@@ -25,10 +25,10 @@ from tests.reliability.harness import (
     completion,
     describe,
     duration,
-    free_port,
     median,
     percentile,
 )
+from tests.serving import free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

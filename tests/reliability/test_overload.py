@@ -22,11 +22,10 @@ from tests.reliability.harness import (
     describe,
     duration,
     failures,
-    free_port,
     median,
     percentile,
-    wait_for,
 )
+from tests.serving import free_port, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

@@ -22,12 +22,11 @@ from tests.reliability.harness import (
     describe,
     duration,
     failures,
-    free_port,
     median,
     percentile,
     tree_size,
-    wait_for,
 )
+from tests.serving import free_port, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -117,7 +116,6 @@ def test_reload_storm_loses_nothing(box: SignedBox, figures: Figures) -> None:
     assert rss_growth < rss_bound
     assert status["models"][0]["leases"] == 0
     assert errors == []
-
 
 
 def _reload(daemon: DaemonProcess, trigger: str, data: bytes) -> None:

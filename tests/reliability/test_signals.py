@@ -25,9 +25,8 @@ from tests.reliability.harness import (
     completion,
     describe,
     duration,
-    free_port,
-    wait_for,
 )
+from tests.serving import free_port, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

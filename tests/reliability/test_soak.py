@@ -22,10 +22,10 @@ from tests.reliability.harness import (
     describe,
     duration,
     failures,
-    free_port,
     median,
     tokens_between,
 )
+from tests.serving import free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -78,36 +78,52 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     # Tokens per second in windows of whole sampling intervals; the first third's median
     # against the last third's.
     edges = measured[::max(1, round(window_s / sample_s))]
-    rates = [tokens_between(answers, a.at, b.at) / (b.at - a.at) for a, b in itertools.pairwise(edges)]
+    windows = list(itertools.pairwise(edges))
+    rates = [tokens_between(answers, a.at, b.at) / (b.at - a.at) for a, b in windows]
+    # The daemon's own pace: tokens per second of CPU it used. The wall-clock rate also
+    # follows what the machine's other tenants take (on the shared 2-core VM the same load
+    # ran at 1,900 to 3,900 tokens/s within minutes); a daemon that slows itself down (work
+    # that grows with what it has served) needs more CPU per token whatever the neighbours do.
+    paces = [tokens_between(answers, a.at, b.at) / max(b.cpu_s - a.cpu_s, 1e-3) for a, b in windows]
     third = max(1, len(rates) // 3)
     rate_first, rate_last = median(rates[:third]), median(rates[-third:])
     drift = rate_last / rate_first - 1
-    rate_bound = bound(0.5, 0.10)
+    pace_first, pace_last = median(paces[:third]), median(paces[-third:])
+    pace_drift = pace_last / pace_first - 1
+    rate_bound = 0.5
+    pace_bound = bound(0.25, 0.10)
     bad = failures(answers)
+    # Descriptors and threads: medians, as a scrape's connection may be open at any one sample.
+    fds = (median([s.fds for s in first]), median([s.fds for s in last]))
+    threads = (median([s.threads for s in first]), median([s.threads for s in last]))
 
     figures["duration_s / warm-up_s / window_s"] = (total_s, warm_up_s, window_s)
     figures["requests / failed"] = (len(answers), len(bad))
     figures["RSS MiB after warm-up -> end"] = (median([s.rss for s in first]) / 2**20,
                                                median([s.rss for s in last]) / 2**20)
     figures["RSS growth (bound 5%)"] = f"{rss_growth:+.2%}"
-    figures["fds after warm-up -> end"] = (max(s.fds for s in first), max(s.fds for s in last))
-    figures["threads after warm-up -> end"] = (max(s.threads for s in first), max(s.threads for s in last))
+    figures["fds after warm-up -> end (medians; max)"] = (*fds, max(s.fds for s in measured))
+    figures["threads after warm-up -> end (medians; max)"] = (*threads, max(s.threads for s in measured))
     figures["/dev/shm bytes, files: min..max while measured"] = (
         min(s.shm_bytes for s in measured), max(s.shm_bytes for s in measured),
         min(s.shm_files for s in measured), max(s.shm_files for s in measured))
     figures["tokens/s per window"] = [round(r) for r in rates]
     figures["tokens/s first third -> last third"] = (rate_first, rate_last)
     figures["tokens/s drift (bound)"] = f"{drift:+.1%} ({rate_bound:.0%})"
+    figures["tokens per CPU-second per window"] = [round(p) for p in paces]
+    figures["tokens per CPU-second first third -> last third"] = (pace_first, pace_last)
+    figures["tokens per CPU-second drift (bound)"] = f"{pace_drift:+.1%} ({pace_bound:.0%})"
     figures.show()
 
     assert bad == [], describe(bad)
     assert all(a.tokens == MAX_TOKENS for a in answers)
     assert rss_growth < 0.05
-    assert max(s.fds for s in last) <= max(s.fds for s in first)
-    assert max(s.threads for s in last) <= max(s.threads for s in first)
+    assert fds[1] <= fds[0]
+    assert threads[1] <= threads[0]
     # The preload area holds the one copy, byte for byte the same all along.
     assert {(s.shm_bytes, s.shm_files) for s in measured} == {(len(box.model_bytes(STEADY_SPEC)), 2)}
     assert end_usage.shm_bytes == len(box.model_bytes(STEADY_SPEC))
+    assert abs(pace_drift) <= pace_bound
     assert abs(drift) <= rate_bound
     assert min(rates) > 0  # never stalled for a whole window
     assert (after["slots_busy"], after["queue_depth"], after["leases"]) == (0, 0, 0)
