@@ -80,10 +80,10 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     edges = measured[::max(1, round(window_s / sample_s))]
     windows = list(itertools.pairwise(edges))
     rates = [tokens_between(answers, a.at, b.at) / (b.at - a.at) for a, b in windows]
-    # The daemon's own pace: tokens per second of CPU it used. The wall-clock rate also
-    # follows what the machine's other tenants take (on the shared 2-core VM the same load
-    # ran at 1,900 to 3,900 tokens/s within minutes); a daemon that slows itself down (work
-    # that grows with what it has served) needs more CPU per token whatever the neighbours do.
+    # The daemon's own pace: tokens per second of CPU it used. Unlike the wall-clock rate it
+    # leaves out time the daemon did not run (other tenants' share of the cores, steal), but
+    # not their slowdown through shared caches (see REPORT.md); a daemon that slows itself
+    # down (work growing with what it has served) needs more CPU per token either way.
     paces = [tokens_between(answers, a.at, b.at) / max(b.cpu_s - a.cpu_s, 1e-3) for a, b in windows]
     third = max(1, len(rates) // 3)
     rate_first, rate_last = median(rates[:third]), median(rates[-third:])
