@@ -107,8 +107,10 @@ def test_reload_storm_loses_nothing(box: SignedBox, figures: Figures) -> None:
     assert status["draining"] == []
     # Every retired version gave back its engine thread, its descriptors and its /dev/shm copy.
     # (The thread count is compared over time, not with the start: the default executor starts
-    # idle workers lazily, up to CPUs + 4, the first times reload jobs overlap.)
-    assert max(threads[-third:]) <= max(threads[:-third])
+    # idle workers lazily, up to CPUs + 4, the first times reload jobs overlap, which may be
+    # late in the run: up to two more are allowed. A leaked version would add its scheduler
+    # and its OpenMP threads at every reload: several per second of the last third.)
+    assert max(threads[-third:]) <= max(threads[:-third]) + 2
     assert after.fds <= before.fds
     assert (after.shm_bytes, after.shm_files) == (before.shm_bytes, 2)
     # Two versions are loaded for a moment during each swap, so memory rises to a plateau over
