@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Final
@@ -17,6 +16,7 @@ from edgellmd.app import create_app, start_server
 from edgellmd.generation import SHUTTING_DOWN
 from edgellmd.host import Pinning, pin_cpus
 from edgellmd.settings import ConfigError, Settings, check_config, load_settings
+from edgellmd.signals import Signals
 
 log = logging.getLogger("edgellmd")
 
@@ -42,33 +42,40 @@ async def serve(settings: Settings, pinning: Pinning | None = None) -> None:
     SIGHUP reloads: the lockfile is verified again and changed models are swapped in.
     """
     app = create_app(settings, pinning=pinning)
-    runner = await start_server(app, settings.server.host, settings.server.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     reloads: set[asyncio.Task[object]] = set()
 
     def reload_on_signal() -> None:
         # SIGHUP (systemctl reload): re-verify the lockfile and swap changed models.
+        if stop.is_set():
+            log.info("SIGHUP ignored: shutting down")
+            return
         log.info("SIGHUP: reloading models")
         task: asyncio.Task[object] = loop.create_task(app[appkeys.REGISTRY].reload(trigger="signal"))
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
-    loop.add_signal_handler(signal.SIGHUP, reload_on_signal)
-    log.info("listening on %s:%d", settings.server.host, settings.server.port)
+    # Before the server starts: a SIGTERM while it starts is a stop, never a kill that
+    # leaves preload copies behind.
+    signals = Signals(loop, on_stop=stop.set, on_reload=reload_on_signal)
+    signals.attach()
     try:
-        await stop.wait()
-        app[appkeys.NOTIFIER].stopping()
-        log.info("shutting down: no new connections, in-flight requests get %.0f s",
-                 settings.server.shutdown_timeout_s)
-        await drain(app, runner, settings.server.shutdown_timeout_s)
+        runner = await start_server(app, settings.server.host, settings.server.port)
+        log.info("listening on %s:%d", settings.server.host, settings.server.port)
+        try:
+            await stop.wait()
+            app[appkeys.NOTIFIER].stopping()
+            log.info("shutting down: no new connections, in-flight requests get %.0f s",
+                     settings.server.shutdown_timeout_s)
+            await drain(app, runner, settings.server.shutdown_timeout_s)
+        finally:
+            # Stops accepting, lets handlers finish up to the timeout, then runs every cleanup
+            # context (schedulers stopped, models freed).
+            await runner.cleanup()
+            app[appkeys.NOTIFIER].close()
     finally:
-        # Stops accepting, lets handlers finish up to the timeout, then runs every cleanup
-        # context (schedulers stopped, models freed).
-        await runner.cleanup()
-        app[appkeys.NOTIFIER].close()
+        signals.detach()
 
 
 async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) -> None:
