@@ -10,7 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -45,6 +45,41 @@ def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def _sse_data(raw: bytes) -> dict[str, Any] | str | None:
+    """One line of an OpenAI-style event stream: its JSON object, "[DONE]", or None (not data)."""
+    line = raw.decode("utf-8").strip()
+    if not line.startswith("data: "):
+        return None
+    data = line[len("data: "):]
+    if data == "[DONE]":
+        return data
+    chunk: dict[str, Any] = json.loads(data)
+    return chunk
+
+
+async def sse_events(lines: AsyncIterable[bytes]) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON objects of an event stream (aiohttp's `response.content`), then None for its
+    `[DONE]`, after which it ends; a stream cut short simply ends without the None."""
+    async for raw in lines:
+        data = _sse_data(raw)
+        if isinstance(data, str):
+            yield None
+            return
+        if data is not None:
+            yield data
+
+
+def sse_events_sync(lines: Iterable[bytes]) -> Iterator[dict[str, Any] | None]:
+    """`sse_events` for a blocking response (urllib's)."""
+    for raw in lines:
+        data = _sse_data(raw)
+        if isinstance(data, str):
+            yield None
+            return
+        if data is not None:
+            yield data
 
 
 @dataclass

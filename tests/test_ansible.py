@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import grp
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -19,20 +18,16 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
 
 import openai
 import pytest
 import yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmctl.keys import create_key
-from edgellmd.lockfile import format_time, sign
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import free_port, running, settings_for
+from tests.serving import SignedLock, free_port, running, settings_for
 
 REPO: Final = Path(__file__).resolve().parent.parent
 ANSIBLE: Final = REPO / "ansible"
@@ -229,8 +224,10 @@ class Sandbox:
 
     base: Path
     port: int = field(default_factory=free_port)
-    signer: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
     token: str = ""
+
+    def __post_init__(self) -> None:
+        self.signing = SignedLock(self.base / "controller")  # models, lock and key to ship
 
     @property
     def root(self) -> Path:
@@ -238,31 +235,21 @@ class Sandbox:
 
     @property
     def models_src(self) -> Path:
-        return self.base / "models-src"
+        return self.signing.models
 
     @property
     def lockfile(self) -> Path:
-        return self.base / "models.lock"
+        return self.signing.lock
 
     def prepare(self, wheelhouse: Path) -> Path:
         """Write the model, the signed lock, an API key and the role's variables; return the vars file."""
-        self.models_src.mkdir(parents=True)
         data = write_tiny_model(self.models_src / "tiny.gguf", TinyModelSpec(seed=11)).read_bytes()
-        now = datetime.now(UTC)
-        lock: dict[str, Any] = {
-            "schema": 1, "version": 3, "issued": format_time(now),
-            "expires": format_time(now + timedelta(days=1)),
-            "models": {MODEL: {"file": "tiny.gguf", "size": len(data),
-                               "sha256": hashlib.sha256(data).hexdigest(),
-                               "gguf": {"architecture": "llama"}}}}
-        lock["signatures"] = [sign(lock, self.signer)]
-        self.lockfile.write_text(json.dumps(lock))
+        self.signing.sign_lock({MODEL: SignedLock.entry("tiny.gguf", data)}, version=3)
         # A real key, minted as an operator would; the role gets its keys.yaml entries.
         keys_file = self.base / "minted-keys.yaml"
         _, self.token = create_key(keys_file, "ansible-test", ["inference"], limits={"rpm": 600})
         entries = yaml.safe_load(keys_file.read_text())["keys"]
-        pem = self.signer.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+        pem = self.signing.pub.read_text()
         variables: dict[str, Any] = {
             "edgellm_root": str(self.root),
             "edgellm_manage_packages": False,

@@ -28,7 +28,7 @@ from edgellmctl.keys import create_key
 from edgellmd import appkeys
 from edgellmd.preload import AREA_PREFIX
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, SignedLock, free_port, running, settings_for, wait_for
+from tests.serving import RunningDaemon, SignedLock, free_port, running, settings_for, sse_events, wait_for
 
 MODEL = "tiny"
 SETTLE_S = 0.3
@@ -123,14 +123,10 @@ async def _stream_once(session: aiohttp.ClientSession, url: str) -> StreamResult
             prints: set[str] = set()
             parts: list[str] = []
             done = False
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
+            async for chunk in sse_events(response.content):
+                if chunk is None:
                     done = True
                     break
-                chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return StreamResult(200, prints, "".join(parts), done=False, error=str(chunk))
                 prints.add(chunk["system_fingerprint"])

@@ -23,7 +23,7 @@ import pytest
 
 from edgellmd.systemd import Notifier
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import free_port
+from tests.serving import free_port, sse_events_sync
 
 WATCHDOG_USEC = 1_000_000  # systemd's smallest sensible value: a ping every 0.5 s
 # Eight wide layers and a 2000-token prompt in one chunk: a single llama_decode that takes
@@ -208,12 +208,7 @@ def _stream(url: str, max_tokens: int, out: list[list[dict[str, Any]]]) -> None:
                                  headers={"Content-Type": "application/json"}, method="POST")
     events: list[dict[str, Any]] = []
     with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - loopback
-        for raw in r:
-            line = raw.decode().strip()
-            if line == "data: [DONE]":
-                events.append({"done": True})
-            elif line.startswith("data: "):
-                events.append(json.loads(line[6:]))
+        events.extend({"done": True} if chunk is None else chunk for chunk in sse_events_sync(r))
     out.append(events)
 
 

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edgellmctl.keys import create_key
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import SignedLock
+from tests.serving import SignedLock, sse_events
 
 MODE_VARIABLE: Final = "EDGELLM_RELIABILITY"  # "full": the long run; anything else: the CI run
 FIGURES_VARIABLE: Final = "EDGELLM_RELIABILITY_FIGURES"  # a file every scenario appends its figures to
@@ -499,14 +499,10 @@ async def ask(session: aiohttp.ClientSession, url: str, token: str, path: str,
 async def _read_stream(response: aiohttp.ClientResponse, answer: Answer) -> None:
     finished = done = False
     parts: list[str] = []
-    async for raw in response.content:
-        line = raw.decode("utf-8").strip()
-        if not line.startswith("data: "):
-            continue
-        if line == "data: [DONE]":
+    async for chunk in sse_events(response.content):
+        if chunk is None:
             done = True
             break
-        chunk = json.loads(line[6:])
         if "error" in chunk:
             answer.code = chunk["error"].get("code")
             answer.problem = f"error event: {chunk['error']}"
