@@ -242,20 +242,25 @@ class _Slot:
     """Scheduler-thread state of one sequence in the batch."""
 
     __slots__ = (
-        "batch_index", "chain", "check", "completion", "gen", "grammar", "grammar_chain", "last",
-        "n_past", "prefilled", "prompt", "stops", "utf8",
+        "batch_index", "chain", "check", "completion", "gen", "grammar", "history", "last",
+        "n_past", "penalties", "prefilled", "prompt", "stops", "utf8",
     )
 
-    def __init__(self, gen: Generation, chain: Any, grammar_chain: Any = None) -> None:
+    def __init__(self, gen: Generation, chain: Any, penalties: Any = None, grammar: Any = None) -> None:
         self.gen = gen
         self.chain = chain
-        # Structured output: the full chain with the grammar first, used only when the fast
-        # chain's pick breaks the grammar; `grammar` is that chain's grammar sampler.
-        self.grammar_chain = grammar_chain
-        self.grammar = llama.llama_sampler_chain_get(grammar_chain, 0) if grammar_chain else None
+        # Structured output: a grammar sampler of its own (not in the chain), which checks
+        # the chain's pick and, on a miss, filters the candidates of a resample.
+        self.grammar = grammar
         self.check: Any = None
-        if grammar_chain:
+        # On a miss the chain has already accepted the rejected pick into its penalties: they
+        # are rebuilt from `history` (the last penalty_last_n tokens really generated).
+        self.penalties = penalties if grammar else None
+        self.history: deque[int] | None = None
+        if grammar:
             self.check = (llama.llama_token_data * 1)()
+            if self.penalties:
+                self.history = deque(maxlen=max(0, gen.request.sampling.penalty_last_n))
         self.prompt: Sequence[int] = gen.request.prompt_tokens
         self.prefilled = 0  # prompt tokens already in the KV cache
         self.n_past = 0  # position of the next token
@@ -375,9 +380,10 @@ class Engine(_NativeThread):
         self.tokens_generated = 0
         self.prompt_tokens_reused = 0
         self._pieces: dict[int, bytes] = {}  # token -> bytes, filled by the scheduler
-        # Grammar-miss candidates (scheduler thread only), written through a numpy view.
-        self._candidates = (llama.llama_token_data * _RESAMPLE_TIERS[-1])()
-        self._candidate_view = np.ctypeslib.as_array(self._candidates)
+        # Grammar-miss candidates (scheduler thread only, sized once the vocabulary is
+        # known), written through a numpy view.
+        self._candidates: Any = None
+        self._candidate_view: Any = None
         # Tokens whose keys/values each sequence holds in the KV cache, position by position.
         # A finished sequence keeps them so that the next prompt with the same prefix (a
         # system prompt, a growing conversation) skips that part of the prefill.
@@ -413,6 +419,10 @@ class Engine(_NativeThread):
         self._memory = llama.llama_get_memory(ctx)
         self._batch = llama.llama_batch_init(config.batch_size, 0, config.slots)
         self.info = _read_model_info(model, self._vocab, config.path)
+        # Room for the whole vocabulary: the last resort of a grammar miss draws from all of it.
+        self._candidates = (llama.llama_token_data * self.n_vocab)()
+        self._candidate_view = np.ctypeslib.as_array(self._candidates)
+        self._all_tokens = np.arange(self.n_vocab, dtype=np.int32)
 
     # ---- tokens ---------------------------------------------------------------------------
 
@@ -500,7 +510,7 @@ class Engine(_NativeThread):
         self._fill_batch([(bos if bos >= 0 else 0, 0, 0, True)])
         if llama.llama_decode(self._ctx, self._batch) != 0:
             raise ModelLoadError(f"warm-up decode failed for {self.config.path}")
-        chain = self._make_chain(SamplingParams(temperature=0.0))
+        chain, _ = self._make_chain(SamplingParams(temperature=0.0))
         llama.llama_sampler_sample(chain, self._ctx, 0)
         llama.llama_sampler_free(chain)
         llama.llama_memory_clear(self._memory, True)
@@ -516,22 +526,23 @@ class Engine(_NativeThread):
             logits[j] = out
         batch.n_tokens = len(items)
 
-    def _make_chain(self, sp: SamplingParams, *, grammar: Any = None) -> Any:
+    def _make_chain(self, sp: SamplingParams) -> tuple[Any, Any]:
+        """The request's sampler chain, and its penalties sampler (None without penalties)."""
         chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         add = llama.llama_sampler_chain_add
-        if grammar is not None:
-            add(chain, grammar)
+        penalties = None
         if sp.logit_bias:
             biases: Any = (llama.llama_logit_bias * len(sp.logit_bias))(
                 *(llama.llama_logit_bias(token, bias) for token, bias in sp.logit_bias))
             add(chain, llama.llama_sampler_init_logit_bias(self.n_vocab, len(sp.logit_bias), biases))
         if sp.penalized:
-            add(chain, llama.llama_sampler_init_penalties(
+            penalties = llama.llama_sampler_init_penalties(
                 self.n_vocab, sp.penalty_last_n, sp.repeat_penalty,
-                sp.frequency_penalty, sp.presence_penalty))
+                sp.frequency_penalty, sp.presence_penalty)
+            add(chain, penalties)  # the chain owns it now
         if sp.greedy:
             add(chain, llama.llama_sampler_init_greedy())
-            return chain
+            return chain, penalties
         # Same order as llama-server: top_k, top_p, min_p, then temperature, then draw.
         if sp.top_k > 0:
             add(chain, llama.llama_sampler_init_top_k(sp.top_k))
@@ -542,7 +553,7 @@ class Engine(_NativeThread):
         add(chain, llama.llama_sampler_init_temp(sp.temperature))
         seed = _DEFAULT_SEED if sp.seed is None else sp.seed & 0xFFFFFFFF
         add(chain, llama.llama_sampler_init_dist(seed))
-        return chain
+        return chain, penalties
 
     def _run(self) -> None:
         try:
@@ -595,15 +606,14 @@ class Engine(_NativeThread):
             reuse = 0
         del self._kv[best][reuse:]
         sp = gen.request.sampling
-        grammar_chain = None
+        grammar = None
         if sp.grammar is not None:
             grammar = llama.llama_sampler_init_grammar(self._vocab, sp.grammar.encode(), b"root")
             if not grammar:  # the API layer compiles grammars it makes; this is a safety net
                 gen.push_threadsafe([Finished("error", len(prompt), 0, error="the grammar does not parse")])
                 self.finished["error"] += 1
                 return
-            grammar_chain = self._make_chain(sp, grammar=grammar)
-        slot = _Slot(gen, self._make_chain(sp), grammar_chain)
+        slot = _Slot(gen, *self._make_chain(sp), grammar=grammar)
         slot.prefilled = slot.n_past = reuse
         self.prompt_tokens_reused += reuse
         self._slots[best] = slot
@@ -663,6 +673,10 @@ class Engine(_NativeThread):
             token = llama.llama_sampler_sample(slot.chain, self._ctx, slot.batch_index)
             if slot.grammar is not None:
                 token = self._constrain(slot, token)
+                if token < 0:
+                    slot.batch_index = -1
+                    outbox.append((slot.gen, self._finish(i, "stop")))
+                    continue
             logprob = self._logprob(slot, token) if slot.gen.request.logprobs is not None else None
             slot.batch_index = -1
             events = self._advance(i, slot, token, logprob)
@@ -674,7 +688,8 @@ class Engine(_NativeThread):
         return True
 
     def _constrain(self, slot: _Slot, token: int) -> int:
-        """Keep `token` if the grammar allows it, else resample with the grammar applied.
+        """Keep `token` if the grammar allows it, else resample with the grammar applied; -1
+        when no token of the vocabulary continues the grammar.
 
         As llama-server does: checking one token is cheap, applying a grammar to every
         candidate of a 262k vocabulary is not, and most picks are already valid.
@@ -686,9 +701,23 @@ class Engine(_NativeThread):
         if math.isinf(check[0].logit):
             token = self._resample_best(slot)
             if token < 0:
-                # Nothing likely fits: the grammar chain samples from the whole vocabulary and
-                # accepts (the grammar advances inside it).
-                return int(llama.llama_sampler_sample(slot.grammar_chain, self._ctx, slot.batch_index))
+                # Nothing likely fits: the grammar filters the whole vocabulary.
+                pointer = llama.llama_get_logits_ith(self._ctx, slot.batch_index)
+                logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+                token = self._draw_valid(slot, self._all_tokens, logits)
+                if token < 0:
+                    # No token of this vocabulary continues the grammar. Accepting one the
+                    # grammar refuses aborts the process inside llama.cpp: the caller ends
+                    # the reply instead.
+                    return -1
+            if slot.penalties:
+                # The chain accepted its rejected pick; its penalties must count this token.
+                llama.llama_sampler_reset(slot.penalties)
+                for past in slot.history or ():
+                    llama.llama_sampler_accept(slot.penalties, past)
+                llama.llama_sampler_accept(slot.penalties, token)
+        if slot.history is not None:
+            slot.history.append(token)
         llama.llama_sampler_accept(slot.grammar, token)
         return token
 
@@ -793,8 +822,8 @@ class Engine(_NativeThread):
             llama.llama_memory_seq_rm(self._memory, i, -1, -1)
             self._kv[i].clear()
         llama.llama_sampler_free(slot.chain)
-        if slot.grammar_chain:
-            llama.llama_sampler_free(slot.grammar_chain)
+        if slot.grammar:
+            llama.llama_sampler_free(slot.grammar)
         tail = ""
         if not flushed and reason in ("stop", "length"):
             tail, _ = slot.stops.feed(slot.utf8.flush())

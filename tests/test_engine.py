@@ -121,6 +121,35 @@ async def test_grammar_misses_are_resampled_with_the_requests_logit_bias(engine:
     assert without_grammar == "!" * 8
 
 
+async def test_penalties_count_the_resampled_token_not_the_rejected_pick(engine: Engine) -> None:
+    # "!" wins every first pick and breaks the grammar, so every token is a resample among
+    # the letters, where "a" leads "b" by 100 until the frequency penalty (200 per use) has
+    # put "a" one use ahead: the letters alternate. Penalties that counted the rejected "!"
+    # instead would never touch "a": "aaaa...".
+    bang, a, b = (engine.tokenize(c, add_special=False)[0] for c in "!ab")
+    bias = ((bang, 1e6), (a, 1e4 + 100), (b, 1e4))
+    sampling = SamplingParams(temperature=0.0, grammar="root ::= [a-z]+", frequency_penalty=200.0,
+                              logit_bias=bias)
+    text, _ = await generate(engine, "Once upon a time", 16, sampling=sampling)
+    assert text == "ab" * 8
+    # Without the grammar the chain's own picks are counted: "!" until it falls behind "a".
+    free, _ = await generate(engine, "Once upon a time", 8, sampling=SamplingParams(
+        temperature=0.0, frequency_penalty=2e5, logit_bias=bias))
+    assert free.startswith("!!!!!ab")
+
+
+async def test_a_grammar_no_token_can_continue_ends_the_reply(engine: Engine) -> None:
+    # The grammar allows only "z" and the request's own bias forbids it: no token of the
+    # vocabulary fits. Accepting any other into the grammar would abort inside llama.cpp.
+    z = engine.tokenize("z", add_special=False)[0]
+    sampling = SamplingParams(temperature=0.0, grammar='root ::= "z"+', logit_bias=((z, float("-inf")),))
+    text, fin = await generate(engine, "Once upon a time", 8, sampling=sampling)
+    assert (text, fin.reason, fin.completion_tokens) == ("", "stop", 0)
+    text, fin = await generate(engine, "Once upon a time", 4, sampling=SamplingParams(
+        temperature=0.0, grammar='root ::= "z"+'))
+    assert (text, fin.completion_tokens) == ("zzzz", 4)  # and the engine serves on
+
+
 async def test_occupancy_counts_a_generation_moving_into_a_slot_once(
         tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Between leaving the queue and filling its slot a generation is in neither; admission
