@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from edgellmd.engine import Engine, EngineConfig, apply_builtin_template, default_threads, json_schema_grammar
+from edgellmd.engine.sampling import SlotSampler
 from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 
 SCHEMA: dict[str, Any] = {
@@ -84,20 +85,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     misses = [0, 0]  # first picks the grammar refused; of those, none of the candidates fitted
-    constrain, resample = Engine._constrain, Engine._resample_best
+    resample = SlotSampler._resample_best  # called once for every miss
 
-    def counting_constrain(self: Engine, slot: Any, token: int) -> int:
-        picked: int = constrain(self, slot, token)
-        misses[0] += picked != token
-        return picked
-
-    def counting_resample(self: Engine, slot: Any) -> int:
-        picked: int = resample(self, slot)
+    def counting_resample(self: SlotSampler, logits: Any) -> int:
+        picked: int = resample(self, logits)
+        misses[0] += 1
         misses[1] += picked < 0
         return picked
 
-    Engine._constrain = counting_constrain  # type: ignore[method-assign]
-    Engine._resample_best = counting_resample  # type: ignore[method-assign]
+    SlotSampler._resample_best = counting_resample  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
         path = demo_model(Path(tmp))
         threads = default_threads()

@@ -1,0 +1,41 @@
+"""The llama.cpp engines: model loading, tokenization, the continuous-batching scheduler, embeddings.
+
+This package is the only code that imports `llama_cpp` (house rule: quarantine the native
+dependency); everything above it uses the names below.
+
+- `native`: llama.cpp's backend and log, model loading and metadata, tokens, the
+  one-thread-per-model base both engines share.
+- `scheduler`: `Engine`, one generation model batched over its slots by one thread.
+- `sampling`: each sequence's C sampler chain and grammar (structured output).
+- `embedding`: `EmbeddingEngine`, one unit vector per input.
+"""
+
+from __future__ import annotations
+
+from edgellmd.engine.embedding import EmbeddingEngine
+from edgellmd.engine.native import (
+    EngineConfig,
+    EngineError,
+    ModelInfo,
+    ModelLoadError,
+    apply_builtin_template,
+    builtin_chat_templates,
+    default_threads,
+    json_schema_grammar,
+    supports_gpu_offload,
+)
+from edgellmd.engine.scheduler import Engine
+
+__all__ = [
+    "EmbeddingEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "ModelInfo",
+    "ModelLoadError",
+    "apply_builtin_template",
+    "builtin_chat_templates",
+    "default_threads",
+    "json_schema_grammar",
+    "supports_gpu_offload",
+]

@@ -1,0 +1,298 @@
+"""Embeddings: one model in a llama_context created with embeddings on and a pooling layer;
+its thread takes embed() jobs in order and returns one unit vector per input."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Final
+
+import llama_cpp as llama
+
+from edgellmd.engine.native import (
+    EngineConfig,
+    EngineError,
+    ModelLoadError,
+    NativeThread,
+    init_backend,
+    model_meta,
+    read_model_info,
+    tokenize_text,
+)
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S: Final = 0.5  # the idle thread still wakes up to report liveness
+
+# Inputs per llama_decode. Packing several (each its own sequence) changes their vectors: the
+# pooling is a matmul over all the batch's tokens, so an input's tokens land at other offsets
+# of the sum, and the CPU flash-attention kernel takes another path for another batch shape.
+# Measured on Gemma 3 270M, per component of the unit vector: up to 5e-8 apart without flash
+# attention, 1e-2 with it. Identical inputs must give identical vectors, so each input gets a
+# decode of its own. The price, same model, 2 cores, 64 short inputs: 14 inputs/s against 25
+# packed 8 a decode. Raising this packs up to `slots` inputs a decode again.
+_INPUTS_PER_DECODE: Final = 1
+
+# What a GGUF's `<arch>.pooling_type` may declare (enum llama_pooling_type), by name for logs.
+_POOLING_NAMES: Final = {
+    llama.LLAMA_POOLING_TYPE_MEAN: "mean",
+    llama.LLAMA_POOLING_TYPE_CLS: "cls",
+    llama.LLAMA_POOLING_TYPE_LAST: "last",
+}
+
+
+class _EmbedJob:
+    """One embed() call: its token lists and the future its caller waits on."""
+
+    __slots__ = ("future", "inputs")
+
+    def __init__(self, inputs: list[list[int]]) -> None:
+        self.inputs = inputs
+        self.future: Future[list[list[float]]] = Future()
+
+
+class EmbeddingEngine(NativeThread):
+    """One embedding model: a llama_context created with embeddings on, run on its own thread."""
+
+    def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
+        """Load the model, warm it up and start its thread (blocking: call it off the event loop).
+
+        Every native call happens on this engine's own thread, for the reason the Engine
+        docstring gives (one OpenMP team per calling thread); embed() only queues a job.
+        """
+        init_backend()
+        self.config = config
+        self.name: Final = name
+        if not config.path.is_file():
+            raise ModelLoadError(f"model file not found: {config.path}")
+        self._cond = threading.Condition()
+        self._jobs: deque[_EmbedJob] = deque()
+        self._current: _EmbedJob | None = None  # the job being embedded (engine thread writes)
+        self._stopping = False
+        self._tokenizing = 0  # tokenize() calls in progress: the vocabulary is freed after them
+        # Liveness for the systemd watchdog: when the thread last finished a batch or idled.
+        self.heartbeat = time.monotonic()
+        self._start_thread(f"embed:{name}")
+
+    def _load(self) -> None:
+        config = self.config
+        self._load_model()
+        model = self._model
+        # The pooled vector's size: n_embd_out, which equals n_embd except for models whose
+        # output width differs from their hidden width (deepstack ones such as Qwen3-VL);
+        # llama.cpp sizes llama_get_embeddings_seq's result with it.
+        self.n_embd = llama.llama_model_n_embd_out(model)
+        self.info = read_model_info(model, self._vocab, config.path)
+        pooling = self._pooling()
+        self.pooling: str = _POOLING_NAMES[pooling]
+
+        cparams = llama.llama_context_default_params()
+        cparams.embeddings = True
+        cparams.pooling_type = pooling
+        self._per_decode = min(config.slots, _INPUTS_PER_DECODE)
+        cparams.n_ctx = config.context_size * self._per_decode
+        cparams.n_seq_max = self._per_decode
+        # A pooled vector is computed per ubatch: a sequence split over two ubatches would
+        # come back as the pool of its second part only (and non-causal models refuse to
+        # split at all). So one ubatch holds a whole batch, and a batch at least one input.
+        cparams.n_batch = cparams.n_ubatch = max(config.batch_size, config.context_size)
+        # The cache is emptied before every decode, so per-sequence regions (which the Engine
+        # keeps for prefix reuse) buy nothing here: one pool of cells serves any batch.
+        cparams.kv_unified = True
+        cparams.n_threads = config.threads
+        cparams.n_threads_batch = config.threads_batch
+        cparams.no_perf = True
+        ctx = llama.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context for {config.path}")
+        self._ctx = ctx
+        if llama.llama_pooling_type(ctx) != pooling:
+            raise ModelLoadError(f"llama.cpp did not accept {self.pooling} pooling for {config.path}")
+        # llama.cpp lowers n_batch to n_ctx for causal models; pack batches by what it kept.
+        self._n_batch = min(llama.llama_n_batch(ctx), llama.llama_n_ubatch(ctx))
+        if self._n_batch < config.context_size:
+            raise ModelLoadError(f"llama.cpp allows only {self._n_batch} tokens per batch for "
+                                 f"{config.path}, fewer than context_size {config.context_size}")
+        self._memory = llama.llama_get_memory(ctx)  # NULL for encoder-only models (BERT)
+        self._batch = llama.llama_batch_init(self._n_batch, 0, 1)
+
+    def _pooling(self) -> int:
+        """The pooling this model declares, or MEAN for one that declares none."""
+        declared = model_meta(self._model, f"{self.info.architecture}.pooling_type")
+        value = int(declared) if declared and declared.isdigit() else llama.LLAMA_POOLING_TYPE_NONE
+        if value == llama.LLAMA_POOLING_TYPE_RANK:
+            raise ModelLoadError(f"{self.config.path} is a reranking model (rank pooling), "
+                                 "not an embedding model")
+        # A plain decoder (llama, gemma, ...) declares none, and llama.cpp then pools NONE:
+        # one vector per token and no llama_get_embeddings_seq. The mean over the tokens is
+        # what OpenAI-style clients expect from such a model; llama-server refuses it instead.
+        return value if value in _POOLING_NAMES else llama.LLAMA_POOLING_TYPE_MEAN
+
+    def _warm_up(self) -> None:
+        """Embed one token so compute buffers exist (and pooling works) before the first request."""
+        bos = llama.llama_vocab_bos(self._vocab)
+        try:
+            self._decode([[bos if bos >= 0 else 0]])
+        except EngineError as exc:
+            raise ModelLoadError(f"warm-up embedding failed for {self.config.path}: {exc}") from exc
+        log.info("embedding model %s: %d dimensions, %s pooling", self.name, self.n_embd, self.pooling)
+
+    # ---- interface (any thread) -----------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text to token ids (thread-safe: the vocabulary is read-only until close)."""
+        with self._cond:
+            if self._stopping:  # the vocabulary is freed with the model
+                raise EngineError("engine is shutting down")
+            self._tokenizing += 1
+        try:
+            return tokenize_text(self._vocab, text, add_special=add_special, parse_special=parse_special)
+        finally:
+            with self._cond:
+                self._tokenizing -= 1
+                self._cond.notify_all()
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """One unit-length vector per token list, in input order (blocking; thread-safe)."""
+        if not inputs:
+            raise EngineError("no inputs to embed")
+        limit = self.config.context_size
+        checked: list[list[int]] = []
+        for i, tokens in enumerate(inputs):
+            if not tokens:
+                raise EngineError(f"input {i} is empty")
+            if len(tokens) > limit:
+                raise EngineError(f"input {i} has {len(tokens)} tokens, more than the limit of {limit}")
+            if not all(0 <= t < self.n_vocab for t in tokens):
+                raise EngineError(f"input {i} holds a token id outside the vocabulary "
+                                  f"(0 to {self.n_vocab - 1})")
+            checked.append(list(tokens))  # a copy: the caller may reuse its lists
+        job = _EmbedJob(checked)
+        with self._cond:
+            if self._stopping:
+                raise EngineError("engine is shutting down")
+            self._jobs.append(job)
+            self._cond.notify()
+        return job.future.result()
+
+    @property
+    def busy_slots(self) -> int:
+        """Inputs being embedded now (at most `slots`)."""
+        job = self._current
+        return min(len(job.inputs), self.config.slots) if job is not None else 0
+
+    @property
+    def queue_depth(self) -> int:
+        """embed() calls waiting for the current one to finish."""
+        return len(self._jobs)
+
+    def occupancy(self) -> tuple[int, int]:
+        """Inputs being embedded and calls waiting, read together."""
+        with self._cond:
+            return self.busy_slots, len(self._jobs)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is running or waiting."""
+        return not self._jobs and self._current is None
+
+    def close(self) -> None:
+        """Stop the thread, fail waiting calls, free native memory (blocking; idempotent)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._jobs:
+                    self.heartbeat = time.monotonic()
+                    self._cond.wait(_IDLE_WAIT_S)
+                if self._stopping:
+                    return
+                # Current before it leaves the queue: `idle` (read without the lock) never
+                # sees neither while a job moves from one to the other.
+                job = self._current = self._jobs[0]
+                self._jobs.popleft()
+            try:
+                job.future.set_result(self._embed_all(job.inputs))
+            except EngineError as exc:
+                job.future.set_exception(exc)
+            except Exception:  # a bug here must fail the call, not kill the thread
+                log.exception("embedding thread of model %s failed", self.name)
+                job.future.set_exception(EngineError("internal engine error"))
+            finally:
+                self._current = None
+                self.heartbeat = time.monotonic()
+
+    def _embed_all(self, inputs: list[list[int]]) -> list[list[float]]:
+        """Embed in batches of up to `_per_decode` inputs and n_batch tokens."""
+        out: list[list[float]] = []
+        start = 0
+        while start < len(inputs):
+            if self._stopping:  # close() during a long job: do not finish it first
+                raise EngineError("the model was unloaded")
+            end, used = start, 0
+            while (end < len(inputs) and end - start < self._per_decode
+                   and used + len(inputs[end]) <= self._n_batch):
+                used += len(inputs[end])
+                end += 1
+            out.extend(self._decode(inputs[start:end]))
+            self.heartbeat = time.monotonic()
+            start = end
+        return out
+
+    def _decode(self, group: Sequence[Sequence[int]]) -> list[list[float]]:
+        """One llama_decode over `group`, each input its own sequence; returns unit vectors."""
+        batch = self._batch
+        token, pos, n_seq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+        j = 0
+        for s, tokens in enumerate(group):
+            for p, tok in enumerate(tokens):
+                token[j] = tok
+                pos[j] = p
+                n_seq[j] = 1
+                seq[j][0] = s
+                logits[j] = True  # pooling reads every token's output; llama.cpp warns otherwise
+                j += 1
+        batch.n_tokens = j
+        if self._memory:  # each batch starts from an empty cache: sequence ids are reused
+            llama.llama_memory_clear(self._memory, True)
+        rc = llama.llama_decode(self._ctx, batch)
+        if rc != 0:
+            log.error("llama_decode failed with status %d on embedding model %s", rc, self.name)
+            raise EngineError(f"decode failed (status {rc})")
+        vectors: list[list[float]] = []
+        for s in range(len(group)):
+            ptr = llama.llama_get_embeddings_seq(self._ctx, s)
+            if not ptr:
+                raise EngineError("llama.cpp returned no pooled embedding")
+            vectors.append(_unit(ptr[: self.n_embd]))
+        return vectors
+
+    def _release(self) -> None:
+        """On the engine thread, once it stops: fail what is left, then free the model."""
+        with self._cond:
+            self._stopping = True
+            leftovers = list(self._jobs)
+            self._jobs.clear()
+        for job in leftovers:
+            job.future.set_exception(EngineError("the model was unloaded"))
+        with self._cond:
+            while self._tokenizing:
+                self._cond.wait()
+        self._free_native()
+
+
+def _unit(vector: list[float]) -> list[float]:
+    """`vector` scaled to length 1 (OpenAI's embeddings are unit vectors); zeros stay zeros."""
+    norm = math.sqrt(math.fsum(x * x for x in vector))
+    return [x / norm for x in vector] if norm > 0.0 else vector

@@ -1,0 +1,306 @@
+"""The native side shared by both engines: llama.cpp's backend and log, model loading and
+metadata, tokens, and the one-thread-per-model base class."""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import llama_cpp as llama
+
+log = logging.getLogger(__name__)
+
+_PIECE_BUF: Final = 256  # bytes; longer pieces are retried with the size llama.cpp asks for
+_GGML_LOG_LEVEL_WARN: Final = 3  # enum ggml_log_level (NONE, DEBUG, INFO, WARN, ERROR, CONT); not exported
+_GGML_LOG_LEVEL_ERROR: Final = 4
+
+
+class EngineError(Exception):
+    """A llama.cpp operation failed."""
+
+
+class ModelLoadError(EngineError):
+    """A model file could not be loaded; the message says why."""
+
+
+# llama.cpp keeps one process-wide log callback and one backend; both are set up once.
+_backend_lock = threading.Lock()
+_backend_ready = False
+_log_callback: Any = None  # keeps the ctypes thunk alive for as long as llama.cpp may call it
+
+
+def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
+    # llama.cpp logs every tensor at load time; keep that at debug, surface its errors.
+    if not text:
+        return
+    message = text.decode("utf-8", "replace").rstrip()
+    if message:
+        py_level = logging.WARNING if level == _GGML_LOG_LEVEL_ERROR else logging.DEBUG
+        log.log(py_level, "llama.cpp: %s", message)
+
+
+def init_backend() -> None:
+    global _backend_ready, _log_callback  # noqa: PLW0603 - one native backend per process
+    with _backend_lock:
+        if _backend_ready:
+            return
+        _log_callback = llama.llama_log_callback(_on_llama_log)
+        llama.llama_log_set(_log_callback, ctypes.c_void_p())
+        llama.llama_backend_init()
+        _backend_ready = True
+
+
+def builtin_chat_templates() -> list[str]:
+    """Names of the chat templates compiled into llama.cpp (`gemma`, `chatml`, `llama3`, ...)."""
+    count = llama.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * max(count, 1))()
+    count = llama.llama_chat_builtin_templates(names, count)
+    return sorted(n.decode() for n in names[:count] if n)
+
+
+def apply_builtin_template(name: str, messages: Sequence[tuple[str, str]]) -> str:
+    """Render (role, content) pairs with a llama.cpp built-in template, ending at the assistant's turn."""
+    chat = (llama.llama_chat_message * len(messages))()
+    keep: list[bytes] = []  # the C structs point into these buffers
+    for i, (role, content) in enumerate(messages):
+        r, c = role.encode(), content.encode()
+        keep += (r, c)
+        chat[i].role, chat[i].content = r, c
+    size = sum(len(b) for b in keep) * 2 + 256
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = llama.llama_chat_apply_template(name.encode(), chat, len(messages), True, buf, size)
+        if n < 0:
+            raise EngineError(f"chat template {name!r} is not a llama.cpp built-in template")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n
+    raise EngineError("chat template output did not fit")  # pragma: no cover - size is exact
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the GGUF file says about the model, read once at load time."""
+
+    path: Path
+    architecture: str
+    description: str
+    n_ctx_train: int
+    n_vocab: int
+    n_params: int
+    size_bytes: int
+    chat_template: str | None
+    bos_text: str
+    eos_text: str
+    add_bos: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to load and run one model (filled from the model's settings)."""
+
+    path: Path
+    slots: int
+    context_size: int  # tokens per slot
+    batch_size: int
+    threads: int
+    threads_batch: int
+    gpu_layers: int = 0
+    mmap: bool = False  # may memory-map the file (a private preload copy only); False: read it
+
+
+def _set_load_mode(mparams: Any, *, mmap: bool) -> None:
+    """Map the file or read it, in whichever form this llama.cpp's model params take.
+
+    Recent llama.cpp has `load_mode` (and `lazy_mode`, whose on-demand reads need a
+    mapping); older ones a `use_mmap` flag. A ctypes structure silently accepts an unknown
+    attribute, so the field is looked up first: a build with neither is refused rather than
+    left mapping a file it was told to read.
+    """
+    fields = {name for name, *_ in type(mparams)._fields_}
+    if "load_mode" in fields:
+        # AUTO: llama.cpp's own choice for the device (a mapping on the CPU).
+        mparams.load_mode = llama.LLAMA_LOAD_MODE_AUTO if mmap else llama.LLAMA_LOAD_MODE_NONE
+        if "lazy_mode" in fields and not mmap:
+            mparams.lazy_mode = llama.LLAMA_LAZY_MODE_OFF
+    elif "use_mmap" in fields:
+        mparams.use_mmap = mmap
+    else:
+        raise ModelLoadError("this llama.cpp build's model parameters have neither load_mode nor "
+                             "use_mmap: cannot choose between mapping and reading the model file")
+
+
+# ---- model metadata and tokens, shared by Engine and EmbeddingEngine ----------------------
+
+
+def model_meta(model: Any, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(4096)
+    n = llama.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        llama.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace")
+
+
+def read_model_info(model: Any, vocab: Any, path: Path) -> ModelInfo:
+    desc = ctypes.create_string_buffer(256)
+    llama.llama_model_desc(model, desc, len(desc))
+    template = llama.llama_model_chat_template(model, None)
+    return ModelInfo(
+        path=path,
+        architecture=model_meta(model, "general.architecture") or "unknown",
+        description=desc.value.decode("utf-8", "replace"),
+        n_ctx_train=llama.llama_model_n_ctx_train(model),
+        n_vocab=llama.llama_vocab_n_tokens(vocab),
+        n_params=llama.llama_model_n_params(model),
+        size_bytes=llama.llama_model_size(model),
+        chat_template=template.decode("utf-8", "replace") if template else None,
+        bos_text=token_text(vocab, llama.llama_vocab_bos(vocab)),
+        eos_text=token_text(vocab, llama.llama_vocab_eos(vocab)),
+        add_bos=bool(llama.llama_vocab_get_add_bos(vocab)),
+    )
+
+
+def token_text(vocab: Any, token: int) -> str:
+    if token < 0:
+        return ""
+    return token_piece(vocab, token, special=True).decode("utf-8", "replace")
+
+
+def tokenize_text(vocab: Any, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+    data = text.encode("utf-8")
+    size = len(data) + 8
+    buf = (llama.llama_token * size)()
+    n = llama.llama_tokenize(vocab, data, len(data), buf, size, add_special, parse_special)
+    if n < 0:
+        size = -n
+        buf = (llama.llama_token * size)()
+        n = llama.llama_tokenize(vocab, data, len(data), buf, size, add_special, parse_special)
+    if n < 0:
+        raise EngineError("tokenization failed")
+    return list(buf[:n])
+
+
+def token_piece(vocab: Any, token: int, *, special: bool = False) -> bytes:
+    buf = ctypes.create_string_buffer(_PIECE_BUF)
+    n = llama.llama_token_to_piece(vocab, token, buf, _PIECE_BUF, 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = llama.llama_token_to_piece(vocab, token, buf, -n, 0, special)
+    return buf.raw[: max(n, 0)]
+
+
+
+class NativeThread(abc.ABC):
+    """One model on one thread: it loads, warms up and then serves until stopped.
+
+    Everything native happens on that thread (see Engine); subclasses provide _load,
+    _warm_up, _run, _release and _free_native.
+    """
+
+    config: EngineConfig
+    _model: Any
+    _vocab: Any
+    _ctx: Any
+    _batch: Any
+    n_vocab: int
+
+    def _start_thread(self, name: str) -> None:
+        """Start the thread and wait for the load; re-raise its error here."""
+        self._loaded = threading.Event()
+        self._load_errors: list[BaseException] = []  # set by the engine thread
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._loaded.wait()
+        if self._load_errors:
+            self._thread.join()
+            raise self._load_errors[0]
+
+    def _main(self) -> None:
+        try:
+            self._load()
+            self._warm_up()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the constructor's caller
+            self._load_errors.append(exc if isinstance(exc, EngineError) else ModelLoadError(str(exc)))
+            self._free_native()
+            self._loaded.set()
+            return
+        self._loaded.set()
+        try:
+            self._run()
+        finally:
+            self._release()
+
+    def _load_model(self) -> None:
+        config = self.config
+        mparams = llama.llama_model_default_params()
+        mparams.n_gpu_layers = config.gpu_layers
+        _set_load_mode(mparams, mmap=config.mmap)
+        model = llama.llama_model_load_from_file(str(config.path).encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {config.path} (not a supported GGUF model?)")
+        self._model = model
+        self._vocab = llama.llama_model_get_vocab(model)
+        self.n_vocab = llama.llama_vocab_n_tokens(self._vocab)
+
+    @abc.abstractmethod
+    def _load(self) -> None:
+        """Provided by each engine (runs on the engine thread)."""
+
+    @abc.abstractmethod
+    def _warm_up(self) -> None:
+        """Provided by each engine (runs on the engine thread)."""
+
+    @abc.abstractmethod
+    def _run(self) -> None:
+        """Provided by each engine (runs on the engine thread)."""
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Provided by each engine (runs on the engine thread)."""
+
+    def _free_native(self) -> None:
+        # Whatever _load got as far as creating, in reverse order.
+        if getattr(self, "_batch", None) is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            llama.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama.llama_model_free(self._model)
+            self._model = None
+
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """GBNF for a JSON schema (llama.cpp's own converter; the caller checks the schema first)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: PLC0415 - pure Python, rarely used
+
+    text: str = json_schema_to_gbnf(json.dumps(schema))
+    # Allow a newline and indentation where the converter allows one optional space (as
+    # llama.cpp's current converter does): models pretty-print JSON, and every token the
+    # grammar rejects costs a resample over the whole vocabulary. Still bounded.
+    return text.replace('space ::= " "?', 'space ::= | " " | "\\n" [ \\t]{0,20}')
+
+
+def default_threads() -> int:
+    """Threads llama.cpp should use when the config does not say: the CPUs we may run on."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+
+def supports_gpu_offload() -> bool:
+    """True when this llama.cpp build can offload layers to a GPU (False for a CPU-only build)."""
+    init_backend()  # the backend registry lists GPU devices once the backend is set up
+    return bool(llama.llama_supports_gpu_offload())

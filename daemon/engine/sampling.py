@@ -1,0 +1,185 @@
+"""Sampling one sequence: its C sampler chain and, for structured output, its grammar.
+
+Every request gets a chain of its own (logit bias, penalties, top-k/p, min-p, temperature,
+draw, in llama-server's order). A grammar is not part of the chain: as llama-server does, the
+chain picks first and the grammar checks that one token, because applying a grammar to every
+candidate of a 262k vocabulary costs tens of milliseconds and most picks are valid anyway. A
+miss is resampled among the likeliest tokens the grammar allows (the tiers below), and the
+grammar walks the whole vocabulary only when no tier holds a valid token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections import deque
+from typing import Any, Final
+
+import llama_cpp as llama
+import numpy as np
+
+from edgellmd.engine.native import EngineError
+from edgellmd.generation import SamplingParams
+
+RESAMPLE_TIERS: Final = (64, 4096)  # candidates of a grammar miss's resample, tier by tier
+_DEFAULT_SEED: Final = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a fresh random seed per chain
+
+
+class GrammarError(EngineError):
+    """A grammar llama.cpp cannot parse."""
+
+
+def make_chain(sp: SamplingParams, n_vocab: int) -> tuple[Any, Any]:
+    """The request's sampler chain, and its penalties sampler (None without penalties)."""
+    chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+    add = llama.llama_sampler_chain_add
+    penalties = None
+    if sp.logit_bias:
+        biases: Any = (llama.llama_logit_bias * len(sp.logit_bias))(
+            *(llama.llama_logit_bias(token, bias) for token, bias in sp.logit_bias))
+        add(chain, llama.llama_sampler_init_logit_bias(n_vocab, len(sp.logit_bias), biases))
+    if sp.penalized:
+        penalties = llama.llama_sampler_init_penalties(
+            n_vocab, sp.penalty_last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty)
+        add(chain, penalties)  # the chain owns it now
+    if sp.greedy:
+        add(chain, llama.llama_sampler_init_greedy())
+        return chain, penalties
+    # Same order as llama-server: top_k, top_p, min_p, then temperature, then draw.
+    if sp.top_k > 0:
+        add(chain, llama.llama_sampler_init_top_k(sp.top_k))
+    if sp.top_p < 1.0:
+        add(chain, llama.llama_sampler_init_top_p(sp.top_p, 1))
+    if sp.min_p > 0.0:
+        add(chain, llama.llama_sampler_init_min_p(sp.min_p, 1))
+    add(chain, llama.llama_sampler_init_temp(sp.temperature))
+    seed = _DEFAULT_SEED if sp.seed is None else sp.seed & 0xFFFFFFFF
+    add(chain, llama.llama_sampler_init_dist(seed))
+    return chain, penalties
+
+
+class Candidates:
+    """Scratch room for resampling (one per engine, scheduler thread only): a llama_token_data
+    array the size of the vocabulary, written through a numpy view."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self.buffer: Any = (llama.llama_token_data * n_vocab)()
+        self.view: Any = np.ctypeslib.as_array(self.buffer)
+        self.all_tokens = np.arange(n_vocab, dtype=np.int32)
+
+
+class SlotSampler:
+    """One sequence's sampling state: its chain and, with a grammar, the grammar's own sampler."""
+
+    __slots__ = ("_candidates", "_check", "chain", "grammar", "history", "logit_bias", "penalties")
+
+    def __init__(self, sp: SamplingParams, vocab: Any, candidates: Candidates) -> None:
+        """Build the chain (and the grammar); GrammarError when the grammar does not parse."""
+        self._candidates = candidates
+        self.logit_bias = sp.logit_bias
+        self.grammar: Any = None
+        if sp.grammar is not None:
+            self.grammar = llama.llama_sampler_init_grammar(vocab, sp.grammar.encode(), b"root")
+            if not self.grammar:
+                raise GrammarError("the grammar does not parse")
+        self.chain, penalties = make_chain(sp, candidates.n_vocab)
+        self._check: Any = None
+        # On a grammar miss the chain has already accepted the rejected pick into its
+        # penalties; they are rebuilt from `history`, the last penalty_last_n tokens really
+        # generated (only kept when both a grammar and penalties are in play).
+        self.penalties: Any = None
+        self.history: deque[int] | None = None
+        if self.grammar:
+            self._check = (llama.llama_token_data * 1)()
+            if penalties:
+                self.penalties = penalties
+                self.history = deque(maxlen=max(0, sp.penalty_last_n))
+
+    def free(self) -> None:
+        """Free the native samplers (the chain owns its members; the grammar is separate)."""
+        llama.llama_sampler_free(self.chain)
+        if self.grammar:
+            llama.llama_sampler_free(self.grammar)
+            self.grammar = None
+
+    def sample(self, ctx: Any, index: int) -> int:
+        """The next token from the logits at `index` of the last batch; -1 when no token of
+        the vocabulary can continue the grammar (the caller ends the reply)."""
+        token = int(llama.llama_sampler_sample(self.chain, ctx, index))  # accepts it too
+        if not self.grammar:
+            return token
+        check = self._check
+        check[0].id, check[0].logit, check[0].p = token, 0.0, 0.0
+        array = llama.llama_token_data_array(check, 1, -1, False)
+        llama.llama_sampler_apply(self.grammar, ctypes.byref(array))
+        if math.isinf(check[0].logit):
+            logits = np.ctypeslib.as_array(llama.llama_get_logits_ith(ctx, index),
+                                           shape=(self._candidates.n_vocab,))
+            token = self._resample_best(logits)
+            if token < 0:
+                # Nothing likely fits: the grammar filters the whole vocabulary.
+                token = self._draw_valid(self._candidates.all_tokens, logits)
+                if token < 0:
+                    # Accepting a token the grammar refuses aborts the process inside
+                    # llama.cpp: the reply ends instead.
+                    return -1
+            if self.penalties:
+                # The chain accepted its rejected pick; its penalties must count this token.
+                llama.llama_sampler_reset(self.penalties)
+                for past in self.history or ():
+                    llama.llama_sampler_accept(self.penalties, past)
+                llama.llama_sampler_accept(self.penalties, token)
+        if self.history is not None:
+            self.history.append(token)
+        llama.llama_sampler_accept(self.grammar, token)
+        return token
+
+    def _resample_best(self, logits: Any) -> int:
+        """Sample among the likeliest candidates the grammar allows; -1 when none of them fits.
+
+        The request's chain keeps top_k (40) tokens anyway, and any valid token outside a
+        tier ranks below every valid one inside it, so drawing from the valid tokens among
+        the likeliest few thousand follows the same sampler as the whole vocabulary would
+        (greedy exactly). Walking the whole vocabulary with the grammar costs tens of
+        milliseconds on a 262k vocabulary; a tier of 4,096 costs about a millisecond.
+        """
+        n_vocab = self._candidates.n_vocab
+        # Ranked as the chain will see them: with the request's logit_bias added (the chain
+        # adds it itself, so the candidates carry the model's own logits).
+        scores = logits
+        if self.logit_bias:
+            scores = logits.copy()
+            ids, values = zip(*self.logit_bias, strict=True)
+            scores[list(ids)] += np.asarray(values, dtype=scores.dtype)
+        tiers = [min(k, n_vocab) for k in RESAMPLE_TIERS]
+        pool = np.argpartition(scores, -tiers[-1])[-tiers[-1]:]
+        tried = 0
+        for k in tiers:
+            if k <= tried:
+                continue
+            # The k likeliest of the pool (all of it for the last tier).
+            candidates = pool[np.argpartition(scores[pool], -k)[-k:]] if k < len(pool) else pool
+            token = self._draw_valid(candidates, logits)
+            if token >= 0:
+                return token
+            tried = k
+        return -1
+
+    def _draw_valid(self, tokens: Any, logits: Any) -> int:
+        """Apply the grammar, then the request's chain, to `tokens`; -1 when none is valid."""
+        n = len(tokens)
+        view = self._candidates.view
+        view["id"][:n] = tokens
+        view["logit"][:n] = logits[tokens]
+        view["p"][:n] = 0.0
+        array = llama.llama_token_data_array(self._candidates.buffer, n, -1, False)
+        llama.llama_sampler_apply(self.grammar, ctypes.byref(array))
+        if np.isneginf(view["logit"][:n]).all():
+            return -1
+        # The request's own samplers (penalties, top-k/p, temperature, draw) pick among them.
+        llama.llama_sampler_apply(self.chain, ctypes.byref(array))
+        if not 0 <= array.selected < array.size:
+            return -1
+        chosen = array.data[array.selected]
+        return -1 if math.isinf(chosen.logit) else int(chosen.id)
