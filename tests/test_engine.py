@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from edgellmd.engine import Engine, EngineConfig, ModelLoadError
+from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, ModelLoadError
 from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
 
@@ -74,13 +74,18 @@ def test_tokenize_round_trip(engine: Engine) -> None:
     assert engine.tokenize("<s>x", add_special=False, parse_special=False)[0] != 1
 
 
-def test_missing_and_invalid_files_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", [Engine, EmbeddingEngine])
+def test_missing_and_invalid_files_are_refused(tmp_path: Path, kind: type[Engine | EmbeddingEngine]) -> None:
+    def load(path: Path) -> None:
+        kind(EngineConfig(path=path, slots=1, context_size=128, batch_size=128, threads=1,
+                          threads_batch=1), name=path.stem).close()
+
     with pytest.raises(ModelLoadError, match="not found"):
-        make_engine(tmp_path / "absent.gguf")
+        load(tmp_path / "absent.gguf")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"this is not a gguf file" * 100)
     with pytest.raises(ModelLoadError, match="could not load"):
-        make_engine(junk)
+        load(junk)
 
 
 @pytest.mark.parametrize("mmap", [False, True])
