@@ -19,7 +19,6 @@ from edgellmd.engine.native import (
     EngineError,
     ModelLoadError,
     NativeThread,
-    init_backend,
     model_meta,
     read_model_info,
     tokenize_text,
@@ -65,11 +64,7 @@ class EmbeddingEngine(NativeThread):
         Every native call happens on this engine's own thread, for the reason the Engine
         docstring gives (one OpenMP team per calling thread); embed() only queues a job.
         """
-        init_backend()
-        self.config = config
-        self.name: Final = name
-        if not config.path.is_file():
-            raise ModelLoadError(f"model file not found: {config.path}")
+        super().__init__(config, name)
         self._cond = threading.Condition()
         self._jobs: deque[_EmbedJob] = deque()
         self._current: _EmbedJob | None = None  # the job being embedded (engine thread writes)

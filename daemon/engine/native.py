@@ -208,12 +208,19 @@ class NativeThread(abc.ABC):
     _warm_up, _run, _release and _free_native.
     """
 
-    config: EngineConfig
     _model: Any
     _vocab: Any
     _ctx: Any
     _batch: Any
     n_vocab: int
+
+    def __init__(self, config: EngineConfig, name: str) -> None:
+        """What every engine checks first: a model file that exists, and llama.cpp set up."""
+        init_backend()
+        self.config = config
+        self.name: Final = name
+        if not config.path.is_file():
+            raise ModelLoadError(f"model file not found: {config.path}")
 
     def _start_thread(self, name: str) -> None:
         """Start the thread and wait for the load; re-raise its error here."""

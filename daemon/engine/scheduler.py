@@ -28,7 +28,6 @@ from edgellmd.engine.native import (
     EngineError,
     ModelLoadError,
     NativeThread,
-    init_backend,
     read_model_info,
     token_piece,
     tokenize_text,
@@ -86,11 +85,7 @@ class Engine(NativeThread):
         and warmed on one thread and decoded on another measured 20 context switches per
         graph node and a quarter of the throughput gone.
         """
-        init_backend()
-        self.config = config
-        self.name: Final = name
-        if not config.path.is_file():
-            raise ModelLoadError(f"model file not found: {config.path}")
+        super().__init__(config, name)
         self._cond = threading.Condition()
         self._pending: deque[Generation] = deque()
         self._slots: list[_Slot | None] = [None] * config.slots
