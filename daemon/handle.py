@@ -245,7 +245,7 @@ class ModelHandle:
                 "retry shortly", headers={"Retry-After": "1"})
 
     def submit(self, request: GenerationRequest) -> Generation:
-        """Start a generation, or refuse at once (429) when every slot is busy and the queue full."""
+        """Start a generation, or refuse at once (429) when the slots and the queue are full."""
         generator = self.generator
         self.check_capacity()
         return generator.submit(request, asyncio.get_running_loop())

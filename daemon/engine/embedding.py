@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -65,10 +64,8 @@ class EmbeddingEngine(NativeThread):
         docstring gives (one OpenMP team per calling thread); embed() only queues a job.
         """
         super().__init__(config, name)
-        self._cond = threading.Condition()
         self._jobs: deque[_EmbedJob] = deque()
         self._current: _EmbedJob | None = None  # the job being embedded (engine thread writes)
-        self._stopping = False
         self._tokenizing = 0  # tokenize() calls in progress: the vocabulary is freed after them
         # Liveness for the systemd watchdog: when the thread last finished a batch or idled.
         self.heartbeat = time.monotonic()
@@ -195,13 +192,6 @@ class EmbeddingEngine(NativeThread):
     def idle(self) -> bool:
         """True when nothing is running or waiting."""
         return not self._jobs and self._current is None
-
-    def close(self) -> None:
-        """Stop the thread, fail waiting calls, free native memory (blocking; idempotent)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join()
 
     # ---- engine thread --------------------------------------------------------------------
 

@@ -221,6 +221,15 @@ class NativeThread(abc.ABC):
         self.name: Final = name
         if not config.path.is_file():
             raise ModelLoadError(f"model file not found: {config.path}")
+        self._cond = threading.Condition()  # guards the subclass's queue and _stopping
+        self._stopping = False
+
+    def close(self) -> None:
+        """Stop the thread; it fails what is left, then frees native memory (blocking; idempotent)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
 
     def _start_thread(self, name: str) -> None:
         """Start the thread and wait for the load; re-raise its error here."""

@@ -86,10 +86,8 @@ class Engine(NativeThread):
         graph node and a quarter of the throughput gone.
         """
         super().__init__(config, name)
-        self._cond = threading.Condition()
         self._pending: deque[Generation] = deque()
         self._slots: list[_Slot | None] = [None] * config.slots
-        self._stopping = False
         # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
         self.heartbeat = time.monotonic()
         # Generations ended, by finish reason, and tokens generated (written by the scheduler).
@@ -192,13 +190,6 @@ class Engine(NativeThread):
     def idle(self) -> bool:
         """True when nothing is running or waiting."""
         return not self._pending and self.busy_slots == 0
-
-    def close(self) -> None:
-        """Stop the scheduler, end every generation with an error, free native memory (blocking)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join()
 
     def _release(self) -> None:
         """On the engine thread, once it stops: fail what is left, then free the model."""
