@@ -22,6 +22,7 @@ from tests.reliability.harness import (
     describe,
     duration,
     failures,
+    full_run,
     median,
     tokens_between,
 )
@@ -92,6 +93,16 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     pace_drift = pace_last / pace_first - 1
     rate_bound = 0.5
     pace_bound = bound(0.25, 0.10)
+    # CI shares its machine with other jobs: there a pace that rises came from neighbours
+    # going quiet (one CI soak: +37% in two minutes), while a daemon whose work grows with
+    # what it has served can only slow down. So CI fails a slowdown only; the full run holds
+    # the "stable within 10%" both ways.
+    both_ways = full_run()
+    sides = "either way" if both_ways else "slowdown only"
+
+    def steady(change: float, limit: float) -> bool:
+        return abs(change) <= limit if both_ways else change >= -limit
+
     bad = failures(answers)
     # Descriptors and threads: medians, as a scrape's connection may be open at any one sample.
     fds = (median([s.fds for s in first]), median([s.fds for s in last]))
@@ -109,10 +120,10 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
         min(s.shm_files for s in measured), max(s.shm_files for s in measured))
     figures["tokens/s per window"] = [round(r) for r in rates]
     figures["tokens/s first third -> last third"] = (rate_first, rate_last)
-    figures["tokens/s drift (bound)"] = f"{drift:+.1%} ({rate_bound:.0%})"
+    figures["tokens/s drift (bound)"] = f"{drift:+.1%} ({rate_bound:.0%}, {sides})"
     figures["tokens per CPU-second per window"] = [round(p) for p in paces]
     figures["tokens per CPU-second first third -> last third"] = (pace_first, pace_last)
-    figures["tokens per CPU-second drift (bound)"] = f"{pace_drift:+.1%} ({pace_bound:.0%})"
+    figures["tokens per CPU-second drift (bound)"] = f"{pace_drift:+.1%} ({pace_bound:.0%}, {sides})"
     figures.show()
 
     assert bad == [], describe(bad)
@@ -123,8 +134,8 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     # The preload area holds the one copy, byte for byte the same all along.
     assert {(s.shm_bytes, s.shm_files) for s in measured} == {(len(box.model_bytes(STEADY_SPEC)), 2)}
     assert end_usage.shm_bytes == len(box.model_bytes(STEADY_SPEC))
-    assert abs(pace_drift) <= pace_bound
-    assert abs(drift) <= rate_bound
+    assert steady(pace_drift, pace_bound), f"pace drift {pace_drift:+.1%}"
+    assert steady(drift, rate_bound), f"tokens/s drift {drift:+.1%}"
     assert min(rates) > 0  # never stalled for a whole window
     assert (after["slots_busy"], after["queue_depth"], after["leases"]) == (0, 0, 0)
     assert errors == []
