@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import logging
+import re
+import secrets
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Final, NoReturn
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+log = logging.getLogger(__name__)
+
 # Renders (role, content) pairs with a named llama.cpp template; provided by the engine.
 BuiltinRenderer = Callable[[str, Sequence[tuple[str, str]]], str]
+# A piece of a rendered prompt: its text, and whether the template wrote it (True) or it is
+# text from the request (False), which must never become control tokens.
+Segment = tuple[str, bool]
 
 
 class TemplateError(Exception):
@@ -27,6 +35,17 @@ class ChatMessage:
     tool_calls: tuple[Mapping[str, Any], ...] = ()  # an assistant's calls (OpenAI's shape)
     tool_call_id: str | None = None  # a tool message answers this call
     name: str | None = None
+
+    def marked(self, markers: Markers) -> ChatMessage:
+        """This message with every client-chosen string replaced by a marker (see Markers)."""
+        calls = tuple(
+            {**call, "id": markers.mark(call["id"]) if isinstance(call.get("id"), str) else call.get("id"),
+             "function": {**call["function"], "name": markers.mark(call["function"].get("name", "")),
+                          "arguments": json.dumps(markers.tree(_arguments(call["function"])))}}
+            for call in self.tool_calls)
+        return replace(self, content=markers.mark(self.content), tool_calls=calls,
+                       tool_call_id=None if self.tool_call_id is None else markers.mark(self.tool_call_id),
+                       name=None if self.name is None else markers.mark(self.name))
 
     def as_dict(self) -> dict[str, Any]:
         """The message as Hugging Face chat templates expect it."""
@@ -62,10 +81,123 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+_HTML_SAFE: Final = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "'": "\\u0027"}
+
+
+class Markers:
+    """Stand-ins for a request's strings while a template renders, so that its output can be
+    split into what the template wrote and what the client wrote.
+
+    A marker is digits only (a random nonce around an index): it survives what templates do
+    to text (trim, upper, tojson) and holds no character a tokenizer treats specially.
+    """
+
+    def __init__(self) -> None:
+        self.nonce = "".join(secrets.choice("123456789") for _ in range(12))
+        self.texts: list[str] = []
+        self.pattern = re.compile(self.nonce + r"(\d{1,9})" + self.nonce)
+
+    def mark(self, text: str) -> str:
+        """A marker for `text` (an empty string needs none)."""
+        if not text:
+            return text
+        self.texts.append(text)
+        return f"{self.nonce}{len(self.texts) - 1}{self.nonce}"
+
+    def tree(self, value: Any) -> Any:
+        """A JSON value with every string (not the keys) replaced by a marker."""
+        if isinstance(value, str):
+            return self.mark(value)
+        if isinstance(value, Mapping):
+            return {k: self.tree(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.tree(v) for v in value]
+        return value
+
+
+def json_keys(value: Any) -> Iterator[str]:
+    """Every object key inside a JSON value (these stay in the template's text)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            for key, sub in item.items():
+                if isinstance(key, str):
+                    yield key
+                pending.append(sub)
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+
+
+def _candidates(text: str) -> list[str]:
+    """What a template may have made of a string: itself, trimmed, or JSON-encoded (tojson)."""
+    encoded = json.dumps(text)[1:-1]
+    html_safe = "".join(_HTML_SAFE.get(c, c) for c in encoded)
+    out: list[str] = []
+    for option in (text, text.strip(), text.lstrip(), text.rstrip(), html_safe, encoded,
+                   json.dumps(text, ensure_ascii=False)[1:-1]):
+        if option not in out:
+            out.append(option)
+    return out
+
+
+def split_rendered(marked: str, real: str, markers: Markers) -> tuple[list[Segment], bool]:
+    """Segments of the prompt: the template's text (trusted) and the request's (untrusted).
+
+    `marked` is the template's output with markers for the request's strings, `real` its
+    output with the strings themselves. Each marker is matched, in order, with what the
+    template made of its string in `real`; then the prompt is exactly `real`. When that
+    fails (a template that rewrites message text in other ways), the prompt is `marked` with
+    each string put back as it is (JSON-encoded between quotes), and False says so.
+    """
+    pieces = markers.pattern.split(marked)
+    template, keys = pieces[0::2], [int(k) for k in pieces[1::2]]
+    segments: list[Segment] = [(template[0], True)]
+    pos = len(template[0])
+    aligned = real.startswith(template[0])
+    for i, key in enumerate(keys):
+        if not aligned:
+            break
+        after = template[i + 1]
+        last = i == len(keys) - 1
+        for option in _candidates(markers.texts[key]):
+            end = pos + len(option)
+            if real.startswith(option, pos) and real.startswith(after, end) and (
+                    not last or end + len(after) == len(real)):
+                segments += [(option, False), (after, True)]
+                pos = end + len(after)
+                break
+        else:
+            aligned = False
+    if aligned and pos == len(real):
+        return [s for s in segments if s[0]], True
+    segments = [(template[0], True)]
+    for i, key in enumerate(keys):
+        text = markers.texts[key]
+        quoted = template[i].endswith('"') and template[i + 1].startswith('"')
+        segments += [(json.dumps(text)[1:-1] if quoted else text, False), (template[i + 1], True)]
+    return [s for s in segments if s[0]], False
+
+
 class ChatTemplate:
     """Turns a list of chat messages into the prompt text the model was trained on."""
 
     supports_tools = False  # whether the template renders `tools` and tool messages
+    _warned_rewrite = False
+
+    def render_segments(self, messages: Sequence[ChatMessage],
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[Segment]:
+        """Render, telling the template's own text from the request's (see split_rendered)."""
+        markers = Markers()
+        marked = self.render([m.marked(markers) for m in messages],
+                             markers.tree(list(tools)) if tools else None)
+        real = self.render(messages, tools)
+        segments, exact = split_rendered(marked, real, markers)
+        if not exact and not self._warned_rewrite:
+            self._warned_rewrite = True
+            log.info("chat template %s rewrites message text; such prompts carry the text as sent",
+                     self.source)
+        return segments
 
     def render(self, messages: Sequence[ChatMessage],
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:  # pragma: no cover - interface

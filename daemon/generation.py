@@ -111,7 +111,7 @@ class Generation:
     step boundary.
     """
 
-    __slots__ = ("_cancelled", "_loop", "_queue", "final", "id", "request")
+    __slots__ = ("_cancelled", "_loop", "_queue", "final", "grammar", "id", "request")
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
         self.id: Final = next(_ids)
@@ -120,6 +120,8 @@ class Generation:
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
         self.final: Finished | None = None  # the Finished event, once it arrived
+        # The request's compiled grammar, owned by the engine until the sequence starts.
+        self.grammar: object | None = None
 
     @property
     def cancelled(self) -> bool:

@@ -19,9 +19,10 @@ from edgellmd.chat import (
     ChatTemplate,
     JinjaChatTemplate,
     TemplateError,
+    json_keys,
 )
 from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError
-from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ServerOverloaded
+from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ServerOverloaded, ServiceUnavailable
 from edgellmd.generation import Generation, GenerationRequest
 from edgellmd.lockfile import LockedModel
 from edgellmd.settings import ModelSettings
@@ -85,6 +86,11 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
     return None
 
 
+def _gone(name: str) -> ServiceUnavailable:
+    return ServiceUnavailable(f"the model {name!r} was unloaded while the request was prepared; retry",
+                              headers={"Retry-After": "1"})
+
+
 @dataclass(frozen=True, slots=True)
 class Provenance:
     """Where a loaded model's bytes came from, for status pages and change detection."""
@@ -143,7 +149,8 @@ class ModelHandle:
                              param="model", code="model_not_supported")
 
     def _tokenize_bounded(self, text: str, param: str, *, add_special: bool = True,
-                          parse_special: bool = False) -> list[int]:
+                          parse_special: bool = False,
+                          whole: Callable[[], list[int]] | None = None) -> list[int]:
         """Tokenize `text`, giving up early (400) once a prefix proves it cannot fit the context.
 
         Tokenizing is linear or worse in the text's length and runs on the prompt pool that
@@ -151,7 +158,8 @@ class ModelHandle:
         prefixes of growing length (`PREFIX_CHARS_PER_TOKEN` characters per token of the
         context, doubling) are tried first. A prefix cut mid-word may hold a few more tokens
         than the same text inside the whole prompt, so a prefix must exceed the limit by
-        `_prefix_slack` before it proves anything.
+        `_prefix_slack` before it proves anything. `whole` tokenizes the whole prompt when
+        that is not `text` tokenized plainly (a chat prompt's segments).
         """
         limit = self.settings.context_size
         enough = limit + _prefix_slack(limit)
@@ -166,16 +174,27 @@ class ModelHandle:
                     f"this model's context is {limit} tokens per request; {what} has at least "
                     f"{at_least} tokens (its first {chars} characters alone)", param=param)
             chars *= 2
+        if whole is not None:
+            return whole()
         return self.engine.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def _render_and_tokenize(self, messages: Sequence[ChatMessage],
                              tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         assert self.template is not None  # noqa: S101 - checked by the caller
-        text = self.template.render(messages, tools)
+        generator = self.generator
+        # Object keys of tool arguments and tool definitions stay in the template's text (they
+        # order its JSON); the only ones refused are those that spell a control token.
+        for key in json_keys([tools or [], [m.as_dict().get("tool_calls") or [] for m in messages]]):
+            if generator.contains_control_text(key):
+                raise InvalidRequest("an object key in 'tools' or 'tool_calls' holds the text of one of "
+                                     "the model's control tokens", param="messages")
+        segments = self.template.render_segments(messages, tools)
+        text = "".join(part for part, _ in segments)
         # Templates that print the BOS themselves must not get a second one from the tokenizer.
         bos = self.engine.info.bos_text
-        add_special = not (bos and text.startswith(bos))
-        return self._tokenize_bounded(text, "messages", add_special=add_special, parse_special=True)
+        add_special = not (bos and segments and segments[0][1] and segments[0][0].startswith(bos))
+        return self._tokenize_bounded(
+            text, "messages", whole=lambda: generator.tokenize_segments(segments, add_special=add_special))
 
     async def chat_prompt(self, messages: Sequence[ChatMessage],
                           tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
@@ -194,6 +213,8 @@ class ModelHandle:
             tokens = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages, tools)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
+        except EngineError:  # unloaded meanwhile (a swap or an unload while it rendered)
+            raise _gone(self.name) from None
         self.check_prompt(tokens, "messages")
         return tokens
 
@@ -201,7 +222,10 @@ class ModelHandle:
         """Tokenize a prompt (or check given token ids), off the event loop."""
         if isinstance(prompt, str):
             loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(self.executor, self._tokenize_bounded, prompt, param)
+            try:
+                tokens = await loop.run_in_executor(self.executor, self._tokenize_bounded, prompt, param)
+            except EngineError:
+                raise _gone(self.name) from None
         else:
             tokens = list(prompt)
             if any(t >= self.engine.n_vocab for t in tokens):
@@ -254,5 +278,9 @@ class ModelHandle:
         """Embed tokenized inputs on the model's own thread (429 when it is saturated)."""
         embedder = self.embedder
         self.check_capacity()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, embedder.embed, inputs)
+        try:
+            return await asyncio.wrap_future(embedder.submit_embed(inputs))
+        except EngineError as exc:
+            if "unloaded" in str(exc) or "shutting down" in str(exc):
+                raise _gone(self.name) from None
+            raise

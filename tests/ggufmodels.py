@@ -39,13 +39,29 @@ class TinyModelSpec:
     name: str = "tiny-llama"
     # Scale of the output projection: large enough that greedy choices are not near-ties.
     output_scale: float = 2.0
+    # Extra control tokens after the byte tokens (ids from N_VOCAB on), as a chat model's
+    # turn markers are: llama.cpp parses their text into one token when told to.
+    control_tokens: tuple[str, ...] = ()
 
 
-def _vocab() -> tuple[list[bytes], list[float], list[int]]:
+# A chat template whose markup is control tokens, as real chat models' templates are.
+CONTROL_CHAT_TEMPLATE: Final = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] | trim }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CONTROL_TOKENS: Final = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>")
+
+
+def _vocab(spec: TinyModelSpec) -> tuple[list[bytes], list[float], list[int]]:
     tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
-    scores = [0.0] * N_VOCAB
+    tokens += [t.encode() for t in spec.control_tokens]
+    scores = [0.0] * len(tokens)
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     types += [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.CONTROL] * len(spec.control_tokens)
     return tokens, scores, [int(t) for t in types]
 
 
@@ -71,7 +87,8 @@ def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
-    tokens, scores, types = _vocab()
+    tokens, scores, types = _vocab(spec)
+    n_vocab = len(tokens)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -86,9 +103,9 @@ def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
         writer.add_chat_template(spec.chat_template)
 
     # NumPy shapes are ggml's dimensions reversed.
-    writer.add_tensor("token_embd.weight", weight(N_VOCAB, spec.n_embd, scale=1.0))
+    writer.add_tensor("token_embd.weight", weight(n_vocab, spec.n_embd, scale=1.0))
     writer.add_tensor("output_norm.weight", np.ones(spec.n_embd, dtype=np.float32))
-    writer.add_tensor("output.weight", weight(N_VOCAB, spec.n_embd, scale=spec.output_scale))
+    writer.add_tensor("output.weight", weight(n_vocab, spec.n_embd, scale=spec.output_scale))
     for i in range(spec.n_layer):
         blk = f"blk.{i}"
         writer.add_tensor(f"{blk}.attn_norm.weight", np.ones(spec.n_embd, dtype=np.float32))

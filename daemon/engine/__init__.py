@@ -24,13 +24,16 @@ from edgellmd.engine.native import (
     json_schema_grammar,
     supports_gpu_offload,
 )
+from edgellmd.engine.sampling import CompiledGrammar, GrammarError
 from edgellmd.engine.scheduler import Engine
 
 __all__ = [
+    "CompiledGrammar",
     "EmbeddingEngine",
     "Engine",
     "EngineConfig",
     "EngineError",
+    "GrammarError",
     "ModelInfo",
     "ModelLoadError",
     "apply_builtin_template",

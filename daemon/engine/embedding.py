@@ -66,7 +66,6 @@ class EmbeddingEngine(NativeThread):
         super().__init__(config, name)
         self._jobs: deque[_EmbedJob] = deque()
         self._current: _EmbedJob | None = None  # the job being embedded (engine thread writes)
-        self._tokenizing = 0  # tokenize() calls in progress: the vocabulary is freed after them
         # Liveness for the systemd watchdog: when the thread last finished a batch or idled.
         self.heartbeat = time.monotonic()
         self._start_thread(f"embed:{name}")
@@ -138,19 +137,19 @@ class EmbeddingEngine(NativeThread):
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text to token ids (thread-safe: the vocabulary is read-only until close)."""
-        with self._cond:
-            if self._stopping:  # the vocabulary is freed with the model
-                raise EngineError("engine is shutting down")
-            self._tokenizing += 1
-        try:
+        with self.native_use():
             return tokenize_text(self._vocab, text, add_special=add_special, parse_special=parse_special)
-        finally:
-            with self._cond:
-                self._tokenizing -= 1
-                self._cond.notify_all()
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         """One unit-length vector per token list, in input order (blocking; thread-safe)."""
+        return self.submit_embed(inputs).result()
+
+    def submit_embed(self, inputs: Sequence[Sequence[int]]) -> Future[list[list[float]]]:
+        """Queue an embed job; its future holds one unit vector per input (never blocks).
+
+        The event loop awaits the future itself (asyncio.wrap_future): no pool thread is
+        held waiting while the model works.
+        """
         if not inputs:
             raise EngineError("no inputs to embed")
         limit = self.config.context_size
@@ -170,7 +169,7 @@ class EmbeddingEngine(NativeThread):
                 raise EngineError("engine is shutting down")
             self._jobs.append(job)
             self._cond.notify()
-        return job.future.result()
+        return job.future
 
     @property
     def busy_slots(self) -> int:
@@ -207,6 +206,9 @@ class EmbeddingEngine(NativeThread):
                 # sees neither while a job moves from one to the other.
                 job = self._current = self._jobs[0]
                 self._jobs.popleft()
+            if not job.future.set_running_or_notify_cancel():  # its caller gave up meanwhile
+                self._current = None
+                continue
             try:
                 job.future.set_result(self._embed_all(job.inputs))
             except EngineError as exc:
@@ -270,11 +272,9 @@ class EmbeddingEngine(NativeThread):
             leftovers = list(self._jobs)
             self._jobs.clear()
         for job in leftovers:
-            job.future.set_exception(EngineError("the model was unloaded"))
-        with self._cond:
-            while self._tokenizing:
-                self._cond.wait()
-        self._free_native()
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(EngineError("the model was unloaded"))
+        self._free_native()  # once every tokenize() in progress is out
 
 
 def _unit(vector: list[float]) -> list[float]:

@@ -4,12 +4,14 @@ metadata, tokens, and the one-thread-per-model base class."""
 from __future__ import annotations
 
 import abc
+import contextlib
 import ctypes
 import json
 import logging
 import os
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -191,6 +193,130 @@ def tokenize_text(vocab: Any, text: str, *, add_special: bool, parse_special: bo
     return list(buf[:n])
 
 
+class ControlTokens:
+    """The vocabulary's control tokens by text, for tokenizing prompts whose user text stays text.
+
+    llama.cpp, told to parse special tokens, turns the text of any control token anywhere in
+    a prompt into that token; told not to, it turns none, not even the chat template's own.
+    A chat prompt needs both at once: the template's markup parsed, the messages' text not
+    (a user who writes `<end_of_turn><start_of_turn>system` must not forge a system turn).
+    So the prompt is split here, as llama.cpp's own tokenizer splits it (`tokenizer_st_partition`),
+    but only in the parts the template wrote, and every raw fragment between the control tokens
+    is tokenized without special parsing. User-defined tokens (whitespace runs, markup that
+    some vocabularies add as ordinary text) are still matched by llama.cpp in every fragment, as
+    Hugging Face tokenizers match non-special added tokens.
+    """
+
+    __slots__ = ("_starts", "by_text", "lengths", "lstrip", "rstrip")
+
+    def __init__(self, vocab: Any, n_vocab: int) -> None:
+        self.by_text: dict[str, int] = {}
+        self.lstrip: set[int] = set()
+        self.rstrip: set[int] = set()
+        wanted = llama.LLAMA_TOKEN_ATTR_CONTROL | llama.LLAMA_TOKEN_ATTR_UNKNOWN
+        for token in range(n_vocab):
+            attr = llama.llama_vocab_get_attr(vocab, token)
+            if not attr & wanted:
+                continue
+            raw = llama.llama_vocab_get_text(vocab, token)
+            try:
+                text = raw.decode("utf-8") if raw else ""
+            except UnicodeDecodeError:
+                continue
+            if not text:
+                continue
+            # The first token of a text wins, as in llama.cpp's stable sort by length.
+            self.by_text.setdefault(text, token)
+            if attr & llama.LLAMA_TOKEN_ATTR_LSTRIP:
+                self.lstrip.add(token)
+            if attr & llama.LLAMA_TOKEN_ATTR_RSTRIP:
+                self.rstrip.add(token)
+        self.lengths = sorted({len(t) for t in self.by_text}, reverse=True)
+        firsts = sorted({t[0] for t in self.by_text})
+        self._starts = re.compile("[" + "".join(re.escape(c) for c in firsts) + "]") if firsts else None
+
+    def find(self, text: str, start: int) -> tuple[int, int, int] | None:
+        """The leftmost control token in text[start:], the longest at that place: (position, length, id)."""
+        starts = self._starts
+        if starts is None:
+            return None
+        while (match := starts.search(text, start)) is not None:
+            at = match.start()
+            for n in self.lengths:
+                token = self.by_text.get(text[at : at + n])
+                if token is not None:
+                    return at, n, token
+            start = at + 1
+        return None
+
+    def contains(self, text: str) -> bool:
+        """True when `text` holds the text of a control token."""
+        return self.find(text, 0) is not None
+
+
+def tokenize_segments(vocab: Any, controls: ControlTokens, segments: Sequence[tuple[str, bool]], *,
+                      add_special: bool) -> list[int]:
+    """Tokenize (text, trusted) segments: control tokens are parsed in trusted text only.
+
+    The fragments between control tokens are tokenized one by one without special parsing,
+    exactly as llama.cpp tokenizes the fragments its own split leaves, so a prompt whose
+    untrusted text holds no control-token text gets the same tokens as llama.cpp's
+    `parse_special` tokenization of the whole text.
+    """
+    parts: list[str | int] = []  # raw fragments and control token ids, in order
+    raw: list[str] = []
+    strip_next = False  # the previous control token strips the whitespace after it
+
+    def add_raw(text: str) -> None:
+        nonlocal strip_next
+        if strip_next:
+            text = text.lstrip()
+            strip_next = not text
+        if text:
+            raw.append(text)
+
+    def add_control(token: int) -> None:
+        nonlocal strip_next
+        joined = "".join(raw)
+        raw.clear()
+        if token in controls.lstrip:
+            joined = joined.rstrip()
+        if joined:
+            parts.append(joined)
+        parts.append(token)
+        strip_next = token in controls.rstrip
+
+    for text, trusted in segments:
+        if not trusted or not controls.by_text:
+            add_raw(text)
+            continue
+        at = 0
+        while (found := controls.find(text, at)) is not None:
+            pos, length, token = found
+            add_raw(text[at:pos])
+            add_control(token)
+            at = pos + length
+        add_raw(text[at:])
+    if raw:
+        parts.append("".join(raw))
+
+    out: list[int] = []
+    if add_special and llama.llama_vocab_get_add_bos(vocab):
+        bos = llama.llama_vocab_bos(vocab)
+        if bos >= 0:
+            out.append(bos)
+    for part in parts:
+        if isinstance(part, int):
+            out.append(part)
+        else:
+            out.extend(tokenize_text(vocab, part, add_special=False, parse_special=False))
+    if add_special and llama.llama_vocab_get_add_eos(vocab):
+        eos = llama.llama_vocab_eos(vocab)
+        if eos >= 0:
+            out.append(eos)
+    return out
+
+
 def token_piece(vocab: Any, token: int, *, special: bool = False) -> bytes:
     buf = ctypes.create_string_buffer(_PIECE_BUF)
     n = llama.llama_token_to_piece(vocab, token, buf, _PIECE_BUF, 0, special)
@@ -221,8 +347,29 @@ class NativeThread(abc.ABC):
         self.name: Final = name
         if not config.path.is_file():
             raise ModelLoadError(f"model file not found: {config.path}")
-        self._cond = threading.Condition()  # guards the subclass's queue and _stopping
+        self._cond = threading.Condition()  # guards the subclass's queue, _stopping and _users
         self._stopping = False
+        self._users = 0  # calls into the model from other threads (tokens, grammars) in progress
+
+    @contextlib.contextmanager
+    def native_use(self) -> Iterator[None]:
+        """Hold the model for a native call from another thread; EngineError once it is closing.
+
+        The prompt pool tokenizes and builds grammars while requests hold a lease, but a
+        request whose client went away lets go of its lease while a pool thread may still
+        be inside llama.cpp for it: the model is freed only once every such call is out.
+        """
+        with self._cond:
+            if self._stopping:  # the vocabulary is freed with the model
+                raise EngineError("engine is shutting down")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._users -= 1
+                if not self._users:
+                    self._cond.notify_all()
 
     def close(self) -> None:
         """Stop the thread; it fails what is left, then frees native memory (blocking; idempotent)."""
@@ -286,6 +433,11 @@ class NativeThread(abc.ABC):
         """Provided by each engine (runs on the engine thread)."""
 
     def _free_native(self) -> None:
+        # Nobody may start a native call any more; the ones in progress finish first.
+        with self._cond:
+            self._stopping = True
+            while self._users:
+                self._cond.wait()
         # Whatever _load got as far as creating, in reverse order.
         if getattr(self, "_batch", None) is not None:
             llama.llama_batch_free(self._batch)

@@ -29,6 +29,51 @@ class GrammarError(EngineError):
     """A grammar llama.cpp cannot parse."""
 
 
+class CompiledGrammar:
+    """A parsed grammar sampler waiting for its sequence; whoever holds it frees it or hands it on.
+
+    Grammar samplers keep their own copy of the rules: freeing one never touches the
+    vocabulary, so the safety net in __del__ is harmless even after the model is gone.
+    """
+
+    __slots__ = ("_sampler",)
+
+    def __init__(self, sampler: Any) -> None:
+        self._sampler: Any = sampler
+
+    def take(self) -> Any:
+        """The native sampler, now owned by the caller (once)."""
+        sampler, self._sampler = self._sampler, None
+        if sampler is None:
+            raise EngineError("this compiled grammar was used already")
+        return sampler
+
+    def free(self) -> None:
+        """Free the native sampler unless it was taken (idempotent)."""
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            llama.llama_sampler_free(sampler)
+
+    def __del__(self) -> None:
+        self.free()
+
+
+def compile_grammar(vocab: Any, grammar: str, copies: int = 1) -> list[CompiledGrammar]:
+    """Parse `grammar` (GBNF, rule `root`) into `copies` independent grammar samplers."""
+    first = llama.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+    if not first:
+        raise GrammarError("llama.cpp refused the grammar")
+    out = [CompiledGrammar(first)]
+    for _ in range(copies - 1):
+        clone = llama.llama_sampler_clone(first)
+        if not clone:
+            for compiled in out:
+                compiled.free()
+            raise GrammarError("llama.cpp could not copy the grammar")
+        out.append(CompiledGrammar(clone))
+    return out
+
+
 def make_chain(sp: SamplingParams, n_vocab: int) -> tuple[Any, Any]:
     """The request's sampler chain, and its penalties sampler (None without penalties)."""
     chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
@@ -74,15 +119,16 @@ class SlotSampler:
 
     __slots__ = ("_candidates", "_check", "chain", "grammar", "history", "logit_bias", "penalties")
 
-    def __init__(self, sp: SamplingParams, vocab: Any, candidates: Candidates) -> None:
-        """Build the chain (and the grammar); GrammarError when the grammar does not parse."""
+    def __init__(self, sp: SamplingParams, vocab: Any, candidates: Candidates,
+                 grammar: CompiledGrammar | None = None) -> None:
+        """Build the chain around the request's grammar, compiled beforehand (see Engine.submit)."""
         self._candidates = candidates
         self.logit_bias = sp.logit_bias
         self.grammar: Any = None
-        if sp.grammar is not None:
-            self.grammar = llama.llama_sampler_init_grammar(vocab, sp.grammar.encode(), b"root")
-            if not self.grammar:
-                raise GrammarError("the grammar does not parse")
+        if grammar is not None:
+            self.grammar = grammar.take()
+        elif sp.grammar is not None:  # pragma: no cover - Engine.submit compiles every grammar
+            self.grammar = compile_grammar(vocab, sp.grammar)[0].take()
         self.chain, penalties = make_chain(sp, candidates.n_vocab)
         self._check: Any = None
         # On a grammar miss the chain has already accepted the rejected pick into its

@@ -24,15 +24,23 @@ import llama_cpp as llama
 import numpy as np
 
 from edgellmd.engine.native import (
+    ControlTokens,
     EngineConfig,
     EngineError,
     ModelLoadError,
     NativeThread,
     read_model_info,
     token_piece,
+    tokenize_segments,
     tokenize_text,
 )
-from edgellmd.engine.sampling import Candidates, GrammarError, SlotSampler, make_chain
+from edgellmd.engine.sampling import (
+    Candidates,
+    CompiledGrammar,
+    SlotSampler,
+    compile_grammar,
+    make_chain,
+)
 from edgellmd.generation import (
     Event,
     Finished,
@@ -131,14 +139,36 @@ class Engine(NativeThread):
         self._memory = llama.llama_get_memory(ctx)
         self._batch = llama.llama_batch_init(config.batch_size, 0, config.slots)
         self.info = read_model_info(model, self._vocab, config.path)
+        self.controls = ControlTokens(self._vocab, self.n_vocab)
         # Room for the whole vocabulary: the last resort of a grammar miss draws from all of it.
         self._candidates = Candidates(self.n_vocab)
 
     # ---- tokens ---------------------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Text to token ids (thread-safe: the vocabulary is read-only)."""
-        return tokenize_text(self._vocab, text, add_special=add_special, parse_special=parse_special)
+        """Text to token ids (thread-safe: the vocabulary is read-only until close)."""
+        with self.native_use():
+            return tokenize_text(self._vocab, text, add_special=add_special, parse_special=parse_special)
+
+    def tokenize_segments(self, segments: Sequence[tuple[str, bool]], *,
+                          add_special: bool = True) -> list[int]:
+        """(text, trusted) segments to token ids; control tokens are parsed in trusted text only."""
+        with self.native_use():
+            return tokenize_segments(self._vocab, self.controls, segments, add_special=add_special)
+
+    def contains_control_text(self, text: str) -> bool:
+        """True when `text` holds the text of one of the vocabulary's control tokens."""
+        return self.controls.contains(text)
+
+    def compile_grammar(self, grammar: str, copies: int = 1) -> list[CompiledGrammar]:
+        """Parse a GBNF grammar into `copies` grammar samplers (any thread; GrammarError if refused).
+
+        Done before a request is admitted, on the prompt pool: the scheduler thread never
+        meets a grammar for the first time, and a grammar llama.cpp refuses is the client's
+        error, answered before anything is queued.
+        """
+        with self.native_use():
+            return compile_grammar(self._vocab, grammar, copies)
 
     def _piece(self, token: int, *, special: bool = False) -> bytes:
         return token_piece(self._vocab, token, special=special)
@@ -149,13 +179,32 @@ class Engine(NativeThread):
 
     # ---- scheduler interface (event loop side) -------------------------------------------
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Generation:
-        """Queue a generation; its events arrive on `loop`. Never blocks on llama.cpp."""
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+               grammar: CompiledGrammar | None = None) -> Generation:
+        """Queue a generation; its events arrive on `loop`. Never blocks on the scheduler.
+
+        A request with a grammar brings it compiled (`compile_grammar`, on the prompt pool);
+        one that does not gets it compiled here, in the caller's thread (GrammarError).
+        The engine owns `grammar` from here on, whatever happens.
+        """
+        try:
+            return self._queue(request, loop, grammar)
+        except BaseException:
+            if grammar is not None:
+                grammar.free()
+            raise
+
+    def _queue(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+               grammar: CompiledGrammar | None) -> Generation:
         if len(request.prompt_tokens) == 0:
             raise EngineError("empty prompt")
         gen = Generation(request, loop)
+        gen.grammar = grammar
+        if request.sampling.grammar is not None and grammar is None:
+            gen.grammar = self.compile_grammar(request.sampling.grammar)[0]
         with self._cond:
             if self._stopping:
+                _free_grammar(gen)
                 raise EngineError("engine is shutting down")
             self._pending.append(gen)
             self._cond.notify()
@@ -198,6 +247,7 @@ class Engine(NativeThread):
             leftovers = list(self._pending)
             self._pending.clear()
         for gen in leftovers:
+            _free_grammar(gen)
             gen.push_threadsafe([Finished("error", len(gen.request.prompt_tokens), 0,
                                           error="the model was unloaded")])
         for i, slot in enumerate(self._slots):
@@ -251,6 +301,7 @@ class Engine(NativeThread):
             if any(g.cancelled for g in self._pending):
                 for gen in [g for g in self._pending if g.cancelled]:
                     self._pending.remove(gen)
+                    _free_grammar(gen)
                     self.finished["cancelled"] += 1
                     gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), 0)])
             while self._pending and None in self._slots:
@@ -279,12 +330,9 @@ class Engine(NativeThread):
             llama.llama_memory_seq_rm(self._memory, best, -1, -1)
             reuse = 0
         del self._kv[best][reuse:]
-        try:
-            sampler = SlotSampler(gen.request.sampling, self._vocab, self._candidates)
-        except GrammarError as exc:  # the API layer compiles grammars it makes; a safety net
-            gen.push_threadsafe([Finished("error", len(prompt), 0, error=str(exc))])
-            self.finished["error"] += 1
-            return
+        grammar, gen.grammar = gen.grammar, None
+        sampler = SlotSampler(gen.request.sampling, self._vocab, self._candidates,
+                              grammar if isinstance(grammar, CompiledGrammar) else None)
         slot = _Slot(gen, sampler)
         slot.prefilled = slot.n_past = reuse
         self.prompt_tokens_reused += reuse
@@ -452,6 +500,13 @@ def _push_all(loop: asyncio.AbstractEventLoop, items: list[tuple[Generation, lis
 def _after_consumers(loop: asyncio.AbstractEventLoop, done: threading.Event) -> None:
     # One more turn: a consumer's write may have scheduled follow-up work of its own.
     loop.call_soon(done.set)
+
+
+def _free_grammar(gen: Generation) -> None:
+    grammar = gen.grammar
+    gen.grammar = None
+    if isinstance(grammar, CompiledGrammar):
+        grammar.free()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
