@@ -1,27 +1,54 @@
-"""Command-line entry point of `edgellmd`: validate a config, or serve it."""
+"""Command-line entry point of `edgellmd`: validate a config, or serve it.
+
+The heavy modules (aiohttp, llama.cpp, the models) are imported only once the signal
+handlers are in place: a SIGTERM or SIGHUP in the first moments of start-up (systemd
+stopping a unit that is still starting, an operator's reload) is noted and honoured,
+never the default action that kills the process with status 143 or 129.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
-from typing import Final
+from types import FrameType
+from typing import TYPE_CHECKING, Final
 
-from aiohttp import web
+from edgellmd import __version__
 
-from edgellmd import __version__, appkeys, logs
-from edgellmd.app import create_app, start_server
-from edgellmd.generation import SHUTTING_DOWN
-from edgellmd.host import Pinning, pin_cpus
-from edgellmd.settings import ConfigError, Settings, check_config, load_settings
-from edgellmd.signals import Signals
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from edgellmd.host import Pinning
+    from edgellmd.settings import Settings
 
 log = logging.getLogger("edgellmd")
 
 SWITCH_INTERVAL_S: Final = 0.0005
 FINAL_WRITE_S: Final = 2.0  # after the drain deadline, for cut streams to send their error event
+EARLY_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class EarlySignals:
+    """Notes stop and reload signals from the start of `main` until the daemon's own take over."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.reloads = 0
+
+    def install(self) -> None:
+        """Catch SIGTERM, SIGINT and SIGHUP from now on."""
+        for signum in EARLY_SIGNALS:
+            signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        if signum == signal.SIGHUP:
+            self.reloads += 1  # nothing is loaded yet: the first load reads the newest files
+        else:
+            self.stop = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,11 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(settings: Settings, pinning: Pinning | None = None) -> None:
+async def serve(settings: Settings, pinning: Pinning | None = None,
+                early: EarlySignals | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (bounded by shutdown_timeout_s).
 
     SIGHUP reloads: the lockfile is verified again and changed models are swapped in.
     """
+    import asyncio  # noqa: PLC0415 - see the module docstring
+
+    from edgellmd import appkeys  # noqa: PLC0415
+    from edgellmd.app import create_app, start_server  # noqa: PLC0415
+    from edgellmd.signals import Signals  # noqa: PLC0415
+
     app = create_app(settings, pinning=pinning)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -60,6 +94,10 @@ async def serve(settings: Settings, pinning: Pinning | None = None) -> None:
     # leaves preload copies behind.
     signals = Signals(loop, on_stop=stop.set, on_reload=reload_on_signal)
     signals.attach()
+    if early is not None and early.stop:  # asked to stop while it was starting
+        log.info("stop requested during start-up: exiting before serving")
+        signals.detach()
+        return
     try:
         runner = await start_server(app, settings.server.host, settings.server.port)
         log.info("listening on %s:%d", settings.server.host, settings.server.port)
@@ -80,6 +118,9 @@ async def serve(settings: Settings, pinning: Pinning | None = None) -> None:
 
 async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) -> None:
     """Stop accepting; let running generations finish until the deadline, then end them with an error."""
+    from edgellmd import appkeys  # noqa: PLC0415 - see the module docstring
+    from edgellmd.generation import SHUTTING_DOWN  # noqa: PLC0415
+
     for site in runner.sites:
         server = site._server  # aiohttp keeps the asyncio server private; closing it stops accepting
         if server is not None:
@@ -96,16 +137,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the daemon and return its exit status."""
     args = build_parser().parse_args(argv)
     if args.check_config:
+        from edgellmd.settings import check_config  # noqa: PLC0415 - see the module docstring
+
         problems = check_config(args.check_config)
         for problem in problems:
             print(problem, file=sys.stderr)
         if not problems:
             print(f"{args.check_config}: configuration is valid")
         return 1 if problems else 0
+    early = EarlySignals()
+    early.install()
+    return _serve_main(args.config, early)
+
+
+def _serve_main(config: str, early: EarlySignals) -> int:
+    import asyncio  # noqa: PLC0415 - imported once the early signal handlers are in place
+
+    from edgellmd import logs  # noqa: PLC0415
+    from edgellmd.host import pin_cpus  # noqa: PLC0415
+    from edgellmd.settings import ConfigError, load_settings  # noqa: PLC0415
+
     try:
-        settings = load_settings(args.config)
+        settings = load_settings(config)
     except ConfigError as exc:
-        print(f"edgellmd: invalid configuration {args.config}:", file=sys.stderr)
+        print(f"edgellmd: invalid configuration {config}:", file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 1
@@ -118,8 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     pinning = pin_cpus(settings.host.cpus)
     log.info("edgellmd %s starting on %s:%d with %d model(s)", __version__, settings.server.host,
              settings.server.port, len(settings.models))
+    if early.stop:
+        log.info("stop requested during start-up: exiting before serving")
+        return 0
     try:
-        asyncio.run(serve(settings, pinning))
+        asyncio.run(serve(settings, pinning, early))
     except OSError as exc:
         log.error("cannot serve on %s:%d: %s", settings.server.host, settings.server.port, exc)  # noqa: TRY400 - the reason is the message
         return 1

@@ -14,7 +14,8 @@ from aiohttp import web
 
 from edgellmd import appkeys
 from edgellmd.errors import ApiError, Handler
-from edgellmd.keystore import ApiKey, KeyStore, hash_secret, parse_token
+from edgellmd.generation import KEY_REVOKED, Running
+from edgellmd.keystore import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
 from edgellmd.ratelimit import setup_ratelimit
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,30 @@ def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
     app.middlewares.append(admin_networks)
 
 
+def unusable(store: KeyStore, key_ids: set[str], now: datetime | None = None) -> set[str]:
+    """The ids among `key_ids` that no longer authenticate: removed, disabled or expired."""
+    moment = now or datetime.now(UTC)
+    return {k for k in key_ids if (key := store.get(k)) is None or key.usable(moment) is not None}
+
+
+async def watch_keys(store: KeyStore, running: Running) -> None:
+    """Reload the keys file when it changes; end the running requests of keys that stopped working.
+
+    Revocation bites within one check interval: a revoked, disabled or expired key's
+    streams end with an `invalid_api_key` error event, its waiting requests leave the queue.
+    """
+    while True:
+        await asyncio.sleep(RELOAD_INTERVAL_S)
+        store.reload_if_changed()
+        gone = unusable(store, running.key_ids())
+        if gone:
+            ended = running.abort_keys(gone, KEY_REVOKED)
+            for key_id in sorted(gone):
+                audit.warning("key no longer valid: its running requests were ended",
+                              extra={"peer": None, "key_id": key_id})
+            log.info("ended %d request(s) of %d key(s) that are no longer valid", ended, len(gone))
+
+
 def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: bool = False) -> None:
     """Install bearer-key checks on /v1/* and /admin/* (only when a keys file is configured)."""
     if keys_file is None:
@@ -131,7 +156,7 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
         store_holder.append(store)
         app[appkeys.KEY_STORE] = store
         log.info("API keys: %d key(s) from %s", len(store), keys_file)
-        task = asyncio.create_task(store.watch(), name="keys-watch")
+        task = asyncio.create_task(watch_keys(store, app[appkeys.GENERATIONS]), name="keys-watch")
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -101,6 +101,20 @@ class ServiceUnavailable(ApiError):
     default_code = "model_not_ready"
 
 
+class ServerShuttingDown(ServiceUnavailable):
+    """503: the server is shutting down; the request was cut (or never started)."""
+
+    default_code = "server_shutting_down"
+
+
+class KeyRevoked(ApiError):
+    """401: the key was revoked, disabled or expired while its request was running or waiting."""
+
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
 class GenerationTimeout(ApiError):
     """504: the model produced nothing within server.progress_timeout_s."""
 

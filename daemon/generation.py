@@ -20,6 +20,7 @@ DEFAULT_PENALTY_LAST_N: Final = 64
 
 _ids = itertools.count(1)
 SHUTTING_DOWN: Final = "the server is shutting down"  # Finished.error of generations cut by a shutdown
+KEY_REVOKED: Final = "the API key was revoked or disabled"  # Finished.error when a key stops being usable
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,26 +228,38 @@ class StopMatcher:
 
 
 class Running:
-    """The generations requests are consuming now, so that a shutdown can wait for them or end them."""
+    """The generations requests are consuming now, with the API key each runs for, so that a
+    shutdown can wait for them or end them, and a revoked key's can be ended at once."""
 
     def __init__(self) -> None:
-        self._items: set[Generation] = set()
+        self._items: dict[Generation, str | None] = {}
         self._empty = asyncio.Event()
         self._empty.set()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, gen: Generation) -> None:
-        """A request started consuming `gen`."""
-        self._items.add(gen)
+    def add(self, gen: Generation, key_id: str | None = None) -> None:
+        """A request (authenticated by `key_id`, if any) started consuming `gen`."""
+        self._items[gen] = key_id
         self._empty.clear()
 
     def discard(self, gen: Generation) -> None:
         """The request is done with `gen`."""
-        self._items.discard(gen)
+        self._items.pop(gen, None)
         if not self._items:
             self._empty.set()
+
+    def key_ids(self) -> set[str]:
+        """The keys that running generations were authenticated by."""
+        return {key for key in self._items.values() if key is not None}
+
+    def abort_keys(self, key_ids: set[str], reason: str) -> int:
+        """End the generations of these keys with an error event (waiting ones leave the queue)."""
+        items = [gen for gen, key in self._items.items() if key in key_ids]
+        for gen in items:
+            gen.abort(reason)
+        return len(items)
 
     def abort_all(self, reason: str) -> int:
         """End every running generation with an error event; returns how many."""

@@ -93,6 +93,15 @@ class Outcome:
                 "trigger": self.trigger, "at": self.at, "version": self.version}
 
 
+@dataclass(slots=True)
+class _Queued:
+    """A reload waiting for the registry's mutex, which later requests it covers may join."""
+
+    names: tuple[str, ...] | None
+    force: bool
+    done: asyncio.Future[list[Outcome]]
+
+
 class _LoadFailed(Exception):
     """A step of building a handle failed; the message is the reason operators see."""
 
@@ -152,7 +161,9 @@ class Registry:
         self._gpu = gpu  # the GPU monitor's latest snapshot, for gpu_layers: auto
         self._gpu_headroom = gpu_headroom_bytes
         self._mutex = asyncio.Lock()  # one load/reload/unload at a time
+        self._queued: list[_Queued] = []  # reloads waiting for the mutex
         self._disposals: set[asyncio.Task[None]] = set()
+        self._freeing: dict[str, set[asyncio.Task[None]]] = {}  # by model: copies being freed
         self._draining: set[ModelHandle] = set()  # retired, waiting for their last request
         self.area: PreloadArea | None = None
         self.lock_version: int | None = None  # of the last lockfile that verified
@@ -257,12 +268,33 @@ class Registry:
         operator unloaded stay unloaded unless named explicitly.
         """
         entries = [self._entry(n) for n in names] if names is not None else list(self._entries.values())
-        async with self._mutex:
-            if trigger != "start":
-                self._notify("reload_started", [])
-            outcomes = await self._reload(entries, names, force=force, trigger=trigger)
-            self._notify("reload_finished", outcomes)
-            return outcomes
+        # Coalesce: a reload still waiting for its turn reads the files only once it runs, so a
+        # request that it covers (all models, or these; forced if this one is) joins it. A storm
+        # of reloads thus runs at most one beside the one in progress.
+        for waiting in self._queued:
+            if (waiting.names is None or (names is not None and set(names) <= set(waiting.names))) \
+                    and (waiting.force or not force):
+                outcomes = await asyncio.shield(waiting.done)
+                return [o for o in outcomes if names is None or o.model in names]
+        queued = _Queued(tuple(names) if names is not None else None, force,
+                         asyncio.get_running_loop().create_future())
+        self._queued.append(queued)
+        try:
+            async with self._mutex:
+                self._queued.remove(queued)
+                if trigger != "start":
+                    self._notify("reload_started", [])
+                outcomes = await self._reload(entries, names, force=force, trigger=trigger)
+                self._notify("reload_finished", outcomes)
+        except BaseException as exc:
+            if queued in self._queued:
+                self._queued.remove(queued)
+            if not queued.done.done():
+                queued.done.set_exception(exc)
+                queued.done.exception()  # retrieved: a storm's joiners may all be gone
+            raise
+        queued.done.set_result(outcomes)
+        return outcomes
 
     def _notify(self, event: str, outcomes: list[Outcome]) -> None:
         for observer in self.observers:
@@ -362,6 +394,9 @@ class Registry:
             entry.state = ModelState.LOADING
         entry.reloading = True
         try:
+            # At most one copy beside the serving one: versions retired by earlier reloads
+            # (their last request is done) are freed before another is built.
+            await asyncio.gather(*self._freeing.get(name, ()), return_exceptions=True)
             handle = await self._build(entry.settings, locked, lock)
         except _LoadFailed as exc:
             return self._failed(entry, str(exc), trigger)
@@ -573,6 +608,9 @@ class Registry:
         task = asyncio.get_running_loop().create_task(self._free(handle), name=f"free:{handle.name}")
         self._disposals.add(task)
         task.add_done_callback(self._disposals.discard)
+        freeing = self._freeing.setdefault(handle.name, set())
+        freeing.add(task)
+        task.add_done_callback(freeing.discard)
 
     async def _free(self, handle: ModelHandle) -> None:
         loop = asyncio.get_running_loop()

@@ -254,6 +254,44 @@ def test_sigterm_drains_running_streams(tmp_path: Path, deadline: int, max_token
     assert not list(daemon.shm.glob("edgellmd-*"))  # no /dev/shm copy left behind
 
 
+def test_sigterm_cuts_a_non_streamed_request_with_server_shutting_down(tmp_path: Path) -> None:
+    """A whole answer cut by the drain deadline says why, as a stream's error event does (503
+    `server_shutting_down`, not `model_not_ready`)."""
+    model = write_tiny_model(tmp_path / "small.gguf", TinyModelSpec(seed=22, n_embd=256, n_ff=1024))
+    daemon = start_daemon(tmp_path, model, {}, shutdown_timeout_s=1, max_tokens_limit=4000)
+    answers: list[tuple[int, dict[str, Any]]] = []
+
+    def ask() -> None:
+        body = json.dumps({"model": "m", "prompt": "go", "max_tokens": 4000, "ignore_eos": True}).encode()
+        req = urllib.request.Request(daemon.url + "/v1/completions", data=body,  # noqa: S310 - loopback
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - loopback
+                answers.append((r.status, json.loads(r.read())))
+        except urllib.error.HTTPError as exc:
+            answers.append((exc.code, json.loads(exc.read())))
+
+    try:
+        deadline_at = time.monotonic() + 60
+        while daemon.get("/readyz")[0] != 200:
+            assert time.monotonic() < deadline_at, daemon.log.read_text()
+            time.sleep(0.05)
+        thread = threading.Thread(target=ask)
+        thread.start()
+        while daemon.get("/admin/status")[1]["models"][0]["slots_busy"] < 1:
+            assert time.monotonic() < deadline_at
+            time.sleep(0.02)
+        daemon.proc.send_signal(signal.SIGTERM)
+        thread.join(120)
+    finally:
+        code = stop(daemon)
+    assert code == 0
+    assert len(answers) == 1
+    status, body = answers[0]
+    assert status == 503, body
+    assert body["error"]["code"] == "server_shutting_down"
+
+
 def test_notifier_without_a_socket_is_a_quiet_no_op() -> None:
     notifier = Notifier({})
     assert not notifier.enabled

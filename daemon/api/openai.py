@@ -25,9 +25,11 @@ from edgellmd.api.schemas import (
     parse_embeddings,
     read_json_object,
 )
+from edgellmd.auth import unusable
 from edgellmd.chat import ChatMessage
-from edgellmd.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
-from edgellmd.generation import Generation, GenerationRequest
+from edgellmd.engine import CompiledGrammar
+from edgellmd.errors import InvalidRequest, KeyRevoked, ModelNotFound, ServiceUnavailable
+from edgellmd.generation import KEY_REVOKED, Generation, GenerationRequest
 from edgellmd.handle import ModelHandle
 
 log = logging.getLogger(__name__)
@@ -79,32 +81,62 @@ def _generation_request(handle: ModelHandle, common: CommonRequest, tokens: list
         sampling=sampling, stop=common.stop, ignore_eos=common.ignore_eos, logprobs=common.logprobs)
 
 
-def _submit_all(handle: ModelHandle, common: CommonRequest, tokens: list[int]) -> list[Generation]:
+def _submit_all(handle: ModelHandle, common: CommonRequest, tokens: list[int],
+                grammars: list[CompiledGrammar] | None) -> list[Generation]:
     """One generation per choice; all or none (a 429 on the third cancels the first two)."""
-    n_vocab = handle.engine.n_vocab
-    if any(token >= n_vocab for token, _ in common.sampling.logit_bias):
-        raise InvalidRequest(f"'logit_bias' token ids must be below {n_vocab}", param="logit_bias")
     gens: list[Generation] = []
+    pending = list(grammars or [])
     try:
         for choice in range(common.n):
-            gens.append(handle.submit(_generation_request(handle, common, tokens, choice)))  # noqa: PERF401 - partial list needed on failure
+            grammar = pending.pop(0) if pending else None
+            gens.append(handle.submit(_generation_request(handle, common, tokens, choice), grammar))
     except BaseException:
         for gen in gens:
             gen.cancel()
+        for grammar in pending:
+            grammar.free()
         raise
     return gens
 
 
+def user_tag(value: str | None) -> str | None:
+    """A client's `user` field as the access log may show it: short and printable."""
+    if value is None:
+        return None
+    value = value[:64]
+    return value if value.isprintable() else "(unprintable)"
+
+
+def check_key_still_valid(request: web.Request) -> None:
+    """401 when the request's key was revoked, disabled or expired since it was authenticated."""
+    key = request.get(appkeys.API_KEY)
+    store = request.app.get(appkeys.KEY_STORE)
+    if key is not None and store is not None and unusable(store, {key.id}):
+        raise KeyRevoked(KEY_REVOKED)
+
+
 async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
-               tokens: list[int], shape: Shape) -> web.StreamResponse:
-    if common.user is not None:
-        request[appkeys.USER_TAG] = common.user[:64]
-    gens = _submit_all(handle, common, tokens)
+               tokens: list[int], shape: Shape, *, param: str) -> web.StreamResponse:
+    tag = user_tag(common.user)
+    if tag is not None:
+        request[appkeys.USER_TAG] = tag
+    n_vocab = handle.engine.n_vocab
+    if any(token >= n_vocab for token, _ in common.sampling.logit_bias):
+        raise InvalidRequest(f"'logit_bias' token ids must be below {n_vocab}", param="logit_bias")
+    grammars = await handle.grammars(common.sampling.grammar, common.n, param)
+    try:
+        check_key_still_valid(request)  # tokenizing and compiling took a while: revoked since?
+    except BaseException:
+        for grammar in grammars or []:
+            grammar.free()
+        raise
+    gens = _submit_all(handle, common, tokens, grammars)
     metrics = request.app[appkeys.METRICS]
     timings = [metrics.timing(handle.name) for _ in gens]
     active = request.app[appkeys.GENERATIONS]
+    key = request.get(appkeys.API_KEY)
     for gen in gens:
-        active.add(gen)
+        active.add(gen, key.id if key is not None else None)
     server = request.app[appkeys.SETTINGS].server
     try:
         if common.stream:
@@ -139,7 +171,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tokens = await handle.chat_prompt(messages, body.tools.tools if body.tools else None)
         shape = Shape(chat=True, model=handle.name, fingerprint=handle.provenance.fingerprint,
                       include_usage=common.include_usage, logprobs=common.logprobs, tools=body.tools)
-        return await _run(request, handle, common, tokens, shape)
+        param = "tools" if body.tools is not None and body.tools.grammar is not None else "response_format"
+        return await _run(request, handle, common, tokens, shape, param=param)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -152,7 +185,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         tokens = await handle.text_prompt(body.prompt)
         shape = Shape(chat=False, model=handle.name, fingerprint=handle.provenance.fingerprint,
                       include_usage=common.include_usage, logprobs=common.logprobs)
-        return await _run(request, handle, common, tokens, shape)
+        return await _run(request, handle, common, tokens, shape, param="response_format")
 
 
 def _vector(values: list[float], encoding: str) -> list[float] | str:
@@ -164,8 +197,9 @@ def _vector(values: list[float], encoding: str) -> list[float] | str:
 async def embeddings(request: web.Request) -> web.Response:
     """POST /v1/embeddings: one unit vector per input, from a model configured with embedding: true."""
     body: EmbeddingRequest = parse_embeddings(await read_json_object(request))
-    if body.user is not None:
-        request[appkeys.USER_TAG] = body.user
+    tag = user_tag(body.user)
+    if tag is not None:
+        request[appkeys.USER_TAG] = tag
     async with request.app[appkeys.REGISTRY].lease(body.model) as handle:
         handle.embedder  # noqa: B018 - refuses generation models before tokenizing
         inputs = [await handle.text_prompt(item, param="input") for item in body.inputs]

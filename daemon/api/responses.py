@@ -19,8 +19,16 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.structured import ToolPlan, parse_tool_reply
-from edgellmd.errors import GenerationTimeout, InternalError, ServiceUnavailable, envelope
+from edgellmd.errors import (
+    ApiError,
+    GenerationTimeout,
+    InternalError,
+    KeyRevoked,
+    ServerShuttingDown,
+    envelope,
+)
 from edgellmd.generation import (
+    KEY_REVOKED,
     SHUTTING_DOWN,
     Event,
     Finished,
@@ -175,9 +183,19 @@ def usage(choices: Sequence[Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def aborted(reason: str | None) -> ApiError | None:
+    """The client's error for a generation the server ended on purpose (shutdown, revoked key)."""
+    if reason == SHUTTING_DOWN:
+        return ServerShuttingDown(SHUTTING_DOWN)
+    if reason == KEY_REVOKED:
+        return KeyRevoked(KEY_REVOKED)
+    return None
+
+
 def _failed(event: Finished) -> Exception:
-    if event.error == SHUTTING_DOWN:
-        return ServiceUnavailable(SHUTTING_DOWN)
+    cut = aborted(event.error)
+    if cut is not None:
+        return cut
     log.error("generation failed: %s", event.error)
     return InternalError("the model failed while generating")
 
@@ -237,8 +255,9 @@ async def _send(write: Write, obj: dict[str, Any]) -> None:
 
 
 async def _send_error(write: Write, event: Finished) -> None:
-    if event.error == SHUTTING_DOWN:
-        await _send(write, envelope(SHUTTING_DOWN, "server_error", None, "server_shutting_down"))
+    cut = aborted(event.error)
+    if cut is not None:
+        await _send(write, cut.body())
         return
     log.error("generation failed mid-stream: %s", event.error)
     await _send(write, envelope("the model failed while generating", "server_error", None, "internal_error"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
@@ -26,6 +27,8 @@ MAX_CHOICES: Final = 16  # n; each choice takes a slot
 MAX_LOGIT_BIAS: Final = 1024  # entries
 MAX_TOP_LOGPROBS: Final = 20  # chat; OpenAI's limit
 MAX_COMPLETION_LOGPROBS: Final = 5  # legacy completions; OpenAI's limit
+_TOKEN_ID: Final = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() takes "²" and "٣"
+_PLAIN_NAME: Final = re.compile(r"[A-Za-z0-9_]{1,64}")
 
 # Accepted and ignored: they do not change what is generated.
 _IGNORED: Final = frozenset({
@@ -134,7 +137,45 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         raise InvalidRequest("the JSON body must be an object")
     if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if _ESCAPED_SURROGATE.search(text):
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise InvalidRequest(f"the JSON body holds a lone UTF-16 surrogate escape (at {where}); "
+                                 "strings must be valid Unicode", param=where if where != "(a key)" else None)
     return data
+
+
+# JSON's \uD800-\uDFFF escapes are the only way a lone surrogate gets into a parsed body (the
+# bytes are valid UTF-8): one that json.loads did not pair with its partner is refused, as
+# it can be neither encoded for llama.cpp nor written back to a client.
+_ESCAPED_SURROGATE: Final = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """Where the first string holding a lone surrogate is (`messages[0].content`), or None."""
+    pending: list[tuple[Any, str]] = [(data, "")]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                return path or "(the body)"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _has_surrogate(key):
+                    return "(a key)"
+                shown = key if _PLAIN_NAME.fullmatch(key) else "?"
+                pending.append((item, f"{path}.{shown}" if path else shown))
+        elif isinstance(value, list):
+            pending.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
 
 
 class _Fields:
@@ -298,7 +339,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
                              param="logit_bias")
     out = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) <= 9):
+        if not (isinstance(key, str) and _TOKEN_ID.fullmatch(key)):
             raise InvalidRequest("'logit_bias' keys must be token ids (as strings)", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
             raise InvalidRequest("'logit_bias' values must be numbers from -100 to 100", param="logit_bias")
