@@ -60,6 +60,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     settings = settings_for([
         {"name": "plain", "file": str(plain), "slots": 4, "context_size": 512, "threads": 1},
         {"name": "tools", "file": str(tools), "slots": 4, "context_size": 1024, "threads": 1},
+        {"name": "embed", "file": str(plain), "embedding": True, "slots": 1, "context_size": 128,
+         "threads": 1},
     ], server={"max_tokens_limit": 1024}, lifecycle={"watch": False})
     with running(settings) as d:
         yield d
@@ -309,6 +311,23 @@ def test_user_is_logged_as_a_tag(daemon: RunningDaemon, caplog: pytest.LogCaptur
                                                     "user": "app-user-42"})
     assert status == 200
     assert any(getattr(r, "user", None) == "app-user-42" for r in caplog.records)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"model": "plain", "prompt": "x", "max_tokens": 1}),
+    ("/v1/embeddings", {"model": "embed", "input": "x"}),
+])
+def test_a_long_or_unprintable_user_is_logged_short(daemon: RunningDaemon, caplog: pytest.LogCaptureFixture,
+                                                    path: str, body: dict[str, Any]) -> None:
+    import logging  # noqa: PLC0415
+
+    for user, expected in (("u" * 5000, "u" * 64), ("line\nbreak", "(unprintable)")):
+        with caplog.at_level(logging.INFO, logger="edgellmd.access"):
+            caplog.clear()
+            status, answer = daemon.post(path, {**body, "user": user})
+        assert status == 200, answer
+        tags = [getattr(r, "user", None) for r in caplog.records if r.name == "edgellmd.access"]
+        assert tags == [expected]
 
 
 def test_tiny_vocabulary_byte_tokens(tmp_path: Path) -> None:

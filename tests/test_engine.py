@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, ModelLoadError
+from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError, ModelLoadError
 from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
 
@@ -396,3 +396,26 @@ def test_only_the_engine_package_imports_llama_cpp() -> None:
         if re.search(r"^\s*(import llama_cpp|from llama_cpp)", path.read_text(), re.MULTILINE))
     assert importers, "the engine imports llama_cpp somewhere"
     assert all(p.startswith("daemon/engine/") for p in importers), importers
+
+
+def test_close_waits_for_a_tokenize_in_progress_and_refuses_later_ones(tiny_model: Path) -> None:
+    """A prompt-pool thread may still be tokenizing for a request whose lease ended: the model
+    must not be freed under it (before the guard, close() freed the vocabulary mid-call)."""
+    eng = make_engine(tiny_model, slots=1)
+    text = "tokenize me " * 6_000  # 72 kB: most of a second with the byte vocabulary
+    out: list[int] = []
+    inside = threading.Event()
+
+    def tokenize() -> None:
+        inside.set()
+        out.extend(eng.tokenize(text))
+
+    thread = threading.Thread(target=tokenize)
+    thread.start()
+    inside.wait(5)
+    time.sleep(0.05)  # well inside llama_tokenize by now
+    eng.close()  # blocks until the tokenize above is out
+    thread.join(30)
+    assert len(out) > len(text) // 2  # the byte vocabulary: about a token per byte
+    with pytest.raises(EngineError, match="shutting down"):
+        eng.tokenize("after")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any, cast
 
 import pytest
 
+from edgellmd.engine import EmbeddingEngine, EngineConfig
 from edgellmd.errors import ContextLengthExceeded, ServerOverloaded
 from edgellmd.handle import PREFIX_CHARS_PER_TOKEN, ModelHandle, Provenance
 from edgellmd.settings import ModelSettings
@@ -124,3 +127,25 @@ def test_capacity_counts_running_and_waiting_together(executor: ThreadPoolExecut
     else:
         handle.check_capacity()
         assert handle.counters["queue_rejections"] == 0
+
+
+async def test_an_embedding_request_holds_no_pool_thread_while_the_model_works(
+        executor: ThreadPoolExecutor, tiny_model: Path) -> None:
+    """Model loads, hashing, NVML polling and /metrics share the loop's default executor: an
+    embedding waiting for its model must not occupy one of its threads (before: a blocking
+    future.result() inside it)."""
+    engine = EmbeddingEngine(EngineConfig(path=tiny_model, slots=1, context_size=128, batch_size=128,
+                                          threads=1, threads_batch=1), name="embed")
+    loop = asyncio.get_running_loop()
+    blocked = threading.Event()
+    with ThreadPoolExecutor(1) as only_thread:
+        loop.set_default_executor(only_thread)
+        handle = make_handle(cast(Any, engine), executor, embedding=True, context_size=128)
+        try:
+            hold = loop.run_in_executor(None, blocked.wait, 30)  # the default pool's one thread is busy
+            vectors = await asyncio.wait_for(handle.embed([[5, 6, 7]]), 10)
+            assert len(vectors) == 1
+        finally:
+            blocked.set()
+            await hold
+            engine.close()

@@ -1,4 +1,4 @@
-"""A storm of reloads coalesces: at most one runs beside the one in progress, one copy beside the serving one."""
+"""A storm of reloads coalesces: one runs beside the one in progress, one copy beside the serving one."""
 
 from __future__ import annotations
 

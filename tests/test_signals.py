@@ -134,7 +134,8 @@ def test_sigterm_in_the_first_moments_of_start_up_is_a_clean_stop(tmp_path: Path
     daemon = start_daemon(tmp_path, model, {})
     deadline = time.monotonic() + 30
     while not _catches(daemon.proc.pid, signal.SIGTERM):
-        assert daemon.proc.poll() is None and time.monotonic() < deadline, daemon.log.read_text()
+        assert daemon.proc.poll() is None, daemon.log.read_text()
+        assert time.monotonic() < deadline
         time.sleep(0.001)
     time.sleep(delay_s)
     daemon.proc.send_signal(signal.SIGTERM)
@@ -149,7 +150,8 @@ def test_sighup_in_the_first_moments_of_start_up_does_not_kill(tmp_path: Path) -
     try:
         deadline = time.monotonic() + 30
         while not _catches(daemon.proc.pid, signal.SIGHUP):
-            assert daemon.proc.poll() is None and time.monotonic() < deadline, daemon.log.read_text()
+            assert daemon.proc.poll() is None, daemon.log.read_text()
+            assert time.monotonic() < deadline
             time.sleep(0.001)
         for _ in range(5):
             daemon.proc.send_signal(signal.SIGHUP)

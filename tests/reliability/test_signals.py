@@ -50,10 +50,12 @@ def _in_background(url: str, token: str, n: int, max_tokens: int) -> tuple[threa
 
 
 def _refuses_connections(port: int) -> bool:
+    """True once a new connection is refused: the listening socket closing while a connect is
+    in flight resets that connection, which is a refusal too (not "still accepting")."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return False
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
         return True
 
 
