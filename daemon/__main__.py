@@ -176,8 +176,13 @@ def _serve_main(config: str, early: EarlySignals) -> int:
     if early.stop:
         log.info("stop requested during start-up: exiting before serving")
         return 0
+    from edgellmd.keystore import KeysFileError  # noqa: PLC0415
+
     try:
         asyncio.run(serve(settings, pinning, early))
+    except KeysFileError as exc:
+        log.error("cannot start: keys file refused: %s", exc)  # noqa: TRY400 - the reason is the message
+        return 1
     except OSError as exc:
         log.error("cannot serve on %s:%d: %s", settings.server.host, settings.server.port, exc)  # noqa: TRY400 - the reason is the message
         return 1

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
+from edgellmd.files import open_regular
 from edgellmd.lockfile import _GGUF_MAGIC, _MAX_KV, LockError, _Header
 
 log = logging.getLogger(__name__)
@@ -488,7 +489,7 @@ class _TensorInfo:
 
 def _tensor_infos(path: Path) -> tuple[list[_TensorInfo], int]:
     """The tensor-info section of a GGUF file and the size of its data section."""
-    with path.open("rb") as fh:
+    with os.fdopen(open_regular(path), "rb") as fh:  # never blocks on a FIFO swapped in
         header = _Header(fh)
         if header.read(4) != _GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic)")

@@ -21,8 +21,9 @@ from edgellmd.chat import (
     TemplateError,
     json_keys,
 )
-from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError
+from edgellmd.engine import CompiledGrammar, EmbeddingEngine, Engine, EngineConfig, EngineError, GrammarError
 from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ServerOverloaded, ServiceUnavailable
+from edgellmd.files import read_regular
 from edgellmd.generation import Generation, GenerationRequest
 from edgellmd.lockfile import LockedModel
 from edgellmd.settings import ModelSettings
@@ -32,6 +33,7 @@ AnyEngine = Engine | EmbeddingEngine
 # truncate under the mapping (see engine_config).
 EngineFactory = Callable[[ModelSettings, bool], AnyEngine]
 
+MAX_TEMPLATE_BYTES = 1024 * 1024  # a chat template file is a few kilobytes
 # A prompt longer than this many characters per token of the context is first tokenized in
 # prefixes (see ModelHandle._tokenize_bounded). Real text averages 3 to 5 characters a token.
 PREFIX_CHARS_PER_TOKEN = 8
@@ -72,7 +74,10 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
     """The template a model's chat requests use: configured override first, then the GGUF's own."""
     info = engine.info
     if settings.chat_template_file is not None:
-        text = settings.chat_template_file.read_text(encoding="utf-8")
+        try:
+            text = read_regular(settings.chat_template_file, MAX_TEMPLATE_BYTES).decode("utf-8")
+        except UnicodeDecodeError:
+            raise TemplateError(f"{settings.chat_template_file} is not UTF-8") from None
         return JinjaChatTemplate(text, bos_token=info.bos_text, eos_token=info.eos_text,
                                  origin=str(settings.chat_template_file))
     if settings.chat_template is not None:
@@ -268,11 +273,36 @@ class ModelHandle:
                 f"model {self.name!r} is at capacity ({busy} running, {waiting} waiting); "
                 "retry shortly", headers={"Retry-After": "1"})
 
-    def submit(self, request: GenerationRequest) -> Generation:
-        """Start a generation, or refuse at once (429) when the slots and the queue are full."""
+    async def grammars(self, grammar: str | None, copies: int, param: str) -> list[CompiledGrammar] | None:
+        """Parse a request's grammar (one copy per choice) on the prompt pool, before admission.
+
+        A grammar llama.cpp refuses is the request's fault: 400, before anything is queued.
+        """
+        if grammar is None:
+            return None
         generator = self.generator
-        self.check_capacity()
-        return generator.submit(request, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.executor, generator.compile_grammar, grammar, copies)
+        except GrammarError:
+            raise InvalidRequest("the output constraint of this request cannot be compiled into a grammar",
+                                 param=param, code="invalid_grammar") from None
+        except EngineError:
+            raise _gone(self.name) from None
+
+    def submit(self, request: GenerationRequest, grammar: CompiledGrammar | None = None) -> Generation:
+        """Start a generation, or refuse at once (429) when the slots and the queue are full.
+
+        The generation owns `grammar` (compiled by `grammars`) from here on, refused or not.
+        """
+        try:
+            generator = self.generator
+            self.check_capacity()
+        except BaseException:
+            if grammar is not None:
+                grammar.free()
+            raise
+        return generator.submit(request, asyncio.get_running_loop(), grammar)
 
     async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         """Embed tokenized inputs on the model's own thread (429 when it is saturated)."""

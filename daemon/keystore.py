@@ -18,6 +18,8 @@ from typing import Any, Final
 
 import yaml
 
+from edgellmd.files import UnsuitableFile, open_regular
+
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX: Final = "elk"  # noqa: S105 - a label, not a secret. "edgellm key": recognisable in configs, logs of other tools, scanners
@@ -154,25 +156,44 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
     return keys
 
 
-def read_keys_file(path: Path) -> dict[str, ApiKey]:
-    """Read and validate a keys file; refuses files that others can read or write."""
+def read_keys_data(path: Path) -> object:
+    """The keys file's YAML, read only from a private regular file of at most MAX_KEYS_BYTES.
+
+    The checks look at the open file, so what is checked is what is read; a FIFO, a device
+    or a directory is refused without blocking.
+    """
     try:
-        info = path.stat()
-        if info.st_size > MAX_KEYS_BYTES:
-            raise KeysFileError(f"{path} is larger than {MAX_KEYS_BYTES} bytes")
-        if stat.S_IMODE(info.st_mode) & 0o077:
-            raise KeysFileError(f"{path} is readable or writable by others (mode "
-                                f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
-        text = path.read_text(encoding="utf-8")
+        fd = open_regular(path)
+    except UnsuitableFile as exc:
+        raise KeysFileError(str(exc)) from None
     except OSError as exc:
         raise KeysFileError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            info = os.fstat(fd)
+            if info.st_size > MAX_KEYS_BYTES:
+                raise KeysFileError(f"{path} is larger than {MAX_KEYS_BYTES} bytes")
+            if stat.S_IMODE(info.st_mode) & 0o077:
+                raise KeysFileError(f"{path} is readable or writable by others (mode "
+                                    f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
+            data = fh.read(MAX_KEYS_BYTES + 1)
+    except OSError as exc:
+        raise KeysFileError(f"cannot read {path}: {exc.strerror}") from None
+    if len(data) > MAX_KEYS_BYTES:
+        raise KeysFileError(f"{path} is larger than {MAX_KEYS_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise KeysFileError(f"{path} is not UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise KeysFileError(f"{path}: YAML syntax error: {exc}") from None
-    return parse_keys(data)
+
+
+def read_keys_file(path: Path) -> dict[str, ApiKey]:
+    """Read and validate a keys file; refuses files that others can read or write."""
+    return parse_keys(read_keys_data(path))
 
 
 class KeyStore:

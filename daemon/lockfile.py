@@ -28,13 +28,24 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from edgellmd.files import UnsuitableFile, open_regular, read_regular
+
 SCHEMA: Final = 1
 ALGORITHM: Final = "ed25519"
 HASH_CHUNK: Final = 4 * 1024 * 1024  # large reads keep hashing at the speed of sha256sum
 STATE_FILE: Final = "lock-state.json"
 MAX_LOCK_BYTES: Final = 4 * 1024 * 1024
+MAX_KEY_BYTES: Final = 64 * 1024  # a PEM Ed25519 key is about 120 bytes
+MAX_STATE_BYTES: Final = 64 * 1024
+MAX_FILE_CHARS: Final = 1024  # a lock entry's `file`; each folder name is bounded by the OS (255 bytes)
+MAX_GGUF_VALUE_CHARS: Final = 256
+MAX_SHOWN_CHARS: Final = 64  # longer or unprintable values from a lockfile are never put in a message
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+_PLAIN_MEMBER: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # JSON member names shown as they are
+# C0 and C1 control characters and DEL: NUL cuts a path short in C, the others rewrite
+# terminals and split log lines.
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 Progress = Callable[[int], None]  # called with the number of bytes just hashed
 
@@ -107,27 +118,84 @@ def _int(value: object, where: str, *, lo: int = 0) -> int:
     return value
 
 
+def shown(value: str) -> str:
+    """`value` quoted for a message if it is short and printable, else a placeholder."""
+    if len(value) <= MAX_SHOWN_CHARS and value.isprintable():
+        return repr(value)
+    return "(a value too long or unprintable to show)"
+
+
+def _member(name: str) -> str:
+    """A JSON member name for a message path: as it is when plain, else quoted or a placeholder."""
+    return name if _PLAIN_MEMBER.fullmatch(name) else shown(name)
+
+
+def file_problem(file: str) -> str | None:
+    """Why `file` cannot be a lock entry's path (relative, inside the models directory), or None."""
+    if not file:
+        return "must be a non-empty string"
+    if len(file) > MAX_FILE_CHARS:
+        return f"must be at most {MAX_FILE_CHARS} characters"
+    if _CONTROL.search(file):
+        return "must not contain control characters"
+    if "\\" in file:
+        # Legal in a Linux file name, but in a lockfile it is a Windows path that names
+        # something else here; folders are separated by '/'.
+        return f"{shown(file)} contains a backslash; separate folders with '/'"
+    if file.startswith("/"):
+        return (f"{shown(file)} is an absolute path; lockfile paths are relative to the models "
+                "directory")
+    if ".." in file.split("/"):
+        return f"{shown(file)} contains '..'; lockfile paths stay inside the models directory"
+    return None
+
+
+def _text_problem(value: str) -> str | None:
+    if len(value) > MAX_GGUF_VALUE_CHARS:
+        return f"must be at most {MAX_GGUF_VALUE_CHARS} characters"
+    if _CONTROL.search(value):
+        return "must not contain control characters"
+    return None
+
+
+def _gguf(value: object, where: str) -> dict[str, str | int]:
+    if not isinstance(value, dict):
+        raise LockError(f"{where}: must be an object of strings and integers")
+    for key, item in value.items():
+        problem = _text_problem(key)
+        if problem is not None:
+            raise LockError(f"{where}: member names {problem}")
+        if isinstance(item, bool) or not isinstance(item, str | int):
+            raise LockError(f"{where}.{_member(key)}: must be a string or an integer")
+        problem = _text_problem(item) if isinstance(item, str) else None
+        if problem is not None:
+            raise LockError(f"{where}.{_member(key)}: {problem}")
+    return value
+
+
 def _model(name: str, value: object) -> LockedModel:
-    where = f"models.{name}"
     if not MODEL_NAME.fullmatch(name):
-        raise LockError(f"{where}: model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit")
+        raise LockError(f"models.{_member(name)}: model names are 1-64 of A-Za-z0-9._:- starting "
+                        "with a letter or digit")
+    where = f"models.{name}"
     if not isinstance(value, dict):
         raise LockError(f"{where}: must be an object")
     unknown = sorted(set(value) - {"file", "size", "sha256", "gguf"})
     if unknown:
-        raise LockError(f"{where}.{unknown[0]}: unknown member")
+        raise LockError(f"{where}.{_member(unknown[0])}: unknown member")
     for member in ("file", "size", "sha256"):
         if member not in value:
             raise LockError(f"{where}.{member}: required")
     file = value["file"]
-    if not isinstance(file, str) or not file:
+    if not isinstance(file, str):
         raise LockError(f"{where}.file: must be a non-empty string")
+    problem = file_problem(file)
+    if problem is not None:
+        raise LockError(f"{where}.file: {problem}")
     sha = value["sha256"]
     if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
         raise LockError(f"{where}.sha256: must be 64 lowercase hex digits")
-    gguf = value.get("gguf", {})
-    if not isinstance(gguf, dict) or not all(isinstance(v, str | int) for v in gguf.values()):
-        raise LockError(f"{where}.gguf: must be an object of strings and integers")
+    gguf = _gguf(value.get("gguf", {}), f"{where}.gguf")
     return LockedModel(name, file, _int(value["size"], f"{where}.size", lo=1), sha, gguf)
 
 
@@ -164,7 +232,7 @@ def parse_lock(data: bytes | str) -> Lockfile:
         raise LockError("the lockfile must be a JSON object")
     unknown = sorted(set(document) - {"schema", "version", "issued", "expires", "models", "signatures"})
     if unknown:
-        raise LockError(f"{unknown[0]}: unknown member")
+        raise LockError(f"{_member(unknown[0])}: unknown member")
     for member in ("schema", "version", "models"):
         if member not in document:
             raise LockError(f"{member}: required")
@@ -185,16 +253,19 @@ def parse_lock(data: bytes | str) -> Lockfile:
     )
 
 
-def load_lock(path: Path) -> Lockfile:
-    """Read and parse a lockfile."""
+def read_lock_bytes(path: Path) -> bytes:
+    """The bytes of a lockfile: a regular file of at most MAX_LOCK_BYTES (never blocks)."""
     try:
-        with path.open("rb") as fh:
-            data = fh.read(MAX_LOCK_BYTES + 1)
+        return read_regular(path, MAX_LOCK_BYTES)
+    except UnsuitableFile as exc:
+        raise LockError(str(exc)) from None
     except OSError as exc:
         raise LockError(f"cannot read {path}: {exc.strerror}") from None
-    if len(data) > MAX_LOCK_BYTES:
-        raise LockError(f"{path} is larger than {MAX_LOCK_BYTES} bytes")
-    return parse_lock(data)
+
+
+def load_lock(path: Path) -> Lockfile:
+    """Read and parse a lockfile."""
+    return parse_lock(read_lock_bytes(path))
 
 
 # ---- keys -----------------------------------------------------------------------------------
@@ -209,7 +280,9 @@ def key_id(key: Ed25519PublicKey) -> str:
 def load_public_key(path: Path) -> Ed25519PublicKey:
     """Read a PEM Ed25519 public key."""
     try:
-        key = serialization.load_pem_public_key(path.read_bytes())
+        key = serialization.load_pem_public_key(read_regular(path, MAX_KEY_BYTES))
+    except UnsuitableFile as exc:
+        raise LockError(f"public key {exc}") from None
     except OSError as exc:
         raise LockError(f"cannot read public key {path}: {exc.strerror}") from None
     except ValueError:
@@ -222,7 +295,9 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
 def load_private_key(path: Path) -> Ed25519PrivateKey:
     """Read a PEM Ed25519 private key (unencrypted PKCS#8)."""
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        key = serialization.load_pem_private_key(read_regular(path, MAX_KEY_BYTES), password=None)
+    except UnsuitableFile as exc:
+        raise LockError(f"signing key {exc}") from None
     except OSError as exc:
         raise LockError(f"cannot read signing key {path}: {exc.strerror}") from None
     except (ValueError, TypeError):
@@ -279,10 +354,12 @@ class VersionState:
     def highest(self) -> int:
         """0 when nothing was accepted yet; a corrupt state file is refused, never reset."""
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            data = json.loads(read_regular(self.path, MAX_STATE_BYTES))
         except FileNotFoundError:
             return 0
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            raise LockError(f"cannot read rollback state {self.path}: {exc.strerror}") from None
+        except ValueError as exc:
             raise LockError(f"cannot read rollback state {self.path}: {exc}") from None
         value = data.get("highest_version") if isinstance(data, dict) else None
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -324,16 +401,13 @@ class VersionState:
 
 def resolve_model_file(models_dir: Path, file: str) -> Path:
     """The model's path inside `models_dir`; refuses absolute paths, `..` and symlink escapes."""
-    relative = Path(file)
-    if relative.is_absolute():
-        raise LockError(f"file {file!r} is an absolute path; lockfile paths are relative "
-                        "to the models directory")
-    if ".." in relative.parts:
-        raise LockError(f"file {file!r} contains '..'")
+    problem = file_problem(file)  # parse_lock refused these already; this keeps callers safe alone
+    if problem is not None:
+        raise LockError(f"file: {problem}")
     root = models_dir.resolve()
-    path = (root / relative).resolve()
+    path = (root / file).resolve()
     if not path.is_relative_to(root):
-        raise LockError(f"file {file!r} resolves outside the models directory (through a symlink)")
+        raise LockError(f"file {shown(file)} resolves outside the models directory (through a symlink)")
     return path
 
 
@@ -383,7 +457,9 @@ def open_verified(models_dir: Path, entry: LockedModel, progress: Progress | Non
     """Open the entry's file, check its size, hash and GGUF header; the caller closes it."""
     path = resolve_model_file(models_dir, entry.file)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_regular(path, follow_symlinks=False)
+    except UnsuitableFile as exc:
+        raise LockError(exc.describe(entry.file)) from None
     except OSError as exc:
         raise LockError(f"cannot open {entry.file}: {exc.strerror}") from None
     verified = VerifiedFile(path, fd)
@@ -460,10 +536,19 @@ class _Header:
 
 
 def read_gguf_values(path: Path) -> dict[str, Any]:
-    """The scalar and string metadata of a GGUF header (arrays skipped, weights never read)."""
+    """The scalar and string metadata of a GGUF header (arrays skipped, weights never read).
+
+    LockError for anything but a regular GGUF file (a FIFO or a device is refused, never read).
+    """
     values: dict[str, Any] = {}
     try:
-        with path.open("rb") as fh:
+        fd = open_regular(path)
+    except UnsuitableFile as exc:
+        raise LockError(exc.describe("the file")) from None
+    except OSError as exc:
+        raise LockError(f"cannot read: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "rb") as fh:
             header = _Header(fh)
             if header.read(4) != _GGUF_MAGIC:
                 raise LockError("not a GGUF file (bad magic)")
@@ -514,4 +599,10 @@ def check_gguf(facts: Mapping[str, str | int], entry: LockedModel) -> None:
     for member, expected in entry.gguf.items():
         actual = facts.get(member)
         if actual != expected:
-            raise LockError(f"{entry.file}: GGUF {member} is {actual!r}; the lockfile says {expected!r}")
+            raise LockError(f"{entry.file}: GGUF {member} is {_fact(actual)}; the lockfile says "
+                            f"{_fact(expected)}")
+
+
+def _fact(value: object) -> str:
+    # A GGUF header is untrusted until it matches: its strings may be huge or hold anything.
+    return shown(value) if isinstance(value, str) else repr(value)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Final
 
+from edgellmd.files import UnsuitableFile, open_regular
 from edgellmd.lockfile import (
     HASH_CHUNK,
     LockedModel,
@@ -102,10 +103,13 @@ class PreloadArea:
         """
         if self.path is None:
             raise NoRoom("no preload area")
+        label = entry.file if entry is not None else source.name
         try:
-            src = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            src = open_regular(source, follow_symlinks=False)
+        except UnsuitableFile as exc:  # a FIFO would block the copy (and the registry) forever
+            raise LockError(exc.describe(label)) from None
         except OSError as exc:
-            raise LockError(f"cannot open {source.name}: {exc.strerror}") from None
+            raise LockError(f"cannot open {label}: {exc.strerror}") from None
         try:
             size = os.fstat(src).st_size
             if entry is not None and size != entry.size:  # before copying gigabytes

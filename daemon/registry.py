@@ -470,7 +470,7 @@ class Registry:
         load_path = copy or (verified.load_path if verified is not None else source)
         if settings.gpu_layers == GPU_LAYERS_AUTO:
             layers, why = await loop.run_in_executor(None, partial(
-                plan_gpu_layers, source, snapshot=self._gpu(), offload_supported=supports_gpu_offload(),
+                plan_gpu_layers, load_path, snapshot=self._gpu(), offload_supported=supports_gpu_offload(),
                 headroom_bytes=self._gpu_headroom, kv_bytes=need - source_stat[2]))
             log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)
             settings = replace(settings, gpu_layers=layers)

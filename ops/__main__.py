@@ -7,11 +7,14 @@ import sys
 from collections.abc import Sequence
 
 from edgellmctl import __version__, admin, bench, doctor, keys, lock, quickstart
+from edgellmctl.cli import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(prog="edgellmctl", description="Operate an edgellm appliance.")
+    # Parser: options by their full names only, and errors that never show a secret; every
+    # subcommand's parser is a Parser too.
+    parser = Parser(prog="edgellmctl", description="Operate an edgellm appliance.")
     parser.add_argument("--version", action="version", version=f"edgellmctl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Each module registers its own subcommand and sets `func` to its runner.

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
 
-from edgellmctl.cli import CommandError, guarded, http_url
+from edgellmctl.cli import CommandError, Subcommands, add_key_options, guarded, http_url, read_key
+from edgellmd.files import UnsuitableFile, read_regular
 
 URL_ENV: Final = "EDGELLM_URL"
 KEY_ENV: Final = "EDGELLM_ADMIN_KEY"
@@ -23,6 +24,7 @@ DEFAULT_URL: Final = "http://127.0.0.1:8080"
 # A reload verifies, copies and loads models: minutes for large files on slow disks.
 TIMEOUT_S: Final = 900.0
 MAX_REASON: Final = 200
+MAX_CACERT_BYTES: Final = 1024 * 1024
 
 
 class _Client:
@@ -33,7 +35,7 @@ class _Client:
         self._key = _key(args)
         self._context: ssl.SSLContext | None = None
         if args.cacert is not None:
-            self._context = ssl.create_default_context(cafile=str(args.cacert))
+            self._context = _trusting(args.cacert)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
@@ -58,6 +60,22 @@ class _Client:
             raise CommandError(f"{self.base}{path}: {str(exc) or 'timed out'}") from None
 
 
+def _trusting(cacert: Path) -> ssl.SSLContext:
+    """A TLS context that trusts the PEM certificates in `cacert` (read without ever blocking)."""
+    try:
+        pem = read_regular(cacert, MAX_CACERT_BYTES).decode("ascii")
+    except UnsuitableFile as exc:
+        raise CommandError(f"--cacert: {exc}") from None
+    except OSError as exc:
+        raise CommandError(f"cannot read --cacert {cacert}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CommandError(f"--cacert {cacert} is not a PEM certificate") from None
+    try:
+        return ssl.create_default_context(cadata=pem)
+    except ssl.SSLError:
+        raise CommandError(f"--cacert {cacert} holds no usable PEM certificate") from None
+
+
 def _error_text(payload: Any) -> str:
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
         return str(payload["error"].get("message", "error"))[:MAX_REASON]
@@ -65,19 +83,10 @@ def _error_text(payload: Any) -> str:
 
 
 def _key(args: argparse.Namespace) -> str:
-    path = args.key_file or os.environ.get(KEY_FILE_ENV)
-    if path:
-        try:
-            key = Path(path).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise CommandError(f"cannot read the admin key file {path}: {exc.strerror}") from None
-    else:
-        key = os.environ.get(KEY_ENV, "").strip()
-    if not key:
+    key = read_key(args.key_file, what="admin key", file_env=KEY_FILE_ENV, env=KEY_ENV)
+    if key is None:
         raise CommandError(f"no admin key: pass --key-file (e.g. admin.key from quickstart) or set "
-                           f"${KEY_ENV}")
-    if not (key.isascii() and key.isprintable()):
-        raise CommandError("the admin key holds characters an HTTP header cannot carry")
+                           f"${KEY_FILE_ENV} or ${KEY_ENV}")
     return key
 
 
@@ -248,13 +257,12 @@ def _model_action(action: str) -> Any:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", type=http_url, default=os.environ.get(URL_ENV, DEFAULT_URL),
                    help=f"daemon base URL (default: ${URL_ENV} or {DEFAULT_URL})")
-    p.add_argument("--key-file", type=Path,
-                   help=f"file holding an admin-scope key (default: ${KEY_FILE_ENV}, else ${KEY_ENV})")
+    add_key_options(p, what="admin-scope key", file_env=KEY_FILE_ENV, env=KEY_ENV)
     p.add_argument("--cacert", type=Path, help="CA or self-signed certificate to trust for https")
     p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(sub: Subcommands) -> None:
     """Register `status`, `stats`, `reload`, `load` and `unload`."""
     p = sub.add_parser("status", help="show each model's state, version and last reload")
     _common(p)

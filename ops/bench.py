@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -18,10 +17,22 @@ from typing import Any, Final
 
 import aiohttp
 
-from edgellmctl.cli import http_url, int_at_least, positive_int
+from edgellmctl.cli import (
+    CommandError,
+    Subcommands,
+    add_key_options,
+    http_url,
+    int_at_least,
+    positive_int,
+    read_key,
+    redact,
+)
+from edgellmd.files import UnsuitableFile, read_regular
 
 DEFAULT_PROMPT: Final = "Once upon a time, in a small village by the sea,"
 KEY_ENV: Final = "EDGELLM_API_KEY"
+KEY_FILE_ENV: Final = "EDGELLM_API_KEY_FILE"
+MAX_SCHEMA_BYTES: Final = 1024 * 1024
 CONNECT_TIMEOUT_S: Final = 10.0
 # A stream that sends nothing for this long is counted as a connection error; long
 # generations are fine as long as tokens keep coming.
@@ -330,7 +341,7 @@ def format_json(s: BenchSummary) -> str:
     return json.dumps(figures)
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subcommands) -> None:
     """Register `bench`."""
     p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server",
                        description="Stream completions from any OpenAI-compatible server (edgellmd, "
@@ -338,7 +349,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "token and latency percentiles.")
     p.add_argument("--url", required=True, type=http_url,
                    help="server base URL, with or without /v1, e.g. http://127.0.0.1:8080")
-    p.add_argument("--key", help=f"API key, sent as a bearer token (default: ${KEY_ENV}); never printed")
+    add_key_options(p, what="API key, sent as a bearer token and never printed", file_env=KEY_FILE_ENV,
+                    env=KEY_ENV)
     p.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
     p.add_argument("-c", "--concurrency", type=positive_int, default=1, help="concurrent streams (default 1)")
     p.add_argument("-n", "--requests", type=positive_int, default=8, help="measured requests (default 8)")
@@ -361,9 +373,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print its figures; 1 when it cannot run or every request failed."""
-    key: str | None = args.key or os.environ.get(KEY_ENV) or None
-    if key is not None and not (key.isascii() and key.isprintable()):
-        print("edgellmctl bench: the API key holds characters an HTTP header cannot carry", file=sys.stderr)
+    try:
+        key = read_key(args.key_file, what="API key", file_env=KEY_FILE_ENV, env=KEY_ENV)
+    except CommandError as exc:
+        print(redact(f"edgellmctl bench: {exc}"), file=sys.stderr)
         return 2
     response_format = None
     if args.json_schema is not None:
@@ -371,8 +384,15 @@ def run(args: argparse.Namespace) -> int:
             print("edgellmctl bench: --json-schema needs --endpoint chat", file=sys.stderr)
             return 2
         try:
-            schema = json.loads(args.json_schema.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            schema = json.loads(read_regular(args.json_schema, MAX_SCHEMA_BYTES))
+        except UnsuitableFile as exc:
+            print(f"edgellmctl bench: --json-schema: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"edgellmctl bench: cannot read the JSON schema {args.json_schema}: {exc.strerror}",
+                  file=sys.stderr)
+            return 2
+        except ValueError as exc:
             print(f"edgellmctl bench: cannot read the JSON schema {args.json_schema}: {exc}", file=sys.stderr)
             return 2
         response_format = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
@@ -384,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = asyncio.run(run_bench(config))
     except BenchError as exc:
-        print(f"edgellmctl bench: {exc}", file=sys.stderr)
+        print(redact(f"edgellmctl bench: {exc}"), file=sys.stderr)
         return 1
     print(format_json(summary) if args.json else format_text(summary, config))
     if summary.ok == 0:

@@ -1,17 +1,71 @@
-"""Helpers every `edgellmctl` subcommand shares: argument types and user-facing error handling."""
+"""Helpers every `edgellmctl` subcommand shares: the parser, argument types, keys and error handling."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final, NoReturn, TypeAlias
 from urllib.parse import urlsplit
 
+from edgellmd.files import UnsuitableFile, read_regular
+
 Command = Callable[[argparse.Namespace], int]
+
+MAX_KEY_FILE_BYTES: Final = 4096  # a token is under 200 characters
+# The shape of an edgellm API token (keystore._TOKEN), also cut short or glued to other text.
+_TOKEN_LIKE: Final = re.compile(r"elk_[0-9a-f]{12}_[A-Za-z0-9_-]*")
+HIDDEN_TOKEN: Final = "elk_(hidden)"  # noqa: S105 - what a token is replaced with, not a secret
+HIDDEN_VALUE: Final = "..."
+_OPTION_NAME: Final = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*")
+_UNRECOGNIZED: Final = "unrecognized arguments: "
 
 
 class CommandError(Exception):
     """A user-facing failure: printed without a traceback, exit status 1."""
+
+
+def redact(message: str) -> str:
+    """`message` without anything that may be a secret: API tokens, and values argparse did not take.
+
+    argparse's "unrecognized arguments: ..." repeats the words it did not take, and a word
+    after an unknown option is its value (`--key elk_...`): only option names are kept.
+    """
+    head, found, rest = message.partition(_UNRECOGNIZED)
+    if found:
+        words = []
+        for word in rest.split(" "):
+            name = word.split("=", 1)[0]
+            words.append(name if _OPTION_NAME.fullmatch(name) else HIDDEN_VALUE)
+        message = head + found + " ".join(words)
+        if HIDDEN_VALUE in words or "=" in rest:
+            message += " (values are not shown)"
+    return _TOKEN_LIKE.sub(HIDDEN_TOKEN, message)
+
+
+class Parser(argparse.ArgumentParser):
+    """edgellmctl's argument parser: options by their full names only, errors that never show a secret.
+
+    Subparsers are of this class too (argparse makes them of their parent's class).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Prefix matching took `status --key K` for `--key-file K` (and printed K when the
+        # "file" could not be read): an option is taken only by its full name, everywhere.
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """Print the usage and the redacted message; exit status 2."""
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {redact(message)}\n")
+
+
+# What each module's add_parser() registers its subcommands on.
+Subcommands: TypeAlias = "argparse._SubParsersAction[Parser]"
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -40,9 +94,11 @@ def guarded(func: Command, *expected: type[Exception]) -> Command:
         try:
             return func(args)
         except handled as exc:
-            print(f"edgellmctl {args.command}: {exc}", file=sys.stderr)
+            print(redact(f"edgellmctl {args.command}: {exc}"), file=sys.stderr)
+        except UnsuitableFile as exc:
+            print(redact(f"edgellmctl {args.command}: {exc}"), file=sys.stderr)
         except OSError as exc:
-            print(f"edgellmctl {args.command}: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+            print(redact(f"edgellmctl {args.command}: {exc.filename or ''}: {exc.strerror}"), file=sys.stderr)
         return 1
 
     return run
@@ -61,7 +117,45 @@ def http_url(text: str) -> str:
         raise argparse.ArgumentTypeError("must be an http:// or https:// URL with a host, "
                                          "e.g. http://127.0.0.1:8080")
     if parts.username is not None or parts.password is not None:
-        raise argparse.ArgumentTypeError("must not carry credentials; pass the key with --key")
+        raise argparse.ArgumentTypeError("must not carry credentials; pass the key with --key-file")
     if parts.query or parts.fragment:
         raise argparse.ArgumentTypeError("must be the server's base URL, without a query or fragment")
     return text
+
+
+def add_key_options(p: argparse.ArgumentParser, *, what: str, file_env: str, env: str) -> None:
+    """`--key-file FILE`: how every command that talks to a server takes its key.
+
+    Never the key itself on the command line: argv shows in `ps` and in shell history.
+    """
+    p.add_argument("--key-file", type=Path, metavar="FILE",
+                   help=f"file holding the {what} (default: the file named by ${file_env}, else ${env})")
+
+
+def read_key(key_file: Path | None, *, what: str, file_env: str, env: str) -> str | None:
+    """The key from `key_file`, else from the file $`file_env` names, else $`env`; None when none is given.
+
+    CommandError (one line, never the key) for a file that cannot be read or a key that
+    cannot travel in an HTTP header.
+    """
+    path = key_file or os.environ.get(file_env) or None
+    if path is not None:
+        try:
+            data = read_regular(path, MAX_KEY_FILE_BYTES)
+        except UnsuitableFile as exc:
+            raise CommandError(f"the {what} file {exc}") from None
+        except OSError as exc:
+            raise CommandError(f"cannot read the {what} file {path}: {exc.strerror}") from None
+        try:
+            key = data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise CommandError(f"the {what} file {path} is not UTF-8 text") from None
+        if not key:
+            raise CommandError(f"the {what} file {path} is empty")
+    else:
+        key = os.environ.get(env, "").strip()
+    if not key:
+        return None
+    if not (key.isascii() and key.isprintable()):
+        raise CommandError(f"the {what} holds characters an HTTP header cannot carry")
+    return key

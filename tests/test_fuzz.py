@@ -80,6 +80,40 @@ def test_random_headers_methods_and_paths(daemon: RunningDaemon, headers: dict[s
     _check(*_send(daemon, method, path, body, headers))
 
 
+# Every Unicode category, lone surrogates included (json.dumps writes them as \\udXXX escapes,
+# which is how a hostile client gets them into a parsed body).
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=24)
+ODD_DIGITS = st.text(st.characters(categories=["Nd", "No", "Nl"]), min_size=1, max_size=4)
+HOSTILE_FIELDS = st.fixed_dictionaries({}, optional={
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                                "content": ANY_TEXT},
+                                               optional={"name": ANY_TEXT}), min_size=1, max_size=3),
+    "stop": st.lists(ANY_TEXT, max_size=3),
+    "logit_bias": st.dictionaries(ODD_DIGITS | ANY_TEXT, st.integers(-100, 100), max_size=3),
+    "user": ANY_TEXT,
+    "model": ANY_TEXT | st.just("tiny"),
+    "response_format": st.fixed_dictionaries({
+        "type": st.just("json_schema"),
+        "json_schema": st.fixed_dictionaries({"name": ANY_TEXT, "schema": st.fixed_dictionaries(
+            {"type": st.just("object")},
+            optional={"properties": st.dictionaries(ANY_TEXT, st.fixed_dictionaries(
+                {}, optional={"type": st.sampled_from(["string", "integer"]), "const": ANY_TEXT,
+                              "enum": st.lists(ANY_TEXT, min_size=1, max_size=3),
+                              "pattern": ANY_TEXT}), max_size=3)})})}),
+})
+
+
+@FUZZ
+@given(body=HOSTILE_FIELDS, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_bodies_with_any_unicode_and_odd_digits(daemon: RunningDaemon, body: dict[str, Any],
+                                                path: str) -> None:
+    body = {"model": "tiny", **body, "max_tokens": 2}
+    if path == "/v1/completions":
+        body["prompt"] = next((m["content"] for m in body.pop("messages", [])), "x") or "x"
+    raw = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\udXXX escapes
+    _check(*_send(daemon, "POST", path, raw, {"Content-Type": "application/json"}))
+
+
 def test_the_daemon_is_ready_after_the_fuzzing(daemon: RunningDaemon) -> None:
     assert daemon.get("/readyz")[0] == 200
     status, body = daemon.post("/v1/completions", {"model": "tiny", "prompt": "still fine", "max_tokens": 3})

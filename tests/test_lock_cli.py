@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import random
 import re
 import shutil
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,7 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from edgellmctl.__main__ import main
-from edgellmd.lockfile import load_lock, load_public_key, verify_lock
+from edgellmd.lockfile import load_lock, load_private_key, load_public_key, sign, verify_lock
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 _RFC3339_Z = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
@@ -656,6 +660,137 @@ def test_add_refuses_to_extend_a_malformed_lock(
     assert path.read_bytes() == before
 
 
+# ---- entries the daemon would refuse, and files that are not regular files --------------------
+
+
+def _write_entry(lock: Path, key: KeyPair | None, **change: Any) -> bytes:
+    """Rewrite the `tiny` entry of `lock` by hand (as a tool other than edgellmctl might), signed by `key`."""
+    document = read_json(lock)
+    document["models"]["tiny"].update(change)
+    document["signatures"] = []
+    if key is not None:
+        document["signatures"] = [sign(document, load_private_key(key.pem))]
+    data = json.dumps(document).encode()
+    lock.write_bytes(data)
+    return data
+
+
+BAD_FILES = [("nul", "tiny.gguf\x00.txt", "must not contain control characters"),
+             ("dotdot", "../tiny.gguf", "contains '..'"),
+             ("absolute", "/etc/passwd", "is an absolute path"),
+             ("c1-control", "tiny\x9b.gguf", "must not contain control characters")]
+
+
+@pytest.mark.parametrize(("file", "reason"), [pytest.param(f, r, id=i) for i, f, r in BAD_FILES])
+@pytest.mark.parametrize("verb", ["verify", "sign", "show", "add"])
+def test_a_bad_entry_is_refused_in_one_line_and_nothing_is_signed_or_written(
+        verb: str, file: str, reason: str, lock: Path, models: Path, key: KeyPair,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    before = _write_entry(lock, key if verb == "verify" else None, file=file)
+    commands: dict[str, list[str | Path]] = {
+        "verify": ["lock", "verify", "--lock", lock, "--trusted", key.pub],
+        "sign": ["lock", "sign", "--lock", lock, "--key", key.pem],
+        "show": ["lock", "show", "--lock", lock],
+        "add": ["lock", "add", "other", models / "tiny-b.gguf", "--lock", lock],
+    }
+    result = run(capsys, *commands[verb])
+    assert result.status == 1
+    assert result.err.startswith("edgellmctl lock: models.tiny.file: ")
+    assert reason in result.err
+    assert result.err.endswith("\n")
+    assert result.err[:-1].isprintable()  # one line: no NUL, newline or escape reaches the terminal
+    assert "Traceback" not in result.err
+    assert lock.read_bytes() == before  # sign refused to sign it at all; add did not extend it
+
+
+def test_add_refuses_a_file_name_the_lockfile_cannot_hold(
+        models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("new\nline.gguf", "back\\slash.gguf"):
+        (models / name).write_bytes(pristine["tiny.gguf"])
+        lock = models / "models.lock"
+        result = run(capsys, "lock", "add", "tiny", models / name, "--lock", lock)
+        assert result.status == 1
+        assert "the lockfile cannot name it" in result.err
+        assert result.err.endswith("\n")
+        assert result.err[:-1].isprintable()  # the name's newline is not printed raw
+        assert "Traceback" not in result.err
+        assert not lock.exists()
+
+
+def test_add_refuses_a_gguf_header_whose_strings_the_lockfile_cannot_hold(
+        models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    # general.architecture is the header's first string value: "llama", 5 bytes after its length.
+    data = pristine["tiny.gguf"]
+    value = (5).to_bytes(8, "little") + b"llama"
+    assert value in data
+    (models / "odd.gguf").write_bytes(data.replace(value, (5).to_bytes(8, "little") + b"ll\x1bma", 1))
+    lock = models / "models.lock"
+    result = run(capsys, "lock", "add", "odd", models / "odd.gguf", "--lock", lock)
+    assert result.status == 1
+    assert "models.odd.gguf.architecture: must not contain control characters" in result.err
+    assert not lock.exists()
+
+
+@contextlib.contextmanager
+def _not_regular(kind: str, path: Path) -> Iterator[Path]:
+    """A FIFO, directory or socket in place of `path`, removed afterwards (the old file is not kept)."""
+    path.unlink(missing_ok=True)
+    sock = None
+    if kind == "fifo":
+        os.mkfifo(path)  # a plain open() would wait here for a writer, for ever
+    elif kind == "directory":
+        path.mkdir()
+    else:  # a socket, bound by a short relative name (AF_UNIX paths are limited to 108 bytes)
+        sock = socket.socket(socket.AF_UNIX)
+        cwd = Path.cwd()
+        os.chdir(path.parent)
+        try:
+            sock.bind(path.name)
+        finally:
+            os.chdir(cwd)
+    try:
+        yield path
+    finally:
+        if sock is not None:
+            sock.close()
+        if path.is_dir():
+            path.rmdir()
+        else:
+            path.unlink()
+
+
+WHAT = {"fifo": "a FIFO", "directory": "a directory", "socket": "a socket"}
+
+
+@pytest.mark.parametrize("kind", list(WHAT))
+def test_model_lock_and_key_files_that_are_not_regular_files_are_refused_at_once(
+        kind: str, tmp_path: Path, signed: Path, models: Path, key: KeyPair,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    noun = WHAT[kind]
+    with _not_regular(kind, models / "tiny.gguf"):
+        result = run(capsys, "lock", "verify", "--lock", signed, "--trusted", key.pub)
+        assert result.status == 1
+        assert f"tiny      FAILED: tiny.gguf is {noun}, not a regular file" in result.out.splitlines()
+        assert lines_of(result.out, "tiny-b ")[0].startswith("tiny-b    ok: ")
+        result = run(capsys, "lock", "add", "again", models / "tiny.gguf", "--lock", signed)
+        assert result.status == 1
+        assert result.err == f"edgellmctl lock: {models / 'tiny.gguf'} is {noun}, not a regular file\n"
+    with _not_regular(kind, tmp_path / "trusted.pub") as trusted:
+        result = run(capsys, "lock", "verify", "--lock", signed, "--trusted", trusted)
+        assert f"lock      FAILED: public key {trusted} is {noun}, not a regular file" in result.out
+    with _not_regular(kind, tmp_path / "signing.pem") as pem:
+        result = run(capsys, "lock", "sign", "--lock", signed, "--key", pem)
+        assert result.status == 1
+        assert result.err == f"edgellmctl lock: signing key {pem} is {noun}, not a regular file\n"
+    good = signed.read_bytes()
+    with _not_regular(kind, signed):
+        for verb in (["show"], ["verify"], ["sign", "--key", str(key.pem)]):
+            result = run(capsys, "lock", *verb, "--lock", signed)
+            assert result.status == 1
+            assert result.err == f"edgellmctl lock: {signed} is {noun}, not a regular file\n"
+    signed.write_bytes(good)
+
+
 # ---- argument errors ------------------------------------------------------------------------
 
 
@@ -664,6 +799,8 @@ def test_add_refuses_to_extend_a_malformed_lock(
     ["lock", "sign"],  # --key is required
     ["keygen"],  # --out is required
     ["lock", "frobnicate"],
+    ["lock", "sign", "--ke", "signing.pem"],  # options by their full names only
+    ["lock", "verify", "--trust", "signing.pub"],
 ])
 def test_argument_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as excinfo:

@@ -67,15 +67,16 @@ class Box:
         document["signatures"] = [sign(document, self.keys[s]) for s in signers]
         self.lock.write_text(json.dumps(document))
 
-    def settings(self) -> Any:
+    def settings(self, trusted: list[Path] | None = None) -> Any:
+        keys = trusted if trusted is not None else [self.pub("a"), self.pub("b")]
         return settings_for([{"name": MODEL, "threads": 1, "context_size": 128, "slots": 1}],
                             lock={"file": str(self.lock), "models_dir": str(self.models),
                                   "state_dir": str(self.state),
-                                  "trusted_keys": [str(self.pub("a")), str(self.pub("b"))]})
+                                  "trusted_keys": [str(k) for k in keys]})
 
-    def serve(self) -> tuple[int, dict[str, Any], list[str]]:
+    def serve(self, trusted: list[Path] | None = None) -> tuple[int, dict[str, Any], list[str]]:
         """Start a daemon on this box: /readyz status and body, and the models it lists."""
-        with running(self.settings(), wait_ready=False) as daemon:
+        with running(self.settings(trusted), wait_ready=False) as daemon:
             status, body = _settled_readyz(daemon)
             _, models = daemon.get("/v1/models")
         return status, body, [m["id"] for m in models["data"]]
@@ -240,6 +241,94 @@ def test_paths_outside_the_models_directory_are_refused(box: Box, file: str, rea
     status, body, _ = box.serve()
     assert status == 503
     assert reason in _reason(body)
+
+
+# A signed entry that the daemon could only trip over later (a NUL byte made /admin/reload
+# answer 500 and left start-up "loading" with no reason): the whole lock is refused at once,
+# naming the entry and why, and the value only when it is short and printable.
+HIDDEN = "(a value too long or unprintable to show)"
+BAD_ENTRIES: list[tuple[str, dict[str, Any], str]] = [
+    ("nul", {"file": "tiny.gguf\x00.txt"}, "models.tiny.file: must not contain control characters"),
+    ("newline", {"file": "tiny\n.gguf"}, "models.tiny.file: must not contain control characters"),
+    ("escape", {"file": "tiny\x1b[2J.gguf"}, "models.tiny.file: must not contain control characters"),
+    ("del", {"file": "tiny\x7f.gguf"}, "models.tiny.file: must not contain control characters"),
+    ("c1", {"file": "tiny\x85.gguf"}, "models.tiny.file: must not contain control characters"),
+    ("dotdot", {"file": "../tiny.gguf"},
+     "models.tiny.file: '../tiny.gguf' contains '..'; lockfile paths stay inside the models directory"),
+    ("dotdot-inside", {"file": "sub/../../tiny.gguf"},
+     "models.tiny.file: 'sub/../../tiny.gguf' contains '..'"),
+    ("dotdot-alone", {"file": ".."}, "models.tiny.file: '..' contains '..'"),
+    ("absolute", {"file": "/etc/passwd"}, "models.tiny.file: '/etc/passwd' is an absolute path"),
+    ("backslash", {"file": "..\\tiny.gguf"}, "models.tiny.file: '..\\\\tiny.gguf' contains a backslash"),
+    ("too-long", {"file": "a/" * 600 + "tiny.gguf"}, "models.tiny.file: must be at most 1024 characters"),
+    ("empty", {"file": ""}, "models.tiny.file: must be a non-empty string"),
+    ("not-a-string", {"file": ["tiny.gguf"]}, "models.tiny.file: must be a non-empty string"),
+    ("gguf-control", {"gguf": {"architecture": "llama\r\nforged: line"}},
+     "models.tiny.gguf.architecture: must not contain control characters"),
+    ("gguf-long", {"gguf": {"architecture": "l" * 300}},
+     "models.tiny.gguf.architecture: must be at most 256"),
+    ("gguf-bool", {"gguf": {"context_length": True}},
+     "models.tiny.gguf.context_length: must be a string or an integer"),
+    ("gguf-member-control", {"gguf": {"arch\x00": "llama"}},
+     "models.tiny.gguf: member names must not contain control characters"),
+]
+
+
+@pytest.mark.parametrize(("change", "reason"), [pytest.param(c, r, id=i) for i, c, r in BAD_ENTRIES])
+def test_a_bad_entry_is_refused_by_the_parser_naming_it(box: Box, change: dict[str, Any],
+                                                        reason: str) -> None:
+    entry = {**box.entry(), **change}
+    with pytest.raises(LockError) as caught:
+        parse_lock(json.dumps(box.document(models={MODEL: entry})))
+    message = str(caught.value)
+    assert message.startswith(reason)
+    assert message.isprintable()  # one line, no control characters: it goes to logs and terminals
+
+
+@pytest.mark.parametrize("name", ["bad\x00name", "x" * 5000, "\u202egnp.exe"], ids=["nul", "huge", "bidi"])
+def test_a_bad_model_name_is_refused_without_showing_it(box: Box, name: str) -> None:
+    with pytest.raises(LockError) as caught:
+        parse_lock(json.dumps(box.document(models={name: box.entry()})))
+    assert str(caught.value) == (f"models.{HIDDEN}: model names are 1-64 of A-Za-z0-9._:- starting with "
+                                 "a letter or digit")
+
+
+def test_an_unknown_member_with_an_unprintable_name_is_named_without_it(box: Box) -> None:
+    document = {**box.document(), "evil\n\x00": 1}
+    with pytest.raises(LockError) as caught:
+        parse_lock(json.dumps(document))
+    assert str(caught.value) == f"{HIDDEN}: unknown member"
+
+
+@pytest.mark.parametrize("case", ["nul", "dotdot", "gguf-control"])
+def test_a_signed_lock_with_a_bad_entry_ends_start_up_failed_with_the_reason(box: Box, case: str) -> None:
+    change, reason = next((c, r) for i, c, r in BAD_ENTRIES if i == case)
+    box.write(box.document(models={MODEL: {**box.entry(), **change}}), "a")
+    status, body, listed = box.serve()
+    assert status == 503
+    assert body["status"] == "failed"
+    assert body["models"][MODEL]["state"] == "failed"  # not "loading" for ever
+    assert _reason(body).startswith(f"lockfile refused: {reason}")
+    assert listed == []
+    assert VersionState(box.state).highest() == 0  # a refused lock is never accepted
+
+
+@pytest.mark.parametrize("what", ["lockfile", "trusted key"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_lockfile_or_trusted_key_that_is_not_a_regular_file_fails_start_up_at_once(
+        box: Box, what: str, kind: str) -> None:
+    box.write(box.document(), "a")
+    target = box.lock if what == "lockfile" else box.root / "trusted.pub"
+    target.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(target)  # an open() without O_NONBLOCK waits here for a writer, for ever
+    else:
+        target.mkdir()
+    noun = "a FIFO" if kind == "fifo" else "a directory"
+    status, body, _ = box.serve([box.pub("a"), target] if what == "trusted key" else None)
+    assert status == 503
+    prefix = "" if what == "lockfile" else "public key "
+    assert _reason(body) == f"lockfile refused: {prefix}{target} is {noun}, not a regular file"
 
 
 def test_a_symlink_out_of_the_models_directory_is_refused(box: Box) -> None:

@@ -113,3 +113,18 @@ def test_stale_areas_go_and_live_ones_stay(tmp_path: Path, model: Path) -> None:
     assert live.path.exists()
     live.close()
     assert not any(root.glob(f"{AREA_PREFIX}*"))
+
+
+@pytest.mark.parametrize(("kind", "noun"), [("fifo", "a FIFO"), ("directory", "a directory")])
+def test_a_source_that_is_not_a_regular_file_is_refused_at_once_and_leaves_nothing(
+        area: PreloadArea, model: Path, tmp_path: Path, kind: str, noun: str) -> None:
+    source = tmp_path / "models" / "tiny.gguf"
+    source.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(source)  # opened without O_NONBLOCK, the copy would wait for a writer for ever
+    else:
+        source.mkdir()
+    with pytest.raises(LockError) as caught:
+        area.copy(source, "tiny", entry_for(model))
+    assert str(caught.value) == f"tiny.gguf is {noun}, not a regular file"
+    assert files_in(area) == []

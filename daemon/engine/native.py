@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -345,8 +346,12 @@ class NativeThread(abc.ABC):
         init_backend()
         self.config = config
         self.name: Final = name
-        if not config.path.is_file():
-            raise ModelLoadError(f"model file not found: {config.path}")
+        try:
+            mode = os.stat(config.path).st_mode
+        except OSError:
+            raise ModelLoadError(f"model file not found: {config.path}") from None
+        if not stat.S_ISREG(mode):  # a FIFO would block llama.cpp's open for good
+            raise ModelLoadError(f"model file {config.path} is not a regular file")
         self._cond = threading.Condition()  # guards the subclass's queue, _stopping and _users
         self._stopping = False
         self._users = 0  # calls into the model from other threads (tokens, grammars) in progress

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import stat
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -161,6 +166,178 @@ def test_an_unreadable_model_file_is_reported_and_chmod_recovers(box: SignedBox,
         still_serving(daemon, version)
 
 
+# ---- files that are not regular files ----------------------------------------------------------------
+#
+# A FIFO put in place of a file the daemon reads made its open() wait for a writer for ever:
+# reloads hung, and SIGTERM no longer stopped the daemon (the registry's mutex was held).
+
+STOP_S = 20.0  # SIGTERM to exit, with nothing in flight; a wedged registry never gets there
+ANSWER_S = 20.0  # /admin/reload with a tiny model; a blocked open never answers
+
+
+@contextmanager
+def _socket_bound(path: Path) -> Iterator[None]:
+    """A Unix socket bound at `path` (by a short relative name: AF_UNIX paths stop at 108 bytes)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    cwd = Path.cwd()
+    os.chdir(path.parent)
+    try:
+        sock.bind(path.name)
+    finally:
+        os.chdir(cwd)
+    with sock:
+        yield
+
+
+@contextmanager
+def put_in_place(kind: str, path: Path) -> Iterator[str]:
+    """Replace `path` with a non-regular file of `kind` (renamed over it where rename allows); its noun."""
+    tmp = path.with_name(f".{path.name}.{kind}")
+    if kind == "fifo":
+        os.mkfifo(tmp, 0o600)
+        tmp.rename(path)
+        yield "a FIFO"
+    elif kind == "character device":
+        try:
+            os.mknod(tmp, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # what /dev/zero is: it never ends
+        except PermissionError:
+            pytest.skip("cannot make a device node here (not root, or no CAP_MKNOD)")
+        tmp.rename(path)
+        yield "a character device"
+    elif kind == "socket":
+        with _socket_bound(tmp):
+            tmp.rename(path)
+            yield "a socket"
+    elif kind == "directory":
+        tmp.mkdir(mode=0o700)
+        path.unlink()  # a directory cannot be renamed over a file
+        tmp.rename(path)
+        yield "a directory"
+    else:
+        raise AssertionError(kind)
+
+
+def timed_admin(daemon: DaemonProcess, method: str, path: str, body: Any = None) -> tuple[Any, float]:
+    """An /admin call and the seconds it took; fails (instead of hanging) past ANSWER_S."""
+    started = time.monotonic()
+    reply = daemon.call(method, path, body, token=daemon.box.admin_token, timeout=ANSWER_S)
+    return reply, time.monotonic() - started
+
+
+def stops_promptly(daemon: DaemonProcess, figures: Figures) -> None:
+    """SIGTERM ends the daemon cleanly within STOP_S."""
+    started = time.monotonic()
+    daemon.send(signal.SIGTERM)
+    try:
+        status = daemon.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"SIGTERM did not stop the daemon within {STOP_S} s:\n"
+                             f"{daemon.log_tail()}") from None
+    figures["SIGTERM to exit s"] = time.monotonic() - started
+    assert status == 0, daemon.log_tail()
+
+
+@contextmanager
+def loaded(daemon: DaemonProcess, figures: Figures) -> Iterator[None]:
+    """Light steady load for the body; asserts that no request failed meanwhile."""
+    with Load(daemon.url, daemon.box.app_token, 2, lambda _c, _n: completion(8), pause_s=0.02) as load:
+        yield
+    bad = failures(load.answers)
+    figures["requests during the fault / failed"] = (len(load.answers), len(bad))
+    assert bad == [], describe(bad)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "character device", "socket", "directory"])
+def test_a_model_file_that_is_not_a_regular_file_is_refused_at_once_and_sigterm_still_stops(
+        box: SignedBox, figures: Figures, kind: str) -> None:
+    data = box.model_bytes(STEADY_SPEC)
+    version = box.publish(data, file=FILE)
+    with DaemonProcess(box, box.config(free_port())) as daemon:
+        daemon.start()
+        with put_in_place(kind, box.models / FILE) as noun:
+            expected = f"file {FILE}: {FILE} is {noun}, not a regular file"
+            with loaded(daemon, figures):
+                # The watcher sees the change and reloads by itself: refused, the old copy serves.
+                model = last_reload(daemon, lambda o: failed(o) and o["reason"] == expected, "the refusal")
+                assert model["state"] == "ready"
+                assert model["version"] == version
+                # An operator's reload answers at once, with the reason; the old version serves on.
+                reply, took = timed_admin(daemon, "POST", "/admin/reload", {"force": True})
+                figures["reported"] = (reply.status, reply.body["results"][0]["reason"])
+                figures["/admin/reload answered in s"] = took
+                assert reply.status == 409
+                assert reply.body["results"][0]["result"] == "failed"
+                assert reply.body["results"][0]["reason"] == expected
+                still_serving(daemon, version)
+                assert any(expected in m and "previous version keeps serving" in m for m in daemon.errors())
+            # With the thing still in place and a reload just refused, SIGTERM stops the daemon.
+            stops_promptly(daemon, figures)
+    figures.show()
+
+
+def test_a_signed_entry_with_a_nul_byte_is_refused_with_its_reason_at_reload_and_at_start(
+        box: SignedBox, figures: Figures) -> None:
+    data = box.model_bytes(STEADY_SPEC)
+    version = box.publish(data, file=FILE)
+    good = box.lock.read_bytes()
+    expected = f"lockfile refused: models.{MODEL}.file: must not contain control characters"
+    with DaemonProcess(box, box.config(free_port())) as daemon:
+        daemon.start()
+        with loaded(daemon, figures):
+            box.sign_lock({MODEL: box.entry(f"{FILE}\x00.txt", data)})  # a signer's tool gone wrong
+            model = last_reload(daemon, failed, "the refused lockfile")
+            assert model["last_reload"]["reason"] == expected
+            reply, took = timed_admin(daemon, "POST", "/admin/reload", {"force": True})
+            figures["reported"] = (reply.status, reply.body["results"][0]["reason"])
+            figures["/admin/reload answered in s"] = took
+            assert reply.status == 409  # was a 500
+            assert reply.body["results"][0]["reason"] == expected
+            assert daemon.status()["lock"]["version"] == version  # the refused lock moved nothing
+            assert box.highest_version() == version
+            still_serving(daemon, version)
+        stops_promptly(daemon, figures)
+    # Starting with it: start-up ends "failed" with the reason, not "loading" for ever.
+    with DaemonProcess(box, box.config(free_port()), label="restart") as daemon:
+        daemon.start(ready=False)
+        model = wait_for(lambda: daemon.probe("/readyz") is not None
+                         and (m := daemon.model())["state"] != "loading" and m, what="the start-up to end")
+        figures["at start"] = (model["state"], model["reason"])
+        assert model["state"] == "failed"
+        assert model["reason"] == expected
+        assert daemon.get("/readyz").status == 503
+        box.replace(box.lock, good)  # the fix applies without a restart
+        wait_for(lambda: daemon.model()["state"] == "ready", what="the recovery")
+        stops_promptly(daemon, figures)
+    figures.show()
+
+
+@pytest.mark.parametrize("which", ["lockfile", "trusted key"])
+def test_a_fifo_in_place_of_the_lockfile_or_a_trusted_key_is_refused_at_once(
+        box: SignedBox, figures: Figures, which: str) -> None:
+    version = box.publish(box.model_bytes(STEADY_SPEC), file=FILE)
+    target = box.lock if which == "lockfile" else box.pub
+    good = target.read_bytes()
+    what = "" if which == "lockfile" else "public key "
+    expected = f"lockfile refused: {what}{target} is a FIFO, not a regular file"
+    with DaemonProcess(box, box.config(free_port())) as daemon:
+        daemon.start()
+        with loaded(daemon, figures):
+            with put_in_place("fifo", target):
+                reply, took = timed_admin(daemon, "POST", "/admin/reload", {"force": True})
+                figures["reported"] = (reply.status, reply.body["results"][0]["reason"])
+                figures["/admin/reload answered in s"] = took
+                assert reply.status == 409
+                assert reply.body["results"][0]["reason"] == expected
+                still_serving(daemon, version)
+                target.unlink()
+            box.replace(target, good)
+            reply, _ = timed_admin(daemon, "POST", "/admin/reload", {"force": True})
+            assert reply.status == 200, reply
+            still_serving(daemon, version)
+        stops_promptly(daemon, figures)
+    figures.show()
+
+
 # ---- the lockfile ------------------------------------------------------------------------------------
 
 
@@ -234,6 +411,36 @@ def test_a_corrupted_keys_file_keeps_the_last_good_keys_and_a_fixed_one_applies(
         wait_for(lambda: any("chmod 600 it" in m for m in daemon.errors()), what="the mode refusal")
         assert daemon.complete(max_tokens=4, token=token).status == 200
         box.keys_file.chmod(0o600)
+
+
+def test_a_fifo_in_place_of_the_keys_file_keeps_the_last_good_keys_and_stops_nothing(
+        box: SignedBox, figures: Figures) -> None:
+    box.publish(box.model_bytes(STEADY_SPEC), file=FILE)
+    good = box.keys_file.read_bytes()
+    with DaemonProcess(box, box.config(free_port())) as daemon:
+        daemon.start()
+        # The keys file is polled from the event loop: a blocked read there would stop every request.
+        with loaded(daemon, figures), put_in_place("fifo", box.keys_file):
+            rejected = wait_for(lambda: [m for m in daemon.errors() if "keys file change rejected" in m],
+                                what="the rejection in the log")
+            figures["reported"] = rejected[0]
+            assert rejected[0].endswith(f"{box.keys_file} is a FIFO, not a regular file")
+            assert "the previous 2 key(s) stay in force" in rejected[0]
+            assert daemon.complete(max_tokens=4).status == 200
+        _write_private(box.keys_file, good)
+        stops_promptly(daemon, figures)
+    # Starting with one: the daemon exits at once (status 1) and the log says why.
+    with put_in_place("fifo", box.keys_file), \
+            DaemonProcess(box, box.config(free_port()), label="restart") as daemon:
+        daemon.start(ready=False)
+        try:
+            status = daemon.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"start-up hung on the FIFO:\n{daemon.log_tail()}") from None
+        figures["start-up with a FIFO: exit status"] = status
+        assert status == 1
+        assert f"{box.keys_file} is a FIFO, not a regular file" in daemon.log_tail()
+    figures.show()
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -1,0 +1,197 @@
+"""edgellmctl's shared parts: options by full names only; keys never on the command line or in a message."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from edgellmctl import admin, bench
+from edgellmctl.__main__ import build_parser, main
+from edgellmctl.cli import Parser, redact
+
+TOKEN: Final = "elk_0123456789ab_" + "Zm9vYmFyYmF6cXV4" * 3  # the shape of an edgellm API token
+SECRET_PARTS: Final = (TOKEN, "Zm9vYmFy", "0123456789ab")
+# Every command that talks to a daemon, with what it needs besides a key.
+TALKERS: Final = {
+    "status": ["status"],
+    "stats": ["stats"],
+    "reload": ["reload"],
+    "load": ["load", "m"],
+    "unload": ["unload", "m"],
+    "bench": ["bench", "--url", "http://127.0.0.1:9"],
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (admin.KEY_ENV, admin.KEY_FILE_ENV, bench.KEY_ENV, bench.KEY_FILE_ENV, admin.URL_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run edgellmctl, expect the argument parser's exit status 2; what it printed."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:  # argparse offers no public walk of its subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _parsers(sub)
+    return found
+
+
+def test_every_parser_takes_options_by_their_full_names_only() -> None:
+    parsers = _parsers(build_parser())
+    assert len(parsers) > 15  # the top, every command and every verb
+    for parser in parsers:
+        assert isinstance(parser, Parser), parser.prog
+        assert parser.allow_abbrev is False, parser.prog
+
+
+@pytest.mark.parametrize("command", list(TALKERS))
+@pytest.mark.parametrize("form", ["--key", "--key=", "--api-key", "--token", "positional"])
+def test_a_key_on_the_command_line_is_refused_and_never_printed(
+        command: str, form: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # `--key K` used to be taken for `--key-file K` by prefix matching; the error message
+    # then printed K. The key on a command line shows in `ps` and shell history anyway.
+    extra = {"--key": ["--key", TOKEN], "--key=": [f"--key={TOKEN}"], "--api-key": ["--api-key", TOKEN],
+             "--token": ["--token", TOKEN], "positional": [TOKEN, TOKEN]}[form]
+    err = refused([*TALKERS[command], *extra], capsys)
+    assert "unrecognized arguments: " in err
+    for part in SECRET_PARTS:
+        assert part not in err
+    if form != "positional":
+        assert f"unrecognized arguments: {extra[0].split('=')[0]}" in err
+
+
+@pytest.mark.parametrize("command", list(TALKERS))
+@pytest.mark.parametrize("abbreviation", ["--key-fi", "--key", "--ur"])
+def test_abbreviations_are_refused(command: str, abbreviation: str, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused([*TALKERS[command], abbreviation, str(tmp_path / "admin.key")], capsys)
+    # (reload takes the file for its optional model name; the option is refused all the same)
+    assert f"unrecognized arguments: {abbreviation}" in err
+
+
+@pytest.mark.parametrize("command", list(TALKERS))
+def test_a_key_given_where_its_file_belongs_is_not_printed(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TALKERS[command], "--url", f"http://127.0.0.1:{_closed_port()}", "--key-file", TOKEN]
+                if command != "bench" else [*TALKERS[command], "--key-file", TOKEN]) in (1, 2)
+    err = capsys.readouterr().err
+    assert "No such file or directory" in err
+    assert "elk_(hidden)" in err
+    for part in SECRET_PARTS:
+        assert part not in err
+
+
+@pytest.mark.parametrize("command", ["status", "reload", "bench"])
+@pytest.mark.parametrize("via", ["--key-file", "environment"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_a_key_file_that_is_not_a_regular_file_is_refused_at_once_in_one_line(
+        command: str, via: str, kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "admin.key"
+    if kind == "fifo":
+        os.mkfifo(path)  # without O_NONBLOCK, opening it waits for a writer, for ever
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path = Path("/dev/zero")  # never ends
+    argv = [*TALKERS[command], "--url", f"http://127.0.0.1:{_closed_port()}"]
+    if command == "bench":
+        argv = argv[:1] + argv[3:]
+    if via == "--key-file":
+        argv += ["--key-file", str(path)]
+    else:
+        monkeypatch.setenv(bench.KEY_FILE_ENV if command == "bench" else admin.KEY_FILE_ENV, str(path))
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert status == (2 if command == "bench" else 1)
+    noun = {"fifo": "a FIFO", "directory": "a directory", "device": "a character device"}[kind]
+    assert err.endswith(f"key file {path} is {noun}, not a regular file\n")
+    assert err.count("\n") == 1
+
+
+def test_the_admin_key_comes_from_the_file_env_before_the_key_env(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty.key").write_text("\n")
+    monkeypatch.setenv(admin.KEY_FILE_ENV, str(tmp_path / "empty.key"))
+    monkeypatch.setenv(admin.KEY_ENV, TOKEN)
+    assert main(["status", "--url", f"http://127.0.0.1:{_closed_port()}"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"edgellmctl status: the admin key file {tmp_path / 'empty.key'} is empty\n"
+
+
+def test_a_url_with_credentials_from_the_environment_is_refused_without_them(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(admin.URL_ENV, f"http://ops:{TOKEN}@127.0.0.1:8080")
+    err = refused(["status"], capsys)
+    assert "must not carry credentials; pass the key with --key-file" in err
+    for part in SECRET_PARTS:
+        assert part not in err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "garbage"])
+def test_a_cacert_that_is_not_a_certificate_file_is_refused_at_once(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(admin.KEY_ENV, TOKEN)
+    cacert = tmp_path / "ca.pem"
+    if kind == "fifo":
+        os.mkfifo(cacert)
+    else:
+        cacert.write_text("not a certificate\n")
+    assert main(["status", "--url", "https://127.0.0.1:9", "--cacert", str(cacert)]) == 1
+    expected = {"fifo": f"--cacert: {cacert} is a FIFO, not a regular file",
+                "garbage": f"--cacert {cacert} holds no usable PEM certificate"}[kind]
+    assert capsys.readouterr().err == f"edgellmctl status: {expected}\n"
+
+
+@pytest.mark.parametrize(("message", "shown"), [
+    ("unrecognized arguments: --key elk_0123456789ab_c2VjcmV0",
+     "unrecognized arguments: --key ... (values are not shown)"),
+    ("unrecognized arguments: --key=hunter2 --json",
+     "unrecognized arguments: --key --json (values are not shown)"),
+    ("unrecognized arguments: --bogus", "unrecognized arguments: --bogus"),
+    ("unrecognized arguments: hunter2", "unrecognized arguments: ... (values are not shown)"),
+    ("argument COMMAND: invalid choice: 'elk_0123456789ab_c2VjcmV0'",
+     "argument COMMAND: invalid choice: 'elk_(hidden)'"),
+    ("cannot read the admin key file elk_0123456789ab_c2Vj: No such file or directory",
+     "cannot read the admin key file elk_(hidden): No such file or directory"),
+    ("argument --url: not a valid URL", "argument --url: not a valid URL"),
+])
+def test_redact(message: str, shown: str) -> None:
+    assert redact(message) == shown
+
+
+@pytest.mark.parametrize("verb", [["list"], ["revoke", "0123456789ab"],
+                                  ["create", "--name", "x", "--scope", "inference"]])
+def test_keys_commands_refuse_a_keys_file_that_is_not_a_regular_file(
+        verb: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = tmp_path / "keys.yaml"
+    os.mkfifo(keys, 0o600)
+    assert main(["keys", *verb, "--file", str(keys)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"edgellmctl keys: {keys} is a FIFO, not a regular file\n"
+    assert captured.out == ""
