@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import web
 
@@ -25,7 +25,7 @@ from edgellmd.auth import setup_admin_networks, setup_auth
 from edgellmd.cors import setup_cors
 from edgellmd.engine import supports_gpu_offload
 from edgellmd.errors import Handler, error_middleware
-from edgellmd.frontdoor import GuardedSite
+from edgellmd.frontdoor import DoorLimits, GuardedSite
 from edgellmd.generation import Running
 from edgellmd.gpu import GpuMonitor
 from edgellmd.handle import EngineFactory, default_engine_factory
@@ -44,7 +44,6 @@ PROMPT_THREADS: Final = 2  # template rendering and tokenization run here, never
 MAX_LINE_BYTES: Final = 8190  # request line (aiohttp's default, stated here on purpose)
 MAX_FIELD_BYTES: Final = 8190  # one header
 MAX_HEADERS: Final = 64
-KEEPALIVE_TIMEOUT_S: Final = 75.0  # an idle kept-alive connection is closed after this
 _CLIENT_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -214,14 +213,24 @@ def _tls_context(server: ServerSettings) -> ssl.SSLContext | None:
 async def start_server(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Start serving `app` on host:port (port 0 picks a free one); returns the runner to clean up."""
     server = app[appkeys.SETTINGS].server
+    # aiohttp's loggers quote request bytes (header values, keys) in parser errors: scrubbed
+    # here too, for an app started without logs.configure (tests, embedding).
+    logs.guard_library_loggers()
+    # What each connection's protocol is built with (by the guarded site). No aiohttp access
+    # log: ours is in request_context.
+    handler_args: dict[str, Any] = {
+        "keepalive_timeout": server.keepalive_timeout_s, "max_line_size": MAX_LINE_BYTES,
+        "max_field_size": MAX_FIELD_BYTES, "max_headers": MAX_HEADERS, "access_log": None}
     # handler_cancellation: a client that disconnects cancels its handler, which frees its
     # slot at once instead of when its generation would have ended.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=server.shutdown_timeout_s, max_line_size=MAX_LINE_BYTES,
-                           max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS,
-                           keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=server.shutdown_timeout_s,
+                           **handler_args)
     await runner.setup()
-    site = GuardedSite(runner, host, port, header_timeout=server.header_timeout_s,
-                       max_connections=server.max_connections, ssl_context=_tls_context(server))
+    limits = DoorLimits(header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
+                        max_connections=server.max_connections,
+                        max_connections_per_client=server.max_connections_per_client)
+    # Parser refusals never reach the app's middlewares: the site stamps the same headers.
+    site = GuardedSite(runner, host, port, limits=limits, headers=SECURITY_HEADERS,
+                       handler_args=handler_args, ssl_context=_tls_context(server))
     await site.start()
     return runner

@@ -123,6 +123,19 @@ class GenerationTimeout(ApiError):
     default_code = "timeout"
 
 
+class RequestTimeout(ApiError):
+    """408: the request's body did not arrive within server.body_timeout_s."""
+
+    status = 408
+    default_code = "request_timeout"
+
+
+class MalformedRequest(ApiError):
+    """400: aiohttp's parser refused the request's bytes."""
+
+    default_code = "malformed_request"
+
+
 class InternalError(ApiError):
     """500: something broke on our side; the message never carries details."""
 

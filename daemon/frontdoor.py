@@ -1,97 +1,447 @@
-"""The listening socket's guards: a deadline for a request's head (slow-loris) and a connection cap."""
+"""The listening socket's guards: a deadline at every stage of a connection, connection caps, parser refusals.
+
+Each connection is served by `FrontDoorHandler`, a small subclass of aiohttp's protocol:
+
+- **Deadlines.** A request head must be complete `server.header_timeout_s` after its first
+  byte (the first head: after the connection opened; a head whose bytes came while an
+  earlier request was being answered: after that answer ended); then the connection is
+  cut, unanswered. A request body must be complete `server.body_timeout_s` after the end of
+  its head, read or not; then the request is answered 408 `request_timeout` if its answer
+  has not begun, and the connection is closed. Between requests aiohttp's keep-alive
+  timeout (`server.keepalive_timeout_s`) applies. A response being sent is under none of
+  these: it has the stream write timeout.
+- **Caps.** Connections beyond `server.max_connections`, or beyond
+  `server.max_connections_per_client` from one client, are closed at accept. IPv4-mapped
+  IPv6 peers count as their IPv4 address; other IPv6 peers by their /64, the network one
+  host is given.
+- **Refusals.** What aiohttp's parser refuses is answered with OpenAI's error envelope, status
+  400, code `malformed_request` or, past the parser's limits, `request_head_too_large` (still
+  400: aiohttp does not tell a long request line, 414, from a long header, 431), with the
+  daemon's security headers and `Connection: close`. Nothing of the request is echoed or
+  logged: one info line names the peer and the kind of refusal.
+
+aiohttp's private `RequestHandler._messages` (the parsed, unanswered requests) is read to
+learn when a head ends and where its body goes; `check_internals` fails start-up loudly if
+that or a signature overridden here has changed.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import ipaddress
+import json
 import logging
-from typing import Any, Final
+import math
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
+import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    BadStatusLine,
+    ContentEncodingError,
+    HttpProcessingError,
+    InvalidURLError,
+    LineTooLong,
+    PayloadEncodingError,
+)
+from aiohttp.http_parser import RawRequestMessage
+
+from edgellmd import logs
+from edgellmd.errors import ApiError, MalformedRequest, RequestTimeout, envelope
+
+if TYPE_CHECKING:
+    from aiohttp.streams import StreamReader
+    from aiohttp.web_request import BaseRequest
 
 log = logging.getLogger(__name__)
 
 _HEAD_END: Final = b"\r\n\r\n"
+_HEAD: Final = "head"
+_BODY: Final = "body"
+CUT_GRACE_S: Final = 2.0  # after a body deadline: time to send the 408 before the connection is cut
+REFUSAL_LOG_INTERVAL_S: Final = 10.0  # at most one line this often per cap; the rest are counted
+_IPV6_CLIENT_PREFIX: Final = 64
+_TLS_ON_PLAIN_PORT: Final = "Received HTTPS traffic on an HTTP port"  # aiohttp's own text
+_TOO_MANY_HEADERS: Final = "Too many headers"  # the start of aiohttp's own text
+# What the front door overrides or calls in aiohttp's RequestHandler, with the parameters it
+# expects; check_internals compares them with the installed aiohttp.
+_RELIED_ON: Final = {
+    "connection_made": ("self", "transport"),
+    "connection_lost": ("self", "exc"),
+    "data_received": ("self", "data"),
+    "finish_response": ("self", "request", "resp", "start_time"),
+    "handle_error": ("self", "request", "status", "exc", "message"),
+    "close": ("self",),
+    "keep_alive": ("self", "val"),
+}
 
 
-class _Guarded(asyncio.Protocol):
-    """Wraps aiohttp's protocol: closes a connection whose first request head is late."""
+@dataclass(frozen=True, slots=True)
+class DoorLimits:
+    """The deadlines and caps a GuardedSite applies (server.* settings)."""
 
-    def __init__(self, inner: asyncio.Protocol, site: GuardedSite) -> None:
-        self._inner = inner
-        self._site = site
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    max_connections_per_client: int
+
+
+def client_address(peername: object) -> str:
+    """The address a connection counts under: IPv4 (mapped ones too), or an IPv6 /64."""
+    host = peername[0] if isinstance(peername, tuple) and peername else peername
+    if not isinstance(host, str) or not host:
+        return "?"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        if not address.is_loopback:
+            return str(ipaddress.IPv6Network((address, _IPV6_CLIENT_PREFIX), strict=False))
+    return str(address)
+
+
+class Door:
+    """The site's connection census: the caps, and a throttled line for each kind of refusal."""
+
+    def __init__(self, limits: DoorLimits, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self._clock = clock
+        self.open = 0
+        self.by_client: Counter[str] = Counter()
+        self._unlogged: Counter[str] = Counter()
+        self._quiet_until: dict[str, float] = {}
+
+    def admit(self, client: str) -> bool:
+        """Count a new connection from `client`, or refuse it (False) when a cap is reached."""
+        if self.open >= self.limits.max_connections:
+            self._refused(client, "max_connections", self.open, "in all")
+            return False
+        held = self.by_client[client]
+        if held >= self.limits.max_connections_per_client:
+            self._refused(client, "max_connections_per_client", held, "from that client")
+            return False
+        self.open += 1
+        self.by_client[client] = held + 1
+        return True
+
+    def release(self, client: str) -> None:
+        """Forget a connection admitted earlier."""
+        self.open -= 1
+        self.by_client[client] -= 1
+        if self.by_client[client] <= 0:
+            del self.by_client[client]
+
+    def _refused(self, client: str, setting: str, held: int, where: str) -> None:
+        # A flood of refused connections must not become a flood of log lines.
+        self._unlogged[setting] += 1
+        now = self._clock()
+        if now < self._quiet_until.get(setting, -math.inf):
+            return
+        count = self._unlogged.pop(setting)
+        more = f"; {count - 1} more refused since the last such line" if count > 1 else ""
+        log.warning("connection from %s refused: %d connections open %s (server.%s)%s",
+                    client, held, where, setting, more)
+        self._quiet_until[setting] = now + REFUSAL_LOG_INTERVAL_S
+
+
+def check_internals(probe: web.RequestHandler | None = None) -> None:
+    """Fail loudly if aiohttp's RequestHandler (or `probe`, one made) lacks what the front door relies on."""
+    problems = []
+    if "_messages" not in getattr(web.RequestHandler, "__slots__", ()):
+        problems.append("RequestHandler._messages is gone")
+    elif probe is not None:
+        messages: object = probe._messages  # typed as a deque, and checked to be one
+        if not isinstance(messages, deque):
+            problems.append("RequestHandler._messages is no longer a deque")
+    for name, expected in _RELIED_ON.items():
+        method = getattr(web.RequestHandler, name, None)
+        found = tuple(inspect.signature(method).parameters) if callable(method) else None
+        if found != expected:
+            problems.append(f"RequestHandler.{name}{found or ''} is not {name}{expected}")
+    if problems:
+        raise RuntimeError(f"aiohttp {aiohttp.__version__} changed what edgellmd's front door "
+                           f"(daemon/frontdoor.py) relies on: {'; '.join(problems)}")
+
+
+def _refusal(exc: HttpProcessingError, handler: web.RequestHandler) -> tuple[str, str]:
+    """(code, text) for a parser error: a fixed description of its kind, never its message."""
+    if isinstance(exc, LineTooLong):
+        limit = max(handler.max_line_size, handler.max_field_size)
+        return "request_head_too_large", f"the request line or a header is longer than {limit} bytes"
+    if exc.message.startswith(_TOO_MANY_HEADERS):
+        return "request_head_too_large", f"more than {handler.max_headers} headers"
+    if isinstance(exc, BadHttpMethod):
+        if exc.message == _TLS_ON_PLAIN_PORT:
+            return "malformed_request", "this is not HTTP (TLS sent to a plain-HTTP port?)"
+        return "malformed_request", "the method is not valid"
+    if isinstance(exc, InvalidURLError):
+        return "malformed_request", "the request target is not valid"
+    if isinstance(exc, BadStatusLine):
+        return "malformed_request", "the request line is not valid"
+    if isinstance(exc, ContentEncodingError):
+        return "malformed_request", "the body's content encoding is not valid"
+    if isinstance(exc, PayloadEncodingError):
+        return "malformed_request", "the body's framing is not valid"
+    # aiohttp's C parser raises a plain BadHttpMessage for nearly every header problem (bad
+    # characters, bare LF, folding, Content-Length with Transfer-Encoding), and for a broken
+    # chunk that came in the same read as its head.
+    return "malformed_request", "a header or the body's framing is not valid"
+
+
+class FrontDoorHandler(web.RequestHandler):
+    """aiohttp's protocol, plus per-stage deadlines, the connection caps and generic refusals."""
+
+    def __init__(self, manager: web.Server, *, loop: asyncio.AbstractEventLoop, door: Door,
+                 headers: Mapping[str, str], **kwargs: Any) -> None:
+        super().__init__(manager, loop=loop, **kwargs)
+        self._door = door
+        self._answer_headers = headers
+        self._clock = loop
+        self._client = "?"  # what the caps count it under
+        self._peer = "?"  # its address, for log lines
+        self._admitted = False
+        self._cut = False  # refused, or past a deadline: nothing more is read
+        self._parsed_n = 0  # requests parsed so far (parser refusals too)
+        self._answered_n = 0  # of which answered (in order: HTTP/1.1 answers in request order)
+        self._answered_at = -math.inf  # when the last answer ended
+        self._head_since: float | None = None  # bytes of an incomplete head seen since then
+        self._body: StreamReader | None = None  # the last parsed request's incomplete body
+        self._body_of = 0  # which request (its _parsed_n) that body belongs to
+        self._body_since = 0.0
+        self._framing = _HEAD  # how the last parsed request ends: head, chunked or length
+        self._tail = b""  # the last bytes received, to spot a head end split across reads
+        self._armed: tuple[str, float] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._tail = b""
-        self._transport: asyncio.BaseTransport | None = None
+        self._grace: asyncio.TimerHandle | None = None
+
+    # -- the connection's life
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport
-        site = self._site
-        site.open_connections += 1
-        if site.open_connections > site.max_connections:
-            log.warning("connection refused: %d connections open (server.max_connections)",
-                        site.open_connections - 1)
-            transport.close()
-        else:
-            self._timer = asyncio.get_running_loop().call_later(site.header_timeout, self._expire)
-        self._inner.connection_made(transport)
+        """Admit the connection (or close it at once) and start the first head's deadline."""
+        peername = transport.get_extra_info("peername")
+        self._client = client_address(peername)
+        self._peer = str(peername[0]) if isinstance(peername, tuple) and peername else self._client
+        if not self._door.admit(self._client):
+            self._cut = True
+            _abort(transport)
+            return  # aiohttp never sees it
+        self._admitted = True
+        super().connection_made(transport)
+        self._head_since = self._clock.time()  # a silent connection is a head that never comes
+        self._rearm()
 
-    def _expire(self) -> None:
-        peer = self._transport.get_extra_info("peername") if self._transport else None
-        log.warning("connection from %s closed: no complete request head within %.1f s",
-                    peer[0] if peer else "?", self._site.header_timeout)
-        if isinstance(self._transport, asyncio.Transport):
-            self._transport.abort()
-        elif self._transport is not None:
-            self._transport.close()
+    def connection_lost(self, exc: BaseException | None) -> None:
+        """Stop the deadlines and give the connection's place back."""
+        for timer in (self._timer, self._grace):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._grace = None
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._door.release(self._client)
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._timer is not None:
-            # Only the first head is timed; later ones on a kept-alive connection fall under
-            # aiohttp's keep-alive timeout.
-            seen = self._tail + data
-            if _HEAD_END in seen:
-                self._timer.cancel()
-                self._timer = None
-            else:
-                self._tail = seen[-3:]
-        self._inner.data_received(data)
+        """Parse as aiohttp does, then note which stage the connection is in."""
+        if self._cut:
+            return
+        messages = self._messages
+        before = len(messages)
+        body_was_open = self._body is not None
+        super().data_received(data)
+        now = self._clock.time()
+        for i in range(before, len(messages)):
+            message, payload = messages[i]
+            self._parsed(message, payload, now)
+        if self._body is not None and self._body.is_eof():
+            self._body = None
+        if data and self._body is None and not self._cut:
+            if not body_was_open and len(messages) == before:
+                partial = True  # every byte was a head's
+            elif self._framing == "length":
+                # Where a Content-Length body ended in this read is not known here: bytes of
+                # a pipelined head behind it wait under the keep-alive timeout instead.
+                partial = False
+            else:  # after a head or a chunked body, which both end in a blank line
+                partial = not (self._tail + data[-len(_HEAD_END):]).endswith(_HEAD_END)
+            if partial and self._head_since is None:
+                self._head_since = now
+                if self._answered_n >= self._parsed_n:
+                    # No longer idle: aiohttp's keep-alive timer would cut this head at its
+                    # own time; the head's deadline is the one that applies now.
+                    self.keep_alive(True)
+        self._tail = (self._tail + data[-len(_HEAD_END):])[-len(_HEAD_END) + 1:]
+        self._rearm()
 
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
+    def _parsed(self, message: object, payload: StreamReader, now: float) -> None:
+        self._parsed_n += 1
+        self._head_since = None
+        if not isinstance(message, RawRequestMessage):  # aiohttp's record of a parser error
+            if self._body is not None and not self._body.is_eof():
+                self._refuse_body(message)  # the error is in the body being received
+            self._body = None
+            return
+        if message.upgrade:
+            self.close()  # nothing here speaks another protocol: answer this request, then close
+        if payload.is_eof():
+            self._body, self._framing = None, _HEAD
+        else:
+            self._body, self._body_of, self._body_since = payload, self._parsed_n, now
+            self._framing = "chunked" if message.chunked else "length"
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        """Send the answer as aiohttp does; its end starts the clocks of what was waiting."""
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._answered_n += 1
+            self._answered_at = self._clock.time()
+            if self._admitted and not self._cut:
+                self._rearm()
+
+    # -- deadlines
+
+    def _stage(self) -> tuple[str, float] | None:
+        """The stage whose deadline runs, and since when; None while answers are pending or idle."""
+        if self._body is not None:
+            if self._answered_n < self._body_of - 1:
+                return None  # an earlier request is still being answered
+            return _BODY, max(self._body_since, self._answered_at)
+        if self._head_since is not None and self._answered_n >= self._parsed_n:
+            return _HEAD, max(self._head_since, self._answered_at)
+        return None
+
+    def _rearm(self) -> None:
+        stage = self._stage()
+        if stage == self._armed:
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._site.open_connections -= 1
-        self._inner.connection_lost(exc)
+        self._armed = stage
+        if stage is not None:
+            limits = self._door.limits
+            limit = limits.header_timeout_s if stage[0] == _HEAD else limits.body_timeout_s
+            self._timer = self._clock.call_at(stage[1] + limit, self._expire)
 
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
+    def _expire(self) -> None:
+        self._timer = None
+        stage, self._armed = self._armed, None
+        limits = self._door.limits
+        self._cut = True
+        if stage is not None and stage[0] == _BODY and self._body is not None:
+            log.warning("connection from %s closed: request body not complete within %.1f s "
+                        "(server.body_timeout_s)", self._peer, limits.body_timeout_s)
+            self._end_body(RequestTimeout(
+                f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                headers={"Connection": "close"}))
+            return
+        log.warning("connection from %s closed: no complete request head within %.1f s "
+                    "(server.header_timeout_s)", self._peer, limits.header_timeout_s)
+        if self.transport is not None:
+            _abort(self.transport)
 
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
+    def _refuse_body(self, message: object) -> None:
+        exc = getattr(message, "exc", None)  # aiohttp's _ErrInfo carries the parser's exception
+        code, text = "malformed_request", "the body's framing is not valid"
+        if isinstance(exc, PayloadEncodingError):
+            code, text = _refusal(exc, self)
+        log.info("request from %s refused: malformed HTTP request: %s", self._peer, text)
+        self._cut = True
+        self._end_body(MalformedRequest(f"malformed HTTP request: {text}", code=code,
+                                        headers={"Connection": "close"}))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    def _end_body(self, error: ApiError) -> None:
+        """End the incomplete body: its reader gets `error` (answered by the app), then close."""
+        body, self._body = self._body, None
+        if body is not None:
+            if self._answered_n < self._body_of:  # its request is not answered yet
+                body.set_exception(error)
+            body.feed_eof()  # no lingering read of the rest; nothing more is fed (self._cut)
+        self.close()  # after the answer now being made, if any
+        self._grace = self._clock.call_later(CUT_GRACE_S, self._cut_now)
+
+    def _cut_now(self) -> None:
+        self._grace = None
+        if self.transport is not None:
+            _abort(self.transport)
+
+    # -- refusals
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """Answer a request aiohttp could not parse (or whose handler failed) with an envelope."""
+        del message  # aiohttp's text quotes the request's bytes
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was already being sent; the connection is closed")
+        rid = uuid.uuid4().hex
+        token = logs.request_id.set(rid)
+        try:
+            if isinstance(exc, HttpProcessingError):
+                status, type_ = 400, "invalid_request_error"
+                code, text = _refusal(exc, self)
+                text = f"malformed HTTP request: {text}"
+                log.info("request from %s refused: %s", self._peer, text)
+            else:
+                status = status if status >= 500 else 500
+                type_, code, text = "server_error", "internal_error", "internal server error"
+                log.error("unhandled error answering a request from %s", self._peer, exc_info=exc)
+        finally:
+            logs.request_id.reset(token)
+        body = json.dumps(envelope(text, type_, None, code)).encode()
+        response = web.Response(status=status, body=body, content_type="application/json",
+                                headers={**self._answer_headers, "Cache-Control": "no-store",
+                                         "Connection": "close", "X-Request-Id": rid})
+        response.force_close()
+        return response
+
+
+def _abort(transport: asyncio.BaseTransport) -> None:
+    if isinstance(transport, asyncio.WriteTransport):
+        transport.abort()
+    else:
+        transport.close()
 
 
 class GuardedSite(web.TCPSite):
-    """A TCP site whose connections get a request-head deadline and a cap on their number."""
+    """A TCP site whose connections are served by FrontDoorHandler."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, header_timeout: float,
-                 max_connections: int, **kwargs: Any) -> None:
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: DoorLimits,
+                 headers: Mapping[str, str], handler_args: Mapping[str, Any],
+                 **kwargs: Any) -> None:
         super().__init__(runner, host, port, **kwargs)
-        self.header_timeout = header_timeout
-        self.max_connections = max_connections
-        self.open_connections = 0
+        self.door = Door(limits)
+        self._answer_headers = dict(headers)
+        self._handler_args = dict(handler_args)
 
     async def start(self) -> None:
-        """Listen, wrapping every connection's protocol in the guard."""
+        """Listen, serving every connection with the guarded handler."""
         await web.BaseSite.start(self)  # registers the site with its runner
         server = self._runner.server
         assert server is not None  # noqa: S101 - the runner is set up before its sites start
         loop = asyncio.get_running_loop()
+
+        def handler() -> FrontDoorHandler:
+            return FrontDoorHandler(server, loop=loop, door=self.door,
+                                    headers=self._answer_headers, **self._handler_args)
+
+        check_internals(handler())
+        # A TLS handshake is a stage too, bounded like a request head (asyncio's default: 60 s).
+        tls = self._ssl_context
         self._server = await loop.create_server(
-            lambda: _Guarded(server(), self), self._host, self._port, ssl=self._ssl_context,
-            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+            handler, self._host, self._port, ssl=tls, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+            ssl_handshake_timeout=self.door.limits.header_timeout_s if tls is not None else None)

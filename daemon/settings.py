@@ -25,8 +25,14 @@ DEFAULT_MAX_TOKENS_LIMIT: Final = 4096
 DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
 DEFAULT_STREAM_WRITE_TIMEOUT_S: Final = 30.0
 DEFAULT_HEADER_TIMEOUT_S: Final = 10.0
+DEFAULT_BODY_TIMEOUT_S: Final = 30.0  # a 1 MiB body at 35 KB/s; a slower upload is a held connection
+DEFAULT_KEEPALIVE_TIMEOUT_S: Final = 75.0  # as nginx, and the role's HAProxy http-keep-alive
 DEFAULT_PROGRESS_TIMEOUT_S: Final = 300.0
 DEFAULT_MAX_CONNECTIONS: Final = 1024
+# One address may hold a quarter of the global cap: room for an app server's pool of a few
+# hundred streams (or a NAT gateway's users), while one address's slow-loris heads or
+# never-ending bodies leave three quarters of the connections to everybody else.
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT: Final = 256
 MAX_CONNECTIONS_RANGE: Final = (1, 1_000_000)
 DEFAULT_LOG_LEVEL: Final = "info"
 DEFAULT_LOG_FORMAT: Final = "json"
@@ -93,9 +99,12 @@ class ServerSettings:
     default_max_tokens: int | None = None  # None: until the slot's context is full
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client that stops reading is cut
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # deadline for a connection's first request head
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # deadline for each request head, from its first byte
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # deadline for each request body, from the end of its head
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S  # an idle kept-alive connection is closed then
     progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S  # longest wait for a request's next token
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections beyond this are closed at once
+    max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT  # likewise, from one address
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key, the daemon speaks HTTPS
     tls_key: Path | None = None  # PEM private key
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: no CORS
@@ -376,11 +385,20 @@ def _parse_server(checker: _Checker, value: object, base_dir: Path) -> ServerSet
         header_timeout_s=checker.positive_number(
             data, path, "header_timeout_s", DEFAULT_HEADER_TIMEOUT_S
         ),
+        body_timeout_s=checker.positive_number(data, path, "body_timeout_s", DEFAULT_BODY_TIMEOUT_S),
+        keepalive_timeout_s=checker.positive_number(
+            data, path, "keepalive_timeout_s", DEFAULT_KEEPALIVE_TIMEOUT_S
+        ),
         progress_timeout_s=checker.positive_number(
             data, path, "progress_timeout_s", DEFAULT_PROGRESS_TIMEOUT_S
         ),
         max_connections=checker.integer(
             data, path, "max_connections", DEFAULT_MAX_CONNECTIONS, MAX_CONNECTIONS_RANGE
+        ),
+        # Not checked against max_connections: above it, the global cap is the one that bites.
+        max_connections_per_client=checker.integer(
+            data, path, "max_connections_per_client", DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+            MAX_CONNECTIONS_RANGE,
         ),
         tls_cert=tls_cert,
         tls_key=tls_key,

@@ -98,8 +98,11 @@ server:
   shutdown_timeout_s: 5.5
   stream_write_timeout_s: 2.5
   header_timeout_s: 3.5
+  body_timeout_s: 12.5
+  keepalive_timeout_s: 20
   progress_timeout_s: 45
   max_connections: 99
+  max_connections_per_client: 9
   tls_cert: tls/cert.pem
   tls_key: tls/key.pem
   cors_origins: [https://app.example:8443]
@@ -154,8 +157,11 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             shutdown_timeout_s=5.5,
             stream_write_timeout_s=2.5,
             header_timeout_s=3.5,
+            body_timeout_s=12.5,
+            keepalive_timeout_s=20.0,
             progress_timeout_s=45.0,
             max_connections=99,
+            max_connections_per_client=9,
             tls_cert=tmp_path / "tls" / "cert.pem",
             tls_key=tmp_path / "tls" / "key.pem",
             cors_origins=("https://app.example:8443",),
@@ -351,8 +357,9 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("timeout-bool", {**with_model(), "server": {"shutdown_timeout_s": True}},
      "server.shutdown_timeout_s", "got True"),
     ("server-unknown-key", {**with_model(), "server": {"colour": "red"}}, "server.colour",
-     "unknown key (expected one of cors_origins, default_max_tokens, header_timeout_s, host, "
-     "max_body_bytes, max_connections, max_tokens_limit, port, progress_timeout_s, "
+     "unknown key (expected one of body_timeout_s, cors_origins, default_max_tokens, "
+     "header_timeout_s, host, keepalive_timeout_s, max_body_bytes, max_connections, "
+     "max_connections_per_client, max_tokens_limit, port, progress_timeout_s, "
      "shutdown_timeout_s, stream_write_timeout_s, tls_cert, tls_key)"),
     ("server-not-mapping", {**with_model(), "server": [8080]}, "server",
      "must be a mapping with keys host, port"),
@@ -513,8 +520,9 @@ lock:
         load_settings(config)
 
     expected = [
-        "server.colour: unknown key (expected one of cors_origins, default_max_tokens, "
-        "header_timeout_s, host, max_body_bytes, max_connections, max_tokens_limit, port, "
+        "server.colour: unknown key (expected one of body_timeout_s, cors_origins, "
+        "default_max_tokens, header_timeout_s, host, keepalive_timeout_s, max_body_bytes, "
+        "max_connections, max_connections_per_client, max_tokens_limit, port, "
         "progress_timeout_s, shutdown_timeout_s, stream_write_timeout_s, tls_cert, tls_key)",
         "server.port: must be an integer from 1 to 65535, got True",
         "models[0].slots: must be an integer from 1 to 256, got 0",

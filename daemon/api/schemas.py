@@ -13,7 +13,7 @@ from aiohttp import web
 
 from edgellmd.api.structured import ToolPlan, response_format_grammar, tool_plan
 from edgellmd.chat import ChatMessage
-from edgellmd.errors import InvalidRequest, UnsupportedMediaType, UnsupportedParameter
+from edgellmd.errors import InvalidRequest, MalformedRequest, UnsupportedMediaType, UnsupportedParameter
 from edgellmd.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 
 MAX_STOP_SEQUENCES: Final = 4  # OpenAI's limit
@@ -120,7 +120,10 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     """Read the body as a JSON object, refusing other media types, bad UTF-8 and deep nesting."""
     if request.content_type != "application/json":
         raise UnsupportedMediaType("the request body must be JSON (Content-Type: application/json)")
-    raw = await request.read()  # bounded by client_max_size; aiohttp answers 413 beyond it
+    try:
+        raw = await request.read()  # bounded by client_max_size; aiohttp answers 413 beyond it
+    except web.RequestPayloadError:  # a body encoding (gzip, chunks) that does not decode
+        raise MalformedRequest("the request body could not be decoded") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
