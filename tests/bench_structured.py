@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgellmd.engine import Engine, EngineConfig, apply_builtin_template, default_threads, json_schema_grammar
+from edgellmd.api.gbnf import schema_to_grammar
+from edgellmd.engine import Engine, EngineConfig, apply_builtin_template, default_threads
 from edgellmd.engine.sampling import SlotSampler
 from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 
@@ -101,7 +102,7 @@ def main() -> None:
                                      threads=threads, threads_batch=threads))
         try:
             tokens = engine.tokenize(apply_builtin_template("gemma", [("user", PROMPT)]), parse_special=True)
-            grammar = json_schema_grammar(SCHEMA)
+            grammar = schema_to_grammar(SCHEMA)
             plain: list[float] = []
             constrained: list[float] = []
             counts = [0, 0, 0]

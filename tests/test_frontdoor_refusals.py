@@ -137,7 +137,8 @@ def test_a_broken_chunk_mid_body_is_answered_by_the_app_with_an_envelope(door: R
 def test_a_body_whose_encoding_does_not_decode_is_a_400(door: RunningDaemon) -> None:
     garbage = b"this is not gzip at all"
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Encoding: gzip\r\nContent-Length: " + str(len(garbage)).encode() + b"\r\n\r\n" + garbage)
+               b"Content-Encoding: gzip\r\nContent-Length: " + str(len(garbage)).encode() + b"\r\n\r\n"
+               + garbage)
     answer = exchange(door.port, request)
     assert answer.status == 400, answer
     assert answer.json()["error"]["code"] == MALFORMED

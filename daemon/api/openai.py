@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -158,9 +159,22 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
             metrics.completion_tokens.labels(handle.name).inc(completion)
 
 
+async def _parse_off_loop(request: web.Request, parse: Callable[[dict[str, Any], Limits], Any],
+                          data: dict[str, Any]) -> Any:
+    """Validate a body; one with a schema (its grammar is built as it is checked) on the prompt pool.
+
+    Checking and converting the largest schema the limits allow takes most of a second: a
+    cost the client controls, kept off the event loop that every other request shares.
+    """
+    if "response_format" not in data and "tools" not in data:
+        return parse(data, _limits(request))
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[appkeys.EXECUTOR], parse, data, _limits(request))
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    body: ChatRequest = parse_chat(await read_json_object(request), _limits(request))
+    body: ChatRequest = await _parse_off_loop(request, parse_chat, await read_json_object(request))
     common = body.common
     async with request.app[appkeys.REGISTRY].lease(common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
@@ -177,7 +191,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    body: CompletionRequest = parse_completion(await read_json_object(request), _limits(request))
+    data = await read_json_object(request)
+    body: CompletionRequest = await _parse_off_loop(request, parse_completion, data)
     common = body.common
     async with request.app[appkeys.REGISTRY].lease(common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing

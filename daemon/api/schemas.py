@@ -18,7 +18,9 @@ from edgellmd.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingP
 
 MAX_STOP_SEQUENCES: Final = 4  # OpenAI's limit
 MAX_STOP_LENGTH: Final = 256  # characters per stop string
-MAX_JSON_DEPTH: Final = 32  # deeper bodies are refused before anyone walks them
+# Deeper bodies are refused before anyone walks them. OpenAI allows 10 levels of schema
+# nesting, each two JSON levels (four with an Optional's anyOf) inside a request's own few.
+MAX_JSON_DEPTH: Final = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's documented default for /v1/completions
 MAX_EMBEDDING_INPUTS: Final = 2048  # OpenAI's limit on inputs per embeddings request
 ENCODING_FORMATS: Final = ("float", "base64")
@@ -222,8 +224,14 @@ class _Fields:
         value = self.data.get(name)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidRequest(f"'{name}' must be a number", param=name)
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an integer past any float: 1 followed by 400 zeros
+            finite = False
+        if not finite:
+            raise InvalidRequest(f"'{name}' must be a finite number", param=name)
         _check_range(name, value, lo, hi)
         return float(value)
 

@@ -13,21 +13,23 @@ import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Final
 
-from edgellmd.engine import json_schema_grammar
-from edgellmd.errors import InvalidRequest, UnsupportedParameter
+from edgellmd.api.gbnf import (
+    SCHEMA_KEYWORDS,
+    SCHEMA_TYPES,
+    CheckedSchema,
+    SchemaError,
+    embedded_grammar,
+    schema_to_grammar,
+)
+from edgellmd.api.gbnf import check_schema as _check
+from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter
 
-# OpenAI's structured-output subset: types, and the keywords it documents per type.
-SCHEMA_TYPES: Final = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
-SCHEMA_KEYWORDS: Final = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-    "$ref", "$defs", "definitions", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
-    # Annotations: no effect on the grammar.
-    "title", "description", "$schema", "$id", "$comment", "examples", "default", "strict",
-})
-MAX_SCHEMA_NODES: Final = 2000
+__all__ = ["SCHEMA_KEYWORDS", "SCHEMA_TYPES", "ToolPlan", "ToolReply", "check_schema", "parse_tool_reply",
+           "response_format_grammar", "tool_plan"]
+
 MAX_TOOLS: Final = 128
 MAX_PARALLEL_CALLS: Final = 8  # calls in one reply: a model that never stops calling is cut here
 FUNCTION_NAME_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -37,50 +39,29 @@ TOOL_INSTRUCTIONS: Final = (
 )
 
 
-def _unsupported(keyword: str, where: str, param: str) -> UnsupportedParameter:
-    shown = keyword if len(keyword) <= 40 and keyword.isprintable() else "(unprintable)"
-    return UnsupportedParameter(f"JSON schema keyword {shown!r} (at {where}) is not supported; "
-                                "the supported subset is OpenAI's structured-output subset", param=param)
+def _api_error(exc: SchemaError, param: str) -> ApiError:
+    kind = UnsupportedParameter if exc.unsupported else InvalidRequest
+    return kind(exc.message, param=param)
 
 
-def check_schema(schema: Any, param: str, where: str = "#") -> None:
-    """Refuse a schema outside the supported subset with a 400 naming the first offending keyword."""
-    nodes = 0
-    pending: list[tuple[Any, str]] = [(schema, where)]
-    while pending:
-        node, path = pending.pop()
-        nodes += 1
-        if nodes > MAX_SCHEMA_NODES:
-            raise InvalidRequest(f"the JSON schema has more than {MAX_SCHEMA_NODES} nodes", param=param)
-        if isinstance(node, bool):
-            continue
-        if not isinstance(node, dict):
-            raise InvalidRequest(f"the JSON schema at {path} must be an object", param=param)
-        for key, value in node.items():
-            if key not in SCHEMA_KEYWORDS:
-                raise _unsupported(str(key), path, param)
-            if key == "type":
-                types = value if isinstance(value, list) else [value]
-                if not all(isinstance(t, str) and t in SCHEMA_TYPES for t in types):
-                    raise InvalidRequest(f"the JSON schema at {path} has an unknown 'type'", param=param)
-            elif key in ("properties", "$defs", "definitions"):
-                if not isinstance(value, dict):
-                    raise InvalidRequest(f"'{key}' at {path} must be an object", param=param)
-                pending.extend((sub, f"{path}/{key}/{name}") for name, sub in value.items())
-            elif key == "items" or (key == "additionalProperties" and isinstance(value, dict)):
-                pending.append((value, f"{path}/{key}"))
-            elif key == "anyOf":
-                if not isinstance(value, list) or not value:
-                    raise InvalidRequest(f"'anyOf' at {path} must be a non-empty list", param=param)
-                pending.extend((sub, f"{path}/anyOf/{i}") for i, sub in enumerate(value))
-
-
-def _grammar(schema: Mapping[str, Any], param: str) -> str:
+def check_schema(schema: Any, param: str, label: str = "") -> CheckedSchema:
+    """Check a schema in full (edgellmd.api.gbnf); a 400 naming the keyword, where it is and any limit."""
     try:
-        return json_schema_grammar(dict(schema))
-    except (ValueError, KeyError, TypeError, AssertionError, RecursionError) as exc:
-        raise InvalidRequest(f"the JSON schema cannot be turned into a grammar: {str(exc)[:200]}",
-                             param=param) from None
+        return _check(schema, label)
+    except SchemaError as exc:
+        raise _api_error(exc, param) from None
+
+
+def _grammar(schema: CheckedSchema, param: str) -> str:
+    try:
+        return schema_to_grammar(schema)
+    except SchemaError as exc:
+        raise _api_error(exc, param) from None
+
+
+@cache
+def _json_object_grammar() -> str:
+    return schema_to_grammar({"type": "object"})
 
 
 def response_format_grammar(value: Any) -> str | None:
@@ -92,7 +73,7 @@ def response_format_grammar(value: Any) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _grammar({"type": "object"}, param)
+        return _json_object_grammar()
     if kind != "json_schema":
         raise InvalidRequest("'response_format.type' must be text, json_object or json_schema",
                              param="response_format.type")
@@ -104,9 +85,8 @@ def response_format_grammar(value: Any) -> str | None:
     if unknown:
         raise InvalidRequest(f"unrecognized field in 'response_format.json_schema': "
                              f"{sorted(unknown)[0][:40]}", param="response_format.json_schema")
-    schema = spec.get("schema", {"type": "object"})
-    check_schema(schema, "response_format.json_schema.schema")
-    return _grammar(schema if isinstance(schema, dict) else {}, "response_format.json_schema.schema")
+    param = "response_format.json_schema.schema"
+    return _grammar(check_schema(spec.get("schema", {"type": "object"}), param), param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +100,7 @@ class ToolPlan:
     names: tuple[str, ...] = field(default=())
 
 
-def _function(tool: Any, i: int) -> tuple[str, Mapping[str, Any]]:
+def _function(tool: Any, i: int) -> tuple[str, CheckedSchema]:
     where = f"tools[{i}]"
     if (not isinstance(tool, dict) or tool.get("type") != "function"
             or not isinstance(tool.get("function"), dict)):
@@ -132,8 +112,7 @@ def _function(tool: Any, i: int) -> tuple[str, Mapping[str, Any]]:
         raise InvalidRequest(f"'{where}.function.name' must be 1 to 64 of a-z A-Z 0-9 _ -",
                              param=f"{where}.function.name")
     params = fn.get("parameters", {"type": "object", "properties": {}})
-    check_schema(params, f"{where}.function.parameters")
-    return name, params if isinstance(params, dict) else {}
+    return name, check_schema(params, f"{where}.function.parameters", f"{where}.function.parameters")
 
 
 def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
@@ -164,6 +143,8 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
                              param="tool_choice")
     if mode == "none":
         return ToolPlan(tuple(tools), "none", None, names=names)
+    # edgellm's wrapper around the checked parameter schemas: its own nesting and names do not
+    # count toward the client's limits (embedded_grammar); the parameters' counts add up.
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
                        "required": ["name", "arguments"], "additionalProperties": False}
                       for name, params in chosen]}
@@ -177,8 +158,11 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
         schema = {"anyOf": [with_calls, {"type": "object", "properties": {"response": {"type": "string"}},
                                          "required": ["response"], "additionalProperties": False}]}
         answer = ', or, to answer without tools, {"response": <your answer>}'
-    return ToolPlan(tuple(tools), mode, _grammar(schema, "tools"), TOOL_INSTRUCTIONS.format(answer=answer),
-                    names)
+    try:
+        grammar = embedded_grammar(schema)
+    except SchemaError as exc:
+        raise _api_error(exc, "tools") from None
+    return ToolPlan(tuple(tools), mode, grammar, TOOL_INSTRUCTIONS.format(answer=answer), names)
 
 
 @dataclass(frozen=True, slots=True)

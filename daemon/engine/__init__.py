@@ -21,7 +21,6 @@ from edgellmd.engine.native import (
     apply_builtin_template,
     builtin_chat_templates,
     default_threads,
-    json_schema_grammar,
     supports_gpu_offload,
 )
 from edgellmd.engine.sampling import CompiledGrammar, GrammarError
@@ -39,6 +38,5 @@ __all__ = [
     "apply_builtin_template",
     "builtin_chat_templates",
     "default_threads",
-    "json_schema_grammar",
     "supports_gpu_offload",
 ]

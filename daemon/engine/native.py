@@ -6,7 +6,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import re
@@ -454,17 +453,6 @@ class NativeThread(abc.ABC):
             llama.llama_model_free(self._model)
             self._model = None
 
-
-
-def json_schema_grammar(schema: dict[str, Any]) -> str:
-    """GBNF for a JSON schema (llama.cpp's own converter; the caller checks the schema first)."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: PLC0415 - pure Python, rarely used
-
-    text: str = json_schema_to_gbnf(json.dumps(schema))
-    # Allow a newline and indentation where the converter allows one optional space (as
-    # llama.cpp's current converter does): models pretty-print JSON, and every token the
-    # grammar rejects costs a resample over the whole vocabulary. Still bounded.
-    return text.replace('space ::= " "?', 'space ::= | " " | "\\n" [ \\t]{0,20}')
 
 
 def default_threads() -> int:
