@@ -483,6 +483,10 @@ def test_a_full_dev_shm_loads_from_the_models_dir_verified_and_preloads_again_on
         assert model["shm_path"] is None  # loaded from the models directory ...
         assert any("other.gguf verified" in m for m in daemon.messages())  # ... verified all the same
         still_serving(daemon, version)
+        # The old version's copy is freed once its engine has closed, in the background: wait
+        # for that, or the filling below races with it.
+        wait_for(lambda: any("previous version" in m and "freed" in m for m in daemon.messages()),
+                 what="the previous version to be freed")
         # Completely full now: what is loaded keeps serving.
         in_mount_namespace(daemon.pid, ["sh", "-c", f"head -c {2**30} /dev/zero >> {filler}; true"])
         assert _shm_free(daemon.pid) == 0
