@@ -108,9 +108,11 @@ def test_a_pinned_daemon_runs_every_thread_on_its_cpus(tmp_path: Path, cpus: str
         # The engine's threads follow the pinned set, not the machine.
         assert model_status["threads"] == len(expected)
         assert model_status["threads_batch"] == len(expected)
-        # Every thread of the process, the engine's and the executors' included.
+        # Every thread of the process, the engine's and the executors' included (the main
+        # thread, the engine's, and at least one of the load's pool threads: how many the
+        # pool started depends on how the load's steps overlapped).
         affinities = _affinities(proc.pid)
-        assert len(affinities) > 3
+        assert len(affinities) >= 3
         assert set(affinities.values()) == {format_cpu_list(expected)}, affinities
     finally:
         proc.send_signal(signal.SIGTERM)
