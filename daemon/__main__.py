@@ -21,7 +21,7 @@ from edgellmd import __version__
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from edgellmd.host import Pinning
+    from edgellmd.host.cpu import Pinning
     from edgellmd.settings import Settings
 
 log = logging.getLogger("edgellmd")
@@ -71,9 +71,9 @@ async def serve(settings: Settings, pinning: Pinning | None = None,
     """
     import asyncio  # noqa: PLC0415 - see the module docstring
 
-    from edgellmd import appkeys  # noqa: PLC0415
-    from edgellmd.app import create_app, start_server  # noqa: PLC0415
-    from edgellmd.signals import Signals  # noqa: PLC0415
+    from edgellmd.host.signals import Signals  # noqa: PLC0415
+    from edgellmd.http import appkeys  # noqa: PLC0415
+    from edgellmd.http.app import create_app, start_server  # noqa: PLC0415
 
     app = create_app(settings, pinning=pinning)
     stop = asyncio.Event()
@@ -118,8 +118,8 @@ async def serve(settings: Settings, pinning: Pinning | None = None,
 
 async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) -> None:
     """Stop accepting; let running generations finish until the deadline, then end them with an error."""
-    from edgellmd import appkeys  # noqa: PLC0415 - see the module docstring
-    from edgellmd.generation import SHUTTING_DOWN  # noqa: PLC0415
+    from edgellmd.engine.generation import SHUTTING_DOWN  # noqa: PLC0415
+    from edgellmd.http import appkeys  # noqa: PLC0415 - see the module docstring
 
     for site in runner.sites:
         server = site._server  # aiohttp keeps the asyncio server private; closing it stops accepting
@@ -153,8 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve_main(config: str, early: EarlySignals) -> int:
     import asyncio  # noqa: PLC0415 - imported once the early signal handlers are in place
 
-    from edgellmd import logs  # noqa: PLC0415
-    from edgellmd.host import pin_cpus  # noqa: PLC0415
+    from edgellmd.host.cpu import pin_cpus  # noqa: PLC0415
+    from edgellmd.http import logs  # noqa: PLC0415
     from edgellmd.settings import ConfigError, load_settings  # noqa: PLC0415
 
     try:
@@ -176,7 +176,7 @@ def _serve_main(config: str, early: EarlySignals) -> int:
     if early.stop:
         log.info("stop requested during start-up: exiting before serving")
         return 0
-    from edgellmd.keystore import KeysFileError  # noqa: PLC0415
+    from edgellmd.http.keystore import KeysFileError  # noqa: PLC0415
 
     try:
         asyncio.run(serve(settings, pinning, early))

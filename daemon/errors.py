@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
-from edgellmd import logs
+from edgellmd.http import logs
 
 log = logging.getLogger(__name__)
 

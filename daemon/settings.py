@@ -13,8 +13,8 @@ from typing import Final, TypeGuard
 
 import yaml
 
-from edgellmd.host import AUTO as AUTO_CPUS
-from edgellmd.host import CpuListError, parse_cpu_list
+from edgellmd.host.cpu import AUTO as AUTO_CPUS
+from edgellmd.host.cpu import CpuListError, parse_cpu_list
 
 # Defaults. Any change here must be reflected in the README's Configuration section and in
 # the Ansible role's defaults/main.yml.

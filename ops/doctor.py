@@ -18,9 +18,9 @@ import psutil
 
 from edgellmctl.cli import Subcommands
 from edgellmd.files import kind_of, read_regular
-from edgellmd.gpu import read_gpus, verdicts
-from edgellmd.host import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
-from edgellmd.lockfile import MAX_KEY_BYTES, LockError, load_lock, resolve_model_file
+from edgellmd.host.cpu import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
+from edgellmd.host.gpu import read_gpus, verdicts
+from edgellmd.models.lockfile import MAX_KEY_BYTES, LockError, load_lock, resolve_model_file
 from edgellmd.settings import GPU_LAYERS_AUTO, ConfigError, Settings, load_settings
 
 DEFAULT_CONFIG: Final = Path("/etc/edgellm/edgellm.yaml")

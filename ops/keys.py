@@ -12,7 +12,7 @@ import yaml
 
 from edgellmctl.cli import CommandError, Subcommands, guarded, positive_int
 from edgellmctl.lock import parse_duration, write_atomically
-from edgellmd.keystore import (
+from edgellmd.http.keystore import (
     SCOPES,
     KeysFileError,
     key_record,

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmctl.cli import CommandError, Subcommands, guarded
 from edgellmd.files import UnsuitableFile, open_regular
-from edgellmd.lockfile import (
+from edgellmd.models.lockfile import (
     MODEL_NAME,
     SCHEMA,
     LockError,

@@ -120,7 +120,7 @@ def _repository_lock() -> Path | None:
 def write_signed_lock(directory: Path, model: Path) -> Path:
     """Make (or reuse) DIR/keys/signing.pem, and sign DIR/models.lock for the demo model."""
     from edgellmctl import lock  # noqa: PLC0415 - sibling command module
-    from edgellmd.lockfile import LockError, load_lock, open_verified  # noqa: PLC0415
+    from edgellmd.models.lockfile import LockError, load_lock, open_verified  # noqa: PLC0415
 
     keys = directory / "keys"
     key = keys / "signing.pem"
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"edgellmctl quickstart: could not install the demo model: {exc}", file=sys.stderr)
         return 1
-    from edgellmd.lockfile import LockError  # noqa: PLC0415
+    from edgellmd.models.lockfile import LockError  # noqa: PLC0415
 
     try:
         write_signed_lock(directory, model)

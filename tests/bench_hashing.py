@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edgellmd.lockfile import LockedModel, hash_fd, open_verified, read_gguf_facts
+from edgellmd.models.lockfile import LockedModel, hash_fd, open_verified, read_gguf_facts
 
 
 def best_of(runs: int, func: Callable[[], object]) -> float:

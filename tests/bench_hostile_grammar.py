@@ -22,7 +22,7 @@ from typing import Any
 
 from edgellmd.api.gbnf import schema_to_grammar
 from edgellmd.engine import Engine, EngineConfig, apply_builtin_template, default_threads
-from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
+from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from tests.bench_structured import demo_model
 from tests.reliability.harness import percentile
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from edgellmd.api.gbnf import schema_to_grammar
 from edgellmd.engine import Engine, EngineConfig, apply_builtin_template, default_threads
+from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from edgellmd.engine.sampling import SlotSampler
-from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 
 SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False, "required": ["title", "author", "year", "genre"],

@@ -21,8 +21,8 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edgellmd.app import create_app, start_server
-from edgellmd.lockfile import format_time, sign
+from edgellmd.http.app import create_app, start_server
+from edgellmd.models.lockfile import format_time, sign
 from edgellmd.settings import Settings, parse_settings
 
 

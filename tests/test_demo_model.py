@@ -151,7 +151,7 @@ async def test_prefix_reuse_on_a_sliding_window_model_keeps_answers_exact(demo_d
     import asyncio  # noqa: PLC0415
 
     from edgellmd.engine import Engine, EngineConfig  # noqa: PLC0415
-    from edgellmd.generation import GenerationRequest, SamplingParams  # noqa: PLC0415
+    from edgellmd.engine.generation import GenerationRequest, SamplingParams  # noqa: PLC0415
 
     model = next((demo_dir / "models").glob("*.gguf"))
     # batch 64: the window cache holds 512 + 64 cells, so 800 tokens make it evict.

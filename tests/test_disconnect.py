@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from edgellmd import appkeys
+from edgellmd.http import appkeys
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
 

@@ -18,7 +18,7 @@ from edgellmctl import doctor
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.doctor import Host, check_cpu_flags, check_shm, run_checks
 from edgellmctl.keys import create_key
-from edgellmd.lockfile import format_time, sign
+from edgellmd.models.lockfile import format_time, sign
 from edgellmd.settings import load_settings
 from tests import fakenvml
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
@@ -179,6 +179,6 @@ def test_the_command_prints_one_line_per_check_and_fails_on_a_failure(
 
 
 def fakenvml_snapshot() -> Any:
-    from edgellmd.gpu import read_gpus  # noqa: PLC0415
+    from edgellmd.host.gpu import read_gpus  # noqa: PLC0415
 
     return read_gpus(fakenvml.no_driver())

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError, ModelLoadError
-from edgellmd.generation import Finished, GenerationRequest, SamplingParams, TextDelta
+from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)

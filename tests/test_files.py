@@ -19,8 +19,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmd import files
 from edgellmd.files import FileTooLarge, NotRegularFile, UnsuitableFile, open_regular, read_regular
-from edgellmd.keystore import KeysFileError, read_keys_file
-from edgellmd.lockfile import (
+from edgellmd.http.keystore import KeysFileError, read_keys_file
+from edgellmd.models.lockfile import (
     LockedModel,
     LockError,
     VersionState,
@@ -30,7 +30,7 @@ from edgellmd.lockfile import (
     open_verified,
     read_gguf_facts,
 )
-from edgellmd.preload import PreloadArea
+from edgellmd.models.preload import PreloadArea
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 PROMPTLY_S = 5.0  # a refusal takes microseconds; a blocked open() would take for ever

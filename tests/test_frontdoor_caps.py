@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from edgellmctl.keys import create_key
-from edgellmd.frontdoor import REFUSAL_LOG_INTERVAL_S, Door, DoorLimits, client_address
+from edgellmd.http.site import REFUSAL_LOG_INTERVAL_S, Door, DoorLimits, client_address
 from tests.rawhttp import connect, get, post, read_answer
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
@@ -98,7 +98,7 @@ def test_refusals_are_logged_without_flooding(capped: CappedDaemon, caplog: pyte
     held = [connect(port, source="127.0.0.50") for _ in range(PER_CLIENT)]
     try:
         time.sleep(0.2)
-        with caplog.at_level("WARNING", logger="edgellmd.frontdoor"):
+        with caplog.at_level("WARNING", logger="edgellmd.http.site"):
             for _ in range(5):
                 assert _refused_at_accept(port, "127.0.0.50")
     finally:
@@ -140,7 +140,7 @@ def test_door_logs_one_line_per_interval_and_counts_the_rest(caplog: pytest.LogC
     door = Door(DoorLimits(header_timeout_s=1, body_timeout_s=1, max_connections=10,
                            max_connections_per_client=1), clock=lambda: now[0])
     assert door.admit("10.0.0.1")
-    with caplog.at_level("WARNING", logger="edgellmd.frontdoor"):
+    with caplog.at_level("WARNING", logger="edgellmd.http.site"):
         for _ in range(5):
             assert not door.admit("10.0.0.1")
             now[0] += 1

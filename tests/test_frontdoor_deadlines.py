@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from edgellmd.app import create_app, start_server
+from edgellmd.http.app import create_app, start_server
 from edgellmd.settings import Settings
 from tests.rawhttp import RawAnswer, closed_within, connect, get, post, read_answer
 from tests.serving import RunningDaemon, running, settings_for

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from edgellmd.app import SECURITY_HEADERS
-from edgellmd.frontdoor import check_internals
+from edgellmd.http.app import SECURITY_HEADERS
+from edgellmd.http.site import check_internals
 from tests.ggufmodels import TinyModelSpec
 from tests.rawhttp import RawAnswer, closed_within, connect, exchange, get, post, read_answer
 from tests.reliability.harness import DaemonProcess, SignedBox
@@ -217,7 +217,7 @@ def test_no_key_reaches_the_log_or_an_answer(tmp_path: Path) -> None:
     assert f"GET /v1/elk_{token.split('_')[1]}_[redacted] 404" in log
     records = daemon.records()
     assert records, log[-2000:]
-    refusals = [r["msg"] for r in records if r["logger"] == "edgellmd.frontdoor"]
+    refusals = [r["msg"] for r in records if r["logger"] == "edgellmd.http.site"]
     for name, (_, _, message) in malformed(token).items():
         assert f"request from 127.0.0.1 refused: malformed HTTP request: {message}" in refusals, name
     assert "request from 127.0.0.1 refused: malformed HTTP request: the body's framing is not valid" \

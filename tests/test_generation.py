@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgellmd.generation import SamplingParams, StopMatcher, Utf8Stream
+from edgellmd.engine.generation import SamplingParams, StopMatcher, Utf8Stream
 
 
 def test_utf8_stream_holds_partial_characters() -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type information
 import pytest
 
-from edgellmd.gpu import (
+from edgellmd.host.gpu import (
     CLOCK_EVENT_REASONS,
     GGML_BLOCKS,
     GpuMonitor,
@@ -439,7 +439,7 @@ async def _until(condition: Callable[[], bool], limit_s: float = 5.0) -> None:
 async def test_monitor_sees_a_gpu_get_lost_and_logs_it_once(caplog: pytest.LogCaptureFixture) -> None:
     fake = fakenvml.gpu_lost_after(2)
     monitor = GpuMonitor(0.01, nvml=fake, pid=PID, offload_supported=True, gpu_layers=-1)
-    with caplog.at_level(logging.INFO, logger="edgellmd.gpu"):
+    with caplog.at_level(logging.INFO, logger="edgellmd.host.gpu"):
         await monitor.start()
         try:
             first = monitor.latest
@@ -471,7 +471,7 @@ async def test_monitor_sees_a_gpu_get_lost_and_logs_it_once(caplog: pytest.LogCa
 async def test_monitor_logs_a_cleared_verdict(caplog: pytest.LogCaptureFixture) -> None:
     fake = fakenvml.hot()
     monitor = GpuMonitor(0.01, nvml=fake, offload_supported=True, gpu_layers=-1)
-    with caplog.at_level(logging.INFO, logger="edgellmd.gpu"):
+    with caplog.at_level(logging.INFO, logger="edgellmd.host.gpu"):
         await monitor.start()
         try:
             fake.devices[0] |= fakenvml._answers(nvmlDeviceGetCurrentClocksEventReasons=0x1)
@@ -486,7 +486,7 @@ async def test_monitor_logs_a_cleared_verdict(caplog: pytest.LogCaptureFixture) 
 
 async def test_monitor_without_a_driver(caplog: pytest.LogCaptureFixture) -> None:
     monitor = GpuMonitor(60, nvml=fakenvml.no_driver(), gpu_layers=-1)
-    with caplog.at_level(logging.INFO, logger="edgellmd.gpu"):
+    with caplog.at_level(logging.INFO, logger="edgellmd.host.gpu"):
         await monitor.start()
         await monitor.stop()
     assert isinstance(monitor.latest, GpuSnapshot)
@@ -525,7 +525,7 @@ def _small_vram(free: int) -> FakeNvml:
 
 
 def test_plan_gpu_layers_follows_free_memory(tmp_path: Path) -> None:
-    from edgellmd.gpu import plan_gpu_layers  # noqa: PLC0415
+    from edgellmd.host.gpu import plan_gpu_layers  # noqa: PLC0415
 
     model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=2, n_layer=4, n_ff=1024))
     layers, other = gguf_layer_bytes(model)

@@ -14,7 +14,7 @@ import pytest
 
 from edgellmd.engine import EmbeddingEngine, EngineConfig
 from edgellmd.errors import ContextLengthExceeded, ServerOverloaded
-from edgellmd.handle import PREFIX_CHARS_PER_TOKEN, ModelHandle, Provenance
+from edgellmd.models.handle import PREFIX_CHARS_PER_TOKEN, ModelHandle, Provenance
 from edgellmd.settings import ModelSettings
 
 CONTEXT = 256

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from edgellmd.host import CpuListError, format_cpu_list, host_stats, one_per_core, parse_cpu_list
+from edgellmd.host.cpu import CpuListError, format_cpu_list, host_stats, one_per_core, parse_cpu_list
 from edgellmd.settings import ConfigError, parse_settings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import free_port

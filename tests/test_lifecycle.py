@@ -25,8 +25,8 @@ import pytest
 
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
-from edgellmd import appkeys
-from edgellmd.preload import AREA_PREFIX
+from edgellmd.http import appkeys
+from edgellmd.models.preload import AREA_PREFIX
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, SignedLock, free_port, running, settings_for, sse_events, wait_for
 

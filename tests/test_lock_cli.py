@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from edgellmctl.__main__ import main
-from edgellmd.lockfile import load_lock, load_private_key, load_public_key, sign, verify_lock
+from edgellmd.models.lockfile import load_lock, load_private_key, load_public_key, sign, verify_lock
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 _RFC3339_Z = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
@@ -533,7 +533,7 @@ def test_verify_an_unsigned_lock_with_a_trusted_key(lock: Path, key: KeyPair,
 
 def test_verify_an_expired_lock(signed: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]) -> None:
     # Sign a lock whose expiry is already past, using the library's own signer.
-    from edgellmd.lockfile import load_private_key, sign  # noqa: PLC0415 - only this test signs by hand
+    from edgellmd.models.lockfile import load_private_key, sign  # noqa: PLC0415 - only this test signs by hand
 
     document = read_json(signed)
     document["expires"] = "2020-01-01T00:00:00Z"

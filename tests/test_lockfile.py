@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edgellmd.lockfile import (
+from edgellmd.models.lockfile import (
     LockError,
     VersionState,
     canonical_bytes,

@@ -1,4 +1,4 @@
-"""Tests for edgellmd.logs: JSON lines with request ids; no parser error text, traceback or key secret."""
+"""edgellmd.http.logs: JSON lines with request ids; no parser error text, traceback or key secret."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
-from edgellmd import logs
+from edgellmd.http import logs
 
 KEY = "elk_0123456789ab_" + "S3cr3t-part_" * 3 + "abcdefg"  # 12 hex id, a 43-char secret
 SECRET = KEY.split("_", 2)[2]

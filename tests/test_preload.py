@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from edgellmd.lockfile import LockedModel, LockError
-from edgellmd.preload import AREA_PREFIX, LOCK_NAME, NoRoom, PreloadArea, remove_stale_areas
+from edgellmd.models.lockfile import LockedModel, LockError
+from edgellmd.models.preload import AREA_PREFIX, LOCK_NAME, NoRoom, PreloadArea, remove_stale_areas
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 

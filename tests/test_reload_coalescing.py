@@ -9,7 +9,7 @@ from pathlib import Path
 
 import aiohttp
 
-from edgellmd import appkeys
+from edgellmd.http import appkeys
 from tests.ggufmodels import TinyModelSpec
 from tests.serving import running
 from tests.test_lifecycle import MODEL, Box

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgellmd.signals import RELOAD_SIGNAL, STOP_SIGNALS, Signals
+from edgellmd.host.signals import RELOAD_SIGNAL, STOP_SIGNALS, Signals
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.test_systemd import start_daemon
 

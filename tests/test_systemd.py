@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from edgellmd.systemd import Notifier
+from edgellmd.host.systemd import Notifier
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import free_port, sse_events_sync
 

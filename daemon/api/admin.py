@@ -10,11 +10,11 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd import appkeys
-from edgellmd.api.schemas import read_json_object
+from edgellmd.api.openai_schemas import read_json_object
 from edgellmd.errors import InvalidRequest
-from edgellmd.host import format_cpu_list, host_stats
-from edgellmd.registry import Outcome
+from edgellmd.host.cpu import format_cpu_list, host_stats
+from edgellmd.http import appkeys
+from edgellmd.models.registry import Outcome
 
 audit = logging.getLogger("edgellmd.audit")
 

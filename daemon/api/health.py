@@ -6,9 +6,9 @@ import asyncio
 
 from aiohttp import web
 
-from edgellmd import appkeys
-from edgellmd.metrics import CONTENT_TYPE
-from edgellmd.registry import ModelState
+from edgellmd.host.metrics import CONTENT_TYPE
+from edgellmd.http import appkeys
+from edgellmd.models.registry import ModelState
 
 
 async def healthz(_request: web.Request) -> web.Response:

@@ -13,9 +13,8 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd import appkeys
-from edgellmd.api.responses import Shape, collect, stream
-from edgellmd.api.schemas import (
+from edgellmd.api.openai_answers import Shape, collect, stream
+from edgellmd.api.openai_schemas import (
     ChatRequest,
     CommonRequest,
     CompletionRequest,
@@ -26,12 +25,13 @@ from edgellmd.api.schemas import (
     parse_embeddings,
     read_json_object,
 )
-from edgellmd.auth import unusable
-from edgellmd.chat import ChatMessage
 from edgellmd.engine import CompiledGrammar
+from edgellmd.engine.chat import ChatMessage
+from edgellmd.engine.generation import KEY_REVOKED, Generation, GenerationRequest
 from edgellmd.errors import InvalidRequest, KeyRevoked, ModelNotFound, ServiceUnavailable
-from edgellmd.generation import KEY_REVOKED, Generation, GenerationRequest
-from edgellmd.handle import ModelHandle
+from edgellmd.http import appkeys
+from edgellmd.http.auth import unusable
+from edgellmd.models.handle import ModelHandle
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any, Final
 import llama_cpp as llama
 import numpy as np
 
+from edgellmd.engine.generation import SamplingParams
 from edgellmd.engine.native import EngineError
-from edgellmd.generation import SamplingParams
 
 RESAMPLE_TIERS: Final = (64, 4096)  # candidates of a grammar miss's resample, tier by tier
 _DEFAULT_SEED: Final = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a fresh random seed per chain

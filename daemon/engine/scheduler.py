@@ -23,6 +23,18 @@ from typing import Final
 import llama_cpp as llama
 import numpy as np
 
+from edgellmd.engine.generation import (
+    Event,
+    Finished,
+    FinishReason,
+    Generation,
+    GenerationRequest,
+    SamplingParams,
+    StopMatcher,
+    TextDelta,
+    TokenLogprob,
+    Utf8Stream,
+)
 from edgellmd.engine.native import (
     ControlTokens,
     EngineConfig,
@@ -40,18 +52,6 @@ from edgellmd.engine.sampling import (
     SlotSampler,
     compile_grammar,
     make_chain,
-)
-from edgellmd.generation import (
-    Event,
-    Finished,
-    FinishReason,
-    Generation,
-    GenerationRequest,
-    SamplingParams,
-    StopMatcher,
-    TextDelta,
-    TokenLogprob,
-    Utf8Stream,
 )
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from edgellmd.preload import AREA_PREFIX
+from edgellmd.models.preload import AREA_PREFIX
 from tests.reliability.harness import (
     OTHER_SPEC,
     STEADY_SPEC,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Final
 
 from edgellmd.files import UnsuitableFile, open_regular
-from edgellmd.lockfile import (
+from edgellmd.models.lockfile import (
     HASH_CHUNK,
     LockedModel,
     LockError,

@@ -19,15 +19,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.structured import ToolPlan, parse_tool_reply
-from edgellmd.errors import (
-    ApiError,
-    GenerationTimeout,
-    InternalError,
-    KeyRevoked,
-    ServerShuttingDown,
-    envelope,
-)
-from edgellmd.generation import (
+from edgellmd.engine.generation import (
     KEY_REVOKED,
     SHUTTING_DOWN,
     Event,
@@ -37,7 +29,15 @@ from edgellmd.generation import (
     TextDelta,
     TokenLogprob,
 )
-from edgellmd.metrics import TokenTiming
+from edgellmd.errors import (
+    ApiError,
+    GenerationTimeout,
+    InternalError,
+    KeyRevoked,
+    ServerShuttingDown,
+    envelope,
+)
+from edgellmd.host.metrics import TokenTiming
 
 log = logging.getLogger(__name__)
 

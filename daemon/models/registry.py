@@ -24,19 +24,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
-from edgellmd.chat import TemplateError
 from edgellmd.engine import EmbeddingEngine, EngineError, supports_gpu_offload
+from edgellmd.engine.chat import TemplateError
+from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
 from edgellmd.errors import ModelNotFound, ServiceUnavailable
-from edgellmd.generation import Finished, GenerationRequest, SamplingParams
-from edgellmd.gpu import GpuSnapshot, plan_gpu_layers
-from edgellmd.handle import (
+from edgellmd.host.gpu import GpuSnapshot, plan_gpu_layers
+from edgellmd.models.handle import (
     EngineFactory,
     ModelHandle,
     Provenance,
     chat_template_for,
     default_engine_factory,
 )
-from edgellmd.lockfile import (
+from edgellmd.models.lockfile import (
     LockedModel,
     LockError,
     Lockfile,
@@ -49,7 +49,7 @@ from edgellmd.lockfile import (
     resolve_model_file,
     verify_lock,
 )
-from edgellmd.preload import NoRoom, PreloadArea
+from edgellmd.models.preload import NoRoom, PreloadArea
 from edgellmd.settings import GPU_LAYERS_AUTO, LifecycleSettings, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)

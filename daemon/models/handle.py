@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from edgellmd import engine as engine_mod
-from edgellmd.chat import (
+from edgellmd.engine import CompiledGrammar, EmbeddingEngine, Engine, EngineConfig, EngineError, GrammarError
+from edgellmd.engine.chat import (
     NO_TEMPLATE_MESSAGE,
     BuiltinChatTemplate,
     ChatMessage,
@@ -21,11 +22,10 @@ from edgellmd.chat import (
     TemplateError,
     json_keys,
 )
-from edgellmd.engine import CompiledGrammar, EmbeddingEngine, Engine, EngineConfig, EngineError, GrammarError
+from edgellmd.engine.generation import Generation, GenerationRequest
 from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ServerOverloaded, ServiceUnavailable
 from edgellmd.files import read_regular
-from edgellmd.generation import Generation, GenerationRequest
-from edgellmd.lockfile import LockedModel
+from edgellmd.models.lockfile import LockedModel
 from edgellmd.settings import ModelSettings
 
 AnyEngine = Engine | EmbeddingEngine

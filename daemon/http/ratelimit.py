@@ -12,7 +12,7 @@ from typing import Final
 from aiohttp import web
 
 from edgellmd.errors import ApiError, Handler
-from edgellmd.keystore import ApiKey
+from edgellmd.http.keystore import ApiKey
 
 MINUTE_S: Final = 60.0
 
@@ -148,7 +148,7 @@ class RateLimiter:
 
 def setup_ratelimit(app: web.Application) -> None:
     """Install per-key limits on every authenticated request (after auth has set the key)."""
-    from edgellmd import appkeys  # noqa: PLC0415 - appkeys names RateLimiter: import when wiring
+    from edgellmd.http import appkeys  # noqa: PLC0415 - appkeys names RateLimiter: import when wiring
 
     @web.middleware
     async def ratelimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:

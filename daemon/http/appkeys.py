@@ -8,15 +8,15 @@ from typing import Final
 
 from aiohttp import web
 
-from edgellmd.generation import Running
-from edgellmd.gpu import GpuMonitor
-from edgellmd.host import Pinning
-from edgellmd.keystore import ApiKey, KeyStore
-from edgellmd.metrics import Metrics
-from edgellmd.ratelimit import RateLimiter
-from edgellmd.registry import Registry
+from edgellmd.engine.generation import Running
+from edgellmd.host.cpu import Pinning
+from edgellmd.host.gpu import GpuMonitor
+from edgellmd.host.metrics import Metrics
+from edgellmd.host.systemd import Notifier
+from edgellmd.http.keystore import ApiKey, KeyStore
+from edgellmd.http.ratelimit import RateLimiter
+from edgellmd.models.registry import Registry
 from edgellmd.settings import Settings
-from edgellmd.systemd import Notifier
 
 SETTINGS: Final = web.AppKey("settings", Settings)
 REGISTRY: Final = web.AppKey("registry", Registry)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from edgellmd import appkeys
+from edgellmd.engine.generation import KEY_REVOKED, Running
 from edgellmd.errors import ApiError, Handler
-from edgellmd.generation import KEY_REVOKED, Running
-from edgellmd.keystore import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
-from edgellmd.ratelimit import setup_ratelimit
+from edgellmd.http import appkeys
+from edgellmd.http.keystore import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
+from edgellmd.http.ratelimit import setup_ratelimit
 
 log = logging.getLogger(__name__)
 audit = logging.getLogger("edgellmd.audit")

@@ -18,9 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from edgellmd import __version__
-from edgellmd.gpu import GpuSnapshot
-from edgellmd.host import host_stats
-from edgellmd.registry import Registry
+from edgellmd.host.cpu import host_stats
+from edgellmd.host.gpu import GpuSnapshot
+from edgellmd.models.registry import Registry
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds. Requests run from milliseconds (errors, embeddings) to minutes (long streams).

@@ -23,7 +23,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from edgellmd.files import open_regular
-from edgellmd.lockfile import _GGUF_MAGIC, _MAX_KV, LockError, _Header
+from edgellmd.models.lockfile import _GGUF_MAGIC, _MAX_KV, LockError, _Header
 
 log = logging.getLogger(__name__)
 

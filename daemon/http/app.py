@@ -17,24 +17,24 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd import appkeys, logs
 from edgellmd.api.admin import setup_admin
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
-from edgellmd.auth import setup_admin_networks, setup_auth
-from edgellmd.cors import setup_cors
 from edgellmd.engine import supports_gpu_offload
+from edgellmd.engine.generation import Running
 from edgellmd.errors import Handler, error_middleware
-from edgellmd.frontdoor import DoorLimits, GuardedSite
-from edgellmd.generation import Running
-from edgellmd.gpu import GpuMonitor
-from edgellmd.handle import EngineFactory, default_engine_factory
-from edgellmd.host import Pinning
-from edgellmd.metrics import Metrics
-from edgellmd.registry import Registry
+from edgellmd.host.cpu import Pinning
+from edgellmd.host.gpu import GpuMonitor
+from edgellmd.host.metrics import Metrics
+from edgellmd.host.systemd import Notifier, Supervisor
+from edgellmd.http import appkeys, logs
+from edgellmd.http.auth import setup_admin_networks, setup_auth
+from edgellmd.http.cors import setup_cors
+from edgellmd.http.site import DoorLimits, GuardedSite
+from edgellmd.models.handle import EngineFactory, default_engine_factory
+from edgellmd.models.registry import Registry
+from edgellmd.models.watch import watcher_ctx
 from edgellmd.settings import ServerSettings, Settings
-from edgellmd.systemd import Notifier, Supervisor
-from edgellmd.watch import watcher_ctx
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("edgellmd.access")

@@ -53,8 +53,8 @@ from aiohttp.http_exceptions import (
 )
 from aiohttp.http_parser import RawRequestMessage
 
-from edgellmd import logs
 from edgellmd.errors import ApiError, MalformedRequest, RequestTimeout, envelope
+from edgellmd.http import logs
 
 if TYPE_CHECKING:
     from aiohttp.streams import StreamReader

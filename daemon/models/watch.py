@@ -15,8 +15,8 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from edgellmd import appkeys
-from edgellmd.registry import Registry
+from edgellmd.http import appkeys
+from edgellmd.models.registry import Registry
 from edgellmd.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.structured import ToolPlan, response_format_grammar, tool_plan
-from edgellmd.chat import ChatMessage
+from edgellmd.engine.chat import ChatMessage
+from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import InvalidRequest, MalformedRequest, UnsupportedMediaType, UnsupportedParameter
-from edgellmd.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 
 MAX_STOP_SEQUENCES: Final = 4  # OpenAI's limit
 MAX_STOP_LENGTH: Final = 256  # characters per stop string

@@ -17,7 +17,7 @@ from typing import Final
 
 import sdnotify
 
-from edgellmd.registry import Outcome, Registry
+from edgellmd.models.registry import Outcome, Registry
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Host integration: CPUs, GPUs, systemd, signals, metrics."""

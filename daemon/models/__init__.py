@@ -1,0 +1,1 @@
+"""Model lifecycle: the registry, loading, the signed lockfile, preloading, file watching."""
