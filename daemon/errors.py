@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
-
-from aiohttp import web
-
-from edgellmd.http import logs
-
-log = logging.getLogger(__name__)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+from typing import Any, ClassVar, Final
 
 
 class ApiError(Exception):
@@ -43,6 +33,38 @@ class UnsupportedParameter(ApiError):
     """400: a parameter that is not implemented here, and ignoring it would change the answer."""
 
     default_code = "unsupported_parameter"
+
+
+class AuthenticationFailed(ApiError):
+    """401: no usable bearer token."""
+
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(ApiError):
+    """403: the key is valid but lacks the scope."""
+
+    status = 403
+    type = "permission_error"
+    default_code = "insufficient_scope"
+
+
+class AddressNotAllowed(ApiError):
+    """403: admin endpoints are limited to listed networks and the peer is outside them."""
+
+    status = 403
+    type = "permission_error"
+    default_code = "address_not_allowed"
+
+
+class RateLimited(ApiError):
+    """429: the key is over one of its limits; Retry-After says when to come back."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
 
 
 class ContextLengthExceeded(ApiError):
@@ -144,42 +166,26 @@ class InternalError(ApiError):
     default_code = "internal_error"
 
 
+UNSHOWN: Final = "(unprintable)"
+
+
+def shown(value: object, *, limit: int = 64, quote: bool = False, placeholder: str = UNSHOWN) -> str:
+    """A client's value, fit to put in a message: itself when short and printable, else a placeholder.
+
+    The one way untrusted text reaches an error message or a log line: a model name, a
+    field name, a number (a 4,000-digit integer stays out), a lockfile member.
+    """
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return placeholder
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except ValueError:  # an integer past sys.get_int_max_str_digits()
+        return placeholder
+    if len(text) > limit or not text.isprintable():
+        return placeholder
+    return repr(text) if quote and isinstance(value, str) else text
+
+
 def envelope(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
     """Build `{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _from_http(exc: web.HTTPException) -> ApiError:
-    # aiohttp raises these itself (routing, body size); map them into the same table.
-    if exc.status == 404:
-        return NotFound("no such endpoint")
-    if exc.status == 405:
-        return MethodNotAllowed("method not allowed on this endpoint")
-    if exc.status == 413:
-        return PayloadTooLarge("request body too large")
-    err = InvalidRequest(exc.reason or "bad request")
-    err.status = exc.status  # type: ignore[misc] # an instance-level status for the rare others
-    return err
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Render every failure as an OpenAI error envelope; unexpected ones as a bare 500."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return _render(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _render(_from_http(exc))
-    except Exception:
-        log.exception("unhandled error in %s %s (request %s)", request.method, request.path,
-                      logs.request_id.get())
-        return _render(InternalError("internal server error"))
-
-
-def _render(exc: ApiError) -> web.Response:
-    response = web.json_response(exc.body(), status=exc.status)
-    response.headers.update(exc.headers)
-    return response

@@ -19,7 +19,8 @@ import psutil
 from edgellmctl.cli import Subcommands
 from edgellmd.files import kind_of, read_regular
 from edgellmd.host.cpu import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
-from edgellmd.host.gpu import read_gpus, verdicts
+from edgellmd.host.nvml import read_gpus
+from edgellmd.host.verdicts import verdicts
 from edgellmd.models.lockfile import MAX_KEY_BYTES, LockError, load_lock, resolve_model_file
 from edgellmd.settings import GPU_LAYERS_AUTO, ConfigError, Settings, load_settings
 

@@ -179,6 +179,6 @@ def test_the_command_prints_one_line_per_check_and_fails_on_a_failure(
 
 
 def fakenvml_snapshot() -> Any:
-    from edgellmd.host.gpu import read_gpus  # noqa: PLC0415
+    from edgellmd.host.nvml import read_gpus  # noqa: PLC0415
 
     return read_gpus(fakenvml.no_driver())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -387,15 +386,6 @@ async def test_a_shared_prompt_prefix_is_not_prefilled_twice(tiny_model: Path) -
     finally:
         eng.close()
 
-
-def test_only_the_engine_package_imports_llama_cpp() -> None:
-    # House rule: the native dependency is quarantined; everything else uses edgellmd.engine.
-    root = Path(__file__).resolve().parents[1]
-    importers = sorted(
-        str(path.relative_to(root)) for tree in ("daemon", "ops") for path in (root / tree).rglob("*.py")
-        if re.search(r"^\s*(import llama_cpp|from llama_cpp)", path.read_text(), re.MULTILINE))
-    assert importers, "the engine imports llama_cpp somewhere"
-    assert all(p.startswith("daemon/engine/") for p in importers), importers
 
 
 def test_close_waits_for_a_tokenize_in_progress_and_refuses_later_ones(tiny_model: Path) -> None:

@@ -17,17 +17,10 @@ import numpy as np
 import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type information
 import pytest
 
-from edgellmd.host.gpu import (
-    CLOCK_EVENT_REASONS,
-    GGML_BLOCKS,
-    GpuMonitor,
-    GpuSnapshot,
-    Verdict,
-    auto_gpu_layers,
-    gguf_layer_bytes,
-    read_gpus,
-    verdicts,
-)
+from edgellmd.host.nvml import CLOCK_EVENT_REASONS, GpuMonitor, GpuSnapshot, read_gpus
+from edgellmd.host.offload import auto_gpu_layers, plan_gpu_layers
+from edgellmd.host.verdicts import Verdict, verdicts
+from edgellmd.models.gguf import GGML_BLOCKS, gguf_layer_bytes
 from tests import fakenvml
 from tests.fakenvml import FakeNvml
 from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
@@ -439,7 +432,7 @@ async def _until(condition: Callable[[], bool], limit_s: float = 5.0) -> None:
 async def test_monitor_sees_a_gpu_get_lost_and_logs_it_once(caplog: pytest.LogCaptureFixture) -> None:
     fake = fakenvml.gpu_lost_after(2)
     monitor = GpuMonitor(0.01, nvml=fake, pid=PID, offload_supported=True, gpu_layers=-1)
-    with caplog.at_level(logging.INFO, logger="edgellmd.host.gpu"):
+    with caplog.at_level(logging.INFO, logger="edgellmd.host.nvml"):
         await monitor.start()
         try:
             first = monitor.latest
@@ -471,7 +464,7 @@ async def test_monitor_sees_a_gpu_get_lost_and_logs_it_once(caplog: pytest.LogCa
 async def test_monitor_logs_a_cleared_verdict(caplog: pytest.LogCaptureFixture) -> None:
     fake = fakenvml.hot()
     monitor = GpuMonitor(0.01, nvml=fake, offload_supported=True, gpu_layers=-1)
-    with caplog.at_level(logging.INFO, logger="edgellmd.host.gpu"):
+    with caplog.at_level(logging.INFO, logger="edgellmd.host.nvml"):
         await monitor.start()
         try:
             fake.devices[0] |= fakenvml._answers(nvmlDeviceGetCurrentClocksEventReasons=0x1)
@@ -486,7 +479,7 @@ async def test_monitor_logs_a_cleared_verdict(caplog: pytest.LogCaptureFixture) 
 
 async def test_monitor_without_a_driver(caplog: pytest.LogCaptureFixture) -> None:
     monitor = GpuMonitor(60, nvml=fakenvml.no_driver(), gpu_layers=-1)
-    with caplog.at_level(logging.INFO, logger="edgellmd.host.gpu"):
+    with caplog.at_level(logging.INFO, logger="edgellmd.host.nvml"):
         await monitor.start()
         await monitor.stop()
     assert isinstance(monitor.latest, GpuSnapshot)
@@ -525,15 +518,14 @@ def _small_vram(free: int) -> FakeNvml:
 
 
 def test_plan_gpu_layers_follows_free_memory(tmp_path: Path) -> None:
-    from edgellmd.host.gpu import plan_gpu_layers  # noqa: PLC0415
-
     model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=2, n_layer=4, n_ff=1024))
     layers, other = gguf_layer_bytes(model)
     per_layer = layers[0]
     kv = 4 * 1000  # 1000 bytes of KV cache per layer
 
     def plan(nvml: FakeNvml, *, offload: bool = True, headroom: int = 0) -> tuple[int, str]:
-        return plan_gpu_layers(model, snapshot=read_gpus(nvml), offload_supported=offload,
+        return plan_gpu_layers(lambda: gguf_layer_bytes(model), snapshot=read_gpus(nvml),
+                               offload_supported=offload,
                                headroom_bytes=headroom, kv_bytes=kv)
 
     assert plan(fakenvml.h200())[0] == -1  # 140 GiB free: everything

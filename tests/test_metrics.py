@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
-from edgellmd.host.gpu import read_gpus
 from edgellmd.host.metrics import Metrics
+from edgellmd.host.nvml import read_gpus
 from edgellmd.models.registry import Registry
 from tests import fakenvml
 from tests.serving import RunningDaemon, running, settings_for

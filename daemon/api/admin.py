@@ -10,10 +10,10 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from edgellmd.api.context import CALLER, context
 from edgellmd.api.openai_schemas import read_json_object
 from edgellmd.errors import InvalidRequest
 from edgellmd.host.cpu import format_cpu_list, host_stats
-from edgellmd.http import appkeys
 from edgellmd.models.registry import Outcome
 
 audit = logging.getLogger("edgellmd.audit")
@@ -25,16 +25,16 @@ CONFLICT: Final = 409  # an operation that failed leaves the model as it was
 def _answer(request: web.Request, action: str, outcomes: Sequence[Outcome]) -> web.Response:
     """200 when every operation succeeded (or had nothing to do), else 409; the body says which."""
     ok = all(o.ok for o in outcomes)
-    key = request.get(appkeys.API_KEY)
+    caller = request.get(CALLER)
     audit.info("admin %s: %s", action, ", ".join(f"{o.model} {o.result}" for o in outcomes) or "nothing",
-               extra={"peer": request.remote, "key_id": key.id if key else None})
+               extra={"peer": request.remote, "key_id": caller.key_id if caller else None})
     return web.json_response({"ok": ok, "results": [o.as_dict() for o in outcomes]},
                              status=200 if ok else CONFLICT)
 
 
 async def status(request: web.Request) -> web.Response:
     """GET /admin/status: the lockfile, the preload area and every model's state."""
-    return web.json_response(request.app[appkeys.REGISTRY].status())
+    return web.json_response(context(request).registry.status())
 
 
 def _jsonable(value: Any) -> Any:
@@ -49,21 +49,21 @@ def _jsonable(value: Any) -> Any:
 
 async def stats(request: web.Request) -> web.Response:
     """GET /admin/stats: the /metrics figures as JSON, with the host, GPU and model details."""
-    app = request.app
-    settings = app[appkeys.SETTINGS]
-    metrics = await asyncio.to_thread(app[appkeys.METRICS].as_json)
+    app = context(request)
+    settings = app.settings
+    metrics = await asyncio.to_thread(app.metrics.as_json)
     host = await asyncio.to_thread(host_stats, shm=settings.lifecycle.preload_dir,
                                    models_dir=settings.lock.models_dir)
-    monitor = app.get(appkeys.GPU_MONITOR)
+    monitor = app.gpu
     snapshot = monitor.latest if monitor is not None else None
     gpu: dict[str, Any] = (_jsonable(snapshot) if snapshot is not None
                            else {"available": False, "reason": "not read yet", "devices": []})
     gpu["verdicts"] = _jsonable(monitor.latest_verdicts) if monitor is not None else []
-    pinning = app[appkeys.PINNING]
+    pinning = app.pinning
     host["pinning"] = {"cpus": format_cpu_list(pinning.cpus), "requested": pinning.requested,
                        "pinned": pinning.pinned, "note": pinning.note}
     return web.json_response({"metrics": metrics, "host": host, "gpu": gpu,
-                              "models": app[appkeys.REGISTRY].status()})
+                              "models": app.registry.status()})
 
 
 async def reload(request: web.Request) -> web.Response:
@@ -81,7 +81,7 @@ async def reload(request: web.Request) -> web.Response:
         raise InvalidRequest("'model' must be a string", param="model")
     if not isinstance(force, bool):
         raise InvalidRequest("'force' must be true or false", param="force")
-    registry = request.app[appkeys.REGISTRY]
+    registry = context(request).registry
     outcomes = await registry.reload([model] if model is not None else None, force=force,
                                      trigger="admin")
     return _answer(request, "reload", outcomes)
@@ -89,13 +89,13 @@ async def reload(request: web.Request) -> web.Response:
 
 async def load(request: web.Request) -> web.Response:
     """POST /admin/models/{name}/load: load (verify, preload, warm up) an unloaded model."""
-    registry = request.app[appkeys.REGISTRY]
+    registry = context(request).registry
     return _answer(request, "load", [await registry.load(request.match_info["name"])])
 
 
 async def unload(request: web.Request) -> web.Response:
     """POST /admin/models/{name}/unload: stop serving a model once its requests end."""
-    registry = request.app[appkeys.REGISTRY]
+    registry = context(request).registry
     return _answer(request, "unload", [await registry.unload(request.match_info["name"])])
 
 

@@ -6,8 +6,8 @@ import asyncio
 
 from aiohttp import web
 
+from edgellmd.api.context import context
 from edgellmd.host.metrics import CONTENT_TYPE
-from edgellmd.http import appkeys
 from edgellmd.models.registry import ModelState
 
 
@@ -18,7 +18,7 @@ async def healthz(_request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """GET /readyz: 200 once every configured model is loaded and warmed, else 503 with reasons."""
-    registry = request.app[appkeys.REGISTRY]
+    registry = context(request).registry
     models: dict[str, dict[str, str]] = {}
     for name, (state, error) in registry.states().items():
         models[name] = {"state": state.value}
@@ -39,7 +39,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text exposition (the metrics scope unless auth.metrics_public)."""
-    body = await asyncio.to_thread(request.app[appkeys.METRICS].render)  # psutil reads /proc
+    body = await asyncio.to_thread(context(request).metrics.render)  # psutil reads /proc
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -13,6 +13,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
 from edgellmd.api.openai_answers import Shape, collect, stream
 from edgellmd.api.openai_schemas import (
     ChatRequest,
@@ -28,9 +29,7 @@ from edgellmd.api.openai_schemas import (
 from edgellmd.engine import CompiledGrammar
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import KEY_REVOKED, Generation, GenerationRequest
-from edgellmd.errors import InvalidRequest, KeyRevoked, ModelNotFound, ServiceUnavailable
-from edgellmd.http import appkeys
-from edgellmd.http.auth import unusable
+from edgellmd.errors import InvalidRequest, KeyRevoked, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.models.handle import ModelHandle
 
 log = logging.getLogger(__name__)
@@ -39,11 +38,11 @@ OWNED_BY: Final = "edgellm"
 
 
 def _limits(request: web.Request) -> Limits:
-    server = request.app[appkeys.SETTINGS].server
+    server = context(request).settings.server
     ceiling = server.max_tokens_limit
-    key = request.get(appkeys.API_KEY)
-    if key is not None and key.limits.max_tokens is not None:
-        ceiling = min(ceiling, key.limits.max_tokens)  # the key's own ceiling, when lower
+    caller = request.get(CALLER)
+    if caller is not None and caller.max_tokens is not None:
+        ceiling = min(ceiling, caller.max_tokens)  # the key's own ceiling, when lower
     default = server.default_max_tokens
     return Limits(max_tokens_limit=ceiling,
                   default_max_tokens=min(default, ceiling) if default is not None else None)
@@ -51,7 +50,7 @@ def _limits(request: web.Request) -> Limits:
 
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: the models that can serve now."""
-    handles = request.app[appkeys.REGISTRY].ready_handles()
+    handles = context(request).registry.ready_handles()
     return web.json_response({"object": "list", "data": [_model_object(h) for h in handles]})
 
 
@@ -63,12 +62,12 @@ async def get_model(request: web.Request) -> web.Response:
     """GET /v1/models/{id}: one model, when it can serve now."""
     name = request.match_info["model"]
     try:
-        handle = request.app[appkeys.REGISTRY].get(name)
+        handle = context(request).registry.get(name)
     except ServiceUnavailable:
         handle = None
     if handle is None:
-        shown = name if len(name) <= 64 and name.isprintable() else "(unprintable)"
-        raise ModelNotFound(f"the model {shown!r} does not exist or is not loaded", param="model")
+        raise ModelNotFound(f"the model {shown(name, quote=True)} does not exist or is not loaded",
+                            param="model")
     return web.json_response(_model_object(handle))
 
 
@@ -104,15 +103,13 @@ def user_tag(value: str | None) -> str | None:
     """A client's `user` field as the access log may show it: short and printable."""
     if value is None:
         return None
-    value = value[:64]
-    return value if value.isprintable() else "(unprintable)"
+    return shown(value[:64])
 
 
 def check_key_still_valid(request: web.Request) -> None:
     """401 when the request's key was revoked, disabled or expired since it was authenticated."""
-    key = request.get(appkeys.API_KEY)
-    store = request.app.get(appkeys.KEY_STORE)
-    if key is not None and store is not None and unusable(store, {key.id}):
+    caller = request.get(CALLER)
+    if caller is not None and not context(request).key_valid(caller.key_id):
         raise KeyRevoked(KEY_REVOKED)
 
 
@@ -120,7 +117,7 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
                tokens: list[int], shape: Shape, *, param: str) -> web.StreamResponse:
     tag = user_tag(common.user)
     if tag is not None:
-        request[appkeys.USER_TAG] = tag
+        request[USER_TAG] = tag
     n_vocab = handle.engine.n_vocab
     if any(token >= n_vocab for token, _ in common.sampling.logit_bias):
         raise InvalidRequest(f"'logit_bias' token ids must be below {n_vocab}", param="logit_bias")
@@ -132,13 +129,13 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
             grammar.free()
         raise
     gens = _submit_all(handle, common, tokens, grammars)
-    metrics = request.app[appkeys.METRICS]
+    metrics = context(request).metrics
     timings = [metrics.timing(handle.name) for _ in gens]
-    active = request.app[appkeys.GENERATIONS]
-    key = request.get(appkeys.API_KEY)
+    active = context(request).generations
+    caller = request.get(CALLER)
     for gen in gens:
-        active.add(gen, key.id if key is not None else None)
-    server = request.app[appkeys.SETTINGS].server
+        active.add(gen, caller.key_id if caller is not None else None)
+    server = context(request).settings.server
     try:
         if common.stream:
             return await stream(request, gens, timings, shape, write_timeout=server.stream_write_timeout_s,
@@ -153,7 +150,7 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
         handle.generator.wake()
         finals = [gen.final for gen in gens if gen.final is not None]
         completion = sum(fin.completion_tokens for fin in finals)
-        request[appkeys.TOKENS_USED] = len(tokens) + completion
+        request[TOKENS_USED] = len(tokens) + completion
         if finals:
             metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
             metrics.completion_tokens.labels(handle.name).inc(completion)
@@ -169,14 +166,14 @@ async def _parse_off_loop(request: web.Request, parse: Callable[[dict[str, Any],
     if "response_format" not in data and "tools" not in data:
         return parse(data, _limits(request))
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(request.app[appkeys.EXECUTOR], parse, data, _limits(request))
+    return await loop.run_in_executor(context(request).executor, parse, data, _limits(request))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body: ChatRequest = await _parse_off_loop(request, parse_chat, await read_json_object(request))
     common = body.common
-    async with request.app[appkeys.REGISTRY].lease(common.model) as handle:
+    async with context(request).registry.lease(common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
         handle.check_capacity()  # a request that will be refused costs no tokenizing
         messages = body.messages
@@ -194,7 +191,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     data = await read_json_object(request)
     body: CompletionRequest = await _parse_off_loop(request, parse_completion, data)
     common = body.common
-    async with request.app[appkeys.REGISTRY].lease(common.model) as handle:
+    async with context(request).registry.lease(common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
         handle.check_capacity()  # a request that will be refused costs no tokenizing
         tokens = await handle.text_prompt(body.prompt)
@@ -214,13 +211,13 @@ async def embeddings(request: web.Request) -> web.Response:
     body: EmbeddingRequest = parse_embeddings(await read_json_object(request))
     tag = user_tag(body.user)
     if tag is not None:
-        request[appkeys.USER_TAG] = tag
-    async with request.app[appkeys.REGISTRY].lease(body.model) as handle:
+        request[USER_TAG] = tag
+    async with context(request).registry.lease(body.model) as handle:
         handle.embedder  # noqa: B018 - refuses generation models before tokenizing
         inputs = [await handle.text_prompt(item, param="input") for item in body.inputs]
-        request[appkeys.TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
+        request[TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
         vectors = await handle.embed(inputs)
-        request.app[appkeys.METRICS].prompt_tokens.labels(handle.name).inc(n_tokens)
+        context(request).metrics.prompt_tokens.labels(handle.name).inc(n_tokens)
     return web.json_response({
         "object": "list", "model": handle.name,
         "data": [{"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}

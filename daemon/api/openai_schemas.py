@@ -14,7 +14,13 @@ from aiohttp import web
 from edgellmd.api.structured import ToolPlan, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
-from edgellmd.errors import InvalidRequest, MalformedRequest, UnsupportedMediaType, UnsupportedParameter
+from edgellmd.errors import (
+    InvalidRequest,
+    MalformedRequest,
+    UnsupportedMediaType,
+    UnsupportedParameter,
+    shown,
+)
 
 MAX_STOP_SEQUENCES: Final = 4  # OpenAI's limit
 MAX_STOP_LENGTH: Final = 256  # characters per stop string
@@ -236,31 +242,25 @@ class _Fields:
         return float(value)
 
 
-def _shown(value: float) -> str:
+def _number(value: float) -> str:
     # Client numbers are echoed only when short: a 4000-digit integer stays out of the answer.
-    text = str(value)
-    return text if len(text) <= 24 else "a number out of range"
+    return shown(value, limit=24, placeholder="a number out of range")
 
 
 def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
     if lo is not None and hi is not None and not lo <= value <= hi:
-        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {_shown(value)}", param=name)
+        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {_number(value)}", param=name)
     if lo is not None and value < lo:
-        raise InvalidRequest(f"'{name}' must be at least {lo}, got {_shown(value)}", param=name)
+        raise InvalidRequest(f"'{name}' must be at least {lo}, got {_number(value)}", param=name)
     if hi is not None and value > hi:
-        raise InvalidRequest(f"'{name}' must be at most {hi}, got {_shown(value)}", param=name)
-
-
-def _safe_name(name: str) -> str:
-    """A client-chosen name, fit to echo: short and printable, else a placeholder."""
-    return name if len(name) <= 64 and name.isprintable() else "(unprintable)"
+        raise InvalidRequest(f"'{name}' must be at most {hi}, got {_number(value)}", param=name)
 
 
 def _reject_unknown(data: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for name in data:
         if name not in allowed:
-            shown = _safe_name(name)
-            raise InvalidRequest(f"unrecognized request argument: {shown}", param=shown,
+            safe = shown(name)
+            raise InvalidRequest(f"unrecognized request argument: {safe}", param=safe,
                                  code="unknown_parameter")
 
 
@@ -298,7 +298,7 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
             if value > limits.max_tokens_limit:
                 raise InvalidRequest(
                     f"'{name}' must be at most {limits.max_tokens_limit} on this server, "
-                    f"got {_shown(value)}", param=name)
+                    f"got {_number(value)}", param=name)
             max_tokens = value
     if max_tokens is None:
         max_tokens = limits.default_max_tokens if limits.default_max_tokens else default_max_tokens
@@ -401,7 +401,7 @@ def _messages(f: _Fields) -> tuple[ChatMessage, ...]:
                                  param=f"{where}.role")
         unknown = set(msg) - {"role", "content", "name", "refusal", "tool_calls", "tool_call_id"}
         if unknown:
-            key = _safe_name(sorted(unknown)[0])
+            key = shown(sorted(unknown)[0])
             raise InvalidRequest(f"unrecognized message field: {key}", param=f"{where}.{key}")
         calls = _tool_calls(msg.get("tool_calls"), role, where)
         content = msg.get("content")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -19,8 +19,7 @@ from prometheus_client.registry import Collector
 
 from edgellmd import __version__
 from edgellmd.host.cpu import host_stats
-from edgellmd.host.gpu import GpuSnapshot
-from edgellmd.models.registry import Registry
+from edgellmd.host.nvml import GpuSnapshot
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds. Requests run from milliseconds (errors, embeddings) to minutes (long streams).
@@ -84,7 +83,7 @@ class Metrics:
         """A per-generation timer feeding the TTFT and inter-token histograms of `model`."""
         return TokenTiming(self.ttft.labels(model), self.itl.labels(model))
 
-    def add_state(self, registry: Registry, refusals: Callable[[], Tally[str]],
+    def add_state(self, registry: ModelsView, refusals: Callable[[], Tally[str]],
                   gpu: Callable[[], GpuSnapshot | None], shm: Path | None, models_dir: Path | None) -> None:
         """Gauges and counters that are read from the daemon's state at every scrape."""
         self.registry.register(_StateCollector(registry, refusals, gpu, shm, models_dir))
@@ -104,8 +103,23 @@ class Metrics:
         return out
 
 
+class ModelsView(Protocol):
+    """What the metrics read of the served models (models.registry.Registry is one)."""
+
+    def status(self) -> dict[str, Any]:
+        """The admin status document: each model's state, slots and queue."""
+
+    @property
+    def reloads_by_model(self) -> Mapping[tuple[str, str], int]:
+        """Loads, reloads and unloads by (model, result)."""
+
+    @property
+    def rejections(self) -> Mapping[str, int]:
+        """429 server_overloaded refusals by model."""
+
+
 class _StateCollector(Collector):
-    def __init__(self, registry: Registry, refusals: Callable[[], Tally[str]],
+    def __init__(self, registry: ModelsView, refusals: Callable[[], Tally[str]],
                  gpu: Callable[[], GpuSnapshot | None], shm: Path | None, models_dir: Path | None) -> None:
         self._registry = registry
         self._refusals = refusals

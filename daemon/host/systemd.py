@@ -12,12 +12,10 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Protocol
 
 import sdnotify
-
-from edgellmd.models.registry import Outcome, Registry
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +114,24 @@ def _watchdog_interval(env: Mapping[str, str]) -> float | None:
     return usec / USEC
 
 
-def summary(registry: Registry) -> str:
+class Supervised(Protocol):
+    """What the supervisor reads of the served models (models.registry.Registry is one)."""
+
+    @property
+    def all_ready(self) -> bool:
+        """Every model that should serve is loaded and warm."""
+
+    def status(self) -> dict[str, Any]:
+        """The admin status document."""
+
+    def heartbeats(self) -> list[tuple[str, float]]:
+        """(model, monotonic time its scheduler last showed progress) of every serving model."""
+
+    def observe(self, callback: Callable[[str, Sequence[object]], None]) -> None:
+        """Call `callback(event, outcomes)` on "reload_started" and "reload_finished"."""
+
+
+def summary(registry: Supervised) -> str:
     """`2/2 models ready; tiny v7 1/4 busy; last reload: tiny loaded` — for STATUS=."""
     status = registry.status()
     models = status["models"]
@@ -138,7 +153,7 @@ def summary(registry: Registry) -> str:
 class Supervisor:
     """Drives the notifier from the registry's life and runs the watchdog pings."""
 
-    def __init__(self, notifier: Notifier, registry: Registry) -> None:
+    def __init__(self, notifier: Notifier, registry: Supervised) -> None:
         self.notifier = notifier
         self.registry = registry
         self._ready_sent = False
@@ -152,7 +167,7 @@ class Supervisor:
         if self.notifier.enabled:
             log.info("systemd notify socket in use%s",
                      f"; watchdog ping every {watchdog / 2:.1f}s" if watchdog else "")
-        self.registry.observers.append(self._on_registry)
+        self.registry.observe(self._on_registry)
         self._tasks.append(asyncio.create_task(self._startup(load_task), name="systemd-startup"))
         self._tasks.append(asyncio.create_task(self._status_loop(), name="systemd-status"))
         if self.notifier.watchdog_s is not None:
@@ -181,7 +196,7 @@ class Supervisor:
         else:
             self.notifier.status(text)
 
-    def _on_registry(self, event: str, outcomes: list[Outcome]) -> None:
+    def _on_registry(self, event: str, outcomes: Sequence[object]) -> None:
         if event == "reload_started":
             if self._ready_sent:
                 self.notifier.reloading()
@@ -207,10 +222,10 @@ class Supervisor:
 
     def healthy(self, now: float, window: float) -> str | None:
         """Why the daemon must not ping the watchdog now, or None when it may."""
-        for handle in self.registry.ready_handles():
-            silent = now - handle.engine.heartbeat
+        for name, heartbeat in self.registry.heartbeats():
+            silent = now - heartbeat
             if silent > window:
-                return f"the scheduler of model {handle.name} has shown no progress for {silent:.1f}s"
+                return f"the scheduler of model {name} has shown no progress for {silent:.1f}s"
         return None
 
     async def _watchdog_loop(self, timeout_s: float) -> None:

@@ -18,22 +18,23 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.admin import setup_admin
+from edgellmd.api.context import API_CONTEXT, USER_TAG, ApiContext
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
 from edgellmd.engine import supports_gpu_offload
 from edgellmd.engine.generation import Running
-from edgellmd.errors import Handler, error_middleware
 from edgellmd.host.cpu import Pinning
-from edgellmd.host.gpu import GpuMonitor
 from edgellmd.host.metrics import Metrics
+from edgellmd.host.nvml import GpuMonitor
 from edgellmd.host.systemd import Notifier, Supervisor
 from edgellmd.http import appkeys, logs
-from edgellmd.http.auth import setup_admin_networks, setup_auth
+from edgellmd.http.auth import setup_admin_networks, setup_auth, unusable
 from edgellmd.http.cors import setup_cors
+from edgellmd.http.errors import Handler, error_middleware
 from edgellmd.http.site import DoorLimits, GuardedSite
 from edgellmd.models.handle import EngineFactory, default_engine_factory
 from edgellmd.models.registry import Registry
-from edgellmd.models.watch import watcher_ctx
+from edgellmd.models.watch import ModelWatcher, watch_targets
 from edgellmd.settings import ServerSettings, Settings
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
         access_log.info("%s %s %d %.3fs", request.method, request.path, status,
                         time.monotonic() - started,
                         extra={"peer": request.remote, "status": status,
-                               "user": request.get(appkeys.USER_TAG)})
+                               "user": request.get(USER_TAG)})
         logs.request_id.reset(token)
 
 
@@ -112,7 +113,8 @@ def create_app(
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_gpu_ctx)  # before the registry: gpu_layers: auto reads its snapshot
     app.cleanup_ctx.append(_registry_ctx(engine_factory))
-    app.cleanup_ctx.append(watcher_ctx)
+    app.cleanup_ctx.append(_api_ctx)
+    app.cleanup_ctx.append(_watcher_ctx)
     app.cleanup_ctx.append(_systemd_ctx)
     return app
 
@@ -191,6 +193,31 @@ async def _gpu_ctx(app: web.Application) -> AsyncIterator[None]:
     await monitor.start()
     yield
     await monitor.stop()
+
+
+async def _watcher_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Cleanup context: watch while the app runs, when lifecycle.watch is on."""
+    settings = app[appkeys.SETTINGS]
+    watcher = None
+    if settings.lifecycle.watch:
+        open_dirs, files = watch_targets(settings)
+        watcher = ModelWatcher(app[appkeys.REGISTRY], open_dirs=open_dirs, files=files,
+                               settle_s=settings.lifecycle.watch_settle_s)
+        await watcher.start()
+    yield
+    if watcher is not None:
+        await watcher.stop()
+
+
+async def _api_ctx(app: web.Application) -> AsyncIterator[None]:
+    # Once the models exist: what the API adapters see of the application.
+    store = app.get(appkeys.KEY_STORE)
+    app[API_CONTEXT] = ApiContext(
+        settings=app[appkeys.SETTINGS], registry=app[appkeys.REGISTRY], metrics=app[appkeys.METRICS],
+        executor=app[appkeys.EXECUTOR], generations=app[appkeys.GENERATIONS], pinning=app[appkeys.PINNING],
+        gpu=app.get(appkeys.GPU_MONITOR),
+        key_valid=(lambda key_id: not unusable(store, {key_id})) if store is not None else lambda _: True)
+    yield
 
 
 async def _systemd_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -1,4 +1,4 @@
-"""Every typed key of the aiohttp application and request state, in one place."""
+"""The front door's typed keys of the application and request state (the adapters' are in api/context.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from aiohttp import web
 
 from edgellmd.engine.generation import Running
 from edgellmd.host.cpu import Pinning
-from edgellmd.host.gpu import GpuMonitor
 from edgellmd.host.metrics import Metrics
+from edgellmd.host.nvml import GpuMonitor
 from edgellmd.host.systemd import Notifier
 from edgellmd.http.keystore import ApiKey, KeyStore
 from edgellmd.http.ratelimit import RateLimiter
@@ -34,5 +34,3 @@ RATE_LIMITER: Final = web.AppKey("rate_limiter", RateLimiter)
 REQUEST_ID: Final = web.RequestKey("request_id", str)
 API_KEY: Final = web.RequestKey("api_key", ApiKey)  # the key that authenticated the request
 CORS_ORIGIN: Final = web.RequestKey("cors_origin", str)  # an allowed Origin the request came from
-USER_TAG: Final = web.RequestKey("user_tag", str)  # the request's `user` field, logged as a tag
-TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, for tokens/minute

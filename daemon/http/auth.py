@@ -12,30 +12,16 @@ from pathlib import Path
 
 from aiohttp import web
 
+from edgellmd.api.context import CALLER, Caller
 from edgellmd.engine.generation import KEY_REVOKED, Running
-from edgellmd.errors import ApiError, Handler
+from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied
 from edgellmd.http import appkeys
+from edgellmd.http.errors import Handler
 from edgellmd.http.keystore import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
 from edgellmd.http.ratelimit import setup_ratelimit
 
 log = logging.getLogger(__name__)
 audit = logging.getLogger("edgellmd.audit")
-
-
-class AuthenticationFailed(ApiError):
-    """401: no usable bearer token."""
-
-    status = 401
-    type = "authentication_error"
-    default_code = "invalid_api_key"
-
-
-class PermissionDenied(ApiError):
-    """403: the key is valid but lacks the scope."""
-
-    status = 403
-    type = "permission_error"
-    default_code = "insufficient_scope"
 
 
 def scope_for(path: str, *, metrics_public: bool = False) -> str | None:
@@ -80,14 +66,6 @@ def authenticate(store: KeyStore, header: str | None, scope: str, peer: str | No
         audit.warning("auth failed: key lacks scope %s", scope, extra={"peer": peer, "key_id": key_id})
         raise PermissionDenied(f"this API key does not have the '{scope}' scope")
     return key
-
-
-class AddressNotAllowed(ApiError):
-    """403: admin endpoints are limited to listed networks and the peer is outside them."""
-
-    status = 403
-    type = "permission_error"
-    default_code = "address_not_allowed"
 
 
 def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
@@ -147,8 +125,9 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         scope = scope_for(request.path, metrics_public=metrics_public)
         if scope is not None:
-            request[appkeys.API_KEY] = authenticate(
+            key = request[appkeys.API_KEY] = authenticate(
                 store_holder[0], request.headers.get("Authorization"), scope, request.remote)
+            request[CALLER] = Caller(key.id, key.limits.max_tokens)
         return await handler(request)
 
     async def keys_ctx(app: web.Application) -> AsyncIterator[None]:

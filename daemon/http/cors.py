@@ -7,8 +7,8 @@ from typing import Final
 
 from aiohttp import web
 
-from edgellmd.errors import Handler
 from edgellmd.http import appkeys
+from edgellmd.http.errors import Handler
 
 ALLOW_METHODS: Final = "GET, POST, OPTIONS"
 ALLOW_HEADERS: Final = "Authorization, Content-Type, X-Request-Id"

@@ -11,18 +11,12 @@ from typing import Final
 
 from aiohttp import web
 
-from edgellmd.errors import ApiError, Handler
+from edgellmd.api.context import TOKENS_USED
+from edgellmd.errors import RateLimited
+from edgellmd.http.errors import Handler
 from edgellmd.http.keystore import ApiKey
 
 MINUTE_S: Final = 60.0
-
-
-class RateLimited(ApiError):
-    """429: the key is over one of its limits; Retry-After says when to come back."""
-
-    status = 429
-    type = "rate_limit_error"
-    default_code = "rate_limit_exceeded"
 
 
 @dataclass(slots=True)
@@ -164,7 +158,7 @@ def setup_ratelimit(app: web.Application) -> None:
         try:
             return await handler(request)
         finally:
-            limiter.release(key, request.get(appkeys.TOKENS_USED, 0))
+            limiter.release(key, request.get(TOKENS_USED, 0))
 
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
         key = request.get(appkeys.API_KEY)

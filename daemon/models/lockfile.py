@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import re
-import struct
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from edgellmd.errors import shown as show_value
 from edgellmd.files import UnsuitableFile, open_regular, read_regular
+from edgellmd.models import gguf
 
 SCHEMA: Final = 1
 ALGORITHM: Final = "ed25519"
@@ -120,9 +121,8 @@ def _int(value: object, where: str, *, lo: int = 0) -> int:
 
 def shown(value: str) -> str:
     """`value` quoted for a message if it is short and printable, else a placeholder."""
-    if len(value) <= MAX_SHOWN_CHARS and value.isprintable():
-        return repr(value)
-    return "(a value too long or unprintable to show)"
+    return show_value(value, limit=MAX_SHOWN_CHARS, quote=True,
+                      placeholder="(a value too long or unprintable to show)")
 
 
 def _member(name: str) -> str:
@@ -484,114 +484,12 @@ def _check_open_file(verified: VerifiedFile, entry: LockedModel, progress: Progr
     check_gguf(read_gguf_facts(verified.load_path), entry)
 
 
-_GGUF_MAGIC: Final = b"GGUF"
-# GGUF metadata value types (gguf.GGUFValueType) and the sizes of the fixed-size ones.
-_SCALAR: Final = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                  10: "<Q", 11: "<q", 12: "<d"}
-_STRING: Final = 8
-_ARRAY: Final = 9
-_MAX_KV: Final = 1_000_000  # sanity bounds against hostile headers
-_MAX_STRING: Final = 64 * 1024 * 1024
-
-
-class _Header:
-    """Just enough of a GGUF reader to pull scalar metadata out of the header.
-
-    gguf.GGUFReader builds an object per vocabulary entry (ten seconds for Gemma's 262k
-    tokens); this walks the key/value section, skipping arrays, and never touches tensors.
-    """
-
-    def __init__(self, fh: Any) -> None:
-        self.fh = fh
-
-    def read(self, n: int) -> bytes:
-        data: bytes = self.fh.read(n)
-        if len(data) != n:
-            raise LockError("not a GGUF file: the header is truncated")
-        return data
-
-    def scalar(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
-
-    def string(self) -> bytes:
-        n = self.scalar("<Q")
-        if n > _MAX_STRING:
-            raise LockError("not a GGUF file: absurd string length in the header")
-        return self.read(n)
-
-    def skip_value(self, vtype: int) -> None:
-        if vtype in _SCALAR:
-            self.read(struct.calcsize(_SCALAR[vtype]))
-        elif vtype == _STRING:
-            self.fh.seek(self.scalar("<Q"), os.SEEK_CUR)
-        elif vtype == _ARRAY:
-            etype, count = self.scalar("<I"), self.scalar("<Q")
-            if etype in _SCALAR:
-                self.fh.seek(count * struct.calcsize(_SCALAR[etype]), os.SEEK_CUR)
-            else:
-                for _ in range(count):
-                    self.skip_value(etype)
-        else:
-            raise LockError(f"not a GGUF file: unknown metadata type {vtype}")
-
-
-def read_gguf_values(path: Path) -> dict[str, Any]:
-    """The scalar and string metadata of a GGUF header (arrays skipped, weights never read).
-
-    LockError for anything but a regular GGUF file (a FIFO or a device is refused, never read).
-    """
-    values: dict[str, Any] = {}
-    try:
-        fd = open_regular(path)
-    except UnsuitableFile as exc:
-        raise LockError(exc.describe("the file")) from None
-    except OSError as exc:
-        raise LockError(f"cannot read: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            header = _Header(fh)
-            if header.read(4) != _GGUF_MAGIC:
-                raise LockError("not a GGUF file (bad magic)")
-            version = header.scalar("<I")
-            if version < 2:
-                raise LockError(f"GGUF version {version} is not supported")
-            header.scalar("<Q")  # tensor count
-            n_kv = header.scalar("<Q")
-            if n_kv > _MAX_KV:
-                raise LockError("not a GGUF file: absurd metadata count")
-            for _ in range(n_kv):
-                key = header.string().decode("utf-8", "replace")
-                vtype = header.scalar("<I")
-                if vtype == _STRING:
-                    values[key] = header.string().decode("utf-8", "replace")
-                elif vtype in _SCALAR:
-                    values[key] = header.scalar(_SCALAR[vtype])
-                else:
-                    header.skip_value(vtype)
-    except OSError as exc:
-        raise LockError(f"cannot read: {exc.strerror}") from None
-    return values
-
-
 def read_gguf_facts(path: Path) -> dict[str, str | int]:
-    """Architecture, file type and context length from a GGUF header (weights are not read)."""
-    import gguf  # noqa: PLC0415 - heavy import (numpy), only needed when a model is checked
-
-    values = read_gguf_values(path)
-    arch = values.get("general.architecture")
-    if not isinstance(arch, str):
-        raise LockError("not a GGUF model file: no general.architecture")
-    facts: dict[str, str | int] = {"architecture": arch}
-    file_type = values.get("general.file_type")
-    if isinstance(file_type, int):
-        try:
-            facts["file_type"] = gguf.LlamaFileType(file_type).name
-        except ValueError:
-            facts["file_type"] = file_type
-    context = values.get(f"{arch}.context_length")
-    if isinstance(context, int):
-        facts["context_length"] = context
-    return facts
+    """Architecture, file type and context length from a GGUF header; LockError when it is not one."""
+    try:
+        return gguf.read_gguf_facts(path)
+    except gguf.GgufError as exc:
+        raise LockError(str(exc)) from None
 
 
 def check_gguf(facts: Mapping[str, str | int], entry: LockedModel) -> None:

@@ -14,43 +14,33 @@ import asyncio
 import contextlib
 import enum
 import logging
-import os
 import time
 from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from functools import partial
-from pathlib import Path
 from typing import Any, Final
 
-from edgellmd.engine import EmbeddingEngine, EngineError, supports_gpu_offload
-from edgellmd.engine.chat import TemplateError
-from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
-from edgellmd.errors import ModelNotFound, ServiceUnavailable
-from edgellmd.host.gpu import GpuSnapshot, plan_gpu_layers
+from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
+from edgellmd.host.nvml import GpuSnapshot
+from edgellmd.models.budget import OverBudget, Resident, evictions
 from edgellmd.models.handle import (
     EngineFactory,
     ModelHandle,
-    Provenance,
-    chat_template_for,
     default_engine_factory,
 )
+from edgellmd.models.loader import Loader, LoadFailed, stat_key
 from edgellmd.models.lockfile import (
     LockedModel,
     LockError,
     Lockfile,
-    VerifiedFile,
     VersionState,
     load_lock,
     load_public_key,
-    open_verified,
-    read_gguf_values,
-    resolve_model_file,
     verify_lock,
 )
-from edgellmd.models.preload import NoRoom, PreloadArea
-from edgellmd.settings import GPU_LAYERS_AUTO, LifecycleSettings, LockSettings, ModelSettings
+from edgellmd.models.preload import PreloadArea
+from edgellmd.settings import LifecycleSettings, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +92,6 @@ class _Queued:
     done: asyncio.Future[list[Outcome]]
 
 
-class _LoadFailed(Exception):
-    """A step of building a handle failed; the message is the reason operators see."""
-
-
 @dataclass(slots=True)
 class _Entry:
     settings: ModelSettings
@@ -114,34 +100,6 @@ class _Entry:
     error: str | None = None
     reloading: bool = False
     last: Outcome | None = None
-
-
-def _stat_key(path: Path) -> tuple[int, int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def estimate_bytes(path: Path, settings: ModelSettings) -> int:
-    """Memory a model will take once loaded: its file plus an f16 KV cache for every slot."""
-    size = path.stat().st_size
-    try:
-        values = read_gguf_values(path)
-    except LockError:
-        return size  # the load itself will say what is wrong with the file
-    arch = values.get("general.architecture")
-    layers = values.get(f"{arch}.block_count")
-    embd = values.get(f"{arch}.embedding_length")
-    heads = values.get(f"{arch}.attention.head_count")
-    heads_kv = values.get(f"{arch}.attention.head_count_kv", heads)
-    if not (isinstance(layers, int) and isinstance(embd, int) and isinstance(heads, int)
-            and isinstance(heads_kv, int) and min(layers, embd, heads, heads_kv) > 0):
-        return size
-    cells = settings.context_size * settings.slots
-    kv = 2 * layers * cells * (embd // heads) * heads_kv * KV_BYTES_PER_VALUE
-    return size + kv
 
 
 class Registry:
@@ -154,18 +112,14 @@ class Registry:
                  gpu: Callable[[], GpuSnapshot | None] = lambda: None,
                  gpu_headroom_bytes: int = 0) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
-        self._executor = executor
-        self._factory = factory
         self._lock = lock or LockSettings(allow_unsigned=True)
         self._lifecycle = lifecycle or LifecycleSettings(preload_dir=None, watch=False)
-        self._gpu = gpu  # the GPU monitor's latest snapshot, for gpu_layers: auto
-        self._gpu_headroom = gpu_headroom_bytes
+        self.loader = Loader(executor, factory, self._lock, gpu=gpu, gpu_headroom_bytes=gpu_headroom_bytes)
         self._mutex = asyncio.Lock()  # one load/reload/unload at a time
         self._queued: list[_Queued] = []  # reloads waiting for the mutex
         self._disposals: set[asyncio.Task[None]] = set()
         self._freeing: dict[str, set[asyncio.Task[None]]] = {}  # by model: copies being freed
         self._draining: set[ModelHandle] = set()  # retired, waiting for their last request
-        self.area: PreloadArea | None = None
         self.lock_version: int | None = None  # of the last lockfile that verified
         self.reloads: Tally[str] = Tally()  # outcomes by result
         self.reloads_by_model: Tally[tuple[str, str]] = Tally()  # by (model, result), for metrics
@@ -189,7 +143,7 @@ class Registry:
                 log.warning("preload directory %s unusable (%s); models load from the models "
                             "directory", root, exc.strerror or exc)
             else:
-                self.area = area
+                self.loader.area = area
         if self._lock.allow_unsigned:
             log.warning("UNSIGNED MODE (lock.allow_unsigned): models load WITHOUT lockfile "
                         "verification; never run a production box like this")
@@ -207,14 +161,14 @@ class Registry:
             await asyncio.gather(*self._disposals, return_exceptions=True)
             if self.area is not None:
                 await loop.run_in_executor(None, self.area.close)
+                self.loader.area = None
 
     # ---- requests -----------------------------------------------------------------------
 
     def _entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
         if entry is None:
-            shown = name if len(name) <= 64 and name.isprintable() else "(unprintable)"
-            raise ModelNotFound(f"the model {shown!r} does not exist", param="model")
+            raise ModelNotFound(f"the model {shown(name, quote=True)} does not exist", param="model")
         return entry
 
     def get(self, name: str) -> ModelHandle:
@@ -247,6 +201,14 @@ class Registry:
     def ready_handles(self) -> list[ModelHandle]:
         """Handles of every model that can serve now, in configuration order."""
         return [e.handle for e in self._entries.values() if e.handle is not None]
+
+    def heartbeats(self) -> list[tuple[str, float]]:
+        """(model, when its engine thread last showed progress) for every serving model."""
+        return [(h.name, h.engine.heartbeat) for h in self.ready_handles()]
+
+    def observe(self, callback: Callable[[str, list[Outcome]], None]) -> None:
+        """Call `callback(event, outcomes)` on "reload_started" and "reload_finished"."""
+        self.observers.append(callback)
 
     def states(self) -> dict[str, tuple[ModelState, str | None]]:
         """Each model's state and, when it is not serving, why."""
@@ -354,12 +316,10 @@ class Registry:
                  lock.version, signer[:16])
         return lock
 
-    def _source(self, entry: _Entry, locked: LockedModel | None) -> Path:
-        if locked is not None:
-            assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
-            return resolve_model_file(self._lock.models_dir, locked.file)
-        assert entry.settings.file is not None  # noqa: S101 - settings guarantee (unsigned mode)
-        return entry.settings.file
+    @property
+    def area(self) -> PreloadArea | None:
+        """This daemon's preload area, once opened (None: models load from the models directory)."""
+        return self.loader.area
 
     def _changed(self, entry: _Entry, locked: LockedModel | None) -> bool:
         handle = entry.handle
@@ -369,10 +329,10 @@ class Registry:
         if locked != prov.locked:
             return True
         try:
-            source = self._source(entry, locked)
+            source = self.loader.source(entry.settings, locked)
         except LockError:
             return True  # let the load say why
-        return _stat_key(source) != prov.source_stat
+        return stat_key(source) != prov.source_stat
 
     async def _refresh(self, entry: _Entry, lock: Lockfile | None, *, force: bool,
                        trigger: str) -> Outcome:
@@ -397,8 +357,9 @@ class Registry:
             # At most one copy beside the serving one: versions retired by earlier reloads
             # (their last request is done) are freed before another is built.
             await asyncio.gather(*self._freeing.get(name, ()), return_exceptions=True)
-            handle = await self._build(entry.settings, locked, lock)
-        except _LoadFailed as exc:
+            handle = await self.loader.build(entry.settings, locked, lock, counters=self._counters[name],
+                                             make_room=self._make_room, dispose=self._dispose)
+        except LoadFailed as exc:
             return self._failed(entry, str(exc), trigger)
         finally:
             entry.reloading = False
@@ -448,147 +409,23 @@ class Registry:
 
     # ---- building a handle ----------------------------------------------------------------
 
-    async def _build(self, settings: ModelSettings, locked: LockedModel | None,
-                     lock: Lockfile | None) -> ModelHandle:
-        """verify + preload → load → warm-up, all off the loop; raises _LoadFailed with the reason."""
-        loop = asyncio.get_running_loop()
-        name = settings.name
-        started = time.monotonic()
-        try:
-            source = self._source(_Entry(settings), locked)
-        except LockError as exc:
-            raise _LoadFailed(f"file {locked.file if locked else '?'}: {exc}") from None
-        source_stat = _stat_key(source)
-        if source_stat is None:
-            raise _LoadFailed(f"model file not found: {locked.file if locked else source}")
-        try:
-            need = await loop.run_in_executor(None, estimate_bytes, source, settings)
-        except OSError as exc:
-            raise _LoadFailed(f"cannot read {source.name}: {exc.strerror}") from None
-        await self._make_room(settings, need)
-        copy, verified = await self._prepare(settings, source, locked)
-        load_path = copy or (verified.load_path if verified is not None else source)
-        if settings.gpu_layers == GPU_LAYERS_AUTO:
-            layers, why = await loop.run_in_executor(None, partial(
-                plan_gpu_layers, load_path, snapshot=self._gpu(), offload_supported=supports_gpu_offload(),
-                headroom_bytes=self._gpu_headroom, kv_bytes=need - source_stat[2]))
-            log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)
-            settings = replace(settings, gpu_layers=layers)
-        try:
-            # Mapped only from a private preload copy: a file in the models directory that is
-            # truncated in place under a mapping would kill the daemon (SIGBUS).
-            engine = await loop.run_in_executor(None, self._factory, replace(settings, file=load_path),
-                                                copy is not None)
-        except (EngineError, OSError) as exc:
-            self._discard_copy(copy)
-            raise _LoadFailed(str(exc)) from None
-        finally:
-            if verified is not None:
-                verified.close()  # the loaded model keeps its own mapping
-        try:
-            template = None if settings.embedding else chat_template_for(settings, engine)
-        except (TemplateError, EngineError, OSError) as exc:
-            await loop.run_in_executor(None, engine.close)
-            self._discard_copy(copy)
-            raise _LoadFailed(f"chat template: {exc}") from None
-        provenance = Provenance(source=source, source_stat=source_stat, locked=locked,
-                                lock_version=lock.version if lock is not None else None,
-                                copy=copy, memory_bytes=need)
-        handle = ModelHandle(settings, engine, template, self._executor, provenance,
-                             counters=self._counters[name])
-        try:
-            await self._warm_up(handle)
-        except _LoadFailed:
-            self._dispose(handle)
-            raise
-        log.info("model %s loaded in %.2fs (%s, %d slots x %d tokens, %s, template: %s)", name,
-                 time.monotonic() - started, engine.info.description, settings.slots,
-                 settings.context_size, f"preloaded to {copy}" if copy else f"from {source}",
-                 template.source if template else "none")
-        return handle
-
-    async def _prepare(self, settings: ModelSettings, source: Path,
-                       locked: LockedModel | None) -> tuple[Path | None, VerifiedFile | None]:
-        """Copy into the preload area while hashing, or verify in place when there is no room."""
-        loop = asyncio.get_running_loop()
-        label = locked.file if locked is not None else source.name
-        if self.area is not None:
-            try:
-                copy = await loop.run_in_executor(None, self.area.copy, source, settings.name, locked)
-            except NoRoom as exc:
-                log.warning("model %s: no room to preload %s into %s (%s); loading it from the "
-                            "models directory instead", settings.name, label, self.area.root, exc)
-            except LockError as exc:
-                raise _LoadFailed(f"file {label}: {exc}") from None
-            except OSError as exc:
-                raise _LoadFailed(f"file {label}: {exc.strerror or exc}") from None
-            else:
-                if locked is not None:
-                    log.info("model %s: %s verified (%d bytes, sha256 %s…) and preloaded",
-                             settings.name, locked.file, locked.size, locked.sha256[:16])
-                return copy, None
-        if locked is None:
-            return None, None
-        assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
-        try:
-            verified = await loop.run_in_executor(None, open_verified, self._lock.models_dir, locked)
-        except LockError as exc:
-            raise _LoadFailed(f"file {locked.file}: {exc}") from None
-        # Loaded through the descriptor that was hashed: a file swapped after the check is
-        # never what llama.cpp reads.
-        log.info("model %s: %s verified (%d bytes, sha256 %s…)", settings.name, locked.file,
-                 locked.size, locked.sha256[:16])
-        return None, verified
-
-    async def _warm_up(self, handle: ModelHandle) -> None:
-        """A short generation (or one embedding) through the real request path."""
-        engine = handle.engine
-        try:
-            bos = engine.tokenize("", add_special=True) or engine.tokenize("a", add_special=False)
-            if isinstance(engine, EmbeddingEngine):
-                await asyncio.wait_for(handle.embed([bos]), WARM_UP_TIMEOUT_S)
-                return
-            gen = handle.submit(GenerationRequest(prompt_tokens=bos, max_tokens=2, ignore_eos=True,
-                                                  sampling=SamplingParams(temperature=0.0)))
-            final: Finished | None = None
-            async with asyncio.timeout(WARM_UP_TIMEOUT_S):
-                async for event in gen.events():
-                    if isinstance(event, Finished):
-                        final = event
-        except (EngineError, TimeoutError) as exc:
-            raise _LoadFailed(f"warm-up failed: {str(exc) or 'timed out'}") from None
-        if final is None or final.reason == "error":
-            raise _LoadFailed(f"warm-up generation failed: {final.error if final else 'no result'}")
-
-    async def _make_room(self, settings: ModelSettings, need: int) -> None:
+    def _make_room(self, settings: ModelSettings, need: int) -> None:
         """Keep loaded models within the memory budget, evicting idle evictable ones (LRU) if allowed."""
         budget_mb = self._lifecycle.memory_budget_mb
         if budget_mb is None:
             return
-        budget = budget_mb * MIB
-        # The model being replaced is not counted: its old copy is freed once its requests end.
-        others = [e for e in self._entries.values()
-                  if e.handle is not None and e.settings.name != settings.name]
-        used = sum(e.handle.provenance.memory_bytes for e in others if e.handle is not None)
-        if used + need <= budget:
-            return
-        candidates = sorted((e for e in others if e.settings.evictable and e.handle is not None
-                             and e.handle.leases == 0 and e.handle.engine.idle),
-                            key=lambda e: e.handle.last_used if e.handle else 0.0)
-        evict: list[_Entry] = []
-        for cand in candidates:
-            if used + need <= budget:
-                break
-            assert cand.handle is not None  # noqa: S101 - filtered above
-            used -= cand.handle.provenance.memory_bytes
-            evict.append(cand)
-        if used + need > budget:
-            raise _LoadFailed(
-                f"memory budget exceeded: {settings.name} needs about {need // MIB} MiB, "
-                f"{(budget - used) // MIB} MiB of the {budget_mb} MiB budget is free and no idle "
-                "evictable model can make room")
-        for cand in evict:
-            self._unload(cand, f"evicted to make room for {settings.name} (memory budget)", "budget")
+        resident = [Resident(e.settings.name, e.handle.provenance.memory_bytes,
+                             e.settings.evictable and e.handle.leases == 0 and e.handle.engine.idle,
+                             e.handle.last_used)
+                    for e in self._entries.values()
+                    if e.handle is not None and e.settings.name != settings.name]
+        try:
+            names = evictions(budget_mb, settings.name, need, resident)
+        except OverBudget as exc:
+            raise LoadFailed(str(exc)) from None
+        for name in names:
+            self._unload(self._entries[name], f"evicted to make room for {settings.name} (memory budget)",
+                         "budget")
 
     # ---- freeing --------------------------------------------------------------------------
 
@@ -615,12 +452,8 @@ class Registry:
     async def _free(self, handle: ModelHandle) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, handle.engine.close)
-        self._discard_copy(handle.provenance.copy)
+        self.loader.discard_copy(handle.provenance.copy)
         log.info("model %s: previous version %s freed", handle.name, handle.provenance.fingerprint)
-
-    def _discard_copy(self, copy: Path | None) -> None:
-        if copy is not None and self.area is not None:
-            self.area.remove(copy)
 
     # ---- status ---------------------------------------------------------------------------
 

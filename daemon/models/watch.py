@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
-from aiohttp import web
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from edgellmd.http import appkeys
 from edgellmd.models.registry import Registry
 from edgellmd.settings import Settings
 
@@ -157,17 +155,3 @@ def watch_targets(settings: Settings) -> tuple[list[Path], list[Path]]:
         # The lockfile's own directory may hold configs and keys: only the lockfile counts there.
         return [lock.models_dir], [lock.file]
     return [], [m.file for m in settings.models if m.file is not None]
-
-
-async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Cleanup context: watch while the app runs, when lifecycle.watch is on."""
-    settings = app[appkeys.SETTINGS]
-    watcher = None
-    if settings.lifecycle.watch:
-        open_dirs, files = watch_targets(settings)
-        watcher = ModelWatcher(app[appkeys.REGISTRY], open_dirs=open_dirs, files=files,
-                               settle_s=settings.lifecycle.watch_settle_s)
-        await watcher.start()
-    yield
-    if watcher is not None:
-        await watcher.stop()

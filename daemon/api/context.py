@@ -1,0 +1,56 @@
+"""What the API adapters need from the application, and the request state they share with the front door.
+
+The adapters sit below the front door (`http/` imports `api/`, never the other way): the
+app factory builds one `ApiContext` once the models exist, and the authentication middleware
+tells a request who it is with a `Caller`. The adapters read both and nothing else of `http/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Final
+
+from aiohttp import web
+
+from edgellmd.engine.generation import Running
+from edgellmd.host.cpu import Pinning
+from edgellmd.host.metrics import Metrics
+from edgellmd.host.nvml import GpuMonitor
+from edgellmd.models.registry import Registry
+from edgellmd.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a request is: the API key that authenticated it."""
+
+    key_id: str
+    max_tokens: int | None = None  # the key's own ceiling on max_tokens, when it has one
+
+
+@dataclass(frozen=True, slots=True)
+class ApiContext:
+    """The application's parts that the adapters use."""
+
+    settings: Settings
+    registry: Registry
+    metrics: Metrics
+    executor: Executor  # the prompt pool: rendering, tokenizing, schemas, grammars
+    generations: Running  # generations being consumed, for the drain and for revocation
+    pinning: Pinning
+    gpu: GpuMonitor | None = None
+    # False once a key no longer authenticates (revoked, disabled, expired, removed).
+    key_valid: Callable[[str], bool] = lambda _key_id: True
+
+
+API_CONTEXT: Final = web.AppKey("api_context", ApiContext)
+CALLER: Final = web.RequestKey("caller", Caller)  # set by authentication; absent without keys
+USER_TAG: Final = web.RequestKey("user_tag", str)  # the request's `user` field, logged as a tag
+TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, for tokens/minute
+
+
+def context(request: web.Request) -> ApiContext:
+    """The adapters' view of the application serving `request`."""
+    return request.app[API_CONTEXT]

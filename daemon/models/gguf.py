@@ -1,0 +1,238 @@
+"""Reading GGUF headers without loading weights: metadata values, the facts a lock records, tensor sizes.
+
+gguf.GGUFReader builds an object per vocabulary entry (ten seconds for Gemma's 262k tokens);
+the readers here walk the key/value section, skipping arrays, and the tensor-info section,
+and never touch tensor data. Every file is opened without blocking and refused unless it is
+a regular file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+
+from edgellmd.files import UnsuitableFile, open_regular
+
+
+class GgufError(Exception):
+    """Not a (readable) GGUF file; the message says why."""
+
+
+GGUF_MAGIC: Final = b"GGUF"
+# GGUF metadata value types (gguf.GGUFValueType) and the sizes of the fixed-size ones.
+_SCALAR: Final = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                  10: "<Q", 11: "<q", 12: "<d"}
+_STRING: Final = 8
+_ARRAY: Final = 9
+MAX_KV: Final = 1_000_000  # sanity bounds against hostile headers
+_MAX_STRING: Final = 64 * 1024 * 1024
+
+
+class HeaderReader:
+    """Just enough of a GGUF reader to pull scalar metadata out of the header.
+
+    gguf.GGUFReader builds an object per vocabulary entry (ten seconds for Gemma's 262k
+    tokens); this walks the key/value section, skipping arrays, and never touches tensors.
+    """
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+
+    def read(self, n: int) -> bytes:
+        data: bytes = self.fh.read(n)
+        if len(data) != n:
+            raise GgufError("not a GGUF file: the header is truncated")
+        return data
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def string(self) -> bytes:
+        n = self.scalar("<Q")
+        if n > _MAX_STRING:
+            raise GgufError("not a GGUF file: absurd string length in the header")
+        return self.read(n)
+
+    def skip_value(self, vtype: int) -> None:
+        if vtype in _SCALAR:
+            self.read(struct.calcsize(_SCALAR[vtype]))
+        elif vtype == _STRING:
+            self.fh.seek(self.scalar("<Q"), os.SEEK_CUR)
+        elif vtype == _ARRAY:
+            etype, count = self.scalar("<I"), self.scalar("<Q")
+            if etype in _SCALAR:
+                self.fh.seek(count * struct.calcsize(_SCALAR[etype]), os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    self.skip_value(etype)
+        else:
+            raise GgufError(f"not a GGUF file: unknown metadata type {vtype}")
+
+
+def read_gguf_values(path: Path) -> dict[str, Any]:
+    """The scalar and string metadata of a GGUF header (arrays skipped, weights never read).
+
+    GgufError for anything but a regular GGUF file (a FIFO or a device is refused, never read).
+    """
+    values: dict[str, Any] = {}
+    try:
+        fd = open_regular(path)
+    except UnsuitableFile as exc:
+        raise GgufError(exc.describe("the file")) from None
+    except OSError as exc:
+        raise GgufError(f"cannot read: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            header = HeaderReader(fh)
+            if header.read(4) != GGUF_MAGIC:
+                raise GgufError("not a GGUF file (bad magic)")
+            version = header.scalar("<I")
+            if version < 2:
+                raise GgufError(f"GGUF version {version} is not supported")
+            header.scalar("<Q")  # tensor count
+            n_kv = header.scalar("<Q")
+            if n_kv > MAX_KV:
+                raise GgufError("not a GGUF file: absurd metadata count")
+            for _ in range(n_kv):
+                key = header.string().decode("utf-8", "replace")
+                vtype = header.scalar("<I")
+                if vtype == _STRING:
+                    values[key] = header.string().decode("utf-8", "replace")
+                elif vtype in _SCALAR:
+                    values[key] = header.scalar(_SCALAR[vtype])
+                else:
+                    header.skip_value(vtype)
+    except OSError as exc:
+        raise GgufError(f"cannot read: {exc.strerror}") from None
+    return values
+
+
+def read_gguf_facts(path: Path) -> dict[str, str | int]:
+    """Architecture, file type and context length from a GGUF header (weights are not read)."""
+    import gguf  # noqa: PLC0415 - heavy import (numpy), only needed when a model is checked
+
+    values = read_gguf_values(path)
+    arch = values.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GgufError("not a GGUF model file: no general.architecture")
+    facts: dict[str, str | int] = {"architecture": arch}
+    file_type = values.get("general.file_type")
+    if isinstance(file_type, int):
+        try:
+            facts["file_type"] = gguf.LlamaFileType(file_type).name
+        except ValueError:
+            facts["file_type"] = file_type
+    context = values.get(f"{arch}.context_length")
+    if isinstance(context, int):
+        facts["context_length"] = context
+    return facts
+
+
+# ---- tensor sizes -------------------------------------------------------------------------
+
+GGML_BLOCKS: Final[Mapping[int, tuple[int, int]]] = MappingProxyType({
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110),
+    22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
+    29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17),
+})  # F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 Q2_K..Q8_K IQ2_XXS.. I8..F64 IQ1_M BF16 TQ1_0 TQ2_0 MXFP4
+_MAX_TENSORS: Final = 1 << 20  # sanity bounds against hostile headers
+_MAX_DIMS: Final = 4  # GGML_MAX_DIMS
+_MAX_NAME: Final = 256  # ggml allows 63 bytes; leave room, refuse absurd ones
+_GGUF_UINT32: Final = 4
+_BLOCK: Final = re.compile(rb"blk\.(\d{1,9})\.")
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    name: bytes
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    size: int | None = None
+
+
+def tensor_infos(path: Path) -> tuple[list[TensorInfo], int]:
+    """The tensor-info section of a GGUF file and the size of its data section."""
+    with os.fdopen(open_regular(path), "rb") as fh:  # never blocks on a FIFO swapped in
+        header = HeaderReader(fh)
+        if header.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+        if header.scalar("<I") < 2:
+            raise ValueError(f"{path}: GGUF version 1 is not supported")
+        n_tensors, n_kv = header.scalar("<Q"), header.scalar("<Q")
+        if n_tensors > _MAX_TENSORS or n_kv > MAX_KV:
+            raise ValueError(f"{path}: absurd tensor or metadata count")
+        alignment = 32  # GGUF_DEFAULT_ALIGNMENT
+        for _ in range(n_kv):
+            key, vtype = header.string(), header.scalar("<I")
+            if key == b"general.alignment" and vtype == _GGUF_UINT32:  # llama.cpp takes no other type
+                alignment = header.scalar("<I")
+            else:
+                header.skip_value(vtype)
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{path}: general.alignment {alignment} is not a power of two")
+        infos: list[TensorInfo] = []
+        for _ in range(n_tensors):
+            name = header.string()
+            n_dims = header.scalar("<I")
+            if len(name) > _MAX_NAME or not 1 <= n_dims <= _MAX_DIMS:
+                raise ValueError(f"{path}: absurd tensor name or dimension count")
+            dims = tuple(header.scalar("<Q") for _ in range(n_dims))
+            infos.append(TensorInfo(name, dims, header.scalar("<I"), header.scalar("<Q")))
+        data_start = -(-fh.tell() // alignment) * alignment
+        data_size = os.fstat(fh.fileno()).st_size - data_start
+    if data_size < 0:
+        raise ValueError(f"{path}: truncated before the tensor data")
+    return infos, data_size
+
+
+def gguf_layer_bytes(path: Path) -> tuple[list[int], int]:
+    """Bytes of each repeating block (`blk.N.*`) and of all other tensors, from the GGUF header.
+
+    Sizes come from each tensor's ggml type and shape; tensors of a type not in GGML_BLOCKS
+    share what is left of the data section in proportion to their element counts. Raises
+    ValueError for a malformed file, OSError when it cannot be read.
+    """
+    try:
+        infos, data_size = tensor_infos(path)
+    except GgufError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    unknown: list[tuple[TensorInfo, int]] = []
+    known = 0
+    for info in infos:
+        elements = 1
+        for d in info.dims:
+            elements *= d
+        block = GGML_BLOCKS.get(info.ggml_type)
+        if block is None:
+            unknown.append((info, elements))
+            continue
+        if info.dims[0] % block[0]:
+            raise ValueError(f"{path}: tensor {info.name!r} rows do not fill whole ggml blocks")
+        info.size = elements // block[0] * block[1]
+        if info.offset + info.size > data_size:
+            raise ValueError(f"{path}: tensor {info.name!r} extends past the end of the file")
+        known += info.size
+    if unknown:
+        left, weight = max(0, data_size - known), sum(e for _, e in unknown) or 1
+        for info, elements in unknown:
+            info.size = left * elements // weight
+    layers: dict[int, int] = {}
+    other = 0
+    for info in infos:
+        match = _BLOCK.match(info.name)
+        if match is None:
+            other += info.size or 0
+        else:
+            layers[int(match[1])] = layers.get(int(match[1]), 0) + (info.size or 0)
+    if layers and max(layers) >= len(infos):
+        raise ValueError(f"{path}: block numbers run past the tensor count")
+    return [layers.get(i, 0) for i in range(max(layers, default=-1) + 1)], other

@@ -1,0 +1,220 @@
+"""Building a serving handle for one model: verify + preload → GPU plan → load → template → warm-up.
+
+Everything slow runs off the event loop; any step that fails raises LoadFailed with the reason
+an operator sees, after undoing what it did (a preload copy removed, an engine closed). The
+registry decides when to build and swaps the result in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter as Tally
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Final
+
+from edgellmd.engine import EmbeddingEngine, EngineError, supports_gpu_offload
+from edgellmd.engine.chat import TemplateError
+from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.host.nvml import GpuSnapshot
+from edgellmd.host.offload import plan_gpu_layers
+from edgellmd.models.gguf import GgufError, gguf_layer_bytes, read_gguf_values
+from edgellmd.models.handle import EngineFactory, ModelHandle, Provenance, chat_template_for
+from edgellmd.models.lockfile import (
+    LockedModel,
+    LockError,
+    Lockfile,
+    VerifiedFile,
+    open_verified,
+    resolve_model_file,
+)
+from edgellmd.models.preload import NoRoom, PreloadArea
+from edgellmd.settings import GPU_LAYERS_AUTO, LockSettings, ModelSettings
+
+log = logging.getLogger(__name__)
+
+WARM_UP_TIMEOUT_S: Final = 60.0  # a short generation that takes longer than this is a broken model
+MIB: Final = 1024 * 1024
+KV_BYTES_PER_VALUE: Final = 2  # llama.cpp's default KV cache type is f16
+
+
+class LoadFailed(Exception):
+    """A step of building a handle failed; the message is the reason operators see."""
+
+
+def stat_key(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def estimate_bytes(path: Path, settings: ModelSettings) -> int:
+    """Memory a model will take once loaded: its file plus an f16 KV cache for every slot."""
+    size = path.stat().st_size
+    try:
+        values = read_gguf_values(path)
+    except GgufError:
+        return size  # the load itself will say what is wrong with the file
+    arch = values.get("general.architecture")
+    layers = values.get(f"{arch}.block_count")
+    embd = values.get(f"{arch}.embedding_length")
+    heads = values.get(f"{arch}.attention.head_count")
+    heads_kv = values.get(f"{arch}.attention.head_count_kv", heads)
+    if not (isinstance(layers, int) and isinstance(embd, int) and isinstance(heads, int)
+            and isinstance(heads_kv, int) and min(layers, embd, heads, heads_kv) > 0):
+        return size
+    cells = settings.context_size * settings.slots
+    kv = 2 * layers * cells * (embd // heads) * heads_kv * KV_BYTES_PER_VALUE
+    return size + kv
+
+
+class Loader:
+    """Builds handles: the files' checks and copies, the engine, its template and warm-up."""
+
+    def __init__(self, executor: Executor, factory: EngineFactory, lock: LockSettings, *,
+                 gpu: Callable[[], GpuSnapshot | None] = lambda: None, gpu_headroom_bytes: int = 0) -> None:
+        self._executor = executor  # the prompt pool, handed to every handle
+        self._factory = factory
+        self._lock = lock
+        self._gpu = gpu  # the GPU monitor's latest snapshot, for gpu_layers: auto
+        self._gpu_headroom = gpu_headroom_bytes
+        self.area: PreloadArea | None = None  # set once the registry has opened it
+
+    def source(self, settings: ModelSettings, locked: LockedModel | None) -> Path:
+        """The model's file in the models directory (or the configured file, unsigned)."""
+        if locked is not None:
+            assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
+            return resolve_model_file(self._lock.models_dir, locked.file)
+        assert settings.file is not None  # noqa: S101 - settings guarantee (unsigned mode)
+        return settings.file
+
+    async def build(self, settings: ModelSettings, locked: LockedModel | None, lock: Lockfile | None, *,
+                    counters: Tally[str], make_room: Callable[[ModelSettings, int], None],
+                    dispose: Callable[[ModelHandle], None]) -> ModelHandle:
+        """verify + preload → load → warm-up, all off the loop; raises LoadFailed with the reason.
+
+        `make_room` keeps the memory budget for the estimated size (it may evict others or
+        raise LoadFailed); `dispose` frees a handle whose warm-up failed.
+        """
+        loop = asyncio.get_running_loop()
+        name = settings.name
+        started = time.monotonic()
+        try:
+            source = self.source(settings, locked)
+        except LockError as exc:
+            raise LoadFailed(f"file {locked.file if locked else '?'}: {exc}") from None
+        source_stat = stat_key(source)
+        if source_stat is None:
+            raise LoadFailed(f"model file not found: {locked.file if locked else source}")
+        try:
+            need = await loop.run_in_executor(None, estimate_bytes, source, settings)
+        except OSError as exc:
+            raise LoadFailed(f"cannot read {source.name}: {exc.strerror}") from None
+        make_room(settings, need)
+        copy, verified = await self._prepare(settings, source, locked)
+        load_path = copy or (verified.load_path if verified is not None else source)
+        if settings.gpu_layers == GPU_LAYERS_AUTO:
+            layers, why = await loop.run_in_executor(None, partial(
+                plan_gpu_layers, partial(gguf_layer_bytes, load_path), snapshot=self._gpu(),
+                offload_supported=supports_gpu_offload(),
+                headroom_bytes=self._gpu_headroom, kv_bytes=need - source_stat[2]))
+            log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)
+            settings = replace(settings, gpu_layers=layers)
+        try:
+            # Mapped only from a private preload copy: a file in the models directory that is
+            # truncated in place under a mapping would kill the daemon (SIGBUS).
+            engine = await loop.run_in_executor(None, self._factory, replace(settings, file=load_path),
+                                                copy is not None)
+        except (EngineError, OSError) as exc:
+            self.discard_copy(copy)
+            raise LoadFailed(str(exc)) from None
+        finally:
+            if verified is not None:
+                verified.close()  # the loaded model keeps its own mapping
+        try:
+            template = None if settings.embedding else chat_template_for(settings, engine)
+        except (TemplateError, EngineError, OSError) as exc:
+            await loop.run_in_executor(None, engine.close)
+            self.discard_copy(copy)
+            raise LoadFailed(f"chat template: {exc}") from None
+        provenance = Provenance(source=source, source_stat=source_stat, locked=locked,
+                                lock_version=lock.version if lock is not None else None,
+                                copy=copy, memory_bytes=need)
+        handle = ModelHandle(settings, engine, template, self._executor, provenance,
+                             counters=counters)
+        try:
+            await self.warm_up(handle)
+        except LoadFailed:
+            dispose(handle)
+            raise
+        log.info("model %s loaded in %.2fs (%s, %d slots x %d tokens, %s, template: %s)", name,
+                 time.monotonic() - started, engine.info.description, settings.slots,
+                 settings.context_size, f"preloaded to {copy}" if copy else f"from {source}",
+                 template.source if template else "none")
+        return handle
+
+    async def _prepare(self, settings: ModelSettings, source: Path,
+                       locked: LockedModel | None) -> tuple[Path | None, VerifiedFile | None]:
+        """Copy into the preload area while hashing, or verify in place when there is no room."""
+        loop = asyncio.get_running_loop()
+        label = locked.file if locked is not None else source.name
+        if self.area is not None:
+            try:
+                copy = await loop.run_in_executor(None, self.area.copy, source, settings.name, locked)
+            except NoRoom as exc:
+                log.warning("model %s: no room to preload %s into %s (%s); loading it from the "
+                            "models directory instead", settings.name, label, self.area.root, exc)
+            except LockError as exc:
+                raise LoadFailed(f"file {label}: {exc}") from None
+            except OSError as exc:
+                raise LoadFailed(f"file {label}: {exc.strerror or exc}") from None
+            else:
+                if locked is not None:
+                    log.info("model %s: %s verified (%d bytes, sha256 %s…) and preloaded",
+                             settings.name, locked.file, locked.size, locked.sha256[:16])
+                return copy, None
+        if locked is None:
+            return None, None
+        assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
+        try:
+            verified = await loop.run_in_executor(None, open_verified, self._lock.models_dir, locked)
+        except LockError as exc:
+            raise LoadFailed(f"file {locked.file}: {exc}") from None
+        # Loaded through the descriptor that was hashed: a file swapped after the check is
+        # never what llama.cpp reads.
+        log.info("model %s: %s verified (%d bytes, sha256 %s…)", settings.name, locked.file,
+                 locked.size, locked.sha256[:16])
+        return None, verified
+
+    async def warm_up(self, handle: ModelHandle) -> None:
+        """A short generation (or one embedding) through the real request path."""
+        engine = handle.engine
+        try:
+            bos = engine.tokenize("", add_special=True) or engine.tokenize("a", add_special=False)
+            if isinstance(engine, EmbeddingEngine):
+                await asyncio.wait_for(handle.embed([bos]), WARM_UP_TIMEOUT_S)
+                return
+            gen = handle.submit(GenerationRequest(prompt_tokens=bos, max_tokens=2, ignore_eos=True,
+                                                  sampling=SamplingParams(temperature=0.0)))
+            final: Finished | None = None
+            async with asyncio.timeout(WARM_UP_TIMEOUT_S):
+                async for event in gen.events():
+                    if isinstance(event, Finished):
+                        final = event
+        except (EngineError, TimeoutError) as exc:
+            raise LoadFailed(f"warm-up failed: {str(exc) or 'timed out'}") from None
+        if final is None or final.reason == "error":
+            raise LoadFailed(f"warm-up generation failed: {final.error if final else 'no result'}")
+
+    def discard_copy(self, copy: Path | None) -> None:
+        """Remove a preload copy (a failed load's, or a freed version's)."""
+        if copy is not None and self.area is not None:
+            self.area.remove(copy)

@@ -1,0 +1,139 @@
+"""The daemon's architecture, held: layers as folders, imports only pointing down, no private names shared.
+
+http -> api -> models -> engine, with host, settings and the leaves (errors, files) below them
+all (DESIGN.md, "The daemon"). Imports under `if TYPE_CHECKING:` and inside functions count
+too: a layer that needs another's types to be annotated depends on it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+DAEMON: Final = Path(__file__).resolve().parent.parent / "daemon"
+# Higher may import lower (and its own layer), never the other way.
+RANKS: Final = {
+    "__main__": 7,
+    "http": 6,
+    "api": 5,
+    "models": 4,
+    "engine": 3,
+    "settings": 2,  # reads host's CPU-list syntax
+    "host": 1,
+    "errors": 0,
+    "files": 0,
+    "": 0,  # the package itself: its version
+}
+
+
+def _module(path: Path, root: Path = DAEMON) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("edgellmd", *parts))
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path, root: Path = DAEMON) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every edgellmd import in a file; relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = _module(path, root).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, []) for a in node.names if a.name.startswith("edgellmd")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if base.startswith("edgellmd"):
+                names = [a.name for a in node.names]
+                out.append((node.lineno, base, names))
+                # `from edgellmd.host import cpu` imports the module edgellmd.host.cpu
+                out += [(node.lineno, f"{base}.{n}", []) for n in names
+                        if (root / Path(*f"{base}.{n}".split(".")[1:])).with_suffix(".py").exists()]
+    return out
+
+
+SOURCES: Final = sorted(DAEMON.rglob("*.py"))
+
+
+def test_every_module_belongs_to_a_known_layer() -> None:
+    unknown = {_module(p) for p in SOURCES if _layer(_module(p)) not in RANKS}
+    assert not unknown, f"modules outside the layers of DESIGN.md: {sorted(unknown)}"
+
+
+def test_the_layers_are_the_folders_of_design_md() -> None:
+    folders = {p.name for p in DAEMON.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+    assert folders == {"http", "api", "models", "engine", "host"}
+
+
+def _upward(paths: list[Path], root: Path = DAEMON) -> list[str]:
+    wrong = []
+    for path in paths:
+        importer = _module(path, root)
+        for line, target, _ in _imports(path, root):
+            if RANKS[_layer(target)] > RANKS[_layer(importer)]:
+                wrong.append(f"{path.relative_to(root.parent)}:{line}: {importer} imports {target}")
+    return wrong
+
+
+def test_imports_only_point_down() -> None:
+    wrong = _upward(SOURCES)
+    assert not wrong, "imports that point up a layer:\n" + "\n".join(wrong)
+
+
+def test_an_upward_import_is_found_wherever_it_hides(tmp_path: Path) -> None:
+    root = tmp_path / "daemon"
+    (root / "engine").mkdir(parents=True)
+    (root / "http").mkdir()
+    (root / "http" / "appkeys.py").write_text("")
+    module = root / "engine" / "chat.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from edgellmd.http.appkeys import SETTINGS\n"
+                      "def later() -> None:\n    from ..http import appkeys\n")
+    assert len(_upward([module], root)) == 3  # the module, and `appkeys` imported from the package
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    wrong = []
+    for path in SOURCES:
+        importer = _module(path)
+        for line, target, names in _imports(path):
+            if target == importer:
+                continue
+            private = [n for n in names if n.startswith("_") and not re.fullmatch(r"__\w+__", n)]
+            if private:
+                wrong.append(f"{path.relative_to(DAEMON.parent)}:{line}: {', '.join(private)} from {target}")
+    assert not wrong, "private names imported from other modules:\n" + "\n".join(wrong)
+
+
+def test_only_the_engine_package_imports_llama_cpp() -> None:
+    # House rule: the native dependency is quarantined; everything else uses edgellmd.engine.
+    root = Path(__file__).resolve().parents[1]
+    importers = sorted(
+        str(path.relative_to(root)) for tree in ("daemon", "ops") for path in (root / tree).rglob("*.py")
+        if re.search(r"^\s*(import llama_cpp|from llama_cpp)", path.read_text(), re.MULTILINE))
+    assert importers, "the engine imports llama_cpp somewhere"
+    assert all(p.startswith("daemon/engine/") for p in importers), importers
+
+
+@pytest.mark.parametrize(("importer", "target", "allowed"), [
+    ("edgellmd.http.app", "edgellmd.api.openai", True),
+    ("edgellmd.api.openai", "edgellmd.http.appkeys", False),
+    ("edgellmd.models.registry", "edgellmd.engine", True),
+    ("edgellmd.engine.scheduler", "edgellmd.models.handle", False),
+    ("edgellmd.host.metrics", "edgellmd.models.registry", False),
+    ("edgellmd.settings", "edgellmd.host.cpu", True),
+])
+def test_the_rule_itself(importer: str, target: str, allowed: bool) -> None:
+    assert (RANKS[_layer(target)] <= RANKS[_layer(importer)]) is allowed
