@@ -2,4 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("edgellm")  # written once, in pyproject.toml
+except PackageNotFoundError:  # pragma: no cover - run from a checkout that was never installed
+    __version__ = "0+unknown"

@@ -1,70 +1,51 @@
-"""Daemon configuration: one YAML file validated once into frozen dataclasses."""
+"""Daemon configuration: one YAML file validated once into frozen dataclasses.
+
+Declare once: every setting is one dataclass field made by `setting()`, which carries its
+default, its range or choices and a one-line doc. One generic reader parses every section
+from those declarations (the field's type says how a value is read; the few settings with a
+rule of their own hook a small reader to their field), `edgellmd --check-config` prints every
+problem it finds, and `python -m edgellmd.settings --markdown` writes the README's
+configuration reference from the same declarations (tests/test_settings_reference.py holds
+the README to it).
+"""
+
+# ruff: noqa: RUF009 - setting() is this module's dataclass field specifier: it returns
+# dataclasses.field(default=..., metadata=...), which RUF009 accepts when it is spelled out.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import json
 import math
 import re
 import reprlib
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Final, TypeGuard
+from typing import Any, Final, Literal, TypedDict, TypeGuard, TypeVar, Unpack
 
 import yaml
 
+from edgellmd.files import FileTooLarge, UnsuitableFile, read_regular
+from edgellmd.host import verdicts
 from edgellmd.host.cpu import AUTO as AUTO_CPUS
 from edgellmd.host.cpu import CpuListError, parse_cpu_list
+from edgellmd.host.verdicts import GpuLayers
 
-# Defaults. Any change here must be reflected in the README's Configuration section and in
-# the Ansible role's defaults/main.yml.
-DEFAULT_HOST: Final = "127.0.0.1"  # loopback: exposing the daemon is an explicit decision
-DEFAULT_PORT: Final = 8080
-DEFAULT_MAX_BODY_BYTES: Final = 1_048_576
-DEFAULT_MAX_TOKENS_LIMIT: Final = 4096
-DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 30.0
-DEFAULT_STREAM_WRITE_TIMEOUT_S: Final = 30.0
-DEFAULT_HEADER_TIMEOUT_S: Final = 10.0
-DEFAULT_BODY_TIMEOUT_S: Final = 30.0  # a 1 MiB body at 35 KB/s; a slower upload is a held connection
-DEFAULT_KEEPALIVE_TIMEOUT_S: Final = 75.0  # as nginx, and the role's HAProxy http-keep-alive
-DEFAULT_PROGRESS_TIMEOUT_S: Final = 300.0
-DEFAULT_MAX_CONNECTIONS: Final = 1024
-# One address may hold a quarter of the global cap: room for an app server's pool of a few
-# hundred streams (or a NAT gateway's users), while one address's slow-loris heads or
-# never-ending bodies leave three quarters of the connections to everybody else.
-DEFAULT_MAX_CONNECTIONS_PER_CLIENT: Final = 256
-MAX_CONNECTIONS_RANGE: Final = (1, 1_000_000)
-DEFAULT_LOG_LEVEL: Final = "info"
-DEFAULT_LOG_FORMAT: Final = "json"
-DEFAULT_CONTEXT_SIZE: Final = 4096
-DEFAULT_SLOTS: Final = 4
-DEFAULT_BATCH_SIZE: Final = 512
-DEFAULT_GPU_LAYERS: Final = 0
-DEFAULT_QUEUE_SIZE: Final = 16
-DEFAULT_PRELOAD_DIR: Final = Path("/dev/shm/edgellm")  # noqa: S108 - tmpfs on purpose: models load from RAM
-DEFAULT_WATCH_SETTLE_S: Final = 2.0
-DEFAULT_GPU_POLL_S: Final = 10.0
-DEFAULT_GPU_HEADROOM_MB: Final = 1024  # CUDA context, compute buffers and fragmentation
-
-# Limits on what a config may ask for.
-PORT_RANGE: Final = (1, 65535)
-BODY_BYTES_RANGE: Final = (1024, None)
-MAX_TOKENS_LIMIT_RANGE: Final = (1, None)
-CONTEXT_SIZE_RANGE: Final = (64, 1_048_576)
-SLOTS_RANGE: Final = (1, 256)
-THREADS_RANGE: Final = (1, 1024)
-BATCH_SIZE_RANGE: Final = (1, 65536)
-GPU_LAYERS_RANGE: Final = (0, 100_000)  # plus -1, meaning every layer
-GPU_LAYERS_ALL: Final = -1
-GPU_LAYERS_AUTO: Final = -2  # `gpu_layers: auto`: as many as fit in free VRAM, decided at load time
-QUEUE_SIZE_RANGE: Final = (0, 100_000)
-MEMORY_BUDGET_MB_RANGE: Final = (1, None)
-GPU_HEADROOM_MB_RANGE: Final = (0, None)
-LOG_LEVELS: Final = ("debug", "info", "warning", "error")
-LOG_FORMATS: Final = ("json", "text")
 MAX_CONFIG_BYTES: Final = 1_048_576  # a config file is a few hundred bytes; refuse anything absurd
+GPU_LAYERS_ALL: Final = -1  # `gpu_layers: -1`: every layer, and the output layer
+GPU_LAYERS_AUTO: Final = verdicts.GPU_LAYERS_AUTO  # "auto"; the loader and doctor compare with it here
+# Model names: the config's models[].name and the lockfile's members (models.lockfile reads it here).
+MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 
-_MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+Bounds = tuple[int, int | None]  # lowest, highest (None: no upper bound)
+_CONNECTIONS: Final[Bounds] = (1, 1_000_000)
+_THREADS: Final[Bounds] = (1, 1024)
+_MEGABYTES: Final[Bounds] = (1, None)
 _TEMPLATE_NAME: Final = re.compile(r"[a-z0-9_.-]{1,64}")
 _ORIGIN: Final = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
 _CIDR: Final = re.compile(r"[0-9A-Fa-f.:]+(/[0-9]{1,3})?")
@@ -76,6 +57,9 @@ _REPR: Final = reprlib.Repr()
 _REPR.maxlevel = 2
 _REPR.maxstring = _SHOW_CHARS
 _REPR.maxother = _SHOW_CHARS
+_ABOUT: Final = "edgellm"  # the dataclass field metadata key of a declaration
+
+T = TypeVar("T")
 
 
 class ConfigError(Exception):
@@ -86,122 +70,6 @@ class ConfigError(Exception):
     def __init__(self, problems: Iterable[str]) -> None:
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
-
-
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
-    """The HTTP listener and per-request limits."""
-
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT  # ceiling on any request's max_tokens
-    default_max_tokens: int | None = None  # None: until the slot's context is full
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-    stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S  # a client that stops reading is cut
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # deadline for each request head, from its first byte
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # deadline for each request body, from the end of its head
-    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S  # an idle kept-alive connection is closed then
-    progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S  # longest wait for a request's next token
-    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open connections beyond this are closed at once
-    max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT  # likewise, from one address
-    tls_cert: Path | None = None  # PEM certificate chain; with tls_key, the daemon speaks HTTPS
-    tls_key: Path | None = None  # PEM private key
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: no CORS
-
-
-@dataclass(frozen=True, slots=True)
-class LoggingSettings:
-    """Log level and line format."""
-
-    level: str = DEFAULT_LOG_LEVEL
-    format: str = DEFAULT_LOG_FORMAT
-
-
-@dataclass(frozen=True, slots=True)
-class AuthSettings:
-    """Who may call the API."""
-
-    keys_file: Path | None = None  # YAML of hashed API keys (0600); None: no authentication
-    admin_cidrs: tuple[str, ...] = ()  # /admin/* only from these networks; empty: from anywhere
-    metrics_public: bool = False  # /metrics without a key (else the metrics scope is needed)
-
-
-@dataclass(frozen=True, slots=True)
-class LockSettings:
-    """Where the signed lockfile, its trusted keys, the model files and the rollback state live."""
-
-    file: Path | None = None  # the signed models.lock
-    trusted_keys: tuple[Path, ...] = ()  # PEM Ed25519 public keys; several allow rotation
-    models_dir: Path | None = None  # lockfile paths are relative to this
-    state_dir: Path | None = None  # the highest accepted lockfile version is kept here
-    allow_unsigned: bool = False  # development only: models load from models[].file unverified
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSettings:
-    """One served model and how llama.cpp loads it."""
-
-    name: str
-    # Unsigned (development) mode only: with a lockfile the lock names the file. Absolute.
-    file: Path | None
-    context_size: int = DEFAULT_CONTEXT_SIZE  # tokens per slot
-    slots: int = DEFAULT_SLOTS
-    threads: int | None = None  # None: decided at load time
-    threads_batch: int | None = None  # None: decided at load time
-    batch_size: int = DEFAULT_BATCH_SIZE  # llama.cpp n_batch, also the prefill chunk
-    gpu_layers: int = DEFAULT_GPU_LAYERS  # -1: all layers; GPU_LAYERS_AUTO: what fits in VRAM
-    chat_template: str | None = None  # a llama.cpp built-in template name
-    chat_template_file: Path | None = None  # a Jinja2 template file; absolute
-    queue_size: int = DEFAULT_QUEUE_SIZE  # requests that may wait for a slot; more get 429
-    embedding: bool = False  # an embedding model: served by /v1/embeddings only
-    evictable: bool = False  # may be unloaded (least recently used first) to fit another in the budget
-
-
-@dataclass(frozen=True, slots=True)
-class LifecycleSettings:
-    """Where models are preloaded, how file changes are watched, and the memory they may use."""
-
-    # Models are copied here (tmpfs) while they are hashed and loaded from the copy; None:
-    # loaded from the models directory. Each daemon keeps its copies in a subdirectory.
-    preload_dir: Path | None = DEFAULT_PRELOAD_DIR
-    preload_max_mb: int | None = None  # cap on what the copies may occupy; None: the free space
-    watch: bool = True  # reload when a model file or the lockfile changes
-    watch_settle_s: float = DEFAULT_WATCH_SETTLE_S  # a file must be unchanged this long first
-    memory_budget_mb: int | None = None  # loaded models' estimated size; None: no budget
-
-
-@dataclass(frozen=True, slots=True)
-class HostSettings:
-    """How the daemon uses its hardware."""
-
-    cpus: str | None = None  # "0-3,8" or "auto" (one per physical core); None: what it is allowed
-    gpu_poll_s: float = DEFAULT_GPU_POLL_S  # NVML polling interval
-    gpu_headroom_mb: int = DEFAULT_GPU_HEADROOM_MB  # VRAM left free by gpu_layers: auto
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The whole daemon configuration."""
-
-    server: ServerSettings
-    models: tuple[ModelSettings, ...]
-    logging: LoggingSettings
-    lock: LockSettings = LockSettings(allow_unsigned=True)
-    auth: AuthSettings = AuthSettings()
-    lifecycle: LifecycleSettings = LifecycleSettings()
-    host: HostSettings = HostSettings()
-    source: Path | None = None  # the file it was read from
-
-
-_SERVER_KEYS: Final = tuple(f.name for f in fields(ServerSettings))
-_LOGGING_KEYS: Final = tuple(f.name for f in fields(LoggingSettings))
-_MODEL_KEYS: Final = tuple(f.name for f in fields(ModelSettings))
-_LOCK_KEYS: Final = tuple(f.name for f in fields(LockSettings))
-_AUTH_KEYS: Final = tuple(f.name for f in fields(AuthSettings))
-_LIFECYCLE_KEYS: Final = tuple(f.name for f in fields(LifecycleSettings))
-_HOST_KEYS: Final = tuple(f.name for f in fields(HostSettings))
-_TOP_KEYS: Final = ("server", "models", "logging", "lock", "auth", "lifecycle", "host")
 
 
 def _show(value: object) -> str:
@@ -221,13 +89,137 @@ def _join(path: str, key: object) -> str:
     return _key_text(key) if path == _TOP_LEVEL else f"{path}.{_key_text(key)}"
 
 
-def _range_text(bounds: tuple[int, int | None]) -> str:
+def _range_text(bounds: Bounds) -> str:
     low, high = bounds
     return f">= {low}" if high is None else f"from {low} to {high}"
 
 
+def _is_int(value: object) -> TypeGuard[int]:
+    # bool is a subclass of int, and YAML's yes/no/true/false are no port numbers.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _within(value: int, bounds: Bounds) -> bool:
+    low, high = bounds
+    return value >= low and (high is None or value <= high)
+
+
+# ---- declarations ----------------------------------------------------------------------------
+
+Reader = Callable[["_Field"], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class About:
+    """What a setting's field declares beside its type and default, for parsing and the README."""
+
+    doc: str  # one line: the README block's comment and the start of the table's meaning
+    bounds: Bounds | None = None  # integers: the range allowed
+    also: int | None = None  # one more integer allowed below the range (gpu_layers' -1)
+    choices: tuple[str, ...] = ()  # strings: the values allowed, matched case-insensitively
+    pattern: re.Pattern[str] | None = None  # strings, and each item of a list of strings
+    wanted: str = ""  # what a pattern-checked value must be, in the problem's words
+    read: Reader | None = None  # a rule of its own, instead of the one the field's type implies
+    accepts: str = ""  # the README's "accepts" column where `read` decides it
+    example: str | None = None  # YAML the README block shows instead of the default (required ones)
+    more: str = ""  # further detail for the README table (Markdown)
+
+
+class _Declared(TypedDict, total=False):
+    """About's keywords beside its doc, for the signatures of `about()` and `setting()`."""
+
+    bounds: Bounds
+    also: int
+    choices: tuple[str, ...]
+    pattern: re.Pattern[str]
+    wanted: str
+    read: Reader
+    accepts: str
+    example: str
+    more: str
+
+
+def about(doc: str, **declared: Unpack[_Declared]) -> dict[str, About]:
+    """The field metadata of a setting without a default (`field(metadata=about(...))`)."""
+    return {_ABOUT: About(doc, **declared)}
+
+
+def setting(default: T, doc: str, **declared: Unpack[_Declared]) -> T:
+    """A setting's dataclass field: its default, its doc, and how a value is checked."""
+    return field(default=default, metadata=about(doc, **declared))
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """A declared field as the reader sees it."""
+
+    name: str
+    about: About
+    default: Any  # dataclasses.MISSING when the field has none
+    hint: Any  # the resolved annotation
+
+    @property
+    def members(self) -> tuple[Any, ...]:
+        origin = typing.get_origin(self.hint)
+        return typing.get_args(self.hint) if origin in (typing.Union, types.UnionType) else (self.hint,)
+
+    @property
+    def nullable(self) -> bool:
+        return type(None) in self.members
+
+    @property
+    def literals(self) -> tuple[object, ...]:
+        """Values a `Literal[...]` member of the type allows (gpu_layers' "auto")."""
+        return tuple(v for m in self.members if typing.get_origin(m) is Literal for v in typing.get_args(m))
+
+    @property
+    def base(self) -> Any:
+        """The type without None and literals: what the generic reader goes by."""
+        rest = [m for m in self.members if m is not type(None) and typing.get_origin(m) is not Literal]
+        return rest[0] if len(rest) == 1 else self.hint
+
+    @property
+    def required(self) -> bool:
+        return self.default is MISSING and not self.nullable
+
+
+def _declared(cls: type[Any]) -> tuple[_Spec, ...]:
+    """The declared fields of a settings class, in order; a field without a declaration is no key.
+
+    Not cached: a config is read a few times in a daemon's life, and a dozen fields a time.
+    """
+    hints = typing.get_type_hints(cls)
+    specs = tuple(_Spec(f.name, f.metadata[_ABOUT], f.default, hints[f.name])
+                  for f in fields(cls) if _ABOUT in f.metadata)
+    for spec in specs:
+        _kind(spec)  # a declaration the reader cannot read fails at the first parse, not in production
+    return specs
+
+
+def _kind(spec: _Spec) -> Reader:
+    """How a field is read: its own reader, or the one its type implies."""
+    if spec.about.read is not None:
+        return spec.about.read
+    base, about = spec.base, spec.about
+    if is_dataclass(base):
+        return _Field.subsection
+    if base is int and about.bounds is not None:
+        return _Field.integer
+    if base is str and (about.choices or about.pattern is not None):
+        return _Field.string
+    if base == tuple[str, ...] and about.pattern is not None:
+        return _Field.strings
+    kinds: dict[Any, Reader] = {float: _Field.number, bool: _Field.boolean, Path: _Field.file_path}
+    if base in kinds:
+        return kinds[base]
+    raise TypeError(f"setting {spec.name}: no reader for {spec.hint!r} as declared; give it read=")
+
+
+# ---- reading -----------------------------------------------------------------------------------
+
+
 class _Checker:
-    """Collects problems; each check returns a well-typed fallback so parsing carries on."""
+    """Collects problems; each reader returns a well-typed fallback so parsing carries on."""
 
     def __init__(self) -> None:
         self.problems: list[str] = []
@@ -250,41 +242,58 @@ class _Checker:
                 self.add(_join(path, key), f"unknown key (expected one of {expected})")
         return {key: item for key, item in value.items() if key in allowed}
 
-    def integer(
-        self,
-        data: Mapping[str, object],
-        path: str,
-        key: str,
-        default: int,
-        bounds: tuple[int, int | None],
-        *,
-        also: int | None = None,
-    ) -> int:
-        if key not in data:
-            return default
-        value = data[key]
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """One setting being read: its declaration, its section's data, and what that section has so far."""
+
+    checker: _Checker
+    section: str  # the section's key path
+    spec: _Spec
+    data: Mapping[str, object]  # the section's known keys
+    parsed: Mapping[str, Any]  # the section's settings read before this one
+    base_dir: Path
+    mapping: bool  # the section was a mapping; if not, that is reported and nothing is "required"
+
+    @property
+    def path(self) -> str:
+        return _join(self.section, self.spec.name)
+
+    @property
+    def given(self) -> bool:
+        return self.spec.name in self.data
+
+    @property
+    def value(self) -> object:
+        return self.data.get(self.spec.name)
+
+    @property
+    def default(self) -> Any:
+        return None if self.spec.default is MISSING else self.spec.default
+
+    def problem(self, message: str) -> None:
+        self.checker.add(self.path, message)
+
+    def read(self) -> Any:
+        kind = _kind(self.spec)
+        if kind is _Field.subsection or self.spec.about.read is not None or self.given:
+            return kind(self)
+        return self.default
+
+    def integer(self, bounds: Bounds | None = None) -> Any:
+        bounds = bounds or self.spec.about.bounds or (0, None)
+        value, also, nullable = self.value, self.spec.about.also, self.spec.nullable
+        if value is None and nullable:
+            return None
         if _is_int(value) and (value == also or _within(value, bounds)):
             return value
-        wanted = f"an integer {_range_text(bounds)}"
-        if also is not None:
-            wanted = f"{also} or {wanted}"
-        self.add(_join(path, key), f"must be {wanted}, got {_show(value)}")
-        return default
-
-    def optional_integer(
-        self, data: Mapping[str, object], path: str, key: str, bounds: tuple[int, int | None]
-    ) -> int | None:
-        value = data.get(key)
-        if value is None or (_is_int(value) and _within(value, bounds)):
+        if isinstance(value, str) and value in self.spec.literals:
             return value
-        wanted = f"null or an integer {_range_text(bounds)}"
-        self.add(_join(path, key), f"must be {wanted}, got {_show(value)}")
-        return None
+        self.problem(f"must be {_integer_text(bounds, also, nullable=nullable)}, got {_show(value)}")
+        return None if nullable else self.default
 
-    def positive_number(
-        self, data: Mapping[str, object], path: str, key: str, default: float
-    ) -> float:
-        value = data.get(key, default)
+    def number(self) -> Any:
+        value = self.value
         if _is_int(value) or isinstance(value, float):
             try:
                 number = float(value)
@@ -292,341 +301,215 @@ class _Checker:
                 number = math.inf
             if math.isfinite(number) and number > 0:
                 return number
-        self.add(_join(path, key), f"must be a finite number > 0, got {_show(value)}")
-        return default
+        self.problem(f"must be a finite number > 0, got {_show(value)}")
+        return self.default
 
-    def boolean(self, data: Mapping[str, object], path: str, key: str, *, default: bool) -> bool:
-        value = data.get(key, default)
-        if isinstance(value, bool):
-            return value
-        self.add(_join(path, key), f"must be true or false, got {_show(value)}")
-        return default
+    def boolean(self) -> Any:
+        if isinstance(self.value, bool):
+            return self.value
+        self.problem(f"must be true or false, got {_show(self.value)}")
+        return self.default
 
-    def choice(
-        self,
-        data: Mapping[str, object],
-        path: str,
-        key: str,
-        default: str,
-        options: tuple[str, ...],
-    ) -> str:
-        value = data.get(key, default)
-        if isinstance(value, str) and value.lower() in options:
-            return value.lower()
-        self.add(_join(path, key), f"must be one of {', '.join(options)}, got {_show(value)}")
-        return default
-
-    def text(
-        self,
-        data: Mapping[str, object],
-        path: str,
-        key: str,
-        pattern: re.Pattern[str],
-        wanted: str,
-    ) -> str | None:
-        """A string matching pattern; None when absent (the caller decides if that is allowed)."""
-        value = data.get(key)
+    def string(self) -> Any:
+        value, about = self.value, self.spec.about
+        if about.choices:
+            if isinstance(value, str) and value.lower() in about.choices:
+                return value.lower()
+            self.problem(f"must be one of {', '.join(about.choices)}, got {_show(value)}")
+            return self.default
         if value is None:
             return None
-        if isinstance(value, str) and pattern.fullmatch(value):
+        if isinstance(value, str) and about.pattern is not None and about.pattern.fullmatch(value):
             return value
-        self.add(_join(path, key), f"must be {wanted}, got {_show(value)}")
+        self.problem(f"must be {about.wanted}, got {_show(value)}")
         return None
 
-    def file_path(
-        self, data: Mapping[str, object], path: str, key: str, base_dir: Path
-    ) -> Path | None:
-        value = data.get(key)
+    def file_path(self) -> Path | None:
+        value = self.value
         if value is None:
             return None
         if isinstance(value, str) and value.strip() and "\0" not in value:
             # Relative to the config file, never the working directory; symlinks kept as written.
-            return base_dir / value  # an absolute value replaces base_dir
-        self.add(_join(path, key), f"must be a non-empty string (a file path), got {_show(value)}")
+            return self.base_dir / value  # an absolute value replaces base_dir
+        self.problem(f"must be a non-empty string (a file path), got {_show(value)}")
         return None
 
+    def strings(self, valid: Callable[[str], bool] = lambda _: True) -> tuple[str, ...]:
+        value, pattern = self.value, self.spec.about.pattern
+        if value is None:
+            return ()
+        if not isinstance(value, list):
+            self.problem(f"must be a list, got {_show(value)}")
+            return ()
+        out: list[str] = []
+        for i, item in enumerate(value):
+            if isinstance(item, str) and pattern is not None and pattern.fullmatch(item) and valid(item):
+                out.append(item)
+            else:
+                self.checker.add(f"{self.path}[{i}]", f"must be {self.spec.about.wanted}, got {_show(item)}")
+        return tuple(out)
 
-def _is_int(value: object) -> TypeGuard[int]:
-    # bool is a subclass of int, and YAML's yes/no/true/false are no port numbers.
-    return isinstance(value, int) and not isinstance(value, bool)
+    def subsection(self, *, null_ok: bool = True) -> Any:
+        return _section(self.checker, self.spec.base, self.value, self.path, self.base_dir, null_ok=null_ok)
 
 
-def _within(value: int, bounds: tuple[int, int | None]) -> bool:
-    low, high = bounds
-    return value >= low and (high is None or value <= high)
+def _integer_text(bounds: Bounds, also: int | None, *, nullable: bool) -> str:
+    wanted = f"an integer {_range_text(bounds)}"
+    if also is not None:
+        wanted = f"{also} or {wanted}"
+    return f"null or {wanted}" if nullable else wanted
 
 
-def _parse_server(checker: _Checker, value: object, base_dir: Path) -> ServerSettings:
-    path = "server"
-    data = checker.section(value, path, _SERVER_KEYS, null_ok=True)
-    host = data.get("host", DEFAULT_HOST)
+def _section(checker: _Checker, cls: type[Any], value: object, path: str, base_dir: Path, *,
+             null_ok: bool) -> Any:
+    """One section (an instance of a settings class) read from its YAML value, every problem reported."""
+    specs = _declared(cls)
+    data = checker.section(value, path, tuple(spec.name for spec in specs), null_ok=null_ok)
+    mapping = isinstance(value, dict)
+    parsed: dict[str, Any] = {}
+    for spec in specs:
+        parsed[spec.name] = _Field(checker, path, spec, data, parsed, base_dir, mapping).read()
+    return cls(**parsed)
+
+
+# ---- the settings with rules of their own ----------------------------------------------------
+
+
+def _server_host(f: _Field) -> Any:
+    host = f.data.get(f.spec.name, f.default)
     if not isinstance(host, str) or not host or any(char.isspace() for char in host):
-        checker.add(f"{path}.host", f"must be a non-empty host name or address, got {_show(host)}")
-        host = DEFAULT_HOST
-    limit = checker.integer(
-        data, path, "max_tokens_limit", DEFAULT_MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT_RANGE
-    )
-    tls_cert, tls_key = _tls_pair(checker, data, base_dir)
-    return ServerSettings(
-        host=host,
-        port=checker.integer(data, path, "port", DEFAULT_PORT, PORT_RANGE),
-        max_body_bytes=checker.integer(
-            data, path, "max_body_bytes", DEFAULT_MAX_BODY_BYTES, BODY_BYTES_RANGE
-        ),
-        max_tokens_limit=limit,
-        # Bounded by the limit as parsed (its default if the limit itself is wrong).
-        default_max_tokens=checker.optional_integer(data, path, "default_max_tokens", (1, limit)),
-        shutdown_timeout_s=checker.positive_number(
-            data, path, "shutdown_timeout_s", DEFAULT_SHUTDOWN_TIMEOUT_S
-        ),
-        stream_write_timeout_s=checker.positive_number(
-            data, path, "stream_write_timeout_s", DEFAULT_STREAM_WRITE_TIMEOUT_S
-        ),
-        header_timeout_s=checker.positive_number(
-            data, path, "header_timeout_s", DEFAULT_HEADER_TIMEOUT_S
-        ),
-        body_timeout_s=checker.positive_number(data, path, "body_timeout_s", DEFAULT_BODY_TIMEOUT_S),
-        keepalive_timeout_s=checker.positive_number(
-            data, path, "keepalive_timeout_s", DEFAULT_KEEPALIVE_TIMEOUT_S
-        ),
-        progress_timeout_s=checker.positive_number(
-            data, path, "progress_timeout_s", DEFAULT_PROGRESS_TIMEOUT_S
-        ),
-        max_connections=checker.integer(
-            data, path, "max_connections", DEFAULT_MAX_CONNECTIONS, MAX_CONNECTIONS_RANGE
-        ),
-        # Not checked against max_connections: above it, the global cap is the one that bites.
-        max_connections_per_client=checker.integer(
-            data, path, "max_connections_per_client", DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
-            MAX_CONNECTIONS_RANGE,
-        ),
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        cors_origins=_string_list(checker, data, path, "cors_origins", pattern=_ORIGIN,
-                                  wanted="an origin like https://app.example:8443"),
-    )
+        f.problem(f"must be a non-empty host name or address, got {_show(host)}")
+        return f.default
+    return host
 
 
-def _string_list(checker: _Checker, data: Mapping[str, object], path: str, key: str, *,
-                 pattern: re.Pattern[str], wanted: str) -> tuple[str, ...]:
-    value = data.get(key)
-    if value is None:
+def _default_max_tokens(f: _Field) -> Any:
+    # Bounded by the limit as parsed (its default if the limit itself is wrong).
+    return f.integer((1, f.parsed["max_tokens_limit"]))
+
+
+def _tls_key(f: _Field) -> Any:
+    key = f.file_path()
+    if (f.data.get("tls_cert") is None) != (f.value is None):
+        f.checker.add(_join(f.section, "tls_cert"), "tls_cert and tls_key go together: set both or neither")
+    return key
+
+
+def _is_network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _admin_cidrs(f: _Field) -> Any:
+    return f.strings(valid=_is_network)
+
+
+def _model_name(f: _Field) -> Any:
+    name = f.string()
+    if f.value is None and f.mapping:  # a non-mapping model is reported already
+        f.problem("required")
+    return name or ""
+
+
+def _chat_template_file(f: _Field) -> Any:
+    path = f.file_path()
+    if f.value is not None and f.data.get("chat_template") is not None:
+        f.checker.add(_join(f.section, "chat_template"),
+                      f"cannot be combined with {f.path}; set only one of them")
+    return path
+
+
+def _cpus(f: _Field) -> Any:
+    cpus = f.value
+    if _is_int(cpus):
+        cpus = str(cpus)  # `cpus: 3` in YAML is an int
+    if cpus is None:
+        return None
+    if not isinstance(cpus, str):
+        f.problem(f"must be a CPU list like \"0-3,8\" or \"auto\", got {_show(cpus)}")
+        return None
+    if cpus.strip().lower() == AUTO_CPUS:
+        return AUTO_CPUS
+    try:
+        parse_cpu_list(cpus)
+    except CpuListError as exc:
+        f.problem(f"{exc}, got {_show(cpus)}")
+        return None
+    return cpus
+
+
+def _unsigned(f: _Field) -> bool:
+    return f.data.get("allow_unsigned") is True
+
+
+def _lock_path(f: _Field) -> Any:
+    """lock.file, models_dir, state_dir: required with a lockfile, refused without one."""
+    if _unsigned(f):
+        if f.given:
+            f.problem("cannot be combined with lock.allow_unsigned: true")
+        return None
+    if not f.given:
+        f.problem("required")
+    return f.file_path()
+
+
+def _trusted_keys(f: _Field) -> Any:
+    if _unsigned(f):
+        if f.given:
+            f.problem("cannot be combined with lock.allow_unsigned: true")
         return ()
-    if not isinstance(value, list):
-        checker.add(f"{path}.{key}", f"must be a list, got {_show(value)}")
+    raw = f.value
+    if not isinstance(raw, list) or not raw:
+        f.problem(f"must be a non-empty list of public key files, got {_show(raw)}")
         return ()
-    out: list[str] = []
-    for i, item in enumerate(value):
-        if isinstance(item, str) and pattern.fullmatch(item):
-            out.append(item)
+    keys: list[Path] = []
+    for index, item in enumerate(raw):
+        if isinstance(item, str) and item.strip() and "\0" not in item:
+            keys.append(f.base_dir / item)
         else:
-            checker.add(f"{path}.{key}[{i}]", f"must be {wanted}, got {_show(item)}")
-    return tuple(out)
+            f.checker.add(f"{f.path}[{index}]",
+                          f"must be a non-empty string (a file path), got {_show(item)}")
+    return tuple(keys)
 
 
-def _tls_pair(checker: _Checker, data: Mapping[str, object],
-              base_dir: Path) -> tuple[Path | None, Path | None]:
-    cert = checker.file_path(data, "server", "tls_cert", base_dir)
-    key = checker.file_path(data, "server", "tls_key", base_dir)
-    if (data.get("tls_cert") is None) != (data.get("tls_key") is None):
-        checker.add("server.tls_cert", "tls_cert and tls_key go together: set both or neither")
-    return cert, key
-
-
-def _parse_logging(checker: _Checker, value: object) -> LoggingSettings:
-    data = checker.section(value, "logging", _LOGGING_KEYS, null_ok=True)
-    return LoggingSettings(
-        level=checker.choice(data, "logging", "level", DEFAULT_LOG_LEVEL, LOG_LEVELS),
-        format=checker.choice(data, "logging", "format", DEFAULT_LOG_FORMAT, LOG_FORMATS),
-    )
-
-
-def _parse_model(checker: _Checker, value: object, path: str, base_dir: Path) -> ModelSettings:
-    data = checker.section(value, path, _MODEL_KEYS, null_ok=False)
-    name = checker.text(
-        data,
-        path,
-        "name",
-        _MODEL_NAME,
-        "1 to 64 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit",
-    )
-    file = checker.file_path(data, path, "file", base_dir)
-    if isinstance(value, dict) and data.get("name") is None:  # non-mappings are reported already
-        checker.add(f"{path}.name", "required")
-    chat_template = checker.text(
-        data,
-        path,
-        "chat_template",
-        _TEMPLATE_NAME,
-        "a built-in template name of 1 to 64 characters of a-z 0-9 _ . -",
-    )
-    chat_template_file = checker.file_path(data, path, "chat_template_file", base_dir)
-    if data.get("chat_template") is not None and data.get("chat_template_file") is not None:
-        checker.add(
-            f"{path}.chat_template",
-            f"cannot be combined with {path}.chat_template_file; set only one of them",
-        )
-    return ModelSettings(
-        name=name or "",
-        file=file,
-        context_size=checker.integer(
-            data, path, "context_size", DEFAULT_CONTEXT_SIZE, CONTEXT_SIZE_RANGE
-        ),
-        slots=checker.integer(data, path, "slots", DEFAULT_SLOTS, SLOTS_RANGE),
-        threads=checker.optional_integer(data, path, "threads", THREADS_RANGE),
-        threads_batch=checker.optional_integer(data, path, "threads_batch", THREADS_RANGE),
-        batch_size=checker.integer(data, path, "batch_size", DEFAULT_BATCH_SIZE, BATCH_SIZE_RANGE),
-        gpu_layers=GPU_LAYERS_AUTO if data.get("gpu_layers") == "auto" else checker.integer(
-            data, path, "gpu_layers", DEFAULT_GPU_LAYERS, GPU_LAYERS_RANGE, also=GPU_LAYERS_ALL
-        ),
-        chat_template=chat_template,
-        chat_template_file=chat_template_file,
-        queue_size=checker.integer(data, path, "queue_size", DEFAULT_QUEUE_SIZE, QUEUE_SIZE_RANGE),
-        embedding=checker.boolean(data, path, "embedding", default=False),
-        evictable=checker.boolean(data, path, "evictable", default=False),
-    )
-
-
-def _parse_models(checker: _Checker, value: object, base_dir: Path) -> tuple[ModelSettings, ...]:
-    if not isinstance(value, list) or not value:
-        checker.add("models", f"must be a non-empty list of model mappings, got {_show(value)}")
+def _models(f: _Field) -> Any:
+    if not f.mapping:  # a non-mapping top level is reported already
         return ()
-    models = tuple(
-        _parse_model(checker, entry, f"models[{index}]", base_dir)
-        for index, entry in enumerate(value)
-    )
+    if not f.given:
+        f.problem("required; must be a non-empty list of model mappings")
+        return ()
+    if not isinstance(f.value, list) or not f.value:
+        f.problem(f"must be a non-empty list of model mappings, got {_show(f.value)}")
+        return ()
+    models = tuple(_section(f.checker, ModelSettings, entry, f"{f.path}[{index}]", f.base_dir, null_ok=False)
+                   for index, entry in enumerate(f.value))
     first_seen: dict[str, int] = {}
     for index, model in enumerate(models):
         if not model.name:  # missing or invalid, already reported
             continue
         if model.name in first_seen:
-            checker.add(
-                f"models[{index}].name",
-                f"duplicate model name {model.name!r} (also models[{first_seen[model.name]}])",
-            )
+            f.checker.add(f"{f.path}[{index}].name",
+                          f"duplicate model name {model.name!r} (also models[{first_seen[model.name]}])")
         else:
             first_seen[model.name] = index
     return models
 
 
-def _parse(checker: _Checker, data: object, base_dir: Path) -> Settings:
-    top = checker.section(data, _TOP_LEVEL, _TOP_KEYS, null_ok=False)
-    server = _parse_server(checker, top.get("server"), base_dir)
-    if isinstance(data, dict):  # a non-mapping top level has already been reported
-        if "models" in top:
-            models = _parse_models(checker, top["models"], base_dir)
-        else:
-            checker.add("models", "required; must be a non-empty list of model mappings")
-            models = ()
+def _lock(f: _Field) -> Any:
+    if not f.mapping:
+        return LockSettings()
+    if f.value is None:
+        f.problem("required: name the signed lockfile (lock.file, lock.trusted_keys, "
+                  "lock.models_dir, lock.state_dir), or set lock.allow_unsigned: true for development")
+        lock = LockSettings(allow_unsigned=True)
     else:
-        models = ()
-    logging = _parse_logging(checker, top.get("logging"))
-    lock = _parse_lock(checker, top.get("lock"), base_dir) if isinstance(data, dict) else LockSettings()
-    if isinstance(data, dict) and models:
-        _check_model_files(checker, top.get("models"), lock)
-    auth_data = checker.section(top.get("auth"), "auth", _AUTH_KEYS, null_ok=True)
-    cidrs = _string_list(checker, auth_data, "auth", "admin_cidrs", pattern=_CIDR,
-                         wanted="a network like 10.0.0.0/8")
-    for i, cidr in enumerate(cidrs):
-        try:
-            ipaddress.ip_network(cidr, strict=False)
-        except ValueError:
-            checker.add(f"auth.admin_cidrs[{i}]", f"must be a network like 10.0.0.0/8, got {_show(cidr)}")
-    metrics_public = checker.boolean(auth_data, "auth", "metrics_public", default=False)
-    auth = AuthSettings(keys_file=checker.file_path(auth_data, "auth", "keys_file", base_dir),
-                        admin_cidrs=cidrs, metrics_public=metrics_public)
-    if auth.keys_file is None and not _is_loopback(server.host):
-        checker.add("server.host", f"{server.host!r} is not a loopback address: serving a network "
-                    "without API keys is refused; set auth.keys_file")
-    lifecycle = _parse_lifecycle(checker, top.get("lifecycle"), base_dir)
-    host = _parse_host(checker, top.get("host"))
-    return Settings(server=server, models=models, logging=logging, lock=lock, auth=auth,
-                    lifecycle=lifecycle, host=host)
-
-
-def _parse_host(checker: _Checker, value: object) -> HostSettings:
-    path = "host"
-    data = checker.section(value, path, _HOST_KEYS, null_ok=True)
-    cpus = data.get("cpus")
-    if isinstance(cpus, int) and not isinstance(cpus, bool):
-        cpus = str(cpus)  # `cpus: 3` in YAML is an int
-    if cpus is not None:
-        if not isinstance(cpus, str):
-            checker.add(f"{path}.cpus", f"must be a CPU list like \"0-3,8\" or \"auto\", got {_show(cpus)}")
-            cpus = None
-        elif cpus.strip().lower() == AUTO_CPUS:
-            cpus = AUTO_CPUS
-        else:
-            try:
-                parse_cpu_list(cpus)
-            except CpuListError as exc:
-                checker.add(f"{path}.cpus", f"{exc}, got {_show(cpus)}")
-                cpus = None
-    return HostSettings(
-        cpus=cpus,
-        gpu_poll_s=checker.positive_number(data, path, "gpu_poll_s", DEFAULT_GPU_POLL_S),
-        gpu_headroom_mb=checker.integer(data, path, "gpu_headroom_mb", DEFAULT_GPU_HEADROOM_MB,
-                                        GPU_HEADROOM_MB_RANGE),
-    )
-
-
-def _parse_lifecycle(checker: _Checker, value: object, base_dir: Path) -> LifecycleSettings:
-    path = "lifecycle"
-    data = checker.section(value, path, _LIFECYCLE_KEYS, null_ok=True)
-    preload_dir: Path | None = DEFAULT_PRELOAD_DIR
-    if "preload_dir" in data:
-        preload_dir = checker.file_path(data, path, "preload_dir", base_dir)
-    return LifecycleSettings(
-        preload_dir=preload_dir,
-        preload_max_mb=checker.optional_integer(data, path, "preload_max_mb", MEMORY_BUDGET_MB_RANGE),
-        watch=checker.boolean(data, path, "watch", default=True),
-        watch_settle_s=checker.positive_number(data, path, "watch_settle_s", DEFAULT_WATCH_SETTLE_S),
-        memory_budget_mb=checker.optional_integer(data, path, "memory_budget_mb",
-                                                  MEMORY_BUDGET_MB_RANGE),
-    )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
-
-
-def _parse_lock(checker: _Checker, value: object, base_dir: Path) -> LockSettings:
-    path = "lock"
-    if value is None:
-        checker.add(path, "required: name the signed lockfile (lock.file, lock.trusted_keys, "
-                    "lock.models_dir, lock.state_dir), or set lock.allow_unsigned: true for development")
-        return LockSettings(allow_unsigned=True)
-    data = checker.section(value, path, _LOCK_KEYS, null_ok=False)
-    unsigned = checker.boolean(data, path, "allow_unsigned", default=False)
-    locations = ("file", "models_dir", "state_dir")
-    if unsigned:
-        for key in (*locations, "trusted_keys"):
-            if key in data:
-                checker.add(f"{path}.{key}", "cannot be combined with lock.allow_unsigned: true")
-        return LockSettings(allow_unsigned=True)
-    found = {key: checker.file_path(data, path, key, base_dir) for key in locations}
-    for key in locations:
-        if key not in data:
-            checker.add(f"{path}.{key}", "required")
-    keys: list[Path] = []
-    raw_keys = data.get("trusted_keys")
-    if not isinstance(raw_keys, list) or not raw_keys:
-        checker.add(f"{path}.trusted_keys",
-                    f"must be a non-empty list of public key files, got {_show(raw_keys)}")
-    else:
-        for index, item in enumerate(raw_keys):
-            if isinstance(item, str) and item.strip() and "\0" not in item:
-                keys.append(base_dir / item)
-            else:
-                checker.add(f"{path}.trusted_keys[{index}]",
-                            f"must be a non-empty string (a file path), got {_show(item)}")
-    return LockSettings(file=found["file"], trusted_keys=tuple(keys), models_dir=found["models_dir"],
-                        state_dir=found["state_dir"])
+        lock = f.subsection(null_ok=False)
+    if f.parsed["models"]:
+        _check_model_files(f.checker, f.data.get("models"), lock)
+    return lock
 
 
 def _check_model_files(checker: _Checker, raw_models: object, lock: LockSettings) -> None:
@@ -644,10 +527,221 @@ def _check_model_files(checker: _Checker, raw_models: object, lock: LockSettings
                         "not allowed with a lockfile: the lock names each model's file")
 
 
+def _auth(f: _Field) -> Any:
+    auth = f.subsection()
+    host = f.parsed["server"].host
+    if auth.keys_file is None and not _is_loopback(host):
+        f.checker.add("server.host", f"{host!r} is not a loopback address: serving a network "
+                      "without API keys is refused; set auth.keys_file")
+    return auth
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+# ---- the settings ------------------------------------------------------------------------------
+# Each default here is the README's and the Ansible role's (defaults/main.yml): the README's
+# reference is generated from these declarations, the role's defaults are not (keep them level).
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """The HTTP listener and per-request limits."""
+
+    host: str = setting(  # loopback: exposing the daemon is an explicit decision
+        "127.0.0.1", "address to listen on; loopback by default", read=_server_host,
+        accepts="a host name or address", more="anything but a loopback address needs `auth.keys_file`")
+    port: int = setting(8080, "listen port", bounds=(1, 65535))
+    max_body_bytes: int = setting(1_048_576, "larger request bodies get 413", bounds=(1024, None))
+    max_tokens_limit: int = setting(4096, "ceiling on any request's max_tokens (400 above it)",
+                                    bounds=(1, None))
+    default_max_tokens: int | None = setting(
+        None, "max_tokens when a request gives none; null: until EOS or a full context",
+        read=_default_max_tokens, accepts="null or an integer from 1 to `server.max_tokens_limit`",
+        more="(or `server.max_tokens_limit`; `/v1/completions` defaults to 16, as OpenAI documents)")
+    shutdown_timeout_s: float = setting(30.0, "on SIGTERM, in-flight requests get this long to finish")
+    stream_write_timeout_s: float = setting(
+        30.0, "a streaming client that reads nothing this long is cut off", more="(and its slot freed)")
+    header_timeout_s: float = setting(
+        10.0, "each request head must be complete this long after its first byte (slow-loris)",
+        more="the first head counts from the connection's opening, a pipelined one from the answer "
+        "before it; a late head gets the connection closed, unanswered")
+    body_timeout_s: float = setting(  # a 1 MiB body at 35 KB/s; a slower upload is a held connection
+        30.0, "each request body must be complete this long after its head: else 408, closed",
+        more="(`request_timeout`, if its answer has not begun), whether the handler read it or not")
+    keepalive_timeout_s: float = setting(  # as nginx, and the role's HAProxy http-keep-alive
+        75.0, "an idle kept-alive connection is closed after this")
+    progress_timeout_s: float = setting(
+        300.0, "a request that gets no token (or no slot) for this long is ended: 504",
+        more="(an error event when streaming)")
+    max_connections: int = setting(1024, "connections beyond this are closed at once", bounds=_CONNECTIONS)
+    # One address may hold a quarter of the global cap: room for an app server's pool of a few
+    # hundred streams (or a NAT gateway's users), while one address's slow-loris heads or
+    # never-ending bodies leave three quarters of the connections to everybody else. Not
+    # checked against max_connections: above it, the global cap is the one that bites.
+    max_connections_per_client: int = setting(
+        256, "likewise from one client address (behind a proxy: raise it)", bounds=_CONNECTIONS,
+        more="so that one client cannot starve the others; IPv4-mapped IPv6 peers count as their IPv4 "
+        "address, other IPv6 peers by /64. Behind a load balancer every connection comes from its "
+        "address: raise this to `server.max_connections`")
+    tls_cert: Path | None = setting(None, "PEM certificate chain: with tls_key, HTTPS only (TLS 1.2+)")
+    tls_key: Path | None = setting(
+        None, "its PEM private key (edgellmctl quickstart --tls makes a self-signed pair)", read=_tls_key,
+        accepts="a file path, with `server.tls_cert`")
+    cors_origins: tuple[str, ...] = setting(
+        (), "browser origins allowed to call the API; none: no CORS headers at all", pattern=_ORIGIN,
+        wanted="an origin like https://app.example:8443", more="preflights are answered before auth")
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingSettings:
+    """Log level and line format."""
+
+    level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    format: str = setting("json", "json: one object per line, with request_id", choices=("json", "text"))
+
+
+@dataclass(frozen=True, slots=True)
+class AuthSettings:
+    """Who may call the API."""
+
+    keys_file: Path | None = setting(
+        None, "API keys (hashed, mode 0600); null: no auth at all, only on loopback",
+        more="(see [API keys](#api-keys)); required unless `server.host` is a loopback address")
+    admin_cidrs: tuple[str, ...] = setting(
+        (), "if set, /admin/* answers only peers in these networks", read=_admin_cidrs, pattern=_CIDR,
+        wanted="a network like 10.0.0.0/8", accepts="a list of networks like 10.0.0.0/8",
+        more="others get 403 `address_not_allowed`")
+    metrics_public: bool = setting(False, "serve /metrics without a key (else it needs the metrics scope)")
+
+
+@dataclass(frozen=True, slots=True)
+class LockSettings:
+    """Where the signed lockfile, its trusted keys, the model files and the rollback state live."""
+
+    file: Path | None = setting(None, "the signed lockfile; required unless allow_unsigned", read=_lock_path,
+                                accepts="a file path", example="models.lock")
+    trusted_keys: tuple[Path, ...] = setting(
+        (), "Ed25519 public keys (PEM); list several to rotate keys", read=_trusted_keys,
+        accepts="a non-empty list of file paths", example="[keys/signing.pub]",
+        more="a lock signed by any of them is accepted; required unless `lock.allow_unsigned`")
+    models_dir: Path | None = setting(None, "lockfile paths are relative to this", read=_lock_path,
+                                      accepts="a directory path", example="models")
+    state_dir: Path | None = setting(
+        None, "keeps the highest lockfile version accepted (rollback guard)", read=_lock_path,
+        accepts="a directory path", example="state")
+    allow_unsigned: bool = setting(
+        False, "development only, without the four keys above: models[].file loads unverified",
+        more="with a loud warning in the log")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """One served model and how llama.cpp loads it."""
+
+    name: str = field(metadata=about(
+        "what clients send as \"model\"; its file comes from the lockfile", read=_model_name,
+        pattern=MODEL_NAME,
+        wanted="1 to 64 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit",
+        accepts="1 to 64 of `A-Za-z0-9._:-`, starting with a letter or digit", example="gemma3-270m"))
+    # Unsigned (development) mode only: with a lockfile the lock names the file. Absolute.
+    file: Path | None = field(metadata=about(
+        "unsigned mode only (then required): the GGUF file, relative to the config file"))
+    context_size: int = setting(4096, "tokens per slot (prompt + reply)", bounds=(64, 1_048_576))
+    slots: int = setting(4, "requests decoded together; more wait in the queue", bounds=(1, 256))
+    threads: int | None = setting(None, "decode threads; null: every CPU the process may run on",
+                                  bounds=_THREADS, more="(the pinned count with `host.cpus`)")
+    threads_batch: int | None = setting(None, "prompt threads; null: same as threads", bounds=_THREADS)
+    batch_size: int = setting(512, "tokens per llama_decode (n_batch, n_ubatch); also the prefill chunk",
+                              bounds=(1, 65536))
+    gpu_layers: GpuLayers = setting(
+        0, "layers to offload (-1: all, auto: what fits in free VRAM) on a GPU build",
+        bounds=(0, 100_000), also=GPU_LAYERS_ALL,
+        more="`auto` offloads as many as fit in free VRAM less `host.gpu_headroom_mb` (sized from the "
+        "GGUF's tensors plus each layer's KV cache share; 0 on a CPU-only build or without a usable GPU)")
+    chat_template: str | None = setting(
+        None, "a llama.cpp built-in template name (gemma, chatml, llama3, ...)", pattern=_TEMPLATE_NAME,
+        wanted="a built-in template name of 1 to 64 characters of a-z 0-9 _ . -")
+    chat_template_file: Path | None = setting(
+        None, "or a Jinja2 template file; neither: the GGUF's own template", read=_chat_template_file,
+        accepts="a file path, not with `chat_template`")
+    queue_size: int = setting(16, "requests that may wait for a slot; beyond that 429 at once",
+                              bounds=(0, 100_000), more="(`server_overloaded`)")
+    embedding: bool = setting(False, "an embedding model, served by /v1/embeddings only",
+                              more="(mean pooling unless the GGUF says otherwise)")
+    evictable: bool = setting(
+        False, "may be unloaded (least recently used first) to fit another in the budget",
+        more="when a load would exceed `lifecycle.memory_budget_mb`; only idle models are")
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleSettings:
+    """Where models are preloaded, how file changes are watched, and the memory they may use."""
+
+    preload_dir: Path | None = setting(
+        Path("/dev/shm/edgellm"),  # noqa: S108 - tmpfs on purpose: models load from RAM
+        "tmpfs for model copies (made while hashed); null: load from models_dir",
+        more="each daemon keeps its copies in a locked subdirectory of its own")
+    preload_max_mb: int | None = setting(
+        None, "cap on what the copies may take; null: the filesystem's free space", bounds=_MEGABYTES,
+        more="a model that does not fit loads from the models directory (still verified), with a warning")
+    watch: bool = setting(True, "reload when a model file or the lockfile changes")
+    watch_settle_s: float = setting(
+        2.0, "a changed file must keep its size and mtime this long before a reload")
+    memory_budget_mb: int | None = setting(
+        None, "loaded models' estimated size (weights + KV cache); null: no budget", bounds=_MEGABYTES,
+        more="a load past it is refused, unless unloading idle evictable models makes room")
+
+
+@dataclass(frozen=True, slots=True)
+class HostSettings:
+    """How the daemon uses its hardware."""
+
+    cpus: str | None = setting(
+        None, "pin every thread to these CPUs (\"0-3,8\", or auto); null: as allowed", read=_cpus,
+        accepts="null, a CPU list or `auto`",
+        more="before any model loads (`auto`: one logical CPU per physical core of the allowed set); model "
+        "`threads` default to the pinned count; a refused pinning is logged and the daemon carries on")
+    gpu_poll_s: float = setting(10.0, "seconds between NVML readings")
+    gpu_headroom_mb: int = setting(  # CUDA context, compute buffers and fragmentation
+        1024, "VRAM that gpu_layers: auto leaves free", bounds=(0, None))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The whole daemon configuration."""
+
+    server: ServerSettings = field(metadata=about("the HTTP listener and per-request limits"))
+    models: tuple[ModelSettings, ...] = field(metadata=about("at least one", read=_models))
+    logging: LoggingSettings = field(metadata=about("log level and line format"))
+    lock: LockSettings = setting(LockSettings(allow_unsigned=True), "required: which models may load",
+                                 read=_lock)
+    auth: AuthSettings = setting(AuthSettings(), "who may call the API", read=_auth)
+    lifecycle: LifecycleSettings = setting(LifecycleSettings(), "preloading, file watching, memory budget")
+    host: HostSettings = setting(HostSettings(), "how the daemon uses its hardware")
+    source: Path | None = None  # the file it was read from; no setting
+
+
+# Defaults other modules name (the systemd unit's tests, the front door's), read from the declarations.
+DEFAULT_SHUTDOWN_TIMEOUT_S: Final = ServerSettings().shutdown_timeout_s
+DEFAULT_HEADER_TIMEOUT_S: Final = ServerSettings().header_timeout_s
+DEFAULT_BODY_TIMEOUT_S: Final = ServerSettings().body_timeout_s
+DEFAULT_KEEPALIVE_TIMEOUT_S: Final = ServerSettings().keepalive_timeout_s
+DEFAULT_MAX_CONNECTIONS: Final = ServerSettings().max_connections
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT: Final = ServerSettings().max_connections_per_client
+DEFAULT_PRELOAD_DIR: Final = LifecycleSettings().preload_dir
+
+
 def parse_settings(data: object, *, base_dir: Path) -> Settings:
     """Validate already-parsed YAML data into Settings, raising ConfigError with every problem."""
     checker = _Checker()
-    settings = _parse(checker, data, base_dir.absolute())
+    settings: Settings = _section(checker, Settings, data, _TOP_LEVEL, base_dir.absolute(), null_ok=False)
     if checker.problems:
         raise ConfigError(checker.problems)
     return settings
@@ -687,12 +781,13 @@ def _read_yaml(path: Path) -> tuple[object, list[str]]:
     """The file's parsed YAML and any problems with the file itself."""
     where = str(path)
     try:
-        with path.open("rb") as stream:
-            raw = stream.read(MAX_CONFIG_BYTES + 1)
+        raw = read_regular(path, MAX_CONFIG_BYTES)  # a FIFO in its place never blocks the start
+    except FileTooLarge:
+        return None, [f"{where}: config file is larger than {MAX_CONFIG_BYTES} bytes"]
+    except UnsuitableFile as exc:
+        return None, [f"{where}: cannot read config file: {exc.describe('it')}"]
     except OSError as exc:
         return None, [f"{where}: cannot read config file: {exc.strerror or type(exc).__name__}"]
-    if len(raw) > MAX_CONFIG_BYTES:
-        return None, [f"{where}: config file is larger than {MAX_CONFIG_BYTES} bytes"]
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -747,3 +842,109 @@ def check_config(path: str | Path) -> list[str]:
     except ConfigError as exc:
         return exc.problems
     return []
+
+
+# ---- the README's reference --------------------------------------------------------------------
+
+README_BEGIN: Final = ("<!-- generated by `python -m edgellmd.settings --markdown` from the declarations "
+                       "in daemon/settings.py: edit those, then run it with --readme README.md -->")
+README_END: Final = "<!-- end of the generated configuration reference -->"
+_COMMENT_COLUMN: Final = 27  # where the YAML block's comments start, as far as the keys allow
+
+
+def _yaml_text(value: object) -> str:
+    """A value as the README's YAML block and table write it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_yaml_text(item) for item in value) + "]"
+    if isinstance(value, str) and yaml.safe_load(value) != value:
+        return json.dumps(value)  # JSON strings are YAML strings
+    return str(value)
+
+
+def _accepts(spec: _Spec) -> str:
+    """What a setting accepts, in the words of its problems."""
+    about, base = spec.about, spec.base
+    if about.accepts:
+        return about.accepts
+    if base is int and about.bounds is not None:
+        text = _integer_text(about.bounds, about.also, nullable=spec.nullable)
+        return text + "".join(f", or `{value}`" for value in spec.literals)
+    if base is str and about.choices:
+        return ", ".join(f"`{choice}`" for choice in about.choices)
+    plain = {float: "a finite number > 0", bool: "`true` or `false`", Path: "a path",
+             str: about.wanted, tuple[str, ...]: f"a list, each {about.wanted}"}[base]
+    return f"null or {plain}" if spec.nullable else plain
+
+
+def _sections() -> Iterable[tuple[_Spec, type, bool]]:
+    """Each top-level key, its settings class, and whether it holds a list of them."""
+    for top in _declared(Settings):
+        listed = not is_dataclass(top.base)
+        yield top, typing.get_args(top.hint)[0] if listed else top.base, listed
+
+
+def _commented(text: str, doc: str) -> str:
+    return f"{text.ljust(_COMMENT_COLUMN)}# {doc}" if len(text) < _COMMENT_COLUMN else f"{text}  # {doc}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference: a YAML block of every key and a table, from the declarations."""
+    block = ["```yaml"]
+    table = ["| key | default | accepts | meaning |", "|---|---|---|---|"]
+    for top, cls, listed in _sections():
+        block.append(_commented(f"{top.name}:", top.about.doc))
+        for index, spec in enumerate(_declared(cls)):
+            lead = ("  - " if index == 0 else "    ") if listed else "  "
+            default = None if spec.default is MISSING else spec.default
+            shown = spec.about.example if spec.about.example is not None else _yaml_text(default)
+            block.append(_commented(f"{lead}{spec.name}: {shown}", spec.about.doc))
+            more = spec.about.more
+            meaning = spec.about.doc + ((" " if more.startswith("(") else "; ") + more if more else "")
+            default_cell = "required" if spec.required else f"`{_yaml_text(default)}`"
+            key = f"{top.name}{'[]' if listed else ''}.{spec.name}"
+            table.append(f"| `{key}` | {default_cell} | {_cell(_accepts(spec))} | {_cell(meaning)} |")
+    block.append("```")
+    return "\n".join([*block, "", *table]) + "\n"
+
+
+def with_reference(readme: str) -> str:
+    """`readme` with the text between README_BEGIN and README_END replaced by the reference."""
+    begin, end = readme.index(README_BEGIN) + len(README_BEGIN), readme.index(README_END)
+    return f"{readme[:begin]}\n{reference_markdown()}{readme[end:]}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m edgellmd.settings --markdown [--readme FILE]`: print the reference, or rewrite FILE's."""
+    parser = argparse.ArgumentParser(prog="python -m edgellmd.settings",
+                                     description="The configuration reference, from the declarations.")
+    parser.add_argument("--markdown", action="store_true", required=True,
+                        help="print the README's Configuration reference (a YAML block and a table)")
+    parser.add_argument("--readme", type=Path,
+                        help="rewrite it between the markers in this file instead of printing it")
+    args = parser.parse_args(argv)
+    if args.readme is None:
+        sys.stdout.write(reference_markdown())
+        return 0
+    text = args.readme.read_text(encoding="utf-8")
+    try:
+        updated = with_reference(text)
+    except ValueError:
+        sys.stderr.write(f"{args.readme}: no {README_BEGIN} ... {README_END} markers\n")
+        return 1
+    if updated != text:
+        args.readme.write_text(updated, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from edgellmd import __version__  # one distribution, one version: pyproject.toml's
+
+__all__ = ["__version__"]

@@ -22,6 +22,7 @@ HIDDEN_TOKEN: Final = "elk_(hidden)"  # noqa: S105 - what a token is replaced wi
 HIDDEN_VALUE: Final = "..."
 _OPTION_NAME: Final = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*")
 _UNRECOGNIZED: Final = "unrecognized arguments: "
+_LINE_BREAKS: Final = re.compile(r"\s*[\r\n]+\s*")
 
 
 class CommandError(Exception):
@@ -83,7 +84,37 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def int_between(minimum: int, maximum: int) -> Callable[[str], int]:
+    """argparse type: an integer in `minimum`..`maximum`."""
+    expected = f"must be an integer in {minimum}..{maximum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{expected}, got {value}")
+        return value
+
+    return parse
+
+
 positive_int = int_at_least(1)
+port_number = int_between(1, 65535)
+
+
+def one_line(message: str) -> str:
+    """`message` on one line: line breaks (a YAML error's context, say) become spaces."""
+    return _LINE_BREAKS.sub(" ", message).strip()
+
+
+def describe_os_error(exc: OSError) -> str:
+    """An OSError as "<file>: <reason>", or the reason alone when no file is known."""
+    if isinstance(exc, UnsuitableFile):
+        return str(exc)
+    reason = exc.strerror or str(exc)
+    return f"{exc.filename}: {reason}" if exc.filename else reason
 
 
 def guarded(func: Command, *expected: type[Exception]) -> Command:
@@ -94,11 +125,10 @@ def guarded(func: Command, *expected: type[Exception]) -> Command:
         try:
             return func(args)
         except handled as exc:
-            print(redact(f"edgellmctl {args.command}: {exc}"), file=sys.stderr)
-        except UnsuitableFile as exc:
-            print(redact(f"edgellmctl {args.command}: {exc}"), file=sys.stderr)
+            message = str(exc)
         except OSError as exc:
-            print(redact(f"edgellmctl {args.command}: {exc.filename or ''}: {exc.strerror}"), file=sys.stderr)
+            message = describe_os_error(exc)
+        print(redact(f"edgellmctl {args.command}: {one_line(message)}"), file=sys.stderr)
         return 1
 
     return run

@@ -20,9 +20,9 @@ from edgellmctl.cli import Subcommands
 from edgellmd.files import kind_of, read_regular
 from edgellmd.host.cpu import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
 from edgellmd.host.nvml import read_gpus
-from edgellmd.host.verdicts import verdicts
+from edgellmd.host.verdicts import largest_gpu_layers, verdicts
 from edgellmd.models.lockfile import MAX_KEY_BYTES, LockError, load_lock, resolve_model_file
-from edgellmd.settings import GPU_LAYERS_AUTO, ConfigError, Settings, load_settings
+from edgellmd.settings import ConfigError, Settings, load_settings
 
 DEFAULT_CONFIG: Final = Path("/etc/edgellm/edgellm.yaml")
 UNIT_PATHS: Final = (Path("/etc/systemd/system/edgellm.service"), Path("/lib/systemd/system/edgellm.service"),
@@ -157,7 +157,8 @@ def check_shm(settings: Settings | None, host: Host) -> Check:
 def check_gpu(settings: Settings | None, host: Host,
               offload_supported: Callable[[], bool]) -> Iterator[Check]:
     """GPUs, their compute capability against this llama.cpp build, and the monitor's verdicts."""
-    layers = max((m.gpu_layers for m in settings.models), key=abs, default=0) if settings else 0
+    # As the daemon's GPU monitor judges them: the model that offloads most.
+    layers = largest_gpu_layers(m.gpu_layers for m in settings.models) if settings else 0
     snapshot = read_gpus(host.nvml)
     supported = offload_supported()
     build = "this llama.cpp build can offload" if supported else "this llama.cpp build is CPU-only"
@@ -170,8 +171,7 @@ def check_gpu(settings: Settings | None, host: Host,
         cc = gpu.compute_capability
         yield _ok("gpu", f"GPU {gpu.index}: {gpu.name}, compute capability "
                   f"{f'{cc[0]}.{cc[1]}' if cc else '?'}; {build}")
-    wanted = GPU_LAYERS_AUTO if layers == GPU_LAYERS_AUTO else layers
-    for verdict in verdicts(snapshot, offload_supported=supported, gpu_layers=wanted):
+    for verdict in verdicts(snapshot, offload_supported=supported, gpu_layers=layers):
         if verdict.level == "info":
             continue
         yield Check(f"gpu {verdict.code}", "fail" if verdict.level == "error" else "warn", verdict.message)

@@ -54,6 +54,20 @@ def create_key(path: Path, name: str, scopes: list[str], *, limits: dict[str, in
     return key_id, token
 
 
+def add_scopes(path: Path, key_id: str, scopes: list[str]) -> bool:
+    """Give key `key_id` the `scopes` it lacks; True when the keys file changed."""
+    data = _load(path)
+    for entry in data["keys"]:
+        if entry.get("id") == key_id:
+            missing = sorted(set(scopes) - set(entry["scopes"]))
+            if not missing:
+                return False
+            entry["scopes"] = sorted({*entry["scopes"], *missing})
+            _save(path, data)
+            return True
+    raise CommandError(f"no key with id {key_id!r} in {path}")
+
+
 def cmd_create(args: argparse.Namespace) -> int:
     """Print the new token once (stdout only), append its hash to the keys file."""
     limits = {k: v for k, v in (("rpm", args.rpm), ("tpm", args.tpm), ("concurrent", args.concurrent),
@@ -119,4 +133,4 @@ def add_parser(sub: Subcommands) -> None:
     revoke.set_defaults(func=guarded(cmd_revoke, KeysFileError))
 
 
-__all__ = ["add_parser", "create_key"]
+__all__ = ["add_parser", "add_scopes", "create_key"]

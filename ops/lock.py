@@ -8,6 +8,8 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -21,6 +23,7 @@ from edgellmd.models.lockfile import (
     MODEL_NAME,
     SCHEMA,
     LockError,
+    VersionState,
     file_problem,
     format_time,
     hash_fd,
@@ -36,6 +39,7 @@ from edgellmd.models.lockfile import (
     sign,
     verify_lock,
 )
+from edgellmd.settings import ConfigError, load_settings
 
 DEFAULT_LOCK: Final = Path("models.lock")
 DEFAULT_EXPIRY: Final = "365d"
@@ -47,8 +51,13 @@ MAX_VALIDITY: Final = timedelta(days=100 * 365)  # a signature meant to outlive 
 # ---- files ----------------------------------------------------------------------------------
 
 
-def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write `data` to `path` via a temporary file and a rename: readers never see half a file."""
+def write_atomically(path: Path, data: bytes, mode: int = 0o644, *, replace: bool = True,
+                     check: Callable[[Path], None] | None = None) -> None:
+    """Write `data` to `path` via a temporary file and a rename: readers never see half a file.
+
+    `check(temporary path)` may refuse the written file before it takes `path`'s name; with
+    `replace=False` an existing `path` is never replaced (FileExistsError).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -57,10 +66,14 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        if check is not None:
+            check(Path(tmp))
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails when `path` exists, where a rename would replace it
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # gone already after a rename
 
 
 def read_document(path: Path) -> dict[str, Any]:
@@ -128,12 +141,11 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
     try:
-        # O_EXCL: an existing key is never replaced (it may be the only copy).
-        fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # An existing key is never replaced (it may be the only copy), and a write cut short
+        # leaves no half a key under its name.
+        write_atomically(private_path, pem, 0o600, replace=False)
     except FileExistsError:
         raise CommandError(f"{private_path} exists; refusing to overwrite a signing key") from None
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
     public = key.public_key().public_bytes(serialization.Encoding.PEM,
                                            serialization.PublicFormat.SubjectPublicKeyInfo)
     write_atomically(public_path, public)
@@ -233,24 +245,65 @@ def cmd_sign(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    """What `lock verify` checks: the lockfile, the keys it must be signed by, where its files are."""
+
+    lock: Path
+    trusted: tuple[Path, ...]
+    models_dir: Path
+    state_dir: Path | None = None  # the daemon's rollback state, when known
+
+
+def _from_config(config: Path) -> _Verified:
+    """The lockfile, trusted keys, models and state directories of the daemon's own configuration."""
+    try:
+        os.close(open_regular(config))  # load_settings would wait on a FIFO for ever
+    except UnsuitableFile as exc:
+        raise CommandError(f"--config: {exc}") from None
+    except OSError:
+        pass  # load_settings reports a file it cannot read as a config problem
+    try:
+        settings = load_settings(config)
+    except ConfigError as exc:
+        first = exc.problems[0] if exc.problems else "invalid"
+        more = (f" (and {len(exc.problems) - 1} more: edgellmd --check-config {config} lists them)"
+                if len(exc.problems) > 1 else "")
+        where = "" if first.startswith(str(config)) else f"{config}: "
+        raise CommandError(f"{where}{first}{more}") from None
+    lock = settings.lock
+    if lock.allow_unsigned or lock.file is None or lock.models_dir is None:
+        raise CommandError(f"{config} sets lock.allow_unsigned: it names no lockfile to verify")
+    return _Verified(lock.file, lock.trusted_keys, lock.models_dir, lock.state_dir)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check signatures, expiry and every file; one line per model; 0 only when all pass."""
-    lock = load_lock(args.lock)
-    models_dir: Path = args.models_dir or args.lock.parent
+    if args.config is not None:
+        what = _from_config(args.config)
+    else:
+        path: Path = args.lock or DEFAULT_LOCK
+        what = _Verified(path, tuple(args.trusted or ()), args.models_dir or path.parent)
+    lock = load_lock(what.lock)
     ok = True
-    if args.trusted:
+    if what.trusted:
         try:
-            signer = verify_lock(lock, [load_public_key(p) for p in args.trusted])
+            signer = verify_lock(lock, [load_public_key(p) for p in what.trusted])
+            if what.state_dir is not None:  # the daemon refuses a version older than one it accepted
+                VersionState(what.state_dir).check(lock.version)
             print(f"lock      version {lock.version}: signature by {signer[:16]}… verifies; "
                   f"expires {format_time(lock.expires) if lock.expires else 'never'}")
         except LockError as exc:
             ok = False
             print(f"lock      FAILED: {exc}")
     else:
-        print(f"lock      version {lock.version}: signatures not checked (no --trusted key given)")
+        # Matching files prove nothing on their own: whoever can write them can write the lock.
+        ok = False
+        print(f"lock      version {lock.version}: FAILED: no signature verified: no trusted key given "
+              "(--trusted PUBKEY, or --config FILE for the daemon's own)")
     for name, entry in sorted(lock.models.items()):
         try:
-            open_verified(models_dir, entry, _Progress(f"hashing {entry.file}", entry.size)).close()
+            open_verified(what.models_dir, entry, _Progress(f"hashing {entry.file}", entry.size)).close()
         except LockError as exc:
             ok = False
             print(f"{name:<9} FAILED: {exc}")
@@ -291,9 +344,9 @@ def add_parser(sub: Subcommands) -> None:
     lock = sub.add_parser("lock", help="manage the signed model lockfile")
     verbs = lock.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    def verb(name: str, help_: str) -> argparse.ArgumentParser:
+    def verb(name: str, help_: str, lock_default: Path | None = DEFAULT_LOCK) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=help_)
-        p.add_argument("--lock", type=Path, default=DEFAULT_LOCK, help="lockfile (default: models.lock)")
+        p.add_argument("--lock", type=Path, default=lock_default, help="lockfile (default: models.lock)")
         return p
 
     add = verb("add", "hash a GGUF file and record it")
@@ -314,10 +367,22 @@ def add_parser(sub: Subcommands) -> None:
                         help="add this key's signature without changing the lock")
     sign_p.set_defaults(func=guarded(cmd_sign, LockError))
 
-    verify = verb("verify", "check signatures, expiry and every file")
+    # --lock defaults to None here: a --lock given beside --config is told apart from none.
+    verify = verb("verify", "check signatures, expiry and every file", lock_default=None)
     verify.add_argument("--models-dir", type=Path, help="models directory (default: the lockfile's folder)")
     verify.add_argument("--trusted", type=Path, nargs="+", metavar="PUBKEY", help="trusted public keys")
-    verify.set_defaults(func=guarded(cmd_verify, LockError))
+    verify.add_argument("--config", type=Path, metavar="FILE",
+                        help="the daemon's config (edgellm.yaml): verify its lockfile with its trusted "
+                        "keys, models directory and rollback state")
+    run_verify = guarded(cmd_verify, LockError)
+
+    def verify_alone(args: argparse.Namespace) -> int:
+        if args.config is not None and (args.lock is not None or args.trusted or args.models_dir is not None):
+            verify.error("--config names the lockfile, trusted keys and models directory: "
+                         "not with --lock, --trusted or --models-dir")
+        return run_verify(args)
+
+    verify.set_defaults(func=verify_alone)
 
     show = verb("show", "print the lockfile as a table")
     show.set_defaults(func=guarded(cmd_show, LockError))

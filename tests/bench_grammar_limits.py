@@ -8,7 +8,7 @@ repetition counts, rule chains, rule count, size, alternatives) and hands it to
 stack size, as the daemon builds grammars off the event loop. A child that dies (SIGSEGV,
 abort) only ends that probe. The figures are recorded beside the limits in `edgellmd.api.gbnf_rules`.
 
-The same machinery serves the tests (`tests/test_gbnf.py`): `ByteVocab` loads a tiny test
+The same machinery serves the tests (`tests/test_api_gbnf.py`): `ByteVocab` loads a tiny test
 model's vocabulary (one token per byte, ids 3 + byte) and walks a grammar over a text one
 byte at a time with `llama_sampler_apply`/`llama_sampler_accept`, as the engine does.
 """

@@ -10,12 +10,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
@@ -23,7 +23,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmd.http.app import create_app, start_server
 from edgellmd.models.lockfile import format_time, sign
+from edgellmd.models.preload import AREA_PREFIX
 from edgellmd.settings import Settings, parse_settings
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 
 def free_port() -> int:
@@ -84,11 +86,15 @@ def sse_events_sync(lines: Iterable[bytes]) -> Iterator[dict[str, Any] | None]:
 
 @dataclass
 class SignedLock:
-    """A models directory and the lockfile that vouches for it, signed by a key of its own."""
+    """An operator's box as the daemon finds it: a models directory, the lockfile that vouches
+    for it (signed by a key of its own), the rollback state and a preload root."""
 
     root: Path
     key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
     version: int = 0
+    # What `publish(data)` serves one model's bytes as, and the file it puts them in.
+    model: ClassVar[str] = "model"
+    model_file: ClassVar[str] = "model.gguf"
 
     def __post_init__(self) -> None:
         self.models.mkdir(parents=True)
@@ -121,6 +127,19 @@ class SignedLock:
         """lock.state_dir: the highest lockfile version accepted."""
         return self.root / "state"
 
+    @property
+    def shm(self) -> Path:
+        """A preload root of the box's own (lifecycle.preload_dir); each daemon makes its area in it."""
+        return self.root / "shm"
+
+    def model_bytes(self, spec: TinyModelSpec) -> bytes:
+        """The bytes of a tiny model of this spec (written once per box, under `sources`)."""
+        digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:12]  # equal specs, equal files
+        path = self.sources / f"tiny-{spec.seed}-{digest}.gguf"
+        if not path.exists():
+            write_tiny_model(path, spec)
+        return path.read_bytes()
+
     @staticmethod
     def entry(file: str, data: bytes) -> dict[str, Any]:
         """A lockfile entry for `data` stored as `file`."""
@@ -139,12 +158,36 @@ class SignedLock:
         self.replace(self.lock, json.dumps(doc).encode())
         return version
 
+    def publish(self, models: bytes | Mapping[str, tuple[str, bytes]], *, file: str | None = None,
+                write_files: bool = True) -> int:
+        """Put model files in place (each by rename), then sign a new lockfile version naming
+        them; returns the version.
+
+        `models` is one model's bytes, served as `model` from `file` (default `model_file`),
+        or {name: (file, bytes)} for several. With `write_files=False` only the lock is
+        signed: for files that are put in place some other way (slowly, or corrupted).
+        """
+        entries = {self.model: (file or self.model_file, models)} if isinstance(models, bytes) else models
+        if write_files:
+            for path, data in entries.values():
+                self.replace(self.models / path, data)
+        return self.sign_lock({name: self.entry(path, data) for name, (path, data) in entries.items()})
+
     @staticmethod
     def replace(path: Path, data: bytes) -> None:
         """Write `data` to `path` the way operators should: a hidden temporary, then a rename."""
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(data)
         tmp.rename(path)
+
+    def highest_version(self) -> int:
+        """The highest lockfile version the daemon accepted, as its rollback state file says."""
+        data = json.loads((self.state / "lock-state.json").read_text())
+        return int(data["highest_version"])
+
+    def copies(self) -> list[Path]:
+        """The preloaded copies of models under `shm`, of every daemon that uses it."""
+        return sorted(self.shm.glob(f"{AREA_PREFIX}*/*.gguf"))
 
     def lock_settings(self) -> dict[str, Any]:
         """The daemon's `lock` section for this directory and key."""

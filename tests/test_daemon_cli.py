@@ -50,3 +50,26 @@ def test_config_or_check_config_is_required(capsys: pytest.CaptureFixture[str]) 
         main([])
     assert exc.value.code == 2
     assert "--config" in capsys.readouterr().err
+
+
+def test_the_version_is_written_once_in_pyproject(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib  # noqa: PLC0415 - only this test reads the project file
+
+    from edgellmctl import __version__ as ctl_version  # noqa: PLC0415
+    from edgellmd import __version__ as daemon_version  # noqa: PLC0415
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert daemon_version == ctl_version == project["project"]["version"]
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"edgellmd {project['project']['version']}"
+
+
+def test_a_fifo_in_place_of_the_config_is_refused_at_once(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import os  # noqa: PLC0415 - only this test makes a FIFO
+
+    fifo = tmp_path / "edgellm.yaml"
+    os.mkfifo(fifo)  # before: open() waited for a writer, for ever
+    assert main(["--check-config", str(fifo)]) == 1
+    assert "is a FIFO, not a regular file" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +77,84 @@ def test_quickstart_installs_the_verified_model_and_a_valid_config(demo_dir: Pat
     assert checked.returncode == 0, checked.stderr
     # A second quickstart refuses to overwrite the config.
     assert edgellmctl(["quickstart", "--dir", str(demo_dir)]) == 1
+
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_URL = "http://127.0.0.1:8080"  # where `./dev demo` and the README's quick start serve
+
+
+def _commands(text: str) -> list[str]:
+    """The `curl` commands in `text`, each with its backslash-continued lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [match.strip() for match in re.findall(r"\bcurl .*", joined)]
+
+
+def _run_against(command: str, url: str, demo_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Run a printed command as a shell would, against this daemon and this quick-start directory."""
+    command = command.replace(DEMO_URL, url).replace("demo/", f"{demo_dir}/")
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=False, timeout=120)
+
+
+def _dev_demo_output(tmp_path: Path) -> str:
+    """What `./dev demo` prints once the demo is set up: its cmd_demo, installs and daemon stubbed."""
+    body = re.search(r"^cmd_demo\(\) \{\n(.*?)^\}", (ROOT / "dev").read_text(), re.MULTILINE | re.DOTALL)
+    assert body, "dev has no cmd_demo"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("edgellmctl", "edgellmd"):
+        (venv / "bin" / tool).write_text("#!/bin/sh\nexit 0\n")
+        (venv / "bin" / tool).chmod(0o755)
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "edgellm.yaml").write_text("")
+    script = ("set -euo pipefail\nVENV=" + str(venv) + "\ninstall_system_packages() { :; }\n"
+              "install_python() { :; }\ncmd_demo() {\n" + body.group(1) + "}\ncmd_demo\n")
+    shown = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
+    return shown.stdout
+
+
+def _quick_start_section() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Quick start\n(.*?)^## ", readme, re.MULTILINE | re.DOTALL)
+    assert section
+    return section.group(1)
+
+
+def test_the_commands_dev_demo_prints_work_as_printed(demo_daemon: str, demo_dir: Path,
+                                                      tmp_path: Path) -> None:
+    commands = _commands(_dev_demo_output(tmp_path))
+    assert commands, "./dev demo prints no command to try"
+    for command in commands:
+        answered = _run_against(command, demo_daemon, demo_dir)
+        assert answered.returncode == 0, answered.stderr
+        if "/metrics" in command:
+            assert "edgellm_build_info" in answered.stdout, answered.stdout[:300]
+        else:
+            body = json.loads(answered.stdout)
+            assert "error" not in body, body
+            assert [m["id"] for m in body["data"]] == ["gemma3-270m"]
+
+
+def test_the_readme_quick_start_commands_work_from_a_quick_start(demo_daemon: str, demo_dir: Path) -> None:
+    commands = _commands(_quick_start_section())
+    assert any("/v1/chat/completions" in c for c in commands)
+    assert any("/metrics" in c for c in commands), "the quick start shows how to read /metrics"
+    for command in commands:
+        answered = _run_against(command, demo_daemon, demo_dir)
+        assert answered.returncode == 0, answered.stderr
+        if "/metrics" in command:
+            assert "edgellm_build_info" in answered.stdout, answered.stdout[:300]
+        else:
+            body = json.loads(answered.stdout)
+            assert body["choices"][0]["message"]["content"], body
+
+
+def test_the_quick_start_admin_key_reads_metrics(demo_daemon: str, demo_dir: Path) -> None:
+    admin = (demo_dir / "admin.key").read_text().strip()
+    request = urllib.request.Request(demo_daemon + "/metrics",  # noqa: S310 - loopback
+                                     headers={"Authorization": f"Bearer {admin}"})
+    with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - loopback
+        assert resp.status == 200
+        assert b"edgellm_build_info" in resp.read()
 
 
 def _client(url: str, demo_dir: Path) -> openai.OpenAI:

@@ -47,7 +47,7 @@ def _imports(path: Path, root: Path = DAEMON) -> list[tuple[int, str, list[str]]
     tree = ast.parse(path.read_text(), filename=str(path))
     here = _module(path, root).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
-    out = []
+    out: list[tuple[int, str, list[str]]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name, []) for a in node.names if a.name.startswith("edgellmd")]

@@ -14,6 +14,7 @@ from edgellmd.settings import (
     ConfigError,
     HostSettings,
     LifecycleSettings,
+    LockSettings,
     LoggingSettings,
     ModelSettings,
     ServerSettings,
@@ -26,6 +27,7 @@ from edgellmd.settings import (
 UNSIGNED = "lock:\n  allow_unsigned: true\n"
 UL = {"allow_unsigned": True}  # the lock section of unsigned (development) configs
 MINIMAL = "models:\n  - name: tiny\n    file: tiny.gguf\n" + UNSIGNED
+SIGNED = {"file": "models.lock", "trusted_keys": ["keys/a.pub"], "models_dir": "models", "state_dir": "state"}
 
 
 def write(tmp_path: Path, content: str | bytes, name: str = "edgellm.yaml") -> Path:
@@ -292,6 +294,7 @@ def test_empty_server_and_logging_sections_mean_defaults(tmp_path: Path) -> None
         ("model", "batch_size", 65536),
         ("model", "gpu_layers", -1),
         ("model", "gpu_layers", 100_000),
+        ("model", "gpu_layers", "auto"),
         ("model", "name", "a"),
         ("model", "name", "A" * 64),
         ("model", "name", "qwen2.5:0.5b-instruct_q4"),
@@ -389,9 +392,41 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("gpu-layers-too-many", with_model(gpu_layers=100_001), "models[0].gpu_layers",
      "got 100001"),
     ("gpu-layers-string", with_model(gpu_layers="all"), "models[0].gpu_layers", "got 'all'"),
+    ("gpu-layers-auto-uppercase", with_model(gpu_layers="AUTO"), "models[0].gpu_layers",
+     "must be -1 or an integer from 0 to 100000, got 'AUTO'"),
     ("embedding-string", with_model(embedding="yes"), "models[0].embedding",
      "must be true or false, got 'yes'"),
     ("evictable-int", with_model(evictable=1), "models[0].evictable", "must be true or false, got 1"),
+    ("tls-half", {**with_model(), "server": {"tls_key": "k.pem"}}, "server.tls_cert",
+     "tls_cert and tls_key go together: set both or neither"),
+    ("cors-wildcard", {**with_model(), "server": {"cors_origins": ["https://a.example", "*"]}},
+     "server.cors_origins[1]", "must be an origin like https://app.example:8443, got '*'"),
+    ("cors-string", {**with_model(), "server": {"cors_origins": "https://a.example"}}, "server.cors_origins",
+     "must be a list, got 'https://a.example'"),
+    ("host-public-without-keys", {**with_model(), "server": {"host": "0.0.0.0"}}, "server.host",
+     "'0.0.0.0' is not a loopback address: serving a network without API keys is refused; "
+     "set auth.keys_file"),
+    # auth and host
+    ("cidr-prefix-too-long", {**with_model(), "auth": {"admin_cidrs": ["10.0.0.0/8", "10.0.0.0/33"]}},
+     "auth.admin_cidrs[1]", "must be a network like 10.0.0.0/8, got '10.0.0.0/33'"),
+    ("metrics-public-string", {**with_model(), "auth": {"metrics_public": "yes"}}, "auth.metrics_public",
+     "must be true or false, got 'yes'"),
+    ("cpus-list", {**with_model(), "host": {"cpus": [0, 1]}}, "host.cpus",
+     "must be a CPU list like \"0-3,8\" or \"auto\", got [0, 1]"),
+    ("headroom-negative", {**with_model(), "host": {"gpu_headroom_mb": -1}}, "host.gpu_headroom_mb",
+     "must be an integer >= 0, got -1"),
+    # lock
+    ("lock-missing", {"models": [{"name": "tiny", "file": "tiny.gguf"}]}, "lock",
+     "required: name the signed lockfile (lock.file, lock.trusted_keys, lock.models_dir, lock.state_dir), "
+     "or set lock.allow_unsigned: true for development"),
+    ("lock-unsigned-with-a-file", {**with_model(), "lock": {"allow_unsigned": True, "file": "m.lock"}},
+     "lock.file", "cannot be combined with lock.allow_unsigned: true"),
+    ("lock-keys-empty", {"models": [{"name": "tiny"}], "lock": {**SIGNED, "trusted_keys": []}},
+     "lock.trusted_keys", "must be a non-empty list of public key files, got []"),
+    ("lock-key-empty", {"models": [{"name": "tiny"}], "lock": {**SIGNED, "trusted_keys": ["a.pub", ""]}},
+     "lock.trusted_keys[1]", "must be a non-empty string (a file path), got ''"),
+    ("model-file-with-a-lock", {"models": [{"name": "tiny", "file": "t.gguf"}], "lock": SIGNED},
+     "models[0].file", "not allowed with a lockfile: the lock names each model's file"),
     # lifecycle
     ("lifecycle-list", {**with_model(), "lifecycle": [1]}, "lifecycle", "must be a mapping"),
     ("lifecycle-unknown", {**with_model(), "lifecycle": {"shm": 1}}, "lifecycle.shm", "unknown key"),
@@ -533,6 +568,27 @@ lock:
     ]
     assert caught.value.problems == expected
     assert str(caught.value) == "\n".join(expected)
+
+
+def test_a_signed_lock_needs_its_four_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_settings({"models": [{"name": "tiny"}], "lock": {"file": 5}}, base_dir=tmp_path)
+
+    assert caught.value.problems == [
+        "lock.file: must be a non-empty string (a file path), got 5",
+        "lock.trusted_keys: must be a non-empty list of public key files, got None",
+        "lock.models_dir: required",
+        "lock.state_dir: required",
+    ]
+
+
+def test_a_signed_lock_is_read_relative_to_the_config(tmp_path: Path) -> None:
+    settings = parse_settings({"models": [{"name": "tiny"}], "lock": SIGNED}, base_dir=tmp_path)
+
+    assert settings.lock == LockSettings(
+        file=tmp_path / "models.lock", trusted_keys=(tmp_path / "keys/a.pub",),
+        models_dir=tmp_path / "models", state_dir=tmp_path / "state")
+    assert settings.models[0].file is None
 
 
 def test_duplicate_keys_are_reported_with_other_problems(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from edgellmd.api.context import context
 from edgellmd.host.metrics import CONTENT_TYPE
-from edgellmd.models.registry import ModelState
+from edgellmd.models.registry import RETRY_AFTER_LOADING_S, ModelState
 
 
 async def healthz(_request: web.Request) -> web.Response:
@@ -34,7 +34,7 @@ async def readyz(request: web.Request) -> web.Response:
     else:
         status = "unloaded"  # an operator unloaded every model
     return web.json_response({"status": status, "models": models}, status=503,
-                             headers={"Retry-After": "5"})
+                             headers={"Retry-After": RETRY_AFTER_LOADING_S})
 
 
 async def metrics(request: web.Request) -> web.Response:

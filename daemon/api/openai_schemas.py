@@ -302,6 +302,8 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
             max_tokens = value
     if max_tokens is None:
         max_tokens = limits.default_max_tokens if limits.default_max_tokens else default_max_tokens
+        if max_tokens is not None:  # a default never goes past the key's or the server's ceiling
+            max_tokens = min(max_tokens, limits.max_tokens_limit)
     if max_tokens is None:  # no limit asked for: the ceiling still applies
         max_tokens = limits.max_tokens_limit
 

@@ -21,8 +21,13 @@ import llama_cpp as llama
 log = logging.getLogger(__name__)
 
 _PIECE_BUF: Final = 256  # bytes; longer pieces are retried with the size llama.cpp asks for
-_GGML_LOG_LEVEL_WARN: Final = 3  # enum ggml_log_level (NONE, DEBUG, INFO, WARN, ERROR, CONT); not exported
+# enum ggml_log_level (NONE, DEBUG, INFO, WARN, ERROR, CONT); llama_cpp does not export it.
+_GGML_LOG_LEVEL_WARN: Final = 3
 _GGML_LOG_LEVEL_ERROR: Final = 4
+_GGML_LOG_LEVEL_CONT: Final = 5  # continues the previous message, at that message's level
+# llama.cpp's INFO is its load report (every tensor, every parameter): debug here, as its
+# DEBUG; its warnings and errors are the daemon's.
+_PY_LEVELS: Final = {_GGML_LOG_LEVEL_ERROR: logging.ERROR, _GGML_LOG_LEVEL_WARN: logging.WARNING}
 
 
 class EngineError(Exception):
@@ -37,15 +42,19 @@ class ModelLoadError(EngineError):
 _backend_lock = threading.Lock()
 _backend_ready = False
 _log_callback: Any = None  # keeps the ctypes thunk alive for as long as llama.cpp may call it
+# The level of the message a CONT continues: per thread, as every engine thread logs its own.
+_log_state = threading.local()
 
 
 def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
-    # llama.cpp logs every tensor at load time; keep that at debug, surface its errors.
-    if not text:
-        return
-    message = text.decode("utf-8", "replace").rstrip()
+    """llama.cpp's log callback (any thread): its warnings and errors as ours, the rest at debug."""
+    if level == _GGML_LOG_LEVEL_CONT:
+        py_level: int = getattr(_log_state, "level", logging.DEBUG)
+    else:
+        py_level = _PY_LEVELS.get(level, logging.DEBUG)
+        _log_state.level = py_level
+    message = text.decode("utf-8", "replace").strip() if text else ""
     if message:
-        py_level = logging.WARNING if level == _GGML_LOG_LEVEL_ERROR else logging.DEBUG
         log.log(py_level, "llama.cpp: %s", message)
 
 

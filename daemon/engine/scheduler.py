@@ -421,10 +421,15 @@ class Engine(NativeThread):
         return TokenLogprob(text, raw, value, top)
 
     def _logprob_entry(self, token: int, value: float) -> tuple[str, tuple[int, ...], float]:
+        piece = self._cached_piece(token)
+        return piece.decode("utf-8", "replace"), tuple(piece), value
+
+    def _cached_piece(self, token: int) -> bytes:
+        """A token's bytes; the vocabulary never changes, so each token is converted once."""
         piece = self._pieces.get(token)
         if piece is None:
             piece = self._pieces[token] = self._piece(token)
-        return piece.decode("utf-8", "replace"), tuple(piece), value
+        return piece
 
     def _advance(self, i: int, slot: _Slot, token: int, logprob: TokenLogprob | None = None) -> list[Event]:
         """Account for one sampled token; returns the events it produces."""
@@ -434,10 +439,7 @@ class Engine(NativeThread):
         slot.completion += 1
         self.tokens_generated += 1
         slot.last = token
-        piece = self._pieces.get(token)
-        if piece is None:  # the vocabulary never changes: convert each token once
-            piece = self._pieces[token] = self._piece(token)
-        text, hit = slot.stops.feed(slot.utf8.feed(piece))
+        text, hit = slot.stops.feed(slot.utf8.feed(self._cached_piece(token)))
         delta = TextDelta(text, slot.completion, (logprob,) if logprob is not None else ())
         if hit:
             return [delta, *self._finish(i, "stop", flushed=True)]

@@ -26,7 +26,8 @@ CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 REQUEST_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS: Final = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 ITL_BUCKETS: Final = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
-STATES: Final = ("loading", "ready", "failed", "unloaded")
+# models.registry.ModelState's values (host sits below models: it cannot import them).
+STATES: Final = ("loading", "ready", "failed", "unloaded", "revoked")
 
 
 class TokenTiming:

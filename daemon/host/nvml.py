@@ -14,12 +14,12 @@ import contextlib
 import importlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Final
 
-from edgellmd.host.verdicts import Verdict, verdicts
+from edgellmd.host.verdicts import GpuLayers, Verdict, verdicts
 
 log = logging.getLogger(__name__)
 
@@ -294,16 +294,39 @@ class GpuMonitor:
     """Polls NVML off the event loop every `interval_s`; `latest` is the last snapshot."""
 
     def __init__(self, interval_s: float, *, nvml: Any = None, pid: int | None = None,
-                 offload_supported: bool = False, gpu_layers: int = 0,
-                 model_file_types: Sequence[str] = ()) -> None:
-        """`offload_supported`, `gpu_layers` and `model_file_types` feed `verdicts`."""
+                 offload_supported: bool = False, gpu_layers: GpuLayers = 0,
+                 model_file_types: Sequence[str] | Callable[[], Iterable[str]] = ()) -> None:
+        """`offload_supported`, `gpu_layers` and `model_file_types` feed `verdicts`.
+
+        `gpu_layers`: what the models ask for, as `largest_gpu_layers` reduces them to one value.
+        `model_file_types`: the models' GGUF file types, or a callable that says what they are
+        now (so that a reload shows); it is called with each reading, off the event loop, and
+        may read files.
+        """
         self.interval_s = interval_s
         self.latest: GpuSnapshot | None = None
         self.latest_verdicts: tuple[Verdict, ...] = ()  # those of `latest`
-        self._read: Callable[[], GpuSnapshot] = lambda: read_gpus(nvml, pid=pid)
+        fixed = tuple(model_file_types) if isinstance(model_file_types, Sequence) else ()
+        file_types = (lambda: fixed) if isinstance(model_file_types, Sequence) else model_file_types
+        self._file_types: tuple[str, ...] = fixed  # as of the latest reading
+        self._types_failing = False
+
+        def read() -> GpuSnapshot:
+            # In the polling thread: set before the reading is judged on the loop.
+            try:
+                self._file_types = tuple(file_types())
+            except Exception:  # a bug here must not end monitoring; log it once, keep the last types
+                if not self._types_failing:
+                    log.exception("finding the models' file types failed")
+                self._types_failing = True
+            else:
+                self._types_failing = False
+            return read_gpus(nvml, pid=pid)
+
+        self._read: Callable[[], GpuSnapshot] = read
         self._judge: Callable[[GpuSnapshot], list[Verdict]] = lambda snapshot: verdicts(
             snapshot, offload_supported=offload_supported, gpu_layers=gpu_layers,
-            model_file_types=tuple(model_file_types))
+            model_file_types=self._file_types)
         self._task: asyncio.Task[None] | None = None
         self._failing = False
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 
 if TYPE_CHECKING:
     from edgellmd.host.nvml import GpuReading, GpuSnapshot
+
+# A model's `gpu_layers`: a layer count (-1: every layer) or "auto", as many as fit in free
+# VRAM, decided at load time (`host.offload`). Declared here, below settings, which reads it.
+GPU_LAYERS_AUTO: Final[Literal["auto"]] = "auto"
+GpuLayers: TypeAlias = int | Literal["auto"]
 
 _THERMAL: Final = frozenset({"sw_thermal_slowdown", "hw_thermal_slowdown", "hw_slowdown"})
 _POWER: Final = frozenset({"sw_power_cap", "hw_power_brake_slowdown"})
@@ -101,9 +106,27 @@ def _pascal_fp16(gpu: GpuReading, who: str, model_file_types: Sequence[str]) -> 
                    "slow on it; use quantized files such as Q4_K_M or Q8_0")
 
 
-def verdicts(snapshot: GpuSnapshot, *, offload_supported: bool, gpu_layers: int,
+def largest_gpu_layers(values: Iterable[GpuLayers]) -> GpuLayers:
+    """The one `gpu_layers` that verdicts judge for several models: the one that offloads most.
+
+    -1 (every layer) first, then auto (as many as fit), then the largest count; 0 when no model
+    offloads. The daemon's GPU monitor and `edgellmctl doctor` both judge this value.
+    """
+    def rank(value: GpuLayers) -> tuple[int, int]:
+        if value == GPU_LAYERS_AUTO:
+            return (2, 0)
+        return (3, 0) if value == -1 else (1, int(value))
+
+    return max(values, key=rank, default=0)
+
+
+def verdicts(snapshot: GpuSnapshot, *, offload_supported: bool, gpu_layers: GpuLayers,
              model_file_types: Sequence[str] = ()) -> list[Verdict]:
-    """What an operator should know about these GPUs for this build and configuration."""
+    """What an operator should know about these GPUs for this build and configuration.
+
+    `gpu_layers`: what the models ask for (see `largest_gpu_layers`); `model_file_types`: their
+    GGUF file types (`MOSTLY_Q4_K_M`, `F16`...), empty when unknown.
+    """
     out: list[Verdict] = []
     if not snapshot.available:
         if gpu_layers != 0:

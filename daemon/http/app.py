@@ -27,12 +27,15 @@ from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import GpuMonitor
 from edgellmd.host.systemd import Notifier, Supervisor
+from edgellmd.host.verdicts import largest_gpu_layers
 from edgellmd.http import appkeys, logs
 from edgellmd.http.auth import setup_admin_networks, setup_auth, unusable
 from edgellmd.http.cors import setup_cors
 from edgellmd.http.errors import Handler, error_middleware
 from edgellmd.http.site import DoorLimits, GuardedSite
+from edgellmd.models.gguf import GgufError, read_gguf_facts
 from edgellmd.models.handle import EngineFactory, default_engine_factory
+from edgellmd.models.lockfile import LockError, load_lock
 from edgellmd.models.registry import Registry
 from edgellmd.models.watch import ModelWatcher, watch_targets
 from edgellmd.settings import ServerSettings, Settings
@@ -182,13 +185,56 @@ def _existing(path: Path | None) -> Path | None:
     return path
 
 
+def _model_file_types(settings: Settings) -> Callable[[], list[str]]:
+    """For the GPU verdicts: the models' GGUF file types as they are now (blocking; off the loop).
+
+    Signed: what the lockfile records for each configured model (the loader refuses a file whose
+    header disagrees). Unsigned: each model file's own header. What cannot be read is left out;
+    a file is read again only when its stat changes, so that a reload shows at the next reading.
+    """
+    seen: dict[Path, tuple[tuple[int, int, int, int], list[str]]] = {}
+
+    def read(path: Path, types_in: Callable[[Path], list[object]]) -> list[str]:
+        try:
+            st = path.stat()
+        except OSError:
+            return []
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if path not in seen or seen[path][0] != key:
+            seen[path] = (key, [t for t in types_in(path) if isinstance(t, str) and t])
+        return seen[path][1]
+
+    def in_lock(path: Path) -> list[object]:
+        try:
+            lock = load_lock(path)
+        except LockError:
+            return []
+        entries = (lock.models.get(model.name) for model in settings.models)
+        return [entry.gguf.get("file_type") for entry in entries if entry is not None]
+
+    def in_header(path: Path) -> list[object]:
+        try:
+            return [read_gguf_facts(path).get("file_type")]
+        except GgufError:
+            return []
+
+    def now() -> list[str]:
+        if not settings.lock.allow_unsigned and settings.lock.file is not None:
+            return read(settings.lock.file, in_lock)
+        return [t for model in settings.models if model.file is not None for t in read(model.file, in_header)]
+
+    return now
+
+
 async def _gpu_ctx(app: web.Application) -> AsyncIterator[None]:
-    # NVML polled off the loop; absent driver or GPUs are reported once, never fatal.
+    # NVML polled off the loop; absent driver or GPUs are reported once, never fatal. Verdicts
+    # judge the model that offloads most (as `edgellmctl doctor` does) and the file types of
+    # the models as they are at each reading.
     settings = app[appkeys.SETTINGS]
-    offloading = [m.gpu_layers for m in settings.models if m.gpu_layers != 0]
     monitor = GpuMonitor(settings.host.gpu_poll_s, pid=os.getpid(),
                          offload_supported=supports_gpu_offload(),
-                         gpu_layers=offloading[0] if offloading else 0)
+                         gpu_layers=largest_gpu_layers(m.gpu_layers for m in settings.models),
+                         model_file_types=_model_file_types(settings))
     app[appkeys.GPU_MONITOR] = monitor
     await monitor.start()
     yield

@@ -82,6 +82,8 @@ def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
                 address = ipaddress.ip_address(peer)
             except ValueError:
                 address = None
+            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+                address = address.ipv4_mapped  # a dual-stack listener's IPv4 client
             if address is None or not any(address in net for net in allowed):
                 audit.warning("admin refused: address not in auth.admin_cidrs",
                               extra={"peer": peer, "key_id": None})
@@ -144,10 +146,3 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
     app.cleanup_ctx.append(keys_ctx)
     # Limits count only requests that proved who they are.
     setup_ratelimit(app)
-
-
-def request_key(request: web.Request) -> ApiKey | None:
-    """The key that authenticated this request (None when auth is off)."""
-    return request.get(appkeys.API_KEY)
-
-

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from edgellmd import engine as engine_mod
 from edgellmd.engine import CompiledGrammar, EmbeddingEngine, Engine, EngineConfig, EngineError, GrammarError
@@ -34,6 +34,9 @@ AnyEngine = Engine | EmbeddingEngine
 EngineFactory = Callable[[ModelSettings, bool], AnyEngine]
 
 MAX_TEMPLATE_BYTES = 1024 * 1024  # a chat template file is a few kilobytes
+# Seconds a refused request is told to wait (429 at capacity; 503 when its model version was
+# swapped or unloaded under it): a slot frees, or the next version serves, within about that.
+RETRY_AFTER_BUSY_S: Final = "1"
 # A prompt longer than this many characters per token of the context is first tokenized in
 # prefixes (see ModelHandle._tokenize_bounded). Real text averages 3 to 5 characters a token.
 PREFIX_CHARS_PER_TOKEN = 8
@@ -53,11 +56,15 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
     """
     if settings.file is None:
         raise EngineError(f"model {settings.name}: no file to load")
+    gpu_layers = settings.gpu_layers
+    if isinstance(gpu_layers, str):  # "auto": the loader sizes it from free VRAM before this
+        raise EngineError(f"model {settings.name}: gpu_layers {gpu_layers} was not resolved to a "
+                          "layer count before loading")
     threads = settings.threads or engine_mod.default_threads()
     return EngineConfig(
         path=settings.file, slots=settings.slots, context_size=settings.context_size,
         batch_size=settings.batch_size, threads=threads,
-        threads_batch=settings.threads_batch or threads, gpu_layers=settings.gpu_layers,
+        threads_batch=settings.threads_batch or threads, gpu_layers=gpu_layers,
         mmap=mmap,
     )
 
@@ -93,7 +100,7 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
 
 def _gone(name: str) -> ServiceUnavailable:
     return ServiceUnavailable(f"the model {name!r} was unloaded while the request was prepared; retry",
-                              headers={"Retry-After": "1"})
+                              headers={"Retry-After": RETRY_AFTER_BUSY_S})
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +278,7 @@ class ModelHandle:
             self.counters["queue_rejections"] += 1
             raise ServerOverloaded(
                 f"model {self.name!r} is at capacity ({busy} running, {waiting} waiting); "
-                "retry shortly", headers={"Retry-After": "1"})
+                "retry shortly", headers={"Retry-After": RETRY_AFTER_BUSY_S})
 
     async def grammars(self, grammar: str | None, copies: int, param: str) -> list[CompiledGrammar] | None:
         """Parse a request's grammar (one copy per choice) on the prompt pool, before admission.

@@ -40,7 +40,6 @@ from edgellmd.settings import GPU_LAYERS_AUTO, LockSettings, ModelSettings
 log = logging.getLogger(__name__)
 
 WARM_UP_TIMEOUT_S: Final = 60.0  # a short generation that takes longer than this is a broken model
-MIB: Final = 1024 * 1024
 KV_BYTES_PER_VALUE: Final = 2  # llama.cpp's default KV cache type is f16
 
 
@@ -160,6 +159,32 @@ class Loader:
                  settings.context_size, f"preloaded to {copy}" if copy else f"from {source}",
                  template.source if template else "none")
         return handle
+
+    async def reverify(self, settings: ModelSettings, locked: LockedModel) -> tuple[int, int, int, int]:
+        """Check the model's file against its lock entry (size, sha256, GGUF header) and load nothing.
+
+        Returns the file's stat from before the check: a file that changes while it is read
+        shows a newer stat at the next look, and is checked again. Raises LoadFailed.
+        """
+        loop = asyncio.get_running_loop()
+        assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee (signed mode)
+        try:
+            source = self.source(settings, locked)
+        except LockError as exc:
+            raise LoadFailed(f"file {locked.file}: {exc}") from None
+        before = stat_key(source)
+        if before is None:
+            raise LoadFailed(f"model file not found: {locked.file}")
+        try:
+            verified = await loop.run_in_executor(None, open_verified, self._lock.models_dir, locked)
+        except LockError as exc:
+            raise LoadFailed(f"file {locked.file}: {exc}") from None
+        except OSError as exc:
+            raise LoadFailed(f"file {locked.file}: {exc.strerror or exc}") from None
+        verified.close()
+        log.info("model %s: %s changed on disk but verified the same (%d bytes, sha256 %s…): the "
+                 "loaded model serves on", settings.name, locked.file, locked.size, locked.sha256[:16])
+        return before
 
     async def _prepare(self, settings: ModelSettings, source: Path,
                        locked: LockedModel | None) -> tuple[Path | None, VerifiedFile | None]:

@@ -27,6 +27,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from edgellmd import settings
 from edgellmd.errors import shown as show_value
 from edgellmd.files import UnsuitableFile, open_regular, read_regular
 from edgellmd.models import gguf
@@ -42,7 +43,7 @@ MAX_FILE_CHARS: Final = 1024  # a lock entry's `file`; each folder name is bound
 MAX_GGUF_VALUE_CHARS: Final = 256
 MAX_SHOWN_CHARS: Final = 64  # longer or unprintable values from a lockfile are never put in a message
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
-MODEL_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+MODEL_NAME: Final = settings.MODEL_NAME  # one pattern for the config's model names and the lock's
 _PLAIN_MEMBER: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # JSON member names shown as they are
 # C0 and C1 control characters and DEL: NUL cuts a path short in C, the others rewrite
 # terminals and split log lines.

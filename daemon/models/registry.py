@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.nvml import GpuSnapshot
-from edgellmd.models.budget import OverBudget, Resident, evictions
+from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
 from edgellmd.models.handle import (
     EngineFactory,
     ModelHandle,
@@ -44,10 +44,8 @@ from edgellmd.settings import LifecycleSettings, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)
 
+# Seconds a client is told to wait for a model that does not serve (503), and /readyz's.
 RETRY_AFTER_LOADING_S: Final = "5"
-WARM_UP_TIMEOUT_S: Final = 60.0  # a short generation that takes longer than this is a broken model
-MIB: Final = 1024 * 1024
-KV_BYTES_PER_VALUE: Final = 2  # llama.cpp's default KV cache type is f16
 
 __all__ = ["ModelHandle", "ModelState", "Outcome", "Registry"]
 
@@ -59,6 +57,7 @@ class ModelState(enum.Enum):
     READY = "ready"  # serving (a reload may be running beside it)
     FAILED = "failed"  # not serving: the last load failed
     UNLOADED = "unloaded"  # not serving: an operator unloaded it, or it was evicted
+    REVOKED = "revoked"  # not serving: the accepted lockfile does not list it
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +65,7 @@ class Outcome:
     """What one load, reload or unload of one model came to."""
 
     model: str
-    result: str  # "loaded", "unchanged", "unloaded" or "failed"
+    result: str  # "loaded", "unchanged", "unloaded", "revoked" or "failed"
     reason: str | None
     trigger: str  # "start", "watch", "admin", "signal"
     at: float  # wall-clock time it finished
@@ -74,7 +73,7 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        """False when the operation failed."""
+        """False when the operation failed (a revocation is the lockfile applied, not a failure)."""
         return self.result != "failed"
 
     def as_dict(self) -> dict[str, Any]:
@@ -175,7 +174,8 @@ class Registry:
         """The serving handle for `name`; 404 for unknown models, 503 when none serves."""
         entry = self._entry(name)
         if entry.handle is None:
-            detail = f": {entry.error}" if entry.state is ModelState.UNLOADED and entry.error else ""
+            told = entry.state in (ModelState.UNLOADED, ModelState.REVOKED)  # why it was stopped
+            detail = f": {entry.error}" if told and entry.error else ""
             raise ServiceUnavailable(f"the model {name!r} is {entry.state.value}{detail}",
                                      headers={"Retry-After": RETRY_AFTER_LOADING_S})
         return entry.handle
@@ -216,8 +216,14 @@ class Registry:
 
     @property
     def all_ready(self) -> bool:
-        """True when every model that should serve is loaded and warmed (unloaded ones aside)."""
-        return all(e.state in (ModelState.READY, ModelState.UNLOADED) for e in self._entries.values()) \
+        """True when every model that should serve is loaded and warmed (unloaded and revoked ones aside)."""
+        # A revoked model is not one that should serve: the signed lockfile, the operators'
+        # word as much as an unload, stopped it. Every box of a fleet gets the same lockfile,
+        # so counting it as not ready would take every box out of the balancers at once, and
+        # the models they still serve with them. It shows in /readyz's body, in /admin/status,
+        # in the metrics and in systemd's STATUS= all the same.
+        stopped = (ModelState.READY, ModelState.UNLOADED, ModelState.REVOKED)
+        return all(e.state in stopped for e in self._entries.values()) \
             and any(e.state is ModelState.READY for e in self._entries.values())
 
     # ---- lifecycle operations -------------------------------------------------------------
@@ -227,7 +233,8 @@ class Registry:
         """Re-verify the lockfile and replace every named model whose approved bytes changed.
 
         `force` reloads models whose lock entry and file look unchanged too. Models an
-        operator unloaded stay unloaded unless named explicitly.
+        operator unloaded stay unloaded unless named explicitly; revoked models come back
+        once a lockfile lists them again.
         """
         entries = [self._entry(n) for n in names] if names is not None else list(self._entries.values())
         # Coalesce: a reload still waiting for its turn reads the files only once it runs, so a
@@ -285,8 +292,13 @@ class Registry:
         return outcomes
 
     async def load(self, name: str) -> Outcome:
-        """Load a model that is unloaded or failed (an operator's request)."""
-        return (await self.reload([name], trigger="admin"))[0]
+        """Load a model that is unloaded, failed or revoked (an operator's request)."""
+        outcome = (await self.reload([name], trigger="admin"))[0]
+        entry = self._entry(name)
+        if entry.state is ModelState.REVOKED and outcome.ok:
+            # Applied, but nothing loaded: the lockfile does not list it. Say so (409).
+            return replace(outcome, result="failed", reason=entry.error)
+        return outcome
 
     async def unload(self, name: str) -> Outcome:
         """Stop serving a model; requests in flight finish on it first."""
@@ -301,6 +313,23 @@ class Registry:
             self._retire(handle)
         log.info("model %s unloaded: %s", entry.settings.name, reason)
         return self._record(entry, Outcome(entry.settings.name, "unloaded", reason, trigger, time.time()))
+
+    def _revoke(self, entry: _Entry, lock: Lockfile, trigger: str) -> Outcome:
+        """Stop serving a model the accepted lockfile does not list, until one lists it again."""
+        name = entry.settings.name
+        reason = f"model {name!r} is not in the lockfile (version {lock.version})"
+        if entry.state is ModelState.REVOKED:  # still not listed: nothing to stop
+            entry.error = reason
+            return self._record(entry, Outcome(name, "unchanged", reason, trigger, time.time()),
+                                log_it=False)
+        handle, entry.handle = entry.handle, None
+        entry.state, entry.error = ModelState.REVOKED, reason
+        if handle is not None:
+            self._retire(handle)  # requests in flight finish on it first
+        # At start as on any reload: a box restarted after a revocation comes up serving (and
+        # ready with) the models the lockfile still lists.
+        log.warning("model %s revoked: %s", name, reason)
+        return self._record(entry, Outcome(name, "revoked", reason, trigger, time.time()), log_it=False)
 
     def _verified_lock(self) -> Lockfile:
         """Read, verify (signature, expiry, rollback) and accept the configured lockfile."""
@@ -341,15 +370,15 @@ class Registry:
         if lock is not None:
             locked = lock.models.get(name)
             if locked is None:
-                # A newer signed lock that drops a model revokes it: it stops serving.
-                reason = f"model {name!r} is not in the lockfile (version {lock.version})"
-                if entry.handle is not None:
-                    self._unload(entry, reason, trigger)
-                return self._failed(entry, reason, trigger)
+                return self._revoke(entry, lock, trigger)
         if not force and not self._changed(entry, locked):
             return self._record(entry, Outcome(name, "unchanged", None, trigger, time.time(),
                                                self._version(entry)), log_it=False)
         old = entry.handle
+        if old is not None and not force and locked is not None and old.provenance.locked == locked:
+            # The same lock entry; only the file's stat changed (touched, or rewritten
+            # identically): check its bytes against the entry, and load nothing.
+            return await self._reverify(entry, old, locked, trigger)
         if old is None:
             entry.state = ModelState.LOADING
         entry.reloading = True
@@ -363,14 +392,6 @@ class Registry:
             return self._failed(entry, str(exc), trigger)
         finally:
             entry.reloading = False
-        if old is not None and not force and old.provenance.locked == locked and locked is not None:
-            # Same approved bytes (the file was touched or rewritten identically): keep the
-            # warm one, note the new stat so the next check does not reload it again.
-            old.provenance = replace(old.provenance, source_stat=handle.provenance.source_stat,
-                                     lock_version=handle.provenance.lock_version)
-            self._retire(handle)
-            return self._record(entry, Outcome(name, "unchanged", None, trigger, time.time(),
-                                               self._version(entry)))
         entry.handle, entry.state, entry.error = handle, ModelState.READY, None  # the swap
         if old is not None:
             self._retire(old)
@@ -379,12 +400,31 @@ class Registry:
         return self._record(entry, Outcome(name, "loaded", None, trigger, time.time(),
                                            handle.provenance.lock_version))
 
+    async def _reverify(self, entry: _Entry, handle: ModelHandle, locked: LockedModel,
+                        trigger: str) -> Outcome:
+        """Check a serving model's file against its unchanged lock entry; keep the warm handle."""
+        name = entry.settings.name
+        entry.reloading = True
+        try:
+            source_stat = await self.loader.reverify(entry.settings, locked)
+        except LoadFailed as exc:
+            return self._failed(entry, str(exc), trigger)
+        finally:
+            entry.reloading = False
+        # Noted, so that the next look does not check it again. The served version (its
+        # lock version, its fingerprint) is the one that was loaded: the bytes are the same.
+        handle.provenance = replace(handle.provenance, source_stat=source_stat)
+        return self._record(entry, Outcome(name, "unchanged", None, trigger, time.time(),
+                                           self._version(entry)))
+
     @staticmethod
     def _version(entry: _Entry) -> int | None:
         return entry.handle.provenance.lock_version if entry.handle is not None else None
 
     def _failed(self, entry: _Entry, reason: str, trigger: str) -> Outcome:
-        if entry.handle is None and entry.state is not ModelState.UNLOADED:
+        # An unloaded or revoked model stays so (a refused lockfile changes nothing about it);
+        # one that was being loaded again is LOADING here, and fails.
+        if entry.handle is None and entry.state not in (ModelState.UNLOADED, ModelState.REVOKED):
             entry.state, entry.error = ModelState.FAILED, reason
         serving = " (the previous version keeps serving)" if entry.handle is not None else ""
         log.error("model %s: %s failed: %s%s", entry.settings.name,
@@ -399,7 +439,7 @@ class Registry:
         recovered = entry.last is not None and not entry.last.ok and outcome.ok
         if outcome.result != "unchanged" or entry.last is None or recovered:
             entry.last = outcome
-        if recovered:
+        if recovered and outcome.result != "revoked":  # a revocation is logged as one
             log.info("model %s: recovered (%s) after the failed reload", outcome.model, outcome.result)
         self.reloads[outcome.result] += 1
         self.reloads_by_model[outcome.model, outcome.result] += 1

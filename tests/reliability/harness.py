@@ -20,14 +20,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, ClassVar, Final, Self
 
 import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgellmctl.keys import create_key
-from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.ggufmodels import TinyModelSpec
 from tests.serving import SignedLock, sse_events
 
 MODE_VARIABLE: Final = "EDGELLM_RELIABILITY"  # "full": the long run; anything else: the CI run
@@ -121,8 +121,9 @@ def median(values: Sequence[float]) -> float:
 
 @dataclass
 class SignedBox(SignedLock):
-    """An operator's box: models dir, signed lockfile, trusted key, rollback state, API keys."""
+    """An operator's box (see SignedLock) with API keys: an app's and an operator's."""
 
+    model: ClassVar[str] = MODEL
     app_token: str = ""  # inference scope
     admin_token: str = ""  # admin and metrics scopes
 
@@ -135,25 +136,6 @@ class SignedBox(SignedLock):
     def keys_file(self) -> Path:
         return self.root / "keys.yaml"
 
-    def model_bytes(self, spec: TinyModelSpec) -> bytes:
-        """The bytes of a tiny model (written once per box)."""
-        path = self.sources / f"seed{spec.seed}-{spec.n_embd}-{spec.n_ff}.gguf"
-        if not path.exists():
-            write_tiny_model(path, spec)
-        return path.read_bytes()
-
-    def publish(self, data: bytes, *, name: str = MODEL, file: str = "model.gguf",
-                write_file: bool = True) -> int:
-        """Put `data` in place (by rename) and sign a new lockfile version naming it; returns the version."""
-        if write_file:
-            self.replace(self.models / file, data)
-        return self.sign_lock({name: self.entry(file, data)})
-
-    def highest_version(self) -> int:
-        """What the rollback state file says."""
-        data = json.loads((self.state / "lock-state.json").read_text())
-        return int(data["highest_version"])
-
     def config(self, port: int, *, model: dict[str, Any] | None = None,
                server: dict[str, Any] | None = None, lifecycle: dict[str, Any] | None = None,
                auth: dict[str, Any] | None = None,
@@ -165,7 +147,7 @@ class SignedBox(SignedLock):
                         **(model or {})}, *extra_models],
             "lock": self.lock_settings(),
             "auth": {"keys_file": str(self.keys_file), **(auth or {})},
-            "lifecycle": {"preload_dir": str(self.root / "shm"), "watch": True, "watch_settle_s": 0.3,
+            "lifecycle": {"preload_dir": str(self.shm), "watch": True, "watch_settle_s": 0.3,
                           **(lifecycle or {})},
             "logging": {"level": "info", "format": "json"},
         }

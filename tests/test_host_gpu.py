@@ -7,8 +7,10 @@ import inspect
 import logging
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +18,22 @@ import gguf
 import numpy as np
 import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py ships no type information
 import pytest
+from pytest_aiohttp import AiohttpClient
 
+from edgellmd.engine import EngineError
 from edgellmd.host.nvml import CLOCK_EVENT_REASONS, GpuMonitor, GpuSnapshot, read_gpus
 from edgellmd.host.offload import auto_gpu_layers, plan_gpu_layers
-from edgellmd.host.verdicts import Verdict, verdicts
+from edgellmd.host.verdicts import GpuLayers, Verdict, largest_gpu_layers, verdicts
+from edgellmd.http import app as app_module
+from edgellmd.http import appkeys
+from edgellmd.http.app import create_app
 from edgellmd.models.gguf import GGML_BLOCKS, gguf_layer_bytes
+from edgellmd.models.handle import AnyEngine, engine_config
+from edgellmd.settings import ModelSettings, Settings, parse_settings
 from tests import fakenvml
 from tests.fakenvml import FakeNvml
 from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
+from tests.serving import SignedLock
 
 GIB = 1024**3
 MIB = 1024**2
@@ -553,3 +563,135 @@ def test_gpu_layers_auto_is_a_setting_and_loads_on_cpu(tmp_path: Path) -> None:
     with running(settings) as daemon:  # this build cannot offload: auto means 0, and it loads
         status, body = daemon.post("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 2})
         assert status == 200, body
+
+
+def test_engine_config_refuses_an_unresolved_auto(tmp_path: Path) -> None:
+    settings = ModelSettings(name="m", file=tmp_path / "m.gguf", gpu_layers="auto")
+    with pytest.raises(EngineError, match="gpu_layers auto was not resolved"):
+        engine_config(settings)
+    assert engine_config(replace(settings, gpu_layers=-1)).gpu_layers == -1
+
+
+# ---- what the daemon's monitor judges: the models' file types and their largest gpu_layers --------
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ([], 0), ([0, 0], 0), ([0, 8, 20], 20), ([20, -1, 8], -1), ([8, "auto", 0], "auto"),
+    (["auto", -1], -1), ([0, "auto"], "auto"),
+])
+def test_largest_gpu_layers(values: list[GpuLayers], expected: GpuLayers) -> None:
+    assert largest_gpu_layers(values) == expected
+
+
+def test_a_verdict_on_gpu_layers_auto_says_auto() -> None:
+    for profile in (fakenvml.no_driver, lambda: fakenvml.h200(count=0)):
+        (found,) = verdicts(read_gpus(profile()), offload_supported=True, gpu_layers="auto")
+        assert found.message.startswith("gpu_layers is auto but"), found.message
+
+
+def _gguf_header(path: Path, file_type: gguf.LlamaFileType) -> Path:
+    """A GGUF file of metadata only: all of a model file that the GPU verdicts read."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_file_type(file_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(path)  # as an operator replaces a model: the monitor never sees half a file
+    return path
+
+
+def _no_engine(settings: ModelSettings, mmap: bool) -> AnyEngine:
+    raise EngineError("these tests load no model")
+
+
+def _settings(models: list[dict[str, Any]], *, lock: dict[str, Any] | None = None,
+              poll_s: float = 60.0) -> Settings:
+    return parse_settings({"models": models, "lock": lock or {"allow_unsigned": True},
+                           "lifecycle": {"watch": False, "preload_dir": None},
+                           "host": {"gpu_poll_s": poll_s}}, base_dir=Path("/"))
+
+
+async def _daemon_monitor(aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml,
+                          settings: Settings) -> GpuMonitor:
+    """The GPU monitor of a whole daemon app, its NVML the fake and its llama.cpp a CPU-only build."""
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # what read_gpus imports when given no binding
+    monkeypatch.setattr(app_module, "supports_gpu_offload", lambda: False)
+    app = create_app(settings, engine_factory=_no_engine)
+    await aiohttp_client(app)  # started: its cleanup contexts ran up to their yield
+    return app[appkeys.GPU_MONITOR]
+
+
+def _pascal(monitor: GpuMonitor) -> Verdict:
+    return next(v for v in monitor.latest_verdicts if v.code == "pascal_fp16_slow")
+
+
+@pytest.mark.parametrize(("types", "level"), [
+    ((gguf.LlamaFileType.MOSTLY_Q4_K_M, gguf.LlamaFileType.MOSTLY_Q8_0), "info"),
+    ((gguf.LlamaFileType.MOSTLY_Q4_K_M, gguf.LlamaFileType.MOSTLY_F16), "warning"),
+])
+async def test_the_daemon_judges_a_pascal_card_by_its_model_files(
+        tmp_path: Path, aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch,
+        types: tuple[gguf.LlamaFileType, ...], level: str) -> None:
+    # Unsigned mode: each model file's own header says its type.
+    models = [{"name": f"m{i}", "file": str(_gguf_header(tmp_path / f"m{i}.gguf", t)), "gpu_layers": -1}
+              for i, t in enumerate(types)]
+    monitor = await _daemon_monitor(aiohttp_client, monkeypatch, fakenvml.p40(), _settings(models))
+    verdict = _pascal(monitor)
+    assert verdict.level == level
+    assert ("F16" in verdict.message and "convert" in verdict.message) is (level == "warning")
+
+
+async def test_the_daemon_reads_file_types_from_the_lockfile_and_follows_a_new_one(
+        tmp_path: Path, aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    box = SignedLock(tmp_path / "box")
+
+    def sign(file_type: str) -> None:  # the files themselves are never read: the lock says
+        box.sign_lock({"m": {"file": "m.gguf", "size": 1, "sha256": "0" * 64,
+                             "gguf": {"architecture": "llama", "file_type": file_type}}})
+
+    sign("MOSTLY_Q4_K_M")
+    settings = _settings([{"name": "m", "gpu_layers": 20}], lock=box.lock_settings(), poll_s=0.01)
+    monitor = await _daemon_monitor(aiohttp_client, monkeypatch, fakenvml.p40(), settings)
+    assert _pascal(monitor).level == "info"
+    sign("MOSTLY_F16")  # a new lock version: the next reading judges what it names
+    await _until(lambda: _pascal(monitor).level == "warning")
+    assert "F16" in _pascal(monitor).message
+
+
+@pytest.mark.parametrize(("layers", "shown"), [([0, 4, 8], "8"), ([4, -1, 8], "-1"), ([0, "auto"], "auto")])
+async def test_the_daemon_judges_the_largest_gpu_layers(
+        tmp_path: Path, aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch,
+        layers: list[GpuLayers], shown: str) -> None:
+    models = [{"name": f"m{i}", "file": str(tmp_path / f"m{i}.gguf"), "gpu_layers": n}
+              for i, n in enumerate(layers)]
+    monitor = await _daemon_monitor(aiohttp_client, monkeypatch, fakenvml.h200(), _settings(models))
+    (verdict,) = monitor.latest_verdicts
+    assert verdict.code == "no_offload_build"
+    assert verdict.message.startswith(f"gpu_layers is {shown} but this llama.cpp build cannot offload")
+
+
+async def test_the_monitor_asks_for_file_types_off_the_loop_at_each_reading(
+        caplog: pytest.LogCaptureFixture) -> None:
+    answers = [["MOSTLY_F16"], ["MOSTLY_Q4_K_M"]]
+    threads: list[str] = []
+
+    def file_types() -> list[str]:
+        threads.append(threading.current_thread().name)
+        if len(threads) == 3:
+            raise RuntimeError("a bug")  # logged once; the types known before stay
+        return answers[0] if len(threads) < 3 else answers[1]
+
+    monitor = GpuMonitor(0.01, nvml=fakenvml.p40(), offload_supported=True, gpu_layers=-1,
+                         model_file_types=file_types)
+    with caplog.at_level(logging.INFO, logger="edgellmd.host.nvml"):
+        await monitor.start()
+        try:
+            assert _pascal(monitor).level == "warning"
+            await _until(lambda: _pascal(monitor).level == "info")
+        finally:
+            await monitor.stop()
+    assert threading.main_thread().name not in threads
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        "finding the models' file types failed"]

@@ -12,14 +12,14 @@ import aiohttp
 from edgellmd.http import appkeys
 from tests.ggufmodels import TinyModelSpec
 from tests.serving import running
-from tests.test_lifecycle import MODEL, Box
+from tests.test_models_lifecycle import MODEL, Box
 
 STORM = 20
 
 
 def test_twenty_forced_reloads_at_once_build_at_most_two_copies(tmp_path: Path) -> None:
     box = Box(tmp_path)
-    data = box.source("m.gguf", TinyModelSpec(seed=41, n_ff=1024)).read_bytes()
+    data = box.model_bytes(TinyModelSpec(seed=41, n_ff=1024))
     box.publish({MODEL: ("m.gguf", data)})
     with running(box.settings(watch=False)) as daemon:
         assert daemon.app is not None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -219,7 +220,7 @@ def test_add_records_a_subdirectory_file_as_a_posix_path(
     assert result.status == 0, result.err
     assert read_json(lock)["models"]["x"]["file"] == "sub/x.gguf"
     result = run(capsys, "lock", "verify", "--lock", lock, "--models-dir", models)
-    assert result.status == 0, result.out
+    assert result.status == 1, result.out  # unsigned, and no trusted key: only the files are checked
     assert lines_of(result.out, "x ")[0].startswith("x         ok: sub/x.gguf ")
 
 
@@ -544,20 +545,25 @@ def test_verify_an_expired_lock(signed: Path, key: KeyPair, capsys: pytest.Captu
     assert "lock      FAILED: the lockfile expired at 2020-01-01T00:00:00Z" in result.out.splitlines()
 
 
-def test_verify_without_trusted_keys_still_checks_files(
+NO_SIGNATURE = ("lock      version 1: FAILED: no signature verified: no trusted key given "
+                "(--trusted PUBKEY, or --config FILE for the daemon's own)")
+
+
+def test_verify_without_trusted_keys_says_no_signature_verified_and_still_checks_files(
         signed: Path, models: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = run(capsys, "lock", "verify", "--lock", signed)
-    assert result.status == 0
+    assert result.status == 1  # every file matches, but nothing vouches for the lock itself
     lines = result.out.splitlines()
-    assert lines[0] == "lock      version 1: signatures not checked (no --trusted key given)"
+    assert lines[0] == NO_SIGNATURE
     assert len(lines_of(result.out, "tiny")) == 2
+    assert all(" ok: " in line for line in lines_of(result.out, "tiny"))
     model = models / "tiny.gguf"
     data = bytearray(model.read_bytes())
     data[-1] ^= 0xFF
     model.write_bytes(bytes(data))
     result = run(capsys, "lock", "verify", "--lock", signed)
     assert result.status == 1
-    assert "signatures not checked" in result.out
+    assert result.out.splitlines()[0] == NO_SIGNATURE
     assert lines_of(result.out, "tiny ")[0].startswith("tiny      FAILED: tiny.gguf has sha256 ")
 
 
@@ -570,6 +576,89 @@ def test_verify_with_models_elsewhere(tmp_path: Path, signed: Path, models: Path
     assert "tiny      FAILED: cannot open tiny.gguf" in result.out
     result = run(capsys, "lock", "verify", "--lock", moved, "--trusted", key.pub, "--models-dir", models)
     assert result.status == 0, result.out
+
+
+# ---- lock verify --config -------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, lock: Path, models: Path, trusted: list[Path], **extra: Any) -> Path:
+    """A daemon config serving `tiny` and `tiny-b` from `lock`, trusting `trusted`."""
+    document: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": 8080},
+        "lock": {"file": str(lock), "trusted_keys": [str(p) for p in trusted], "models_dir": str(models),
+                 "state_dir": str(tmp_path / "state")},
+        "models": [{"name": "tiny"}, {"name": "tiny-b"}],
+        **extra,
+    }
+    path = tmp_path / "edgellm.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+def test_verify_with_the_config_takes_the_lock_keys_and_models_dir_from_it(
+        tmp_path: Path, signed: Path, models: Path, key: KeyPair, key2: KeyPair,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    elsewhere = tmp_path / "etc"
+    elsewhere.mkdir()
+    moved = elsewhere / "models.lock"  # not beside the models: only the config says where they are
+    shutil.copy(signed, moved)
+    config = _config(elsewhere, moved, models, [key2.pub, key.pub])
+    result = run(capsys, "lock", "verify", "--config", config)
+    assert result.status == 0, result.out + result.err
+    lines = result.out.splitlines()
+    assert lines[0].startswith(f"lock      version 1: signature by {key.key_id[:16]}… verifies; expires ")
+    assert [line.split()[:2] for line in lines[1:]] == [["tiny", "ok:"], ["tiny-b", "ok:"]]
+    # Trusting only the other key, the same lock fails as the daemon would refuse it.
+    result = run(capsys, "lock", "verify", "--config", _config(elsewhere, moved, models, [key2.pub]))
+    assert result.status == 1
+    assert lines_of(result.out, "lock ")[0].startswith("lock      FAILED: the lockfile is signed only by ")
+
+
+def test_verify_with_the_config_refuses_a_rolled_back_version(
+        tmp_path: Path, signed: Path, models: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _config(tmp_path, signed, models, [key.pub])
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "lock-state.json").write_text(json.dumps({"highest_version": 3}))
+    result = run(capsys, "lock", "verify", "--config", config)
+    assert result.status == 1
+    assert ("lock      FAILED: lockfile version 1 is lower than version 3 accepted before (rollback refused)"
+            in result.out.splitlines())
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    ("server: [\n", "YAML syntax error"),
+    ("server: {}\nmodels: []\nlock: {allow_unsigned: true}\n", "models"),
+    ("server: {}\nmodels: [{name: m, file: /m.gguf}]\nlock: {allow_unsigned: true}\n",
+     "lock.allow_unsigned: it names no lockfile to verify"),
+])
+def test_verify_with_an_unusable_config_is_one_line(
+        content: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "edgellm.yaml"
+    config.write_text(content, encoding="utf-8")
+    result = run(capsys, "lock", "verify", "--config", config)
+    assert result.status == 1
+    assert result.out == ""
+    assert result.err.startswith(f"edgellmctl lock: {config}")
+    assert problem in result.err
+    assert result.err.count("\n") == 1, result.err
+
+
+def test_verify_refuses_a_config_that_is_a_fifo_without_blocking(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "edgellm.yaml"
+    os.mkfifo(config)
+    result = run(capsys, "lock", "verify", "--config", config)
+    assert result.status == 1
+    assert result.err == f"edgellmctl lock: --config: {config} is a FIFO, not a regular file\n"
+
+
+@pytest.mark.parametrize("extra", [["--lock", "models.lock"], ["--trusted", "k.pub"], ["--models-dir", "m"]])
+def test_verify_config_names_the_lock_keys_and_models_dir_alone(
+        extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["lock", "verify", "--config", "edgellm.yaml", *extra])
+    assert excinfo.value.code == 2
+    assert "not with --lock, --trusted or --models-dir" in capsys.readouterr().err
 
 
 # ---- lock show ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from edgellmd.host.signals import RELOAD_SIGNAL, STOP_SIGNALS, Signals
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.test_systemd import start_daemon
+from tests.test_host_systemd import start_daemon
 
 ALL = (*STOP_SIGNALS, RELOAD_SIGNAL)
 

@@ -26,8 +26,7 @@ import pytest
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
 from edgellmd.http import appkeys
-from edgellmd.models.preload import AREA_PREFIX
-from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.ggufmodels import TinyModelSpec
 from tests.serving import RunningDaemon, SignedLock, free_port, running, settings_for, sse_events, wait_for
 
 MODEL = "tiny"
@@ -39,33 +38,13 @@ BIG = TinyModelSpec(seed=5, n_ff=2048)  # about 4 MiB: more than a 1 MiB preload
 
 @dataclass
 class Box(SignedLock):
-    """A signed models directory with a private preload root."""
-
-    @property
-    def shm(self) -> Path:
-        return self.root / "shm"
-
-    def source(self, name: str, spec: TinyModelSpec) -> Path:
-        path = self.sources / name
-        if not path.exists():
-            write_tiny_model(path, spec)
-        return path
-
-    def publish(self, entries: dict[str, tuple[str, bytes]], *, write_files: bool = True) -> int:
-        """Write model files (atomically, by rename) and then a newly signed lock naming them."""
-        if write_files:
-            for file, data in entries.values():
-                self.replace(self.models / file, data)
-        return self.sign_lock({name: self.entry(file, data) for name, (file, data) in entries.items()})
+    """A signed box, and the daemon settings this module serves it with."""
 
     def settings(self, models: list[dict[str, Any]] | None = None, **lifecycle: Any) -> Any:
         models = models or [{"name": MODEL, "threads": 1, "context_size": 128, "slots": 2}]
         return settings_for(models, lock=self.lock_settings(),
                             lifecycle={"preload_dir": str(self.shm), "watch_settle_s": SETTLE_S,
                                        **lifecycle})
-
-    def copies(self) -> list[Path]:
-        return sorted(p for p in self.shm.glob(f"{AREA_PREFIX}*/*.gguf"))
 
 
 @pytest.fixture
@@ -149,8 +128,8 @@ async def _clients(url: str, n: int, stop: threading.Event) -> list[StreamResult
 
 
 def test_swap_under_load_loses_nothing_and_never_mixes_versions(box: Box) -> None:
-    data = {"a": box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes(),
-            "b": box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes()}
+    data = {"a": box.model_bytes(TinyModelSpec(seed=11)),
+            "b": box.model_bytes(TinyModelSpec(seed=12))}
     box.publish({MODEL: ("tiny.gguf", data["a"])})
     # What each model says alone, to compare every answer under load with.
     expected: dict[str, str] = {}
@@ -213,8 +192,8 @@ def _served(daemon: RunningDaemon) -> int:
 
 
 def test_a_corrupt_replacement_is_reported_and_the_old_model_keeps_serving(box: Box) -> None:
-    good = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
-    other = box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes()
+    good = box.model_bytes(TinyModelSpec(seed=11))
+    other = box.model_bytes(TinyModelSpec(seed=12))
     box.publish({MODEL: ("tiny.gguf", good)})
     with running(box.settings()) as daemon:
         before = model_status(daemon)
@@ -239,8 +218,8 @@ def test_a_corrupt_replacement_is_reported_and_the_old_model_keeps_serving(box: 
 
 
 def test_a_slowly_written_file_is_loaded_once_complete_and_not_before(box: Box) -> None:
-    first = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
-    second = box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes()
+    first = box.model_bytes(TinyModelSpec(seed=11))
+    second = box.model_bytes(TinyModelSpec(seed=12))
     box.publish({MODEL: ("tiny.gguf", first)})
     with running(box.settings(watch_settle_s=0.5)) as daemon:
         box.publish({MODEL: ("tiny.gguf", second)}, write_files=False)
@@ -262,7 +241,7 @@ def test_a_slowly_written_file_is_loaded_once_complete_and_not_before(box: Box) 
 
 
 def test_temporary_files_do_not_trigger_reloads(box: Box) -> None:
-    box.publish({MODEL: ("tiny.gguf", box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes())})
+    box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=11)))})
     with running(box.settings()) as daemon:
         for name in (".tiny.gguf.swp", "tiny.gguf.part", "new.gguf.crdownload", "x.tmp"):
             (box.models / name).write_bytes(b"partial")
@@ -272,14 +251,101 @@ def test_temporary_files_do_not_trigger_reloads(box: Box) -> None:
 
 
 def test_a_model_dropped_from_a_newer_lock_stops_serving(box: Box) -> None:
-    data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    data = box.model_bytes(TinyModelSpec(seed=11))
     box.publish({MODEL: ("tiny.gguf", data)})
     with running(box.settings()) as daemon:
-        box.sign_lock({})
-        wait_for(lambda: model_status(daemon)["state"] == "unloaded", what="revocation")
+        version = box.sign_lock({})
+        wait_for(lambda: model_status(daemon)["state"] == "revoked", what="revocation")
         status, body = complete(daemon)
         assert status == 503
-        assert "not in the lockfile" in body["error"]["message"]
+        assert f"revoked: model 'tiny' is not in the lockfile (version {version})" in body["error"]["message"]
+        # Nothing serves: not ready, and /readyz says why.
+        status, body = daemon.get("/readyz")
+        assert (status, body["models"][MODEL]["state"]) == (503, "revoked")
+
+
+OTHER = "other"
+
+
+def _on_loop(daemon: RunningDaemon, call: Callable[[], Any]) -> Any:
+    """`call()` run on the daemon's event loop (the registry is the loop's)."""
+    async def run() -> Any:
+        return call()
+    return asyncio.run_coroutine_threadsafe(run(), daemon.loop).result(10)
+
+
+@pytest.mark.parametrize("trigger", ["watch", "admin"])
+def test_a_revoked_model_comes_back_with_a_lock_that_lists_it_again_an_unloaded_one_does_not(
+        box: Box, trigger: str) -> None:
+    from edgellmd.host.systemd import summary  # noqa: PLC0415
+    from tests.test_host_metrics import scrape, value  # noqa: PLC0415
+
+    files = {MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=11))),
+             OTHER: ("other.gguf", box.model_bytes(TinyModelSpec(seed=12)))}
+    both = {name: box.entry(file, data) for name, (file, data) in files.items()}
+    box.publish(files)
+    models = [{"name": n, "threads": 1, "context_size": 128, "slots": 1} for n in (MODEL, OTHER)]
+    with running(box.settings(models, watch=trigger == "watch")) as daemon:
+        assert daemon.app is not None
+        registry = daemon.app[appkeys.REGISTRY]
+        seen: list[int | None] = []  # the lock version of every finished reload
+
+        def on_reload(event: str, _: object) -> None:
+            if event == "reload_finished":
+                seen.append(registry.lock_version)
+
+        registry.observe(on_reload)
+
+        def apply(listed: tuple[str, ...]) -> int:
+            version = box.sign_lock({name: both[name] for name in listed})
+            if trigger == "admin":
+                status, body = daemon.post("/admin/reload", {})
+                assert (status, body["ok"]) == (200, True), body
+            wait_for(lambda: version in seen, what=f"the reload of lock version {version}")
+            return version
+
+        # Dropped: revoked, said everywhere; the other model serves on, the box stays ready.
+        dropped = apply((MODEL,))
+        reason = f"model 'other' is not in the lockfile (version {dropped})"
+        other = model_status(daemon, OTHER)
+        assert (other["state"], other["reason"], other.get("version")) == ("revoked", reason, None)
+        assert (other["last_reload"]["result"], other["last_reload"]["trigger"]) == ("revoked", trigger)
+        status, body = daemon.get("/readyz")
+        assert (status, body["models"][OTHER]) == (200, {"state": "revoked", "reason": reason}), body
+        samples = scrape(daemon)
+        assert value(samples, "edgellm_model_state", model=OTHER, state="revoked") == 1
+        assert value(samples, "edgellm_model_state", model=OTHER, state="unloaded") == 0
+        assert value(samples, "edgellm_reloads_total", model=OTHER, result="revoked") == 1
+        text = _on_loop(daemon, lambda: summary(registry))
+        assert text.startswith("1/2 models ready;")
+        assert f"other revoked ({reason})" in text
+        status, body = complete(daemon, OTHER)
+        assert status == 503
+        assert f"the model 'other' is revoked: {reason}" in body["error"]["message"]
+        assert complete(daemon)[0] == 200
+        # An operator cannot load what the lock does not list.
+        status, body = daemon.post(f"/admin/models/{OTHER}/load", {})
+        assert (status, body["results"][0]["result"], body["results"][0]["reason"]) == (409, "failed", reason)
+        assert model_status(daemon, OTHER)["state"] == "revoked"
+
+        # Listed again: back by itself, on the new lock.
+        listed = apply((MODEL, OTHER))
+        other = model_status(daemon, OTHER)
+        assert (other["state"], other["reason"], other["version"]) == ("ready", None, listed)
+        assert (other["last_reload"]["result"], other["last_reload"]["trigger"]) == ("loaded", trigger)
+        assert complete(daemon, OTHER)[0] == 200
+
+        # An operator's unload stands, through a lock that drops the model and one that lists it.
+        assert daemon.post(f"/admin/models/{OTHER}/unload", {})[0] == 200
+        apply((MODEL,))
+        assert model_status(daemon, OTHER)["state"] == "unloaded"
+        apply((MODEL, OTHER))
+        assert model_status(daemon, OTHER)["state"] == "unloaded"
+        status, body = daemon.get("/readyz")
+        assert (status, body["models"][OTHER]["state"]) == (200, "unloaded")
+        status, body = daemon.post(f"/admin/models/{OTHER}/load", {})
+        assert (status, body["results"][0]["result"]) == (200, "loaded"), body
+        assert complete(daemon, OTHER)[0] == 200
 
 
 # ---- preload ------------------------------------------------------------------------------------
@@ -287,7 +353,7 @@ def test_a_model_dropped_from_a_newer_lock_stops_serving(box: Box) -> None:
 
 def test_no_room_in_the_preload_area_falls_back_to_the_models_dir_still_verified(
         box: Box, caplog: pytest.LogCaptureFixture) -> None:
-    big = box.source("big.gguf", BIG).read_bytes()
+    big = box.model_bytes(BIG)
     assert len(big) > 1024 * 1024
     box.publish({MODEL: ("big.gguf", big)})
     with caplog.at_level(logging.INFO), running(box.settings(preload_max_mb=1)) as daemon:
@@ -309,7 +375,7 @@ def test_no_room_in_the_preload_area_falls_back_to_the_models_dir_still_verified
 
 
 def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> None:
-    data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    data = box.model_bytes(TinyModelSpec(seed=11))
     box.publish({MODEL: ("tiny.gguf", data)})
     port = free_port()
     lock = box.lock_settings()
@@ -330,7 +396,7 @@ def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> No
                 return False
         wait_for(ready, timeout=60, what="the daemon to be ready")
         # SIGHUP (systemctl reload) re-reads the lock; file watching is off here.
-        box.publish({MODEL: ("tiny.gguf", box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes())})
+        box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=12)))})
         proc.send_signal(signal.SIGHUP)
 
         def version() -> Any:
@@ -355,7 +421,7 @@ def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> No
 
 
 def test_memory_budget_evicts_the_idle_evictable_model_or_refuses(box: Box) -> None:
-    big = box.source("big.gguf", BIG).read_bytes()
+    big = box.model_bytes(BIG)
     box.publish({"first": ("big.gguf", big), "second": ("big.gguf", big)})
     models = [{"name": "first", "threads": 1, "context_size": 128, "slots": 1, "evictable": True},
               {"name": "second", "threads": 1, "context_size": 128, "slots": 1}]
@@ -381,7 +447,7 @@ def test_memory_budget_evicts_the_idle_evictable_model_or_refuses(box: Box) -> N
 
 
 def test_admin_reload_reports_each_model_and_force_reloads(box: Box) -> None:
-    data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    data = box.model_bytes(TinyModelSpec(seed=11))
     box.publish({MODEL: ("tiny.gguf", data)})
     with running(box.settings(watch=False)) as daemon:
         first = model_status(daemon)
@@ -401,7 +467,7 @@ def test_admin_reload_reports_each_model_and_force_reloads(box: Box) -> None:
 
 def test_edgellmctl_status_and_reload_use_the_admin_key(box: Box, capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    data = box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes()
+    data = box.model_bytes(TinyModelSpec(seed=11))
     box.publish({MODEL: ("tiny.gguf", data)})
     keys = box.root / "keys.yaml"
     _, admin = create_key(keys, "ops", ["admin"], limits={})
@@ -422,7 +488,7 @@ def test_edgellmctl_status_and_reload_use_the_admin_key(box: Box, capsys: pytest
         assert MODEL in out
         assert hashlib.sha256(data).hexdigest()[:12] in out
         assert admin not in out
-        box.publish({MODEL: ("tiny.gguf", box.source("b.gguf", TinyModelSpec(seed=12)).read_bytes())})
+        box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=12)))})
         assert edgellmctl(["reload", MODEL, *common]) == 0
         assert capsys.readouterr().out.strip() == f"{MODEL}: loaded (version 2)"
         assert edgellmctl(["status", *common, "--json"]) == 0
@@ -493,7 +559,7 @@ def test_embedding_requests_are_routed_by_kind(embedder: RunningDaemon, model: s
 
 
 def test_the_preload_dir_is_per_daemon_and_removed_at_stop(box: Box) -> None:
-    box.publish({MODEL: ("tiny.gguf", box.source("a.gguf", TinyModelSpec(seed=11)).read_bytes())})
+    box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=11)))})
     with running(box.settings(watch=False)), running(box.settings(watch=False)):
         copies = box.copies()
         assert len(copies) == 2

@@ -148,6 +148,17 @@ def test_gpu_checks_follow_the_verdicts(tmp_path: Path, nvml: Any, layers: int, 
         assert got.get(name) == level, got
 
 
+@pytest.mark.parametrize(("layers", "shown"), [("auto", "auto"), (-1, "-1"), (12, "12")])
+def test_the_gpu_check_names_gpu_layers_as_configured(tmp_path: Path, layers: Any, shown: str) -> None:
+    # The daemon's monitor judges the same value (verdicts.largest_gpu_layers); never a sentinel.
+    config = write_box(tmp_path)
+    data = json.loads(config.read_text())
+    data["models"][0]["gpu_layers"] = layers
+    config.write_text(json.dumps(data))
+    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.h200()), lambda: False)}
+    assert checks["gpu no_offload_build"].detail.startswith(f"gpu_layers is {shown} but"), checks
+
+
 def test_the_unit_rating(tmp_path: Path) -> None:
     if shutil.which("systemd-analyze") is None:
         pytest.fail("systemd-analyze is missing: install the systemd package")

@@ -195,3 +195,15 @@ def test_keys_commands_refuse_a_keys_file_that_is_not_a_regular_file(
     captured = capsys.readouterr()
     assert captured.err == f"edgellmctl keys: {keys} is a FIFO, not a regular file\n"
     assert captured.out == ""
+
+
+def test_a_keys_file_with_a_yaml_error_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # PyYAML's messages span lines (the context, then the problem, each with its mark).
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys: [\n  - {id: x\n")
+    keys.chmod(0o600)
+    assert main(["keys", "list", "--file", str(keys)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"edgellmctl keys: {keys}: YAML syntax error: ")
+    assert captured.err.count("\n") == 1, captured.err

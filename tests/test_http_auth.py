@@ -1,0 +1,322 @@
+"""setup_admin_networks and setup_auth on a bare application: who may call what, and the audit trail.
+
+Keys are real: a keys file written by `edgellmctl keys`' own `create_key`. The whole daemon's
+key table, hot reload and the keys CLI are in test_auth.py, revocation of running requests in
+test_revocation.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from pytest_aiohttp import AiohttpClient
+
+from edgellmctl.keys import create_key
+from edgellmd.engine.generation import Running
+from edgellmd.http import appkeys
+from edgellmd.http.auth import setup_admin_networks, setup_auth
+from edgellmd.http.errors import error_middleware
+from edgellmd.http.keystore import KeysFileError
+from tests.bare import AuditLine, audit_lines, bare_app, error_of, everything_logged, route_all
+
+PEER: Final = "127.0.0.1"  # where the test client connects from
+UNKNOWN_ID: Final = "0123456789ab"
+PATHS: Final = ("/", "/healthz", "/readyz", "/metrics", "/v1", "/v1/models", "/v1x", "/admin",
+                "/admin/status", "/administrator")
+
+
+@dataclass(frozen=True)
+class Keys:
+    path: Path
+    tokens: dict[str, str]  # label -> token
+    ids: dict[str, str]  # label -> key id
+
+    def bearer(self, label: str) -> str:
+        return f"Bearer {self.tokens[label]}"
+
+
+def edit_key(path: Path, key_id: str, **fields: Any) -> None:
+    """Change one entry of a keys file as an operator with an editor would (mode kept 0600)."""
+    data = yaml.safe_load(path.read_text())
+    for entry in data["keys"]:
+        if entry["id"] == key_id:
+            entry.update(fields)
+    path.write_text(yaml.safe_dump(data))
+    os.chmod(path, 0o600)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    path = tmp_path_factory.mktemp("auth") / "keys.yaml"
+    made = {label: create_key(path, label, scopes, limits=limits) for label, scopes, limits in [
+        ("app", ["inference"], {"max_tokens": 64}), ("ops", ["admin"], {}), ("scraper", ["metrics"], {}),
+        ("all", ["inference", "admin", "metrics"], {}), ("expired", ["inference"], {}),
+        ("disabled", ["inference"], {})]}
+    edit_key(path, made["expired"][0], expires="2020-01-01T00:00:00Z")
+    edit_key(path, made["disabled"][0], disabled=True)
+    return Keys(path, {label: token for label, (_, token) in made.items()},
+                {label: key_id for label, (key_id, _) in made.items()})
+
+
+async def door(aiohttp_client: AiohttpClient, keys_file: Path | None, *, metrics_public: bool = False,
+               networks: tuple[str, ...] = (), peer: str | None = None) -> TestClient[Any, Any]:
+    """A bare app with `who` on every path of PATHS behind the two installers, in app.py's order."""
+    app = bare_app(peer=peer)
+    app[appkeys.GENERATIONS] = Running()  # the keys watcher ends the generations of revoked keys
+    route_all(app, PATHS)
+    setup_admin_networks(app, networks)
+    setup_auth(app, keys_file, metrics_public=metrics_public)
+    return await aiohttp_client(app)
+
+
+# ---- which paths need which scope ---------------------------------------------------------------
+
+SCOPES: Final = [  # path, the scope it needs (None: public), a key that has only that scope
+    ("/", None, None), ("/healthz", None, None), ("/readyz", None, None), ("/v1x", None, None),
+    ("/administrator", None, None),
+    ("/v1", "inference", "app"), ("/v1/models", "inference", "app"),
+    ("/admin", "admin", "ops"), ("/admin/status", "admin", "ops"),
+    ("/metrics", "metrics", "scraper"),
+]
+
+
+@pytest.mark.parametrize(("path", "scope", "label"), SCOPES)
+async def test_each_path_needs_its_scope(aiohttp_client: AiohttpClient, keys: Keys,
+                                         caplog: pytest.LogCaptureFixture, path: str, scope: str | None,
+                                         label: str | None) -> None:
+    client = await door(aiohttp_client, keys.path)
+    without = await client.get(path)
+    if scope is None:
+        assert without.status == 200
+        assert (await without.json())["key_id"] is None  # public paths look at no key
+        assert audit_lines(caplog) == []
+        return
+    assert await error_of(without) == (401, "authentication_error", "invalid_api_key")
+    assert label is not None
+    for holder in (label, "all"):  # its own scope only, or every scope
+        with_key = await client.get(path, headers={"Authorization": keys.bearer(holder)})
+        assert with_key.status == 200
+        assert (await with_key.json())["key_id"] == keys.ids[holder]
+    others = {other for _, needed, other in SCOPES if needed not in (None, scope) and other is not None}
+    for other in sorted(others):  # a key with another scope only is forbidden, not unauthenticated
+        refused = await client.get(path, headers={"Authorization": keys.bearer(other)})
+        assert await error_of(refused) == (403, "permission_error", "insufficient_scope")
+
+
+async def test_metrics_public_looks_at_no_key(aiohttp_client: AiohttpClient, keys: Keys,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    client = await door(aiohttp_client, keys.path, metrics_public=True)
+    for header in ({}, {"Authorization": "Bearer nonsense"}, {"Authorization": keys.bearer("app")}):
+        response = await client.get("/metrics", headers=header)
+        assert response.status == 200
+        assert (await response.json())["key_id"] is None
+    assert audit_lines(caplog) == []
+    assert (await client.get("/v1/models")).status == 401  # the rest stays guarded
+
+
+# ---- the header table ---------------------------------------------------------------------------
+
+def _secret_swapped(k: Keys) -> str:
+    token = k.tokens["app"]
+    return "Bearer " + token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
+
+
+def _unknown(_: Keys) -> str:
+    return f"Bearer elk_{UNKNOWN_ID}_" + "x" * 43
+
+
+Row = tuple[Any, int, str | None, str | None, str | None, str | None]
+# header (from the keys) -> status, error code, answer's message, audit message, key id in the audit line
+HEADERS: Final[dict[str, Row]] = {
+    "none": (lambda k: None, 401, "invalid_api_key", "missing API key: send Authorization: Bearer <key>",
+             "auth failed: no bearer token", None),
+    "empty": (lambda k: "", 401, "invalid_api_key", "missing API key: send Authorization: Bearer <key>",
+              "auth failed: no bearer token", None),
+    "basic": (lambda k: "Basic dXNlcjpwYXNz", 401, "invalid_api_key", "malformed API key",
+              "auth failed: malformed bearer token", None),
+    "not-ours": (lambda k: "Bearer sk-not-an-edgellm-key", 401, "invalid_api_key", "malformed API key",
+                 "auth failed: malformed bearer token", None),
+    "scheme-only": (lambda k: "Bearer", 401, "invalid_api_key", "malformed API key",
+                    "auth failed: malformed bearer token", None),
+    "no-scheme": (lambda k: k.tokens["app"], 401, "invalid_api_key", "malformed API key",
+                  "auth failed: malformed bearer token", None),
+    "wrong-secret": (_secret_swapped, 401, "invalid_api_key", "invalid API key",
+                     "auth failed: wrong or unknown key", "app"),
+    "unknown-id": (_unknown, 401, "invalid_api_key", "invalid API key", "auth failed: wrong or unknown key",
+                   UNKNOWN_ID),
+    "expired": (lambda k: k.bearer("expired"), 401, "invalid_api_key", "API key expired",
+                "auth failed: key expired", "expired"),
+    "disabled": (lambda k: k.bearer("disabled"), 401, "invalid_api_key", "API key disabled",
+                 "auth failed: key disabled", "disabled"),
+    "wrong-scope": (lambda k: k.bearer("ops"), 403, "insufficient_scope",
+                    "this API key does not have the 'inference' scope",
+                    "auth failed: key lacks scope inference", "ops"),
+    "right": (lambda k: k.bearer("app"), 200, None, None, None, None),
+    "lowercase-scheme": (lambda k: "bearer " + k.tokens["app"], 200, None, None, None, None),
+    "uppercase-scheme": (lambda k: "BEARER " + k.tokens["app"], 200, None, None, None, None),
+    "spaces-around-the-token": (lambda k: "Bearer   " + k.tokens["app"], 200, None, None, None, None),
+}
+
+
+@pytest.mark.parametrize(("header", "status", "code", "message", "audit", "audit_key"),
+                         [pytest.param(*row, id=name) for name, row in HEADERS.items()])
+async def test_header_table(aiohttp_client: AiohttpClient, keys: Keys, caplog: pytest.LogCaptureFixture,
+                            header: Any, status: int, code: str | None, message: str | None,
+                            audit: str | None, audit_key: str | None) -> None:
+    client = await door(aiohttp_client, keys.path)
+    value = header(keys)
+    with caplog.at_level(logging.DEBUG):
+        response = await client.get("/v1/models",
+                                    headers={"Authorization": value} if value is not None else {})
+    assert response.status == status
+    body = await response.json()
+    assert response.headers.get("WWW-Authenticate") == ("Bearer" if status == 401 else None)
+    if audit is None:
+        assert body["key_id"] == keys.ids["app"]
+        assert audit_lines(caplog) == []
+        return
+    kind = "authentication_error" if status == 401 else "permission_error"
+    assert await error_of(response) == (status, kind, code)
+    assert body["error"]["message"] == message
+    assert body["error"]["param"] is None
+    key_id = keys.ids.get(audit_key or "", audit_key)
+    assert audit_lines(caplog) == [AuditLine("WARNING", audit, PEER, key_id)]
+    presented = (value or "").rpartition(" ")[2]
+    if presented and presented != "Bearer":  # what was presented reaches no line, nor its secret part
+        secret = presented.split("_", 2)[2] if presented.startswith("elk_") else presented
+        assert secret not in everything_logged(caplog)
+
+
+async def test_the_request_carries_its_key_and_caller(aiohttp_client: AiohttpClient, keys: Keys) -> None:
+    client = await door(aiohttp_client, keys.path)
+    app = await (await client.get("/v1/models", headers={"Authorization": keys.bearer("app")})).json()
+    assert (app["key_id"], app["caller"]) == (keys.ids["app"], [keys.ids["app"], 64])  # limits.max_tokens
+    ops = await (await client.get("/admin/status", headers={"Authorization": keys.bearer("ops")})).json()
+    assert (ops["key_id"], ops["caller"]) == (keys.ids["ops"], [keys.ids["ops"], None])
+    public = await (await client.get("/healthz", headers={"Authorization": keys.bearer("app")})).json()
+    assert (public["key_id"], public["caller"]) == (None, None)
+
+
+# ---- the keys file ------------------------------------------------------------------------------
+
+async def test_without_a_keys_file_nothing_is_installed(aiohttp_client: AiohttpClient) -> None:
+    app = bare_app()
+    route_all(app, PATHS)
+    setup_auth(app, None)
+    assert list(app.middlewares) == [error_middleware]
+    assert list(app.cleanup_ctx) == []
+    client = await aiohttp_client(app)
+    for path in ("/v1/models", "/admin/status", "/metrics"):
+        response = await client.get(path)
+        assert response.status == 200
+        assert await response.json() == {"path": path, "peer": PEER, "key_id": None, "caller": None}
+    assert appkeys.KEY_STORE not in app
+    assert appkeys.RATE_LIMITER not in app  # no keys, no limits
+
+
+async def test_the_keys_file_is_read_when_the_app_starts(aiohttp_client: AiohttpClient, keys: Keys,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    app = bare_app()
+    app[appkeys.GENERATIONS] = Running()
+    route_all(app, PATHS)
+    setup_auth(app, keys.path)
+    assert appkeys.KEY_STORE not in app
+    with caplog.at_level(logging.INFO, logger="edgellmd.http.auth"):
+        await aiohttp_client(app)
+    assert len(app[appkeys.KEY_STORE]) == len(keys.tokens)
+    assert f"API keys: {len(keys.tokens)} key(s) from {keys.path}" in caplog.messages
+    assert not any(token in everything_logged(caplog) for token in keys.tokens.values())
+
+
+@pytest.mark.parametrize(("damage", "match"), [
+    pytest.param(lambda p: os.chmod(p, 0o644), "chmod 600", id="readable-by-others"),
+    pytest.param(lambda p: p.unlink(), "cannot read", id="missing"),
+    pytest.param(lambda p: p.write_text("keys: [oops"), "YAML syntax error", id="not-yaml"),
+])
+async def test_a_keys_file_that_cannot_be_used_stops_the_start(tmp_path: Path, damage: Any,
+                                                               match: str) -> None:
+    path = tmp_path / "keys.yaml"
+    create_key(path, "app", ["inference"], limits={})
+    damage(path)
+    app = bare_app()
+    app[appkeys.GENERATIONS] = Running()
+    setup_auth(app, path)
+    runner = web.AppRunner(app)
+    try:
+        with pytest.raises(KeysFileError, match=match):
+            await runner.setup()  # the app's start-up: it never serves with keys it cannot read
+    finally:
+        await runner.cleanup()
+
+
+# ---- admin networks -----------------------------------------------------------------------------
+
+NETWORKS: Final = [  # peer, networks, path, key label to send (None: none), refused
+    ("10.1.2.3", ("10.0.0.0/8",), "/admin/status", "ops", False),
+    ("192.168.1.7", ("10.0.0.0/8",), "/admin/status", "ops", True),
+    ("192.168.1.7", ("10.0.0.0/8", "192.168.1.0/24"), "/admin/status", "ops", False),
+    ("192.168.1.7", ("10.0.0.0/8",), "/admin", "ops", True),
+    ("10.1.2.3", ("10.1.2.3",), "/admin/status", "ops", False),  # a bare address: one host
+    ("10.1.2.4", ("10.1.2.3",), "/admin/status", "ops", True),
+    ("10.1.2.200", ("10.1.2.3/24",), "/admin/status", "ops", False),  # host bits are ignored
+    ("2001:db8::7", ("2001:db8::/32",), "/admin/status", "ops", False),
+    ("2001:db8::7", ("10.0.0.0/8",), "/admin/status", "ops", True),
+    # An IPv4 client of a dual-stack listener is its IPv4 address (before: refused).
+    ("::ffff:10.1.2.3", ("10.0.0.0/8",), "/admin/status", "ops", False),
+    ("::ffff:192.168.1.7", ("10.0.0.0/8",), "/admin/status", "ops", True),
+    ("", ("10.0.0.0/8",), "/admin/status", "ops", True),  # no address (a UNIX socket)
+    ("not-an-address", ("0.0.0.0/0",), "/admin/status", "ops", True),
+    # Before any key is looked at: no key is a 403 too, not a 401.
+    ("192.168.1.7", ("10.0.0.0/8",), "/admin/status", None, True),
+    # Only /admin paths are fenced.
+    ("192.168.1.7", ("10.0.0.0/8",), "/v1/models", "app", False),
+    ("192.168.1.7", ("10.0.0.0/8",), "/metrics", "scraper", False),
+    ("192.168.1.7", ("10.0.0.0/8",), "/administrator", None, False),
+]
+
+
+@pytest.mark.parametrize(("peer", "networks", "path", "label", "refused"), NETWORKS)
+async def test_admin_networks_table(aiohttp_client: AiohttpClient, keys: Keys,
+                                    caplog: pytest.LogCaptureFixture, peer: str, networks: tuple[str, ...],
+                                    path: str, label: str | None, refused: bool) -> None:
+    client = await door(aiohttp_client, keys.path, networks=networks, peer=peer)
+    headers = {"Authorization": keys.bearer(label)} if label else {}
+    with caplog.at_level(logging.INFO):
+        response = await client.get(path, headers=headers)
+    if not refused:
+        assert response.status == 200
+        assert (await response.json())["peer"] == peer
+        assert audit_lines(caplog) == []
+        return
+    assert await error_of(response) == (403, "permission_error", "address_not_allowed")
+    message = (await response.json())["error"]["message"]
+    assert message == "admin endpoints are not reachable from this address"
+    assert "WWW-Authenticate" not in response.headers  # no key would help
+    assert audit_lines(caplog) == [AuditLine("WARNING", "admin refused: address not in auth.admin_cidrs",
+                                             peer, None)]
+
+
+async def test_admin_networks_stand_without_keys(aiohttp_client: AiohttpClient) -> None:
+    inside = await door(aiohttp_client, None, networks=("10.0.0.0/8",), peer="10.9.9.9")
+    assert (await inside.get("/admin/status")).status == 200
+    outside = await door(aiohttp_client, None, networks=("10.0.0.0/8",), peer="172.16.0.1")
+    assert await error_of(await outside.get("/admin/status")) == (403, "permission_error",
+                                                                  "address_not_allowed")
+
+
+async def test_without_networks_admin_is_reachable_from_anywhere(aiohttp_client: AiohttpClient) -> None:
+    app = bare_app(peer="203.0.113.9")
+    route_all(app, PATHS)
+    before = list(app.middlewares)
+    setup_admin_networks(app, [])
+    assert list(app.middlewares) == before
+    client = await aiohttp_client(app)
+    assert (await client.get("/admin/status")).status == 200

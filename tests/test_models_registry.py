@@ -1,0 +1,124 @@
+"""The registry's reloads on the real engine: what a change builds, and what it only verifies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from edgellmd.host.metrics import STATES
+from edgellmd.http import appkeys
+from edgellmd.http.app import create_app
+from edgellmd.models.handle import AnyEngine, default_engine_factory
+from edgellmd.models.loader import stat_key
+from edgellmd.models.registry import ModelState, Outcome, Registry
+from edgellmd.settings import ModelSettings
+from tests.ggufmodels import TinyModelSpec
+from tests.test_models_lifecycle import MODEL, SETTLE_S, Box
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Box:
+    return Box(tmp_path)
+
+
+class CountingFactory:
+    """The real engine factory, counting the engines it builds."""
+
+    def __init__(self) -> None:
+        self.built: list[str] = []
+
+    def __call__(self, settings: ModelSettings, mmap: bool) -> AnyEngine:
+        self.built.append(settings.name)
+        return default_engine_factory(settings, mmap)
+
+
+async def _until(condition: Callable[[], object], what: str, limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def _serve(box: Box, aiohttp_client: Any, factory: CountingFactory,
+                 **lifecycle: Any) -> tuple[Any, Registry, list[list[Outcome]]]:
+    """A daemon on `box` built by `factory`, once ready; the outcomes of every reload it finishes."""
+    app: web.Application = create_app(box.settings(**lifecycle), engine_factory=factory)
+    client = await aiohttp_client(app)
+    registry = app[appkeys.REGISTRY]
+    finished: list[list[Outcome]] = []
+
+    def on_reload(event: str, outcomes: list[Outcome]) -> None:
+        if event == "reload_finished":
+            finished.append(outcomes)
+
+    registry.observe(on_reload)
+    await _until(lambda: finished, "the first load")
+    assert [(o.result, o.trigger) for o in finished[0]] == [("loaded", "start")]
+    finished.clear()
+    return client, registry, finished
+
+
+def _newer_mtime(path: Path) -> None:
+    later = path.stat().st_mtime_ns + 10**9
+    os.utime(path, ns=(later, later))
+
+
+async def test_a_touched_identical_file_is_verified_not_loaded(box: Box, aiohttp_client: Any) -> None:
+    data = box.model_bytes(TinyModelSpec(seed=11))
+    box.publish({MODEL: ("tiny.gguf", data)})
+    factory = CountingFactory()
+    client, registry, finished = await _serve(box, aiohttp_client, factory)
+    assert factory.built == [MODEL]
+    handle = registry.get(MODEL)
+    path = box.models / "tiny.gguf"
+    _newer_mtime(path)  # same bytes, new stat
+    await _until(lambda: finished, "the watcher's reload")
+    assert [(o.result, o.trigger, o.version) for o in finished[0]] == [("unchanged", "watch", box.version)]
+    assert factory.built == [MODEL]  # no engine built: the bytes were checked, not loaded
+    assert registry.get(MODEL) is handle  # the warm one serves on
+    assert handle.provenance.source_stat == stat_key(path)  # the new stat is noted ...
+    answer = await client.post("/admin/reload", json={})  # ... so the next look finds nothing to do
+    assert [r["result"] for r in (await answer.json())["results"]] == ["unchanged"]
+    assert factory.built == [MODEL]
+    answer = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert answer.status == 200
+
+
+@pytest.mark.parametrize("preload", [True, False])
+async def test_a_touched_file_whose_bytes_changed_is_refused_without_a_load(
+        box: Box, aiohttp_client: Any, preload: bool) -> None:
+    data = box.model_bytes(TinyModelSpec(seed=11))
+    box.publish({MODEL: ("tiny.gguf", data)})
+    factory = CountingFactory()
+    lifecycle = {} if preload else {"preload_dir": None}
+    _, registry, finished = await _serve(box, aiohttp_client, factory, **lifecycle)
+    handle = registry.get(MODEL)
+    path = box.models / "tiny.gguf"
+    tampered = bytearray(data)
+    tampered[len(tampered) // 2] ^= 0x01
+    box.replace(path, bytes(tampered))  # same size, other bytes, the same lock entry
+    await _until(lambda: finished, "the watcher's reload")
+    [outcome] = finished[0]
+    assert (outcome.result, outcome.trigger) == ("failed", "watch")
+    assert outcome.reason is not None
+    assert "the lockfile says" in outcome.reason
+    assert factory.built == [MODEL]
+    assert registry.get(MODEL) is handle  # the verified one serves on
+    # Put back: verified again (the stat changed), and unchanged.
+    box.replace(path, data)
+    await _until(lambda: len(finished) > 1, "the reload of the restored file")
+    assert [o.result for o in finished[-1]] == ["unchanged"]
+    assert factory.built == [MODEL]
+    await asyncio.sleep(SETTLE_S * 3)
+    assert len(finished) == 2  # nothing more to look at
+
+
+def test_the_metrics_know_every_model_state() -> None:
+    assert sorted(STATES) == sorted(s.value for s in ModelState)

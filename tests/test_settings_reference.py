@@ -1,0 +1,233 @@
+"""Declare once: each setting's default, range and doc in its field; the README's reference made from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+import yaml
+
+from edgellmd import settings as settings_mod
+from edgellmd.settings import (
+    GPU_LAYERS_AUTO,
+    README_BEGIN,
+    README_END,
+    About,
+    AuthSettings,
+    HostSettings,
+    LifecycleSettings,
+    LockSettings,
+    LoggingSettings,
+    ModelSettings,
+    ServerSettings,
+    Settings,
+    main,
+    parse_settings,
+    reference_markdown,
+    with_reference,
+)
+
+REPO: Final = Path(__file__).resolve().parent.parent
+README: Final = REPO / "README.md"
+SECTIONS: Final = {"server": ServerSettings, "models": ModelSettings, "logging": LoggingSettings,
+                   "lock": LockSettings, "auth": AuthSettings, "lifecycle": LifecycleSettings,
+                   "host": HostSettings}
+NOT_SETTINGS: Final = {(Settings, "source")}  # where a config was read from is no key of it
+
+
+def _about(field: dataclasses.Field[Any]) -> About | None:
+    return next((v for v in field.metadata.values() if isinstance(v, About)), None)
+
+
+def _declared() -> list[tuple[str, dataclasses.Field[Any], About]]:
+    """(README key, field, declaration) of every setting, in the README's order."""
+    out = []
+    for section, cls in SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            about = _about(field)
+            assert about is not None, f"{cls.__name__}.{field.name} is not declared with setting()"
+            out.append((f"{section}{'[]' if cls is ModelSettings else ''}.{field.name}", field, about))
+    return out
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    return None if field.default is dataclasses.MISSING else field.default
+
+
+def _shown(value: Any) -> str:
+    """A value as a reader of the README expects it (YAML's words, whole numbers without .0)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return str(value)
+
+
+def _configuration() -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("\n## Configuration\n")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
+
+
+def _yaml_block() -> str:
+    found = re.search(r"```yaml\n(.*?)```", _configuration(), re.DOTALL)
+    assert found, "the Configuration section has no YAML block"
+    return found.group(1)
+
+
+def _rows() -> dict[str, list[str]]:
+    """The Configuration table's rows: key -> its other cells."""
+    rows = {}
+    for line in _configuration().splitlines():
+        cells = re.match(r"\| `([^`]+)` \| (.*) \|$", line)
+        if cells:
+            rows[cells.group(1)] = re.split(r" (?<!\\)\| ", cells.group(2))
+    return rows
+
+
+# ---- the declarations -----------------------------------------------------------------------------
+
+
+def test_every_field_of_every_section_is_a_declared_setting() -> None:
+    for cls in (Settings, *SECTIONS.values()):
+        for field in dataclasses.fields(cls):
+            about = _about(field)
+            if (cls, field.name) in NOT_SETTINGS:
+                assert about is None
+                continue
+            assert about is not None, f"{cls.__name__}.{field.name}"
+            assert about.doc, field.name
+            assert "\n" not in about.doc, field.name
+            assert "|" not in about.doc, field.name
+            assert not about.doc.endswith("."), field.name  # a phrase, as a YAML comment reads
+            assert field.default_factory is dataclasses.MISSING, field.name
+
+
+def _owner(field: dataclasses.Field[Any]) -> type:
+    return next(cls for cls in SECTIONS.values() if field in dataclasses.fields(cls))
+
+
+def _hint(field: dataclasses.Field[Any]) -> Any:
+    return typing.get_type_hints(_owner(field))[field.name]
+
+
+def test_integers_are_declared_with_their_range() -> None:
+    for key, field, about in _declared():
+        hint = _hint(field)
+        if hint is int or int in typing.get_args(hint):
+            assert about.bounds is not None or about.read is not None, key
+
+
+def test_defaults_other_modules_name_are_the_declared_ones() -> None:
+    assert settings_mod.DEFAULT_SHUTDOWN_TIMEOUT_S == ServerSettings().shutdown_timeout_s == 30.0
+    assert settings_mod.DEFAULT_PRELOAD_DIR == LifecycleSettings().preload_dir == Path("/dev/shm/edgellm")
+    assert GPU_LAYERS_AUTO == "auto"
+    assert not any(isinstance(v, int) and v == -2 for v in vars(settings_mod).values()
+                   if not isinstance(v, bool)), "gpu_layers has no -2 sentinel any more"
+
+
+def test_gpu_layers_auto_is_kept_as_written() -> None:
+    data = {"models": [{"name": "m", "file": "m.gguf", "gpu_layers": "auto"}],
+            "lock": {"allow_unsigned": True}}
+    assert parse_settings(data, base_dir=Path("/srv")).models[0].gpu_layers == "auto"
+
+
+# ---- the README ----------------------------------------------------------------------------------
+
+
+def test_the_readme_carries_the_reference_generated_from_the_declarations() -> None:
+    readme = README.read_text(encoding="utf-8")
+    assert readme.count(README_BEGIN) == 1
+    assert readme.count(README_END) == 1
+    assert with_reference(readme) == readme, (
+        "README.md's configuration reference is stale: run "
+        "`python -m edgellmd.settings --markdown --readme README.md`")
+
+
+@pytest.mark.parametrize(("key", "field", "about"), _declared(), ids=[key for key, _, _ in _declared()])
+def test_each_setting_has_a_table_row_with_its_default_and_doc(
+        key: str, field: dataclasses.Field[Any], about: About) -> None:
+    rows = _rows()
+    assert key in rows, f"README.md's Configuration table has no row for {key}"
+    default, _accepts, meaning = rows[key]
+    if field.default is dataclasses.MISSING and type(None) not in typing.get_args(_hint(field)):
+        assert default == "required", key
+    else:
+        assert default == f"`{_shown(_default(field))}`", key
+    assert meaning.startswith(about.doc), key
+    if about.more:
+        assert meaning.endswith(about.more.replace("|", "\\|")), key
+
+
+def test_no_table_row_names_a_setting_that_does_not_exist() -> None:
+    declared = {key for key, _, _ in _declared()}
+    assert set(_rows()) - declared == set()
+
+
+def test_the_yaml_block_lists_every_setting_with_its_default_and_doc() -> None:
+    block = _yaml_block()
+    section = ""
+    seen: set[str] = set()
+    docs = {key: about for key, _, about in _declared()}
+    for line in block.splitlines():
+        top = re.match(r"(\w+):\s+# (.*)$", line)
+        if top:
+            section = top.group(1) + ("[]" if top.group(1) == "models" else "")
+            continue
+        entry = re.match(r" {2}(?:- | {2})?(\w+): (.*?)\s+# (.*)$", line)
+        assert entry, f"not a `key: value  # doc` line: {line!r}"
+        key = f"{section}.{entry.group(1)}"
+        assert key in docs, f"the YAML block names {key}, which is no setting"
+        assert entry.group(3) == docs[key].doc, key
+        seen.add(key)
+    assert seen == set(docs)
+
+
+def test_the_yaml_block_is_a_valid_config_of_the_defaults(tmp_path: Path) -> None:
+    # Every value in it is the declared default, but for the few a config must give (an
+    # example stands in); and the whole of it passes validation.
+    data = yaml.safe_load(_yaml_block())
+    parsed = parse_settings(data, base_dir=tmp_path)
+    for section, cls in SECTIONS.items():
+        written = data[section][0] if cls is ModelSettings else data[section]
+        assert list(written) == [f.name for f in dataclasses.fields(cls)], section
+        for field in dataclasses.fields(cls):
+            about = _about(field)
+            assert about is not None
+            if about.example is not None:
+                assert written[field.name] == yaml.safe_load(about.example), field.name
+                continue
+            parsed_section = parsed.models[0] if cls is ModelSettings else getattr(parsed, section)
+            value = getattr(parsed_section, field.name)
+            assert value == _default(field), f"{section}.{field.name}"
+
+
+def test_the_script_prints_the_reference() -> None:
+    result = subprocess.run([sys.executable, "-m", "edgellmd.settings", "--markdown"], capture_output=True,
+                            text=True, check=False, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout == reference_markdown()
+
+
+def test_the_script_rewrites_a_stale_readme_in_place(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{README_BEGIN}\nstale\n{README_END}\n\nafter\n", encoding="utf-8")
+    assert main(["--markdown", "--readme", str(readme)]) == 0
+    text = readme.read_text(encoding="utf-8")
+    assert text == f"# x\n\n{README_BEGIN}\n{reference_markdown()}{README_END}\n\nafter\n"
+    assert main(["--markdown", "--readme", str(readme)]) == 0
+    assert readme.read_text(encoding="utf-8") == text  # a second run changes nothing
+    readme.write_text("no markers\n", encoding="utf-8")
+    assert main(["--markdown", "--readme", str(readme)]) == 1
