@@ -30,7 +30,7 @@ from typing import Any, Final, Literal, TypedDict, TypeGuard, TypeVar, Unpack
 
 import yaml
 
-from edgellmd.files import FileTooLarge, UnsuitableFile, read_regular
+from edgellmd.files import FileTooLarge, NotRegularFile, read_regular
 from edgellmd.host import verdicts
 from edgellmd.host.cpu import AUTO as AUTO_CPUS
 from edgellmd.host.cpu import CpuListError, parse_cpu_list
@@ -784,8 +784,9 @@ def _read_yaml(path: Path) -> tuple[object, list[str]]:
         raw = read_regular(path, MAX_CONFIG_BYTES)  # a FIFO in its place never blocks the start
     except FileTooLarge:
         return None, [f"{where}: config file is larger than {MAX_CONFIG_BYTES} bytes"]
-    except UnsuitableFile as exc:
-        return None, [f"{where}: cannot read config file: {exc.describe('it')}"]
+    except NotRegularFile as exc:
+        reason = "Is a directory" if exc.kind == "a directory" else exc.describe("it")
+        return None, [f"{where}: cannot read config file: {reason}"]
     except OSError as exc:
         return None, [f"{where}: cannot read config file: {exc.strerror or type(exc).__name__}"]
     try:
