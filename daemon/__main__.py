@@ -53,18 +53,23 @@ class EarlySignals:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the daemon's argument parser."""
-    parser = argparse.ArgumentParser(prog="edgellmd", description="Serve GGUF models over an "
-                                     "OpenAI-compatible API.")
+    parser = argparse.ArgumentParser(
+        prog="edgellmd", description="Serve GGUF models over an OpenAI-compatible API."
+    )
     parser.add_argument("--version", action="version", version=f"edgellmd {__version__}")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", metavar="FILE", help="serve with this YAML configuration")
-    what.add_argument("--check-config", metavar="FILE",
-                      help="validate this configuration, print every problem, exit 0 if valid")
+    what.add_argument(
+        "--check-config",
+        metavar="FILE",
+        help="validate this configuration, print every problem, exit 0 if valid",
+    )
     return parser
 
 
-async def serve(settings: Settings, pinning: Pinning | None = None,
-                early: EarlySignals | None = None) -> None:
+async def serve(
+    settings: Settings, pinning: Pinning | None = None, early: EarlySignals | None = None
+) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully (bounded by shutdown_timeout_s).
 
     SIGHUP reloads: the lockfile is verified again and changed models are swapped in.
@@ -104,8 +109,10 @@ async def serve(settings: Settings, pinning: Pinning | None = None,
         try:
             await stop.wait()
             app[appkeys.NOTIFIER].stopping()
-            log.info("shutting down: no new connections, in-flight requests get %.0f s",
-                     settings.server.shutdown_timeout_s)
+            log.info(
+                "shutting down: no new connections, in-flight requests get %.0f s",
+                settings.server.shutdown_timeout_s,
+            )
             await drain(app, runner, settings.server.shutdown_timeout_s)
         finally:
             # Stops accepting, lets handlers finish up to the timeout, then runs every cleanup
@@ -171,8 +178,13 @@ def _serve_main(config: str, early: EarlySignals) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Before any thread exists: threads inherit the affinity of the thread that starts them.
     pinning = pin_cpus(settings.host.cpus)
-    log.info("edgellmd %s starting on %s:%d with %d model(s)", __version__, settings.server.host,
-             settings.server.port, len(settings.models))
+    log.info(
+        "edgellmd %s starting on %s:%d with %d model(s)",
+        __version__,
+        settings.server.host,
+        settings.server.port,
+        len(settings.models),
+    )
     if early.stop:
         log.info("stop requested during start-up: exiting before serving")
         return 0

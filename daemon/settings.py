@@ -189,8 +189,11 @@ def _declared(cls: type[Any]) -> tuple[_Spec, ...]:
     Not cached: a config is read a few times in a daemon's life, and a dozen fields a time.
     """
     hints = typing.get_type_hints(cls)
-    specs = tuple(_Spec(f.name, f.metadata[_ABOUT], f.default, hints[f.name])
-                  for f in fields(cls) if _ABOUT in f.metadata)
+    specs = tuple(
+        _Spec(f.name, f.metadata[_ABOUT], f.default, hints[f.name])
+        for f in fields(cls)
+        if _ABOUT in f.metadata
+    )
     for spec in specs:
         _kind(spec)  # a declaration the reader cannot read fails at the first parse, not in production
     return specs
@@ -360,8 +363,9 @@ def _integer_text(bounds: Bounds, also: int | None, *, nullable: bool) -> str:
     return f"null or {wanted}" if nullable else wanted
 
 
-def _section(checker: _Checker, cls: type[Any], value: object, path: str, base_dir: Path, *,
-             null_ok: bool) -> Any:
+def _section(
+    checker: _Checker, cls: type[Any], value: object, path: str, base_dir: Path, *, null_ok: bool
+) -> Any:
     """One section (an instance of a settings class) read from its YAML value, every problem reported."""
     specs = _declared(cls)
     data = checker.section(value, path, tuple(spec.name for spec in specs), null_ok=null_ok)
@@ -417,8 +421,9 @@ def _model_name(f: _Field) -> Any:
 def _chat_template_file(f: _Field) -> Any:
     path = f.file_path()
     if f.value is not None and f.data.get("chat_template") is not None:
-        f.checker.add(_join(f.section, "chat_template"),
-                      f"cannot be combined with {f.path}; set only one of them")
+        f.checker.add(
+            _join(f.section, "chat_template"), f"cannot be combined with {f.path}; set only one of them"
+        )
     return path
 
 
@@ -429,7 +434,7 @@ def _cpus(f: _Field) -> Any:
     if cpus is None:
         return None
     if not isinstance(cpus, str):
-        f.problem(f"must be a CPU list like \"0-3,8\" or \"auto\", got {_show(cpus)}")
+        f.problem(f'must be a CPU list like "0-3,8" or "auto", got {_show(cpus)}')
         return None
     if cpus.strip().lower() == AUTO_CPUS:
         return AUTO_CPUS
@@ -470,8 +475,9 @@ def _trusted_keys(f: _Field) -> Any:
         if isinstance(item, str) and item.strip() and "\0" not in item:
             keys.append(f.base_dir / item)
         else:
-            f.checker.add(f"{f.path}[{index}]",
-                          f"must be a non-empty string (a file path), got {_show(item)}")
+            f.checker.add(
+                f"{f.path}[{index}]", f"must be a non-empty string (a file path), got {_show(item)}"
+            )
     return tuple(keys)
 
 
@@ -484,15 +490,19 @@ def _models(f: _Field) -> Any:
     if not isinstance(f.value, list) or not f.value:
         f.problem(f"must be a non-empty list of model mappings, got {_show(f.value)}")
         return ()
-    models = tuple(_section(f.checker, ModelSettings, entry, f"{f.path}[{index}]", f.base_dir, null_ok=False)
-                   for index, entry in enumerate(f.value))
+    models = tuple(
+        _section(f.checker, ModelSettings, entry, f"{f.path}[{index}]", f.base_dir, null_ok=False)
+        for index, entry in enumerate(f.value)
+    )
     first_seen: dict[str, int] = {}
     for index, model in enumerate(models):
         if not model.name:  # missing or invalid, already reported
             continue
         if model.name in first_seen:
-            f.checker.add(f"{f.path}[{index}].name",
-                          f"duplicate model name {model.name!r} (also models[{first_seen[model.name]}])")
+            f.checker.add(
+                f"{f.path}[{index}].name",
+                f"duplicate model name {model.name!r} (also models[{first_seen[model.name]}])",
+            )
         else:
             first_seen[model.name] = index
     return models
@@ -502,8 +512,10 @@ def _lock(f: _Field) -> Any:
     if not f.mapping:
         return LockSettings()
     if f.value is None:
-        f.problem("required: name the signed lockfile (lock.file, lock.trusted_keys, "
-                  "lock.models_dir, lock.state_dir), or set lock.allow_unsigned: true for development")
+        f.problem(
+            "required: name the signed lockfile (lock.file, lock.trusted_keys, "
+            "lock.models_dir, lock.state_dir), or set lock.allow_unsigned: true for development"
+        )
         lock = LockSettings(allow_unsigned=True)
     else:
         lock = f.subsection(null_ok=False)
@@ -523,16 +535,20 @@ def _check_model_files(checker: _Checker, raw_models: object, lock: LockSettings
         if lock.allow_unsigned and not given:
             checker.add(f"models[{index}].file", "required (lock.allow_unsigned is set)")
         elif not lock.allow_unsigned and given:
-            checker.add(f"models[{index}].file",
-                        "not allowed with a lockfile: the lock names each model's file")
+            checker.add(
+                f"models[{index}].file", "not allowed with a lockfile: the lock names each model's file"
+            )
 
 
 def _auth(f: _Field) -> Any:
     auth = f.subsection()
     host = f.parsed["server"].host
     if auth.keys_file is None and not _is_loopback(host):
-        f.checker.add("server.host", f"{host!r} is not a loopback address: serving a network "
-                      "without API keys is refused; set auth.keys_file")
+        f.checker.add(
+            "server.host",
+            f"{host!r} is not a loopback address: serving a network "
+            "without API keys is refused; set auth.keys_file",
+        )
     return auth
 
 
@@ -555,48 +571,74 @@ class ServerSettings:
     """The HTTP listener and per-request limits."""
 
     host: str = setting(  # loopback: exposing the daemon is an explicit decision
-        "127.0.0.1", "address to listen on; loopback by default", read=_server_host,
-        accepts="a host name or address", more="anything but a loopback address needs `auth.keys_file`")
+        "127.0.0.1",
+        "address to listen on; loopback by default",
+        read=_server_host,
+        accepts="a host name or address",
+        more="anything but a loopback address needs `auth.keys_file`",
+    )
     port: int = setting(8080, "listen port", bounds=(1, 65535))
     max_body_bytes: int = setting(1_048_576, "larger request bodies get 413", bounds=(1024, None))
-    max_tokens_limit: int = setting(4096, "ceiling on any request's max_tokens (400 above it)",
-                                    bounds=(1, None))
+    max_tokens_limit: int = setting(
+        4096, "ceiling on any request's max_tokens (400 above it)", bounds=(1, None)
+    )
     default_max_tokens: int | None = setting(
-        None, "max_tokens when a request gives none; null: until EOS or a full context",
-        read=_default_max_tokens, accepts="null or an integer from 1 to `server.max_tokens_limit`",
-        more="(or `server.max_tokens_limit`; `/v1/completions` defaults to 16, as OpenAI documents)")
+        None,
+        "max_tokens when a request gives none; null: until EOS or a full context",
+        read=_default_max_tokens,
+        accepts="null or an integer from 1 to `server.max_tokens_limit`",
+        more="(or `server.max_tokens_limit`; `/v1/completions` defaults to 16, as OpenAI documents)",
+    )
     shutdown_timeout_s: float = setting(30.0, "on SIGTERM, in-flight requests get this long to finish")
     stream_write_timeout_s: float = setting(
-        30.0, "a streaming client that reads nothing this long is cut off", more="(and its slot freed)")
+        30.0, "a streaming client that reads nothing this long is cut off", more="(and its slot freed)"
+    )
     header_timeout_s: float = setting(
-        10.0, "each request head must be complete this long after its first byte (slow-loris)",
+        10.0,
+        "each request head must be complete this long after its first byte (slow-loris)",
         more="the first head counts from the connection's opening, a pipelined one from the answer "
-        "before it; a late head gets the connection closed, unanswered")
+        "before it; a late head gets the connection closed, unanswered",
+    )
     body_timeout_s: float = setting(  # a 1 MiB body at 35 KB/s; a slower upload is a held connection
-        30.0, "each request body must be complete this long after its head: else 408, closed",
-        more="(`request_timeout`, if its answer has not begun), whether the handler read it or not")
+        30.0,
+        "each request body must be complete this long after its head: else 408, closed",
+        more="(`request_timeout`, if its answer has not begun), whether the handler read it or not",
+    )
     keepalive_timeout_s: float = setting(  # as nginx, and the role's HAProxy http-keep-alive
-        75.0, "an idle kept-alive connection is closed after this")
+        75.0, "an idle kept-alive connection is closed after this"
+    )
     progress_timeout_s: float = setting(
-        300.0, "a request that gets no token (or no slot) for this long is ended: 504",
-        more="(an error event when streaming)")
+        300.0,
+        "a request that gets no token (or no slot) for this long is ended: 504",
+        more="(an error event when streaming)",
+    )
     max_connections: int = setting(1024, "connections beyond this are closed at once", bounds=_CONNECTIONS)
     # One address may hold a quarter of the global cap: room for an app server's pool of a few
     # hundred streams (or a NAT gateway's users), while one address's slow-loris heads or
     # never-ending bodies leave three quarters of the connections to everybody else. Not
     # checked against max_connections: above it, the global cap is the one that bites.
     max_connections_per_client: int = setting(
-        256, "likewise from one client address (behind a proxy: raise it)", bounds=_CONNECTIONS,
+        256,
+        "likewise from one client address (behind a proxy: raise it)",
+        bounds=_CONNECTIONS,
         more="so that one client cannot starve the others; IPv4-mapped IPv6 peers count as their IPv4 "
         "address, other IPv6 peers by /64. Behind a load balancer every connection comes from its "
-        "address: raise this to `server.max_connections`")
+        "address: raise this to `server.max_connections`",
+    )
     tls_cert: Path | None = setting(None, "PEM certificate chain: with tls_key, HTTPS only (TLS 1.2+)")
     tls_key: Path | None = setting(
-        None, "its PEM private key (edgellmctl quickstart --tls makes a self-signed pair)", read=_tls_key,
-        accepts="a file path, with `server.tls_cert`")
+        None,
+        "its PEM private key (edgellmctl quickstart --tls makes a self-signed pair)",
+        read=_tls_key,
+        accepts="a file path, with `server.tls_cert`",
+    )
     cors_origins: tuple[str, ...] = setting(
-        (), "browser origins allowed to call the API; none: no CORS headers at all", pattern=_ORIGIN,
-        wanted="an origin like https://app.example:8443", more="preflights are answered before auth")
+        (),
+        "browser origins allowed to call the API; none: no CORS headers at all",
+        pattern=_ORIGIN,
+        wanted="an origin like https://app.example:8443",
+        more="preflights are answered before auth",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -612,12 +654,19 @@ class AuthSettings:
     """Who may call the API."""
 
     keys_file: Path | None = setting(
-        None, "API keys (hashed, mode 0600); null: no auth at all, only on loopback",
-        more="(see [API keys](#api-keys)); required unless `server.host` is a loopback address")
+        None,
+        "API keys (hashed, mode 0600); null: no auth at all, only on loopback",
+        more="(see [API keys](#api-keys)); required unless `server.host` is a loopback address",
+    )
     admin_cidrs: tuple[str, ...] = setting(
-        (), "if set, /admin/* answers only peers in these networks", read=_admin_cidrs, pattern=_CIDR,
-        wanted="a network like 10.0.0.0/8", accepts="a list of networks like 10.0.0.0/8",
-        more="others get 403 `address_not_allowed`")
+        (),
+        "if set, /admin/* answers only peers in these networks",
+        read=_admin_cidrs,
+        pattern=_CIDR,
+        wanted="a network like 10.0.0.0/8",
+        accepts="a list of networks like 10.0.0.0/8",
+        more="others get 403 `address_not_allowed`",
+    )
     metrics_public: bool = setting(False, "serve /metrics without a key (else it needs the metrics scope)")
 
 
@@ -625,59 +674,108 @@ class AuthSettings:
 class LockSettings:
     """Where the signed lockfile, its trusted keys, the model files and the rollback state live."""
 
-    file: Path | None = setting(None, "the signed lockfile; required unless allow_unsigned", read=_lock_path,
-                                accepts="a file path", example="models.lock")
+    file: Path | None = setting(
+        None,
+        "the signed lockfile; required unless allow_unsigned",
+        read=_lock_path,
+        accepts="a file path",
+        example="models.lock",
+    )
     trusted_keys: tuple[Path, ...] = setting(
-        (), "Ed25519 public keys (PEM); list several to rotate keys", read=_trusted_keys,
-        accepts="a non-empty list of file paths", example="[keys/signing.pub]",
-        more="a lock signed by any of them is accepted; required unless `lock.allow_unsigned`")
-    models_dir: Path | None = setting(None, "lockfile paths are relative to this", read=_lock_path,
-                                      accepts="a directory path", example="models")
+        (),
+        "Ed25519 public keys (PEM); list several to rotate keys",
+        read=_trusted_keys,
+        accepts="a non-empty list of file paths",
+        example="[keys/signing.pub]",
+        more="a lock signed by any of them is accepted; required unless `lock.allow_unsigned`",
+    )
+    models_dir: Path | None = setting(
+        None,
+        "lockfile paths are relative to this",
+        read=_lock_path,
+        accepts="a directory path",
+        example="models",
+    )
     state_dir: Path | None = setting(
-        None, "keeps the highest lockfile version accepted (rollback guard)", read=_lock_path,
-        accepts="a directory path", example="state")
+        None,
+        "keeps the highest lockfile version accepted (rollback guard)",
+        read=_lock_path,
+        accepts="a directory path",
+        example="state",
+    )
     allow_unsigned: bool = setting(
-        False, "development only, without the four keys above: models[].file loads unverified",
-        more="with a loud warning in the log")
+        False,
+        "development only, without the four keys above: models[].file loads unverified",
+        more="with a loud warning in the log",
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
     """One served model and how llama.cpp loads it."""
 
-    name: str = field(metadata=about(
-        "what clients send as \"model\"; its file comes from the lockfile", read=_model_name,
-        pattern=MODEL_NAME,
-        wanted="1 to 64 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit",
-        accepts="1 to 64 of `A-Za-z0-9._:-`, starting with a letter or digit", example="gemma3-270m"))
+    name: str = field(
+        metadata=about(
+            'what clients send as "model"; its file comes from the lockfile',
+            read=_model_name,
+            pattern=MODEL_NAME,
+            wanted="1 to 64 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit",
+            accepts="1 to 64 of `A-Za-z0-9._:-`, starting with a letter or digit",
+            example="gemma3-270m",
+        )
+    )
     # Unsigned (development) mode only: with a lockfile the lock names the file. Absolute.
-    file: Path | None = field(metadata=about(
-        "unsigned mode only (then required): the GGUF file, relative to the config file"))
+    file: Path | None = field(
+        metadata=about("unsigned mode only (then required): the GGUF file, relative to the config file")
+    )
     context_size: int = setting(4096, "tokens per slot (prompt + reply)", bounds=(64, 1_048_576))
     slots: int = setting(4, "requests decoded together; more wait in the queue", bounds=(1, 256))
-    threads: int | None = setting(None, "decode threads; null: every CPU the process may run on",
-                                  bounds=_THREADS, more="(the pinned count with `host.cpus`)")
+    threads: int | None = setting(
+        None,
+        "decode threads; null: every CPU the process may run on",
+        bounds=_THREADS,
+        more="(the pinned count with `host.cpus`)",
+    )
     threads_batch: int | None = setting(None, "prompt threads; null: same as threads", bounds=_THREADS)
-    batch_size: int = setting(512, "tokens per llama_decode (n_batch, n_ubatch); also the prefill chunk",
-                              bounds=(1, 65536))
+    batch_size: int = setting(
+        512, "tokens per llama_decode (n_batch, n_ubatch); also the prefill chunk", bounds=(1, 65536)
+    )
     gpu_layers: GpuLayers = setting(
-        0, "layers to offload (-1: all, auto: what fits in free VRAM) on a GPU build",
-        bounds=(0, 100_000), also=GPU_LAYERS_ALL,
+        0,
+        "layers to offload (-1: all, auto: what fits in free VRAM) on a GPU build",
+        bounds=(0, 100_000),
+        also=GPU_LAYERS_ALL,
         more="`auto` offloads as many as fit in free VRAM less `host.gpu_headroom_mb` (sized from the "
-        "GGUF's tensors plus each layer's KV cache share; 0 on a CPU-only build or without a usable GPU)")
+        "GGUF's tensors plus each layer's KV cache share; 0 on a CPU-only build or without a usable GPU)",
+    )
     chat_template: str | None = setting(
-        None, "a llama.cpp built-in template name (gemma, chatml, llama3, ...)", pattern=_TEMPLATE_NAME,
-        wanted="a built-in template name of 1 to 64 characters of a-z 0-9 _ . -")
+        None,
+        "a llama.cpp built-in template name (gemma, chatml, llama3, ...)",
+        pattern=_TEMPLATE_NAME,
+        wanted="a built-in template name of 1 to 64 characters of a-z 0-9 _ . -",
+    )
     chat_template_file: Path | None = setting(
-        None, "or a Jinja2 template file; neither: the GGUF's own template", read=_chat_template_file,
-        accepts="a file path, not with `chat_template`")
-    queue_size: int = setting(16, "requests that may wait for a slot; beyond that 429 at once",
-                              bounds=(0, 100_000), more="(`server_overloaded`)")
-    embedding: bool = setting(False, "an embedding model, served by /v1/embeddings only",
-                              more="(mean pooling unless the GGUF says otherwise)")
+        None,
+        "or a Jinja2 template file; neither: the GGUF's own template",
+        read=_chat_template_file,
+        accepts="a file path, not with `chat_template`",
+    )
+    queue_size: int = setting(
+        16,
+        "requests that may wait for a slot; beyond that 429 at once",
+        bounds=(0, 100_000),
+        more="(`server_overloaded`)",
+    )
+    embedding: bool = setting(
+        False,
+        "an embedding model, served by /v1/embeddings only",
+        more="(mean pooling unless the GGUF says otherwise)",
+    )
     evictable: bool = setting(
-        False, "may be unloaded (least recently used first) to fit another in the budget",
-        more="when a load would exceed `lifecycle.memory_budget_mb`; only idle models are")
+        False,
+        "may be unloaded (least recently used first) to fit another in the budget",
+        more="when a load would exceed `lifecycle.memory_budget_mb`; only idle models are",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -687,16 +785,24 @@ class LifecycleSettings:
     preload_dir: Path | None = setting(
         Path("/dev/shm/edgellm"),  # noqa: S108 - tmpfs on purpose: models load from RAM
         "tmpfs for model copies (made while hashed); null: load from models_dir",
-        more="each daemon keeps its copies in a locked subdirectory of its own")
+        more="each daemon keeps its copies in a locked subdirectory of its own",
+    )
     preload_max_mb: int | None = setting(
-        None, "cap on what the copies may take; null: the filesystem's free space", bounds=_MEGABYTES,
-        more="a model that does not fit loads from the models directory (still verified), with a warning")
+        None,
+        "cap on what the copies may take; null: the filesystem's free space",
+        bounds=_MEGABYTES,
+        more="a model that does not fit loads from the models directory (still verified), with a warning",
+    )
     watch: bool = setting(True, "reload when a model file or the lockfile changes")
     watch_settle_s: float = setting(
-        2.0, "a changed file must keep its size and mtime this long before a reload")
+        2.0, "a changed file must keep its size and mtime this long before a reload"
+    )
     memory_budget_mb: int | None = setting(
-        None, "loaded models' estimated size (weights + KV cache); null: no budget", bounds=_MEGABYTES,
-        more="a load past it is refused, unless unloading idle evictable models makes room")
+        None,
+        "loaded models' estimated size (weights + KV cache); null: no budget",
+        bounds=_MEGABYTES,
+        more="a load past it is refused, unless unloading idle evictable models makes room",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -704,13 +810,17 @@ class HostSettings:
     """How the daemon uses its hardware."""
 
     cpus: str | None = setting(
-        None, "pin every thread to these CPUs (\"0-3,8\", or auto); null: as allowed", read=_cpus,
+        None,
+        'pin every thread to these CPUs ("0-3,8", or auto); null: as allowed',
+        read=_cpus,
         accepts="null, a CPU list or `auto`",
         more="before any model loads (`auto`: one logical CPU per physical core of the allowed set); model "
-        "`threads` default to the pinned count; a refused pinning is logged and the daemon carries on")
+        "`threads` default to the pinned count; a refused pinning is logged and the daemon carries on",
+    )
     gpu_poll_s: float = setting(10.0, "seconds between NVML readings")
     gpu_headroom_mb: int = setting(  # CUDA context, compute buffers and fragmentation
-        1024, "VRAM that gpu_layers: auto leaves free", bounds=(0, None))
+        1024, "VRAM that gpu_layers: auto leaves free", bounds=(0, None)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -720,8 +830,9 @@ class Settings:
     server: ServerSettings = field(metadata=about("the HTTP listener and per-request limits"))
     models: tuple[ModelSettings, ...] = field(metadata=about("at least one", read=_models))
     logging: LoggingSettings = field(metadata=about("log level and line format"))
-    lock: LockSettings = setting(LockSettings(allow_unsigned=True), "required: which models may load",
-                                 read=_lock)
+    lock: LockSettings = setting(
+        LockSettings(allow_unsigned=True), "required: which models may load", read=_lock
+    )
     auth: AuthSettings = setting(AuthSettings(), "who may call the API", read=_auth)
     lifecycle: LifecycleSettings = setting(LifecycleSettings(), "preloading, file watching, memory budget")
     host: HostSettings = setting(HostSettings(), "how the daemon uses its hardware")
@@ -768,9 +879,7 @@ def _duplicate_keys(root: yaml.Node) -> list[str]:
                 line = key_node.start_mark.line + 1
                 key = (key_node.tag, key_node.value)
                 if key in first_line:
-                    problems.append(
-                        (line, f"{child}: duplicate key (lines {first_line[key]} and {line})")
-                    )
+                    problems.append((line, f"{child}: duplicate key (lines {first_line[key]} and {line})"))
                 else:
                     first_line[key] = line
                 pending.append((value_node, child))
@@ -847,8 +956,10 @@ def check_config(path: str | Path) -> list[str]:
 
 # ---- the README's reference --------------------------------------------------------------------
 
-README_BEGIN: Final = ("<!-- generated by `python -m edgellmd.settings --markdown` from the declarations "
-                       "in daemon/settings.py: edit those, then run it with --readme README.md -->")
+README_BEGIN: Final = (
+    "<!-- generated by `python -m edgellmd.settings --markdown` from the declarations "
+    "in daemon/settings.py: edit those, then run it with --readme README.md -->"
+)
 README_END: Final = "<!-- end of the generated configuration reference -->"
 _COMMENT_COLUMN: Final = 27  # where the YAML block's comments start, as far as the keys allow
 
@@ -878,8 +989,13 @@ def _accepts(spec: _Spec) -> str:
         return text + "".join(f", or `{value}`" for value in spec.literals)
     if base is str and about.choices:
         return ", ".join(f"`{choice}`" for choice in about.choices)
-    plain = {float: "a finite number > 0", bool: "`true` or `false`", Path: "a path",
-             str: about.wanted, tuple[str, ...]: f"a list, each {about.wanted}"}[base]
+    plain = {
+        float: "a finite number > 0",
+        bool: "`true` or `false`",
+        Path: "a path",
+        str: about.wanted,
+        tuple[str, ...]: f"a list, each {about.wanted}",
+    }[base]
     return f"null or {plain}" if spec.nullable else plain
 
 
@@ -926,12 +1042,18 @@ def with_reference(readme: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m edgellmd.settings --markdown [--readme FILE]`: print the reference, or rewrite FILE's."""
-    parser = argparse.ArgumentParser(prog="python -m edgellmd.settings",
-                                     description="The configuration reference, from the declarations.")
-    parser.add_argument("--markdown", action="store_true", required=True,
-                        help="print the README's Configuration reference (a YAML block and a table)")
-    parser.add_argument("--readme", type=Path,
-                        help="rewrite it between the markers in this file instead of printing it")
+    parser = argparse.ArgumentParser(
+        prog="python -m edgellmd.settings", description="The configuration reference, from the declarations."
+    )
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        required=True,
+        help="print the README's Configuration reference (a YAML block and a table)",
+    )
+    parser.add_argument(
+        "--readme", type=Path, help="rewrite it between the markers in this file instead of printing it"
+    )
     args = parser.parse_args(argv)
     if args.readme is None:
         sys.stdout.write(reference_markdown())

@@ -85,8 +85,10 @@ def _error_text(payload: Any) -> str:
 def _key(args: argparse.Namespace) -> str:
     key = read_key(args.key_file, what="admin key", file_env=KEY_FILE_ENV, env=KEY_ENV)
     if key is None:
-        raise CommandError(f"no admin key: pass --key-file (e.g. admin.key from quickstart) or set "
-                           f"${KEY_FILE_ENV} or ${KEY_ENV}")
+        raise CommandError(
+            f"no admin key: pass --key-file (e.g. admin.key from quickstart) or set "
+            f"${KEY_FILE_ENV} or ${KEY_ENV}"
+        )
     return key
 
 
@@ -98,8 +100,9 @@ def _when(stamp: object) -> str:
 
 def _table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
 
 
 def _short(value: object, n: int = 12) -> str:
@@ -121,12 +124,25 @@ def format_status(status: dict[str, Any]) -> str:
     notes = []
     for m in status.get("models", []):
         last = m.get("last_reload") or {}
-        last_text = f"{last.get('result', '-')} ({last.get('trigger', '-')}, {_when(last.get('at'))})" \
-            if last else "-"
+        last_text = (
+            f"{last.get('result', '-')} ({last.get('trigger', '-')}, {_when(last.get('at'))})"
+            if last
+            else "-"
+        )
         state = m.get("state", "?") + ("+reloading" if m.get("reloading") else "")
         slots = f"{m['slots_busy']}/{m['slots_total']}" if "slots_busy" in m else f"-/{m.get('slots_total')}"
-        rows.append([str(m.get("name")), state, _short(m.get("version")), _short(m.get("sha256")), slots,
-                     _short(m.get("queue_depth")), _when(m.get("loaded_at")), last_text])
+        rows.append(
+            [
+                str(m.get("name")),
+                state,
+                _short(m.get("version")),
+                _short(m.get("sha256")),
+                slots,
+                _short(m.get("queue_depth")),
+                _when(m.get("loaded_at")),
+                last_text,
+            ]
+        )
         for label, reason in (("not serving", m.get("reason")), ("last reload", last.get("reason"))):
             if reason:
                 notes.append(f"  {m.get('name')}: {label}: {str(reason)[:MAX_REASON]}")
@@ -174,36 +190,55 @@ def format_stats(stats: dict[str, Any]) -> str:
     """The /admin/stats answer as a few readable blocks."""
     metrics = stats.get("metrics", {})
     by_status = _by(metrics, "edgellm_requests_total", "status")
-    lines = [f"requests: {sum(by_status.values()):.0f} (" + ", ".join(
-        f"{k}: {v:.0f}" for k, v in sorted(by_status.items())) + ")" if by_status else "requests: 0"]
+    lines = [
+        f"requests: {sum(by_status.values()):.0f} ("
+        + ", ".join(f"{k}: {v:.0f}" for k, v in sorted(by_status.items()))
+        + ")"
+        if by_status
+        else "requests: 0"
+    ]
     rows = [["MODEL", "STATE", "SLOTS", "QUEUE", "PROMPT TOK", "COMPLETION TOK", "TTFT AVG", "ITL AVG"]]
     prompt = _by(metrics, "edgellm_prompt_tokens_total", "model")
     completion = _by(metrics, "edgellm_completion_tokens_total", "model")
     for m in stats.get("models", {}).get("models", []):
         name = str(m.get("name"))
-        rows.append([name, str(m.get("state")), f"{m.get('slots_busy', '-')}/{m.get('slots_total')}",
-                     f"{m.get('queue_depth', '-')}/{m.get('queue_size')}", f"{prompt.get(name, 0):.0f}",
-                     f"{completion.get(name, 0):.0f}",
-                     _mean(metrics, "edgellm_time_to_first_token_seconds", name),
-                     _mean(metrics, "edgellm_inter_token_latency_seconds", name)])
+        rows.append(
+            [
+                name,
+                str(m.get("state")),
+                f"{m.get('slots_busy', '-')}/{m.get('slots_total')}",
+                f"{m.get('queue_depth', '-')}/{m.get('queue_size')}",
+                f"{prompt.get(name, 0):.0f}",
+                f"{completion.get(name, 0):.0f}",
+                _mean(metrics, "edgellm_time_to_first_token_seconds", name),
+                _mean(metrics, "edgellm_inter_token_latency_seconds", name),
+            ]
+        )
     lines.append(_table(rows))
     limited = _by(metrics, "edgellm_rate_limited_total", "reason")
     rejected = _by(metrics, "edgellm_queue_rejections_total", "model")
-    lines.append("rate limited: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(limited.items()))
-                 + "; queue rejections: " + (", ".join(f"{k} {v:.0f}" for k, v in sorted(rejected.items()))
-                                             or "0"))
+    lines.append(
+        "rate limited: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(limited.items()))
+        + "; queue rejections: "
+        + (", ".join(f"{k} {v:.0f}" for k, v in sorted(rejected.items())) or "0")
+    )
     host = stats.get("host", {})
     proc = host.get("process", {})
     shm = host.get("shm") or {}
     pinning = host.get("pinning", {})
     cpu = 100 * float(host.get("cpu_usage_ratio", 0))
-    lines.append(f"host: cpu {cpu:.0f}%, load {host.get('load1', 0):.2f}, "
-                 f"memory {_gib(host.get('memory_used_bytes'))}/{_gib(host.get('memory_total_bytes'))} GiB, "
-                 f"cpus {pinning.get('cpus', host.get('affinity', '-'))}"
-                 + (" (pinned)" if pinning.get("pinned") else ""))
-    lines.append(f"daemon: rss {_gib(proc.get('rss_bytes'))} GiB, threads {proc.get('threads', '-')}, "
-                 f"open files {proc.get('open_fds', '-')}, /dev/shm {_gib(shm.get('used_bytes'))}/"
-                 f"{_gib(shm.get('total_bytes'))} GiB")
+    lines.append(
+        f"host: cpu {cpu:.0f}%, load {host.get('load1', 0):.2f}, "
+        f"memory {_gib(host.get('memory_used_bytes'))}/{_gib(host.get('memory_total_bytes'))} GiB, "
+        f"cpus {pinning.get('cpus', host.get('affinity', '-'))}"
+        + (" (pinned)" if pinning.get("pinned") else "")
+    )
+    lines.append(
+        f"daemon: rss {_gib(proc.get('rss_bytes'))} GiB, threads {proc.get('threads', '-')}, "
+        f"open files {proc.get('open_fds', '-')}, /dev/shm {_gib(shm.get('used_bytes'))}/"
+        f"{_gib(shm.get('total_bytes'))} GiB"
+    )
     gpu = stats.get("gpu", {})
     if not gpu.get("available"):
         lines.append(f"gpu: none ({gpu.get('reason') or 'NVML unavailable'})")
@@ -213,11 +248,12 @@ def format_stats(stats: dict[str, Any]) -> str:
         if d.get("lost"):
             lines.append(f"{head}: LOST")
             continue
-        lines.append(f"{head}: memory {_gib(d.get('memory_used'))}/{_gib(d.get('memory_total'))} GiB, "
-                     f"util {d.get('utilization_gpu', '-')}%, {d.get('temperature_c', '-')} C, "
-                     f"{d.get('power_w', '-')}/{d.get('power_limit_w', '-')} W"
-                     + (f", throttled: {', '.join(d['throttle_reasons'])}"
-                        if d.get("throttle_reasons") else ""))
+        lines.append(
+            f"{head}: memory {_gib(d.get('memory_used'))}/{_gib(d.get('memory_total'))} GiB, "
+            f"util {d.get('utilization_gpu', '-')}%, {d.get('temperature_c', '-')} C, "
+            f"{d.get('power_w', '-')}/{d.get('power_limit_w', '-')} W"
+            + (f", throttled: {', '.join(d['throttle_reasons'])}" if d.get("throttle_reasons") else "")
+        )
     lines.extend(f"  {v.get('level')}: {str(v.get('message'))[:MAX_REASON]}" for v in gpu.get("verdicts", []))
     return "\n".join(lines)
 
@@ -251,12 +287,17 @@ def _model_action(action: str) -> Any:
         code, answer = _Client(args).call("POST", f"/admin/models/{quote(args.name, safe='')}/{action}")
         print(json.dumps(answer, indent=2) if args.json else format_results(answer))
         return 0 if code == 200 else 1
+
     return run
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", type=http_url, default=os.environ.get(URL_ENV, DEFAULT_URL),
-                   help=f"daemon base URL (default: ${URL_ENV} or {DEFAULT_URL})")
+    p.add_argument(
+        "--url",
+        type=http_url,
+        default=os.environ.get(URL_ENV, DEFAULT_URL),
+        help=f"daemon base URL (default: ${URL_ENV} or {DEFAULT_URL})",
+    )
     add_key_options(p, what="admin-scope key", file_env=KEY_FILE_ENV, env=KEY_ENV)
     p.add_argument("--cacert", type=Path, help="CA or self-signed certificate to trust for https")
     p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
@@ -270,11 +311,14 @@ def add_parsers(sub: Subcommands) -> None:
     p = sub.add_parser("stats", help="show request, model, host and GPU figures")
     _common(p)
     p.set_defaults(func=guarded(run_stats))
-    p = sub.add_parser("reload", help="re-verify the lockfile and swap in changed models",
-                       description="Re-read and verify the lockfile, then verify, preload, load and "
-                       "warm up every model whose approved file changed, and swap it in while "
-                       "requests keep flowing. Exit status 1 when any model failed (it keeps serving "
-                       "its previous version).")
+    p = sub.add_parser(
+        "reload",
+        help="re-verify the lockfile and swap in changed models",
+        description="Re-read and verify the lockfile, then verify, preload, load and "
+        "warm up every model whose approved file changed, and swap it in while "
+        "requests keep flowing. Exit status 1 when any model failed (it keeps serving "
+        "its previous version).",
+    )
     p.add_argument("name", nargs="?", help="only this model (default: all)")
     p.add_argument("--force", action="store_true", help="reload even models that look unchanged")
     _common(p)
@@ -284,4 +328,3 @@ def add_parsers(sub: Subcommands) -> None:
         p.add_argument("name", help="model name")
         _common(p)
         p.set_defaults(func=guarded(_model_action(action)))
-

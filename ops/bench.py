@@ -121,16 +121,25 @@ def summarize(results: list[RequestResult], wall_s: float) -> BenchSummary:
     """
     ok = [r for r in results if r.error is None]
     tokens = sum(r.tokens for r in ok)
-    rates = [r.tokens / (r.latency_s - r.ttft_s) for r in ok
-             if r.ttft_s is not None and r.latency_s > r.ttft_s and r.tokens > 1]
+    rates = [
+        r.tokens / (r.latency_s - r.ttft_s)
+        for r in ok
+        if r.ttft_s is not None and r.latency_s > r.ttft_s and r.tokens > 1
+    ]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     latencies = [r.latency_s for r in ok]
     return BenchSummary(
-        requests=len(results), ok=len(ok), failed=len(results) - len(ok), wall_s=wall_s,
-        tokens=tokens, tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        requests=len(results),
+        ok=len(ok),
+        failed=len(results) - len(ok),
+        wall_s=wall_s,
+        tokens=tokens,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
         stream_tokens_per_s=sum(rates) / len(rates) if rates else 0.0,
-        ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95),
-        latency_p50_s=percentile(latencies, 50), latency_p95_s=percentile(latencies, 95),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p95_s=percentile(ttfts, 95),
+        latency_p50_s=percentile(latencies, 50),
+        latency_p95_s=percentile(latencies, 95),
         errors=dict(Counter(r.error for r in results if r.error is not None)),
     )
 
@@ -225,8 +234,14 @@ async def _read_stream(response: aiohttp.ClientResponse, tally: StreamTally) -> 
 
 def request_body(config: BenchConfig, model: str, index: int) -> dict[str, Any]:
     """The JSON body of request `index` (its seed, so that runs are repeatable)."""
-    body: dict[str, Any] = {"model": model, "max_tokens": config.max_tokens, "temperature": 0.8,
-                            "seed": index, "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": config.max_tokens,
+        "temperature": 0.8,
+        "seed": index,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": config.prompt}]
     else:
@@ -238,16 +253,18 @@ def request_body(config: BenchConfig, model: str, index: int) -> dict[str, Any]:
     return body
 
 
-async def one_request(session: aiohttp.ClientSession, config: BenchConfig, model: str,
-                      index: int) -> RequestResult:
+async def one_request(
+    session: aiohttp.ClientSession, config: BenchConfig, model: str, index: int
+) -> RequestResult:
     """Send one streamed request and measure it; failures become an `error` label, never raise."""
     url = api_base(config.base_url) + ENDPOINT_PATHS[config.endpoint]
     started = time.perf_counter()
     tally = StreamTally(started)
     streaming = False
     try:
-        async with session.post(url, json=request_body(config, model, index),
-                                headers=_headers(config.key)) as response:
+        async with session.post(
+            url, json=request_body(config, model, index), headers=_headers(config.key)
+        ) as response:
             if not 200 <= response.status < 300:
                 return RequestResult(None, time.perf_counter() - started, 0, await _error_label(response))
             streaming = True
@@ -268,8 +285,9 @@ async def one_request(session: aiohttp.ClientSession, config: BenchConfig, model
 async def first_model(session: aiohttp.ClientSession, config: BenchConfig) -> str:
     """The first model id that `GET /v1/models` lists."""
     try:
-        async with session.get(api_base(config.base_url) + "/v1/models",
-                               headers=_headers(config.key)) as response:
+        async with session.get(
+            api_base(config.base_url) + "/v1/models", headers=_headers(config.key)
+        ) as response:
             if response.status != 200:
                 raise BenchError(f"GET /v1/models answered {await _error_label(response)}")
             body = await response.json(content_type=None)
@@ -320,8 +338,11 @@ def _seconds(value: float) -> str:
 def format_text(s: BenchSummary, config: BenchConfig) -> str:
     """Aligned plain-text report."""
     rows = [
-        ("requests", f"{s.ok} ok, {s.failed} failed of {s.requests} "
-                     f"(concurrency {config.concurrency}, max_tokens {config.max_tokens})"),
+        (
+            "requests",
+            f"{s.ok} ok, {s.failed} failed of {s.requests} "
+            f"(concurrency {config.concurrency}, max_tokens {config.max_tokens})",
+        ),
         ("wall time", f"{s.wall_s:.3f} s"),
         ("completion tokens", str(s.tokens)),
         ("aggregate", f"{s.tokens_per_s:.1f} tokens/s"),
@@ -336,37 +357,62 @@ def format_text(s: BenchSummary, config: BenchConfig) -> str:
 
 def format_json(s: BenchSummary) -> str:
     """One JSON object with the summary's fields; NaN (no successful request) becomes null."""
-    figures = {k: None if isinstance(v, float) and math.isnan(v) else v
-               for k, v in dataclasses.asdict(s).items()}
+    figures = {
+        k: None if isinstance(v, float) and math.isnan(v) else v for k, v in dataclasses.asdict(s).items()
+    }
     return json.dumps(figures)
 
 
 def add_parser(sub: Subcommands) -> None:
     """Register `bench`."""
-    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server",
-                       description="Stream completions from any OpenAI-compatible server (edgellmd, "
-                       "llama-server, llama_cpp.server) and print aggregate tokens/s, time to first "
-                       "token and latency percentiles.")
-    p.add_argument("--url", required=True, type=http_url,
-                   help="server base URL, with or without /v1, e.g. http://127.0.0.1:8080")
-    add_key_options(p, what="API key, sent as a bearer token and never printed", file_env=KEY_FILE_ENV,
-                    env=KEY_ENV)
+    p = sub.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server",
+        description="Stream completions from any OpenAI-compatible server (edgellmd, "
+        "llama-server, llama_cpp.server) and print aggregate tokens/s, time to first "
+        "token and latency percentiles.",
+    )
+    p.add_argument(
+        "--url",
+        required=True,
+        type=http_url,
+        help="server base URL, with or without /v1, e.g. http://127.0.0.1:8080",
+    )
+    add_key_options(
+        p, what="API key, sent as a bearer token and never printed", file_env=KEY_FILE_ENV, env=KEY_ENV
+    )
     p.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
     p.add_argument("-c", "--concurrency", type=positive_int, default=1, help="concurrent streams (default 1)")
     p.add_argument("-n", "--requests", type=positive_int, default=8, help="measured requests (default 8)")
-    p.add_argument("-m", "--max-tokens", type=positive_int, default=64,
-                   help="max_tokens per request (default 64)")
+    p.add_argument(
+        "-m", "--max-tokens", type=positive_int, default=64, help="max_tokens per request (default 64)"
+    )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    p.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions",
-                   help="completions (default) or chat")
-    p.add_argument("--warmup", type=int_at_least(0), default=1,
-                   help="sequential requests before the measured ones, not counted (default 1)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="send ignore_eos so every request generates max_tokens tokens "
-                   "(edgellmd, llama-server and llama_cpp.server honour it)")
-    p.add_argument("--json-schema", type=Path, metavar="FILE",
-                   help="chat only: ask for structured output following this JSON schema "
-                   "(response_format json_schema) to measure constrained decoding")
+    p.add_argument(
+        "--endpoint",
+        choices=tuple(ENDPOINT_PATHS),
+        default="completions",
+        help="completions (default) or chat",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int_at_least(0),
+        default=1,
+        help="sequential requests before the measured ones, not counted (default 1)",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos so every request generates max_tokens tokens "
+        "(edgellmd, llama-server and llama_cpp.server honour it)",
+    )
+    p.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="FILE",
+        help="chat only: ask for structured output following this JSON schema "
+        "(response_format json_schema) to measure constrained decoding",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -389,17 +435,27 @@ def run(args: argparse.Namespace) -> int:
             print(f"edgellmctl bench: --json-schema: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:
-            print(f"edgellmctl bench: cannot read the JSON schema {args.json_schema}: {exc.strerror}",
-                  file=sys.stderr)
+            print(
+                f"edgellmctl bench: cannot read the JSON schema {args.json_schema}: {exc.strerror}",
+                file=sys.stderr,
+            )
             return 2
         except ValueError as exc:
             print(f"edgellmctl bench: cannot read the JSON schema {args.json_schema}: {exc}", file=sys.stderr)
             return 2
         response_format = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     config = BenchConfig(
-        base_url=args.url, model=args.model, concurrency=args.concurrency, requests=args.requests,
-        max_tokens=args.max_tokens, prompt=args.prompt, endpoint=args.endpoint, key=key,
-        warmup=args.warmup, ignore_eos=args.ignore_eos, response_format=response_format,
+        base_url=args.url,
+        model=args.model,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        prompt=args.prompt,
+        endpoint=args.endpoint,
+        key=key,
+        warmup=args.warmup,
+        ignore_eos=args.ignore_eos,
+        response_format=response_format,
     )
     try:
         summary = asyncio.run(run_bench(config))

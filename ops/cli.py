@@ -144,8 +144,9 @@ def http_url(text: str) -> str:
     except ValueError:
         raise argparse.ArgumentTypeError("not a valid URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError("must be an http:// or https:// URL with a host, "
-                                         "e.g. http://127.0.0.1:8080")
+        raise argparse.ArgumentTypeError(
+            "must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8080"
+        )
     if parts.username is not None or parts.password is not None:
         raise argparse.ArgumentTypeError("must not carry credentials; pass the key with --key-file")
     if parts.query or parts.fragment:
@@ -158,8 +159,12 @@ def add_key_options(p: argparse.ArgumentParser, *, what: str, file_env: str, env
 
     Never the key itself on the command line: argv shows in `ps` and in shell history.
     """
-    p.add_argument("--key-file", type=Path, metavar="FILE",
-                   help=f"file holding the {what} (default: the file named by ${file_env}, else ${env})")
+    p.add_argument(
+        "--key-file",
+        type=Path,
+        metavar="FILE",
+        help=f"file holding the {what} (default: the file named by ${file_env}, else ${env})",
+    )
 
 
 def read_key(key_file: Path | None, *, what: str, file_env: str, env: str) -> str | None:

@@ -25,8 +25,11 @@ from edgellmd.models.lockfile import MAX_KEY_BYTES, LockError, load_lock, resolv
 from edgellmd.settings import ConfigError, Settings, load_settings
 
 DEFAULT_CONFIG: Final = Path("/etc/edgellm/edgellm.yaml")
-UNIT_PATHS: Final = (Path("/etc/systemd/system/edgellm.service"), Path("/lib/systemd/system/edgellm.service"),
-                     Path("/usr/lib/systemd/system/edgellm.service"))
+UNIT_PATHS: Final = (
+    Path("/etc/systemd/system/edgellm.service"),
+    Path("/lib/systemd/system/edgellm.service"),
+    Path("/usr/lib/systemd/system/edgellm.service"),
+)
 SHM: Final = Path("/dev/shm")  # noqa: S108 - the tmpfs models are preloaded into
 MAX_EXPOSURE: Final = 2.0  # systemd-analyze security: "OK" and better
 GIB: Final = 1024**3
@@ -69,11 +72,17 @@ def check_cpu_flags(host: Host) -> Check:
             flags.update(line.split(":", 1)[1].split())
             break
     if "avx2" not in flags and "asimd" not in flags:
-        return Check("cpu flags", "warn", "no AVX2: llama.cpp's CPU kernels will be several times slower",
-                     "use a CPU with AVX2 (x86-64-v3) for CPU inference, or offload to a GPU")
+        return Check(
+            "cpu flags",
+            "warn",
+            "no AVX2: llama.cpp's CPU kernels will be several times slower",
+            "use a CPU with AVX2 (x86-64-v3) for CPU inference, or offload to a GPU",
+        )
     extras = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
-    return _ok("cpu flags", "AVX2" + (f", {', '.join(extras)}" if extras else "") if "avx2" in flags
-               else "ARM NEON (asimd)")
+    return _ok(
+        "cpu flags",
+        "AVX2" + (f", {', '.join(extras)}" if extras else "") if "avx2" in flags else "ARM NEON (asimd)",
+    )
 
 
 def check_affinity(settings: Settings | None) -> Check:
@@ -86,9 +95,12 @@ def check_affinity(settings: Settings | None) -> Check:
     target = one_per_core(allowed) if wanted == AUTO else parse_cpu_list(wanted)
     outside = target - allowed
     if outside:
-        return Check("cpu affinity", "warn", f"host.cpus {wanted} includes CPUs {format_cpu_list(outside)} "
-                     f"this process may not use; {shown}",
-                     "change host.cpus, or the cgroup/cpuset (systemd: AllowedCPUs=) that limits the service")
+        return Check(
+            "cpu affinity",
+            "warn",
+            f"host.cpus {wanted} includes CPUs {format_cpu_list(outside)} this process may not use; {shown}",
+            "change host.cpus, or the cgroup/cpuset (systemd: AllowedCPUs=) that limits the service",
+        )
     return _ok("cpu affinity", f"host.cpus {wanted} -> {format_cpu_list(target)}; {shown}")
 
 
@@ -121,11 +133,13 @@ def check_memory(settings: Settings | None) -> Iterator[Check]:
         return
     total = sum(sizes.values())
     memory = psutil.virtual_memory()
-    detail = (f"models {total / GIB:.1f} GiB, RAM {memory.total / GIB:.1f} GiB "
-              f"({memory.available / GIB:.1f} free)")
+    detail = (
+        f"models {total / GIB:.1f} GiB, RAM {memory.total / GIB:.1f} GiB ({memory.available / GIB:.1f} free)"
+    )
     if total * 1.2 > memory.total:
-        yield Check("memory", "fail", detail,
-                    "add RAM, use smaller quantizations (Q4_K_M), or serve fewer models")
+        yield Check(
+            "memory", "fail", detail, "add RAM, use smaller quantizations (Q4_K_M), or serve fewer models"
+        )
     else:
         yield _ok("memory", detail)
 
@@ -137,8 +151,12 @@ def check_shm(settings: Settings | None, host: Host) -> Check:
     try:
         usage = shutil.disk_usage(host.shm)
     except OSError as exc:
-        return Check("shm", "warn", f"cannot read {host.shm}: {exc.strerror}",
-                     "mount a tmpfs on /dev/shm, or set lifecycle.preload_dir: null")
+        return Check(
+            "shm",
+            "warn",
+            f"cannot read {host.shm}: {exc.strerror}",
+            "mount a tmpfs on /dev/shm, or set lifecycle.preload_dir: null",
+        )
     largest = 0
     if settings is not None:
         try:
@@ -147,15 +165,20 @@ def check_shm(settings: Settings | None, host: Host) -> Check:
             largest = 0
     detail = f"{usage.free / GIB:.1f} GiB free of {usage.total / GIB:.1f} GiB"
     if largest and usage.free < 2 * largest:
-        return Check("shm", "warn", f"{detail}; a swap of the largest model ({largest / GIB:.1f} GiB) "
-                     "needs room for two copies, so models will load from the models directory",
-                     f"grow it: mount -o remount,size={max(1, int(2.2 * largest / GIB))}G /dev/shm "
-                     "(the Ansible role sets edgellm_shm_size)")
+        return Check(
+            "shm",
+            "warn",
+            f"{detail}; a swap of the largest model ({largest / GIB:.1f} GiB) "
+            "needs room for two copies, so models will load from the models directory",
+            f"grow it: mount -o remount,size={max(1, int(2.2 * largest / GIB))}G /dev/shm "
+            "(the Ansible role sets edgellm_shm_size)",
+        )
     return _ok("shm", detail)
 
 
-def check_gpu(settings: Settings | None, host: Host,
-              offload_supported: Callable[[], bool]) -> Iterator[Check]:
+def check_gpu(
+    settings: Settings | None, host: Host, offload_supported: Callable[[], bool]
+) -> Iterator[Check]:
     """GPUs, their compute capability against this llama.cpp build, and the monitor's verdicts."""
     # As the daemon's GPU monitor judges them: the model that offloads most.
     layers = largest_gpu_layers(m.gpu_layers for m in settings.models) if settings else 0
@@ -164,13 +187,19 @@ def check_gpu(settings: Settings | None, host: Host,
     build = "this llama.cpp build can offload" if supported else "this llama.cpp build is CPU-only"
     if not snapshot.available:
         level = "warn" if layers != 0 else "ok"
-        yield Check("gpu", level, f"no NVIDIA GPU monitoring ({snapshot.reason}); {build}",
-                    "install the NVIDIA driver, or set gpu_layers: 0" if level == "warn" else None)
+        yield Check(
+            "gpu",
+            level,
+            f"no NVIDIA GPU monitoring ({snapshot.reason}); {build}",
+            "install the NVIDIA driver, or set gpu_layers: 0" if level == "warn" else None,
+        )
         return
     for gpu in snapshot.devices:
         cc = gpu.compute_capability
-        yield _ok("gpu", f"GPU {gpu.index}: {gpu.name}, compute capability "
-                  f"{f'{cc[0]}.{cc[1]}' if cc else '?'}; {build}")
+        yield _ok(
+            "gpu",
+            f"GPU {gpu.index}: {gpu.name}, compute capability {f'{cc[0]}.{cc[1]}' if cc else '?'}; {build}",
+        )
     for verdict in verdicts(snapshot, offload_supported=supported, gpu_layers=layers):
         if verdict.level == "info":
             continue
@@ -213,8 +242,12 @@ def check_permissions(settings: Settings | None, config: Path | None) -> Iterato
         except OSError:
             continue  # _mode_problem named it
     if problems:
-        yield Check("permissions", "fail", "; ".join(problems),
-                    "chmod 0600 the keys file, chmod o-w the others, keep signing keys off the box")
+        yield Check(
+            "permissions",
+            "fail",
+            "; ".join(problems),
+            "chmod 0600 the keys file, chmod o-w the others, keep signing keys off the box",
+        )
     else:
         yield _ok("permissions", f"{len(items)} files: keys private, none writable by others")
 
@@ -222,15 +255,20 @@ def check_permissions(settings: Settings | None, config: Path | None) -> Iterato
 def check_config(config: Path | None) -> tuple[Check, Settings | None]:
     """The daemon's own validation of the config file."""
     if config is None:
-        return Check("config", "warn", "no config file given or found at /etc/edgellm/edgellm.yaml",
-                     "pass --config FILE"), None
+        return Check(
+            "config",
+            "warn",
+            "no config file given or found at /etc/edgellm/edgellm.yaml",
+            "pass --config FILE",
+        ), None
     try:
         settings = load_settings(config)
     except ConfigError as exc:
         first = exc.problems[0] if exc.problems else "invalid"
         more = f" (and {len(exc.problems) - 1} more)" if len(exc.problems) > 1 else ""
-        return Check("config", "fail", f"{first}{more}",
-                     f"run edgellmd --check-config {config} and fix every line"), None
+        return Check(
+            "config", "fail", f"{first}{more}", f"run edgellmd --check-config {config} and fix every line"
+        ), None
     problems = []
     if not settings.lock.allow_unsigned and settings.lock.file is not None and settings.lock.models_dir:
         try:
@@ -249,35 +287,57 @@ def check_config(config: Path | None) -> tuple[Check, Settings | None]:
         except LockError as exc:
             problems.append(f"lockfile: {exc}")
     if settings.lock.allow_unsigned:
-        return Check("config", "warn", f"{config}: valid, but lock.allow_unsigned is set",
-                     "sign a lockfile (edgellmctl lock sign) and configure lock.*"), settings
+        return Check(
+            "config",
+            "warn",
+            f"{config}: valid, but lock.allow_unsigned is set",
+            "sign a lockfile (edgellmctl lock sign) and configure lock.*",
+        ), settings
     if problems:
-        return Check("config", "fail", f"{config}: " + "; ".join(problems),
-                     "copy the files the lock names into lock.models_dir"), settings
+        return Check(
+            "config",
+            "fail",
+            f"{config}: " + "; ".join(problems),
+            "copy the files the lock names into lock.models_dir",
+        ), settings
     return _ok("config", f"{config}: valid"), settings
 
 
 def check_unit(unit: Path | None, host: Host) -> Check:
     """The installed unit's hardening, as systemd-analyze security rates it."""
     if unit is None:
-        return Check("systemd unit", "warn", "edgellm.service is not installed",
-                     "install systemd/edgellm.service (the Ansible role does)")
+        return Check(
+            "systemd unit",
+            "warn",
+            "edgellm.service is not installed",
+            "install systemd/edgellm.service (the Ansible role does)",
+        )
     if host.systemd_analyze is None:
         return Check("systemd unit", "warn", "systemd-analyze is not available to rate the unit")
-    result = subprocess.run([host.systemd_analyze, "security", "--offline=true", str(unit)],  # noqa: S603
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(  # noqa: S603
+        [host.systemd_analyze, "security", "--offline=true", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     match = _EXPOSURE.search(result.stdout + result.stderr)
     if match is None:
         return Check("systemd unit", "warn", f"systemd-analyze security could not rate {unit}")
     exposure = float(match.group(1))
     if exposure > MAX_EXPOSURE:
-        return Check("systemd unit", "fail", f"{unit}: exposure {exposure} (more than {MAX_EXPOSURE})",
-                     "restore the hardening of the shipped systemd/edgellm.service")
+        return Check(
+            "systemd unit",
+            "fail",
+            f"{unit}: exposure {exposure} (more than {MAX_EXPOSURE})",
+            "restore the hardening of the shipped systemd/edgellm.service",
+        )
     return _ok("systemd unit", f"{unit}: exposure {exposure} (OK)")
 
 
-def run_checks(config: Path | None, unit: Path | None, host: Host,
-               offload_supported: Callable[[], bool]) -> list[Check]:
+def run_checks(
+    config: Path | None, unit: Path | None, host: Host, offload_supported: Callable[[], bool]
+) -> list[Check]:
     """Every check, in the order an operator reads them."""
     checks = [check_cpu_flags(host)]
     config_check, settings = check_config(config)
@@ -317,11 +377,14 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Subcommands) -> None:
     """Register `doctor`."""
-    p = sub.add_parser("doctor", help="check this host: CPU, memory, shm, GPU, permissions, config, unit",
-                       description="Check a host before and after provisioning: CPU flags, affinity, memory "
-                       "against the models, /dev/shm size, GPU compute capability against this llama.cpp "
-                       "build, permissions of keys and lock, config validity and the unit's hardening. "
-                       "One line per check, with the fix when it fails; exit status 1 if any failed.")
+    p = sub.add_parser(
+        "doctor",
+        help="check this host: CPU, memory, shm, GPU, permissions, config, unit",
+        description="Check a host before and after provisioning: CPU flags, affinity, memory "
+        "against the models, /dev/shm size, GPU compute capability against this llama.cpp "
+        "build, permissions of keys and lock, config validity and the unit's hardening. "
+        "One line per check, with the fix when it fails; exit status 1 if any failed.",
+    )
     p.add_argument("--config", type=Path, help=f"daemon config (default: {DEFAULT_CONFIG} if present)")
     p.add_argument("--unit", type=Path, help="systemd unit to rate (default: the installed edgellm.service)")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")

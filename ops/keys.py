@@ -42,14 +42,14 @@ def _save(path: Path, data: dict[str, Any]) -> None:
     write_atomically(path, text.encode(), mode=0o600)
 
 
-def create_key(path: Path, name: str, scopes: list[str], *, limits: dict[str, int],
-               expires_in: str | None = None) -> tuple[str, str]:
+def create_key(
+    path: Path, name: str, scopes: list[str], *, limits: dict[str, int], expires_in: str | None = None
+) -> tuple[str, str]:
     """Append a new key to the keys file; returns (key id, token). The token is not stored."""
     data = _load(path)
     key_id, token, hashed = new_token()
     expires = datetime.now(UTC).replace(microsecond=0) + parse_duration(expires_in) if expires_in else None
-    data["keys"].append(key_record(key_id, name, hashed, sorted(set(scopes)), limits=limits,
-                                   expires=expires))
+    data["keys"].append(key_record(key_id, name, hashed, sorted(set(scopes)), limits=limits, expires=expires))
     _save(path, data)
     return key_id, token
 
@@ -70,13 +70,23 @@ def add_scopes(path: Path, key_id: str, scopes: list[str]) -> bool:
 
 def cmd_create(args: argparse.Namespace) -> int:
     """Print the new token once (stdout only), append its hash to the keys file."""
-    limits = {k: v for k, v in (("rpm", args.rpm), ("tpm", args.tpm), ("concurrent", args.concurrent),
-                                ("max_tokens", args.max_tokens)) if v is not None}
-    key_id, token = create_key(args.file, args.name, args.scope, limits=limits,
-                               expires_in=args.expires)
+    limits = {
+        k: v
+        for k, v in (
+            ("rpm", args.rpm),
+            ("tpm", args.tpm),
+            ("concurrent", args.concurrent),
+            ("max_tokens", args.max_tokens),
+        )
+        if v is not None
+    }
+    key_id, token = create_key(args.file, args.name, args.scope, limits=limits, expires_in=args.expires)
     print(token)
-    print(f"key {key_id} ({args.name}, scopes {', '.join(sorted(set(args.scope)))}) added to "
-          f"{args.file}; the token above is shown once and stored nowhere", file=sys.stderr)
+    print(
+        f"key {key_id} ({args.name}, scopes {', '.join(sorted(set(args.scope)))}) added to "
+        f"{args.file}; the token above is shown once and stored nowhere",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -88,10 +98,18 @@ def cmd_list(args: argparse.Namespace) -> int:
     for key in keys.values():
         state = key.usable(now) or "active"
         expires = key.expires.strftime("%Y-%m-%dT%H:%M:%SZ") if key.expires else "-"
-        limits = " ".join(f"{k}={getattr(key.limits, k)}" for k in ("rpm", "tpm", "concurrent", "max_tokens")
-                          if getattr(key.limits, k) is not None) or "-"
-        print(f"{key.id:<12}  {key.name[:20]:<20}  {','.join(sorted(key.scopes)):<26}  {state:<8}  "
-              f"{expires:<20}  {limits}")
+        limits = (
+            " ".join(
+                f"{k}={getattr(key.limits, k)}"
+                for k in ("rpm", "tpm", "concurrent", "max_tokens")
+                if getattr(key.limits, k) is not None
+            )
+            or "-"
+        )
+        print(
+            f"{key.id:<12}  {key.name[:20]:<20}  {','.join(sorted(key.scopes)):<26}  {state:<8}  "
+            f"{expires:<20}  {limits}"
+        )
     return 0
 
 
@@ -119,8 +137,13 @@ def add_parser(sub: Subcommands) -> None:
 
     create = verb("create", "make a key; prints its token once")
     create.add_argument("--name", required=True, help="who the key is for")
-    create.add_argument("--scope", action="append", choices=SCOPES, required=True,
-                        help="inference, admin or metrics (repeatable)")
+    create.add_argument(
+        "--scope",
+        action="append",
+        choices=SCOPES,
+        required=True,
+        help="inference, admin or metrics (repeatable)",
+    )
     create.add_argument("--rpm", type=positive_int, help="requests per minute")
     create.add_argument("--tpm", type=positive_int, help="tokens (prompt + completion) per minute")
     create.add_argument("--concurrent", type=positive_int, help="requests in flight at once")

@@ -51,8 +51,14 @@ MAX_VALIDITY: Final = timedelta(days=100 * 365)  # a signature meant to outlive 
 # ---- files ----------------------------------------------------------------------------------
 
 
-def write_atomically(path: Path, data: bytes, mode: int = 0o644, *, replace: bool = True,
-                     check: Callable[[Path], None] | None = None) -> None:
+def write_atomically(
+    path: Path,
+    data: bytes,
+    mode: int = 0o644,
+    *,
+    replace: bool = True,
+    check: Callable[[Path], None] | None = None,
+) -> None:
     """Write `data` to `path` via a temporary file and a rename: readers never see half a file.
 
     `check(temporary path)` may refuse the written file before it takes `path`'s name; with
@@ -120,8 +126,12 @@ class _Progress:
         self.done += n
         if self.enabled:
             pct = 100 * self.done // max(self.total, 1)
-            print(f"\r{self.label}: {pct:3d}% ({self.done >> 20}/{self.total >> 20} MiB)",
-                  end="", file=sys.stderr, flush=True)
+            print(
+                f"\r{self.label}: {pct:3d}% ({self.done >> 20}/{self.total >> 20} MiB)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.enabled:
@@ -138,16 +148,18 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     private_path = out / f"{args.name}.pem"
     public_path = out / f"{args.name}.pub"
     key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     try:
         # An existing key is never replaced (it may be the only copy), and a write cut short
         # leaves no half a key under its name.
         write_atomically(private_path, pem, 0o600, replace=False)
     except FileExistsError:
         raise CommandError(f"{private_path} exists; refusing to overwrite a signing key") from None
-    public = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     write_atomically(public_path, public)
     print(f"signing key  {private_path} (keep it secret; mode 0600)")
     print(f"public key   {public_path} (give this to the daemons: lock.trusted_keys)")
@@ -160,15 +172,18 @@ def cmd_add(args: argparse.Namespace) -> int:
     lock_path: Path = args.lock
     file: Path = args.file
     if not MODEL_NAME.fullmatch(args.name):
-        raise CommandError("model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit, "
-                           f"got {shown(args.name)}")
+        raise CommandError(
+            f"model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit, got {shown(args.name)}"
+        )
     models_dir: Path = args.models_dir or lock_path.parent
     document = read_document(lock_path) if lock_path.exists() else new_document()
     try:
         relative = file.resolve().relative_to(models_dir.resolve()).as_posix()
     except ValueError:
-        raise CommandError(f"{file} is not inside the models directory {models_dir} "
-                           "(lockfile paths are relative to it; see --models-dir)") from None
+        raise CommandError(
+            f"{file} is not inside the models directory {models_dir} "
+            "(lockfile paths are relative to it; see --models-dir)"
+        ) from None
     problem = file_problem(relative)
     if problem is not None:
         raise CommandError(f"{shown(str(file))}: the lockfile cannot name it: {problem}")
@@ -198,8 +213,10 @@ def cmd_add(args: argparse.Namespace) -> int:
         write_document(lock_path, document)
     except LockError as exc:  # what the file's header says does not fit in a lockfile
         raise CommandError(f"{file}: {exc}") from None
-    print(f"{args.name}: {relative} {size} bytes sha256 {digest} "
-          f"({facts.get('architecture')}, {facts.get('file_type', '?')})")
+    print(
+        f"{args.name}: {relative} {size} bytes sha256 {digest} "
+        f"({facts.get('architecture')}, {facts.get('file_type', '?')})"
+    )
     if dropped:
         print(f"removed {dropped} signature(s): the lock changed; sign it again", file=sys.stderr)
     return 0
@@ -240,8 +257,10 @@ def cmd_sign(args: argparse.Namespace) -> int:
     document["signatures"] = [s for s in document["signatures"] if s["key_id"] != signature["key_id"]]
     document["signatures"].append(signature)
     write_document(args.lock, document)
-    print(f"signed {args.lock} version {document['version']} (expires {document['expires']}) "
-          f"with key {signature['key_id'][:16]}…")
+    print(
+        f"signed {args.lock} version {document['version']} (expires {document['expires']}) "
+        f"with key {signature['key_id'][:16]}…"
+    )
     return 0
 
 
@@ -267,8 +286,11 @@ def _from_config(config: Path) -> _Verified:
         settings = load_settings(config)
     except ConfigError as exc:
         first = exc.problems[0] if exc.problems else "invalid"
-        more = (f" (and {len(exc.problems) - 1} more: edgellmd --check-config {config} lists them)"
-                if len(exc.problems) > 1 else "")
+        more = (
+            f" (and {len(exc.problems) - 1} more: edgellmd --check-config {config} lists them)"
+            if len(exc.problems) > 1
+            else ""
+        )
         where = "" if first.startswith(str(config)) else f"{config}: "
         raise CommandError(f"{where}{first}{more}") from None
     lock = settings.lock
@@ -291,16 +313,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
             signer = verify_lock(lock, [load_public_key(p) for p in what.trusted])
             if what.state_dir is not None:  # the daemon refuses a version older than one it accepted
                 VersionState(what.state_dir).check(lock.version)
-            print(f"lock      version {lock.version}: signature by {signer[:16]}… verifies; "
-                  f"expires {format_time(lock.expires) if lock.expires else 'never'}")
+            print(
+                f"lock      version {lock.version}: signature by {signer[:16]}… verifies; "
+                f"expires {format_time(lock.expires) if lock.expires else 'never'}"
+            )
         except LockError as exc:
             ok = False
             print(f"lock      FAILED: {exc}")
     else:
         # Matching files prove nothing on their own: whoever can write them can write the lock.
         ok = False
-        print(f"lock      version {lock.version}: FAILED: no signature verified: no trusted key given "
-              "(--trusted PUBKEY, or --config FILE for the daemon's own)")
+        print(
+            f"lock      version {lock.version}: FAILED: no signature verified: no trusted key given "
+            "(--trusted PUBKEY, or --config FILE for the daemon's own)"
+        )
     for name, entry in sorted(lock.models.items()):
         try:
             open_verified(what.models_dir, entry, _Progress(f"hashing {entry.file}", entry.size)).close()
@@ -317,14 +343,20 @@ def cmd_show(args: argparse.Namespace) -> int:
     lock = load_lock(args.lock)
     issued = format_time(lock.issued) if lock.issued else "-"
     expires = format_time(lock.expires) if lock.expires else "-"
-    print(f"version {lock.version}  issued {issued}  expires {expires}  "
-          f"signatures {len(lock.signatures)}")
+    print(f"version {lock.version}  issued {issued}  expires {expires}  signatures {len(lock.signatures)}")
     for s in lock.signatures:
         print(f"  signed by {s.key_id}")
     rows = [("NAME", "FILE", "SIZE", "SHA256", "GGUF")]
-    rows += [(m.name, m.file, str(m.size), m.sha256[:16] + "…",
-              " ".join(f"{k}={v}" for k, v in sorted(m.gguf.items())))
-             for m in sorted(lock.models.values(), key=lambda m: m.name)]
+    rows += [
+        (
+            m.name,
+            m.file,
+            str(m.size),
+            m.sha256[:16] + "…",
+            " ".join(f"{k}={v}" for k, v in sorted(m.gguf.items())),
+        )
+        for m in sorted(lock.models.values(), key=lambda m: m.name)
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
@@ -363,23 +395,30 @@ def add_parser(sub: Subcommands) -> None:
     sign_p.add_argument("--key", type=Path, required=True, help="PEM signing key from keygen")
     sign_p.add_argument("--expires", help=f"validity from now: 365d, 12h, 2w (default {DEFAULT_EXPIRY})")
     sign_p.add_argument("--version", type=int, help="set this version instead of bumping it")
-    sign_p.add_argument("--cosign", action="store_true",
-                        help="add this key's signature without changing the lock")
+    sign_p.add_argument(
+        "--cosign", action="store_true", help="add this key's signature without changing the lock"
+    )
     sign_p.set_defaults(func=guarded(cmd_sign, LockError))
 
     # --lock defaults to None here: a --lock given beside --config is told apart from none.
     verify = verb("verify", "check signatures, expiry and every file", lock_default=None)
     verify.add_argument("--models-dir", type=Path, help="models directory (default: the lockfile's folder)")
     verify.add_argument("--trusted", type=Path, nargs="+", metavar="PUBKEY", help="trusted public keys")
-    verify.add_argument("--config", type=Path, metavar="FILE",
-                        help="the daemon's config (edgellm.yaml): verify its lockfile with its trusted "
-                        "keys, models directory and rollback state")
+    verify.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="the daemon's config (edgellm.yaml): verify its lockfile with its trusted "
+        "keys, models directory and rollback state",
+    )
     run_verify = guarded(cmd_verify, LockError)
 
     def verify_alone(args: argparse.Namespace) -> int:
         if args.config is not None and (args.lock is not None or args.trusted or args.models_dir is not None):
-            verify.error("--config names the lockfile, trusted keys and models directory: "
-                         "not with --lock, --trusted or --models-dir")
+            verify.error(
+                "--config names the lockfile, trusted keys and models directory: "
+                "not with --lock, --trusted or --models-dir"
+            )
         return run_verify(args)
 
     verify.set_defaults(func=verify_alone)

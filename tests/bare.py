@@ -58,10 +58,14 @@ async def who(request: web.Request) -> web.Response:
     """A handler that says who the request was, as the front door left it."""
     key = request.get(appkeys.API_KEY)
     caller = request.get(CALLER)
-    return web.json_response({
-        "path": request.path, "peer": request.remote,
-        "key_id": key.id if key is not None else None,
-        "caller": [caller.key_id, caller.max_tokens] if caller is not None else None})
+    return web.json_response(
+        {
+            "path": request.path,
+            "peer": request.remote,
+            "key_id": key.id if key is not None else None,
+            "caller": [caller.key_id, caller.max_tokens] if caller is not None else None,
+        }
+    )
 
 
 def route_all(app: web.Application, paths: Sequence[str], handler: Handler = who) -> None:
@@ -91,8 +95,11 @@ class AuditLine:
 
 def audit_lines(caplog: pytest.LogCaptureFixture) -> list[AuditLine]:
     """The audit records captured so far."""
-    return [AuditLine(r.levelname, r.getMessage(), getattr(r, "peer", None), getattr(r, "key_id", None))
-            for r in caplog.records if r.name == AUDIT]
+    return [
+        AuditLine(r.levelname, r.getMessage(), getattr(r, "peer", None), getattr(r, "key_id", None))
+        for r in caplog.records
+        if r.name == AUDIT
+    ]
 
 
 def everything_logged(caplog: pytest.LogCaptureFixture) -> str:
@@ -113,21 +120,34 @@ def model_settings(name: str, file: Path, **settings: Any) -> ModelSettings:
 
 
 @asynccontextmanager
-async def api_context(models: Sequence[ModelSettings], *, start: bool = True,
-                      key_valid: Callable[[str], bool] = lambda _key_id: True,
-                      server: ServerSettings | None = None) -> AsyncIterator[ApiContext]:
+async def api_context(
+    models: Sequence[ModelSettings],
+    *,
+    start: bool = True,
+    key_valid: Callable[[str], bool] = lambda _key_id: True,
+    server: ServerSettings | None = None,
+) -> AsyncIterator[ApiContext]:
     """What the app factory gives the adapters: a real registry over `models` (loaded, unless
     `start` is false), real metrics, a prompt pool; closed again at the end."""
-    settings = Settings(server=server or ServerSettings(), models=tuple(models), logging=LoggingSettings(),
-                        lifecycle=LifecycleSettings(preload_dir=None, watch=False))
+    settings = Settings(
+        server=server or ServerSettings(),
+        models=tuple(models),
+        logging=LoggingSettings(),
+        lifecycle=LifecycleSettings(preload_dir=None, watch=False),
+    )
     with ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="prompt") as executor:
         registry = Registry(settings.models, executor, lock=settings.lock, lifecycle=settings.lifecycle)
         try:
             if start:
                 await registry.start()
-            yield ApiContext(settings=settings, registry=registry, metrics=Metrics(), executor=executor,
-                             generations=Running(),
-                             pinning=Pinning(frozenset(os.sched_getaffinity(0)), None, pinned=False),
-                             key_valid=key_valid)
+            yield ApiContext(
+                settings=settings,
+                registry=registry,
+                metrics=Metrics(),
+                executor=executor,
+                generations=Running(),
+                pinning=Pinning(frozenset(os.sched_getaffinity(0)), None, pinned=False),
+                key_valid=key_valid,
+            )
         finally:
             await registry.close()

@@ -160,8 +160,14 @@ class Probe:
         """Build `grammar` in a child; {"ok", "init_s", ...} or {"crash": signal/exit code}."""
         grammar_file = self.dir / "grammar.gbnf"
         grammar_file.write_text(grammar, encoding="utf-8")
-        cmd = [sys.executable, "-m", "tests.bench_grammar_limits", "--child", str(self.model),
-               str(grammar_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.bench_grammar_limits",
+            "--child",
+            str(self.model),
+            str(grammar_file),
+        ]
         if walk:
             (self.dir / "walk.bin").write_bytes(walk)
             cmd.append(str(self.dir / "walk.bin"))
@@ -186,8 +192,13 @@ def _show(result: dict[str, Any]) -> str:
     return text + f"  apply(1) {result['apply_one_us']:8.1f} us  apply(all) {result['apply_all_us']:9.1f} us"
 
 
-def sweep(probe: Probe, title: str, sizes: list[int], make: Callable[[int], str],
-          walk: Callable[[int], bytes] | None = None) -> None:
+def sweep(
+    probe: Probe,
+    title: str,
+    sizes: list[int],
+    make: Callable[[int], str],
+    walk: Callable[[int], bytes] | None = None,
+) -> None:
     """Probe `make(n)` for each n, stopping after the first crash."""
     print(f"\n{title}")
     for n in sizes:
@@ -240,23 +251,49 @@ def run_probes(quick: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         probe = Probe(Path(tmp))
         sweep(probe, "nested groups ((...)), n deep", scale, nested_groups)
-        sweep(probe, 'repetition "a"{n} (n copies inline)', [100, 1_000, 2_000, 2_001, 5_000],
-              lambda n: f'root ::= "a"{{{n}}}\n', lambda n: b"a" * n)
-        sweep(probe, 'repetition "a"{0,n}: n rules; over 2,000 llama.cpp drops the bound (walk n+1)',
-              [100, 1_000, 2_000, 2_001, 5_000], lambda n: f'root ::= "a"{{0,{n}}}\n',
-              lambda n: b"a" * (n + 1))
-        sweep(probe, 'repetition of a group ("a" "b"?){0,n}: rules in the group multiply',
-              [500, 1_000, 1_001], lambda n: f'root ::= ("a" "b"?){{0,{n}}}\n')
-        sweep(probe, "repetition of a rule x{0,n}, x ::= (\"a\" \"b\"?): a reference counts once",
-              [1_000, 2_000], lambda n: f'root ::= x{{0,{n}}}\nx ::= "a" "b"?\n')
-        sweep(probe, "nullable x{0,n} (x ::= \"a\"?), walk n 'a's", [10, 100, 1_000, 2_000],
-              nullable_chain, lambda n: b"a" * n)
-        sweep(probe, "left chain r_i ::= r_(i+1) \"a\", n rules", scale, chained_left)
-        sweep(probe, "right chain r_i ::= \"a\" r_(i+1), n rules", scale, chained_right)
+        sweep(
+            probe,
+            'repetition "a"{n} (n copies inline)',
+            [100, 1_000, 2_000, 2_001, 5_000],
+            lambda n: f'root ::= "a"{{{n}}}\n',
+            lambda n: b"a" * n,
+        )
+        sweep(
+            probe,
+            'repetition "a"{0,n}: n rules; over 2,000 llama.cpp drops the bound (walk n+1)',
+            [100, 1_000, 2_000, 2_001, 5_000],
+            lambda n: f'root ::= "a"{{0,{n}}}\n',
+            lambda n: b"a" * (n + 1),
+        )
+        sweep(
+            probe,
+            'repetition of a group ("a" "b"?){0,n}: rules in the group multiply',
+            [500, 1_000, 1_001],
+            lambda n: f'root ::= ("a" "b"?){{0,{n}}}\n',
+        )
+        sweep(
+            probe,
+            'repetition of a rule x{0,n}, x ::= ("a" "b"?): a reference counts once',
+            [1_000, 2_000],
+            lambda n: f'root ::= x{{0,{n}}}\nx ::= "a" "b"?\n',
+        )
+        sweep(
+            probe,
+            "nullable x{0,n} (x ::= \"a\"?), walk n 'a's",
+            [10, 100, 1_000, 2_000],
+            nullable_chain,
+            lambda n: b"a" * n,
+        )
+        sweep(probe, 'left chain r_i ::= r_(i+1) "a", n rules', scale, chained_left)
+        sweep(probe, 'right chain r_i ::= "a" r_(i+1), n rules', scale, chained_right)
         sweep(probe, "n alternatives in one rule", scale[:9], alternatives)
         sweep(probe, "one literal of n bytes", [1_000, 100_000, 1_000_000, 10_000_000], long_literal)
-        sweep(probe, 'many repetitions x{1000} (1,000 copies each)', [10, 100, 1_000, 2_000],
-              lambda n: "root ::= " + " ".join(['"a"{1000}'] * n) + "\n")
+        sweep(
+            probe,
+            "many repetitions x{1000} (1,000 copies each)",
+            [10, 100, 1_000, 2_000],
+            lambda n: "root ::= " + " ".join(['"a"{1000}'] * n) + "\n",
+        )
         converter_costs(probe)
     demo_vocab_costs()
 
@@ -291,13 +328,32 @@ def converter_cases() -> list[tuple[str, str, bytes]]:
     spread = [chr(0x4E00 + i) + f"{i}" for i in range(MAX_GRAMMAR_CHOICES - 2)]
     required = {f"p{i}": {"type": "integer"} for i in range(MAX_OBJECT_PROPERTIES)}
     optional = {f"p{i}": {"type": "integer"} for i in range(MAX_GRAMMAR_CHOICES - 8)}
-    variants = {"anyOf": [{"type": "object",
-                           "properties": {"kind": {"const": f"kind-{i}"}, "x": {"type": "integer"}},
-                           "required": ["kind", "x"], "additionalProperties": False} for i in range(200)]}
+    variants = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"kind": {"const": f"kind-{i}"}, "x": {"type": "integer"}},
+                "required": ["kind", "x"],
+                "additionalProperties": False,
+            }
+            for i in range(200)
+        ]
+    }
     kinds = {"type": ["string", "integer", "null"]}
-    tools = [{"type": "function", "function": {"name": f"tool_{i:03d}", "parameters": {
-        "type": "object", "properties": {f"t{i}_a{j}": kinds for j in range(39)},
-        "additionalProperties": False}}} for i in range(MAX_TOOLS)]  # 4,992 optional parameters in all
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i:03d}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {f"t{i}_a{j}": kinds for j in range(39)},
+                    "additionalProperties": False,
+                },
+            },
+        }
+        for i in range(MAX_TOOLS)
+    ]  # 4,992 optional parameters in all
     plan = tool_plan(tools, "auto", None)
     assert plan is not None
     assert plan.grammar is not None
@@ -306,29 +362,58 @@ def converter_cases() -> list[tuple[str, str, bytes]]:
         (f"enum of {n} random words (a trie)", {"enum": words}, b'"'),
         (f"enum of {n} random strings, {MAX_LARGE_ENUM_CHARS:,} characters", {"enum": long_words}, b'"'),
         (f"enum of {len(spread)} values, distinct first characters", {"enum": spread}, b'"'),
-        (f"object of {len(required):,} required properties", {"type": "object", "properties": required,
-                                                            "required": list(required)}, b'{"p0":1,"p'),
-        (f"object of {len(optional)} optional properties", {"type": "object", "properties": optional},
-         b'{"p0":1,'),
+        (
+            f"object of {len(required):,} required properties",
+            {"type": "object", "properties": required, "required": list(required)},
+            b'{"p0":1,"p',
+        ),
+        (
+            f"object of {len(optional)} optional properties",
+            {"type": "object", "properties": optional},
+            b'{"p0":1,',
+        ),
         ("anyOf of 200 objects told apart by a const", variants, b'{"kind":"kind-'),
-        (f"array, minItems = maxItems = {rep}", {"type": "array", "items": {"type": "integer"},
-                                               "minItems": rep, "maxItems": rep}, b"[1,2,3"),
-        ("pattern (a{10}b{0,10}){1,50} (1,000 states)",
-         {"type": "string", "pattern": "^(a{10}b{0,10}){1,50}$"}, b'"aaaaaaaaaab'),
-        ("ambiguous pattern (a|aa){0,333}, after 600 a's", {"type": "string", "pattern": "^(a|aa){0,333}$"},
-         b'"' + b"a" * 600),
-        ("ambiguous nested ((a|aa){0,10}){0,33}, after 300 a's",
-         {"type": "string", "pattern": "^((a|aa){0,10}){0,33}$"}, b'"' + b"a" * 300),
-        ("two patterns at once, 500 states each",
-         {"anyOf": [{"pattern": "^(a|aa){0,166}$"}, {"pattern": "^(a|ba){0,166}$"}]}, b"\"" + b"a" * 300),
-        (f"unanchored pattern of {MAX_PATTERN_LENGTH} a's, after 999 a's",
-         {"type": "string", "pattern": "a" * MAX_PATTERN_LENGTH}, b'"' + b"a" * 999),
+        (
+            f"array, minItems = maxItems = {rep}",
+            {"type": "array", "items": {"type": "integer"}, "minItems": rep, "maxItems": rep},
+            b"[1,2,3",
+        ),
+        (
+            "pattern (a{10}b{0,10}){1,50} (1,000 states)",
+            {"type": "string", "pattern": "^(a{10}b{0,10}){1,50}$"},
+            b'"aaaaaaaaaab',
+        ),
+        (
+            "ambiguous pattern (a|aa){0,333}, after 600 a's",
+            {"type": "string", "pattern": "^(a|aa){0,333}$"},
+            b'"' + b"a" * 600,
+        ),
+        (
+            "ambiguous nested ((a|aa){0,10}){0,33}, after 300 a's",
+            {"type": "string", "pattern": "^((a|aa){0,10}){0,33}$"},
+            b'"' + b"a" * 300,
+        ),
+        (
+            "two patterns at once, 500 states each",
+            {"anyOf": [{"pattern": "^(a|aa){0,166}$"}, {"pattern": "^(a|ba){0,166}$"}]},
+            b'"' + b"a" * 300,
+        ),
+        (
+            f"unanchored pattern of {MAX_PATTERN_LENGTH} a's, after 999 a's",
+            {"type": "string", "pattern": "a" * MAX_PATTERN_LENGTH},
+            b'"' + b"a" * 999,
+        ),
         ("format date-time", {"type": "string", "format": "date-time"}, b'"2024-02-2'),
         ("format ipv6", {"type": "string", "format": "ipv6"}, b'"12:34:'),
     ]
     out = [(title, schema_to_grammar(schema), walk) for title, schema, walk in cases]
-    out.append((f"{MAX_TOOLS} tools of 39 optional parameters, tool_choice auto", plan.grammar,
-                b'{"tool_calls":[{"name":"tool_1'))
+    out.append(
+        (
+            f"{MAX_TOOLS} tools of 39 optional parameters, tool_choice auto",
+            plan.grammar,
+            b'{"tool_calls":[{"name":"tool_1',
+        )
+    )
     return out
 
 
@@ -356,14 +441,17 @@ def demo_vocab_costs() -> None:
         llama.llama_sampler_apply(sampler, ctypes.byref(array))
         return time.perf_counter() - started
 
-    print(f"\napply on Gemma 3's vocabulary ({n_vocab:,} tokens), after the first character, "
-          "n alternatives at once; candidates: 1 / 64 / 4,096 / all")
+    print(
+        f"\napply on Gemma 3's vocabulary ({n_vocab:,} tokens), after the first character, "
+        "n alternatives at once; candidates: 1 / 64 / 4,096 / all"
+    )
     for n in (1, 16, 64, 256, 1_000):
         alts = " | ".join(f'"{chr(0x4E00 + i)}{i}x"' for i in range(n))
         sampler = vocab.init(f'root ::= "\\"" ( {alts} ) "\\""\n')
         llama.llama_sampler_accept(sampler, quote[0])
-        figures = [min(apply(sampler, k) for _ in range(3 if k < n_vocab else 1))
-                   for k in (1, 64, 4096, n_vocab)]
+        figures = [
+            min(apply(sampler, k) for _ in range(3 if k < n_vocab else 1)) for k in (1, 64, 4096, n_vocab)
+        ]
         print(f"  n={n:>5}  " + "  ".join(f"{f * 1e3:9.3f} ms" for f in figures), flush=True)
         llama.llama_sampler_free(sampler)
     vocab.close()

@@ -49,8 +49,9 @@ def main() -> int:
             os.close(fd)
 
     figures = {
-        "sha256sum": best_of(3, lambda: subprocess.run(["sha256sum", str(path)], check=True,
-                                                        capture_output=True)),
+        "sha256sum": best_of(
+            3, lambda: subprocess.run(["sha256sum", str(path)], check=True, capture_output=True)
+        ),
         "lock add": best_of(3, lock_add),
         "daemon verification": best_of(3, lambda: open_verified(path.parent, entry).close()),
     }

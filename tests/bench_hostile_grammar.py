@@ -34,17 +34,24 @@ HOSTILE: dict[str, dict[str, Any]] = {
     "ambiguous pattern at the state limit": {"type": "string", "pattern": "^((a|aa){0,10}){0,33}$"},
     "characters the model never ranks high (CJK)": {"type": "string", "pattern": "^[\u4e00-\u9fff]{40}$"},
     "ambiguous pattern of characters never ranked high": {
-        "type": "string", "pattern": "^(([\u4e00-\u9fff]|[\u4e00-\u9fff]{2}){5,10}){20,33}$"},
+        "type": "string",
+        "pattern": "^(([\u4e00-\u9fff]|[\u4e00-\u9fff]{2}){5,10}){20,33}$",
+    },
     "braille the model never writes, ambiguous": {
-        "type": "string", "pattern": "^(([\u2800-\u28ff]|[\u2800-\u28ff]{2}){5,10}){20,33}$"},
-    "5,000 required properties": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
-                                                                   for i in range(5000)},
-                                  "required": [f"p{i}" for i in range(5000)]},
+        "type": "string",
+        "pattern": "^(([\u2800-\u28ff]|[\u2800-\u28ff]{2}){5,10}){20,33}$",
+    },
+    "5,000 required properties": {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "integer"} for i in range(5000)},
+        "required": [f"p{i}" for i in range(5000)],
+    },
 }
 
 
-async def bystanders(engine: Engine, tokens: list[int], streams: int, seconds: float,
-                     hostile: tuple[list[int], str] | None) -> tuple[list[float], int]:
+async def bystanders(
+    engine: Engine, tokens: list[int], streams: int, seconds: float, hostile: tuple[list[int], str] | None
+) -> tuple[list[float], int]:
     """Inter-token gaps (s) of the bystanders over `seconds`; and how many hostile replies ran."""
     loop = asyncio.get_running_loop()
     deadline = time.perf_counter() + seconds
@@ -53,8 +60,10 @@ async def bystanders(engine: Engine, tokens: list[int], streams: int, seconds: f
 
     async def bystander(seed: int) -> None:
         while time.perf_counter() < deadline:
-            gen = engine.submit(GenerationRequest(tokens, 64, SamplingParams(temperature=0.8, seed=seed),
-                                                  ignore_eos=True), loop)
+            gen = engine.submit(
+                GenerationRequest(tokens, 64, SamplingParams(temperature=0.8, seed=seed), ignore_eos=True),
+                loop,
+            )
             seed += streams
             last: float | None = None
             try:
@@ -76,9 +85,11 @@ async def bystanders(engine: Engine, tokens: list[int], streams: int, seconds: f
         seed = 0
         while time.perf_counter() < deadline:
             compiled = await loop.run_in_executor(None, engine.compile_grammar, grammar, 1)
-            gen = engine.submit(GenerationRequest(prompt, 256, SamplingParams(temperature=0.8, seed=seed,
-                                                                              grammar=grammar)),
-                                loop, compiled[0])
+            gen = engine.submit(
+                GenerationRequest(prompt, 256, SamplingParams(temperature=0.8, seed=seed, grammar=grammar)),
+                loop,
+                compiled[0],
+            )
             seed += 1
             try:
                 async for event in gen.events():
@@ -111,12 +122,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = demo_model(Path(tmp))
         threads = default_threads()
-        engine = Engine(EngineConfig(path=path, slots=args.streams + 1, context_size=2048, batch_size=512,
-                                     threads=threads, threads_batch=threads))
+        engine = Engine(
+            EngineConfig(
+                path=path,
+                slots=args.streams + 1,
+                context_size=2048,
+                batch_size=512,
+                threads=threads,
+                threads_batch=threads,
+            )
+        )
         try:
             tokens = engine.tokenize(apply_builtin_template("gemma", [("user", PROMPT)]), parse_special=True)
-            hostile_tokens = engine.tokenize(apply_builtin_template("gemma", [("user", HOSTILE_PROMPT)]),
-                                             parse_special=True)
+            hostile_tokens = engine.tokenize(
+                apply_builtin_template("gemma", [("user", HOSTILE_PROMPT)]), parse_special=True
+            )
             for name, schema in HOSTILE.items():
                 if args.only and name != args.only:
                     continue
@@ -127,8 +147,9 @@ def main() -> None:
                 for _ in range(args.rounds):
                     gaps, _ = asyncio.run(bystanders(engine, tokens, args.streams, args.seconds, None))
                     calm += gaps
-                    gaps, done = asyncio.run(bystanders(engine, tokens, args.streams, args.seconds,
-                                                        (hostile_tokens, grammar)))
+                    gaps, done = asyncio.run(
+                        bystanders(engine, tokens, args.streams, args.seconds, (hostile_tokens, grammar))
+                    )
                     stressed += gaps
                     replies += done
                 figures = {
@@ -143,8 +164,11 @@ def main() -> None:
                 print(f"{name}: {figures}", flush=True)
         finally:
             engine.close()
-    print(json.dumps({"streams": args.streams, "seconds": args.seconds, "rounds": args.rounds,
-                      "results": results}))
+    print(
+        json.dumps(
+            {"streams": args.streams, "seconds": args.seconds, "rounds": args.rounds, "results": results}
+        )
+    )
 
 
 if __name__ == "__main__":

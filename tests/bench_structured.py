@@ -27,9 +27,16 @@ from edgellmd.engine.generation import Finished, GenerationRequest, SamplingPara
 from edgellmd.engine.sampling import SlotSampler
 
 SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["title", "author", "year", "genre"],
-    "properties": {"title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"},
-                   "genre": {"type": "string", "enum": ["fiction", "poetry", "history", "science"]}}}
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["title", "author", "year", "genre"],
+    "properties": {
+        "title": {"type": "string"},
+        "author": {"type": "string"},
+        "year": {"type": "integer"},
+        "genre": {"type": "string", "enum": ["fiction", "poetry", "history", "science"]},
+    },
+}
 PROMPT = "Describe one famous book as JSON with its title, author, year and genre."
 
 
@@ -41,8 +48,9 @@ def demo_model(directory: Path) -> Path:
     return found
 
 
-async def run(engine: Engine, tokens: list[int], streams: int, grammar: str | None,
-              max_tokens: int, seconds: float) -> tuple[float, int, int]:
+async def run(
+    engine: Engine, tokens: list[int], streams: int, grammar: str | None, max_tokens: int, seconds: float
+) -> tuple[float, int, int]:
     """Tokens/s over `seconds` with `streams` closed-loop clients; also tokens and requests."""
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
@@ -52,8 +60,12 @@ async def run(engine: Engine, tokens: list[int], streams: int, grammar: str | No
     async def client(first_seed: int) -> None:
         seed = first_seed
         while time.perf_counter() < deadline:
-            gen = engine.submit(GenerationRequest(tokens, max_tokens, SamplingParams(
-                temperature=0.8, seed=seed, grammar=grammar)), loop)
+            gen = engine.submit(
+                GenerationRequest(
+                    tokens, max_tokens, SamplingParams(temperature=0.8, seed=seed, grammar=grammar)
+                ),
+                loop,
+            )
             seed += streams
             seen = 0
             try:
@@ -98,8 +110,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = demo_model(Path(tmp))
         threads = default_threads()
-        engine = Engine(EngineConfig(path=path, slots=args.streams, context_size=1024, batch_size=512,
-                                     threads=threads, threads_batch=threads))
+        engine = Engine(
+            EngineConfig(
+                path=path,
+                slots=args.streams,
+                context_size=1024,
+                batch_size=512,
+                threads=threads,
+                threads_batch=threads,
+            )
+        )
         try:
             tokens = engine.tokenize(apply_builtin_template("gemma", [("user", PROMPT)]), parse_special=True)
             grammar = schema_to_grammar(SCHEMA)
@@ -107,24 +127,36 @@ def main() -> None:
             constrained: list[float] = []
             counts = [0, 0, 0]
             for i in range(args.rounds):
-                rate, n, done = asyncio.run(run(engine, tokens, args.streams, None, args.max_tokens,
-                                                args.seconds))
+                rate, n, done = asyncio.run(
+                    run(engine, tokens, args.streams, None, args.max_tokens, args.seconds)
+                )
                 plain.append(rate)
                 misses[:] = [0, 0]
-                crate, cn, cdone = asyncio.run(run(engine, tokens, args.streams, grammar, args.max_tokens,
-                                                   args.seconds))
+                crate, cn, cdone = asyncio.run(
+                    run(engine, tokens, args.streams, grammar, args.max_tokens, args.seconds)
+                )
                 constrained.append(crate)
                 counts = [counts[0] + cn, counts[1] + misses[0], counts[2] + misses[1]]
-                print(f"round {i + 1}: unconstrained {rate:6.1f} tok/s ({n} tokens, {done} replies), "
-                      f"json_schema {crate:6.1f} tok/s ({cn} tokens, {cdone} replies, {misses[0]} grammar "
-                      f"misses, {misses[1]} resampled over the whole vocabulary)")
+                print(
+                    f"round {i + 1}: unconstrained {rate:6.1f} tok/s ({n} tokens, {done} replies), "
+                    f"json_schema {crate:6.1f} tok/s ({cn} tokens, {cdone} replies, {misses[0]} grammar "
+                    f"misses, {misses[1]} resampled over the whole vocabulary)"
+                )
         finally:
             engine.close()
     p, c = statistics.median(plain), statistics.median(constrained)
-    print(json.dumps({"streams": args.streams, "unconstrained_tokens_per_s": round(p, 1),
-                      "json_schema_tokens_per_s": round(c, 1), "ratio": round(c / p, 3),
-                      "miss_share": round(counts[1] / max(1, counts[0]), 3),
-                      "full_vocabulary_share": round(counts[2] / max(1, counts[0]), 3)}))
+    print(
+        json.dumps(
+            {
+                "streams": args.streams,
+                "unconstrained_tokens_per_s": round(p, 1),
+                "json_schema_tokens_per_s": round(c, 1),
+                "ratio": round(c / p, 3),
+                "miss_share": round(counts[1] / max(1, counts[0]), 3),
+                "full_vocabulary_share": round(counts[2] / max(1, counts[0]), 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,13 +33,32 @@ def tiny_model(models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def daemon(models_dir: Path) -> Iterator[RunningDaemon]:
     """One daemon for the whole session: `tiny` (2 slots), `notemplate`, and `builtin` (chatml)."""
-    settings = settings_for([
-        {"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": TINY_SLOTS,
-         "context_size": TINY_CONTEXT, "threads": 1},
-        {"name": "notemplate", "file": str(models_dir / "notemplate.gguf"), "slots": 1,
-         "context_size": 128, "threads": 1},
-        {"name": "builtin", "file": str(models_dir / "notemplate.gguf"), "slots": 1,
-         "context_size": 128, "threads": 1, "chat_template": "chatml"},
-    ], server={"max_tokens_limit": 512, "max_body_bytes": 65536})
+    settings = settings_for(
+        [
+            {
+                "name": "tiny",
+                "file": str(models_dir / "tiny.gguf"),
+                "slots": TINY_SLOTS,
+                "context_size": TINY_CONTEXT,
+                "threads": 1,
+            },
+            {
+                "name": "notemplate",
+                "file": str(models_dir / "notemplate.gguf"),
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            },
+            {
+                "name": "builtin",
+                "file": str(models_dir / "notemplate.gguf"),
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+                "chat_template": "chatml",
+            },
+        ],
+        server={"max_tokens_limit": 512, "max_body_bytes": 65536},
+    )
     with running(settings) as d:
         yield d

@@ -25,10 +25,15 @@ H200_JSON: Final = Path(__file__).parent / "data" / "nvml" / "h200.nvml.json"
 
 Answers = dict[str, dict[str, Any]]
 
-_CLOCKS: Final = {pynvml.NVML_CLOCK_SM: "NVML_CLOCK_SM", pynvml.NVML_CLOCK_MEM: "NVML_CLOCK_MEM",
-                  pynvml.NVML_CLOCK_GRAPHICS: "NVML_CLOCK_GRAPHICS"}
-_ECC: Final = {pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
-               pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected"}
+_CLOCKS: Final = {
+    pynvml.NVML_CLOCK_SM: "NVML_CLOCK_SM",
+    pynvml.NVML_CLOCK_MEM: "NVML_CLOCK_MEM",
+    pynvml.NVML_CLOCK_GRAPHICS: "NVML_CLOCK_GRAPHICS",
+}
+_ECC: Final = {
+    pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED: "corrected",
+    pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED: "uncorrected",
+}
 
 
 class _Handle:
@@ -48,8 +53,14 @@ class FakeNvml:
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
     NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
 
-    def __init__(self, system: Answers, devices: list[Answers], *, init_error: str | None = None,
-                 lost_after: Mapping[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        system: Answers,
+        devices: list[Answers],
+        *,
+        init_error: str | None = None,
+        lost_after: Mapping[int, int] | None = None,
+    ) -> None:
         self.system = system
         self.devices = devices
         self.init_error = init_error
@@ -159,8 +170,10 @@ class FakeNvml:
 
 def _answers(**calls: Any) -> Answers:
     """Call -> answer; an NVMLError class (or NVMLLibraryMismatchError) stands for that error."""
-    return {key: {"error": value.__name__} if isinstance(value, type) else {"value": value}
-            for key, value in calls.items()}
+    return {
+        key: {"error": value.__name__} if isinstance(value, type) else {"value": value}
+        for key, value in calls.items()
+    }
 
 
 def _recording() -> dict[str, Any]:
@@ -183,21 +196,27 @@ def h200(device: Mapping[str, Any] | None = None, *, count: int = 1, **kw: Any) 
 
 def p40() -> FakeNvml:
     """A Tesla P40 (6.1, 24 GB, ECC off) on driver 580, the last branch for Pascal: passive, no fan."""
-    fake = h200({
-        "nvmlDeviceGetName": "Tesla P40",
-        "nvmlDeviceGetCudaComputeCapability": [6, 1],
-        "nvmlDeviceGetMemoryInfo": {"total": 24451 * 1024**2, "free": 24290 * 1024**2, "used": 161 * 1024**2},
-        "nvmlDeviceGetUtilizationRates": {"gpu": 0, "memory": 0},
-        "nvmlDeviceGetPowerUsage": 9870,
-        "nvmlDeviceGetEnforcedPowerLimit": 250000,
-        "nvmlDeviceGetFanSpeed": pynvml.NVMLError_NotSupported,
-        "nvmlDeviceGetCurrentClocksEventReasons": 0,
-        "temperature_gpu": 27,
-        "clock_NVML_CLOCK_SM": 544,
-        "clock_NVML_CLOCK_MEM": 405,
-        "ecc_corrected_volatile": pynvml.NVMLError_NotSupported,
-        "ecc_uncorrected_volatile": pynvml.NVMLError_NotSupported,
-    })
+    fake = h200(
+        {
+            "nvmlDeviceGetName": "Tesla P40",
+            "nvmlDeviceGetCudaComputeCapability": [6, 1],
+            "nvmlDeviceGetMemoryInfo": {
+                "total": 24451 * 1024**2,
+                "free": 24290 * 1024**2,
+                "used": 161 * 1024**2,
+            },
+            "nvmlDeviceGetUtilizationRates": {"gpu": 0, "memory": 0},
+            "nvmlDeviceGetPowerUsage": 9870,
+            "nvmlDeviceGetEnforcedPowerLimit": 250000,
+            "nvmlDeviceGetFanSpeed": pynvml.NVMLError_NotSupported,
+            "nvmlDeviceGetCurrentClocksEventReasons": 0,
+            "temperature_gpu": 27,
+            "clock_NVML_CLOCK_SM": 544,
+            "clock_NVML_CLOCK_MEM": 405,
+            "ecc_corrected_volatile": pynvml.NVMLError_NotSupported,
+            "ecc_uncorrected_volatile": pynvml.NVMLError_NotSupported,
+        }
+    )
     fake.system |= _answers(nvmlSystemGetDriverVersion="580.95.05", nvmlSystemGetCudaDriverVersion=13000)
     return fake
 
@@ -205,10 +224,12 @@ def p40() -> FakeNvml:
 def old_driver() -> FakeNvml:
     """The P40 on driver 470 (CUDA 11.4): no ...ClocksEventReasons, no v3 process list."""
     fake = p40()
-    fake.devices[0] |= _answers(nvmlDeviceGetCurrentClocksEventReasons=pynvml.NVMLError_FunctionNotFound,
-                                nvmlDeviceGetCurrentClocksThrottleReasons=0x1,
-                                # pynvml turns the missing _v3 function into this error
-                                nvmlDeviceGetComputeRunningProcesses=pynvml.NVMLLibraryMismatchError)
+    fake.devices[0] |= _answers(
+        nvmlDeviceGetCurrentClocksEventReasons=pynvml.NVMLError_FunctionNotFound,
+        nvmlDeviceGetCurrentClocksThrottleReasons=0x1,
+        # pynvml turns the missing _v3 function into this error
+        nvmlDeviceGetComputeRunningProcesses=pynvml.NVMLLibraryMismatchError,
+    )
     fake.system |= _answers(nvmlSystemGetDriverVersion="470.256.02", nvmlSystemGetCudaDriverVersion=11040)
     return fake
 
@@ -220,17 +241,19 @@ def maxwell() -> FakeNvml:
 
 def not_supported_fields() -> FakeNvml:
     """A consumer card seen from a container: several fields refused, one way or another."""
-    return h200({
-        "nvmlDeviceGetName": "NVIDIA GeForce RTX 3090",
-        "nvmlDeviceGetCudaComputeCapability": [8, 6],
-        "nvmlDeviceGetUtilizationRates": pynvml.NVMLError_NotSupported,
-        "nvmlDeviceGetPowerUsage": pynvml.NVMLError_NotSupported,
-        "nvmlDeviceGetEnforcedPowerLimit": pynvml.NVMLError_NoPermission,
-        "nvmlDeviceGetFanSpeed": 41,
-        "ecc_corrected_volatile": pynvml.NVMLError_NotSupported,
-        "ecc_uncorrected_volatile": pynvml.NVMLError_NotSupported,
-        "nvmlDeviceGetComputeRunningProcesses": [{"pid": 4242, "usedGpuMemory": None}],
-    })
+    return h200(
+        {
+            "nvmlDeviceGetName": "NVIDIA GeForce RTX 3090",
+            "nvmlDeviceGetCudaComputeCapability": [8, 6],
+            "nvmlDeviceGetUtilizationRates": pynvml.NVMLError_NotSupported,
+            "nvmlDeviceGetPowerUsage": pynvml.NVMLError_NotSupported,
+            "nvmlDeviceGetEnforcedPowerLimit": pynvml.NVMLError_NoPermission,
+            "nvmlDeviceGetFanSpeed": 41,
+            "ecc_corrected_volatile": pynvml.NVMLError_NotSupported,
+            "ecc_uncorrected_volatile": pynvml.NVMLError_NotSupported,
+            "nvmlDeviceGetComputeRunningProcesses": [{"pid": 4242, "usedGpuMemory": None}],
+        }
+    )
 
 
 def no_driver() -> FakeNvml:

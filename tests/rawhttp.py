@@ -76,8 +76,7 @@ def exchange(port: int, data: bytes, *, timeout: float = 10.0) -> RawAnswer:
         return read_answer(sock, timeout)
 
 
-def closed_within(sock: socket.socket, seconds: float, *, drip: bytes = b"",
-                  every: float = 0.2) -> float:
+def closed_within(sock: socket.socket, seconds: float, *, drip: bytes = b"", every: float = 0.2) -> float:
     """Send `drip` one byte every `every` s (none: wait) until the server closes; the time it took.
 
     Anything the server sends meanwhile is read and ignored; fails if still open after `seconds`.
@@ -108,12 +107,17 @@ def get(path: str, *, token: str | None = None, extra: str = "") -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}{extra}\r\n".encode()
 
 
-def post(path: str, body: bytes, *, token: str | None = None, length: int | None = None,
-         chunked: bool = False) -> bytes:
+def post(
+    path: str, body: bytes, *, token: str | None = None, length: int | None = None, chunked: bool = False
+) -> bytes:
     """A JSON POST request: head and (for Content-Length) body; `length` may lie."""
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
-    framing = ("Transfer-Encoding: chunked\r\n" if chunked
-               else f"Content-Length: {len(body) if length is None else length}\r\n")
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n"
-            f"{framing}\r\n").encode()
+    framing = (
+        "Transfer-Encoding: chunked\r\n"
+        if chunked
+        else f"Content-Length: {len(body) if length is None else length}\r\n"
+    )
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n{framing}\r\n"
+    ).encode()
     return head + body

@@ -36,8 +36,9 @@ def free_port() -> int:
         return port
 
 
-def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, what: str = "a condition",
-             interval: float = 0.02) -> Any:
+def wait_for(
+    condition: Callable[[], Any], *, timeout: float = 30.0, what: str = "a condition", interval: float = 0.02
+) -> Any:
     """Poll until `condition()` is truthy and return it; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -54,7 +55,7 @@ def _sse_data(raw: bytes) -> dict[str, Any] | str | None:
     line = raw.decode("utf-8").strip()
     if not line.startswith("data: "):
         return None
-    data = line[len("data: "):]
+    data = line[len("data: ") :]
     if data == "[DONE]":
         return data
     chunk: dict[str, Any] = json.loads(data)
@@ -99,8 +100,11 @@ class SignedLock:
     def __post_init__(self) -> None:
         self.models.mkdir(parents=True)
         self.sources.mkdir()
-        self.pub.write_bytes(self.key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        self.pub.write_bytes(
+            self.key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
 
     @property
     def models(self) -> Path:
@@ -143,8 +147,12 @@ class SignedLock:
     @staticmethod
     def entry(file: str, data: bytes) -> dict[str, Any]:
         """A lockfile entry for `data` stored as `file`."""
-        return {"file": file, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "gguf": {"architecture": "llama"}}
+        return {
+            "file": file,
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "gguf": {"architecture": "llama"},
+        }
 
     def sign_lock(self, models: dict[str, Any], *, version: int | None = None) -> int:
         """Write a newly signed lockfile (atomically); `version` defaults to the next one."""
@@ -152,14 +160,24 @@ class SignedLock:
             version = self.version + 1
         self.version = max(self.version, version)
         now = datetime.now(UTC)
-        doc: dict[str, Any] = {"schema": 1, "version": version, "issued": format_time(now),
-                               "expires": format_time(now + timedelta(days=1)), "models": models}
+        doc: dict[str, Any] = {
+            "schema": 1,
+            "version": version,
+            "issued": format_time(now),
+            "expires": format_time(now + timedelta(days=1)),
+            "models": models,
+        }
         doc["signatures"] = [sign(doc, self.key)]
         self.replace(self.lock, json.dumps(doc).encode())
         return version
 
-    def publish(self, models: bytes | Mapping[str, tuple[str, bytes]], *, file: str | None = None,
-                write_files: bool = True) -> int:
+    def publish(
+        self,
+        models: bytes | Mapping[str, tuple[str, bytes]],
+        *,
+        file: str | None = None,
+        write_files: bool = True,
+    ) -> int:
         """Put model files in place (each by rename), then sign a new lockfile version naming
         them; returns the version.
 
@@ -191,19 +209,31 @@ class SignedLock:
 
     def lock_settings(self) -> dict[str, Any]:
         """The daemon's `lock` section for this directory and key."""
-        return {"file": str(self.lock), "models_dir": str(self.models), "state_dir": str(self.state),
-                "trusted_keys": [str(self.pub)]}
+        return {
+            "file": str(self.lock),
+            "models_dir": str(self.models),
+            "state_dir": str(self.state),
+            "trusted_keys": [str(self.pub)],
+        }
 
 
-def settings_for(models: list[dict[str, Any]], server: dict[str, Any] | None = None,
-                 base_dir: Path | None = None, lock: dict[str, Any] | None = None,
-                 lifecycle: dict[str, Any] | None = None,
-                 auth: dict[str, Any] | None = None) -> Settings:
+def settings_for(
+    models: list[dict[str, Any]],
+    server: dict[str, Any] | None = None,
+    base_dir: Path | None = None,
+    lock: dict[str, Any] | None = None,
+    lifecycle: dict[str, Any] | None = None,
+    auth: dict[str, Any] | None = None,
+) -> Settings:
     """Settings from plain dicts, as a YAML file would give them (the test server picks its own port)."""
-    data: dict[str, Any] = {"server": {**(server or {})}, "models": models,
-                            "logging": {"level": "debug", "format": "text"},
-                            "lock": lock or {"allow_unsigned": True},
-                            "lifecycle": lifecycle, "auth": auth}
+    data: dict[str, Any] = {
+        "server": {**(server or {})},
+        "models": models,
+        "logging": {"level": "debug", "format": "text"},
+        "lock": lock or {"allow_unsigned": True},
+        "lifecycle": lifecycle,
+        "auth": auth,
+    }
     return parse_settings(data, base_dir=base_dir or Path.cwd())
 
 
@@ -288,8 +318,9 @@ class RunningDaemon:
         except urllib.error.HTTPError as exc:
             return exc.code, json.loads(exc.read())
 
-    def post(self, path: str, body: Any, *, raw: bytes | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    def post(
+        self, path: str, body: Any, *, raw: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         """A plain POST of JSON (or raw bytes) returning (status, parsed JSON body)."""
         data = raw if raw is not None else json.dumps(body).encode()
         hdrs = {"Content-Type": "application/json", **(headers or {})}

@@ -83,35 +83,56 @@ def playbook(tmp: Path, play: str, *args: str, check: bool = True) -> subprocess
     """Run a playbook (text) with ansible-playbook; fails the test with its output unless it succeeds."""
     path = tmp / f"play-{time.monotonic_ns()}.yml"
     path.write_text(play)
-    result = subprocess.run([tool("ansible-playbook", ANSIBLE_PACKAGE), str(path), *args],
-                            capture_output=True, text=True, env=ansible_env(tmp), cwd=tmp,
-                            timeout=900, check=False)
+    result = subprocess.run(
+        [tool("ansible-playbook", ANSIBLE_PACKAGE), str(path), *args],
+        capture_output=True,
+        text=True,
+        env=ansible_env(tmp),
+        cwd=tmp,
+        timeout=900,
+        check=False,
+    )
     if check and result.returncode != 0:
-        pytest.fail(f"ansible-playbook failed ({result.returncode}):\n{result.stdout[-8000:]}\n"
-                    f"{result.stderr[-4000:]}")
+        pytest.fail(
+            f"ansible-playbook failed ({result.returncode}):\n{result.stdout[-8000:]}\n"
+            f"{result.stderr[-4000:]}"
+        )
     return result
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
     """PLAY RECAP counts by host: {"localhost": {"ok": 30, "changed": 0, ...}}."""
-    text = output[output.rindex("PLAY RECAP"):]
-    return {m.group(1): {"ok": int(m.group(2)), "changed": int(m.group(3)),
-                         "unreachable": int(m.group(4)), "failed": int(m.group(5))}
-            for m in RECAP.finditer(text)}
+    text = output[output.rindex("PLAY RECAP") :]
+    return {
+        m.group(1): {
+            "ok": int(m.group(2)),
+            "changed": int(m.group(3)),
+            "unreachable": int(m.group(4)),
+            "failed": int(m.group(5)),
+        }
+        for m in RECAP.finditer(text)
+    }
 
 
 def current_user() -> dict[str, str]:
     """Owner variables for a sandbox: everything owned by whoever runs the tests."""
     user = pwd.getpwuid(os.getuid()).pw_name
     group = grp.getgrgid(os.getgid()).gr_name
-    return {"edgellm_user": user, "edgellm_group": group,
-            "edgellm_admin_user": user, "edgellm_admin_group": group}
+    return {
+        "edgellm_user": user,
+        "edgellm_group": group,
+        "edgellm_admin_user": user,
+        "edgellm_admin_group": group,
+    }
 
 
 def directives(text: str) -> list[list[str]]:
     """The lines that mean something (no comments, no blank lines), split into fields."""
-    return [line.split() for line in text.splitlines()
-            if line.strip() and not line.lstrip().startswith(("#", ";"))]
+    return [
+        line.split()
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith(("#", ";"))
+    ]
 
 
 class DaemonProcess:
@@ -157,18 +178,34 @@ class DaemonProcess:
 def test_ansible_lint_production_profile_passes(tmp_path: Path) -> None:
     lint = tool("ansible-lint", LINT_PACKAGE)
     tool("ansible-playbook", ANSIBLE_PACKAGE)
-    result = subprocess.run([lint, "--offline", "--profile", "production", "--nocolor", "."],
-                            capture_output=True, text=True, cwd=ANSIBLE, env=ansible_env(tmp_path),
-                            timeout=600, check=False)
+    result = subprocess.run(
+        [lint, "--offline", "--profile", "production", "--nocolor", "."],
+        capture_output=True,
+        text=True,
+        cwd=ANSIBLE,
+        env=ansible_env(tmp_path),
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Profile 'production' was required, and it passed" in result.stdout + result.stderr
 
 
 def test_site_playbook_passes_syntax_check(tmp_path: Path) -> None:
-    result = subprocess.run([tool("ansible-playbook", ANSIBLE_PACKAGE), "--syntax-check",
-                             str(ANSIBLE / "site.yml"), "-i", str(EXAMPLE_INVENTORY)],
-                            capture_output=True, text=True, env=ansible_env(tmp_path), timeout=300,
-                            check=False)
+    result = subprocess.run(
+        [
+            tool("ansible-playbook", ANSIBLE_PACKAGE),
+            "--syntax-check",
+            str(ANSIBLE / "site.yml"),
+            "-i",
+            str(EXAMPLE_INVENTORY),
+        ],
+        capture_output=True,
+        text=True,
+        env=ansible_env(tmp_path),
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -210,8 +247,9 @@ def test_role_defaults_render_the_shipped_systemd_files(tmp_path: Path) -> None:
     for name in shipped:
         want = [" ".join(fields) for fields in directives((REPO / "systemd" / name).read_text())]
         got = [" ".join(fields) for fields in directives((out / name).read_text())]
-        diff = "\n".join(difflib.unified_diff(want, got, f"systemd/{name}", f"templates/{name}.j2",
-                                              lineterm=""))
+        diff = "\n".join(
+            difflib.unified_diff(want, got, f"systemd/{name}", f"templates/{name}.j2", lineterm="")
+        )
         assert got == want, f"ansible/roles/edgellm/templates/{name}.j2 differs from systemd/{name}:\n{diff}"
 
 
@@ -301,15 +339,34 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     # The versions this venv runs, so that the sandbox gets what the other tests tested (and
     # llama-cpp-python's cached build). Not the build tools: edgellm's isolated build brings its own.
-    pins = sorted(f"{dist.metadata['Name']}=={dist.version}" for dist in importlib.metadata.distributions()
-                  if dist.metadata["Name"] and dist.metadata["Name"].lower() not in UNPINNED)
+    pins = sorted(
+        f"{dist.metadata['Name']}=={dist.version}"
+        for dist in importlib.metadata.distributions()
+        if dist.metadata["Name"] and dist.metadata["Name"].lower() not in UNPINNED
+    )
     constraints = base / "constraints.txt"
     constraints.write_text("\n".join(pins) + "\n")
     out = base / "wheels"
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
-                             "--constraint", str(constraints), "--wheel-dir", str(out), str(source)],
-                            capture_output=True, text=True, timeout=1800, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--constraint",
+            str(constraints),
+            "--wheel-dir",
+            str(out),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     print(f"wheelhouse: {len(list(out.glob('*.whl')))} wheels in {time.monotonic() - started:.1f} s")
     return out
@@ -369,22 +426,26 @@ def test_converge_installs_files_with_their_owners_and_modes(converged: tuple[Sa
 def test_converged_sandbox_serves_with_the_real_key(converged: tuple[Sandbox, Path]) -> None:
     sandbox, _ = converged
     root = sandbox.root
-    daemon = DaemonProcess([str(root / "opt/edgellm/venv/bin/edgellmd"), "--config",
-                            str(root / "etc/edgellm/edgellm.yaml")], sandbox.port,
-                           sandbox.base / "daemon.log")
+    daemon = DaemonProcess(
+        [str(root / "opt/edgellm/venv/bin/edgellmd"), "--config", str(root / "etc/edgellm/edgellm.yaml")],
+        sandbox.port,
+        sandbox.base / "daemon.log",
+    )
     url = daemon.url
     try:
         daemon.wait_ready()
         client = openai.OpenAI(base_url=url + "/v1", api_key=sandbox.token, max_retries=0)
-        reply = client.chat.completions.create(model=MODEL, max_tokens=8,
-                                               messages=[{"role": "user", "content": "Hello"}])
+        reply = client.chat.completions.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}]
+        )
         assert reply.choices[0].finish_reason in {"length", "stop"}
         assert reply.system_fingerprint is not None
         assert reply.system_fingerprint.startswith("edgellm-v3-")  # the lock the role installed
         wrong = openai.OpenAI(base_url=url + "/v1", api_key="elk_000000000000_" + "x" * 43, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
-            wrong.chat.completions.create(model=MODEL, max_tokens=1,
-                                          messages=[{"role": "user", "content": "Hello"}])
+            wrong.chat.completions.create(
+                model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Hello"}]
+            )
     finally:
         status = daemon.terminate()
     assert status == 0, daemon.log.read_text()[-4000:]
@@ -400,8 +461,19 @@ def test_a_model_that_does_not_match_the_lock_is_never_copied(converged: tuple[S
     data = bytearray(before)
     data[-1] ^= 0xFF  # same size, other bytes
     (tampered / "tiny.gguf").write_bytes(bytes(data))
-    result = playbook(sandbox.base, CONVERGE_PLAY, "-i", "localhost,", "-e", f"@{variables}",
-                      "-e", f"edgellm_models_src={tampered}", "--tags", "edgellm_models", check=False)
+    result = playbook(
+        sandbox.base,
+        CONVERGE_PLAY,
+        "-i",
+        "localhost,",
+        "-e",
+        f"@{variables}",
+        "-e",
+        f"edgellm_models_src={tampered}",
+        "--tags",
+        "edgellm_models",
+        check=False,
+    )
     assert result.returncode != 0
     assert "does not match" in result.stdout
     assert recap(result.stdout)["localhost"]["failed"] == 1
@@ -423,10 +495,14 @@ LB_PLAY: Final = """\
 
 def lb_sandbox_vars(root: Path) -> dict[str, Any]:
     user = current_user()
-    return {"edgellm_lb_root": str(root), "edgellm_lb_manage_packages": False,
-            "edgellm_lb_manage_systemd": False, "edgellm_lb_config_owner": user["edgellm_admin_user"],
-            "edgellm_lb_config_group": user["edgellm_admin_group"],
-            "ansible_python_interpreter": sys.executable}
+    return {
+        "edgellm_lb_root": str(root),
+        "edgellm_lb_manage_packages": False,
+        "edgellm_lb_manage_systemd": False,
+        "edgellm_lb_config_owner": user["edgellm_admin_user"],
+        "edgellm_lb_config_group": user["edgellm_admin_group"],
+        "ansible_python_interpreter": sys.executable,
+    }
 
 
 def test_example_site_renders_a_valid_haproxy_config(tmp_path: Path) -> None:
@@ -434,17 +510,26 @@ def test_example_site_renders_a_valid_haproxy_config(tmp_path: Path) -> None:
     haproxy = tool("haproxy", HAPROXY_PACKAGE)
     variables = tmp_path / "vars.yml"
     variables.write_text(yaml.safe_dump(lb_sandbox_vars(tmp_path / "root")))
-    playbook(tmp_path, LB_PLAY, "-i", str(EXAMPLE_INVENTORY), "--limit", "edgellm-lb-1",
-             "-e", f"@{variables}")
+    playbook(
+        tmp_path, LB_PLAY, "-i", str(EXAMPLE_INVENTORY), "--limit", "edgellm-lb-1", "-e", f"@{variables}"
+    )
     config = tmp_path / "root/etc/haproxy/haproxy.cfg"
     text = config.read_text()
     assert len(re.findall(r"^\s+server edgellm-\d\d 10\.20\.\d\.\d+:8080 check$", text, re.M)) == 20
-    for line in ("balance leastconn", "option httpchk GET /readyz", "http-check expect status 200",
-                 "option redispatch 1", "option forwardfor", "timeout server 10m", "timeout tunnel 10m",
-                 "default-server inter 2s fall 2 rise 2"):
+    for line in (
+        "balance leastconn",
+        "option httpchk GET /readyz",
+        "http-check expect status 200",
+        "option redispatch 1",
+        "option forwardfor",
+        "timeout server 10m",
+        "timeout tunnel 10m",
+        "default-server inter 2s fall 2 rise 2",
+    ):
         assert line in text, line
-    check = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True,
-                           timeout=60, check=False)
+    check = subprocess.run(
+        [haproxy, "-c", "-f", str(config)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -465,8 +550,12 @@ class Haproxy:
 
     def __init__(self, config: Path) -> None:
         self.lines: list[tuple[float, str]] = []
-        self.process = subprocess.Popen([tool("haproxy", HAPROXY_PACKAGE), "-f", str(config), "-db"],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            [tool("haproxy", HAPROXY_PACKAGE), "-f", str(config), "-db"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -493,21 +582,38 @@ class Haproxy:
 
 def ask(url: str, *, stream: bool) -> Outcome:
     """One chat completion through the balancer; streamed ones are read to their [DONE]."""
-    body = json.dumps({"model": MODEL, "max_tokens": 8, "stream": stream,
-                       "messages": [{"role": "user", "content": "Hi"}]}).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", data=body, method="POST",  # noqa: S310
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": MODEL, "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "Hi"}]}
+    ).encode()
+    request = urllib.request.Request(  # noqa: S310
+        url + "/v1/chat/completions",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     started = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:  # noqa: S310 - loopback URL
             payload = resp.read().decode()
             backend = resp.headers.get("X-Edgellm-Backend", "")
             complete = "data: [DONE]" in payload if stream else "choices" in json.loads(payload)
-            return Outcome(started, time.monotonic(), resp.status if complete else 0, backend, stream,
-                           "" if complete else "incomplete body")
+            return Outcome(
+                started,
+                time.monotonic(),
+                resp.status if complete else 0,
+                backend,
+                stream,
+                "" if complete else "incomplete body",
+            )
     except urllib.error.HTTPError as exc:
-        return Outcome(started, time.monotonic(), exc.code, exc.headers.get("X-Edgellm-Backend", ""),
-                       stream, exc.read().decode(errors="replace")[:200])
+        return Outcome(
+            started,
+            time.monotonic(),
+            exc.code,
+            exc.headers.get("X-Edgellm-Backend", ""),
+            stream,
+            exc.read().decode(errors="replace")[:200],
+        )
     except (urllib.error.URLError, OSError) as exc:
         return Outcome(started, time.monotonic(), 0, "", stream, repr(exc))
 
@@ -526,11 +632,20 @@ def test_haproxy_keeps_serving_when_a_daemon_stops(tmp_path: Path, tiny_model: P
     lifecycle = {"preload_dir": None, "watch": False}
     port_a = free_port()
     config_a = tmp_path / "box-a.yaml"
-    config_a.write_text(yaml.safe_dump({
-        "server": {"host": "127.0.0.1", "port": port_a}, "lock": {"allow_unsigned": True},
-        "lifecycle": lifecycle, "logging": {"level": "info", "format": "text"}, "models": [model]}))
-    box_a = DaemonProcess([sys.executable, "-m", "edgellmd", "--config", str(config_a)], port_a,
-                          tmp_path / "box-a.log")
+    config_a.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"host": "127.0.0.1", "port": port_a},
+                "lock": {"allow_unsigned": True},
+                "lifecycle": lifecycle,
+                "logging": {"level": "info", "format": "text"},
+                "models": [model],
+            }
+        )
+    )
+    box_a = DaemonProcess(
+        [sys.executable, "-m", "edgellmd", "--config", str(config_a)], port_a, tmp_path / "box-a.log"
+    )
     try:
         box_a.wait_ready()
         with running(settings_for([model], lifecycle=lifecycle)) as box_b:
@@ -545,25 +660,53 @@ def test_haproxy_keeps_serving_when_a_daemon_stops(tmp_path: Path, tiny_model: P
 def render_lb(tmp_path: Path, boxes: dict[str, int]) -> Path:
     """Run the edgellm_lb role for an inventory of loopback boxes; check and return the config."""
     inventory = tmp_path / "hosts.yml"
-    inventory.write_text(yaml.safe_dump({"all": {"children": {
-        "edgellm": {"hosts": {name: {"ansible_host": "127.0.0.1", "edgellm_port": port}
-                              for name, port in boxes.items()}},
-        "edgellm_lb": {"hosts": {"lb": {}}}}}}))
+    inventory.write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "children": {
+                        "edgellm": {
+                            "hosts": {
+                                name: {"ansible_host": "127.0.0.1", "edgellm_port": port}
+                                for name, port in boxes.items()
+                            }
+                        },
+                        "edgellm_lb": {"hosts": {"lb": {}}},
+                    }
+                }
+            }
+        )
+    )
     variables = tmp_path / "vars.yml"
     # A foreground HAProxy run by the test user: no chroot, no user switch, no admin socket,
     # logs on stdout. Balancing, checks, retries and timeouts are the role's defaults.
-    variables.write_text(yaml.safe_dump({
-        **lb_sandbox_vars(tmp_path / "root"), "edgellm_lb_bind_address": "127.0.0.1",
-        "edgellm_lb_bind_port": free_port(), "edgellm_lb_chroot": "", "edgellm_lb_user": "",
-        "edgellm_lb_stats_socket": "", "edgellm_lb_log_target": "stdout",
-        "edgellm_lb_maxconn": 256, "edgellm_lb_expose_backend": True}))
+    variables.write_text(
+        yaml.safe_dump(
+            {
+                **lb_sandbox_vars(tmp_path / "root"),
+                "edgellm_lb_bind_address": "127.0.0.1",
+                "edgellm_lb_bind_port": free_port(),
+                "edgellm_lb_chroot": "",
+                "edgellm_lb_user": "",
+                "edgellm_lb_stats_socket": "",
+                "edgellm_lb_log_target": "stdout",
+                "edgellm_lb_maxconn": 256,
+                "edgellm_lb_expose_backend": True,
+            }
+        )
+    )
     playbook(tmp_path, LB_PLAY, "-i", str(inventory), "-e", f"@{variables}")
     config = tmp_path / "root/etc/haproxy/haproxy.cfg"
     text = config.read_text()
     for name, port in boxes.items():
         assert f"server {name} 127.0.0.1:{port} check" in text
-    check = subprocess.run([tool("haproxy", HAPROXY_PACKAGE), "-c", "-f", str(config)],
-                           capture_output=True, text=True, timeout=60, check=False)
+    check = subprocess.run(
+        [tool("haproxy", HAPROXY_PACKAGE), "-c", "-f", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     return config
 
@@ -615,16 +758,19 @@ def report_failover(outcomes: list[Outcome], stopped_at: float, haproxy: Haproxy
     marked_down = haproxy.first(r"Server edgellm/box-a is DOWN")
     failed = [o for o in outcomes if o.status != 200]
     after_stop = [o for o in outcomes if o.started >= stopped_at]
-    print(f"failover: {len(outcomes)} requests, {len(after_stop)} after box-a stopped, "
-          f"{len(failed)} failed; marked down "
-          f"{'never' if marked_down is None else f'{marked_down - stopped_at:.1f} s'} after the stop")
+    print(
+        f"failover: {len(outcomes)} requests, {len(after_stop)} after box-a stopped, "
+        f"{len(failed)} failed; marked down "
+        f"{'never' if marked_down is None else f'{marked_down - stopped_at:.1f} s'} after the stop"
+    )
     for outcome in failed:
         print(f"  failed at {outcome.started - stopped_at:+.2f} s: {outcome.status} {outcome.error}")
     for at, line in haproxy.lines:
         if abs(at - stopped_at) < 2:
             print(f"  haproxy {at - stopped_at:+.2f} s: {line}")
     assert marked_down is not None, "HAProxy never marked box-a down:\n" + "\n".join(
-        line for _, line in haproxy.lines[-20:])
+        line for _, line in haproxy.lines[-20:]
+    )
     assert marked_down - stopped_at < FAILOVER_WINDOW_S
     assert len(after_stop) > 10, "too few requests after the stop to say anything"
     # After the backend is marked down, and after the failover window, everything succeeds.

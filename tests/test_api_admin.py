@@ -53,8 +53,9 @@ def broken(tmp_path: Path) -> Path:
 
 
 @asynccontextmanager
-async def serving(aiohttp_client: AiohttpClient, models: dict[str, Path], *,
-                 keys_file: Path | None = None, token: str = "") -> AsyncIterator[Admin]:
+async def serving(
+    aiohttp_client: AiohttpClient, models: dict[str, Path], *, keys_file: Path | None = None, token: str = ""
+) -> AsyncIterator[Admin]:
     async with api_context([model_settings(name, file) for name, file in models.items()]) as context:
         app = bare_app()
         app[API_CONTEXT] = context
@@ -81,11 +82,19 @@ async def admin_of_two(aiohttp_client: AiohttpClient, tiny_model: Path, broken: 
 
 
 ROUTES: Final = [  # method, path, status with the tiny model loaded
-    ("GET", "/admin/status", 200), ("GET", "/admin/stats", 200), ("POST", "/admin/reload", 200),
-    ("POST", "/admin/models/tiny/load", 200), ("POST", "/admin/models/tiny/unload", 200),
+    ("GET", "/admin/status", 200),
+    ("GET", "/admin/stats", 200),
+    ("POST", "/admin/reload", 200),
+    ("POST", "/admin/models/tiny/load", 200),
+    ("POST", "/admin/models/tiny/unload", 200),
 ]
-WRONG_METHODS: Final = [("POST", "/admin/status"), ("POST", "/admin/stats"), ("GET", "/admin/reload"),
-                        ("GET", "/admin/models/tiny/load"), ("GET", "/admin/models/tiny/unload")]
+WRONG_METHODS: Final = [
+    ("POST", "/admin/status"),
+    ("POST", "/admin/stats"),
+    ("GET", "/admin/reload"),
+    ("GET", "/admin/models/tiny/load"),
+    ("GET", "/admin/models/tiny/unload"),
+]
 
 
 async def test_routes(admin: Admin) -> None:
@@ -103,8 +112,9 @@ async def test_status_is_the_registrys(admin: Admin) -> None:
     body = await response.json()
     assert response.status == 200
     assert body["lock"] == admin.context.registry.status()["lock"]
-    assert [(m["name"], m["state"], m["file"]) for m in body["models"]] == \
-        [("tiny", "ready", admin.model("tiny")["file"])]
+    assert [(m["name"], m["state"], m["file"]) for m in body["models"]] == [
+        ("tiny", "ready", admin.model("tiny")["file"])
+    ]
 
 
 async def test_stats_without_a_gpu_monitor(admin: Admin) -> None:
@@ -113,8 +123,12 @@ async def test_stats_without_a_gpu_monitor(admin: Admin) -> None:
     assert response.status == 200
     assert set(body) == {"metrics", "host", "gpu", "models"}
     assert body["gpu"] == {"available": False, "reason": "not read yet", "devices": [], "verdicts": []}
-    assert body["host"]["pinning"] == {"cpus": format_cpu_list(frozenset(os.sched_getaffinity(0))),
-                                       "requested": None, "pinned": False, "note": None}
+    assert body["host"]["pinning"] == {
+        "cpus": format_cpu_list(frozenset(os.sched_getaffinity(0))),
+        "requested": None,
+        "pinned": False,
+        "note": None,
+    }
     assert "edgellm_build_info" in body["metrics"]
     assert [m["name"] for m in body["models"]["models"]] == ["tiny"]
 
@@ -125,43 +139,111 @@ RELOAD_BODIES: Final[list[Any]] = [
     pytest.param({}, 200, None, None, None, None, id="empty-object"),
     pytest.param({"model": "tiny"}, 200, None, None, None, None, id="one-model"),
     pytest.param({"model": "tiny", "force": False}, 200, None, None, None, None, id="not-forced"),
-    pytest.param({"models": ["tiny"]}, 400, "invalid_request_error", None, "models",
-                 "unknown field 'models' (expected model, force)", id="unknown-field"),
-    pytest.param({"x" * 500: 1}, 400, "invalid_request_error", None, "x" * 64, "unknown field 'xxxx",
-                 id="long-unknown-field"),
-    pytest.param({"model": 5}, 400, "invalid_request_error", None, "model", "'model' must be a string",
-                 id="model-not-a-string"),
+    pytest.param(
+        {"models": ["tiny"]},
+        400,
+        "invalid_request_error",
+        None,
+        "models",
+        "unknown field 'models' (expected model, force)",
+        id="unknown-field",
+    ),
+    pytest.param(
+        {"x" * 500: 1},
+        400,
+        "invalid_request_error",
+        None,
+        "x" * 64,
+        "unknown field 'xxxx",
+        id="long-unknown-field",
+    ),
+    pytest.param(
+        {"model": 5},
+        400,
+        "invalid_request_error",
+        None,
+        "model",
+        "'model' must be a string",
+        id="model-not-a-string",
+    ),
     pytest.param({"model": None}, 200, None, None, None, None, id="model-null-means-all"),
-    pytest.param({"force": "yes"}, 400, "invalid_request_error", None, "force",
-                 "'force' must be true or false", id="force-not-a-bool"),
-    pytest.param({"model": "nope"}, 404, "invalid_request_error", "model_not_found", "model",
-                 "the model 'nope' does not exist", id="unknown-model"),
-    pytest.param((b"[]", "application/json"), 400, "invalid_request_error", None, None,
-                 "the JSON body must be an object", id="not-an-object"),
-    pytest.param((b"{", "application/json"), 400, "invalid_request_error", None, None,
-                 "the body is not valid JSON", id="not-json"),
-    pytest.param((b"{}", "text/plain"), 415, "invalid_request_error", "unsupported_media_type", None,
-                 "must be JSON", id="not-declared-json"),
+    pytest.param(
+        {"force": "yes"},
+        400,
+        "invalid_request_error",
+        None,
+        "force",
+        "'force' must be true or false",
+        id="force-not-a-bool",
+    ),
+    pytest.param(
+        {"model": "nope"},
+        404,
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+        "the model 'nope' does not exist",
+        id="unknown-model",
+    ),
+    pytest.param(
+        (b"[]", "application/json"),
+        400,
+        "invalid_request_error",
+        None,
+        None,
+        "the JSON body must be an object",
+        id="not-an-object",
+    ),
+    pytest.param(
+        (b"{", "application/json"),
+        400,
+        "invalid_request_error",
+        None,
+        None,
+        "the body is not valid JSON",
+        id="not-json",
+    ),
+    pytest.param(
+        (b"{}", "text/plain"),
+        415,
+        "invalid_request_error",
+        "unsupported_media_type",
+        None,
+        "must be JSON",
+        id="not-declared-json",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("body", "status", "kind", "code", "param", "message"), RELOAD_BODIES)
-async def test_reload_bodies(admin: Admin, caplog: pytest.LogCaptureFixture, body: Any, status: int,
-                             kind: str | None, code: str | None, param: str | None,
-                             message: str | None) -> None:
+async def test_reload_bodies(
+    admin: Admin,
+    caplog: pytest.LogCaptureFixture,
+    body: Any,
+    status: int,
+    kind: str | None,
+    code: str | None,
+    param: str | None,
+    message: str | None,
+) -> None:
     with caplog.at_level(logging.INFO):
         if isinstance(body, tuple):
-            response = await admin.client.post("/admin/reload", data=body[0],
-                                                headers={"Content-Type": body[1]})
+            response = await admin.client.post(
+                "/admin/reload", data=body[0], headers={"Content-Type": body[1]}
+            )
         else:
-            response = await admin.client.post("/admin/reload", json=body) if body is not None \
+            response = (
+                await admin.client.post("/admin/reload", json=body)
+                if body is not None
                 else await admin.client.post("/admin/reload")
+            )
     answer = await response.json()
     if status == 200:
         assert response.status == 200
         assert answer["ok"] is True
-        assert [(r["model"], r["result"], r["trigger"]) for r in answer["results"]] == \
-            [("tiny", "unchanged", "admin")]
+        assert [(r["model"], r["result"], r["trigger"]) for r in answer["results"]] == [
+            ("tiny", "unchanged", "admin")
+        ]
         assert audit_lines(caplog) == [AuditLine("INFO", "admin reload: tiny unchanged", PEER, None)]
         return
     assert await error_of(response) == (status, kind, code)
@@ -181,8 +263,9 @@ async def test_a_forced_reload_builds_a_new_copy(admin: Admin) -> None:
 async def test_unload_then_load(admin: Admin) -> None:
     unloaded = await admin.post("/admin/models/tiny/unload")
     assert unloaded.status == 200
-    assert [(r["model"], r["result"], r["reason"]) for r in (await unloaded.json())["results"]] == \
-        [("tiny", "unloaded", "unloaded by an operator")]
+    assert [(r["model"], r["result"], r["reason"]) for r in (await unloaded.json())["results"]] == [
+        ("tiny", "unloaded", "unloaded by an operator")
+    ]
     tiny = admin.model("tiny")
     assert (tiny["state"], tiny["reason"]) == ("unloaded", "unloaded by an operator")
     again = await admin.post("/admin/models/tiny/unload")
@@ -205,8 +288,9 @@ async def test_an_unknown_model(admin: Admin, action: str) -> None:
     assert (await response.json())["error"]["param"] == "model"
 
 
-async def test_a_failed_operation_is_a_409_that_says_which(admin_of_two: Admin,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_failed_operation_is_a_409_that_says_which(
+    admin_of_two: Admin, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO):
         load = await admin_of_two.post("/admin/models/bad/load")
         reload = await admin_of_two.post("/admin/reload")
@@ -216,16 +300,20 @@ async def test_a_failed_operation_is_a_409_that_says_which(admin_of_two: Admin,
     assert [(r["model"], r["result"]) for r in body["results"]] == [("bad", "failed")]
     assert "not a supported GGUF model" in body["results"][0]["reason"]
     assert reload.status == 409  # one failure among them is enough; each result says which
-    assert [(r["model"], r["result"]) for r in (await reload.json())["results"]] == \
-        [("tiny", "unchanged"), ("bad", "failed")]
-    assert audit_lines(caplog) == [AuditLine("INFO", "admin load: bad failed", PEER, None),
-                                   AuditLine("INFO", "admin reload: tiny unchanged, bad failed", PEER, None)]
+    assert [(r["model"], r["result"]) for r in (await reload.json())["results"]] == [
+        ("tiny", "unchanged"),
+        ("bad", "failed"),
+    ]
+    assert audit_lines(caplog) == [
+        AuditLine("INFO", "admin load: bad failed", PEER, None),
+        AuditLine("INFO", "admin reload: tiny unchanged, bad failed", PEER, None),
+    ]
     assert admin_of_two.model("tiny")["state"] == "ready"
 
 
-async def test_each_action_leaves_an_audit_line_naming_the_key(aiohttp_client: AiohttpClient,
-                                                               tiny_model: Path, tmp_path: Path,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+async def test_each_action_leaves_an_audit_line_naming_the_key(
+    aiohttp_client: AiohttpClient, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = tmp_path / "keys.yaml"
     key_id, token = create_key(keys, "ops", ["admin"], limits={})
     async with serving(aiohttp_client, {"tiny": tiny_model}, keys_file=keys, token=token) as admin:
@@ -235,7 +323,9 @@ async def test_each_action_leaves_an_audit_line_naming_the_key(aiohttp_client: A
             assert (await admin.post("/admin/reload")).status == 200
             assert (await admin.post("/admin/models/tiny/unload")).status == 200
             assert (await admin.post("/admin/models/tiny/load")).status == 200
-    assert audit_lines(caplog) == [AuditLine("INFO", "admin reload: tiny unchanged", PEER, key_id),
-                                   AuditLine("INFO", "admin unload: tiny unloaded", PEER, key_id),
-                                   AuditLine("INFO", "admin load: tiny loaded", PEER, key_id)]
+    assert audit_lines(caplog) == [
+        AuditLine("INFO", "admin reload: tiny unchanged", PEER, key_id),
+        AuditLine("INFO", "admin unload: tiny unloaded", PEER, key_id),
+        AuditLine("INFO", "admin load: tiny loaded", PEER, key_id),
+    ]
     assert token.split("_", 2)[2] not in caplog.text

@@ -40,7 +40,7 @@ def outside_literals(grammar: str) -> str:
     out, i = [], 0
     while i < len(grammar):
         c = grammar[i]
-        if c in "\"[":
+        if c in '"[':
             close = '"' if c == '"' else "]"
             i += 1
             while grammar[i] != close:
@@ -66,101 +66,250 @@ def check_documents(vocab: ByteVocab, schema: Any, good: list[str], bad: list[st
 
 
 PERSON: Any = {  # what the openai client sends for a pydantic model (strict)
-    "type": "object", "title": "Person", "additionalProperties": False,
-    "properties": {"name": {"enum": ["ada", "bob"], "type": "string", "title": "Name"},
-                   "age": {"type": "integer", "title": "Age"},
-                   "role": {"anyOf": [{"enum": ["admin", "user"], "type": "string"}, {"type": "null"}],
-                            "title": "Role"}},
+    "type": "object",
+    "title": "Person",
+    "additionalProperties": False,
+    "properties": {
+        "name": {"enum": ["ada", "bob"], "type": "string", "title": "Name"},
+        "age": {"type": "integer", "title": "Age"},
+        "role": {"anyOf": [{"enum": ["admin", "user"], "type": "string"}, {"type": "null"}], "title": "Role"},
+    },
     "required": ["name", "age", "role"],
 }
-TREE: Any = {"$defs": {"node": {"type": "object", "properties": {
-    "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3}},
-    "required": ["v", "kids"], "additionalProperties": False}}, "$ref": "#/$defs/node"}
+TREE: Any = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3},
+            },
+            "required": ["v", "kids"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/node",
+}
 
 GOOD: list[tuple[str, Any, list[str], list[str]]] = [
-    ("any-object", {"type": "object"}, ['{}', '{"a": 1}', '{"a":[1,{"b":null}],"c":"x"}', '{ }'],
-     ['[]', '1', '{"a"}', '{"a":1,}', ' {}']),
-    ("person", PERSON,
-     ['{"name":"ada","age":36,"role":null}', '{ "name" : "bob" ,\n  "age":-1, "role":"user"}'],
-     ['{"name":"eve","age":1,"role":null}', '{"name":"ada","age":1}', '{"age":1,"name":"ada","role":null}',
-      '{"name":"ada","age":1.5,"role":null}', '{"name":"ada","age":1,"role":null,"x":1}']),
-    ("optional-in-order", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
-                                                           "c": {"type": "boolean"}}, "required": ["b"]},
-     ['{"b":"x"}', '{"a":1,"b":"x"}', '{"a":1,"b":"x","c":true}', '{"b":"x","c":false}'],
-     ['{}', '{"a":1}', '{"b":"x","a":1}', '{"b":"x","b":"y"}', '{"b":"x","d":1}', '{,"b":"x"}']),
-    ("all-optional", {"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"}}},
-     ['{}', '{"a":null}', '{"b":null}', '{"a":null,"b":null}'], ['{"b":null,"a":null}', '{"a":null,}']),
-    ("extras-true",
-     {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
-     ['{"a":1,"zz":[1]}', '{"ab":{}}', '{"":1}', '{"a":1,"b":2,"c":3}', '{"ax":1}'],
-     ['{"a":1,"a":2}', '{"a":"x"}', '{"a":1,"zz":}']),
-    ("extras-schema", {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"],
-                       "additionalProperties": {"type": "string"}},
-     ['{"id":1}', '{"id":1,"x":"y"}', '{"id":1,"i":"y","idx":"z"}'], ['{"id":1,"x":2}', '{"x":"y"}']),
-    ("only-extras", {"type": "object", "additionalProperties": {"type": "integer"}},
-     ['{}', '{"a":1,"a":2}'], ['{"a":"x"}']),
-    ("required-undeclared", {"type": "object", "required": ["x"]}, ['{"x":1}', '{"x":{"y":[]}}'],
-     ['{}', '{"y":1}']),
-    ("no-extras-declared-empty", {"type": "object", "properties": {}, "additionalProperties": False},
-     ['{}'], ['{"a":1}']),
-    ("array-bounds", {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
-     ['[1,2]', '[1, 2, 3]', '[ 1 ,2 ]'], ['[]', '[1]', '[1,2,3,4]', '[1,"a"]']),
-    ("array-any", {"type": "array"}, ['[]', '[1,"a",null,[{}]]'], ['[1,]', '{}']),
-    ("array-at-most-one", {"type": "array", "maxItems": 1}, ['[]', '[true]'], ['[1,2]']),
-    ("array-false-items", {"type": "array", "items": False}, ['[]'], ['[1]']),
-    ("string", {"type": "string"}, ['""', '"a\\"b"', '"\\u00e9\\n\\/"', '"é😀"'],
-     ['"\n"', '"\\x41"', '"a', "'a'", '"\\u12"']),
-    ("integer", {"type": "integer"}, ['0', '-7', '1234567890123456'],
-     ['01', '-0x', '1.0', '12345678901234567']),
-    ("number", {"type": "number"}, ['0', '-1.5e10', '0.25', '1E+2', '3e-07'],
-     ['01', '1.', '.5', '1e999', 'NaN', '-']),
-    ("literals", {"type": ["boolean", "null"]}, ['true', 'false', 'null'], ['True', 'nul', '0']),
-    ("type-list", {"type": ["string", "integer"], "pattern": "^a$", "minimum": 3},
-     ['"a"', '3', '4000'], ['"b"', '2', 'null']),
-    ("implied-types", {"properties": {"a": {"type": "integer"}}, "required": ["a"], "pattern": "^x$"},
-     ['{"a":1}', '"x"'], ['1', '"y"', 'null']),
-    ("anything", {}, ['1', '"x"', '[{}]', 'null'], ['', '{']),
-    ("true", True, ['1', '{"a":[]}'], ['x']),
-    ("enum-mixed", {"enum": ["a", "ab", 1, 12, None, True, {"k": [1, 2]}, [], 1.5]},
-     ['"a"', '"ab"', '1', '12', 'null', 'true', '{"k":[1,2]}', '[]', '1.5'],
-     ['"b"', '2', 'false', '{"k":[2,1]}', '"a b"']),
-    ("const-object", {"const": {"a": [None, 2.0]}}, ['{"a":[null,2]}'], ['{"a":[null,2.5]}', '{}']),
-    ("enum-typed", {"type": "string", "enum": ["a", 1, None]}, ['"a"'], ['1', 'null']),
-    ("enum-number-takes-integers", {"type": "number", "enum": [1, 2.5, "x"]}, ['1', '2.5'], ['"x"']),
+    (
+        "any-object",
+        {"type": "object"},
+        ["{}", '{"a": 1}', '{"a":[1,{"b":null}],"c":"x"}', "{ }"],
+        ["[]", "1", '{"a"}', '{"a":1,}', " {}"],
+    ),
+    (
+        "person",
+        PERSON,
+        ['{"name":"ada","age":36,"role":null}', '{ "name" : "bob" ,\n  "age":-1, "role":"user"}'],
+        [
+            '{"name":"eve","age":1,"role":null}',
+            '{"name":"ada","age":1}',
+            '{"age":1,"name":"ada","role":null}',
+            '{"name":"ada","age":1.5,"role":null}',
+            '{"name":"ada","age":1,"role":null,"x":1}',
+        ],
+    ),
+    (
+        "optional-in-order",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "boolean"}},
+            "required": ["b"],
+        },
+        ['{"b":"x"}', '{"a":1,"b":"x"}', '{"a":1,"b":"x","c":true}', '{"b":"x","c":false}'],
+        ["{}", '{"a":1}', '{"b":"x","a":1}', '{"b":"x","b":"y"}', '{"b":"x","d":1}', '{,"b":"x"}'],
+    ),
+    (
+        "all-optional",
+        {"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"}}},
+        ["{}", '{"a":null}', '{"b":null}', '{"a":null,"b":null}'],
+        ['{"b":null,"a":null}', '{"a":null,}'],
+    ),
+    (
+        "extras-true",
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+        ['{"a":1,"zz":[1]}', '{"ab":{}}', '{"":1}', '{"a":1,"b":2,"c":3}', '{"ax":1}'],
+        ['{"a":1,"a":2}', '{"a":"x"}', '{"a":1,"zz":}'],
+    ),
+    (
+        "extras-schema",
+        {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}},
+            "required": ["id"],
+            "additionalProperties": {"type": "string"},
+        },
+        ['{"id":1}', '{"id":1,"x":"y"}', '{"id":1,"i":"y","idx":"z"}'],
+        ['{"id":1,"x":2}', '{"x":"y"}'],
+    ),
+    (
+        "only-extras",
+        {"type": "object", "additionalProperties": {"type": "integer"}},
+        ["{}", '{"a":1,"a":2}'],
+        ['{"a":"x"}'],
+    ),
+    (
+        "required-undeclared",
+        {"type": "object", "required": ["x"]},
+        ['{"x":1}', '{"x":{"y":[]}}'],
+        ["{}", '{"y":1}'],
+    ),
+    (
+        "no-extras-declared-empty",
+        {"type": "object", "properties": {}, "additionalProperties": False},
+        ["{}"],
+        ['{"a":1}'],
+    ),
+    (
+        "array-bounds",
+        {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
+        ["[1,2]", "[1, 2, 3]", "[ 1 ,2 ]"],
+        ["[]", "[1]", "[1,2,3,4]", '[1,"a"]'],
+    ),
+    ("array-any", {"type": "array"}, ["[]", '[1,"a",null,[{}]]'], ["[1,]", "{}"]),
+    ("array-at-most-one", {"type": "array", "maxItems": 1}, ["[]", "[true]"], ["[1,2]"]),
+    ("array-false-items", {"type": "array", "items": False}, ["[]"], ["[1]"]),
+    (
+        "string",
+        {"type": "string"},
+        ['""', '"a\\"b"', '"\\u00e9\\n\\/"', '"é😀"'],
+        ['"\n"', '"\\x41"', '"a', "'a'", '"\\u12"'],
+    ),
+    (
+        "integer",
+        {"type": "integer"},
+        ["0", "-7", "1234567890123456"],
+        ["01", "-0x", "1.0", "12345678901234567"],
+    ),
+    (
+        "number",
+        {"type": "number"},
+        ["0", "-1.5e10", "0.25", "1E+2", "3e-07"],
+        ["01", "1.", ".5", "1e999", "NaN", "-"],
+    ),
+    ("literals", {"type": ["boolean", "null"]}, ["true", "false", "null"], ["True", "nul", "0"]),
+    (
+        "type-list",
+        {"type": ["string", "integer"], "pattern": "^a$", "minimum": 3},
+        ['"a"', "3", "4000"],
+        ['"b"', "2", "null"],
+    ),
+    (
+        "implied-types",
+        {"properties": {"a": {"type": "integer"}}, "required": ["a"], "pattern": "^x$"},
+        ['{"a":1}', '"x"'],
+        ["1", '"y"', "null"],
+    ),
+    ("anything", {}, ["1", '"x"', "[{}]", "null"], ["", "{"]),
+    ("true", True, ["1", '{"a":[]}'], ["x"]),
+    (
+        "enum-mixed",
+        {"enum": ["a", "ab", 1, 12, None, True, {"k": [1, 2]}, [], 1.5]},
+        ['"a"', '"ab"', "1", "12", "null", "true", '{"k":[1,2]}', "[]", "1.5"],
+        ['"b"', "2", "false", '{"k":[2,1]}', '"a b"'],
+    ),
+    ("const-object", {"const": {"a": [None, 2.0]}}, ['{"a":[null,2]}'], ['{"a":[null,2.5]}', "{}"]),
+    ("enum-typed", {"type": "string", "enum": ["a", 1, None]}, ['"a"'], ["1", "null"]),
+    ("enum-number-takes-integers", {"type": "number", "enum": [1, 2.5, "x"]}, ["1", "2.5"], ['"x"']),
     ("enum-and-const", {"enum": ["a", "b"], "const": "b"}, ['"b"'], ['"a"']),
-    ("any-of", {"anyOf": [{"type": "string"}, {"type": "integer", "minimum": 0}]},
-     ['"x"', '0', '7'], ['-1', 'null']),
-    ("any-of-objects", {"anyOf": [
-        {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}},
-         "required": ["kind", "x"], "additionalProperties": False},
-        {"type": "object", "properties": {"kind": {"const": "b"}, "y": {"type": "string"}},
-         "required": ["kind", "y"], "additionalProperties": False}]},
-     ['{"kind":"a","x":1}', '{"kind":"b","y":"s"}'], ['{"kind":"a","y":"s"}', '{"kind":"c","x":1}']),
-    ("any-of-false-branch", {"anyOf": [False, {"type": "null"}]}, ['null'], ['1']),
-    ("tree", TREE, ['{"v":1,"kids":[]}', '{"v":1,"kids":[{"v":2,"kids":[{"v":3,"kids":[]}]}]}'],
-     ['{"v":1}', '{"v":1,"kids":[{"v":2}]}']),
-    ("root-recursion", {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}, ['[]', '[[],[[]]]'],
-     ['[1]', '[[],[],[]]']),
-    ("definitions", {"definitions": {"n": {"type": "null"}}, "type": "object",
-                     "properties": {"a": {"$ref": "#/definitions/n"}}, "required": ["a"]}, ['{"a":null}'],
-     ['{"a":1}']),
-    ("ref-escaped-name", {"$defs": {"a/b~c": {"type": "boolean"}}, "$ref": "#/$defs/a~1b~0c"}, ['true'],
-     ['1']),
-    ("false-def-is-never", {"$defs": {"no": False}, "type": "object",
-                            "properties": {"a": {"$ref": "#/$defs/no"}, "b": {"type": "null"}}},
-     ['{}', '{"b":null}'], ['{"a":1}']),
-    ("annotations", {"type": "string", "title": "t", "description": "d", "$comment": "c", "examples": ["x"],
-                     "default": {"deep": [[[]]]}, "$schema": "https://json-schema.org/draft/2020-12/schema",
-                     "$id": "x", "strict": True}, ['"x"'], ['1']),
-    ("numbers-not-enforced", {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.5,
-                              "format": "double"}, ['7.25', '-3'], ['"1"']),
-    ("string-formats-ignored-off-strings", {"type": "integer", "format": "date"}, ['5'], ['"2020-01-01"']),
+    (
+        "any-of",
+        {"anyOf": [{"type": "string"}, {"type": "integer", "minimum": 0}]},
+        ['"x"', "0", "7"],
+        ["-1", "null"],
+    ),
+    (
+        "any-of-objects",
+        {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}},
+                    "required": ["kind", "x"],
+                    "additionalProperties": False,
+                },
+                {
+                    "type": "object",
+                    "properties": {"kind": {"const": "b"}, "y": {"type": "string"}},
+                    "required": ["kind", "y"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+        ['{"kind":"a","x":1}', '{"kind":"b","y":"s"}'],
+        ['{"kind":"a","y":"s"}', '{"kind":"c","x":1}'],
+    ),
+    ("any-of-false-branch", {"anyOf": [False, {"type": "null"}]}, ["null"], ["1"]),
+    (
+        "tree",
+        TREE,
+        ['{"v":1,"kids":[]}', '{"v":1,"kids":[{"v":2,"kids":[{"v":3,"kids":[]}]}]}'],
+        ['{"v":1}', '{"v":1,"kids":[{"v":2}]}'],
+    ),
+    (
+        "root-recursion",
+        {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+        ["[]", "[[],[[]]]"],
+        ["[1]", "[[],[],[]]"],
+    ),
+    (
+        "definitions",
+        {
+            "definitions": {"n": {"type": "null"}},
+            "type": "object",
+            "properties": {"a": {"$ref": "#/definitions/n"}},
+            "required": ["a"],
+        },
+        ['{"a":null}'],
+        ['{"a":1}'],
+    ),
+    (
+        "ref-escaped-name",
+        {"$defs": {"a/b~c": {"type": "boolean"}}, "$ref": "#/$defs/a~1b~0c"},
+        ["true"],
+        ["1"],
+    ),
+    (
+        "false-def-is-never",
+        {
+            "$defs": {"no": False},
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/no"}, "b": {"type": "null"}},
+        },
+        ["{}", '{"b":null}'],
+        ['{"a":1}'],
+    ),
+    (
+        "annotations",
+        {
+            "type": "string",
+            "title": "t",
+            "description": "d",
+            "$comment": "c",
+            "examples": ["x"],
+            "default": {"deep": [[[]]]},
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$id": "x",
+            "strict": True,
+        },
+        ['"x"'],
+        ["1"],
+    ),
+    (
+        "numbers-not-enforced",
+        {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.5, "format": "double"},
+        ["7.25", "-3"],
+        ['"1"'],
+    ),
+    ("string-formats-ignored-off-strings", {"type": "integer", "format": "date"}, ["5"], ['"2020-01-01"']),
 ]
 
 
 @pytest.mark.parametrize(("schema", "good", "bad"), [pytest.param(s, g, b, id=i) for i, s, g, b in GOOD])
 def test_supported_schemas_parse_in_llama_cpp_and_match_their_documents(
-        vocab: ByteVocab, schema: Any, good: list[str], bad: list[str]) -> None:
+    vocab: ByteVocab, schema: Any, good: list[str], bad: list[str]
+) -> None:
     check_documents(vocab, schema, good, bad)
 
 
@@ -172,9 +321,22 @@ def test_documents_that_match_also_validate_as_python_reads_them(vocab: ByteVoca
     assert json.loads(text) == {"name": "ada", "age": 36, "role": "admin"}
 
 
-@pytest.mark.parametrize(("lo", "hi"), [(-5, 5), (0, 0), (7, 7), (10, 99), (1, 1000), (-1000, -10), (95, 105),
-                                        (123, 4567), (-99999, 3), (2**63 - 5, 2**63 + 5),
-                                        (-(10**20) + 1, -(10**20) + 3)])
+@pytest.mark.parametrize(
+    ("lo", "hi"),
+    [
+        (-5, 5),
+        (0, 0),
+        (7, 7),
+        (10, 99),
+        (1, 1000),
+        (-1000, -10),
+        (95, 105),
+        (123, 4567),
+        (-99999, 3),
+        (2**63 - 5, 2**63 + 5),
+        (-(10**20) + 1, -(10**20) + 3),
+    ],
+)
 def test_integer_bounds_are_exact(vocab: ByteVocab, lo: int, hi: int) -> None:
     grammar = schema_to_grammar({"type": "integer", "minimum": lo, "maximum": hi})
     assert vocab.parses(grammar)
@@ -184,33 +346,63 @@ def test_integer_bounds_are_exact(vocab: ByteVocab, lo: int, hi: int) -> None:
     assert not vocab.matches(grammar, "0" + str(abs(hi)))
 
 
-@pytest.mark.parametrize(("schema", "inside", "outside"), [
-    ({"type": "integer", "minimum": 10}, [10, 11, 10**15], [9, 0, -10]),
-    ({"type": "integer", "maximum": -3}, [-3, -4, -(10**15)], [-2, 0, 5]),
-    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}, [1, 9], [0, 10]),
-    ({"type": "integer", "minimum": 1.5, "maximum": 3.5}, [2, 3], [1, 4]),
-    ({"type": "integer", "exclusiveMinimum": 1.5}, [2], [1]),
-    ({"type": "integer", "minimum": 10**17}, [10**17, 10**19], [10**17 - 1]),
-    ({"type": "integer", "minimum": -1e300, "maximum": 5}, [5, -(10**15)], [6]),
-])
-def test_one_sided_and_fractional_integer_bounds(vocab: ByteVocab, schema: Any, inside: list[int],
-                                                outside: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("schema", "inside", "outside"),
+    [
+        ({"type": "integer", "minimum": 10}, [10, 11, 10**15], [9, 0, -10]),
+        ({"type": "integer", "maximum": -3}, [-3, -4, -(10**15)], [-2, 0, 5]),
+        ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}, [1, 9], [0, 10]),
+        ({"type": "integer", "minimum": 1.5, "maximum": 3.5}, [2, 3], [1, 4]),
+        ({"type": "integer", "exclusiveMinimum": 1.5}, [2], [1]),
+        ({"type": "integer", "minimum": 10**17}, [10**17, 10**19], [10**17 - 1]),
+        ({"type": "integer", "minimum": -1e300, "maximum": 5}, [5, -(10**15)], [6]),
+    ],
+)
+def test_one_sided_and_fractional_integer_bounds(
+    vocab: ByteVocab, schema: Any, inside: list[int], outside: list[int]
+) -> None:
     check_documents(vocab, schema, [str(v) for v in inside], [str(v) for v in outside])
 
 
 # ---- every JSON string can be a name, an enum value or a const --------------------------------
 
 
-AWKWARD = ['plain', 'with "quotes"', 'back\\slash', 'nul\x00byte', ''.join(map(chr, range(32))) + '\x7f',
-           'tab\tnl\nret\r', 'uni é ü 日本', 'emoji 😀 \U0010ffff', 'sep\u2028\u2029', 'bidi\u202e', '', ' ',
-           '\\u0000', '"', '\\', "'", '\\"', 'lone \ud800 surrogate', '\udfff', '[]-^', '#comment', '::=',
-           '\ufeff', '\x85']
+AWKWARD = [
+    "plain",
+    'with "quotes"',
+    "back\\slash",
+    "nul\x00byte",
+    "".join(map(chr, range(32))) + "\x7f",
+    "tab\tnl\nret\r",
+    "uni é ü 日本",
+    "emoji 😀 \U0010ffff",
+    "sep\u2028\u2029",
+    "bidi\u202e",
+    "",
+    " ",
+    "\\u0000",
+    '"',
+    "\\",
+    "'",
+    '\\"',
+    "lone \ud800 surrogate",
+    "\udfff",
+    "[]-^",
+    "#comment",
+    "::=",
+    "\ufeff",
+    "\x85",
+]
 
 
 @pytest.mark.parametrize("text", AWKWARD, ids=[ascii(t)[:30] for t in AWKWARD])
 def test_names_enum_and_const_strings_are_escaped(vocab: ByteVocab, text: str) -> None:
-    schema = {"type": "object", "properties": {text: {"const": text}, "e": {"enum": [text, text + "x"]}},
-              "required": [text, "e"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {text: {"const": text}, "e": {"enum": [text, text + "x"]}},
+        "required": [text, "e"],
+        "additionalProperties": False,
+    }
     grammar = schema_to_grammar(schema)
     assert grammar.isascii()
     assert vocab.parses(grammar)
@@ -310,8 +502,12 @@ PATTERNS: list[tuple[str, list[str], list[str]]] = [
 
 @pytest.mark.parametrize(("pattern", "good", "bad"), PATTERNS, ids=[p[0] or "empty" for p in PATTERNS])
 def test_pattern_features(vocab: ByteVocab, pattern: str, good: list[str], bad: list[str]) -> None:
-    check_documents(vocab, {"type": "string", "pattern": pattern}, [json_string(s) for s in good],
-                    [json_string(s) for s in bad])
+    check_documents(
+        vocab,
+        {"type": "string", "pattern": pattern},
+        [json_string(s) for s in good],
+        [json_string(s) for s in bad],
+    )
 
 
 REFUSED_PATTERNS: list[tuple[str, str, bool]] = [
@@ -359,8 +555,9 @@ REFUSED_PATTERNS: list[tuple[str, str, bool]] = [
 ]
 
 
-@pytest.mark.parametrize(("pattern", "feature", "unsupported"), REFUSED_PATTERNS,
-                         ids=[ascii(p[0]) for p in REFUSED_PATTERNS])
+@pytest.mark.parametrize(
+    ("pattern", "feature", "unsupported"), REFUSED_PATTERNS, ids=[ascii(p[0]) for p in REFUSED_PATTERNS]
+)
 def test_refused_pattern_features_are_named(pattern: str, feature: str, unsupported: bool) -> None:
     error = refused({"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}})
     assert (error.keyword, error.path, error.unsupported) == ("pattern", "#/properties/code", unsupported)
@@ -371,27 +568,45 @@ def test_refused_pattern_features_are_named(pattern: str, feature: str, unsuppor
 
 def test_formats(vocab: ByteVocab) -> None:
     cases: dict[str, tuple[list[str], list[str]]] = {
-        "date": (["2024-02-29", "2000-02-29", "1900-02-28", "0004-02-29", "2023-12-31", "0001-01-01"],
-                 ["2023-02-29", "1900-02-29", "0000-01-01", "2023-13-01", "2023-04-31", "2023-1-01"]),
-        "time": (["23:59:59Z", "00:00:00.123456+05:30", "12:00:00-00:00"],
-                 ["24:00:00Z", "12:00:00", "12:60:00Z", "12:00:00.1234567Z", "12:00:60Z"]),
-        "date-time": (["2024-02-29T23:59:59Z", "1999-01-01T00:00:00.5+01:00"],
-                      ["2024-02-29 23:59:59Z", "2024-02-30T00:00:00Z"]),
-        "uuid": (["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000"],
-                 ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g"]),
-        "ipv4": (["0.0.0.0", "255.255.255.255", "192.168.1.10"],
-                 ["256.0.0.1", "01.2.3.4", "1.2.3", "1.2.3.4.5"]),
-        "ipv6": (["::", "::1", "1::", "2001:db8::8a2e:370:7334", "1:2:3:4:5:6:7:8", "1:2:3:4:5:6:7::"],
-                 ["1:2:3:4:5:6:7:8:9", ":::", "12345::", "1::2::3", "g::"]),
+        "date": (
+            ["2024-02-29", "2000-02-29", "1900-02-28", "0004-02-29", "2023-12-31", "0001-01-01"],
+            ["2023-02-29", "1900-02-29", "0000-01-01", "2023-13-01", "2023-04-31", "2023-1-01"],
+        ),
+        "time": (
+            ["23:59:59Z", "00:00:00.123456+05:30", "12:00:00-00:00"],
+            ["24:00:00Z", "12:00:00", "12:60:00Z", "12:00:00.1234567Z", "12:00:60Z"],
+        ),
+        "date-time": (
+            ["2024-02-29T23:59:59Z", "1999-01-01T00:00:00.5+01:00"],
+            ["2024-02-29 23:59:59Z", "2024-02-30T00:00:00Z"],
+        ),
+        "uuid": (
+            ["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000"],
+            ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g"],
+        ),
+        "ipv4": (
+            ["0.0.0.0", "255.255.255.255", "192.168.1.10"],
+            ["256.0.0.1", "01.2.3.4", "1.2.3", "1.2.3.4.5"],
+        ),
+        "ipv6": (
+            ["::", "::1", "1::", "2001:db8::8a2e:370:7334", "1:2:3:4:5:6:7:8", "1:2:3:4:5:6:7::"],
+            ["1:2:3:4:5:6:7:8:9", ":::", "12345::", "1::2::3", "g::"],
+        ),
         "hostname": (["localhost", "a-b.example.com", "x1"], ["-a.com", "a-.com", "a..b", "a_b"]),
         "email": (["a.b+c@example.com", "x@y.io"], ["a@b", "@x.com", "a..b@x.com", "a@x.c"]),
-        "uri": (["https://example.com", "http://1.2.3.4:8080/a/b?c=d&e=%20#f"],
-                ["ftp://x.com", "https://", "https://x.com/%zz"]),
+        "uri": (
+            ["https://example.com", "http://1.2.3.4:8080/a/b?c=d&e=%20#f"],
+            ["ftp://x.com", "https://", "https://x.com/%zz"],
+        ),
         "duration": (["P1D", "PT1H30M", "P1Y2M3DT4H5M6S", "P2W"], ["P", "PT", "P1H", "1D", "P1DT"]),
     }
     for fmt, (good, bad) in cases.items():
-        check_documents(vocab, {"type": "string", "format": fmt}, [json.dumps(s) for s in good],
-                        [json.dumps(s) for s in bad])
+        check_documents(
+            vocab,
+            {"type": "string", "format": fmt},
+            [json.dumps(s) for s in good],
+            [json.dumps(s) for s in bad],
+        )
 
 
 def test_format_values_that_match_are_valid_for_python(vocab: ByteVocab) -> None:
@@ -414,8 +629,13 @@ BAD: list[tuple[str, Any, str, str, str]] = [
     ("required-not-list", {"required": "x"}, "required", "#", "must be a list of distinct strings"),
     ("required-repeats", {"required": ["a", "a"]}, "required", "#", "distinct"),
     ("properties-list", {"properties": []}, "properties", "#", "must be an object of schemas"),
-    ("property-not-schema", {"properties": {"a": 5}}, "properties", "#/properties/a",
-     "must be a JSON schema"),
+    (
+        "property-not-schema",
+        {"properties": {"a": 5}},
+        "properties",
+        "#/properties/a",
+        "must be a JSON schema",
+    ),
     ("enum-not-list", {"enum": 3}, "enum", "#", "non-empty list"),
     ("enum-empty", {"enum": []}, "enum", "#", "non-empty list"),
     ("enum-nan", {"enum": [1, float("nan")]}, "enum", "#/enum/1", "not finite"),
@@ -439,8 +659,13 @@ BAD: list[tuple[str, Any, str, str, str]] = [
     ("ref-missing", {"$ref": "#/$defs/missing"}, "$ref", "#", "does not have"),
     ("ref-remote", {"$ref": "https://example.com/s"}, "$ref", "#", "local reference"),
     ("ref-deep-pointer", {"$ref": "#/properties/a"}, "$ref", "#", "local reference"),
-    ("ref-with-type", {"$defs": {"a": {}}, "$ref": "#/$defs/a", "type": "string"}, "$ref", "#",
-     "cannot be combined with 'type'"),
+    (
+        "ref-with-type",
+        {"$defs": {"a": {}}, "$ref": "#/$defs/a", "type": "string"},
+        "$ref",
+        "#",
+        "cannot be combined with 'type'",
+    ),
     ("any-of-with-type", {"anyOf": [{}], "type": "object"}, "anyOf", "#", "cannot be combined with 'type'"),
     ("enum-with-pattern", {"enum": ["a"], "pattern": "a"}, "enum", "#", "cannot be combined with 'pattern'"),
     ("pattern-with-format", {"pattern": "a", "format": "date"}, "pattern", "#", "'format'"),
@@ -463,31 +688,77 @@ BAD: list[tuple[str, Any, str, str, str]] = [
     ("root-false", False, "schema", "#", "accepts no value"),
     ("root-never", {"type": "string", "enum": [1]}, "enum", "#", "has no value of the 'type' given"),
     ("root-never-through-any-of", {"anyOf": [False, {"anyOf": [False]}]}, "schema", "#", "accepts no value"),
-    ("required-false", {"type": "object", "properties": {"a": False}, "required": ["a"]}, "required", "#",
-     "schema is false"),
-    ("required-forbidden", {"type": "object", "required": ["a"], "additionalProperties": False}, "required",
-     "#", "'additionalProperties' forbids"),
-    ("items-false-min", {"type": "array", "items": False, "minItems": 1}, "minItems", "#",
-     "'items' is false"),
-    ("ref-loop", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-     "$ref", "#", "left recursion"),
-    ("ref-left-recursion", {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}},
-                            "$ref": "#/$defs/a"}, "$ref", "#", "refers back to itself"),
+    (
+        "required-false",
+        {"type": "object", "properties": {"a": False}, "required": ["a"]},
+        "required",
+        "#",
+        "schema is false",
+    ),
+    (
+        "required-forbidden",
+        {"type": "object", "required": ["a"], "additionalProperties": False},
+        "required",
+        "#",
+        "'additionalProperties' forbids",
+    ),
+    (
+        "items-false-min",
+        {"type": "array", "items": False, "minItems": 1},
+        "minItems",
+        "#",
+        "'items' is false",
+    ),
+    (
+        "ref-loop",
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        "$ref",
+        "#",
+        "left recursion",
+    ),
+    (
+        "ref-left-recursion",
+        {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"},
+        "$ref",
+        "#",
+        "refers back to itself",
+    ),
     ("not-a-schema", "x", "schema", "#", "must be a JSON schema"),
     ("list-schema", [], "schema", "#", "must be a JSON schema"),
-    ("long-name-shown-as-placeholder", {"properties": {"x" * 50: {"type": "strnig"}}}, "type",
-     "#/properties/<name>", "must be one of"),
-    ("unprintable-name", {"properties": {"a\nb": {"type": 1}}}, "type", "#/properties/<name>",
-     "must be one of"),
-    ("pointer-escapes", {"properties": {"a/b~": {"type": 1}}}, "type", "#/properties/a~1b~0",
-     "must be one of"),
-    ("nested-path", {"type": "object", "properties": {"a": {"type": "array", "items": {"maxItems": 20_000}}}},
-     "maxItems", "#/properties/a/items", "the most this server allows is 1,000"),
+    (
+        "long-name-shown-as-placeholder",
+        {"properties": {"x" * 50: {"type": "strnig"}}},
+        "type",
+        "#/properties/<name>",
+        "must be one of",
+    ),
+    (
+        "unprintable-name",
+        {"properties": {"a\nb": {"type": 1}}},
+        "type",
+        "#/properties/<name>",
+        "must be one of",
+    ),
+    (
+        "pointer-escapes",
+        {"properties": {"a/b~": {"type": 1}}},
+        "type",
+        "#/properties/a~1b~0",
+        "must be one of",
+    ),
+    (
+        "nested-path",
+        {"type": "object", "properties": {"a": {"type": "array", "items": {"maxItems": 20_000}}}},
+        "maxItems",
+        "#/properties/a/items",
+        "the most this server allows is 1,000",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("schema", "keyword", "path", "fragment"),
-                         [pytest.param(s, k, p, f, id=i) for i, s, k, p, f in BAD])
+@pytest.mark.parametrize(
+    ("schema", "keyword", "path", "fragment"), [pytest.param(s, k, p, f, id=i) for i, s, k, p, f in BAD]
+)
 def test_bad_schemas_name_the_keyword_and_where(schema: Any, keyword: str, path: str, fragment: str) -> None:
     error = refused(schema)
     assert (error.keyword, error.path) == (keyword, path), error.message
@@ -496,22 +767,41 @@ def test_bad_schemas_name_the_keyword_and_where(schema: Any, keyword: str, path:
         assert leak not in error.message
 
 
-@pytest.mark.parametrize("keyword", ["minLength", "allOf", "not", "oneOf", "patternProperties", "nullable",
-                                     "uniqueItems", "prefixItems", "\x00evil" * 10])
+@pytest.mark.parametrize(
+    "keyword",
+    [
+        "minLength",
+        "allOf",
+        "not",
+        "oneOf",
+        "patternProperties",
+        "nullable",
+        "uniqueItems",
+        "prefixItems",
+        "\x00evil" * 10,
+    ],
+)
 def test_keywords_outside_the_subset_are_unsupported(keyword: str) -> None:
     error = refused({"type": "object", "properties": {"a": {keyword: 1}}})
     assert error.unsupported
     assert error.path == "#/properties/a"
     shown = keyword if keyword.isprintable() else "<name>"
-    assert error.message == (f"JSON schema keyword {shown!r} (at #/properties/a) is not supported; the "
-                             "supported subset is OpenAI's structured-output subset")
+    assert error.message == (
+        f"JSON schema keyword {shown!r} (at #/properties/a) is not supported; the "
+        "supported subset is OpenAI's structured-output subset"
+    )
 
 
 def test_the_reported_attacks_are_refused_before_any_grammar(vocab: ByteVocab) -> None:
     assert refused({"type": "array", "items": {"type": "integer"}, "maxItems": 20_000}).limit == 1_000
     assert refused({"type": "string", "pattern": "^a{0,20000}$"}).limit == 1_000
-    wrong_types: list[Any] = [{"$ref": 5}, {"required": "x"}, {"properties": []}, {"enum": 3},
-                              {"minItems": "2"}]
+    wrong_types: list[Any] = [
+        {"$ref": 5},
+        {"required": "x"},
+        {"properties": []},
+        {"enum": 3},
+        {"minItems": "2"},
+    ]
     for schema in wrong_types:
         refused(schema)
     assert refused({"type": "string", "pattern": "(a)\\1"}).unsupported
@@ -526,8 +816,12 @@ def test_the_reported_attacks_are_refused_before_any_grammar(vocab: ByteVocab) -
 
 
 def _object_of(n: int, name: str = "p") -> dict[str, Any]:
-    return {"type": "object", "properties": {f"{name}{i}": {"type": "null"} for i in range(n)},
-            "required": [f"{name}{i}" for i in range(n)], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {f"{name}{i}": {"type": "null"} for i in range(n)},
+        "required": [f"{name}{i}" for i in range(n)],
+        "additionalProperties": False,
+    }
 
 
 def _nested(levels: int) -> Any:
@@ -553,46 +847,120 @@ def _distinct_firsts(n: int) -> list[str]:
 
 
 LIMITS: list[tuple[str, Any, Any, str, int]] = [
-    ("max-items", {"type": "array", "maxItems": 1_000}, {"type": "array", "maxItems": 1_001}, "maxItems",
-     gbnf_rules.MAX_REPETITION),
-    ("min-items", {"type": "array", "minItems": 1_000}, {"type": "array", "minItems": 1_001}, "minItems",
-     gbnf_rules.MAX_REPETITION),
+    (
+        "max-items",
+        {"type": "array", "maxItems": 1_000},
+        {"type": "array", "maxItems": 1_001},
+        "maxItems",
+        gbnf_rules.MAX_REPETITION,
+    ),
+    (
+        "min-items",
+        {"type": "array", "minItems": 1_000},
+        {"type": "array", "minItems": 1_001},
+        "minItems",
+        gbnf_rules.MAX_REPETITION,
+    ),
     ("quantifier", {"pattern": "^a{1000}$"}, {"pattern": "^a{1001}$"}, "pattern", gbnf_rules.MAX_REPETITION),
-    ("quantifier-range", {"pattern": "^a{0,1000}$"}, {"pattern": "^a{0,1001}$"}, "pattern",
-     gbnf_rules.MAX_REPETITION),
-    ("pattern-length", {"pattern": "a" * 1_000}, {"pattern": "a" * 1_001}, "pattern",
-     regex_gbnf.MAX_PATTERN_LENGTH),
-    ("pattern-nesting", {"pattern": _patterns(16)}, {"pattern": _patterns(17)}, "pattern",
-     regex_gbnf.MAX_PATTERN_NESTING),
+    (
+        "quantifier-range",
+        {"pattern": "^a{0,1000}$"},
+        {"pattern": "^a{0,1001}$"},
+        "pattern",
+        gbnf_rules.MAX_REPETITION,
+    ),
+    (
+        "pattern-length",
+        {"pattern": "a" * 1_000},
+        {"pattern": "a" * 1_001},
+        "pattern",
+        regex_gbnf.MAX_PATTERN_LENGTH,
+    ),
+    (
+        "pattern-nesting",
+        {"pattern": _patterns(16)},
+        {"pattern": _patterns(17)},
+        "pattern",
+        regex_gbnf.MAX_PATTERN_NESTING,
+    ),
     ("nesting", _nested(10), _nested(11), "properties", gbnf.MAX_NESTING),
-    ("properties", {"anyOf": [_object_of(2_500, "a"), _object_of(2_500, "b")]},
-     {"anyOf": [_object_of(2_500, "a"), _object_of(2_501, "b")]}, "properties", gbnf.MAX_OBJECT_PROPERTIES),
-    ("enum-values", {"type": "array", "items": {"anyOf": [{"enum": [f"a{i}" for i in range(500)]},
-                                                          {"enum": list(range(500))}]}},
-     {"type": "array", "items": {"anyOf": [{"enum": [f"a{i}" for i in range(500)]},
-                                           {"enum": list(range(501))}]}}, "enum", gbnf.MAX_ENUM_VALUES),
-    ("characters", {"type": "object", "properties": {"n" * 60_000: {"const": "c" * 60_000}}},
-     {"type": "object", "properties": {"n" * 60_000: {"const": "c" * 60_001}}}, "properties",
-     gbnf.MAX_SCHEMA_CHARS),
-    ("large-enum", {"enum": [f"{i:03d}".ljust(59, "v") for i in range(251)] + ["v" * 191]},
-     {"enum": [f"{i:03d}".ljust(59, "v") for i in range(251)] + ["v" * 192]}, "enum",
-     gbnf.MAX_LARGE_ENUM_CHARS),
-    ("subschemas", {"anyOf": [{"type": "null"}] * (gbnf.MAX_SCHEMA_NODES - 1)},
-     {"anyOf": [{"type": "null"}] * gbnf.MAX_SCHEMA_NODES}, "anyOf", gbnf.MAX_SCHEMA_NODES),
+    (
+        "properties",
+        {"anyOf": [_object_of(2_500, "a"), _object_of(2_500, "b")]},
+        {"anyOf": [_object_of(2_500, "a"), _object_of(2_501, "b")]},
+        "properties",
+        gbnf.MAX_OBJECT_PROPERTIES,
+    ),
+    (
+        "enum-values",
+        {
+            "type": "array",
+            "items": {"anyOf": [{"enum": [f"a{i}" for i in range(500)]}, {"enum": list(range(500))}]},
+        },
+        {
+            "type": "array",
+            "items": {"anyOf": [{"enum": [f"a{i}" for i in range(500)]}, {"enum": list(range(501))}]},
+        },
+        "enum",
+        gbnf.MAX_ENUM_VALUES,
+    ),
+    (
+        "characters",
+        {"type": "object", "properties": {"n" * 60_000: {"const": "c" * 60_000}}},
+        {"type": "object", "properties": {"n" * 60_000: {"const": "c" * 60_001}}},
+        "properties",
+        gbnf.MAX_SCHEMA_CHARS,
+    ),
+    (
+        "large-enum",
+        {"enum": [f"{i:03d}".ljust(59, "v") for i in range(251)] + ["v" * 191]},
+        {"enum": [f"{i:03d}".ljust(59, "v") for i in range(251)] + ["v" * 192]},
+        "enum",
+        gbnf.MAX_LARGE_ENUM_CHARS,
+    ),
+    (
+        "subschemas",
+        {"anyOf": [{"type": "null"}] * (gbnf.MAX_SCHEMA_NODES - 1)},
+        {"anyOf": [{"type": "null"}] * gbnf.MAX_SCHEMA_NODES},
+        "anyOf",
+        gbnf.MAX_SCHEMA_NODES,
+    ),
     ("depth", _deep_any_of(64), _deep_any_of(65), "anyOf", gbnf.MAX_SCHEMA_DEPTH),
-    ("choices", {"enum": _distinct_firsts(256)}, {"enum": _distinct_firsts(257)}, "enum",
-     gbnf_rules.MAX_GRAMMAR_CHOICES),
-    ("pattern-states", {"pattern": "^(a|b){500}$"}, {"pattern": "^(a|b){500}c$"}, "pattern",
-     gbnf_rules.MAX_PATTERN_STATES),
-    ("nested-repetitions-multiply", {"pattern": "^((a|aa){0,10}){0,33}$"},
-     {"pattern": "^((a|aa){0,10}){0,34}$"}, "pattern", gbnf_rules.MAX_PATTERN_STATES),
-    ("patterns-at-once", {"anyOf": [{"pattern": "^a{500}$"}, {"pattern": "^b{500}$"}]},
-     {"anyOf": [{"pattern": "^a{500}$"}, {"pattern": "^b{501}$"}]}, "pattern", gbnf_rules.MAX_PATTERN_STATES),
+    (
+        "choices",
+        {"enum": _distinct_firsts(256)},
+        {"enum": _distinct_firsts(257)},
+        "enum",
+        gbnf_rules.MAX_GRAMMAR_CHOICES,
+    ),
+    (
+        "pattern-states",
+        {"pattern": "^(a|b){500}$"},
+        {"pattern": "^(a|b){500}c$"},
+        "pattern",
+        gbnf_rules.MAX_PATTERN_STATES,
+    ),
+    (
+        "nested-repetitions-multiply",
+        {"pattern": "^((a|aa){0,10}){0,33}$"},
+        {"pattern": "^((a|aa){0,10}){0,34}$"},
+        "pattern",
+        gbnf_rules.MAX_PATTERN_STATES,
+    ),
+    (
+        "patterns-at-once",
+        {"anyOf": [{"pattern": "^a{500}$"}, {"pattern": "^b{500}$"}]},
+        {"anyOf": [{"pattern": "^a{500}$"}, {"pattern": "^b{501}$"}]},
+        "pattern",
+        gbnf_rules.MAX_PATTERN_STATES,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("at_limit", "past_limit", "keyword", "limit"),
-                         [pytest.param(a, p, k, n, id=i) for i, a, p, k, n in LIMITS])
+@pytest.mark.parametrize(
+    ("at_limit", "past_limit", "keyword", "limit"),
+    [pytest.param(a, p, k, n, id=i) for i, a, p, k, n in LIMITS],
+)
 def test_limits(vocab: ByteVocab, at_limit: Any, past_limit: Any, keyword: str, limit: int) -> None:
     grammar = schema_to_grammar(at_limit)
     assert vocab.parses(grammar)
@@ -621,6 +989,7 @@ def test_grammar_rules_limit_counts_llama_cpp_s_expansion(vocab: ByteVocab) -> N
     def schema(n: int) -> Any:  # n distinct patterns of 998 optional repetitions: 998 rules each
         prefixes = [chr(0x61 + i % 26) + chr(0x61 + i // 26) for i in range(n)]
         return {"type": "object", "properties": {p: {"pattern": f"^{p}b{{0,998}}$"} for p in prefixes}}
+
     assert vocab.parses(schema_to_grammar(schema(45)))
     error = refused(schema(52))
     assert error.limit == gbnf_rules.MAX_GRAMMAR_RULES
@@ -632,6 +1001,7 @@ def test_leftmost_chains_are_bounded(vocab: ByteVocab) -> None:
         defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
         defs[f"d{n}"] = {"type": "null"}
         return {"$defs": defs, "$ref": "#/$defs/d0"}
+
     grammar = schema_to_grammar(chain(200))
     assert vocab.parses(grammar)
     assert vocab.matches(grammar, "null")
@@ -655,12 +1025,23 @@ def test_grammar_elements_limit() -> None:
 
 
 def _wrapper(parts: list[gbnf.CheckedSchema]) -> Any:
-    calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": f"f{i}"}, "arguments": part},
-                        "required": ["name", "arguments"], "additionalProperties": False}
-                       for i, part in enumerate(parts)]}
-    return {"type": "object", "properties": {"tool_calls": {"type": "array", "items": calls, "minItems": 1,
-                                                            "maxItems": 8}},
-            "required": ["tool_calls"], "additionalProperties": False}
+    calls = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f"f{i}"}, "arguments": part},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for i, part in enumerate(parts)
+        ]
+    }
+    return {
+        "type": "object",
+        "properties": {"tool_calls": {"type": "array", "items": calls, "minItems": 1, "maxItems": 8}},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
 
 
 def test_wrapper_nesting_does_not_count_against_the_parts(vocab: ByteVocab) -> None:
@@ -681,9 +1062,17 @@ def test_parts_add_up_against_the_limits() -> None:
 
 def test_128_tools_stay_within_the_grammar_bounds(vocab: ByteVocab) -> None:
     kinds = {"type": ["string", "integer", "null"]}
-    parts = [check_schema({"type": "object", "properties": {f"t{i}_arg{j}": kinds for j in range(39)},
-                           "additionalProperties": False}, f"tools[{i}].function.parameters")
-             for i in range(128)]
+    parts = [
+        check_schema(
+            {
+                "type": "object",
+                "properties": {f"t{i}_arg{j}": kinds for j in range(39)},
+                "additionalProperties": False,
+            },
+            f"tools[{i}].function.parameters",
+        )
+        for i in range(128)
+    ]
     grammar = embedded_grammar(_wrapper(parts))
     assert vocab.parses(grammar)
     assert vocab.matches(grammar, '{"tool_calls":[{"name":"f127","arguments":{"t127_arg3":1}}]}')
@@ -692,8 +1081,9 @@ def test_128_tools_stay_within_the_grammar_bounds(vocab: ByteVocab) -> None:
 
 def test_errors_in_parts_carry_their_label() -> None:
     with pytest.raises(SchemaError) as caught:
-        check_schema({"type": "object", "properties": {"a": {"maxItems": 5_000}}},
-                     "tools[3].function.parameters")
+        check_schema(
+            {"type": "object", "properties": {"a": {"maxItems": 5_000}}}, "tools[3].function.parameters"
+        )
     assert caught.value.path == "tools[3].function.parameters#/properties/a"
     error = refused(check_schema({"enum": _distinct_firsts(300)}, "tools[3].function.parameters"))
     assert error.path == "tools[3].function.parameters#"

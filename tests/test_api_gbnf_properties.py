@@ -23,8 +23,12 @@ from edgellmd.api.gbnf import SchemaError, json_text, schema_to_grammar
 from edgellmd.api.gbnf_rules import MAX_GRAMMAR_BYTES, json_string
 from tests.bench_grammar_limits import ByteVocab, byte_vocab
 
-PROPERTY = settings(max_examples=150, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROPERTY = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,34 +38,113 @@ def vocab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ByteVocab]:
 
 
 # Every Unicode category but Cs (lone surrogates), and the characters that need escaping.
-TEXT = (st.text(st.characters(blacklist_categories=["Cs"]), max_size=10)
-        | st.text(st.sampled_from('"\\\x00\x01\x1f\x7f\n\t\u2028/~#[]-^:= '), max_size=6))
-HUGE = (st.integers(-(10**30), 10**30) | st.integers(10**300, 10**400)
-        | st.floats(allow_nan=True, allow_infinity=True)
-        | st.sampled_from([0, 1, -1, 999, 1_000, 1_001, 2_000, 2_001, 20_000, 10**20, 10**21, 1.5, -0.0]))
+TEXT = st.text(st.characters(blacklist_categories=["Cs"]), max_size=10) | st.text(
+    st.sampled_from('"\\\x00\x01\x1f\x7f\n\t\u2028/~#[]-^:= '), max_size=6
+)
+HUGE = (
+    st.integers(-(10**30), 10**30)
+    | st.integers(10**300, 10**400)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([0, 1, -1, 999, 1_000, 1_001, 2_000, 2_001, 20_000, 10**20, 10**21, 1.5, -0.0])
+)
 COUNT = st.integers(0, 1_100) | HUGE | st.booleans() | st.none() | st.text(max_size=3)
 SCALAR = st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats() | TEXT
-JSON = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
-FINITE = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-                      | st.floats(allow_nan=False, allow_infinity=False) | TEXT,
-                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
-                      max_leaves=8)
+JSON = st.recursive(
+    SCALAR,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+FINITE = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=8,
+)
 GARBAGE = st.integers() | st.text(max_size=4) | st.none() | st.lists(st.integers(), max_size=2)
 TYPES = st.sampled_from(["object", "array", "string", "number", "integer", "boolean", "null"])
 TYPE = TYPES | st.lists(TYPES, max_size=4) | GARBAGE
-TOKENS = st.sampled_from([
-    "a", "b", "\\d", "\\w", "\\s", "\\D", ".", "[a-z]", "[^x]", "[\\]-]", "(", ")", "(?:", "|", "*", "+", "?",
-    "??", "{2}", "{1,3}", "{0,}", "{1000}", "{1001}", "{0,999999}", "{", "}", "^", "$", "\\", "\\1", "(?=",
-    "(?<n>", "[", "]", "\\u0041", "\\x4", "\\uD800", "\\p{L}", "\\b", "-", '"', "\\\\", "\\n", "é", "😀",
-    "\x00", "\\u{10FFFF}", "[^]", "[]"])
+TOKENS = st.sampled_from(
+    [
+        "a",
+        "b",
+        "\\d",
+        "\\w",
+        "\\s",
+        "\\D",
+        ".",
+        "[a-z]",
+        "[^x]",
+        "[\\]-]",
+        "(",
+        ")",
+        "(?:",
+        "|",
+        "*",
+        "+",
+        "?",
+        "??",
+        "{2}",
+        "{1,3}",
+        "{0,}",
+        "{1000}",
+        "{1001}",
+        "{0,999999}",
+        "{",
+        "}",
+        "^",
+        "$",
+        "\\",
+        "\\1",
+        "(?=",
+        "(?<n>",
+        "[",
+        "]",
+        "\\u0041",
+        "\\x4",
+        "\\uD800",
+        "\\p{L}",
+        "\\b",
+        "-",
+        '"',
+        "\\\\",
+        "\\n",
+        "é",
+        "😀",
+        "\x00",
+        "\\u{10FFFF}",
+        "[^]",
+        "[]",
+    ]
+)
 PATTERN = st.lists(TOKENS | st.characters(blacklist_categories=["Cs"]), max_size=14).map("".join)
-FORMATS = st.sampled_from(["date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname",
-                           "email", "uri", "int32", "double", "bogus"]) | GARBAGE
+FORMATS = (
+    st.sampled_from(
+        [
+            "date",
+            "time",
+            "date-time",
+            "duration",
+            "uuid",
+            "ipv4",
+            "ipv6",
+            "hostname",
+            "email",
+            "uri",
+            "int32",
+            "double",
+            "bogus",
+        ]
+    )
+    | GARBAGE
+)
 
 
-REFS = st.sampled_from(["#", "#/$defs/a", "#/$defs/b", "#/$defs/a~1b", "#/$defs/~0", "#/definitions/a", "x",
-                        "#/a"])
+REFS = st.sampled_from(
+    ["#", "#/$defs/a", "#/$defs/b", "#/$defs/a~1b", "#/$defs/~0", "#/definitions/a", "x", "#/a"]
+)
 
 
 def _schemas(garbage: bool) -> st.SearchStrategy[Any]:
@@ -71,37 +154,61 @@ def _schemas(garbage: bool) -> st.SearchStrategy[Any]:
     count = COUNT if garbage else st.integers(0, 6) | st.sampled_from([1_000, 1_001])
     bound = HUGE | junk if garbage else st.integers(-(10**22), 10**22) | st.floats(-1e30, 1e30)
     base = st.one_of(
-        st.booleans(), junk, st.just({}),
+        st.booleans(),
+        junk,
+        st.just({}),
         st.fixed_dictionaries({"type": kind}),
-        st.fixed_dictionaries({"enum": st.lists(JSON if garbage else FINITE, min_size=not garbage, max_size=6)
-                               | junk}, optional={"type": kind}),
-        st.fixed_dictionaries({"const": JSON if garbage else FINITE},
-                              optional={"type": kind, "enum": st.lists(FINITE, min_size=1, max_size=3)}),
-        st.fixed_dictionaries({"type": st.just("string")}, optional={"pattern": PATTERN | junk,
-                                                                     "format": FORMATS}),
-        st.fixed_dictionaries({"type": st.just("integer") | kind},
-                              optional=dict.fromkeys(("minimum", "maximum", "exclusiveMinimum",
-                                                      "exclusiveMaximum"), bound)),
+        st.fixed_dictionaries(
+            {"enum": st.lists(JSON if garbage else FINITE, min_size=not garbage, max_size=6) | junk},
+            optional={"type": kind},
+        ),
+        st.fixed_dictionaries(
+            {"const": JSON if garbage else FINITE},
+            optional={"type": kind, "enum": st.lists(FINITE, min_size=1, max_size=3)},
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("string")}, optional={"pattern": PATTERN | junk, "format": FORMATS}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("integer") | kind},
+            optional=dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"), bound),
+        ),
         st.builds(lambda n: {"enum": list(range(n))}, st.integers(990, 1_010)),
-        st.builds(lambda c, n: {"const": c * n}, st.characters(blacklist_categories=["Cs"]),
-                  st.integers(0, 130_000)),
-        st.fixed_dictionaries({"title": TEXT | junk, "description": TEXT, "default": JSON,
-                               "examples": st.lists(JSON, max_size=2)}),
+        st.builds(
+            lambda c, n: {"const": c * n}, st.characters(blacklist_categories=["Cs"]), st.integers(0, 130_000)
+        ),
+        st.fixed_dictionaries(
+            {
+                "title": TEXT | junk,
+                "description": TEXT,
+                "default": JSON,
+                "examples": st.lists(JSON, max_size=2),
+            }
+        ),
     )
 
     def extend(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         props = st.dictionaries(TEXT, inner, max_size=5)
         return st.one_of(
-            st.fixed_dictionaries({"type": st.just("object") | kind},
-                                  optional={"properties": props | junk,
-                                            "required": st.lists(TEXT, max_size=3, unique=True) | junk,
-                                            "additionalProperties": st.booleans() | inner}),
-            st.fixed_dictionaries({"type": st.just("array") | kind},
-                                  optional={"items": inner | junk, "minItems": count, "maxItems": count}),
+            st.fixed_dictionaries(
+                {"type": st.just("object") | kind},
+                optional={
+                    "properties": props | junk,
+                    "required": st.lists(TEXT, max_size=3, unique=True) | junk,
+                    "additionalProperties": st.booleans() | inner,
+                },
+            ),
+            st.fixed_dictionaries(
+                {"type": st.just("array") | kind},
+                optional={"items": inner | junk, "minItems": count, "maxItems": count},
+            ),
             st.fixed_dictionaries({"anyOf": st.lists(inner, min_size=not garbage, max_size=4) | junk}),
-            st.fixed_dictionaries({"$defs": st.dictionaries(st.sampled_from(["a", "b", "a/b", "~"]), inner,
-                                                            max_size=3),
-                                   "$ref": REFS | junk}),
+            st.fixed_dictionaries(
+                {
+                    "$defs": st.dictionaries(st.sampled_from(["a", "b", "a/b", "~"]), inner, max_size=3),
+                    "$ref": REFS | junk,
+                }
+            ),
             st.builds(_nest, inner, st.integers(0, 14)),
         )
 
@@ -178,10 +285,15 @@ def _same(a: Any, b: Any) -> bool:
 
 @PROPERTY
 @given(names=st.lists(TEXT, min_size=1, max_size=6, unique=True), extra=st.booleans())
-def test_any_property_names_are_written_and_read_back(vocab: ByteVocab, names: list[str],
-                                                       extra: bool) -> None:
-    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names,
-              "additionalProperties": extra}
+def test_any_property_names_are_written_and_read_back(
+    vocab: ByteVocab, names: list[str], extra: bool
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {n: {"type": "integer"} for n in names},
+        "required": names,
+        "additionalProperties": extra,
+    }
     grammar = schema_to_grammar(schema)
     document = "{" + ",".join(f"{json_string(n)}:{i}" for i, n in enumerate(names)) + "}"
     assert vocab.matches(grammar, document)
@@ -191,8 +303,29 @@ def test_any_property_names_are_written_and_read_back(vocab: ByteVocab, names: l
 # Patterns over features Python's `re` shares with ECMA-262 on this alphabet (no newline: Python's
 # `$` also matches before a final one; no \r: Python's `.` takes it).
 ALPHABET = "ab1 -_"
-ATOMS = st.sampled_from(["a", "b", "1", " ", "-", "_", ".", "\\d", "\\w", "\\s", "\\D", "\\W", "\\S", "[ab]",
-                         "[^a]", "[a-b1]", "[-a]", "\\-", "[\\d_]"])
+ATOMS = st.sampled_from(
+    [
+        "a",
+        "b",
+        "1",
+        " ",
+        "-",
+        "_",
+        ".",
+        "\\d",
+        "\\w",
+        "\\s",
+        "\\D",
+        "\\W",
+        "\\S",
+        "[ab]",
+        "[^a]",
+        "[a-b1]",
+        "[-a]",
+        "\\-",
+        "[\\d_]",
+    ]
+)
 QUANTIFIERS = st.sampled_from(["", "", "*", "+", "?", "{2}", "{0,2}", "{1,}", "{1,3}", "*?", "+?", "??"])
 
 
@@ -204,10 +337,12 @@ def _regexes() -> st.SearchStrategy[str]:
             st.tuples(inner, QUANTIFIERS).map(lambda t: f"(?:{t[0]}){t[1]}"),
             st.builds(lambda r: f"({r})", inner),
         )
+
     atom = st.tuples(ATOMS, QUANTIFIERS).map("".join)
     body = st.recursive(atom, extend, max_leaves=6)
-    return st.tuples(st.booleans(), body, st.booleans()).map(lambda t: ("^" if t[0] else "") + t[1]
-                                                             + ("$" if t[2] else ""))
+    return st.tuples(st.booleans(), body, st.booleans()).map(
+        lambda t: ("^" if t[0] else "") + t[1] + ("$" if t[2] else "")
+    )
 
 
 @PROPERTY

@@ -81,14 +81,16 @@ def test_chat_completion_shape(daemon: RunningDaemon) -> None:
     assert isinstance(choice["message"]["content"], str)
     assert choice["message"]["content"]
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": HELLO_CHAT_PROMPT_TOKENS, "completion_tokens": 8,
-                             "total_tokens": HELLO_CHAT_PROMPT_TOKENS + 8}
+    assert body["usage"] == {
+        "prompt_tokens": HELLO_CHAT_PROMPT_TOKENS,
+        "completion_tokens": 8,
+        "total_tokens": HELLO_CHAT_PROMPT_TOKENS + 8,
+    }
 
 
 def test_text_completion_shape(daemon: RunningDaemon) -> None:
     before = time.time()
-    status, body = daemon.post(COMPLETIONS, completion_body(max_tokens=8, ignore_eos=True,
-                                                            temperature=0))
+    status, body = daemon.post(COMPLETIONS, completion_body(max_tokens=8, ignore_eos=True, temperature=0))
     assert status == 200
     assert body["id"].startswith("cmpl-")
     assert len(body["id"]) > len("cmpl-")
@@ -102,8 +104,11 @@ def test_text_completion_shape(daemon: RunningDaemon) -> None:
     assert choice["text"]
     assert "message" not in choice
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": HELLO_TEXT_PROMPT_TOKENS, "completion_tokens": 8,
-                             "total_tokens": HELLO_TEXT_PROMPT_TOKENS + 8}
+    assert body["usage"] == {
+        "prompt_tokens": HELLO_TEXT_PROMPT_TOKENS,
+        "completion_tokens": 8,
+        "total_tokens": HELLO_TEXT_PROMPT_TOKENS + 8,
+    }
 
 
 def test_ids_are_unique_per_response(daemon: RunningDaemon) -> None:
@@ -146,8 +151,11 @@ def test_builtin_template_model_serves_chat(daemon: RunningDaemon) -> None:
     assert body["model"] == "builtin"
     # llama.cpp's chatml; the tiny vocabulary has no <|im_start|> token, so every byte is one.
     rendered = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
-    assert body["usage"] == {"prompt_tokens": 1 + len(rendered.encode()), "completion_tokens": 4,
-                             "total_tokens": 1 + len(rendered.encode()) + 4}
+    assert body["usage"] == {
+        "prompt_tokens": 1 + len(rendered.encode()),
+        "completion_tokens": 4,
+        "total_tokens": 1 + len(rendered.encode()) + 4,
+    }
 
 
 async def test_request_id_header_on_answers_and_errors(daemon: RunningDaemon) -> None:
@@ -174,18 +182,25 @@ async def test_request_id_header_on_answers_and_errors(daemon: RunningDaemon) ->
     assert len(set(ids)) == 4
 
 
-@pytest.mark.parametrize(("given", "echoed"), [
-    ("client-id_1.2", True),
-    ("a" * 64, True),
-    ("a" * 65, False),  # too long
-    ("bad id!", False),  # outside [A-Za-z0-9._-]
-    ("", False),
-])
-async def test_client_request_id_is_kept_only_when_sane(daemon: RunningDaemon, given: str,
-                                                       echoed: bool) -> None:
-    async with aiohttp.ClientSession() as session, session.post(
-            daemon.url + COMPLETIONS, json=completion_body(max_tokens=1),
-            headers={"X-Request-Id": given}) as resp:
+@pytest.mark.parametrize(
+    ("given", "echoed"),
+    [
+        ("client-id_1.2", True),
+        ("a" * 64, True),
+        ("a" * 65, False),  # too long
+        ("bad id!", False),  # outside [A-Za-z0-9._-]
+        ("", False),
+    ],
+)
+async def test_client_request_id_is_kept_only_when_sane(
+    daemon: RunningDaemon, given: str, echoed: bool
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            daemon.url + COMPLETIONS, json=completion_body(max_tokens=1), headers={"X-Request-Id": given}
+        ) as resp,
+    ):
         assert resp.status == 200
         rid = resp.headers["X-Request-Id"]
         await resp.read()
@@ -239,8 +254,15 @@ class Req:
 Expected = tuple[int, str, str | None, str | None]  # status, error type, param, code
 
 
-def bad(case_id: str, req: Req, status: int, param: str | None, code: str | None = None, *,
-        type_: str = "invalid_request_error") -> Any:
+def bad(
+    case_id: str,
+    req: Req,
+    status: int,
+    param: str | None,
+    code: str | None = None,
+    *,
+    type_: str = "invalid_request_error",
+) -> Any:
     """One row: the request and the envelope it must get."""
     expected: Expected = (status, type_, param, code)
     return pytest.param(req, expected, id=case_id)
@@ -256,78 +278,171 @@ BAD_INPUTS: Final = [
     bad("empty-body", Req(raw=b""), 400, None),
     bad("body-is-array", Req(raw=b'[{"model": "tiny"}]'), 400, None),
     bad("body-is-string", Req(raw=b'"tiny"'), 400, None),
-    bad("content-type-text-plain", Req(raw=json.dumps(chat_body()).encode(), content_type="text/plain"),
-        415, None, "unsupported_media_type"),
-    bad("invalid-utf8", Req(raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),
-        400, None),
+    bad(
+        "content-type-text-plain",
+        Req(raw=json.dumps(chat_body()).encode(), content_type="text/plain"),
+        415,
+        None,
+        "unsupported_media_type",
+    ),
+    bad(
+        "invalid-utf8",
+        Req(raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+        400,
+        None,
+    ),
     bad("nesting-100-deep", Req(body=chat_body(metadata=nested(100))), 400, None),
     bad("nesting-30000-deep", Req(raw=b'{"metadata": ' + b"[" * 30000 + b"]" * 30000 + b"}"), 400, None),
-    bad("body-over-limit", Req(body=chat_body(user="x" * (MAX_BODY_BYTES + 100))), 413, None,
-        "payload_too_large"),
+    bad(
+        "body-over-limit",
+        Req(body=chat_body(user="x" * (MAX_BODY_BYTES + 100))),
+        413,
+        None,
+        "payload_too_large",
+    ),
     # An integer literal longer than Python's int-conversion limit (4300 digits).
-    bad("integer-literal-5000-digits",
-        Req(raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 1'
-            + b"0" * 5000 + b"}"), 400, None),
+    bad(
+        "integer-literal-5000-digits",
+        Req(
+            raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 1'
+            + b"0" * 5000
+            + b"}"
+        ),
+        400,
+        None,
+    ),
     bad("unknown-field", Req(body=chat_body(frobnicate=1)), 400, "frobnicate", "unknown_parameter"),
     # model
     bad("model-missing", Req(body=without(chat_body(), "model")), 400, "model"),
     bad("model-wrong-type", Req(body=chat_body(model=5)), 400, "model"),
     bad("model-empty", Req(body=chat_body(model="")), 400, "model"),
     bad("model-unknown", Req(body=chat_body(model="nope")), 404, "model", "model_not_found"),
-    bad("model-unknown-completions", Req(COMPLETIONS, completion_body(model="nope")), 404, "model",
-        "model_not_found"),
+    bad(
+        "model-unknown-completions",
+        Req(COMPLETIONS, completion_body(model="nope")),
+        404,
+        "model",
+        "model_not_found",
+    ),
     # messages
     bad("messages-missing", Req(body=without(chat_body(), "messages")), 400, "messages"),
     bad("messages-empty", Req(body=chat_body(messages=[])), 400, "messages"),
     bad("messages-not-a-list", Req(body=chat_body(messages="hello")), 400, "messages"),
     bad("message-not-an-object", Req(body=chat_body(messages=["hello"])), 400, "messages[0]"),
-    bad("role-wizard", Req(body=chat_body(messages=[{"role": "wizard", "content": "hi"}])), 400,
-        "messages[0].role"),
+    bad(
+        "role-wizard",
+        Req(body=chat_body(messages=[{"role": "wizard", "content": "hi"}])),
+        400,
+        "messages[0].role",
+    ),
     bad("role-missing", Req(body=chat_body(messages=[{"content": "hi"}])), 400, "messages[0].role"),
-    bad("role-is-a-list", Req(body=chat_body(messages=[{"role": ["user"], "content": "hi"}])), 400,
-        "messages[0].role"),
-    bad("second-message-bad-role",
-        Req(body=chat_body(messages=[*HELLO, {"role": "wizard", "content": "hi"}])), 400,
-        "messages[1].role"),
-    bad("content-wrong-type", Req(body=chat_body(messages=[{"role": "user", "content": 5}])), 400,
-        "messages[0].content"),
+    bad(
+        "role-is-a-list",
+        Req(body=chat_body(messages=[{"role": ["user"], "content": "hi"}])),
+        400,
+        "messages[0].role",
+    ),
+    bad(
+        "second-message-bad-role",
+        Req(body=chat_body(messages=[*HELLO, {"role": "wizard", "content": "hi"}])),
+        400,
+        "messages[1].role",
+    ),
+    bad(
+        "content-wrong-type",
+        Req(body=chat_body(messages=[{"role": "user", "content": 5}])),
+        400,
+        "messages[0].content",
+    ),
     bad("content-missing", Req(body=chat_body(messages=[{"role": "user"}])), 400, "messages[0].content"),
-    bad("content-image-part", Req(body=chat_body(messages=[{"role": "user", "content": [IMAGE_PART]}])),
-        400, "messages[0].content[0].type", UNSUPPORTED),
-    bad("content-part-without-type",
-        Req(body=chat_body(messages=[{"role": "user", "content": [{"text": "hi"}]}])), 400,
-        "messages[0].content[0]"),
-    bad("content-part-text-wrong-type",
+    bad(
+        "content-image-part",
+        Req(body=chat_body(messages=[{"role": "user", "content": [IMAGE_PART]}])),
+        400,
+        "messages[0].content[0].type",
+        UNSUPPORTED,
+    ),
+    bad(
+        "content-part-without-type",
+        Req(body=chat_body(messages=[{"role": "user", "content": [{"text": "hi"}]}])),
+        400,
+        "messages[0].content[0]",
+    ),
+    bad(
+        "content-part-text-wrong-type",
         Req(body=chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}])),
-        400, "messages[0].content[0].text"),
-    bad("message-unknown-field",
-        Req(body=chat_body(messages=[{"role": "user", "content": "hi", "mood": "sunny"}])), 400,
-        "messages[0].mood"),
-    bad("tool-role-message",
+        400,
+        "messages[0].content[0].text",
+    ),
+    bad(
+        "message-unknown-field",
+        Req(body=chat_body(messages=[{"role": "user", "content": "hi", "mood": "sunny"}])),
+        400,
+        "messages[0].mood",
+    ),
+    bad(
+        "tool-role-message",
         Req(body=chat_body(messages=[*HELLO, {"role": "tool", "content": "42", "tool_call_id": "x"}])),
-        400, "tools", "tools_not_supported"),
-    bad("assistant-tool-calls",
-        Req(body=chat_body(messages=[{"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])),
-        400, "tools", "tools_not_supported"),
-    bad("tool-message-without-call-id",
-        Req(body=chat_body(messages=[*HELLO, {"role": "tool", "content": "42"}])), 400,
-        "messages[1].tool_call_id"),
-    bad("user-tool-calls",
-        Req(body=chat_body(messages=[{"role": "user", "content": "", "tool_calls": []}])), 400,
-        "messages[0].tool_calls"),
-    bad("chat-template-missing", Req(body=chat_body(model="notemplate")), 400, "messages",
-        "chat_template_missing"),
-    bad("chat-prompt-over-context", Req(body=chat_body(messages=[{"role": "user", "content": "a" * 400}])),
-        400, "messages", "context_length_exceeded"),
+        400,
+        "tools",
+        "tools_not_supported",
+    ),
+    bad(
+        "assistant-tool-calls",
+        Req(
+            body=chat_body(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                        ],
+                    }
+                ]
+            )
+        ),
+        400,
+        "tools",
+        "tools_not_supported",
+    ),
+    bad(
+        "tool-message-without-call-id",
+        Req(body=chat_body(messages=[*HELLO, {"role": "tool", "content": "42"}])),
+        400,
+        "messages[1].tool_call_id",
+    ),
+    bad(
+        "user-tool-calls",
+        Req(body=chat_body(messages=[{"role": "user", "content": "", "tool_calls": []}])),
+        400,
+        "messages[0].tool_calls",
+    ),
+    bad(
+        "chat-template-missing",
+        Req(body=chat_body(model="notemplate")),
+        400,
+        "messages",
+        "chat_template_missing",
+    ),
+    bad(
+        "chat-prompt-over-context",
+        Req(body=chat_body(messages=[{"role": "user", "content": "a" * 400}])),
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
     # sampling
     bad("temperature-negative", Req(body=chat_body(temperature=-1)), 400, "temperature"),
     bad("temperature-string", Req(body=chat_body(temperature="hot")), 400, "temperature"),
     bad("temperature-over-2", Req(body=chat_body(temperature=2.5)), 400, "temperature"),
     bad("temperature-bool", Req(body=chat_body(temperature=True)), 400, "temperature"),
-    bad("temperature-nan",
+    bad(
+        "temperature-nan",
         Req(raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
-        400, "temperature"),
+        400,
+        "temperature",
+    ),
     bad("top-p-2", Req(body=chat_body(top_p=2)), 400, "top_p"),
     bad("top-p-negative", Req(body=chat_body(top_p=-0.1)), 400, "top_p"),
     bad("presence-penalty-3", Req(body=chat_body(presence_penalty=3)), 400, "presence_penalty"),
@@ -340,10 +455,15 @@ BAD_INPUTS: Final = [
     bad("max-tokens-bool", Req(body=chat_body(max_tokens=True)), 400, "max_tokens"),
     bad("max-tokens-over-server-limit", Req(body=chat_body(max_tokens=100000)), 400, "max_tokens"),
     bad("max-tokens-limit-plus-one", Req(body=chat_body(max_tokens=513)), 400, "max_tokens"),
-    bad("max-completion-tokens-0", Req(body=chat_body(max_completion_tokens=0)), 400,
-        "max_completion_tokens"),
-    bad("max-completion-tokens-over-limit", Req(body=chat_body(max_completion_tokens=100000)), 400,
-        "max_completion_tokens"),
+    bad(
+        "max-completion-tokens-0", Req(body=chat_body(max_completion_tokens=0)), 400, "max_completion_tokens"
+    ),
+    bad(
+        "max-completion-tokens-over-limit",
+        Req(body=chat_body(max_completion_tokens=100000)),
+        400,
+        "max_completion_tokens",
+    ),
     # stop
     bad("stop-5-strings", Req(body=chat_body(stop=["a", "b", "c", "d", "e"])), 400, "stop"),
     bad("stop-number", Req(body=chat_body(stop=5)), 400, "stop"),
@@ -351,72 +471,166 @@ BAD_INPUTS: Final = [
     bad("stop-too-long", Req(body=chat_body(stop="x" * 257)), 400, "stop"),
     # streaming
     bad("stream-string", Req(body=chat_body(stream="yes")), 400, "stream"),
-    bad("stream-options-without-stream", Req(body=chat_body(stream_options={"include_usage": True})),
-        400, "stream_options"),
-    bad("stream-options-unknown-key",
-        Req(body=chat_body(stream=True, stream_options={"include_usage": True, "x": 1})), 400,
-        "stream_options"),
-    bad("stream-options-not-object", Req(body=chat_body(stream=True, stream_options=True)), 400,
-        "stream_options"),
+    bad(
+        "stream-options-without-stream",
+        Req(body=chat_body(stream_options={"include_usage": True})),
+        400,
+        "stream_options",
+    ),
+    bad(
+        "stream-options-unknown-key",
+        Req(body=chat_body(stream=True, stream_options={"include_usage": True, "x": 1})),
+        400,
+        "stream_options",
+    ),
+    bad(
+        "stream-options-not-object",
+        Req(body=chat_body(stream=True, stream_options=True)),
+        400,
+        "stream_options",
+    ),
     # not implemented: refused rather than silently ignored
     bad("n-17", Req(body=chat_body(n=17)), 400, "n"),
     bad("n-0", Req(body=chat_body(n=0)), 400, "n"),
     bad("top-logprobs-without-logprobs", Req(body=chat_body(top_logprobs=2)), 400, "top_logprobs"),
     bad("top-logprobs-21", Req(body=chat_body(logprobs=True, top_logprobs=21)), 400, "top_logprobs"),
-    bad("tools-without-template-support", Req(body=chat_body(tools=[TOOL])), 400, "tools",
-        "tools_not_supported"),
+    bad(
+        "tools-without-template-support",
+        Req(body=chat_body(tools=[TOOL])),
+        400,
+        "tools",
+        "tools_not_supported",
+    ),
     bad("tools-not-a-list", Req(body=chat_body(tools={"a": 1})), 400, "tools"),
-    bad("tool-bad-name", Req(body=chat_body(tools=[{"type": "function", "function": {"name": "a b"}}])),
-        400, "tools[0].function.name"),
+    bad(
+        "tool-bad-name",
+        Req(body=chat_body(tools=[{"type": "function", "function": {"name": "a b"}}])),
+        400,
+        "tools[0].function.name",
+    ),
     bad("tool-choice-without-tools", Req(body=chat_body(tool_choice="auto")), 400, "tool_choice"),
-    bad("tool-choice-unknown-name", Req(body=chat_body(tools=[TOOL], tool_choice={
-        "type": "function", "function": {"name": "g"}})), 400, "tool_choice"),
-    bad("tool-parameters-unsupported-keyword", Req(body=chat_body(tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "patternProperties": {}}}}])), 400,
-        "tools[0].function.parameters", UNSUPPORTED),
+    bad(
+        "tool-choice-unknown-name",
+        Req(body=chat_body(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}})),
+        400,
+        "tool_choice",
+    ),
+    bad(
+        "tool-parameters-unsupported-keyword",
+        Req(
+            body=chat_body(
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {}}},
+                    }
+                ]
+            )
+        ),
+        400,
+        "tools[0].function.parameters",
+        UNSUPPORTED,
+    ),
     bad("functions", Req(body=chat_body(functions=[TOOL["function"]])), 400, "functions", UNSUPPORTED),
-    bad("response-format-xml", Req(body=chat_body(response_format={"type": "xml"})), 400,
-        "response_format.type"),
+    bad(
+        "response-format-xml",
+        Req(body=chat_body(response_format={"type": "xml"})),
+        400,
+        "response_format.type",
+    ),
     bad("response-format-not-object", Req(body=chat_body(response_format="json")), 400, "response_format"),
-    bad("response-format-schema-missing-name", Req(body=chat_body(response_format={
-        "type": "json_schema", "json_schema": {"schema": {"type": "object"}}})), 400,
-        "response_format.json_schema"),
-    bad("response-format-unsupported-keyword", Req(body=chat_body(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"type": "string", "minLength": 2}}}}})), 400,
-        "response_format.json_schema.schema", UNSUPPORTED),
-    bad("response-format-with-tools", Req(body=chat_body(tools=[TOOL], tool_choice="required",
-                                                         response_format={"type": "json_object"})), 400,
-        "response_format"),
+    bad(
+        "response-format-schema-missing-name",
+        Req(
+            body=chat_body(
+                response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+            )
+        ),
+        400,
+        "response_format.json_schema",
+    ),
+    bad(
+        "response-format-unsupported-keyword",
+        Req(
+            body=chat_body(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "string", "minLength": 2}}},
+                    },
+                }
+            )
+        ),
+        400,
+        "response_format.json_schema.schema",
+        UNSUPPORTED,
+    ),
+    bad(
+        "response-format-with-tools",
+        Req(body=chat_body(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"})),
+        400,
+        "response_format",
+    ),
     bad("logit-bias-not-a-token", Req(body=chat_body(logit_bias={"a": 5})), 400, "logit_bias"),
     bad("logit-bias-too-big", Req(body=chat_body(logit_bias={"1": 500})), 400, "logit_bias"),
     bad("logit-bias-beyond-vocab", Req(body=chat_body(logit_bias={"99999": 5})), 400, "logit_bias"),
     bad("modalities-audio", Req(body=chat_body(modalities=["audio"])), 400, "modalities", UNSUPPORTED),
     # /v1/completions
-    bad("completions-prompt-over-context", Req(COMPLETIONS, completion_body(prompt="a" * 400)), 400,
-        "prompt", "context_length_exceeded"),
-    bad("completions-token-prompt-over-context", Req(COMPLETIONS, completion_body(prompt=[65] * 300)),
-        400, "prompt", "context_length_exceeded"),
+    bad(
+        "completions-prompt-over-context",
+        Req(COMPLETIONS, completion_body(prompt="a" * 400)),
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    bad(
+        "completions-token-prompt-over-context",
+        Req(COMPLETIONS, completion_body(prompt=[65] * 300)),
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
     bad("completions-echo", Req(COMPLETIONS, completion_body(echo=True)), 400, "echo", UNSUPPORTED),
     bad("completions-suffix", Req(COMPLETIONS, completion_body(suffix="!")), 400, "suffix", UNSUPPORTED),
     bad("completions-best-of-2", Req(COMPLETIONS, completion_body(best_of=2)), 400, "best_of", UNSUPPORTED),
     bad("completions-logprobs-6", Req(COMPLETIONS, completion_body(logprobs=6)), 400, "logprobs"),
-    bad("completions-prompt-missing", Req(COMPLETIONS, without(completion_body(), "prompt")), 400,
-        "prompt"),
+    bad("completions-prompt-missing", Req(COMPLETIONS, without(completion_body(), "prompt")), 400, "prompt"),
     bad("completions-prompt-number", Req(COMPLETIONS, completion_body(prompt=5)), 400, "prompt"),
     bad("completions-prompt-empty-list", Req(COMPLETIONS, completion_body(prompt=[])), 400, "prompt"),
-    bad("completions-two-prompts", Req(COMPLETIONS, completion_body(prompt=["a", "b"])), 400, "prompt",
-        UNSUPPORTED),
-    bad("completions-two-token-prompts", Req(COMPLETIONS, completion_body(prompt=[[65], [66]])), 400,
-        "prompt", UNSUPPORTED),
+    bad(
+        "completions-two-prompts",
+        Req(COMPLETIONS, completion_body(prompt=["a", "b"])),
+        400,
+        "prompt",
+        UNSUPPORTED,
+    ),
+    bad(
+        "completions-two-token-prompts",
+        Req(COMPLETIONS, completion_body(prompt=[[65], [66]])),
+        400,
+        "prompt",
+        UNSUPPORTED,
+    ),
     bad("completions-negative-token", Req(COMPLETIONS, completion_body(prompt=[65, -1])), 400, "prompt"),
-    bad("completions-token-past-vocab", Req(COMPLETIONS, completion_body(prompt=[65, N_VOCAB])), 400,
-        "prompt"),
+    bad(
+        "completions-token-past-vocab", Req(COMPLETIONS, completion_body(prompt=[65, N_VOCAB])), 400, "prompt"
+    ),
     bad("completions-bool-tokens", Req(COMPLETIONS, completion_body(prompt=[True])), 400, "prompt"),
-    bad("completions-max-completion-tokens", Req(COMPLETIONS, completion_body(max_completion_tokens=4)),
-        400, "max_completion_tokens", "unknown_parameter"),
-    bad("completions-messages", Req(COMPLETIONS, completion_body(messages=HELLO)), 400, "messages",
-        "unknown_parameter"),
+    bad(
+        "completions-max-completion-tokens",
+        Req(COMPLETIONS, completion_body(max_completion_tokens=4)),
+        400,
+        "max_completion_tokens",
+        "unknown_parameter",
+    ),
+    bad(
+        "completions-messages",
+        Req(COMPLETIONS, completion_body(messages=HELLO)),
+        400,
+        "messages",
+        "unknown_parameter",
+    ),
     bad("chat-prompt-field", Req(body=chat_body(prompt="hi")), 400, "prompt", "unknown_parameter"),
     # routing
     bad("unknown-route-get", Req("/v1/nothing", method="GET"), 404, None, "not_found"),
@@ -433,8 +647,9 @@ def test_bad_input(daemon: RunningDaemon, req: Req, expected: Expected) -> None:
         got_status, body = daemon.get(req.path)
     else:
         raw = req.raw if req.raw is not None else json.dumps(req.body).encode()
-        got_status, body = daemon.post(req.path, None, raw=raw,
-                                       headers={"Content-Type": req.content_type, **req.headers})
+        got_status, body = daemon.post(
+            req.path, None, raw=raw, headers={"Content-Type": req.content_type, **req.headers}
+        )
     error = assert_envelope(body)
     assert (got_status, error["type"], error["param"], error["code"]) == expected
     assert len(error["message"]) < 200
@@ -445,24 +660,39 @@ UNPRINTABLE: Final = "\x1b[2J\x00\u202e"
 HUGE_NAME: Final = "k" * 10_000
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    pytest.param(CHAT, chat_body(**{HUGE_NAME: 1}), id="huge-field-name"),
-    pytest.param(CHAT, chat_body(**{UNPRINTABLE: 1}), id="unprintable-field-name"),
-    pytest.param(COMPLETIONS, completion_body(**{HUGE_NAME: 1}), id="huge-field-name-completions"),
-    pytest.param(CHAT, chat_body(messages=[{"role": "user", "content": "hi", HUGE_NAME: 1}]),
-                 id="huge-message-field-name"),
-    pytest.param(CHAT, chat_body(messages=[{"role": "user", "content": "hi", UNPRINTABLE: 1}]),
-                 id="unprintable-message-field-name"),
-    pytest.param(CHAT, chat_body(model=HUGE_NAME), id="huge-model-name"),
-    pytest.param(CHAT, chat_body(model=UNPRINTABLE), id="unprintable-model-name"),
-    pytest.param(CHAT, chat_body(messages=[{"role": "user", "content": [{"type": HUGE_NAME}]}]),
-                 id="huge-content-part-type"),
-    pytest.param(CHAT, chat_body(response_format={"type": UNPRINTABLE}), id="unprintable-response-format"),
-    pytest.param(CHAT, chat_body(max_tokens=10**4000), id="huge-max-tokens-number"),
-    pytest.param(CHAT, chat_body(seed=10**4000), id="huge-seed-number"),
-])
-def test_errors_never_echo_huge_or_unprintable_input(daemon: RunningDaemon, path: str,
-                                                     body: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        pytest.param(CHAT, chat_body(**{HUGE_NAME: 1}), id="huge-field-name"),
+        pytest.param(CHAT, chat_body(**{UNPRINTABLE: 1}), id="unprintable-field-name"),
+        pytest.param(COMPLETIONS, completion_body(**{HUGE_NAME: 1}), id="huge-field-name-completions"),
+        pytest.param(
+            CHAT,
+            chat_body(messages=[{"role": "user", "content": "hi", HUGE_NAME: 1}]),
+            id="huge-message-field-name",
+        ),
+        pytest.param(
+            CHAT,
+            chat_body(messages=[{"role": "user", "content": "hi", UNPRINTABLE: 1}]),
+            id="unprintable-message-field-name",
+        ),
+        pytest.param(CHAT, chat_body(model=HUGE_NAME), id="huge-model-name"),
+        pytest.param(CHAT, chat_body(model=UNPRINTABLE), id="unprintable-model-name"),
+        pytest.param(
+            CHAT,
+            chat_body(messages=[{"role": "user", "content": [{"type": HUGE_NAME}]}]),
+            id="huge-content-part-type",
+        ),
+        pytest.param(
+            CHAT, chat_body(response_format={"type": UNPRINTABLE}), id="unprintable-response-format"
+        ),
+        pytest.param(CHAT, chat_body(max_tokens=10**4000), id="huge-max-tokens-number"),
+        pytest.param(CHAT, chat_body(seed=10**4000), id="huge-seed-number"),
+    ],
+)
+def test_errors_never_echo_huge_or_unprintable_input(
+    daemon: RunningDaemon, path: str, body: dict[str, Any]
+) -> None:
     status, answer = daemon.post(path, body)
     assert status in {400, 404}
     error = assert_envelope(answer)
@@ -493,21 +723,41 @@ GREEDY: Final = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 def test_ignored_fields_change_nothing(daemon: RunningDaemon) -> None:
     plain, _ = greedy_text(daemon, CHAT, chat_body(**GREEDY))
-    extras = {"user": "u-1", "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
-              "parallel_tool_calls": False, "tool_choice": "none", "n": 1, "logprobs": False,
-              "logit_bias": {}, "response_format": {"type": "text"}, "modalities": ["text"],
-              "stream": False, "stop": []}
+    extras = {
+        "user": "u-1",
+        "store": False,
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "n": 1,
+        "logprobs": False,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+        "stream": False,
+        "stop": [],
+    }
     text, answer = greedy_text(daemon, CHAT, chat_body(**GREEDY, **extras))
     assert text == plain
     assert answer["usage"]["completion_tokens"] == 12
-    text, _ = greedy_text(daemon, COMPLETIONS, completion_body(**GREEDY, user="u-1", best_of=1, echo=False,
-                                                               logprobs=None))
+    text, _ = greedy_text(
+        daemon, COMPLETIONS, completion_body(**GREEDY, user="u-1", best_of=1, echo=False, logprobs=None)
+    )
     assert text == greedy_text(daemon, COMPLETIONS, completion_body(**GREEDY))[0]
 
 
 def test_null_optional_fields_mean_defaults(daemon: RunningDaemon) -> None:
-    nulls = {"max_tokens": None, "temperature": None, "top_p": None, "stop": None, "seed": None,
-             "stream": None, "stream_options": None, "n": None}
+    nulls = {
+        "max_tokens": None,
+        "temperature": None,
+        "top_p": None,
+        "stop": None,
+        "seed": None,
+        "stream": None,
+        "stream_options": None,
+        "n": None,
+    }
     status, answer = daemon.post(COMPLETIONS, completion_body(**nulls, ignore_eos=True))
     assert status == 200
     assert answer["usage"]["completion_tokens"] == 16
@@ -522,14 +772,18 @@ def test_developer_role_is_rendered_as_system(daemon: RunningDaemon) -> None:
     assert developer == system
     # No spaces: llama's tokenizer turns a space into U+2581, three byte tokens here.
     rendered = "<|system|>brief\n<|user|>hello\n<|assistant|>"
-    assert dev_answer["usage"]["prompt_tokens"] == sys_answer["usage"]["prompt_tokens"] == \
-        1 + len(rendered.encode())
+    assert (
+        dev_answer["usage"]["prompt_tokens"]
+        == sys_answer["usage"]["prompt_tokens"]
+        == 1 + len(rendered.encode())
+    )
 
 
 def test_content_as_text_parts_equals_the_joined_string(daemon: RunningDaemon) -> None:
     parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
-    text, answer = greedy_text(daemon, CHAT, chat_body(messages=[{"role": "user", "content": parts}],
-                                                       **GREEDY))
+    text, answer = greedy_text(
+        daemon, CHAT, chat_body(messages=[{"role": "user", "content": parts}], **GREEDY)
+    )
     assert answer["usage"]["prompt_tokens"] == HELLO_CHAT_PROMPT_TOKENS
     assert text == greedy_text(daemon, CHAT, chat_body(**GREEDY))[0]
 
@@ -563,8 +817,9 @@ def test_stop_string_truncates_the_output(daemon: RunningDaemon, path: str) -> N
 
 
 def test_max_tokens_is_clamped_to_the_room_left_in_the_context(daemon: RunningDaemon) -> None:
-    status, answer = daemon.post(COMPLETIONS, completion_body(prompt="a" * 199, max_tokens=500,
-                                                              ignore_eos=True))
+    status, answer = daemon.post(
+        COMPLETIONS, completion_body(prompt="a" * 199, max_tokens=500, ignore_eos=True)
+    )
     assert status == 200
     usage = answer["usage"]
     assert usage["prompt_tokens"] == 200
@@ -575,8 +830,9 @@ def test_max_tokens_is_clamped_to_the_room_left_in_the_context(daemon: RunningDa
 
 def test_prompt_that_just_fits_leaves_room_for_one_token(daemon: RunningDaemon) -> None:
     # 255 tokens (BOS + 254 bytes) fit in 256; 256 do not.
-    status, answer = daemon.post(COMPLETIONS, completion_body(prompt="a" * 254, max_tokens=10,
-                                                              ignore_eos=True))
+    status, answer = daemon.post(
+        COMPLETIONS, completion_body(prompt="a" * 254, max_tokens=10, ignore_eos=True)
+    )
     assert status == 200
     assert answer["usage"] == {"prompt_tokens": 255, "completion_tokens": 1, "total_tokens": 256}
     assert answer["choices"][0]["finish_reason"] == "length"

@@ -61,9 +61,11 @@ def split_head(raw: bytes) -> tuple[bytes, dict[str, str], bytes]:
 def post_raw(daemon: RunningDaemon, path: str, body: dict[str, Any]) -> RawResponse:
     """POST `body` over a fresh socket with `Connection: close` and read until the server closes."""
     payload = json.dumps(body).encode()
-    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{daemon.port}\r\n"
-               "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-               f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{daemon.port}\r\n"
+        "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode() + payload
     received = bytearray()
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as sock:
         sock.sendall(request)
@@ -115,8 +117,9 @@ def check_envelope_fields(events: list[dict[str, Any]], obj: str, prefix: str) -
     assert all(e["object"] == obj and e["model"] == "tiny" for e in events)
 
 
-def check_usage(events: list[dict[str, Any]], include_usage: bool) -> tuple[list[dict[str, Any]],
-                                                                            dict[str, int] | None]:
+def check_usage(
+    events: list[dict[str, Any]], include_usage: bool
+) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
     """Split off the usage chunk (checking `usage` on every other chunk); the choice chunks and usage."""
     if not include_usage:
         assert all(e.get("usage") is None for e in events)
@@ -132,8 +135,9 @@ def check_usage(events: list[dict[str, Any]], include_usage: bool) -> tuple[list
     return choice_events, usage
 
 
-def chat_stream_text(events: list[dict[str, Any]], *, include_usage: bool,
-                     finish: str = "length") -> tuple[str, dict[str, int] | None]:
+def chat_stream_text(
+    events: list[dict[str, Any]], *, include_usage: bool, finish: str = "length"
+) -> tuple[str, dict[str, int] | None]:
     """Check a chat stream's chunks; its text and usage."""
     check_envelope_fields(events, "chat.completion.chunk", "chatcmpl-")
     chunks, usage = check_usage(events, include_usage)
@@ -152,8 +156,9 @@ def chat_stream_text(events: list[dict[str, Any]], *, include_usage: bool,
     return "".join(c["delta"]["content"] for c in middle), usage
 
 
-def completion_stream_text(events: list[dict[str, Any]], *, include_usage: bool,
-                           finish: str = "length") -> tuple[str, dict[str, int] | None]:
+def completion_stream_text(
+    events: list[dict[str, Any]], *, include_usage: bool, finish: str = "length"
+) -> tuple[str, dict[str, int] | None]:
     """Check a text completion stream's chunks; its text and usage."""
     check_envelope_fields(events, "text_completion", "cmpl-")
     chunks, usage = check_usage(events, include_usage)
@@ -191,9 +196,15 @@ def test_chat_stream_framing(daemon: RunningDaemon, include_usage: bool) -> None
     whole_text, whole = non_streamed(daemon, CHAT, {**body, "stream": False, "stream_options": None})
     assert text == whole_text
     if include_usage:
-        assert usage == whole["usage"] == {"prompt_tokens": HELLO_CHAT_PROMPT_TOKENS,
-                                           "completion_tokens": MAX_TOKENS,
-                                           "total_tokens": HELLO_CHAT_PROMPT_TOKENS + MAX_TOKENS}
+        assert (
+            usage
+            == whole["usage"]
+            == {
+                "prompt_tokens": HELLO_CHAT_PROMPT_TOKENS,
+                "completion_tokens": MAX_TOKENS,
+                "total_tokens": HELLO_CHAT_PROMPT_TOKENS + MAX_TOKENS,
+            }
+        )
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
@@ -221,8 +232,9 @@ def test_stream_cut_by_a_stop_string(daemon: RunningDaemon, path: str) -> None:
     expected, answer = non_streamed(daemon, path, {**base, "stop": [stop]})
     assert expected == full[: full.index(stop)]
     assert answer["choices"][0]["finish_reason"] == "stop"
-    response = post_raw(daemon, path, {**base, "stop": [stop], "stream": True,
-                                       "stream_options": {"include_usage": True}})
+    response = post_raw(
+        daemon, path, {**base, "stop": [stop], "stream": True, "stream_options": {"include_usage": True}}
+    )
     check_stream_headers(response)
     events = sse_events(response.body)
     read = chat_stream_text if path == CHAT else completion_stream_text
@@ -233,8 +245,17 @@ def test_stream_cut_by_a_stop_string(daemon: RunningDaemon, path: str) -> None:
 
 def test_stream_that_may_end_at_eos(daemon: RunningDaemon) -> None:
     # Without ignore_eos the random weights may pick EOS: the framing must hold either way.
-    response = post_raw(daemon, CHAT, {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 30,
-                                       "stream_options": {"include_usage": True}})
+    response = post_raw(
+        daemon,
+        CHAT,
+        {
+            "model": "tiny",
+            "messages": HELLO,
+            "stream": True,
+            "max_tokens": 30,
+            "stream_options": {"include_usage": True},
+        },
+    )
     check_stream_headers(response)
     events = sse_events(response.body)
     finish = events[-2]["choices"][0]["finish_reason"]
@@ -245,8 +266,7 @@ def test_stream_that_may_end_at_eos(daemon: RunningDaemon) -> None:
 
 
 def test_invalid_stream_request_is_answered_with_json_not_sse(daemon: RunningDaemon) -> None:
-    response = post_raw(daemon, CHAT, {"model": "tiny", "messages": HELLO, "stream": True,
-                                       "temperature": -1})
+    response = post_raw(daemon, CHAT, {"model": "tiny", "messages": HELLO, "stream": True, "temperature": -1})
     assert response.status_line == b"HTTP/1.1 400 Bad Request"
     assert response.headers["content-type"] == "application/json; charset=utf-8"
     error = json.loads(response.body)["error"]
@@ -255,13 +275,33 @@ def test_invalid_stream_request_is_answered_with_json_not_sse(daemon: RunningDae
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_curl_sees_the_same_framing(daemon: RunningDaemon, path: str) -> None:
-    body: dict[str, Any] = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True},
-                            **GREEDY}
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **GREEDY,
+    }
     body |= {"messages": HELLO} if path == CHAT else {"prompt": "hello"}
     done = subprocess.run(
-        ["curl", "-sSN", "--http1.1", "--max-time", "30", "-D", "-", "-H", "Content-Type: application/json",
-         "--data-binary", "@-", daemon.url + path],
-        input=json.dumps(body).encode(), capture_output=True, timeout=60, check=True)
+        [
+            "curl",
+            "-sSN",
+            "--http1.1",
+            "--max-time",
+            "30",
+            "-D",
+            "-",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            "@-",
+            daemon.url + path,
+        ],
+        input=json.dumps(body).encode(),
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
     status_line, headers, stream = split_head(done.stdout)
     check_stream_headers(RawResponse(status_line, headers, stream))
     read = chat_stream_text if path == CHAT else completion_stream_text

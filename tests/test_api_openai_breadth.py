@@ -30,15 +30,34 @@ TOOLS_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # Any: the openai client's TypedDict parameters would need every literal spelled out.
-WEATHER: Any = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-        "celsius": {"type": "boolean"}},
-        "required": ["city", "celsius"], "additionalProperties": False}}}
-TIME: Any = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"type": "integer"}}, "required": ["zone"], "additionalProperties": False}}}
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                "celsius": {"type": "boolean"},
+            },
+            "required": ["city", "celsius"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
@@ -57,12 +76,22 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     root = tmp_path_factory.mktemp("breadth")
     plain = write_tiny_model(root / "plain.gguf", TinyModelSpec(seed=31))
     tools = write_tiny_model(root / "tools.gguf", TinyModelSpec(seed=32, chat_template=TOOLS_TEMPLATE))
-    settings = settings_for([
-        {"name": "plain", "file": str(plain), "slots": 4, "context_size": 512, "threads": 1},
-        {"name": "tools", "file": str(tools), "slots": 4, "context_size": 1024, "threads": 1},
-        {"name": "embed", "file": str(plain), "embedding": True, "slots": 1, "context_size": 128,
-         "threads": 1},
-    ], server={"max_tokens_limit": 1024}, lifecycle={"watch": False})
+    settings = settings_for(
+        [
+            {"name": "plain", "file": str(plain), "slots": 4, "context_size": 512, "threads": 1},
+            {"name": "tools", "file": str(tools), "slots": 4, "context_size": 1024, "threads": 1},
+            {
+                "name": "embed",
+                "file": str(plain),
+                "embedding": True,
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            },
+        ],
+        server={"max_tokens_limit": 1024},
+        lifecycle={"watch": False},
+    )
     with running(settings) as d:
         yield d
 
@@ -78,8 +107,13 @@ def client(daemon: RunningDaemon) -> openai.OpenAI:
 def test_json_schema_output_validates_in_every_seeded_run(client: openai.OpenAI) -> None:
     for seed in range(20):
         answer = client.beta.chat.completions.parse(
-            model="plain", messages=[{"role": "user", "content": "Describe a person."}],
-            response_format=Person, seed=seed, temperature=1.0, max_tokens=200)
+            model="plain",
+            messages=[{"role": "user", "content": "Describe a person."}],
+            response_format=Person,
+            seed=seed,
+            temperature=1.0,
+            max_tokens=200,
+        )
         choice = answer.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         assert isinstance(choice.message.parsed, Person)  # the client validated it with pydantic
@@ -89,22 +123,31 @@ def test_json_schema_output_validates_in_every_seeded_run(client: openai.OpenAI)
 def test_json_object_output_is_a_json_object(client: openai.OpenAI) -> None:
     for seed in range(3):
         answer = client.chat.completions.create(
-            model="plain", messages=ASK, response_format={"type": "json_object"}, seed=seed,
-            temperature=0.7, max_tokens=400)
+            model="plain",
+            messages=ASK,
+            response_format={"type": "json_object"},
+            seed=seed,
+            temperature=0.7,
+            max_tokens=400,
+        )
         if answer.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
         else:  # a random model may fill a long string; what it wrote is still JSON's prefix
             assert (answer.choices[0].message.content or "").startswith("{")
 
 
-@pytest.mark.parametrize(("schema", "keyword"), [
-    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}}, "minLength"),
-    ({"type": "object", "allOf": [{"type": "object"}]}, "allOf"),
-    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "not"),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
-])
-def test_unsupported_schema_keywords_are_named(client: openai.OpenAI, schema: dict[str, Any],
-                                               keyword: str) -> None:
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "minLength": 1}}}, "minLength"),
+        ({"type": "object", "allOf": [{"type": "object"}]}, "allOf"),
+        ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "not"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ],
+)
+def test_unsupported_schema_keywords_are_named(
+    client: openai.OpenAI, schema: dict[str, Any], keyword: str
+) -> None:
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="plain", messages=ASK, response_format=fmt)
@@ -118,8 +161,9 @@ def test_unsupported_schema_keywords_are_named(client: openai.OpenAI, schema: di
 def _call_round_trip(client: openai.OpenAI, calls: list[dict[str, Any]]) -> str:
     history: list[Any] = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls}]
     history += [{"role": "tool", "tool_call_id": c["id"], "content": "12 degrees, rain"} for c in calls]
-    answer = client.chat.completions.create(model="tools", messages=history, tools=[WEATHER],
-                                            tool_choice="none", max_tokens=8)
+    answer = client.chat.completions.create(
+        model="tools", messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
+    )
     assert answer.choices[0].message.tool_calls is None
     return answer.choices[0].message.content or ""
 
@@ -127,9 +171,14 @@ def _call_round_trip(client: openai.OpenAI, calls: list[dict[str, Any]]) -> str:
 def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     # One call (parallel_tool_calls: false): a random model pads JSON with whitespace, and
     # several calls could run past max_tokens.
-    answer = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER],
-                                            tool_choice="required", parallel_tool_calls=False,
-                                            max_tokens=1000)
+    answer = client.chat.completions.create(
+        model="tools",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=1000,
+    )
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -148,16 +197,23 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
 
 def test_streamed_tool_call_round_trip(client: openai.OpenAI) -> None:
     named: Any = {"type": "function", "function": {"name": "get_time"}}
-    stream = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER, TIME],
-                                            tool_choice=named, parallel_tool_calls=False,
-                                            max_tokens=1000, stream=True)
+    stream = client.chat.completions.create(
+        model="tools",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice=named,
+        parallel_tool_calls=False,
+        max_tokens=1000,
+        stream=True,
+    )
     calls: dict[int, dict[str, Any]] = {}
     finish = None
     for chunk in stream:
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"id": "", "type": "function",
-                                                       "function": {"name": "", "arguments": ""}})
+                entry = calls.setdefault(
+                    delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 entry["id"] += delta.id or ""
                 if delta.function is not None:
                     entry["function"]["name"] += delta.function.name or ""
@@ -173,28 +229,46 @@ def test_streamed_tool_call_round_trip(client: openai.OpenAI) -> None:
 
 def test_parallel_calls_and_auto(client: openai.OpenAI) -> None:
     for seed in range(6):
-        answer = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER, TIME],
-                                                tool_choice="auto", seed=seed, temperature=1.0,
-                                                max_tokens=1000)
+        answer = client.chat.completions.create(
+            model="tools",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice="auto",
+            seed=seed,
+            temperature=1.0,
+            max_tokens=1000,
+        )
         message = answer.choices[0].message
         if message.tool_calls:
             assert answer.choices[0].finish_reason == "tool_calls"
             assert 1 <= len(message.tool_calls) <= 8
-            assert {c.function.name for c in message.tool_calls  # type: ignore[union-attr] # function calls only
-                    } <= {"get_weather", "get_time"}
+            names = {c.function.name for c in message.tool_calls}  # type: ignore[union-attr] # functions only
+            assert names <= {"get_weather", "get_time"}
         else:  # auto may answer directly: then plain content
             assert isinstance(message.content, str)
-    one = client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER, TIME],
-                                         tool_choice="required", parallel_tool_calls=False, max_tokens=1000)
+    one = client.chat.completions.create(
+        model="tools",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=1000,
+    )
     assert len(one.choices[0].message.tool_calls or []) == 1
 
 
 def test_parallel_calls_are_parsed_in_order() -> None:
     from edgellmd.api.structured import parse_tool_reply  # noqa: PLC0415
 
-    text = json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
-                                      {"name": "get_time", "arguments": {"zone": 2}},
-                                      {"name": "not_offered", "arguments": {}}]})
+    text = json.dumps(
+        {
+            "tool_calls": [
+                {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                {"name": "get_time", "arguments": {"zone": 2}},
+                {"name": "not_offered", "arguments": {}},
+            ]
+        }
+    )
     reply = parse_tool_reply(text, ("get_weather", "get_time"))
     assert reply.content is None
     assert [c["function"]["name"] for c in reply.calls] == ["get_weather", "get_time"]
@@ -215,8 +289,9 @@ def test_tools_are_refused_for_a_template_without_tool_support(client: openai.Op
 
 
 def test_chat_logprobs_agree_with_greedy_choices(client: openai.OpenAI) -> None:
-    answer = client.chat.completions.create(model="plain", messages=ASK, temperature=0, max_tokens=12,
-                                            logprobs=True, top_logprobs=4)
+    answer = client.chat.completions.create(
+        model="plain", messages=ASK, temperature=0, max_tokens=12, logprobs=True, top_logprobs=4
+    )
     content = answer.choices[0].logprobs.content if answer.choices[0].logprobs else None
     assert content is not None
     assert len(content) == answer.usage.completion_tokens if answer.usage else False
@@ -234,8 +309,7 @@ def test_chat_logprobs_agree_with_greedy_choices(client: openai.OpenAI) -> None:
 
 
 def test_completion_logprobs_legacy_shape(client: openai.OpenAI) -> None:
-    answer = client.completions.create(model="plain", prompt="Once", temperature=0, max_tokens=6,
-                                       logprobs=2)
+    answer = client.completions.create(model="plain", prompt="Once", temperature=0, max_tokens=6, logprobs=2)
     lp = answer.choices[0].logprobs
     assert lp is not None
     assert lp.tokens is not None
@@ -252,30 +326,49 @@ def test_completion_logprobs_legacy_shape(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices(client: openai.OpenAI, stream: bool) -> None:
     if not stream:
-        answer = client.completions.create(model="plain", prompt="Once", max_tokens=5, n=3, seed=3,
-                                           temperature=1.0, extra_body={"ignore_eos": True})
+        answer = client.completions.create(
+            model="plain",
+            prompt="Once",
+            max_tokens=5,
+            n=3,
+            seed=3,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )
         assert sorted(c.index for c in answer.choices) == [0, 1, 2]
         assert answer.usage is not None
         assert answer.usage.completion_tokens == 15  # the sum over the choices
         return
     options: Any = {"include_usage": True}
-    chunks = list(client.chat.completions.create(
-        model="plain", messages=ASK, max_tokens=5, n=3, seed=3, temperature=1.0, stream=True,
-        stream_options=options))
+    chunks = list(
+        client.chat.completions.create(
+            model="plain",
+            messages=ASK,
+            max_tokens=5,
+            n=3,
+            seed=3,
+            temperature=1.0,
+            stream=True,
+            stream_options=options,
+        )
+    )
     finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
     assert finished == {0, 1, 2}
     usage = chunks[-1].usage
     assert usage is not None
-    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks
-                        if c.choices and c.choices[0].index == i) for i in range(3)}
+    texts = {
+        i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    }
     assert usage.completion_tokens <= 15
     assert len(texts) == 3
 
 
 def test_seeds_reproduce_and_choices_differ(client: openai.OpenAI) -> None:
     def run() -> list[str]:
-        answer = client.completions.create(model="plain", prompt="The", max_tokens=12, n=2, seed=11,
-                                           temperature=1.5, top_p=1.0)
+        answer = client.completions.create(
+            model="plain", prompt="The", max_tokens=12, n=2, seed=11, temperature=1.5, top_p=1.0
+        )
         return [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
 
     first = run()
@@ -286,13 +379,15 @@ def test_seeds_reproduce_and_choices_differ(client: openai.OpenAI) -> None:
 
 def test_logit_bias_forces_and_bans(client: openai.OpenAI) -> None:
     a = 3 + ord("a")  # the tiny vocabulary: 3 specials, then one token per byte
-    forced = client.completions.create(model="plain", prompt="x", max_tokens=8, temperature=0,
-                                       logit_bias={str(a): 100})
+    forced = client.completions.create(
+        model="plain", prompt="x", max_tokens=8, temperature=0, logit_bias={str(a): 100}
+    )
     assert forced.choices[0].text == "a" * 8
     plain = client.completions.create(model="plain", prompt="x", max_tokens=8, temperature=0)
     first = plain.choices[0].text.encode()[0]
-    banned = client.completions.create(model="plain", prompt="x", max_tokens=8, temperature=0,
-                                       logit_bias={str(3 + first): -100})
+    banned = client.completions.create(
+        model="plain", prompt="x", max_tokens=8, temperature=0, logit_bias={str(3 + first): -100}
+    )
     assert banned.choices[0].text.encode()[0] != first
 
 
@@ -307,18 +402,23 @@ def test_user_is_logged_as_a_tag(daemon: RunningDaemon, caplog: pytest.LogCaptur
     import logging  # noqa: PLC0415
 
     with caplog.at_level(logging.INFO, logger="edgellmd.access"):
-        status, _ = daemon.post("/v1/completions", {"model": "plain", "prompt": "x", "max_tokens": 1,
-                                                    "user": "app-user-42"})
+        status, _ = daemon.post(
+            "/v1/completions", {"model": "plain", "prompt": "x", "max_tokens": 1, "user": "app-user-42"}
+        )
     assert status == 200
     assert any(getattr(r, "user", None) == "app-user-42" for r in caplog.records)
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    ("/v1/completions", {"model": "plain", "prompt": "x", "max_tokens": 1}),
-    ("/v1/embeddings", {"model": "embed", "input": "x"}),
-])
-def test_a_long_or_unprintable_user_is_logged_short(daemon: RunningDaemon, caplog: pytest.LogCaptureFixture,
-                                                    path: str, body: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "plain", "prompt": "x", "max_tokens": 1}),
+        ("/v1/embeddings", {"model": "embed", "input": "x"}),
+    ],
+)
+def test_a_long_or_unprintable_user_is_logged_short(
+    daemon: RunningDaemon, caplog: pytest.LogCaptureFixture, path: str, body: dict[str, Any]
+) -> None:
     import logging  # noqa: PLC0415
 
     for user, expected in (("u" * 5000, "u" * 64), ("line\nbreak", "(unprintable)")):

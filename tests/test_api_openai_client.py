@@ -27,8 +27,9 @@ def client(daemon: RunningDaemon) -> Iterator[openai.OpenAI]:
 @pytest.fixture
 async def aclient(daemon: RunningDaemon) -> AsyncIterator[openai.AsyncOpenAI]:
     """An async client pointed at the daemon."""
-    async with openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
-                                  timeout=30) as c:
+    async with openai.AsyncOpenAI(
+        base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=30
+    ) as c:
         yield c
 
 
@@ -57,8 +58,9 @@ def test_models_list(client: openai.OpenAI) -> None:
 
 
 def test_chat_non_stream(client: openai.OpenAI) -> None:
-    answer = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=MAX_TOKENS,
-                                            temperature=0, extra_body=EXACT)
+    answer = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=MAX_TOKENS, temperature=0, extra_body=EXACT
+    )
     assert answer.id.startswith("chatcmpl-")
     assert answer.object == "chat.completion"
     assert answer.model == "tiny"
@@ -74,11 +76,18 @@ def test_chat_non_stream(client: openai.OpenAI) -> None:
 
 
 def test_chat_stream_equals_the_non_streamed_answer(client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=MAX_TOKENS,
-                                           temperature=0, extra_body=EXACT)
-    with client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=MAX_TOKENS,
-                                        temperature=0, extra_body=EXACT, stream=True,
-                                        stream_options={"include_usage": True}) as stream:
+    whole = client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=MAX_TOKENS, temperature=0, extra_body=EXACT
+    )
+    with client.chat.completions.create(
+        model="tiny",
+        messages=HELLO,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body=EXACT,
+        stream=True,
+        stream_options={"include_usage": True},
+    ) as stream:
         chunks = list(stream)
     text = _check_chat_chunks(chunks, include_usage=True)
     assert text == whole.choices[0].message.content
@@ -93,23 +102,31 @@ def test_chat_stream_equals_the_non_streamed_answer(client: openai.OpenAI) -> No
 
 
 def test_chat_stream_without_usage(client: openai.OpenAI) -> None:
-    with client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=MAX_TOKENS,
-                                        temperature=0, extra_body=EXACT, stream=True) as stream:
+    with client.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=MAX_TOKENS, temperature=0, extra_body=EXACT, stream=True
+    ) as stream:
         chunks = list(stream)
     assert _check_chat_chunks(chunks, include_usage=False)
 
 
 def test_completions_non_stream_and_stream_agree(client: openai.OpenAI) -> None:
-    whole = client.completions.create(model="tiny", prompt="hello", max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body=EXACT)
+    whole = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=MAX_TOKENS, temperature=0, extra_body=EXACT
+    )
     assert whole.id.startswith("cmpl-")
     assert whole.object == "text_completion"
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage is not None
     assert whole.usage.completion_tokens == MAX_TOKENS
-    with client.completions.create(model="tiny", prompt="hello", max_tokens=MAX_TOKENS, temperature=0,
-                                   extra_body=EXACT, stream=True,
-                                   stream_options={"include_usage": True}) as stream:
+    with client.completions.create(
+        model="tiny",
+        prompt="hello",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body=EXACT,
+        stream=True,
+        stream_options={"include_usage": True},
+    ) as stream:
         chunks = list(stream)
     assert all(c.id == chunks[0].id and c.object == "text_completion" for c in chunks)
     assert chunks[-1].choices == []
@@ -143,11 +160,18 @@ def test_bad_request_errors(client: openai.OpenAI, stream: bool) -> None:
 
 
 async def test_async_chat_and_stream_agree(aclient: openai.AsyncOpenAI) -> None:
-    whole = await aclient.chat.completions.create(model="tiny", messages=HELLO, max_tokens=MAX_TOKENS,
-                                                  temperature=0, extra_body=EXACT)
-    stream = await aclient.chat.completions.create(model="tiny", messages=HELLO, max_tokens=MAX_TOKENS,
-                                                   temperature=0, extra_body=EXACT, stream=True,
-                                                   stream_options={"include_usage": True})
+    whole = await aclient.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=MAX_TOKENS, temperature=0, extra_body=EXACT
+    )
+    stream = await aclient.chat.completions.create(
+        model="tiny",
+        messages=HELLO,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body=EXACT,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     async with stream:
         chunks = [chunk async for chunk in stream]
     assert _check_chat_chunks(chunks, include_usage=True) == whole.choices[0].message.content
@@ -155,10 +179,12 @@ async def test_async_chat_and_stream_agree(aclient: openai.AsyncOpenAI) -> None:
 
 
 async def test_async_completions_stream(aclient: openai.AsyncOpenAI) -> None:
-    whole = await aclient.completions.create(model="tiny", prompt="hello", max_tokens=MAX_TOKENS,
-                                             temperature=0, extra_body=EXACT)
-    stream = await aclient.completions.create(model="tiny", prompt="hello", max_tokens=MAX_TOKENS,
-                                              temperature=0, extra_body=EXACT, stream=True)
+    whole = await aclient.completions.create(
+        model="tiny", prompt="hello", max_tokens=MAX_TOKENS, temperature=0, extra_body=EXACT
+    )
+    stream = await aclient.completions.create(
+        model="tiny", prompt="hello", max_tokens=MAX_TOKENS, temperature=0, extra_body=EXACT, stream=True
+    )
     async with stream:
         chunks = [chunk async for chunk in stream]
     assert chunks[-1].choices[0].finish_reason == "length"

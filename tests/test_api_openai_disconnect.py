@@ -17,10 +17,14 @@ from tests.serving import RunningDaemon, running, settings_for
 @pytest.fixture(scope="module")
 def slow_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     """One slot on a model slow enough (a few hundred tokens/s) that 4000 tokens take seconds."""
-    path = write_tiny_model(tmp_path_factory.mktemp("slow") / "slow.gguf",
-                            TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048))
-    settings = settings_for([{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096,
-                              "threads": 1}], server={"max_tokens_limit": 4000})
+    path = write_tiny_model(
+        tmp_path_factory.mktemp("slow") / "slow.gguf",
+        TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048),
+    )
+    settings = settings_for(
+        [{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096, "threads": 1}],
+        server={"max_tokens_limit": 4000},
+    )
     with running(settings) as daemon:
         yield daemon
 
@@ -43,15 +47,25 @@ def _seconds_to_free_after_closing(daemon: RunningDaemon, sock: socket.socket) -
 def _open_stream(daemon: RunningDaemon, body: dict[str, object]) -> socket.socket:
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                 b"Content-Type: application/json\r\n"
-                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n" + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+    )
     return sock
 
 
 def test_disconnect_mid_stream_frees_the_slot(slow_daemon: RunningDaemon) -> None:
-    sock = _open_stream(slow_daemon, {"model": "slow", "prompt": "go", "max_tokens": 4000,
-                                      "stream": True, "ignore_eos": True, "temperature": 0})
+    sock = _open_stream(
+        slow_daemon,
+        {
+            "model": "slow",
+            "prompt": "go",
+            "max_tokens": 4000,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+    )
     received = b""
     while received.count(b"data: ") < 3:  # the stream is running
         received += sock.recv(65536)
@@ -60,16 +74,18 @@ def test_disconnect_mid_stream_frees_the_slot(slow_daemon: RunningDaemon) -> Non
     assert _seconds_to_free_after_closing(slow_daemon, sock) < 1.0
     # The next request starts at once rather than after the abandoned 4000 tokens.
     started = time.monotonic()
-    status, body = slow_daemon.post("/v1/completions", {"model": "slow", "prompt": "next",
-                                                        "max_tokens": 5, "ignore_eos": True})
+    status, body = slow_daemon.post(
+        "/v1/completions", {"model": "slow", "prompt": "next", "max_tokens": 5, "ignore_eos": True}
+    )
     assert status == 200
     assert body["usage"]["completion_tokens"] == 5
     assert time.monotonic() - started < 1.0
 
 
 def test_disconnect_of_a_non_streamed_request_frees_the_slot(slow_daemon: RunningDaemon) -> None:
-    sock = _open_stream(slow_daemon, {"model": "slow", "prompt": "go", "max_tokens": 4000,
-                                      "ignore_eos": True})
+    sock = _open_stream(
+        slow_daemon, {"model": "slow", "prompt": "go", "max_tokens": 4000, "ignore_eos": True}
+    )
     deadline = time.monotonic() + 5
     while not _engine_busy(slow_daemon) and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -78,12 +94,16 @@ def test_disconnect_of_a_non_streamed_request_frees_the_slot(slow_daemon: Runnin
 
 
 def test_a_client_that_stops_reading_is_cut_and_its_slot_freed(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    path = write_tiny_model(tmp_path_factory.mktemp("stall") / "slow.gguf",
-                            TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048))
-    settings = settings_for([{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096,
-                              "threads": 1}],
-                            server={"max_tokens_limit": 4000, "stream_write_timeout_s": 1.0})
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    path = write_tiny_model(
+        tmp_path_factory.mktemp("stall") / "slow.gguf",
+        TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048),
+    )
+    settings = settings_for(
+        [{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096, "threads": 1}],
+        server={"max_tokens_limit": 4000, "stream_write_timeout_s": 1.0},
+    )
     with running(settings) as daemon:
         assert daemon.app is not None
         engine = daemon.app[appkeys.REGISTRY].get("slow").generator
@@ -92,10 +112,14 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_freed(
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
         sock.connect(("127.0.0.1", daemon.port))
-        payload = json.dumps({"model": "slow", "prompt": "go", "max_tokens": 4000, "stream": True,
-                              "ignore_eos": True}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        payload = json.dumps(
+            {"model": "slow", "prompt": "go", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        ).encode()
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
         assert b"200 OK" in sock.recv(64)  # and then never read again
         deadline = time.monotonic() + 5
         while not engine.busy_slots and time.monotonic() < deadline:
@@ -113,15 +137,20 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_freed(
 
 
 def test_a_request_that_makes_no_progress_is_ended(tmp_path_factory: pytest.TempPathFactory) -> None:
-    path = write_tiny_model(tmp_path_factory.mktemp("progress") / "slow.gguf",
-                            TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048))
-    settings = settings_for([{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096,
-                              "threads": 1}], server={"max_tokens_limit": 4000, "progress_timeout_s": 1.0})
+    path = write_tiny_model(
+        tmp_path_factory.mktemp("progress") / "slow.gguf",
+        TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048),
+    )
+    settings = settings_for(
+        [{"name": "slow", "file": str(path), "slots": 1, "context_size": 4096, "threads": 1}],
+        server={"max_tokens_limit": 4000, "progress_timeout_s": 1.0},
+    )
     with running(settings) as daemon:
         assert daemon.app is not None
         engine = daemon.app[appkeys.REGISTRY].get("slow").generator
-        blocker = _open_stream(daemon, {"model": "slow", "prompt": "hog", "max_tokens": 4000,
-                                        "stream": True, "ignore_eos": True})
+        blocker = _open_stream(
+            daemon, {"model": "slow", "prompt": "hog", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        )
         deadline = time.monotonic() + 5
         while not engine.busy_slots and time.monotonic() < deadline:
             time.sleep(0.01)

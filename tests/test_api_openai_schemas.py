@@ -30,15 +30,21 @@ GOOD: list[tuple[dict[str, Any], EmbeddingRequest]] = [
     (body(input=[1, 2, 3]), EmbeddingRequest("embed", ((1, 2, 3),), "float", None)),
     (body(input=[0]), EmbeddingRequest("embed", ((0,),), "float", None)),
     (body(input=[[1, 2], [3]]), EmbeddingRequest("embed", ((1, 2), (3,)), "float", None)),
-    (body(input=["x"] * MAX_EMBEDDING_INPUTS),
-     EmbeddingRequest("embed", ("x",) * MAX_EMBEDDING_INPUTS, "float", None)),
+    (
+        body(input=["x"] * MAX_EMBEDDING_INPUTS),
+        EmbeddingRequest("embed", ("x",) * MAX_EMBEDDING_INPUTS, "float", None),
+    ),
     # One tokenized input: the input limit counts inputs, not tokens.
-    (body(input=[5] * (MAX_EMBEDDING_INPUTS + 1)),
-     EmbeddingRequest("embed", ((5,) * (MAX_EMBEDDING_INPUTS + 1),), "float", None)),
+    (
+        body(input=[5] * (MAX_EMBEDDING_INPUTS + 1)),
+        EmbeddingRequest("embed", ((5,) * (MAX_EMBEDDING_INPUTS + 1),), "float", None),
+    ),
     (body(encoding_format="base64"), EmbeddingRequest("embed", ("hello",), "base64", None)),
     (body(encoding_format="float"), EmbeddingRequest("embed", ("hello",), "float", None)),
-    (body(encoding_format=None, dimensions=None, user=None),
-     EmbeddingRequest("embed", ("hello",), "float", None)),
+    (
+        body(encoding_format=None, dimensions=None, user=None),
+        EmbeddingRequest("embed", ("hello",), "float", None),
+    ),
     (body(user="user-42"), EmbeddingRequest("embed", ("hello",), "float", "user-42")),
 ]
 

@@ -56,10 +56,15 @@ def _front_door(caller: Caller | None) -> Middleware:
 
 
 @asynccontextmanager
-async def serving(aiohttp_client: AiohttpClient, models: dict[str, Path], *, caller: Caller | None = None,
-                  key_valid: Callable[[str], bool] = lambda _key_id: True,
-                  server: ServerSettings | None = None,
-                  embedding: tuple[str, ...] = ()) -> AsyncIterator[Served]:
+async def serving(
+    aiohttp_client: AiohttpClient,
+    models: dict[str, Path],
+    *,
+    caller: Caller | None = None,
+    key_valid: Callable[[str], bool] = lambda _key_id: True,
+    server: ServerSettings | None = None,
+    embedding: tuple[str, ...] = (),
+) -> AsyncIterator[Served]:
     settings = [model_settings(name, file, embedding=name in embedding) for name, file in models.items()]
     async with api_context(settings, key_valid=key_valid, server=server) as context:
         app = bare_app()
@@ -83,8 +88,13 @@ def completion(max_tokens: int | None = 4, **extra: Any) -> dict[str, Any]:
 
 
 def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
-            "ignore_eos": True, **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 # ---- routes -------------------------------------------------------------------------------------
@@ -108,10 +118,18 @@ ROUTES: Final[list[Any]] = [  # method, path, body -> status, code
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status", "code"), ROUTES)
-async def test_routes(aiohttp_client: AiohttpClient, tiny_model: Path, method: str, path: str, body: Any,
-                      status: int, code: str | None) -> None:
-    async with serving(aiohttp_client, {"tiny": tiny_model, "embed": tiny_model},
-                       embedding=("embed",)) as served:
+async def test_routes(
+    aiohttp_client: AiohttpClient,
+    tiny_model: Path,
+    method: str,
+    path: str,
+    body: Any,
+    status: int,
+    code: str | None,
+) -> None:
+    async with serving(
+        aiohttp_client, {"tiny": tiny_model, "embed": tiny_model}, embedding=("embed",)
+    ) as served:
         response = await served.client.request(method, path, json=body)
         if code is None:
             assert response.status == status, await response.text()
@@ -120,8 +138,9 @@ async def test_routes(aiohttp_client: AiohttpClient, tiny_model: Path, method: s
             assert (error[0], error[2]) == (status, code)
 
 
-async def test_only_models_that_can_serve_now_are_listed(aiohttp_client: AiohttpClient, tiny_model: Path,
-                                                         broken: Path) -> None:
+async def test_only_models_that_can_serve_now_are_listed(
+    aiohttp_client: AiohttpClient, tiny_model: Path, broken: Path
+) -> None:
     models = {"tiny": tiny_model, "spare": tiny_model, "bad": broken}
     async with serving(aiohttp_client, models) as served:
         client = served.client
@@ -133,8 +152,10 @@ async def test_only_models_that_can_serve_now_are_listed(aiohttp_client: Aiohttp
             assert await error_of(response) == (404, "invalid_request_error", "model_not_found")
             assert (await response.json())["error"]["param"] == "model"
         # Asked to generate, a configured model that does not serve says so, and when to retry.
-        for name, why in (("spare", "the model 'spare' is unloaded: unloaded by an operator"),
-                          ("bad", "the model 'bad' is failed")):
+        for name, why in (
+            ("spare", "the model 'spare' is unloaded: unloaded by an operator"),
+            ("bad", "the model 'bad' is failed"),
+        ):
             response = await client.post("/v1/completions", json=completion(model=name))
             assert await error_of(response) == (503, "server_error", "model_not_ready")
             assert (await response.json())["error"]["message"] == why
@@ -151,17 +172,35 @@ CEILINGS: Final[list[Any]] = [  # path, server limit, the key's max_tokens, body
     pytest.param("/v1/completions", 3, 4, completion(4), 400, "max_tokens", id="server-limit-is-lower"),
     pytest.param("/v1/completions", 512, None, completion(20), 200, 20, id="key-without-a-ceiling"),
     pytest.param("/v1/chat/completions", 512, 4, chat(), 200, 4, id="chat-default-runs-to-the-ceiling"),
-    pytest.param("/v1/chat/completions", 512, 4, chat(max_completion_tokens=5), 400,
-                 "max_completion_tokens", id="chat-over-the-ceiling"),
+    pytest.param(
+        "/v1/chat/completions",
+        512,
+        4,
+        chat(max_completion_tokens=5),
+        400,
+        "max_completion_tokens",
+        id="chat-over-the-ceiling",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("path", "server_limit", "key_limit", "body", "status", "expected"), CEILINGS)
-async def test_a_callers_max_tokens_ceiling(aiohttp_client: AiohttpClient, tiny_model: Path, path: str,
-                                            server_limit: int, key_limit: int | None, body: dict[str, Any],
-                                            status: int, expected: Any) -> None:
-    async with serving(aiohttp_client, {"tiny": tiny_model}, caller=Caller("0123456789ab", key_limit),
-                       server=ServerSettings(max_tokens_limit=server_limit)) as served:
+async def test_a_callers_max_tokens_ceiling(
+    aiohttp_client: AiohttpClient,
+    tiny_model: Path,
+    path: str,
+    server_limit: int,
+    key_limit: int | None,
+    body: dict[str, Any],
+    status: int,
+    expected: Any,
+) -> None:
+    async with serving(
+        aiohttp_client,
+        {"tiny": tiny_model},
+        caller=Caller("0123456789ab", key_limit),
+        server=ServerSettings(max_tokens_limit=server_limit),
+    ) as served:
         response = await served.client.post(path, json=body)
         answer = await response.json()
     if status == 200:
@@ -174,11 +213,16 @@ async def test_a_callers_max_tokens_ceiling(aiohttp_client: AiohttpClient, tiny_
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_a_key_that_stopped_working_generates_nothing(aiohttp_client: AiohttpClient,
-                                                            tiny_model: Path, path: str) -> None:
+async def test_a_key_that_stopped_working_generates_nothing(
+    aiohttp_client: AiohttpClient, tiny_model: Path, path: str
+) -> None:
     body = completion() if path == "/v1/completions" else chat(max_tokens=4)
-    async with serving(aiohttp_client, {"tiny": tiny_model}, caller=Caller("revokedrevok"),
-                       key_valid=lambda key_id: key_id != "revokedrevok") as served:
+    async with serving(
+        aiohttp_client,
+        {"tiny": tiny_model},
+        caller=Caller("revokedrevok"),
+        key_valid=lambda key_id: key_id != "revokedrevok",
+    ) as served:
         engine = served.context.registry.get("tiny").generator
         warmed_up = engine.tokens_generated  # the load's warm-up generation
         response = await served.client.post(path, json=body)
@@ -186,8 +230,12 @@ async def test_a_key_that_stopped_working_generates_nothing(aiohttp_client: Aioh
         assert (await response.json())["error"]["message"] == KEY_REVOKED
         assert engine.tokens_generated == warmed_up
         assert served.spent == [None]  # nothing generated, nothing to charge
-    async with serving(aiohttp_client, {"tiny": tiny_model}, caller=Caller("stillgood123"),
-                       key_valid=lambda key_id: key_id != "revokedrevok") as served:
+    async with serving(
+        aiohttp_client,
+        {"tiny": tiny_model},
+        caller=Caller("stillgood123"),
+        key_valid=lambda key_id: key_id != "revokedrevok",
+    ) as served:
         assert (await served.client.post(path, json=body)).status == 200
     # Without authentication there is no key to ask about.
     async with serving(aiohttp_client, {"tiny": tiny_model}, key_valid=lambda _: False) as served:
@@ -196,20 +244,25 @@ async def test_a_key_that_stopped_working_generates_nothing(aiohttp_client: Aioh
 
 # ---- TOKENS_USED out --------------------------------------------------------------------------
 
-async def test_tokens_used_are_left_for_the_rate_limiter(aiohttp_client: AiohttpClient,
-                                                         tiny_model: Path) -> None:
-    async with serving(aiohttp_client, {"tiny": tiny_model, "embed": tiny_model},
-                       embedding=("embed",)) as served:
+
+async def test_tokens_used_are_left_for_the_rate_limiter(
+    aiohttp_client: AiohttpClient, tiny_model: Path
+) -> None:
+    async with serving(
+        aiohttp_client, {"tiny": tiny_model, "embed": tiny_model}, embedding=("embed",)
+    ) as served:
         client = served.client
         answer = await (await client.post("/v1/completions", json=completion(6))).json()
         usage = answer["usage"]
         chatted = await (await client.post("/v1/chat/completions", json=chat(max_tokens=3))).json()
-        streamed = await client.post("/v1/completions", json=completion(
-            5, stream=True, stream_options={"include_usage": True}))
+        streamed = await client.post(
+            "/v1/completions", json=completion(5, stream=True, stream_options={"include_usage": True})
+        )
         chunks = [chunk async for chunk in sse_events(streamed.content)]
         stream_usage = next(c["usage"] for c in chunks if c is not None and c.get("usage"))
-        embedded = await (await client.post("/v1/embeddings", json={"model": "embed",
-                                                                     "input": ["ab", "cde"]})).json()
+        embedded = await (
+            await client.post("/v1/embeddings", json={"model": "embed", "input": ["ab", "cde"]})
+        ).json()
         refused = await client.post("/v1/completions", json=completion(max_tokens=0))
         assert refused.status == 400
         unknown = await client.post("/v1/completions", json=completion(model="nope"))
@@ -222,5 +275,6 @@ async def test_tokens_used_are_left_for_the_rate_limiter(aiohttp_client: Aiohttp
         chatted["usage"]["prompt_tokens"] + chatted["usage"]["completion_tokens"],
         stream_usage["prompt_tokens"] + stream_usage["completion_tokens"],  # counted once it ended
         embedded["usage"]["prompt_tokens"],
-        None, None,  # refused before any work: nothing to charge
+        None,
+        None,  # refused before any work: nothing to charge
     ]

@@ -53,20 +53,27 @@ def _summary(parts: list[Part]) -> dict[str, Any]:
 
 
 REPLIES = [
-    ('{"response": "Hello \\"world\\"\\n\\u00e9\\ud83d\\ude00"}', "Hello \"world\"\né😀", []),
-    ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}]}', "",
-     [("get_weather", {"city": "Oslo", "days": [1, 2]})]),
-    ('{ "tool_calls" : [\n  { "name" : "search" , "arguments" : { "q" : "a}]\\"b" } } ,\n'
-     '  {"name": "get_weather", "arguments": {}}\n] }', "",
-     [("search", {"q": 'a}]"b'}), ("get_weather", {})]),
+    ('{"response": "Hello \\"world\\"\\n\\u00e9\\ud83d\\ude00"}', 'Hello "world"\né😀', []),
+    (
+        '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}]}',
+        "",
+        [("get_weather", {"city": "Oslo", "days": [1, 2]})],
+    ),
+    (
+        '{ "tool_calls" : [\n  { "name" : "search" , "arguments" : { "q" : "a}]\\"b" } } ,\n'
+        '  {"name": "get_weather", "arguments": {}}\n] }',
+        "",
+        [("search", {"q": 'a}]"b'}), ("get_weather", {})],
+    ),
 ]
 
 
 @pytest.mark.parametrize(("reply", "text", "calls"), REPLIES)
 @given(cuts=st.lists(st.integers(0, 400), max_size=12))
 @settings(max_examples=60, deadline=None)
-def test_any_cutting_of_the_stream_gives_the_same_parts(reply: str, text: str, calls: list[Any],
-                                                        cuts: list[int]) -> None:
+def test_any_cutting_of_the_stream_gives_the_same_parts(
+    reply: str, text: str, calls: list[Any], cuts: list[int]
+) -> None:
     reader = ToolReplyReader(NAMES)
     summary = _summary(_read(reader, _chunks(reply, cuts)))
     assert summary["text"] == text
@@ -78,8 +85,13 @@ def test_any_cutting_of_the_stream_gives_the_same_parts(reply: str, text: str, c
 
 def test_a_reply_cut_inside_a_call_keeps_only_the_complete_ones() -> None:
     reader = ToolReplyReader(NAMES)
-    _read(reader, ['{"tool_calls": [{"name": "search", "arguments": {"q": "x"}}, ',
-                   '{"name": "get_weather", "arguments": {"city": "Os'])
+    _read(
+        reader,
+        [
+            '{"tool_calls": [{"name": "search", "arguments": {"q": "x"}}, ',
+            '{"name": "get_weather", "arguments": {"city": "Os',
+        ],
+    )
     assert [c.name for c in reader.calls] == ["search", "get_weather"]
     assert [c.name for c in reader.complete_calls] == ["search"]
 

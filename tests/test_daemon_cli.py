@@ -9,8 +9,9 @@ import pytest
 from edgellmd.__main__ import main
 
 
-def test_check_config_accepts_a_valid_file(tmp_path: Path, tiny_model: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_config_accepts_a_valid_file(
+    tmp_path: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "ok.yaml"
     config.write_text(f"models:\n  - name: tiny\n    file: {tiny_model}\nlock:\n  allow_unsigned: true\n")
     assert main(["--check-config", str(config)]) == 0
@@ -65,8 +66,9 @@ def test_the_version_is_written_once_in_pyproject(capsys: pytest.CaptureFixture[
     assert capsys.readouterr().out.strip() == f"edgellmd {project['project']['version']}"
 
 
-def test_a_fifo_in_place_of_the_config_is_refused_at_once(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_fifo_in_place_of_the_config_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import os  # noqa: PLC0415 - only this test makes a FIFO
 
     fifo = tmp_path / "edgellm.yaml"

@@ -40,8 +40,22 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("demo")
-    assert edgellmctl(["quickstart", "--dir", str(directory), "--port", str(free_port()),
-                       "--slots", "2", "--context", "1024"]) == 0
+    assert (
+        edgellmctl(
+            [
+                "quickstart",
+                "--dir",
+                str(directory),
+                "--port",
+                str(free_port()),
+                "--slots",
+                "2",
+                "--context",
+                "1024",
+            ]
+        )
+        == 0
+    )
     return directory
 
 
@@ -50,8 +64,11 @@ def demo_daemon(demo_dir: Path) -> Iterator[str]:
     config = yaml.safe_load((demo_dir / "edgellm.yaml").read_text())
     url = f"http://127.0.0.1:{config['server']['port']}"
     log = (demo_dir / "daemon.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(demo_dir / "edgellm.yaml")],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgellmd", "--config", str(demo_dir / "edgellm.yaml")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         _wait_ready(url, proc)
         yield url
@@ -72,8 +89,12 @@ def test_quickstart_installs_the_verified_model_and_a_valid_config(demo_dir: Pat
     config = yaml.safe_load((demo_dir / "edgellm.yaml").read_text())
     assert config["server"]["host"] == "127.0.0.1"
     assert config["models"][0]["chat_template"] == "gemma"
-    checked = subprocess.run([sys.executable, "-m", "edgellmd", "--check-config",
-                              str(demo_dir / "edgellm.yaml")], capture_output=True, text=True, check=False)
+    checked = subprocess.run(
+        [sys.executable, "-m", "edgellmd", "--check-config", str(demo_dir / "edgellm.yaml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert checked.returncode == 0, checked.stderr
     # A second quickstart refuses to overwrite the config.
     assert edgellmctl(["quickstart", "--dir", str(demo_dir)]) == 1
@@ -106,8 +127,10 @@ def _dev_demo_output(tmp_path: Path) -> str:
         (venv / "bin" / tool).chmod(0o755)
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "edgellm.yaml").write_text("")
-    script = ("set -euo pipefail\nVENV=" + str(venv) + "\ninstall_system_packages() { :; }\n"
-              "install_python() { :; }\ncmd_demo() {\n" + body.group(1) + "}\ncmd_demo\n")
+    script = (
+        "set -euo pipefail\nVENV=" + str(venv) + "\ninstall_system_packages() { :; }\n"
+        "install_python() { :; }\ncmd_demo() {\n" + body.group(1) + "}\ncmd_demo\n"
+    )
     shown = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, check=True)
     return shown.stdout
 
@@ -119,8 +142,9 @@ def _quick_start_section() -> str:
     return section.group(1)
 
 
-def test_the_commands_dev_demo_prints_work_as_printed(demo_daemon: str, demo_dir: Path,
-                                                      tmp_path: Path) -> None:
+def test_the_commands_dev_demo_prints_work_as_printed(
+    demo_daemon: str, demo_dir: Path, tmp_path: Path
+) -> None:
     commands = _commands(_dev_demo_output(tmp_path))
     assert commands, "./dev demo prints no command to try"
     for command in commands:
@@ -150,8 +174,10 @@ def test_the_readme_quick_start_commands_work_from_a_quick_start(demo_daemon: st
 
 def test_the_quick_start_admin_key_reads_metrics(demo_daemon: str, demo_dir: Path) -> None:
     admin = (demo_dir / "admin.key").read_text().strip()
-    request = urllib.request.Request(demo_daemon + "/metrics",  # noqa: S310 - loopback
-                                     headers={"Authorization": f"Bearer {admin}"})
+    request = urllib.request.Request(  # noqa: S310 - loopback
+        demo_daemon + "/metrics",
+        headers={"Authorization": f"Bearer {admin}"},
+    )
     with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - loopback
         assert resp.status == 200
         assert b"edgellm_build_info" in resp.read()
@@ -168,8 +194,9 @@ def test_quickstart_keys_guard_the_api(demo_daemon: str, demo_dir: Path) -> None
     token = (demo_dir / "inference.key").read_text().strip()
     assert token not in (demo_dir / "keys.yaml").read_text()  # only its hash is stored
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=demo_daemon + "/v1", api_key="elk_000000000000_" + "x" * 43,
-                      max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=demo_daemon + "/v1", api_key="elk_000000000000_" + "x" * 43, max_retries=0
+        ).models.list()
     admin = (demo_dir / "admin.key").read_text().strip()
     with pytest.raises(openai.PermissionDeniedError):
         openai.OpenAI(base_url=demo_daemon + "/v1", api_key=admin, max_retries=0).models.list()
@@ -180,8 +207,11 @@ def test_chat_completion_with_the_gemma_template(demo_daemon: str, demo_dir: Pat
     models = [m.id for m in client.models.list()]
     assert models == ["gemma3-270m"]
     reply = client.chat.completions.create(
-        model="gemma3-270m", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=24, temperature=0)
+        model="gemma3-270m",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
     choice = reply.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content
@@ -196,11 +226,16 @@ def test_chat_completion_with_the_gemma_template(demo_daemon: str, demo_dir: Pat
 
 def test_streamed_completion_matches_the_non_streamed_one(demo_daemon: str, demo_dir: Path) -> None:
     client = _client(demo_daemon, demo_dir)
-    plain = client.completions.create(model="gemma3-270m", prompt="The capital of France is",
-                                      max_tokens=12, temperature=0)
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-        model="gemma3-270m", prompt="The capital of France is", max_tokens=12, temperature=0,
-        stream=True) if chunk.choices)
+    plain = client.completions.create(
+        model="gemma3-270m", prompt="The capital of France is", max_tokens=12, temperature=0
+    )
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model="gemma3-270m", prompt="The capital of France is", max_tokens=12, temperature=0, stream=True
+        )
+        if chunk.choices
+    )
     assert streamed == plain.choices[0].text
     assert plain.choices[0].text.strip()
 
@@ -210,8 +245,12 @@ def test_sigterm_exits_cleanly(demo_dir: Path) -> None:
     data = yaml.safe_load((demo_dir / "edgellm.yaml").read_text())
     data["server"]["port"] = free_port()
     config.write_text(yaml.safe_dump(data))
-    proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgellmd", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ},
+    )
     try:
         _wait_ready(f"http://127.0.0.1:{data['server']['port']}", proc)
         proc.send_signal(signal.SIGTERM)
@@ -234,13 +273,15 @@ async def test_prefix_reuse_on_a_sliding_window_model_keeps_answers_exact(demo_d
 
     model = next((demo_dir / "models").glob("*.gguf"))
     # batch 64: the window cache holds 512 + 64 cells, so 800 tokens make it evict.
-    engine = Engine(EngineConfig(path=model, slots=1, context_size=1024, batch_size=64, threads=2,
-                                 threads_batch=2))
+    engine = Engine(
+        EngineConfig(path=model, slots=1, context_size=1024, batch_size=64, threads=2, threads_batch=2)
+    )
     loop = asyncio.get_running_loop()
 
     async def greedy(prompt: list[int], n: int) -> str:
-        gen = engine.submit(GenerationRequest(prompt, n, SamplingParams(temperature=0.0),
-                                              ignore_eos=True), loop)
+        gen = engine.submit(
+            GenerationRequest(prompt, n, SamplingParams(temperature=0.0), ignore_eos=True), loop
+        )
         parts = [event.text async for event in gen.events()]
         return "".join(parts)
 
@@ -266,6 +307,10 @@ def test_quickstart_tls_writes_a_pair_and_a_valid_config(tmp_path: Path) -> None
     config = yaml.safe_load((directory / "edgellm.yaml").read_text())
     assert config["server"]["tls_cert"] == "tls/cert.pem"
     assert (directory / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
-    checked = subprocess.run([sys.executable, "-m", "edgellmd", "--check-config",
-                              str(directory / "edgellm.yaml")], capture_output=True, text=True, check=False)
+    checked = subprocess.run(
+        [sys.executable, "-m", "edgellmd", "--check-config", str(directory / "edgellm.yaml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert checked.returncode == 0, checked.stderr

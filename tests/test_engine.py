@@ -19,8 +19,12 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_engine(path: Path, *, slots: int = 2, context: int = 256, batch: int = 512) -> Engine:
-    return Engine(EngineConfig(path=path, slots=slots, context_size=context, batch_size=batch,
-                               threads=1, threads_batch=1), name=path.stem)
+    return Engine(
+        EngineConfig(
+            path=path, slots=slots, context_size=context, batch_size=batch, threads=1, threads_batch=1
+        ),
+        name=path.stem,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +38,24 @@ def engine(tiny_model: Path) -> Iterator[Engine]:
 def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wider tiny model: a few hundred tokens/s, slow enough to cancel mid-generation."""
     path = tmp_path_factory.mktemp("slow") / "slow.gguf"
-    return write_tiny_model(path, TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4,
-                                                n_layer=2, n_ff=2048))
+    return write_tiny_model(
+        path, TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048)
+    )
 
 
-async def generate(engine: Engine, prompt: str | list[int], max_tokens: int = 32, *,
-                   sampling: SamplingParams = GREEDY, stop: tuple[str, ...] = (),
-                   ignore_eos: bool = True) -> tuple[str, Finished]:
+async def generate(
+    engine: Engine,
+    prompt: str | list[int],
+    max_tokens: int = 32,
+    *,
+    sampling: SamplingParams = GREEDY,
+    stop: tuple[str, ...] = (),
+    ignore_eos: bool = True,
+) -> tuple[str, Finished]:
     tokens = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
-    gen = engine.submit(GenerationRequest(tokens, max_tokens, sampling, stop, ignore_eos),
-                        asyncio.get_running_loop())
+    gen = engine.submit(
+        GenerationRequest(tokens, max_tokens, sampling, stop, ignore_eos), asyncio.get_running_loop()
+    )
     parts: list[str] = []
     async for event in gen.events():
         parts.append(event.text)
@@ -76,8 +88,10 @@ def test_tokenize_round_trip(engine: Engine) -> None:
 @pytest.mark.parametrize("kind", [Engine, EmbeddingEngine])
 def test_missing_and_invalid_files_are_refused(tmp_path: Path, kind: type[Engine | EmbeddingEngine]) -> None:
     def load(path: Path) -> None:
-        kind(EngineConfig(path=path, slots=1, context_size=128, batch_size=128, threads=1,
-                          threads_batch=1), name=path.stem).close()
+        kind(
+            EngineConfig(path=path, slots=1, context_size=128, batch_size=128, threads=1, threads_batch=1),
+            name=path.stem,
+        ).close()
 
     with pytest.raises(ModelLoadError, match="not found"):
         load(tmp_path / "absent.gguf")
@@ -92,8 +106,12 @@ async def test_the_file_is_mapped_only_when_asked(tmp_path: Path, mmap: bool) ->
     # A mapped file truncated in place kills the process (SIGBUS): the registry maps only
     # its private preload copies and reads a models-directory file into memory.
     path = write_tiny_model(tmp_path / "mapped.gguf", TinyModelSpec(seed=5))
-    engine = Engine(EngineConfig(path=path, slots=1, context_size=128, batch_size=64, threads=1,
-                                 threads_batch=1, mmap=mmap), name="mapped")
+    engine = Engine(
+        EngineConfig(
+            path=path, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1, mmap=mmap
+        ),
+        name="mapped",
+    )
     try:
         mapped = str(path) in await asyncio.to_thread(Path("/proc/self/maps").read_text)
         _, fin = await generate(engine, "abc", 8)
@@ -106,8 +124,10 @@ async def test_the_file_is_mapped_only_when_asked(tmp_path: Path, mmap: bool) ->
 async def test_a_grammar_holds_when_the_model_never_picks_its_tokens(engine: Engine) -> None:
     # The tiny model's first picks are almost never "z": every token is a grammar miss,
     # resampled among the likeliest candidates the grammar allows.
-    for sampling in (SamplingParams(temperature=0.0, grammar='root ::= "z"+'),
-                     SamplingParams(temperature=1.0, seed=3, grammar='root ::= "z"+')):
+    for sampling in (
+        SamplingParams(temperature=0.0, grammar='root ::= "z"+'),
+        SamplingParams(temperature=1.0, seed=3, grammar='root ::= "z"+'),
+    ):
         text, fin = await generate(engine, "Once upon a time", 24, sampling=sampling, ignore_eos=False)
         assert text == "z" * fin.completion_tokens
         assert fin.completion_tokens >= 1
@@ -117,12 +137,17 @@ async def test_grammar_misses_are_resampled_with_the_requests_logit_bias(engine:
     # "!" (+100) wins every first pick and breaks the grammar; among the letters the grammar
     # allows, "q" (+60) must win the resample at temperature 0 however low the model ranks it.
     bang, q = engine.tokenize("!", add_special=False)[0], engine.tokenize("q", add_special=False)[0]
-    sampling = SamplingParams(temperature=0.0, grammar="root ::= [a-z]+",
-                              logit_bias=((bang, 100.0), (q, 60.0)))
+    sampling = SamplingParams(
+        temperature=0.0, grammar="root ::= [a-z]+", logit_bias=((bang, 100.0), (q, 60.0))
+    )
     text, _ = await generate(engine, "Once upon a time", 32, sampling=sampling)
     assert text == "q" * 32
-    without_grammar, _ = await generate(engine, "Once upon a time", 8, sampling=SamplingParams(
-        temperature=0.0, logit_bias=((bang, 100.0), (q, 60.0))))
+    without_grammar, _ = await generate(
+        engine,
+        "Once upon a time",
+        8,
+        sampling=SamplingParams(temperature=0.0, logit_bias=((bang, 100.0), (q, 60.0))),
+    )
     assert without_grammar == "!" * 8
 
 
@@ -133,13 +158,18 @@ async def test_penalties_count_the_resampled_token_not_the_rejected_pick(engine:
     # instead would never touch "a": "aaaa...".
     bang, a, b = (engine.tokenize(c, add_special=False)[0] for c in "!ab")
     bias = ((bang, 1e6), (a, 1e4 + 100), (b, 1e4))
-    sampling = SamplingParams(temperature=0.0, grammar="root ::= [a-z]+", frequency_penalty=200.0,
-                              logit_bias=bias)
+    sampling = SamplingParams(
+        temperature=0.0, grammar="root ::= [a-z]+", frequency_penalty=200.0, logit_bias=bias
+    )
     text, _ = await generate(engine, "Once upon a time", 16, sampling=sampling)
     assert text == "ab" * 8
     # Without the grammar the chain's own picks are counted: "!" until it falls behind "a".
-    free, _ = await generate(engine, "Once upon a time", 8, sampling=SamplingParams(
-        temperature=0.0, frequency_penalty=2e5, logit_bias=bias))
+    free, _ = await generate(
+        engine,
+        "Once upon a time",
+        8,
+        sampling=SamplingParams(temperature=0.0, frequency_penalty=2e5, logit_bias=bias),
+    )
     assert free.startswith("!!!!!ab")
 
 
@@ -150,13 +180,15 @@ async def test_a_grammar_no_token_can_continue_ends_the_reply(engine: Engine) ->
     sampling = SamplingParams(temperature=0.0, grammar='root ::= "z"+', logit_bias=((z, float("-inf")),))
     text, fin = await generate(engine, "Once upon a time", 8, sampling=sampling)
     assert (text, fin.reason, fin.completion_tokens) == ("", "stop", 0)
-    text, fin = await generate(engine, "Once upon a time", 4, sampling=SamplingParams(
-        temperature=0.0, grammar='root ::= "z"+'))
+    text, fin = await generate(
+        engine, "Once upon a time", 4, sampling=SamplingParams(temperature=0.0, grammar='root ::= "z"+')
+    )
     assert (text, fin.completion_tokens) == ("zzzz", 4)  # and the engine serves on
 
 
 async def test_occupancy_counts_a_generation_moving_into_a_slot_once(
-        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Between leaving the queue and filling its slot a generation is in neither; admission
     # reading the two apart let one request too many in under overload.
     engine = make_engine(tiny_model, slots=1)
@@ -211,9 +243,18 @@ async def test_greedy_is_deterministic_and_seeds_reproduce(engine: Engine) -> No
 async def test_eos_ends_generation_with_stop(engine: Engine) -> None:
     # Whatever the random weights do, a generation that is allowed to stop at EOS never
     # reports more tokens than it was given, and the finish reason says which limit it hit.
-    results = await asyncio.gather(*(
-        generate(engine, f"prompt {i}", 200, sampling=SamplingParams(temperature=1.5, seed=i, top_k=0),
-                 ignore_eos=False) for i in range(6)))
+    results = await asyncio.gather(
+        *(
+            generate(
+                engine,
+                f"prompt {i}",
+                200,
+                sampling=SamplingParams(temperature=1.5, seed=i, top_k=0),
+                ignore_eos=False,
+            )
+            for i in range(6)
+        )
+    )
     for _, fin in results:
         assert fin.reason in ("stop", "length")
         assert fin.completion_tokens <= 200
@@ -247,8 +288,10 @@ async def test_requests_wait_for_a_slot(tiny_model: Path) -> None:
     eng = make_engine(tiny_model, slots=1)
     try:
         loop = asyncio.get_running_loop()
-        gens = [eng.submit(GenerationRequest(eng.tokenize(f"q{i}"), 64, GREEDY, ignore_eos=True), loop)
-                for i in range(3)]
+        gens = [
+            eng.submit(GenerationRequest(eng.tokenize(f"q{i}"), 64, GREEDY, ignore_eos=True), loop)
+            for i in range(3)
+        ]
         assert eng.busy_slots <= 1
         first_token_at: list[float] = []
         done_at: list[float] = []
@@ -260,6 +303,7 @@ async def test_requests_wait_for_a_slot(tiny_model: Path) -> None:
                 if isinstance(event, Finished):
                     done_at.append(time.monotonic())
                     assert event.completion_tokens == 64
+
         for i in range(3):
             await consume(i)
         # With one slot each request starts only after the previous one finished.
@@ -385,7 +429,6 @@ async def test_a_shared_prompt_prefix_is_not_prefilled_twice(tiny_model: Path) -
         assert eng.prompt_tokens_reused - before <= shared + 1
     finally:
         eng.close()
-
 
 
 def test_close_waits_for_a_tokenize_in_progress_and_refuses_later_ones(tiny_model: Path) -> None:

@@ -21,12 +21,17 @@ TEXTS = ["hello", "hello world", "a rather longer sentence about nothing much", 
 
 
 def make_engine(path: Path, *, slots: int = SLOTS, context: int = CONTEXT) -> EmbeddingEngine:
-    return EmbeddingEngine(EngineConfig(path=path, slots=slots, context_size=context, batch_size=512,
-                                        threads=1, threads_batch=1), name=path.stem)
+    return EmbeddingEngine(
+        EngineConfig(
+            path=path, slots=slots, context_size=context, batch_size=512, threads=1, threads_batch=1
+        ),
+        name=path.stem,
+    )
 
 
-def write_pooled_model(path: Path, pooling: gguf.PoolingType, monkeypatch: pytest.MonkeyPatch,
-                       spec: TinyModelSpec | None = None) -> Path:
+def write_pooled_model(
+    path: Path, pooling: gguf.PoolingType, monkeypatch: pytest.MonkeyPatch, spec: TinyModelSpec | None = None
+) -> Path:
     """A tiny model whose GGUF declares `llama.pooling_type`, as embedding models do."""
     header = gguf.GGUFWriter.write_header_to_file
 
@@ -107,14 +112,20 @@ def test_token_ids_are_embedded_as_given(engine: EmbeddingEngine) -> None:
     assert len(engine.embed([longest, [N_VOCAB - 1]])) == 2
 
 
-@pytest.mark.parametrize(("inputs", "message"), [
-    ([], "no inputs"),
-    ([[]], "input 0 is empty"),
-    ([[1, 2], []], "input 1 is empty"),
-    ([[1], [1, N_VOCAB]], rf"input 1 holds a token id outside the vocabulary \(0 to {N_VOCAB - 1}\)"),
-    ([[-1]], "input 0 holds a token id outside the vocabulary"),
-    ([[1], [1], [1] * (CONTEXT + 1)], f"input 2 has {CONTEXT + 1} tokens, more than the limit of {CONTEXT}"),
-])
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ([], "no inputs"),
+        ([[]], "input 0 is empty"),
+        ([[1, 2], []], "input 1 is empty"),
+        ([[1], [1, N_VOCAB]], rf"input 1 holds a token id outside the vocabulary \(0 to {N_VOCAB - 1}\)"),
+        ([[-1]], "input 0 holds a token id outside the vocabulary"),
+        (
+            [[1], [1], [1] * (CONTEXT + 1)],
+            f"input 2 has {CONTEXT + 1} tokens, more than the limit of {CONTEXT}",
+        ),
+    ],
+)
 def test_bad_inputs_are_refused(engine: EmbeddingEngine, inputs: list[list[int]], message: str) -> None:
     with pytest.raises(EngineError, match=message):
         engine.embed(inputs)
@@ -151,8 +162,9 @@ def test_idle_state_and_heartbeat(engine: EmbeddingEngine) -> None:
     assert engine.queue_depth == 0
 
 
-def test_declared_pooling_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                  engine: EmbeddingEngine) -> None:
+def test_declared_pooling_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: EmbeddingEngine
+) -> None:
     # Same weights as the `engine` fixture's model, which gets mean pooling by default.
     last = make_engine(write_pooled_model(tmp_path / "last.gguf", gguf.PoolingType.LAST, monkeypatch))
     try:
@@ -167,8 +179,9 @@ def test_declared_pooling_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         last.close()
 
 
-def test_declared_none_pooling_gets_mean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        engine: EmbeddingEngine) -> None:
+def test_declared_none_pooling_gets_mean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: EmbeddingEngine
+) -> None:
     none = make_engine(write_pooled_model(tmp_path / "none.gguf", gguf.PoolingType.NONE, monkeypatch))
     try:
         assert none.pooling == "mean"
@@ -199,8 +212,9 @@ def test_close_is_idempotent_and_final(model: Path) -> None:
 
 def test_close_fails_running_and_waiting_calls(tmp_path: Path) -> None:
     # A wider model and many inputs: the first call runs for seconds, the second waits behind it.
-    path = write_tiny_model(tmp_path / "wide.gguf", TinyModelSpec(seed=12, n_embd=512, n_head=8,
-                                                                  n_head_kv=4, n_ff=2048))
+    path = write_tiny_model(
+        tmp_path / "wide.gguf", TinyModelSpec(seed=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=2048)
+    )
     eng = make_engine(path)
     inputs = [[BOS_ID] + [3 + (i + k) % 256 for k in range(CONTEXT - 1)] for i in range(2000)]
     errors: list[BaseException | None] = [None, None]

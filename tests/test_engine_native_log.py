@@ -31,8 +31,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 
 
 def _llama_records(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
-    return [(r.levelno, r.getMessage()) for r in caplog.records
-            if r.name == LOGGER and r.getMessage().startswith("llama.cpp: ")]
+    return [
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name == LOGGER and r.getMessage().startswith("llama.cpp: ")
+    ]
 
 
 def test_a_llama_cpp_warning_is_logged_at_warning(engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
@@ -47,13 +50,16 @@ def test_a_llama_cpp_warning_is_logged_at_warning(engine: Engine, caplog: pytest
 
 
 async def test_a_normal_load_warm_up_and_generation_of_the_tiny_model_warn_of_nothing(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = write_tiny_model(tmp_path / "tiny.gguf", TinyModelSpec(seed=2))
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         eng = Engine(_config(path), name="tiny")  # loads and warms up
         try:
-            gen = eng.submit(GenerationRequest(eng.tokenize("hello"), 4, SamplingParams(temperature=0.0),
-                                               ignore_eos=True), asyncio.get_running_loop())
+            gen = eng.submit(
+                GenerationRequest(eng.tokenize("hello"), 4, SamplingParams(temperature=0.0), ignore_eos=True),
+                asyncio.get_running_loop(),
+            )
             events = [event async for event in gen.events()]
             assert isinstance(events[-1], Finished)
             assert events[-1].reason == "length"
@@ -73,21 +79,33 @@ def test_llama_cpp_errors_are_logged_at_error(tmp_path: Path, caplog: pytest.Log
     assert any("invalid magic characters" in m for m in errors), _llama_records(caplog)
 
 
-@pytest.mark.parametrize(("calls", "expected"), [
-    ([(ERROR, b"boom\n")], [(logging.ERROR, "boom")]),
-    ([(WARN, b"careful\n")], [(logging.WARNING, "careful")]),
-    ([(INFO, b"print_info: n_ctx = 64\n")], [(logging.DEBUG, "print_info: n_ctx = 64")]),
-    ([(DEBUG, b"a tensor\n")], [(logging.DEBUG, "a tensor")]),
-    # A continuation keeps the level of the line it continues; whitespace alone is no line.
-    ([(WARN, b"half a warning"), (CONT, b" and the rest\n")],
-     [(logging.WARNING, "half a warning"), (logging.WARNING, "and the rest")]),
-    ([(ERROR, b"failed:"), (CONT, b" why\n"), (INFO, b"loading"), (CONT, b"."), (CONT, b"\n")],
-     [(logging.ERROR, "failed:"), (logging.ERROR, "why"), (logging.DEBUG, "loading"),
-      (logging.DEBUG, ".")]),
-    ([(NONE, b"unleveled\n")], [(logging.DEBUG, "unleveled")]),
-])
-def test_ggml_levels_map_to_python_levels(calls: list[tuple[int, bytes]], expected: list[tuple[int, str]],
-                                          caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("calls", "expected"),
+    [
+        ([(ERROR, b"boom\n")], [(logging.ERROR, "boom")]),
+        ([(WARN, b"careful\n")], [(logging.WARNING, "careful")]),
+        ([(INFO, b"print_info: n_ctx = 64\n")], [(logging.DEBUG, "print_info: n_ctx = 64")]),
+        ([(DEBUG, b"a tensor\n")], [(logging.DEBUG, "a tensor")]),
+        # A continuation keeps the level of the line it continues; whitespace alone is no line.
+        (
+            [(WARN, b"half a warning"), (CONT, b" and the rest\n")],
+            [(logging.WARNING, "half a warning"), (logging.WARNING, "and the rest")],
+        ),
+        (
+            [(ERROR, b"failed:"), (CONT, b" why\n"), (INFO, b"loading"), (CONT, b"."), (CONT, b"\n")],
+            [
+                (logging.ERROR, "failed:"),
+                (logging.ERROR, "why"),
+                (logging.DEBUG, "loading"),
+                (logging.DEBUG, "."),
+            ],
+        ),
+        ([(NONE, b"unleveled\n")], [(logging.DEBUG, "unleveled")]),
+    ],
+)
+def test_ggml_levels_map_to_python_levels(
+    calls: list[tuple[int, bytes]], expected: list[tuple[int, str]], caplog: pytest.LogCaptureFixture
+) -> None:
     # llama.cpp calls this callback itself; driven directly here for continuations, which no
     # load of the test models produces at a warning or error level.
     with caplog.at_level(logging.DEBUG, logger=LOGGER):

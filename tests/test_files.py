@@ -97,8 +97,13 @@ def irregular(kind: str, path: Path) -> Iterator[Path]:
 
 
 KINDS = ["fifo", "/dev/null", "/dev/zero", "directory", "socket"]
-WORDS = {"fifo": "a FIFO", "/dev/null": "a character device", "/dev/zero": "a character device",
-         "directory": "a directory", "socket": "a socket"}
+WORDS = {
+    "fifo": "a FIFO",
+    "/dev/null": "a character device",
+    "/dev/zero": "a character device",
+    "directory": "a directory",
+    "socket": "a socket",
+}
 
 
 # ---- open_regular and read_regular ------------------------------------------------------------------
@@ -132,7 +137,8 @@ def test_anything_but_a_regular_file_is_refused_at_once_in_one_line(kind: str, t
 
 
 def test_a_fifo_swapped_in_after_the_look_is_refused_without_blocking(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     regular = tmp_path / "regular"
     regular.write_bytes(b"x")
     fifo = _fifo(tmp_path / "fifo")
@@ -186,8 +192,11 @@ def test_kind_of() -> None:
 
 def _pub(path: Path) -> Path:
     key = Ed25519PrivateKey.generate()
-    path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    path.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
     return path
 
 
@@ -202,10 +211,12 @@ READERS: list[tuple[str, Reader, type[Exception], str]] = [
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("reader", "error", "message"),
-                         [pytest.param(r, e, m, id=i) for i, r, e, m in READERS])
+@pytest.mark.parametrize(
+    ("reader", "error", "message"), [pytest.param(r, e, m, id=i) for i, r, e, m in READERS]
+)
 def test_each_reader_refuses_a_file_that_is_not_regular_in_one_line(
-        kind: str, reader: Reader, error: type[Exception], message: str, tmp_path: Path) -> None:
+    kind: str, reader: Reader, error: type[Exception], message: str, tmp_path: Path
+) -> None:
     with irregular(kind, tmp_path / "lock-state.json") as path, promptly(), pytest.raises(error) as caught:
         reader(path)
     assert str(caught.value) == message.format(path=path, kind=WORDS[kind])

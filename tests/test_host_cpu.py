@@ -20,18 +20,33 @@ from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import free_port
 
 
-@pytest.mark.parametrize(("text", "cpus"), [
-    ("0", {0}), ("0-3", {0, 1, 2, 3}), ("0-3,8", {0, 1, 2, 3, 8}), ("1, 3-4", {1, 3, 4}), ("5-5", {5}),
-])
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [
+        ("0", {0}),
+        ("0-3", {0, 1, 2, 3}),
+        ("0-3,8", {0, 1, 2, 3, 8}),
+        ("1, 3-4", {1, 3, 4}),
+        ("5-5", {5}),
+    ],
+)
 def test_cpu_lists_parse_and_format(text: str, cpus: set[int]) -> None:
     assert parse_cpu_list(text) == cpus
     assert parse_cpu_list(format_cpu_list(cpus)) == cpus
 
 
-@pytest.mark.parametrize(("text", "fragment"), [
-    ("", "CPU list"), ("a", "CPU list"), ("1-", "CPU list"), ("3-1", "backwards"), ("9000", "beyond"),
-    ("1,,2", "CPU list"), ("-1", "CPU list"),
-])
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("", "CPU list"),
+        ("a", "CPU list"),
+        ("1-", "CPU list"),
+        ("3-1", "backwards"),
+        ("9000", "beyond"),
+        ("1,,2", "CPU list"),
+        ("-1", "CPU list"),
+    ],
+)
 def test_bad_cpu_lists_are_refused(text: str, fragment: str) -> None:
     with pytest.raises(CpuListError, match=fragment):
         parse_cpu_list(text)
@@ -49,12 +64,20 @@ def test_one_logical_cpu_per_physical_core(tmp_path: Path) -> None:
     assert one_per_core(frozenset({0, 2, 7}), tmp_path) == {0, 7}
 
 
-@pytest.mark.parametrize(("cpus", "fragment"), [
-    ("0-x", "host.cpus: must be a CPU list"), ("4-2", "backwards"), ([0], "host.cpus: must be"),
-])
+@pytest.mark.parametrize(
+    ("cpus", "fragment"),
+    [
+        ("0-x", "host.cpus: must be a CPU list"),
+        ("4-2", "backwards"),
+        ([0], "host.cpus: must be"),
+    ],
+)
 def test_host_settings_are_validated(cpus: Any, fragment: str) -> None:
-    data = {"models": [{"name": "m", "file": "m.gguf"}], "lock": {"allow_unsigned": True},
-            "host": {"cpus": cpus}}
+    data = {
+        "models": [{"name": "m", "file": "m.gguf"}],
+        "lock": {"allow_unsigned": True},
+        "host": {"cpus": cpus},
+    }
     with pytest.raises(ConfigError, match=fragment):
         parse_settings(data, base_dir=Path.cwd())
 
@@ -83,13 +106,20 @@ def test_a_pinned_daemon_runs_every_thread_on_its_cpus(tmp_path: Path, cpus: str
     expected = {0} if cpus == "0" else one_per_core(frozenset(allowed))
     model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
     port = free_port()
-    config = {"server": {"port": port}, "host": {"cpus": cpus},
-              "models": [{"name": "m", "file": str(model), "slots": 1, "context_size": 128}],
-              "lock": {"allow_unsigned": True}, "lifecycle": {"preload_dir": None, "watch": False}}
+    config = {
+        "server": {"port": port},
+        "host": {"cpus": cpus},
+        "models": [{"name": "m", "file": str(model), "slots": 1, "context_size": 128}],
+        "lock": {"allow_unsigned": True},
+        "lifecycle": {"preload_dir": None, "watch": False},
+    }
     path = tmp_path / "edgellm.yaml"
     path.write_text(json.dumps(config))
-    proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgellmd", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         status: dict[str, Any] | None = None

@@ -66,53 +66,105 @@ def test_ggml_block_sizes_match_gguf() -> None:
 # ---- read_gpus --------------------------------------------------------------------------------
 
 H200_READING: dict[str, Any] = {
-    "index": 0, "name": "NVIDIA H200", "uuid": "GPU-00000000-0000-0000-0000-000000000000",
-    "compute_capability": (9, 0), "memory_total": 150754820096, "memory_used": 644939776,
-    "memory_free": 150109880320, "utilization_gpu": 0, "utilization_memory": 0, "temperature_c": 33,
-    "fan_percent": None, "power_w": 120.561, "power_limit_w": 700.0, "sm_clock_mhz": 1980,
-    "memory_clock_mhz": 3201, "throttle_reasons": ("gpu_idle",), "ecc_volatile_corrected": 0,
-    "ecc_volatile_uncorrected": 0, "process_memory": 0, "unavailable": {"fan_percent": "not supported"},
+    "index": 0,
+    "name": "NVIDIA H200",
+    "uuid": "GPU-00000000-0000-0000-0000-000000000000",
+    "compute_capability": (9, 0),
+    "memory_total": 150754820096,
+    "memory_used": 644939776,
+    "memory_free": 150109880320,
+    "utilization_gpu": 0,
+    "utilization_memory": 0,
+    "temperature_c": 33,
+    "fan_percent": None,
+    "power_w": 120.561,
+    "power_limit_w": 700.0,
+    "sm_clock_mhz": 1980,
+    "memory_clock_mhz": 3201,
+    "throttle_reasons": ("gpu_idle",),
+    "ecc_volatile_corrected": 0,
+    "ecc_volatile_uncorrected": 0,
+    "process_memory": 0,
+    "unavailable": {"fan_percent": "not supported"},
     "lost": False,
 }
 P40_READING: dict[str, Any] = H200_READING | {
-    "name": "Tesla P40", "compute_capability": (6, 1), "memory_total": 24451 * MIB,
-    "memory_used": 161 * MIB, "memory_free": 24290 * MIB, "temperature_c": 27, "power_w": 9.87,
-    "power_limit_w": 250.0, "sm_clock_mhz": 544, "memory_clock_mhz": 405, "throttle_reasons": (),
-    "ecc_volatile_corrected": None, "ecc_volatile_uncorrected": None,
-    "unavailable": dict.fromkeys(("fan_percent", "ecc_volatile_corrected", "ecc_volatile_uncorrected"),
-                                 "not supported"),
+    "name": "Tesla P40",
+    "compute_capability": (6, 1),
+    "memory_total": 24451 * MIB,
+    "memory_used": 161 * MIB,
+    "memory_free": 24290 * MIB,
+    "temperature_c": 27,
+    "power_w": 9.87,
+    "power_limit_w": 250.0,
+    "sm_clock_mhz": 544,
+    "memory_clock_mhz": 405,
+    "throttle_reasons": (),
+    "ecc_volatile_corrected": None,
+    "ecc_volatile_uncorrected": None,
+    "unavailable": dict.fromkeys(
+        ("fan_percent", "ecc_volatile_corrected", "ecc_volatile_uncorrected"), "not supported"
+    ),
 }
 READINGS: list[tuple[Callable[[], FakeNvml], str | None, int | None, dict[str, Any]]] = [
     # profile, driver version, CUDA driver version, device 0 (fields that differ from H200_READING)
     (fakenvml.h200, "580.159.04", 13000, {}),
     (fakenvml.p40, "580.95.05", 13000, P40_READING),
-    (fakenvml.old_driver, "470.256.02", 11040, P40_READING | {
-        "throttle_reasons": ("gpu_idle",),  # from the pre-535 ...ThrottleReasons call
-        "process_memory": None,
-        "unavailable": P40_READING["unavailable"] | {"process_memory": "function not found on this driver"},
-    }),
-    (fakenvml.maxwell, "580.159.04", 13000, {"name": "Tesla M40 24GB", "compute_capability": (5, 2)}),
-    (fakenvml.not_supported_fields, "580.159.04", 13000, {
-        "name": "NVIDIA GeForce RTX 3090", "compute_capability": (8, 6), "fan_percent": 41,
-        "utilization_gpu": None, "utilization_memory": None, "power_w": None, "power_limit_w": None,
-        "ecc_volatile_corrected": None, "ecc_volatile_uncorrected": None, "process_memory": None,
-        "unavailable": {
-            "utilization_gpu": "not supported", "utilization_memory": "not supported",
-            "power_w": "not supported", "power_limit_w": "no permission",
-            "ecc_volatile_corrected": "not supported", "ecc_volatile_uncorrected": "not supported",
-            "process_memory": "not reported by the driver",
+    (
+        fakenvml.old_driver,
+        "470.256.02",
+        11040,
+        P40_READING
+        | {
+            "throttle_reasons": ("gpu_idle",),  # from the pre-535 ...ThrottleReasons call
+            "process_memory": None,
+            "unavailable": P40_READING["unavailable"]
+            | {"process_memory": "function not found on this driver"},
         },
-    }),
-    (fakenvml.hot, "580.159.04", 13000, {
-        "temperature_c": 91,
-        "throttle_reasons": ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown"),
-    }),
+    ),
+    (fakenvml.maxwell, "580.159.04", 13000, {"name": "Tesla M40 24GB", "compute_capability": (5, 2)}),
+    (
+        fakenvml.not_supported_fields,
+        "580.159.04",
+        13000,
+        {
+            "name": "NVIDIA GeForce RTX 3090",
+            "compute_capability": (8, 6),
+            "fan_percent": 41,
+            "utilization_gpu": None,
+            "utilization_memory": None,
+            "power_w": None,
+            "power_limit_w": None,
+            "ecc_volatile_corrected": None,
+            "ecc_volatile_uncorrected": None,
+            "process_memory": None,
+            "unavailable": {
+                "utilization_gpu": "not supported",
+                "utilization_memory": "not supported",
+                "power_w": "not supported",
+                "power_limit_w": "no permission",
+                "ecc_volatile_corrected": "not supported",
+                "ecc_volatile_uncorrected": "not supported",
+                "process_memory": "not reported by the driver",
+            },
+        },
+    ),
+    (
+        fakenvml.hot,
+        "580.159.04",
+        13000,
+        {
+            "temperature_c": 91,
+            "throttle_reasons": ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown"),
+        },
+    ),
     (fakenvml.ecc_errors, "580.159.04", 13000, {"ecc_volatile_corrected": 17, "ecc_volatile_uncorrected": 2}),
 ]
 
 
-@pytest.mark.parametrize(("profile", "driver", "cuda", "expected"), READINGS,
-                         ids=[r[0].__name__ for r in READINGS])
+@pytest.mark.parametrize(
+    ("profile", "driver", "cuda", "expected"), READINGS, ids=[r[0].__name__ for r in READINGS]
+)
 def test_read_gpus(profile: Callable[[], FakeNvml], driver: str, cuda: int, expected: dict[str, Any]) -> None:
     fake = profile()
     snapshot = read_gpus(fake, pid=PID)
@@ -139,8 +191,14 @@ def test_h200_readings_are_the_recorded_ones() -> None:
 
 
 def test_a_process_holding_memory_is_counted() -> None:
-    fake = fakenvml.h200({"nvmlDeviceGetComputeRunningProcesses": [
-        {"pid": PID, "usedGpuMemory": 3 * GIB}, {"pid": 1, "usedGpuMemory": GIB}]})
+    fake = fakenvml.h200(
+        {
+            "nvmlDeviceGetComputeRunningProcesses": [
+                {"pid": PID, "usedGpuMemory": 3 * GIB},
+                {"pid": 1, "usedGpuMemory": GIB},
+            ]
+        }
+    )
     assert read_gpus(fake, pid=PID).devices[0].process_memory == 3 * GIB
 
 
@@ -163,13 +221,16 @@ def test_a_gpu_that_stops_answering_is_lost(error: str) -> None:
     assert (reading.name, reading.compute_capability, reading.memory_total) == ("NVIDIA H200", (9, 0), None)
 
 
-@pytest.mark.parametrize(("error", "reason"), [
-    ("NVMLError_LibraryNotFound", "libnvidia-ml.so.1 was not found"),
-    ("NVMLError_DriverNotLoaded", "kernel driver is not loaded"),
-    ("NVMLError_NoPermission", "no permission to open /dev/nvidiactl"),
-    ("NVMLError_LibRmVersionMismatch", "reboot after the driver upgrade"),
-    ("NVMLError_Timeout", "NVML failed to start: Timeout"),
-])
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        ("NVMLError_LibraryNotFound", "libnvidia-ml.so.1 was not found"),
+        ("NVMLError_DriverNotLoaded", "kernel driver is not loaded"),
+        ("NVMLError_NoPermission", "no permission to open /dev/nvidiactl"),
+        ("NVMLError_LibRmVersionMismatch", "reboot after the driver upgrade"),
+        ("NVMLError_Timeout", "NVML failed to start: Timeout"),
+    ],
+)
 def test_nvml_that_cannot_start_is_reported(error: str, reason: str) -> None:
     snapshot = read_gpus(fakenvml.h200(init_error=error))
     assert not snapshot.available
@@ -204,18 +265,48 @@ VERDICTS: list[tuple[str, Callable[[], FakeNvml], bool, int, Sequence[str], Foun
     ("h200-cpu", fakenvml.h200, True, 0, (), {("info", None, "gpu_unused")}),
     ("h200-cpu-build", fakenvml.h200, False, -1, (), {("warning", None, "no_offload_build")}),
     ("h200-cpu-build-unused", fakenvml.h200, False, 0, (), {("info", None, "gpu_unused")}),
-    ("p40", fakenvml.p40, True, -1, (),
-     {("warning", 0, "pascal_fp16_slow"), ("warning", 0, "pascal_cuda13")}),
-    ("p40-f16", fakenvml.p40, True, -1, ("MOSTLY_Q4_K_M", "MOSTLY_F16"),
-     {("warning", 0, "pascal_fp16_slow"), ("warning", 0, "pascal_cuda13")}),
-    ("p40-quantized", fakenvml.p40, True, -1, ("MOSTLY_Q4_K_M", "Q8_0"),
-     {("info", 0, "pascal_fp16_slow"), ("warning", 0, "pascal_cuda13")}),
-    ("p40-cuda12-driver", fakenvml.old_driver, True, 20, (),
-     {("warning", 0, "pascal_fp16_slow"), ("info", 0, "pascal_cuda13")}),
+    (
+        "p40",
+        fakenvml.p40,
+        True,
+        -1,
+        (),
+        {("warning", 0, "pascal_fp16_slow"), ("warning", 0, "pascal_cuda13")},
+    ),
+    (
+        "p40-f16",
+        fakenvml.p40,
+        True,
+        -1,
+        ("MOSTLY_Q4_K_M", "MOSTLY_F16"),
+        {("warning", 0, "pascal_fp16_slow"), ("warning", 0, "pascal_cuda13")},
+    ),
+    (
+        "p40-quantized",
+        fakenvml.p40,
+        True,
+        -1,
+        ("MOSTLY_Q4_K_M", "Q8_0"),
+        {("info", 0, "pascal_fp16_slow"), ("warning", 0, "pascal_cuda13")},
+    ),
+    (
+        "p40-cuda12-driver",
+        fakenvml.old_driver,
+        True,
+        20,
+        (),
+        {("warning", 0, "pascal_fp16_slow"), ("info", 0, "pascal_cuda13")},
+    ),
     ("maxwell", fakenvml.maxwell, True, -1, (), {("error", 0, "compute_capability_unsupported")}),
     ("lost", lambda: fakenvml.gpu_lost_after(0), True, -1, (), {("error", 0, "gpu_lost")}),
-    ("hot", fakenvml.hot, True, -1, (),
-     {("warning", 0, "thermal_throttling"), ("warning", 0, "power_throttling")}),
+    (
+        "hot",
+        fakenvml.hot,
+        True,
+        -1,
+        (),
+        {("warning", 0, "thermal_throttling"), ("warning", 0, "power_throttling")},
+    ),
     ("ecc", fakenvml.ecc_errors, True, -1, (), {("error", 0, "ecc_errors")}),
     ("fields-refused", fakenvml.not_supported_fields, True, -1, (), set()),
     ("no-driver", fakenvml.no_driver, True, -1, (), {("warning", None, "nvml_unavailable")}),
@@ -224,10 +315,14 @@ VERDICTS: list[tuple[str, Callable[[], FakeNvml], bool, int, Sequence[str], Foun
 ]
 
 
-@pytest.mark.parametrize(("profile", "offload", "layers", "types", "expected"), [v[1:] for v in VERDICTS],
-                         ids=[v[0] for v in VERDICTS])
-def test_verdicts(profile: Callable[[], FakeNvml], offload: bool, layers: int, types: Sequence[str],
-                  expected: Found) -> None:
+@pytest.mark.parametrize(
+    ("profile", "offload", "layers", "types", "expected"),
+    [v[1:] for v in VERDICTS],
+    ids=[v[0] for v in VERDICTS],
+)
+def test_verdicts(
+    profile: Callable[[], FakeNvml], offload: bool, layers: int, types: Sequence[str], expected: Found
+) -> None:
     snapshot = read_gpus(profile())
     found = verdicts(snapshot, offload_supported=offload, gpu_layers=layers, model_file_types=types)
     assert {(v.level, v.gpu, v.code) for v in found} == expected
@@ -237,6 +332,7 @@ def test_verdicts(profile: Callable[[], FakeNvml], offload: bool, layers: int, t
 
 def test_pascal_verdict_names_the_unquantized_file_type() -> None:
     snapshot = read_gpus(fakenvml.p40())
+
     def fp16(types: Sequence[str]) -> Verdict:
         found = verdicts(snapshot, offload_supported=True, gpu_layers=-1, model_file_types=types)
         return next(v for v in found if v.code == "pascal_fp16_slow")
@@ -265,28 +361,112 @@ def test_verdict_messages_say_what_to_do() -> None:
 
 P40_FREE = 24290 * MIB
 AUTO: list[tuple[str, dict[str, Any], int]] = [
-    ("everything fits", {"free_bytes": 80 * GIB, "headroom_bytes": GIB, "layer_bytes": [GIB] * 32,
-                         "other_bytes": 2 * GIB, "n_layers": 32}, -1),
-    ("exactly fits", {"free_bytes": 35 * GIB, "headroom_bytes": GIB, "layer_bytes": [GIB] * 32,
-                      "other_bytes": 2 * GIB, "n_layers": 32}, -1),
+    (
+        "everything fits",
+        {
+            "free_bytes": 80 * GIB,
+            "headroom_bytes": GIB,
+            "layer_bytes": [GIB] * 32,
+            "other_bytes": 2 * GIB,
+            "n_layers": 32,
+        },
+        -1,
+    ),
+    (
+        "exactly fits",
+        {
+            "free_bytes": 35 * GIB,
+            "headroom_bytes": GIB,
+            "layer_bytes": [GIB] * 32,
+            "other_bytes": 2 * GIB,
+            "n_layers": 32,
+        },
+        -1,
+    ),
     # a 40 GB model with 48 layers of 800 MiB on a 24 GB P40 keeping 1 GiB spare
-    ("p40 partial", {"free_bytes": P40_FREE, "headroom_bytes": GIB, "layer_bytes": [800 * MIB] * 48,
-                     "other_bytes": 1500 * MIB, "n_layers": 48}, (24290 - 1024 - 1500) // 800),
-    ("headroom respected", {"free_bytes": 10 * GIB, "headroom_bytes": 3 * GIB, "layer_bytes": [GIB] * 12,
-                            "other_bytes": GIB, "n_layers": 12}, 6),
+    (
+        "p40 partial",
+        {
+            "free_bytes": P40_FREE,
+            "headroom_bytes": GIB,
+            "layer_bytes": [800 * MIB] * 48,
+            "other_bytes": 1500 * MIB,
+            "n_layers": 48,
+        },
+        (24290 - 1024 - 1500) // 800,
+    ),
+    (
+        "headroom respected",
+        {
+            "free_bytes": 10 * GIB,
+            "headroom_bytes": 3 * GIB,
+            "layer_bytes": [GIB] * 12,
+            "other_bytes": GIB,
+            "n_layers": 12,
+        },
+        6,
+    ),
     # from the front, three layers (1 + 1 + 1 + 4 GiB) would fit; llama.cpp offloads the last ones
-    ("last layers first", {"free_bytes": 9 * GIB, "headroom_bytes": 0, "other_bytes": GIB,
-                           "layer_bytes": [GIB, GIB, 4 * GIB, 4 * GIB], "n_layers": 4}, 2),
-    ("nothing fits", {"free_bytes": 2 * GIB, "headroom_bytes": GIB, "layer_bytes": [GIB] * 8,
-                      "other_bytes": GIB, "n_layers": 8}, 0),
-    ("headroom beyond free", {"free_bytes": GIB, "headroom_bytes": 2 * GIB, "layer_bytes": [1] * 4,
-                              "other_bytes": 0, "n_layers": 4}, 0),
-    ("missing layers weigh the largest", {"free_bytes": 9 * GIB, "headroom_bytes": 0,
-                                          "layer_bytes": [GIB, 3 * GIB], "other_bytes": 0, "n_layers": 4}, 3),
-    ("extra entries ignored", {"free_bytes": 3 * GIB, "headroom_bytes": 0,
-                               "layer_bytes": [GIB, GIB, 9 * GIB], "other_bytes": GIB, "n_layers": 2}, -1),
-    ("no layers", {"free_bytes": GIB, "headroom_bytes": 0, "layer_bytes": [], "other_bytes": 0,
-                   "n_layers": 0}, -1),
+    (
+        "last layers first",
+        {
+            "free_bytes": 9 * GIB,
+            "headroom_bytes": 0,
+            "other_bytes": GIB,
+            "layer_bytes": [GIB, GIB, 4 * GIB, 4 * GIB],
+            "n_layers": 4,
+        },
+        2,
+    ),
+    (
+        "nothing fits",
+        {
+            "free_bytes": 2 * GIB,
+            "headroom_bytes": GIB,
+            "layer_bytes": [GIB] * 8,
+            "other_bytes": GIB,
+            "n_layers": 8,
+        },
+        0,
+    ),
+    (
+        "headroom beyond free",
+        {
+            "free_bytes": GIB,
+            "headroom_bytes": 2 * GIB,
+            "layer_bytes": [1] * 4,
+            "other_bytes": 0,
+            "n_layers": 4,
+        },
+        0,
+    ),
+    (
+        "missing layers weigh the largest",
+        {
+            "free_bytes": 9 * GIB,
+            "headroom_bytes": 0,
+            "layer_bytes": [GIB, 3 * GIB],
+            "other_bytes": 0,
+            "n_layers": 4,
+        },
+        3,
+    ),
+    (
+        "extra entries ignored",
+        {
+            "free_bytes": 3 * GIB,
+            "headroom_bytes": 0,
+            "layer_bytes": [GIB, GIB, 9 * GIB],
+            "other_bytes": GIB,
+            "n_layers": 2,
+        },
+        -1,
+    ),
+    (
+        "no layers",
+        {"free_bytes": GIB, "headroom_bytes": 0, "layer_bytes": [], "other_bytes": 0, "n_layers": 0},
+        -1,
+    ),
 ]
 
 
@@ -295,11 +475,25 @@ def test_auto_gpu_layers(args: dict[str, Any], expected: int) -> None:
     assert auto_gpu_layers(**args) == expected
 
 
-@pytest.mark.parametrize("bad", [{"free_bytes": -1}, {"headroom_bytes": -1}, {"other_bytes": -1},
-                                 {"n_layers": -1}, {"layer_bytes": [1, -1]}, {"layer_bytes": []}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"free_bytes": -1},
+        {"headroom_bytes": -1},
+        {"other_bytes": -1},
+        {"n_layers": -1},
+        {"layer_bytes": [1, -1]},
+        {"layer_bytes": []},
+    ],
+)
 def test_auto_gpu_layers_refuses_nonsense(bad: dict[str, Any]) -> None:
-    args: dict[str, Any] = {"free_bytes": GIB, "headroom_bytes": 0, "layer_bytes": [1, 1],
-                            "other_bytes": 0, "n_layers": 2}
+    args: dict[str, Any] = {
+        "free_bytes": GIB,
+        "headroom_bytes": 0,
+        "layer_bytes": [1, 1],
+        "other_bytes": 0,
+        "n_layers": 2,
+    }
     with pytest.raises(ValueError, match="n_layers"):
         auto_gpu_layers(**(args | bad))
 
@@ -342,27 +536,35 @@ def _write(path: Path, tensors: Sequence[Tensor]) -> Path:
 def test_gguf_layer_bytes_of_quantized_types(tmp_path: Path) -> None:
     q = gguf.GGMLQuantizationType
     raw = np.zeros((3, 2 * 34), dtype=np.uint8)  # 3 rows of 64 Q8_0 elements
-    path = _write(tmp_path / "q.gguf", [
-        ("token_embd.weight", np.zeros((10, 64), dtype=np.float16), None),
-        ("blk.0.attn_q.weight", raw, q.Q8_0),
-        ("blk.0.ffn_down.weight", np.zeros((2, 144), dtype=np.uint8), q.Q4_K),  # 2 rows of 256
-        ("blk.1.ffn_up.weight", np.zeros((4, 210), dtype=np.uint8), q.Q6_K),
-        ("blk.1.attn_norm.weight", np.zeros(64, dtype=np.float32), None),
-    ])
+    path = _write(
+        tmp_path / "q.gguf",
+        [
+            ("token_embd.weight", np.zeros((10, 64), dtype=np.float16), None),
+            ("blk.0.attn_q.weight", raw, q.Q8_0),
+            ("blk.0.ffn_down.weight", np.zeros((2, 144), dtype=np.uint8), q.Q4_K),  # 2 rows of 256
+            ("blk.1.ffn_up.weight", np.zeros((4, 210), dtype=np.uint8), q.Q6_K),
+            ("blk.1.attn_norm.weight", np.zeros(64, dtype=np.float32), None),
+        ],
+    )
     assert gguf_layer_bytes(path) == ([3 * 68 + 2 * 144, 4 * 210 + 64 * 4], 10 * 64 * 2)
 
 
 def test_gguf_layer_bytes_spreads_unknown_types_over_what_is_left(tmp_path: Path) -> None:
-    unknown = next((t for t, (block, size) in gguf.GGML_QUANT_SIZES.items()
-                    if int(t) not in GGML_BLOCKS and block > 1), None)
+    unknown = next(
+        (t for t, (block, size) in gguf.GGML_QUANT_SIZES.items() if int(t) not in GGML_BLOCKS and block > 1),
+        None,
+    )
     if unknown is None:
         pytest.skip("every type gguf knows has a size here")
     size = gguf.GGML_QUANT_SIZES[unknown][1]
-    path = _write(tmp_path / "u.gguf", [
-        ("blk.0.a.weight", np.zeros((2, 4 * size), dtype=np.uint8), unknown),  # 2 x 4 blocks
-        ("blk.1.a.weight", np.zeros((6, 4 * size), dtype=np.uint8), unknown),  # three times as many
-        ("output_norm.weight", np.zeros(64, dtype=np.float32), None),
-    ])
+    path = _write(
+        tmp_path / "u.gguf",
+        [
+            ("blk.0.a.weight", np.zeros((2, 4 * size), dtype=np.uint8), unknown),  # 2 x 4 blocks
+            ("blk.1.a.weight", np.zeros((6, 4 * size), dtype=np.uint8), unknown),  # three times as many
+            ("output_norm.weight", np.zeros(64, dtype=np.float32), None),
+        ],
+    )
     layers, other = gguf_layer_bytes(path)
     data = path.stat().st_size - gguf.GGUFReader(path).data_offset
     assert other == 256
@@ -375,8 +577,13 @@ def _header(n_tensors: int, tensors: Sequence[bytes] = (), kv: bytes = b"", n_kv
 
 
 def _tensor(name: bytes, dims: Sequence[int], ggml_type: int = 0, offset: int = 0) -> bytes:
-    return (struct.pack("<Q", len(name)) + name + struct.pack("<I", len(dims))
-            + b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ggml_type, offset))
+    return (
+        struct.pack("<Q", len(name))
+        + name
+        + struct.pack("<I", len(dims))
+        + b"".join(struct.pack("<Q", d) for d in dims)
+        + struct.pack("<IQ", ggml_type, offset)
+    )
 
 
 def _kv_alignment(value: int) -> bytes:
@@ -459,8 +666,12 @@ async def test_monitor_sees_a_gpu_get_lost_and_logs_it_once(caplog: pytest.LogCa
     # The lost GPU answers nothing, not even its UUID: the monitor remembers which one it was.
     assert monitor.latest is not None
     assert monitor.latest.devices[0].uuid == "GPU-00000000-0000-0000-0000-000000000000"
-    assert any(level == logging.ERROR and "[gpu_lost]" in m
-               and "GPU 0 GPU-00000000-0000-0000-0000-000000000000 fell off" in m for level, m in lines)
+    assert any(
+        level == logging.ERROR
+        and "[gpu_lost]" in m
+        and "GPU 0 GPU-00000000-0000-0000-0000-000000000000 fell off" in m
+        for level, m in lines
+    )
     started = [m for _, m in lines if m.startswith("GPU ")]
     assert started[:2] == [
         "GPU 0: NVIDIA H200, compute capability 9.0, 140.4 GiB (139.8 GiB free)",
@@ -534,9 +745,13 @@ def test_plan_gpu_layers_follows_free_memory(tmp_path: Path) -> None:
     kv = 4 * 1000  # 1000 bytes of KV cache per layer
 
     def plan(nvml: FakeNvml, *, offload: bool = True, headroom: int = 0) -> tuple[int, str]:
-        return plan_gpu_layers(lambda: gguf_layer_bytes(model), snapshot=read_gpus(nvml),
-                               offload_supported=offload,
-                               headroom_bytes=headroom, kv_bytes=kv)
+        return plan_gpu_layers(
+            lambda: gguf_layer_bytes(model),
+            snapshot=read_gpus(nvml),
+            offload_supported=offload,
+            headroom_bytes=headroom,
+            kv_bytes=kv,
+        )
 
     assert plan(fakenvml.h200())[0] == -1  # 140 GiB free: everything
     assert "all layers fit" in plan(fakenvml.h200())[1]
@@ -557,8 +772,19 @@ def test_gpu_layers_auto_is_a_setting_and_loads_on_cpu(tmp_path: Path) -> None:
     from tests.serving import running, settings_for  # noqa: PLC0415
 
     model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=2))
-    settings = settings_for([{"name": "m", "file": str(model), "gpu_layers": "auto", "slots": 1,
-                              "context_size": 128, "threads": 1}], lifecycle={"watch": False})
+    settings = settings_for(
+        [
+            {
+                "name": "m",
+                "file": str(model),
+                "gpu_layers": "auto",
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            }
+        ],
+        lifecycle={"watch": False},
+    )
     assert settings.models[0].gpu_layers == GPU_LAYERS_AUTO
     with running(settings) as daemon:  # this build cannot offload: auto means 0, and it loads
         status, body = daemon.post("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 2})
@@ -575,10 +801,18 @@ def test_engine_config_refuses_an_unresolved_auto(tmp_path: Path) -> None:
 # ---- what the daemon's monitor judges: the models' file types and their largest gpu_layers --------
 
 
-@pytest.mark.parametrize(("values", "expected"), [
-    ([], 0), ([0, 0], 0), ([0, 8, 20], 20), ([20, -1, 8], -1), ([8, "auto", 0], "auto"),
-    (["auto", -1], -1), ([0, "auto"], "auto"),
-])
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([], 0),
+        ([0, 0], 0),
+        ([0, 8, 20], 20),
+        ([20, -1, 8], -1),
+        ([8, "auto", 0], "auto"),
+        (["auto", -1], -1),
+        ([0, "auto"], "auto"),
+    ],
+)
 def test_largest_gpu_layers(values: list[GpuLayers], expected: GpuLayers) -> None:
     assert largest_gpu_layers(values) == expected
 
@@ -606,15 +840,23 @@ def _no_engine(settings: ModelSettings, mmap: bool) -> AnyEngine:
     raise EngineError("these tests load no model")
 
 
-def _settings(models: list[dict[str, Any]], *, lock: dict[str, Any] | None = None,
-              poll_s: float = 60.0) -> Settings:
-    return parse_settings({"models": models, "lock": lock or {"allow_unsigned": True},
-                           "lifecycle": {"watch": False, "preload_dir": None},
-                           "host": {"gpu_poll_s": poll_s}}, base_dir=Path("/"))
+def _settings(
+    models: list[dict[str, Any]], *, lock: dict[str, Any] | None = None, poll_s: float = 60.0
+) -> Settings:
+    return parse_settings(
+        {
+            "models": models,
+            "lock": lock or {"allow_unsigned": True},
+            "lifecycle": {"watch": False, "preload_dir": None},
+            "host": {"gpu_poll_s": poll_s},
+        },
+        base_dir=Path("/"),
+    )
 
 
-async def _daemon_monitor(aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml,
-                          settings: Settings) -> GpuMonitor:
+async def _daemon_monitor(
+    aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml, settings: Settings
+) -> GpuMonitor:
     """The GPU monitor of a whole daemon app, its NVML the fake and its llama.cpp a CPU-only build."""
     monkeypatch.setitem(sys.modules, "pynvml", nvml)  # what read_gpus imports when given no binding
     monkeypatch.setattr(app_module, "supports_gpu_offload", lambda: False)
@@ -627,16 +869,25 @@ def _pascal(monitor: GpuMonitor) -> Verdict:
     return next(v for v in monitor.latest_verdicts if v.code == "pascal_fp16_slow")
 
 
-@pytest.mark.parametrize(("types", "level"), [
-    ((gguf.LlamaFileType.MOSTLY_Q4_K_M, gguf.LlamaFileType.MOSTLY_Q8_0), "info"),
-    ((gguf.LlamaFileType.MOSTLY_Q4_K_M, gguf.LlamaFileType.MOSTLY_F16), "warning"),
-])
+@pytest.mark.parametrize(
+    ("types", "level"),
+    [
+        ((gguf.LlamaFileType.MOSTLY_Q4_K_M, gguf.LlamaFileType.MOSTLY_Q8_0), "info"),
+        ((gguf.LlamaFileType.MOSTLY_Q4_K_M, gguf.LlamaFileType.MOSTLY_F16), "warning"),
+    ],
+)
 async def test_the_daemon_judges_a_pascal_card_by_its_model_files(
-        tmp_path: Path, aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch,
-        types: tuple[gguf.LlamaFileType, ...], level: str) -> None:
+    tmp_path: Path,
+    aiohttp_client: AiohttpClient,
+    monkeypatch: pytest.MonkeyPatch,
+    types: tuple[gguf.LlamaFileType, ...],
+    level: str,
+) -> None:
     # Unsigned mode: each model file's own header says its type.
-    models = [{"name": f"m{i}", "file": str(_gguf_header(tmp_path / f"m{i}.gguf", t)), "gpu_layers": -1}
-              for i, t in enumerate(types)]
+    models = [
+        {"name": f"m{i}", "file": str(_gguf_header(tmp_path / f"m{i}.gguf", t)), "gpu_layers": -1}
+        for i, t in enumerate(types)
+    ]
     monitor = await _daemon_monitor(aiohttp_client, monkeypatch, fakenvml.p40(), _settings(models))
     verdict = _pascal(monitor)
     assert verdict.level == level
@@ -644,12 +895,21 @@ async def test_the_daemon_judges_a_pascal_card_by_its_model_files(
 
 
 async def test_the_daemon_reads_file_types_from_the_lockfile_and_follows_a_new_one(
-        tmp_path: Path, aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     box = SignedLock(tmp_path / "box")
 
     def sign(file_type: str) -> None:  # the files themselves are never read: the lock says
-        box.sign_lock({"m": {"file": "m.gguf", "size": 1, "sha256": "0" * 64,
-                             "gguf": {"architecture": "llama", "file_type": file_type}}})
+        box.sign_lock(
+            {
+                "m": {
+                    "file": "m.gguf",
+                    "size": 1,
+                    "sha256": "0" * 64,
+                    "gguf": {"architecture": "llama", "file_type": file_type},
+                }
+            }
+        )
 
     sign("MOSTLY_Q4_K_M")
     settings = _settings([{"name": "m", "gpu_layers": 20}], lock=box.lock_settings(), poll_s=0.01)
@@ -662,10 +922,15 @@ async def test_the_daemon_reads_file_types_from_the_lockfile_and_follows_a_new_o
 
 @pytest.mark.parametrize(("layers", "shown"), [([0, 4, 8], "8"), ([4, -1, 8], "-1"), ([0, "auto"], "auto")])
 async def test_the_daemon_judges_the_largest_gpu_layers(
-        tmp_path: Path, aiohttp_client: AiohttpClient, monkeypatch: pytest.MonkeyPatch,
-        layers: list[GpuLayers], shown: str) -> None:
-    models = [{"name": f"m{i}", "file": str(tmp_path / f"m{i}.gguf"), "gpu_layers": n}
-              for i, n in enumerate(layers)]
+    tmp_path: Path,
+    aiohttp_client: AiohttpClient,
+    monkeypatch: pytest.MonkeyPatch,
+    layers: list[GpuLayers],
+    shown: str,
+) -> None:
+    models = [
+        {"name": f"m{i}", "file": str(tmp_path / f"m{i}.gguf"), "gpu_layers": n} for i, n in enumerate(layers)
+    ]
     monitor = await _daemon_monitor(aiohttp_client, monkeypatch, fakenvml.h200(), _settings(models))
     (verdict,) = monitor.latest_verdicts
     assert verdict.code == "no_offload_build"
@@ -673,7 +938,8 @@ async def test_the_daemon_judges_the_largest_gpu_layers(
 
 
 async def test_the_monitor_asks_for_file_types_off_the_loop_at_each_reading(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     answers = [["MOSTLY_F16"], ["MOSTLY_Q4_K_M"]]
     threads: list[str] = []
 
@@ -683,8 +949,9 @@ async def test_the_monitor_asks_for_file_types_off_the_loop_at_each_reading(
             raise RuntimeError("a bug")  # logged once; the types known before stay
         return answers[0] if len(threads) < 3 else answers[1]
 
-    monitor = GpuMonitor(0.01, nvml=fakenvml.p40(), offload_supported=True, gpu_layers=-1,
-                         model_file_types=file_types)
+    monitor = GpuMonitor(
+        0.01, nvml=fakenvml.p40(), offload_supported=True, gpu_layers=-1, model_file_types=file_types
+    )
     with caplog.at_level(logging.INFO, logger="edgellmd.host.nvml"):
         await monitor.start()
         try:
@@ -694,4 +961,5 @@ async def test_the_monitor_asks_for_file_types_off_the_loop_at_each_reading(
             await monitor.stop()
     assert threading.main_thread().name not in threads
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
-        "finding the models' file types failed"]
+        "finding the models' file types failed"
+    ]

@@ -48,9 +48,19 @@ def value(samples: Samples, metric: str, **labels: str) -> float:
 
 @pytest.fixture
 def daemon(models_dir: Path) -> Iterator[RunningDaemon]:
-    settings = settings_for([{"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 1,
-                              "queue_size": 0, "context_size": 256, "threads": 1}],
-                            lifecycle={"watch": False})
+    settings = settings_for(
+        [
+            {
+                "name": "tiny",
+                "file": str(models_dir / "tiny.gguf"),
+                "slots": 1,
+                "queue_size": 0,
+                "context_size": 256,
+                "threads": 1,
+            }
+        ],
+        lifecycle={"watch": False},
+    )
     with running(settings) as d:
         yield d
 
@@ -58,8 +68,9 @@ def daemon(models_dir: Path) -> Iterator[RunningDaemon]:
 def test_counters_and_histograms_move_with_requests(daemon: RunningDaemon) -> None:
     before = scrape(daemon)
     for _ in range(3):
-        status, body = daemon.post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5,
-                                                       "ignore_eos": True})
+        status, body = daemon.post(
+            "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5, "ignore_eos": True}
+        )
         assert status == 200, body
     assert daemon.post("/v1/completions", {"model": "nope", "prompt": "hi"})[0] == 404
     daemon.get("/no/such/path/12345")
@@ -91,21 +102,36 @@ def test_counters_and_histograms_move_with_requests(daemon: RunningDaemon) -> No
 def test_queue_rejections_are_counted(daemon: RunningDaemon) -> None:
     body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "ignore_eos": True}
     with ThreadPoolExecutor(6) as pool:
-        statuses = Counter(f.result()[0] for f in concurrent.futures.as_completed(
-            [pool.submit(daemon.post, "/v1/completions", body) for _ in range(6)]))
+        statuses = Counter(
+            f.result()[0]
+            for f in concurrent.futures.as_completed(
+                [pool.submit(daemon.post, "/v1/completions", body) for _ in range(6)]
+            )
+        )
     assert statuses[429] >= 1, statuses
     assert value(scrape(daemon), "edgellm_queue_rejections_total", model="tiny") == statuses[429]
 
 
-def test_rate_limit_refusals_by_reason_and_stats_cli(models_dir: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_rate_limit_refusals_by_reason_and_stats_cli(
+    models_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     keys = tmp_path / "keys.yaml"
     _, app_key = create_key(keys, "app", ["inference"], limits={"rpm": 1})
     _, admin_key = create_key(keys, "ops", ["admin", "metrics"], limits={})
     (tmp_path / "admin.key").write_text(admin_key)
-    settings = settings_for([{"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 1,
-                              "context_size": 128, "threads": 1}],
-                            auth={"keys_file": str(keys)}, lifecycle={"watch": False})
+    settings = settings_for(
+        [
+            {
+                "name": "tiny",
+                "file": str(models_dir / "tiny.gguf"),
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            }
+        ],
+        auth={"keys_file": str(keys)},
+        lifecycle={"watch": False},
+    )
     with running(settings) as daemon:
         auth = {"Authorization": f"Bearer {app_key}"}
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
@@ -158,23 +184,33 @@ def test_every_contract_name_is_exported_with_a_gpu(tmp_path: Path) -> None:
             wanted |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
         else:
             wanted.add(name)
-    model_series = {"edgellm_slots_busy", "edgellm_slots_total", "edgellm_queue_depth", "edgellm_queue_size",
-                    "edgellm_model_info", "edgellm_model_state", "edgellm_reloads_total",
-                    "edgellm_queue_rejections_total"}  # need a configured model: covered above
+    model_series = {
+        "edgellm_slots_busy",
+        "edgellm_slots_total",
+        "edgellm_queue_depth",
+        "edgellm_queue_size",
+        "edgellm_model_info",
+        "edgellm_model_state",
+        "edgellm_reloads_total",
+        "edgellm_queue_rejections_total",
+    }  # need a configured model: covered above
     assert wanted - exported - model_series == set()
     samples = parse(metrics.render().decode())
     assert value(samples, "edgellm_gpu_up", gpu="0", name="NVIDIA H200") == 1
     assert value(samples, "edgellm_gpu_memory_total_bytes", gpu="0") == 150754820096
-    assert any(name == "edgellm_gpu_throttle_active" and dict(labels)["reason"].endswith("thermal_slowdown")
-               for name, labels in samples)
+    assert any(
+        name == "edgellm_gpu_throttle_active" and dict(labels)["reason"].endswith("thermal_slowdown")
+        for name, labels in samples
+    )
 
 
 def test_a_lost_gpu_reads_as_down(tmp_path: Path) -> None:
     metrics = Metrics()
     fake = fakenvml.gpu_lost_after(0)
     snapshot: Any = read_gpus(fake)
-    metrics.add_state(Registry([], ThreadPoolExecutor(1)), refusals=Counter, gpu=lambda: snapshot,
-                      shm=None, models_dir=None)
+    metrics.add_state(
+        Registry([], ThreadPoolExecutor(1)), refusals=Counter, gpu=lambda: snapshot, shm=None, models_dir=None
+    )
     samples = parse(metrics.render().decode())
     # Two GPUs; the first fell off the bus.
     assert value(samples, "edgellm_gpu_up", gpu="0", name="NVIDIA H200") == 0

@@ -106,8 +106,12 @@ class Proc:
             return 0, None
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),  # noqa: S310
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(  # noqa: S310
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(req, timeout=60) as r:  # noqa: S310 - loopback
             return r.status, json.load(r)
 
@@ -115,18 +119,32 @@ class Proc:
 def start_daemon(tmp_path: Path, model: Path, env: dict[str, str], **server: Any) -> Proc:
     port = free_port()
     shm = tmp_path / "shm"
-    config = {"server": {"port": port, **server},
-              "models": [{"name": "m", "file": str(model), "threads": 1, "slots": 3,
-                          "context_size": 4096, "batch_size": 2048}],
-              "lock": {"allow_unsigned": True},
-              "lifecycle": {"preload_dir": str(shm), "watch": False},
-              "logging": {"format": "text", "level": "info"}}
+    config = {
+        "server": {"port": port, **server},
+        "models": [
+            {
+                "name": "m",
+                "file": str(model),
+                "threads": 1,
+                "slots": 3,
+                "context_size": 4096,
+                "batch_size": 2048,
+            }
+        ],
+        "lock": {"allow_unsigned": True},
+        "lifecycle": {"preload_dir": str(shm), "watch": False},
+        "logging": {"format": "text", "level": "info"},
+    }
     path = tmp_path / "edgellm.yaml"
     path.write_text(json.dumps(config))
     log = tmp_path / "daemon.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(path)],
-                                env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edgellmd", "--config", str(path)],
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     return Proc(proc, port, shm, log)
 
 
@@ -145,8 +163,9 @@ def stall_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("stall") / "stall.gguf", STALL_SPEC)
 
 
-def test_notify_sequence_watchdog_cadence_and_stall(tmp_path: Path, notify: NotifySocket,
-                                                    stall_model: Path) -> None:
+def test_notify_sequence_watchdog_cadence_and_stall(
+    tmp_path: Path, notify: NotifySocket, stall_model: Path
+) -> None:
     env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(WATCHDOG_USEC)}
     daemon = start_daemon(tmp_path, stall_model, env)
     try:
@@ -180,8 +199,10 @@ def test_notify_sequence_watchdog_cadence_and_stall(tmp_path: Path, notify: Noti
 
         def long_prefill() -> None:
             try:
-                daemon.post("/v1/completions", {"model": "m", "max_tokens": 1,
-                                                "prompt": [3 + i % 250 for i in range(2000)]})
+                daemon.post(
+                    "/v1/completions",
+                    {"model": "m", "max_tokens": 1, "prompt": [3 + i % 250 for i in range(2000)]},
+                )
             finally:
                 done.set()
 
@@ -202,22 +223,31 @@ def test_notify_sequence_watchdog_cadence_and_stall(tmp_path: Path, notify: Noti
 
 
 def _stream(url: str, max_tokens: int, out: list[list[dict[str, Any]]]) -> None:
-    body = json.dumps({"model": "m", "prompt": "go", "max_tokens": max_tokens, "stream": True,
-                       "ignore_eos": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body,  # noqa: S310 - loopback
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    body = json.dumps(
+        {"model": "m", "prompt": "go", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    ).encode()
+    req = urllib.request.Request(  # noqa: S310 - loopback
+        url + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     events: list[dict[str, Any]] = []
     with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - loopback
         events.extend({"done": True} if chunk is None else chunk for chunk in sse_events_sync(r))
     out.append(events)
 
 
-@pytest.mark.parametrize(("deadline", "max_tokens", "finish"), [
-    (60, 40, "complete"),  # the streams finish within the drain deadline
-    (1, 4000, "cut"),  # past it: an error event, then [DONE]
-])
-def test_sigterm_drains_running_streams(tmp_path: Path, deadline: int, max_tokens: int,
-                                        finish: str, stall_model: Path) -> None:
+@pytest.mark.parametrize(
+    ("deadline", "max_tokens", "finish"),
+    [
+        (60, 40, "complete"),  # the streams finish within the drain deadline
+        (1, 4000, "cut"),  # past it: an error event, then [DONE]
+    ],
+)
+def test_sigterm_drains_running_streams(
+    tmp_path: Path, deadline: int, max_tokens: int, finish: str, stall_model: Path
+) -> None:
     model = write_tiny_model(tmp_path / "small.gguf", TinyModelSpec(seed=22, n_embd=256, n_ff=1024))
     del stall_model
     daemon = start_daemon(tmp_path, model, {}, shutdown_timeout_s=deadline, max_tokens_limit=4000)
@@ -228,8 +258,7 @@ def test_sigterm_drains_running_streams(tmp_path: Path, deadline: int, max_token
             time.sleep(0.05)
         assert any(daemon.shm.glob("edgellmd-*/*.gguf"))
         results: list[list[dict[str, Any]]] = []
-        threads = [threading.Thread(target=_stream, args=(daemon.url, max_tokens, results))
-                   for _ in range(3)]
+        threads = [threading.Thread(target=_stream, args=(daemon.url, max_tokens, results)) for _ in range(3)]
         for t in threads:
             t.start()
         wait = time.monotonic() + 30
@@ -263,8 +292,12 @@ def test_sigterm_cuts_a_non_streamed_request_with_server_shutting_down(tmp_path:
 
     def ask() -> None:
         body = json.dumps({"model": "m", "prompt": "go", "max_tokens": 4000, "ignore_eos": True}).encode()
-        req = urllib.request.Request(daemon.url + "/v1/completions", data=body,  # noqa: S310 - loopback
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(  # noqa: S310 - loopback
+            daemon.url + "/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - loopback
                 answers.append((r.status, json.loads(r.read())))
@@ -299,8 +332,9 @@ def test_notifier_without_a_socket_is_a_quiet_no_op() -> None:
     assert notifier.watchdog_s is None
 
 
-def test_notifier_reports_an_unreachable_socket(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_notifier_reports_an_unreachable_socket(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     missing = str(tmp_path / "nobody-listens")
     monkeypatch.setenv("NOTIFY_SOCKET", missing)
     with caplog.at_level(logging.ERROR):

@@ -18,21 +18,35 @@ from tests.serving import RunningDaemon
 
 
 @pytest.fixture(scope="module")
-def tls_daemon(models_dir: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, Path]]:
+def tls_daemon(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RunningDaemon, Path]]:
     root = tmp_path_factory.mktemp("tls")
     cert, key = write_self_signed(root / "tls", "127.0.0.1")
-    settings = parse_settings({"server": {"tls_cert": str(cert), "tls_key": str(key)},
-                               "models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"),
-                                           "slots": 1, "context_size": 128, "threads": 1}],
-                               "lock": {"allow_unsigned": True}}, base_dir=root)
+    settings = parse_settings(
+        {
+            "server": {"tls_cert": str(cert), "tls_key": str(key)},
+            "models": [
+                {
+                    "name": "tiny",
+                    "file": str(models_dir / "tiny.gguf"),
+                    "slots": 1,
+                    "context_size": 128,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+        },
+        base_dir=root,
+    )
     daemon = RunningDaemon(settings).start(wait_ready=False)
     context = ssl.create_default_context(cafile=str(cert))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"https://127.0.0.1:{daemon.port}/readyz", context=context,
-                                        timeout=5) as resp:
+            with urllib.request.urlopen(
+                f"https://127.0.0.1:{daemon.port}/readyz", context=context, timeout=5
+            ) as resp:
                 if resp.status == 200:
                     break
         except OSError:
@@ -49,8 +63,11 @@ def test_self_signed_pair(tmp_path: Path) -> None:
     assert b"BEGIN CERTIFICATE" in cert.read_bytes()
     from cryptography import x509  # noqa: PLC0415
 
-    names = x509.load_pem_x509_certificate(cert.read_bytes()).extensions.get_extension_for_class(
-        x509.SubjectAlternativeName).value
+    names = (
+        x509.load_pem_x509_certificate(cert.read_bytes())
+        .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        .value
+    )
     assert "edge-box.lan" in names.get_values_for_type(x509.DNSName)
     assert "localhost" in names.get_values_for_type(x509.DNSName)
 
@@ -59,19 +76,24 @@ def test_the_openai_client_over_https(tls_daemon: tuple[RunningDaemon, Path]) ->
     daemon, cert = tls_daemon
     # The openai client's own HTTP client, told to trust the self-signed certificate.
     with openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert))) as http:
-        client = openai.OpenAI(base_url=f"https://127.0.0.1:{daemon.port}/v1", api_key="unused",
-                               http_client=http, max_retries=0)
-        reply = client.completions.create(model="tiny", prompt="secure", max_tokens=3,
-                                          extra_body={"ignore_eos": True})
+        client = openai.OpenAI(
+            base_url=f"https://127.0.0.1:{daemon.port}/v1", api_key="unused", http_client=http, max_retries=0
+        )
+        reply = client.completions.create(
+            model="tiny", prompt="secure", max_tokens=3, extra_body={"ignore_eos": True}
+        )
     assert reply.usage is not None
     assert reply.usage.completion_tokens == 3
 
 
 def test_an_unverified_certificate_is_refused_by_a_careful_client(
-        tls_daemon: tuple[RunningDaemon, Path]) -> None:
+    tls_daemon: tuple[RunningDaemon, Path],
+) -> None:
     daemon, _ = tls_daemon
-    with socket.create_connection(("127.0.0.1", daemon.port), timeout=5) as raw, \
-            pytest.raises(ssl.SSLCertVerificationError):
+    with (
+        socket.create_connection(("127.0.0.1", daemon.port), timeout=5) as raw,
+        pytest.raises(ssl.SSLCertVerificationError),
+    ):
         ssl.create_default_context().wrap_socket(raw, server_hostname="127.0.0.1")
 
 

@@ -29,8 +29,18 @@ from tests.bare import AuditLine, audit_lines, bare_app, error_of, everything_lo
 
 PEER: Final = "127.0.0.1"  # where the test client connects from
 UNKNOWN_ID: Final = "0123456789ab"
-PATHS: Final = ("/", "/healthz", "/readyz", "/metrics", "/v1", "/v1/models", "/v1x", "/admin",
-                "/admin/status", "/administrator")
+PATHS: Final = (
+    "/",
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/v1",
+    "/v1/models",
+    "/v1x",
+    "/admin",
+    "/admin/status",
+    "/administrator",
+)
 
 
 @dataclass(frozen=True)
@@ -56,18 +66,34 @@ def edit_key(path: Path, key_id: str, **fields: Any) -> None:
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
     path = tmp_path_factory.mktemp("auth") / "keys.yaml"
-    made = {label: create_key(path, label, scopes, limits=limits) for label, scopes, limits in [
-        ("app", ["inference"], {"max_tokens": 64}), ("ops", ["admin"], {}), ("scraper", ["metrics"], {}),
-        ("all", ["inference", "admin", "metrics"], {}), ("expired", ["inference"], {}),
-        ("disabled", ["inference"], {})]}
+    made = {
+        label: create_key(path, label, scopes, limits=limits)
+        for label, scopes, limits in [
+            ("app", ["inference"], {"max_tokens": 64}),
+            ("ops", ["admin"], {}),
+            ("scraper", ["metrics"], {}),
+            ("all", ["inference", "admin", "metrics"], {}),
+            ("expired", ["inference"], {}),
+            ("disabled", ["inference"], {}),
+        ]
+    }
     edit_key(path, made["expired"][0], expires="2020-01-01T00:00:00Z")
     edit_key(path, made["disabled"][0], disabled=True)
-    return Keys(path, {label: token for label, (_, token) in made.items()},
-                {label: key_id for label, (key_id, _) in made.items()})
+    return Keys(
+        path,
+        {label: token for label, (_, token) in made.items()},
+        {label: key_id for label, (key_id, _) in made.items()},
+    )
 
 
-async def door(aiohttp_client: AiohttpClient, keys_file: Path | None, *, metrics_public: bool = False,
-               networks: tuple[str, ...] = (), peer: str | None = None) -> TestClient[Any, Any]:
+async def door(
+    aiohttp_client: AiohttpClient,
+    keys_file: Path | None,
+    *,
+    metrics_public: bool = False,
+    networks: tuple[str, ...] = (),
+    peer: str | None = None,
+) -> TestClient[Any, Any]:
     """A bare app with `who` on every path of PATHS behind the two installers, in app.py's order."""
     app = bare_app(peer=peer)
     app[appkeys.GENERATIONS] = Running()  # the keys watcher ends the generations of revoked keys
@@ -80,18 +106,28 @@ async def door(aiohttp_client: AiohttpClient, keys_file: Path | None, *, metrics
 # ---- which paths need which scope ---------------------------------------------------------------
 
 SCOPES: Final = [  # path, the scope it needs (None: public), a key that has only that scope
-    ("/", None, None), ("/healthz", None, None), ("/readyz", None, None), ("/v1x", None, None),
+    ("/", None, None),
+    ("/healthz", None, None),
+    ("/readyz", None, None),
+    ("/v1x", None, None),
     ("/administrator", None, None),
-    ("/v1", "inference", "app"), ("/v1/models", "inference", "app"),
-    ("/admin", "admin", "ops"), ("/admin/status", "admin", "ops"),
+    ("/v1", "inference", "app"),
+    ("/v1/models", "inference", "app"),
+    ("/admin", "admin", "ops"),
+    ("/admin/status", "admin", "ops"),
     ("/metrics", "metrics", "scraper"),
 ]
 
 
 @pytest.mark.parametrize(("path", "scope", "label"), SCOPES)
-async def test_each_path_needs_its_scope(aiohttp_client: AiohttpClient, keys: Keys,
-                                         caplog: pytest.LogCaptureFixture, path: str, scope: str | None,
-                                         label: str | None) -> None:
+async def test_each_path_needs_its_scope(
+    aiohttp_client: AiohttpClient,
+    keys: Keys,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    scope: str | None,
+    label: str | None,
+) -> None:
     client = await door(aiohttp_client, keys.path)
     without = await client.get(path)
     if scope is None:
@@ -111,8 +147,9 @@ async def test_each_path_needs_its_scope(aiohttp_client: AiohttpClient, keys: Ke
         assert await error_of(refused) == (403, "permission_error", "insufficient_scope")
 
 
-async def test_metrics_public_looks_at_no_key(aiohttp_client: AiohttpClient, keys: Keys,
-                                              caplog: pytest.LogCaptureFixture) -> None:
+async def test_metrics_public_looks_at_no_key(
+    aiohttp_client: AiohttpClient, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
     client = await door(aiohttp_client, keys.path, metrics_public=True)
     for header in ({}, {"Authorization": "Bearer nonsense"}, {"Authorization": keys.bearer("app")}):
         response = await client.get("/metrics", headers=header)
@@ -123,6 +160,7 @@ async def test_metrics_public_looks_at_no_key(aiohttp_client: AiohttpClient, key
 
 
 # ---- the header table ---------------------------------------------------------------------------
+
 
 def _secret_swapped(k: Keys) -> str:
     token = k.tokens["app"]
@@ -136,29 +174,94 @@ def _unknown(_: Keys) -> str:
 Row = tuple[Any, int, str | None, str | None, str | None, str | None]
 # header (from the keys) -> status, error code, answer's message, audit message, key id in the audit line
 HEADERS: Final[dict[str, Row]] = {
-    "none": (lambda k: None, 401, "invalid_api_key", "missing API key: send Authorization: Bearer <key>",
-             "auth failed: no bearer token", None),
-    "empty": (lambda k: "", 401, "invalid_api_key", "missing API key: send Authorization: Bearer <key>",
-              "auth failed: no bearer token", None),
-    "basic": (lambda k: "Basic dXNlcjpwYXNz", 401, "invalid_api_key", "malformed API key",
-              "auth failed: malformed bearer token", None),
-    "not-ours": (lambda k: "Bearer sk-not-an-edgellm-key", 401, "invalid_api_key", "malformed API key",
-                 "auth failed: malformed bearer token", None),
-    "scheme-only": (lambda k: "Bearer", 401, "invalid_api_key", "malformed API key",
-                    "auth failed: malformed bearer token", None),
-    "no-scheme": (lambda k: k.tokens["app"], 401, "invalid_api_key", "malformed API key",
-                  "auth failed: malformed bearer token", None),
-    "wrong-secret": (_secret_swapped, 401, "invalid_api_key", "invalid API key",
-                     "auth failed: wrong or unknown key", "app"),
-    "unknown-id": (_unknown, 401, "invalid_api_key", "invalid API key", "auth failed: wrong or unknown key",
-                   UNKNOWN_ID),
-    "expired": (lambda k: k.bearer("expired"), 401, "invalid_api_key", "API key expired",
-                "auth failed: key expired", "expired"),
-    "disabled": (lambda k: k.bearer("disabled"), 401, "invalid_api_key", "API key disabled",
-                 "auth failed: key disabled", "disabled"),
-    "wrong-scope": (lambda k: k.bearer("ops"), 403, "insufficient_scope",
-                    "this API key does not have the 'inference' scope",
-                    "auth failed: key lacks scope inference", "ops"),
+    "none": (
+        lambda k: None,
+        401,
+        "invalid_api_key",
+        "missing API key: send Authorization: Bearer <key>",
+        "auth failed: no bearer token",
+        None,
+    ),
+    "empty": (
+        lambda k: "",
+        401,
+        "invalid_api_key",
+        "missing API key: send Authorization: Bearer <key>",
+        "auth failed: no bearer token",
+        None,
+    ),
+    "basic": (
+        lambda k: "Basic dXNlcjpwYXNz",
+        401,
+        "invalid_api_key",
+        "malformed API key",
+        "auth failed: malformed bearer token",
+        None,
+    ),
+    "not-ours": (
+        lambda k: "Bearer sk-not-an-edgellm-key",
+        401,
+        "invalid_api_key",
+        "malformed API key",
+        "auth failed: malformed bearer token",
+        None,
+    ),
+    "scheme-only": (
+        lambda k: "Bearer",
+        401,
+        "invalid_api_key",
+        "malformed API key",
+        "auth failed: malformed bearer token",
+        None,
+    ),
+    "no-scheme": (
+        lambda k: k.tokens["app"],
+        401,
+        "invalid_api_key",
+        "malformed API key",
+        "auth failed: malformed bearer token",
+        None,
+    ),
+    "wrong-secret": (
+        _secret_swapped,
+        401,
+        "invalid_api_key",
+        "invalid API key",
+        "auth failed: wrong or unknown key",
+        "app",
+    ),
+    "unknown-id": (
+        _unknown,
+        401,
+        "invalid_api_key",
+        "invalid API key",
+        "auth failed: wrong or unknown key",
+        UNKNOWN_ID,
+    ),
+    "expired": (
+        lambda k: k.bearer("expired"),
+        401,
+        "invalid_api_key",
+        "API key expired",
+        "auth failed: key expired",
+        "expired",
+    ),
+    "disabled": (
+        lambda k: k.bearer("disabled"),
+        401,
+        "invalid_api_key",
+        "API key disabled",
+        "auth failed: key disabled",
+        "disabled",
+    ),
+    "wrong-scope": (
+        lambda k: k.bearer("ops"),
+        403,
+        "insufficient_scope",
+        "this API key does not have the 'inference' scope",
+        "auth failed: key lacks scope inference",
+        "ops",
+    ),
     "right": (lambda k: k.bearer("app"), 200, None, None, None, None),
     "lowercase-scheme": (lambda k: "bearer " + k.tokens["app"], 200, None, None, None, None),
     "uppercase-scheme": (lambda k: "BEARER " + k.tokens["app"], 200, None, None, None, None),
@@ -166,16 +269,27 @@ HEADERS: Final[dict[str, Row]] = {
 }
 
 
-@pytest.mark.parametrize(("header", "status", "code", "message", "audit", "audit_key"),
-                         [pytest.param(*row, id=name) for name, row in HEADERS.items()])
-async def test_header_table(aiohttp_client: AiohttpClient, keys: Keys, caplog: pytest.LogCaptureFixture,
-                            header: Any, status: int, code: str | None, message: str | None,
-                            audit: str | None, audit_key: str | None) -> None:
+@pytest.mark.parametrize(
+    ("header", "status", "code", "message", "audit", "audit_key"),
+    [pytest.param(*row, id=name) for name, row in HEADERS.items()],
+)
+async def test_header_table(
+    aiohttp_client: AiohttpClient,
+    keys: Keys,
+    caplog: pytest.LogCaptureFixture,
+    header: Any,
+    status: int,
+    code: str | None,
+    message: str | None,
+    audit: str | None,
+    audit_key: str | None,
+) -> None:
     client = await door(aiohttp_client, keys.path)
     value = header(keys)
     with caplog.at_level(logging.DEBUG):
-        response = await client.get("/v1/models",
-                                    headers={"Authorization": value} if value is not None else {})
+        response = await client.get(
+            "/v1/models", headers={"Authorization": value} if value is not None else {}
+        )
     assert response.status == status
     body = await response.json()
     assert response.headers.get("WWW-Authenticate") == ("Bearer" if status == 401 else None)
@@ -207,6 +321,7 @@ async def test_the_request_carries_its_key_and_caller(aiohttp_client: AiohttpCli
 
 # ---- the keys file ------------------------------------------------------------------------------
 
+
 async def test_without_a_keys_file_nothing_is_installed(aiohttp_client: AiohttpClient) -> None:
     app = bare_app()
     route_all(app, PATHS)
@@ -222,8 +337,9 @@ async def test_without_a_keys_file_nothing_is_installed(aiohttp_client: AiohttpC
     assert appkeys.RATE_LIMITER not in app  # no keys, no limits
 
 
-async def test_the_keys_file_is_read_when_the_app_starts(aiohttp_client: AiohttpClient, keys: Keys,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+async def test_the_keys_file_is_read_when_the_app_starts(
+    aiohttp_client: AiohttpClient, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
     app = bare_app()
     app[appkeys.GENERATIONS] = Running()
     route_all(app, PATHS)
@@ -236,13 +352,17 @@ async def test_the_keys_file_is_read_when_the_app_starts(aiohttp_client: Aiohttp
     assert not any(token in everything_logged(caplog) for token in keys.tokens.values())
 
 
-@pytest.mark.parametrize(("damage", "match"), [
-    pytest.param(lambda p: os.chmod(p, 0o644), "chmod 600", id="readable-by-others"),
-    pytest.param(lambda p: p.unlink(), "cannot read", id="missing"),
-    pytest.param(lambda p: p.write_text("keys: [oops"), "YAML syntax error", id="not-yaml"),
-])
-async def test_a_keys_file_that_cannot_be_used_stops_the_start(tmp_path: Path, damage: Any,
-                                                               match: str) -> None:
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        pytest.param(lambda p: os.chmod(p, 0o644), "chmod 600", id="readable-by-others"),
+        pytest.param(lambda p: p.unlink(), "cannot read", id="missing"),
+        pytest.param(lambda p: p.write_text("keys: [oops"), "YAML syntax error", id="not-yaml"),
+    ],
+)
+async def test_a_keys_file_that_cannot_be_used_stops_the_start(
+    tmp_path: Path, damage: Any, match: str
+) -> None:
     path = tmp_path / "keys.yaml"
     create_key(path, "app", ["inference"], limits={})
     damage(path)
@@ -284,9 +404,16 @@ NETWORKS: Final = [  # peer, networks, path, key label to send (None: none), ref
 
 
 @pytest.mark.parametrize(("peer", "networks", "path", "label", "refused"), NETWORKS)
-async def test_admin_networks_table(aiohttp_client: AiohttpClient, keys: Keys,
-                                    caplog: pytest.LogCaptureFixture, peer: str, networks: tuple[str, ...],
-                                    path: str, label: str | None, refused: bool) -> None:
+async def test_admin_networks_table(
+    aiohttp_client: AiohttpClient,
+    keys: Keys,
+    caplog: pytest.LogCaptureFixture,
+    peer: str,
+    networks: tuple[str, ...],
+    path: str,
+    label: str | None,
+    refused: bool,
+) -> None:
     client = await door(aiohttp_client, keys.path, networks=networks, peer=peer)
     headers = {"Authorization": keys.bearer(label)} if label else {}
     with caplog.at_level(logging.INFO):
@@ -300,16 +427,20 @@ async def test_admin_networks_table(aiohttp_client: AiohttpClient, keys: Keys,
     message = (await response.json())["error"]["message"]
     assert message == "admin endpoints are not reachable from this address"
     assert "WWW-Authenticate" not in response.headers  # no key would help
-    assert audit_lines(caplog) == [AuditLine("WARNING", "admin refused: address not in auth.admin_cidrs",
-                                             peer, None)]
+    assert audit_lines(caplog) == [
+        AuditLine("WARNING", "admin refused: address not in auth.admin_cidrs", peer, None)
+    ]
 
 
 async def test_admin_networks_stand_without_keys(aiohttp_client: AiohttpClient) -> None:
     inside = await door(aiohttp_client, None, networks=("10.0.0.0/8",), peer="10.9.9.9")
     assert (await inside.get("/admin/status")).status == 200
     outside = await door(aiohttp_client, None, networks=("10.0.0.0/8",), peer="172.16.0.1")
-    assert await error_of(await outside.get("/admin/status")) == (403, "permission_error",
-                                                                  "address_not_allowed")
+    assert await error_of(await outside.get("/admin/status")) == (
+        403,
+        "permission_error",
+        "address_not_allowed",
+    )
 
 
 async def test_without_networks_admin_is_reachable_from_anywhere(aiohttp_client: AiohttpClient) -> None:

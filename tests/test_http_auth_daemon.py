@@ -43,9 +43,14 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
     path = tmp_path_factory.mktemp("auth") / "keys.yaml"
     tokens: dict[str, str] = {}
     ids: dict[str, str] = {}
-    for label, scopes in [("inference", ["inference"]), ("admin", ["admin"]), ("expired", ["inference"]),
-                          ("disabled", ["inference"]), ("revoked", ["inference"]),
-                          ("metrics", ["metrics"])]:
+    for label, scopes in [
+        ("inference", ["inference"]),
+        ("admin", ["admin"]),
+        ("expired", ["inference"]),
+        ("disabled", ["inference"]),
+        ("revoked", ["inference"]),
+        ("metrics", ["metrics"]),
+    ]:
         ids[label], tokens[label] = create_key(path, label, scopes, limits={})
     _edit(path, ids["expired"], expires="2020-01-01T00:00:00Z")
     _edit(path, ids["disabled"], disabled=True)
@@ -55,11 +60,23 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
 
 @pytest.fixture(scope="module")
 def guarded(keys: Keys, models_dir: Path) -> Iterator[RunningDaemon]:
-    settings = parse_settings({"models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"),
-                                           "slots": 1, "context_size": 128, "threads": 1}],
-                               "lock": {"allow_unsigned": True},
-                               "auth": {"keys_file": str(keys.path)},
-                               "logging": {"level": "debug"}}, base_dir=keys.path.parent)
+    settings = parse_settings(
+        {
+            "models": [
+                {
+                    "name": "tiny",
+                    "file": str(models_dir / "tiny.gguf"),
+                    "slots": 1,
+                    "context_size": 128,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+            "auth": {"keys_file": str(keys.path)},
+            "logging": {"level": "debug"},
+        },
+        base_dir=keys.path.parent,
+    )
     with running(settings) as daemon:
         yield daemon
 
@@ -91,15 +108,23 @@ ROWS: list[tuple[str, Any, int, str | None]] = [
 ]
 
 
-@pytest.mark.parametrize(("header", "status", "error_type"),
-                         [pytest.param(h, s, t, id=i) for i, h, s, t in ROWS])
-def test_request_key_table(guarded: RunningDaemon, keys: Keys, caplog: pytest.LogCaptureFixture,
-                           header: Any, status: int, error_type: str | None) -> None:
+@pytest.mark.parametrize(
+    ("header", "status", "error_type"), [pytest.param(h, s, t, id=i) for i, h, s, t in ROWS]
+)
+def test_request_key_table(
+    guarded: RunningDaemon,
+    keys: Keys,
+    caplog: pytest.LogCaptureFixture,
+    header: Any,
+    status: int,
+    error_type: str | None,
+) -> None:
     value = header(keys)
     headers = {"Authorization": value} if value else {}
     with caplog.at_level(logging.DEBUG):
-        got, body = guarded.post("/v1/completions", {"model": "tiny", "prompt": PROMPT_CANARY,
-                                                     "max_tokens": 2}, headers=headers)
+        got, body = guarded.post(
+            "/v1/completions", {"model": "tiny", "prompt": PROMPT_CANARY, "max_tokens": 2}, headers=headers
+        )
         time.sleep(0.05)  # the daemon logs from its own thread
     assert got == status, body
     logged = "\n".join(r.getMessage() + repr(vars(r)) for r in caplog.records)
@@ -115,16 +140,21 @@ def test_request_key_table(guarded: RunningDaemon, keys: Keys, caplog: pytest.Lo
     for label, token in keys.tokens.items():
         secret = token.split("_", 2)[2]  # elk_<id>_<secret>; the secret itself may hold "_"
         assert len(secret) >= 40
-        leaks = [(r.name, r.getMessage()[:200]) for r in caplog.records
-                 if secret in r.getMessage() + repr(vars(r))]
+        leaks = [
+            (r.name, r.getMessage()[:200]) for r in caplog.records if secret in r.getMessage() + repr(vars(r))
+        ]
         assert not leaks, f"the {label} key's secret reached a log line: {leaks}"
 
 
-def test_audit_line_names_the_key_id_when_parseable(guarded: RunningDaemon, keys: Keys,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_audit_line_names_the_key_id_when_parseable(
+    guarded: RunningDaemon, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO):
-        guarded.post("/v1/completions", {"model": "tiny", "prompt": "x"},
-                     headers={"Authorization": f"Bearer {keys.tokens['admin']}"})
+        guarded.post(
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x"},
+            headers={"Authorization": f"Bearer {keys.tokens['admin']}"},
+        )
         time.sleep(0.05)
     audit = [r for r in caplog.records if r.name == "edgellmd.audit"]
     assert getattr(audit[-1], "key_id", None) == keys.ids["admin"]
@@ -158,14 +188,30 @@ def _wait_for(condition: Any, timeout: float = 2.0) -> float:
 def test_keys_file_hot_reload(models_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "keys.yaml"
     first_id, first = create_key(path, "first", ["inference"], limits={})
-    settings = parse_settings({"models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"),
-                                           "slots": 1, "context_size": 128, "threads": 1}],
-                               "lock": {"allow_unsigned": True}, "auth": {"keys_file": str(path)}},
-                              base_dir=tmp_path)
+    settings = parse_settings(
+        {
+            "models": [
+                {
+                    "name": "tiny",
+                    "file": str(models_dir / "tiny.gguf"),
+                    "slots": 1,
+                    "context_size": 128,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+            "auth": {"keys_file": str(path)},
+        },
+        base_dir=tmp_path,
+    )
     with running(settings) as daemon:
+
         def status(token: str) -> int:
-            return daemon.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1},
-                               headers={"Authorization": f"Bearer {token}"})[0]
+            return daemon.post(
+                "/v1/completions",
+                {"model": "tiny", "prompt": "x", "max_tokens": 1},
+                headers={"Authorization": f"Bearer {token}"},
+            )[0]
 
         assert status(first) == 200
         _, second = create_key(path, "second", ["inference"], limits={})
@@ -186,18 +232,58 @@ def test_keys_file_hot_reload(models_dir: Path, tmp_path: Path) -> None:
 
 def test_non_loopback_without_keys_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"server\.host: '0\.0\.0\.0' is not a loopback address"):
-        parse_settings({"server": {"host": "0.0.0.0"}, "models": [{"name": "m", "file": "m.gguf"}],
-                        "lock": {"allow_unsigned": True}}, base_dir=tmp_path)
-    parse_settings({"server": {"host": "0.0.0.0"}, "models": [{"name": "m", "file": "m.gguf"}],
-                    "lock": {"allow_unsigned": True}, "auth": {"keys_file": "k.yaml"}}, base_dir=tmp_path)
-    parse_settings({"server": {"host": "::1"}, "models": [{"name": "m", "file": "m.gguf"}],
-                    "lock": {"allow_unsigned": True}}, base_dir=tmp_path)
+        parse_settings(
+            {
+                "server": {"host": "0.0.0.0"},
+                "models": [{"name": "m", "file": "m.gguf"}],
+                "lock": {"allow_unsigned": True},
+            },
+            base_dir=tmp_path,
+        )
+    parse_settings(
+        {
+            "server": {"host": "0.0.0.0"},
+            "models": [{"name": "m", "file": "m.gguf"}],
+            "lock": {"allow_unsigned": True},
+            "auth": {"keys_file": "k.yaml"},
+        },
+        base_dir=tmp_path,
+    )
+    parse_settings(
+        {
+            "server": {"host": "::1"},
+            "models": [{"name": "m", "file": "m.gguf"}],
+            "lock": {"allow_unsigned": True},
+        },
+        base_dir=tmp_path,
+    )
 
 
 def test_keys_cli_create_list_revoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "keys.yaml"
-    assert edgellmctl(["keys", "create", "--file", str(path), "--name", "app", "--scope", "inference",
-                       "--rpm", "60", "--tpm", "1000", "--concurrent", "2", "--max-tokens", "256"]) == 0
+    assert (
+        edgellmctl(
+            [
+                "keys",
+                "create",
+                "--file",
+                str(path),
+                "--name",
+                "app",
+                "--scope",
+                "inference",
+                "--rpm",
+                "60",
+                "--tpm",
+                "1000",
+                "--concurrent",
+                "2",
+                "--max-tokens",
+                "256",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     token = out.strip()
     assert token.startswith("elk_")
@@ -229,36 +315,85 @@ def test_keys_file_readable_by_others_is_refused(tmp_path: Path) -> None:
         read_keys_file(path)
 
 
-@pytest.mark.parametrize(("data", "where"), [
-    ({"keys": [{"id": "xyz"}]}, "keys[0].id"),
-    ({"keys": [{"id": "0123456789ab", "name": "a", "hash": "plain-secret", "scopes": ["inference"]}]},
-     "keys[0].hash"),
-    ({"keys": [{"id": "0123456789ab", "name": "a", "hash": "sha256:" + "0" * 64, "scopes": ["root"]}]},
-     "keys[0].scopes"),
-    ({"keys": [{"id": "0123456789ab", "name": "a", "hash": "sha256:" + "0" * 64, "scopes": ["admin"],
-                "limits": {"rpm": 0}}]}, "keys[0].limits.rpm"),
-    ({"keys": [{"id": "0123456789ab", "name": "a", "hash": "sha256:" + "0" * 64, "scopes": ["admin"],
-                "colour": "red"}]}, "keys[0].colour"),
-    ({"other": []}, "one member, 'keys'"),
-])
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"keys": [{"id": "xyz"}]}, "keys[0].id"),
+        (
+            {"keys": [{"id": "0123456789ab", "name": "a", "hash": "plain-secret", "scopes": ["inference"]}]},
+            "keys[0].hash",
+        ),
+        (
+            {"keys": [{"id": "0123456789ab", "name": "a", "hash": "sha256:" + "0" * 64, "scopes": ["root"]}]},
+            "keys[0].scopes",
+        ),
+        (
+            {
+                "keys": [
+                    {
+                        "id": "0123456789ab",
+                        "name": "a",
+                        "hash": "sha256:" + "0" * 64,
+                        "scopes": ["admin"],
+                        "limits": {"rpm": 0},
+                    }
+                ]
+            },
+            "keys[0].limits.rpm",
+        ),
+        (
+            {
+                "keys": [
+                    {
+                        "id": "0123456789ab",
+                        "name": "a",
+                        "hash": "sha256:" + "0" * 64,
+                        "scopes": ["admin"],
+                        "colour": "red",
+                    }
+                ]
+            },
+            "keys[0].colour",
+        ),
+        ({"other": []}, "one member, 'keys'"),
+    ],
+)
 def test_malformed_keys_files_name_the_field(data: dict[str, Any], where: str) -> None:
     with pytest.raises(KeysFileError) as caught:
         parse_keys(data)
     assert where in str(caught.value)
 
 
-@pytest.mark.parametrize(("public", "label", "status"), [
-    (False, None, 401), (False, "inference", 403), (False, "metrics", 200), (True, None, 200),
-])
-def test_metrics_needs_its_scope_unless_public(models_dir: Path, tmp_path: Path, public: bool,
-                                               label: str | None, status: int) -> None:
+@pytest.mark.parametrize(
+    ("public", "label", "status"),
+    [
+        (False, None, 401),
+        (False, "inference", 403),
+        (False, "metrics", 200),
+        (True, None, 200),
+    ],
+)
+def test_metrics_needs_its_scope_unless_public(
+    models_dir: Path, tmp_path: Path, public: bool, label: str | None, status: int
+) -> None:
     path = tmp_path / "keys.yaml"
     tokens = {name: create_key(path, name, [name], limits={})[1] for name in ("inference", "metrics")}
-    settings = parse_settings({"models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"),
-                                           "slots": 1, "context_size": 128, "threads": 1}],
-                               "lock": {"allow_unsigned": True},
-                               "auth": {"keys_file": str(path), "metrics_public": public}},
-                              base_dir=tmp_path)
+    settings = parse_settings(
+        {
+            "models": [
+                {
+                    "name": "tiny",
+                    "file": str(models_dir / "tiny.gguf"),
+                    "slots": 1,
+                    "context_size": 128,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+            "auth": {"keys_file": str(path), "metrics_public": public},
+        },
+        base_dir=tmp_path,
+    )
     import urllib.error  # noqa: PLC0415
     import urllib.request  # noqa: PLC0415
 

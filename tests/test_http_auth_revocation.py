@@ -19,12 +19,14 @@ from tests.serving import running, settings_for, sse_events
 SLOW = TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048)
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, token: str, started: asyncio.Event,
-                  max_tokens: int = 3000) -> dict[str, Any]:
+async def _stream(
+    session: aiohttp.ClientSession, url: str, token: str, started: asyncio.Event, max_tokens: int = 3000
+) -> dict[str, Any]:
     body = {"model": "m", "prompt": "go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     out: dict[str, Any] = {"tokens": 0, "error": None, "done": False, "status": None}
-    async with session.post(url + "/v1/completions", json=body,
-                            headers={"Authorization": f"Bearer {token}"}) as resp:
+    async with session.post(
+        url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"}
+    ) as resp:
         out["status"] = resp.status
         if resp.status != 200:
             out["error"] = (await resp.json())["error"]
@@ -48,9 +50,11 @@ def test_revoking_a_key_ends_its_streams_and_queued_requests_only(tmp_path: Path
     keys = tmp_path / "keys.yaml"
     victim_id, victim = create_key(keys, "victim", ["inference"], limits={})
     _, bystander = create_key(keys, "bystander", ["inference"], limits={})
-    settings = settings_for([{"name": "m", "file": str(model), "threads": 1, "slots": 2,
-                              "context_size": 4096, "queue_size": 4}],
-                            server={"max_tokens_limit": 4000}, auth={"keys_file": str(keys)})
+    settings = settings_for(
+        [{"name": "m", "file": str(model), "threads": 1, "slots": 2, "context_size": 4096, "queue_size": 4}],
+        server={"max_tokens_limit": 4000},
+        auth={"keys_file": str(keys)},
+    )
 
     async def scenario(url: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], float]:
         async with aiohttp.ClientSession() as session:
@@ -76,6 +80,9 @@ def test_revoking_a_key_ends_its_streams_and_queued_requests_only(tmp_path: Path
         assert waiting["error"]["code"] == "invalid_api_key", waiting
         assert bystanding["error"] is None, bystanding
         assert bystanding["done"], bystanding
-        status, body = daemon.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1},
-                                   headers={"Authorization": f"Bearer {victim}"})
+        status, body = daemon.post(
+            "/v1/completions",
+            {"model": "m", "prompt": "x", "max_tokens": 1},
+            headers={"Authorization": f"Bearer {victim}"},
+        )
         assert status == 401, body

@@ -20,12 +20,20 @@ from tests.bare import bare_app, error_of, route_all
 ALLOWED: Final = "https://app.example:8443"
 ALSO_ALLOWED: Final = "http://localhost:3000"
 OTHER: Final = "https://evil.example"
-CORS_HEADERS: Final = ("Access-Control-Allow-Origin", "Access-Control-Allow-Methods",
-                       "Access-Control-Allow-Headers", "Access-Control-Max-Age", "Vary")
+CORS_HEADERS: Final = (
+    "Access-Control-Allow-Origin",
+    "Access-Control-Allow-Methods",
+    "Access-Control-Allow-Headers",
+    "Access-Control-Max-Age",
+    "Vary",
+)
 PREFLIGHT_ANSWER: Final = {
-    "Access-Control-Allow-Origin": ALLOWED, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+    "Access-Control-Allow-Origin": ALLOWED,
+    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
     "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Request-Id",
-    "Access-Control-Max-Age": "600", "Vary": "Origin"}
+    "Access-Control-Max-Age": "600",
+    "Vary": "Origin",
+}
 TAGGED: Final = {"Access-Control-Allow-Origin": ALLOWED, "Vary": "Origin"}
 
 
@@ -51,29 +59,53 @@ async def browser_door(aiohttp_client: AiohttpClient, origins: list[str]) -> Tes
 
 
 def preflight(origin: str, method: str = "POST") -> dict[str, str]:
-    return {"Origin": origin, "Access-Control-Request-Method": method,
-            "Access-Control-Request-Headers": "authorization, content-type"}
+    return {
+        "Origin": origin,
+        "Access-Control-Request-Method": method,
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
 
 
 # (method, path, request headers) -> (status, the CORS headers of the answer)
 ROWS: Final[list[Any]] = [
     pytest.param("OPTIONS", "/v1/models", preflight(ALLOWED), 204, PREFLIGHT_ANSWER, id="preflight"),
-    pytest.param("OPTIONS", "/v1/models", preflight(ALLOWED, "GET"), 204, PREFLIGHT_ANSWER,
-                 id="preflight-for-a-get"),
+    pytest.param(
+        "OPTIONS", "/v1/models", preflight(ALLOWED, "GET"), 204, PREFLIGHT_ANSWER, id="preflight-for-a-get"
+    ),
     # Answered before routing: a preflight learns nothing about which routes exist.
-    pytest.param("OPTIONS", "/no/such/route", preflight(ALLOWED), 204, PREFLIGHT_ANSWER,
-                 id="preflight-anywhere"),
-    pytest.param("OPTIONS", "/v1/models", preflight(ALSO_ALLOWED), 204,
-                 {**PREFLIGHT_ANSWER, "Access-Control-Allow-Origin": ALSO_ALLOWED}, id="second-origin"),
+    pytest.param(
+        "OPTIONS", "/no/such/route", preflight(ALLOWED), 204, PREFLIGHT_ANSWER, id="preflight-anywhere"
+    ),
+    pytest.param(
+        "OPTIONS",
+        "/v1/models",
+        preflight(ALSO_ALLOWED),
+        204,
+        {**PREFLIGHT_ANSWER, "Access-Control-Allow-Origin": ALSO_ALLOWED},
+        id="second-origin",
+    ),
     pytest.param("OPTIONS", "/v1/models", preflight(OTHER), 405, {}, id="preflight-other-origin"),
     # Origins are compared as the browser sends them: exactly.
-    pytest.param("OPTIONS", "/v1/models", preflight("https://APP.example:8443"), 405, {},
-                 id="preflight-origin-in-other-case"),
-    pytest.param("OPTIONS", "/v1/models", preflight(ALLOWED + "/"), 405, {},
-                 id="preflight-origin-with-a-slash"),
+    pytest.param(
+        "OPTIONS",
+        "/v1/models",
+        preflight("https://APP.example:8443"),
+        405,
+        {},
+        id="preflight-origin-in-other-case",
+    ),
+    pytest.param(
+        "OPTIONS", "/v1/models", preflight(ALLOWED + "/"), 405, {}, id="preflight-origin-with-a-slash"
+    ),
     pytest.param("OPTIONS", "/v1/models", preflight("null"), 405, {}, id="preflight-null-origin"),
-    pytest.param("OPTIONS", "/v1/models", {"Access-Control-Request-Method": "POST"}, 405, {},
-                 id="preflight-without-origin"),
+    pytest.param(
+        "OPTIONS",
+        "/v1/models",
+        {"Access-Control-Request-Method": "POST"},
+        405,
+        {},
+        id="preflight-without-origin",
+    ),
     # Not a preflight (no Access-Control-Request-Method): routed, and the refusal tagged.
     pytest.param("OPTIONS", "/v1/models", {"Origin": ALLOWED}, 405, TAGGED, id="plain-options"),
     pytest.param("GET", "/v1/models", {"Origin": ALLOWED}, 200, TAGGED, id="get"),
@@ -89,8 +121,14 @@ ROWS: Final[list[Any]] = [
 
 
 @pytest.mark.parametrize(("method", "path", "headers", "status", "cors"), ROWS)
-async def test_cors_table(aiohttp_client: AiohttpClient, method: str, path: str, headers: dict[str, str],
-                          status: int, cors: dict[str, str]) -> None:
+async def test_cors_table(
+    aiohttp_client: AiohttpClient,
+    method: str,
+    path: str,
+    headers: dict[str, str],
+    status: int,
+    cors: dict[str, str],
+) -> None:
     client = await browser_door(aiohttp_client, [ALLOWED, ALSO_ALLOWED])
     response = await client.request(method, path, headers=headers)
     assert response.status == status
@@ -103,8 +141,9 @@ async def test_cors_table(aiohttp_client: AiohttpClient, method: str, path: str,
 
 async def test_a_preflight_is_answered_whatever_the_credentials(aiohttp_client: AiohttpClient) -> None:
     client = await browser_door(aiohttp_client, [ALLOWED])
-    response = await client.options("/v1/models", headers={**preflight(ALLOWED),
-                                                            "Authorization": "Bearer nonsense"})
+    response = await client.options(
+        "/v1/models", headers={**preflight(ALLOWED), "Authorization": "Bearer nonsense"}
+    )
     assert response.status == 204
     assert response.headers["Access-Control-Allow-Origin"] == ALLOWED
 

@@ -18,8 +18,9 @@ from tests.serving import RunningDaemon, running
 ALLOWED = "https://app.example:8443"
 
 
-def _request(daemon: RunningDaemon, method: str, path: str, headers: dict[str, str],
-             body: Any = None) -> tuple[int, dict[str, str], bytes]:
+def _request(
+    daemon: RunningDaemon, method: str, path: str, headers: dict[str, str], body: Any = None
+) -> tuple[int, dict[str, str], bytes]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(daemon.url + path, data=data, headers=headers, method=method)  # noqa: S310
     try:
@@ -31,25 +32,44 @@ def _request(daemon: RunningDaemon, method: str, path: str, headers: dict[str, s
 
 
 @pytest.fixture(scope="module")
-def browser_daemon(models_dir: Path,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, str]]:
+def browser_daemon(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RunningDaemon, str]]:
     root = tmp_path_factory.mktemp("cors")
     _, token = create_key(root / "keys.yaml", "web", ["inference", "admin"], limits={})
-    settings = parse_settings({
-        "server": {"cors_origins": [ALLOWED]},
-        "auth": {"keys_file": str(root / "keys.yaml"), "admin_cidrs": ["10.0.0.0/8"]},
-        "models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 1,
-                    "context_size": 128, "threads": 1}],
-        "lock": {"allow_unsigned": True}}, base_dir=root)
+    settings = parse_settings(
+        {
+            "server": {"cors_origins": [ALLOWED]},
+            "auth": {"keys_file": str(root / "keys.yaml"), "admin_cidrs": ["10.0.0.0/8"]},
+            "models": [
+                {
+                    "name": "tiny",
+                    "file": str(models_dir / "tiny.gguf"),
+                    "slots": 1,
+                    "context_size": 128,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+        },
+        base_dir=root,
+    )
     with running(settings) as daemon:
         yield daemon, token
 
 
 def test_preflight_from_an_allowed_origin(browser_daemon: tuple[RunningDaemon, str]) -> None:
     daemon, _ = browser_daemon
-    status, headers, _ = _request(daemon, "OPTIONS", "/v1/chat/completions", {
-        "Origin": ALLOWED, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+    status, headers, _ = _request(
+        daemon,
+        "OPTIONS",
+        "/v1/chat/completions",
+        {
+            "Origin": ALLOWED,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     assert status == 204  # no credentials needed for a preflight
     assert headers["Access-Control-Allow-Origin"] == ALLOWED
     assert "POST" in headers["Access-Control-Allow-Methods"]
@@ -59,10 +79,13 @@ def test_preflight_from_an_allowed_origin(browser_daemon: tuple[RunningDaemon, s
 
 def test_answers_to_an_allowed_origin_carry_the_header(browser_daemon: tuple[RunningDaemon, str]) -> None:
     daemon, token = browser_daemon
-    status, headers, _ = _request(daemon, "POST", "/v1/completions",
-                                  {"Origin": ALLOWED, "Authorization": f"Bearer {token}",
-                                   "Content-Type": "application/json"},
-                                  {"model": "tiny", "prompt": "x", "max_tokens": 1})
+    status, headers, _ = _request(
+        daemon,
+        "POST",
+        "/v1/completions",
+        {"Origin": ALLOWED, "Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        {"model": "tiny", "prompt": "x", "max_tokens": 1},
+    )
     assert status == 200
     assert headers["Access-Control-Allow-Origin"] == ALLOWED
     status, headers, _ = _request(daemon, "GET", "/v1/models", {"Origin": ALLOWED})
@@ -72,12 +95,17 @@ def test_answers_to_an_allowed_origin_carry_the_header(browser_daemon: tuple[Run
 
 def test_other_origins_get_no_cors_headers(browser_daemon: tuple[RunningDaemon, str]) -> None:
     daemon, token = browser_daemon
-    status, headers, _ = _request(daemon, "OPTIONS", "/v1/chat/completions", {
-        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    status, headers, _ = _request(
+        daemon,
+        "OPTIONS",
+        "/v1/chat/completions",
+        {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert status in (401, 405)
     assert "Access-Control-Allow-Origin" not in headers
-    status, headers, _ = _request(daemon, "GET", "/v1/models", {"Origin": "https://evil.example",
-                                                               "Authorization": f"Bearer {token}"})
+    status, headers, _ = _request(
+        daemon, "GET", "/v1/models", {"Origin": "https://evil.example", "Authorization": f"Bearer {token}"}
+    )
     assert status == 200
     assert "Access-Control-Allow-Origin" not in headers
 
@@ -91,11 +119,22 @@ def test_admin_is_refused_outside_the_listed_networks(browser_daemon: tuple[Runn
 
 
 def test_admin_from_a_listed_network_reaches_auth(models_dir: Path, tmp_path: Path) -> None:
-    settings = parse_settings({
-        "auth": {"keys_file": str(tmp_path / "keys.yaml"), "admin_cidrs": ["127.0.0.0/8"]},
-        "models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 1,
-                    "context_size": 128, "threads": 1}],
-        "lock": {"allow_unsigned": True}}, base_dir=tmp_path)
+    settings = parse_settings(
+        {
+            "auth": {"keys_file": str(tmp_path / "keys.yaml"), "admin_cidrs": ["127.0.0.0/8"]},
+            "models": [
+                {
+                    "name": "tiny",
+                    "file": str(models_dir / "tiny.gguf"),
+                    "slots": 1,
+                    "context_size": 128,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+        },
+        base_dir=tmp_path,
+    )
     create_key(tmp_path / "keys.yaml", "ops", ["admin"], limits={})
     with running(settings) as daemon:
         status, _, body = _request(daemon, "GET", "/admin/status", {})
@@ -103,12 +142,15 @@ def test_admin_from_a_listed_network_reaches_auth(models_dir: Path, tmp_path: Pa
     assert json.loads(body)["error"]["type"] == "authentication_error"
 
 
-@pytest.mark.parametrize(("data", "where"), [
-    ({"server": {"cors_origins": ["*"]}}, "server.cors_origins[0]"),
-    ({"server": {"cors_origins": "https://a.example"}}, "server.cors_origins"),
-    ({"auth": {"admin_cidrs": ["10.0.0.0/33"]}}, "auth.admin_cidrs[0]"),
-    ({"auth": {"admin_cidrs": ["not-a-network"]}}, "auth.admin_cidrs[0]"),
-])
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"server": {"cors_origins": ["*"]}}, "server.cors_origins[0]"),
+        ({"server": {"cors_origins": "https://a.example"}}, "server.cors_origins"),
+        ({"auth": {"admin_cidrs": ["10.0.0.0/33"]}}, "auth.admin_cidrs[0]"),
+        ({"auth": {"admin_cidrs": ["not-a-network"]}}, "auth.admin_cidrs[0]"),
+    ],
+)
 def test_bad_cors_and_cidr_settings(tmp_path: Path, data: dict[str, Any], where: str) -> None:
     base = {"models": [{"name": "m", "file": "m.gguf"}], "lock": {"allow_unsigned": True}}
     with pytest.raises(ConfigError) as caught:

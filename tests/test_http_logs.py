@@ -34,21 +34,30 @@ def _record(name: str, msg: str, *args: object, exc: BaseException | None = None
     return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, args, info)
 
 
-@pytest.mark.parametrize(("text", "shown"), [
-    (f"Bearer {KEY}", "Bearer elk_0123456789ab_[redacted]"),
-    (f"GET /v1/{KEY}?k={KEY} 404", "GET /v1/elk_0123456789ab_[redacted]?k=elk_0123456789ab_[redacted] 404"),
-    ("elk_short_secret stays", "elk_short_secret stays"),  # not a key's shape
-    ("no key here", "no key here"),
-])
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (f"Bearer {KEY}", "Bearer elk_0123456789ab_[redacted]"),
+        (
+            f"GET /v1/{KEY}?k={KEY} 404",
+            "GET /v1/elk_0123456789ab_[redacted]?k=elk_0123456789ab_[redacted] 404",
+        ),
+        ("elk_short_secret stays", "elk_short_secret stays"),  # not a key's shape
+        ("no key here", "no key here"),
+    ],
+)
 def test_redact(text: str, shown: str) -> None:
     assert logs.redact(text) == shown
 
 
-@pytest.mark.parametrize("exc", [
-    BadHttpMessage(f"Invalid header value char:\n\n  b'Authorization: Bearer {KEY}\\x00'\n   ^"),
-    LineTooLong(f"Bearer {KEY}aaaa", 8190),
-    web.RequestPayloadError(f"400, message:\n  Invalid chunk: {KEY}"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        BadHttpMessage(f"Invalid header value char:\n\n  b'Authorization: Bearer {KEY}\\x00'\n   ^"),
+        LineTooLong(f"Bearer {KEY}aaaa", 8190),
+        web.RequestPayloadError(f"400, message:\n  Invalid chunk: {KEY}"),
+    ],
+)
 def test_parser_errors_lose_their_text_and_traceback(exc: BaseException) -> None:
     record = _record("aiohttp.server", "Error handling request from %s", "127.0.0.1", exc=exc)
     assert logs.ProtocolErrorFilter().filter(record)
@@ -101,8 +110,9 @@ def test_configure_scrubs_every_logger(fmt: str, monkeypatch: pytest.MonkeyPatch
     for name in logs.AIOHTTP_LOGGERS:
         assert any(isinstance(f, logs.ProtocolErrorFilter) for f in logging.getLogger(name).filters)
     logs.guard_library_loggers()  # idempotent
-    assert sum(isinstance(f, logs.ProtocolErrorFilter)
-               for f in logging.getLogger("aiohttp.server").filters) == 1
+    assert (
+        sum(isinstance(f, logs.ProtocolErrorFilter) for f in logging.getLogger("aiohttp.server").filters) == 1
+    )
     bad = BadHttpMessage(f"Invalid header value char: b'Authorization: Bearer {KEY}'")
     logging.getLogger("aiohttp.server").error("Error handling request from %s", "10.0.0.1", exc_info=bad)
     logging.getLogger("edgellmd.api").error("handler failed", exc_info=web.RequestPayloadError(str(bad)))

@@ -38,9 +38,14 @@ LIMITS: Final = {  # label -> scopes, limits
     "ops": (["admin", "inference"], {"rpm": 1}),
     "free": (["inference"], {}),
 }
-RATE_HEADERS: Final = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
-                       "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
-                       "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
+RATE_HEADERS: Final = (
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -56,10 +61,14 @@ class Keys:
 @pytest.fixture
 def keys(tmp_path: Path) -> Keys:
     path = tmp_path / "keys.yaml"
-    made = {label: create_key(path, label, scopes, limits=limits)
-            for label, (scopes, limits) in LIMITS.items()}
-    return Keys(path, {label: token for label, (_, token) in made.items()},
-                {label: key_id for label, (key_id, _) in made.items()})
+    made = {
+        label: create_key(path, label, scopes, limits=limits) for label, (scopes, limits) in LIMITS.items()
+    }
+    return Keys(
+        path,
+        {label: token for label, (_, token) in made.items()},
+        {label: key_id for label, (key_id, _) in made.items()},
+    )
 
 
 @dataclass
@@ -118,15 +127,22 @@ async def test_requests_per_minute(aiohttp_client: AiohttpClient, keys: Keys) ->
     client = await door(aiohttp_client, keys)
     first = await client.post("/v1/spend", headers=keys.auth("rpm2"))
     assert first.status == 200
-    assert rate_headers(first) == {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "1",
-                                   "x-ratelimit-reset-requests": "30s"}  # one request refills in 30 s
+    assert rate_headers(first) == {
+        "x-ratelimit-limit-requests": "2",
+        "x-ratelimit-remaining-requests": "1",
+        "x-ratelimit-reset-requests": "30s",
+    }  # one request refills in 30 s
     second = await client.post("/v1/spend", headers=keys.auth("rpm2"))
-    assert rate_headers(second) == {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "0",
-                                    "x-ratelimit-reset-requests": "1m0s"}
+    assert rate_headers(second) == {
+        "x-ratelimit-limit-requests": "2",
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "1m0s",
+    }
     third = await client.post("/v1/spend", headers=keys.auth("rpm2"))
     assert await error_of(third) == (429, "rate_limit_error", "rate_limit_exceeded")
-    assert (await third.json())["error"]["message"] == \
-        "rate limit reached for requests per minute; retry in 30 s"
+    assert (await third.json())["error"][
+        "message"
+    ] == "rate limit reached for requests per minute; retry in 30 s"
     assert third.headers["Retry-After"] == "30"
     assert rate_headers(third)["x-ratelimit-remaining-requests"] == "0"
     assert client.app is not None
@@ -136,19 +152,24 @@ async def test_requests_per_minute(aiohttp_client: AiohttpClient, keys: Keys) ->
     assert (await client.post("/v1/spend", headers=keys.auth("rpm2-too"))).status == 200
 
 
-async def test_tokens_per_minute_are_charged_when_a_request_ends(aiohttp_client: AiohttpClient,
-                                                                 keys: Keys) -> None:
+async def test_tokens_per_minute_are_charged_when_a_request_ends(
+    aiohttp_client: AiohttpClient, keys: Keys
+) -> None:
     client = await door(aiohttp_client, keys)
     # A full bucket admits a request whatever it will cost; the cost is a debt to pay off.
     first = await client.post("/v1/spend", params={"tokens": "130"}, headers=keys.auth("tpm100"))
     assert first.status == 200
     # The answer's headers are stamped after the request ended: they count its own tokens.
-    assert rate_headers(first) == {"x-ratelimit-limit-tokens": "100", "x-ratelimit-remaining-tokens": "0",
-                                   "x-ratelimit-reset-tokens": "1m18s"}  # 130 tokens at 100 a minute
+    assert rate_headers(first) == {
+        "x-ratelimit-limit-tokens": "100",
+        "x-ratelimit-remaining-tokens": "0",
+        "x-ratelimit-reset-tokens": "1m18s",
+    }  # 130 tokens at 100 a minute
     second = await client.post("/v1/spend", params={"tokens": "1"}, headers=keys.auth("tpm100"))
     assert await error_of(second) == (429, "rate_limit_error", "rate_limit_exceeded")
-    assert (await second.json())["error"]["message"] == \
-        "rate limit reached for tokens per minute; retry in 18 s"  # the 30 tokens of debt
+    assert (await second.json())["error"][
+        "message"
+    ] == "rate limit reached for tokens per minute; retry in 18 s"  # the 30 tokens of debt
     assert second.headers["Retry-After"] == "18"
     assert client.app is not None
     assert client.app[appkeys.RATE_LIMITER].refusals == {"tpm": 1}
@@ -156,8 +177,9 @@ async def test_tokens_per_minute_are_charged_when_a_request_ends(aiohttp_client:
 
 async def test_tokens_count_even_when_the_request_fails(aiohttp_client: AiohttpClient, keys: Keys) -> None:
     client = await door(aiohttp_client, keys)
-    failed = await client.post("/v1/spend", params={"tokens": "130", "fail": "1"},
-                               headers=keys.auth("tpm100"))
+    failed = await client.post(
+        "/v1/spend", params={"tokens": "130", "fail": "1"}, headers=keys.auth("tpm100")
+    )
     assert await error_of(failed) == (400, "invalid_request_error", None)
     assert (await client.post("/v1/spend", headers=keys.auth("tpm100"))).status == 429
 

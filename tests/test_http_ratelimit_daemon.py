@@ -30,8 +30,13 @@ class FakeClock:
 
 
 def _key(**limits: int) -> ApiKey:
-    return ApiKey(id="0123456789ab", name="k", hash="sha256:" + "0" * 64,
-                  scopes=frozenset({"inference"}), limits=KeyLimits(**limits))
+    return ApiKey(
+        id="0123456789ab",
+        name="k",
+        hash="sha256:" + "0" * 64,
+        scopes=frozenset({"inference"}),
+        limits=KeyLimits(**limits),
+    )
 
 
 def test_bucket_refills_evenly_over_a_minute() -> None:
@@ -76,8 +81,9 @@ def test_limiter_tokens_per_minute_and_concurrency() -> None:
 
 
 @pytest.fixture(scope="module")
-def limited(models_dir: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, dict[str, str]]]:
+def limited(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RunningDaemon, dict[str, str]]]:
     root = tmp_path_factory.mktemp("limits")
     keys = root / "keys.yaml"
     tokens = {
@@ -86,10 +92,22 @@ def limited(models_dir: Path,
         "ceiling": create_key(keys, "ceiling", ["inference"], limits={"max_tokens": 8})[1],
         "free": create_key(keys, "free", ["inference"], limits={})[1],
     }
-    settings = parse_settings({"models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"),
-                                           "slots": 2, "context_size": 256, "threads": 1}],
-                               "lock": {"allow_unsigned": True}, "auth": {"keys_file": str(keys)}},
-                              base_dir=root)
+    settings = parse_settings(
+        {
+            "models": [
+                {
+                    "name": "tiny",
+                    "file": str(models_dir / "tiny.gguf"),
+                    "slots": 2,
+                    "context_size": 256,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+            "auth": {"keys_file": str(keys)},
+        },
+        base_dir=root,
+    )
     with running(settings) as daemon:
         yield daemon, tokens
 
@@ -100,9 +118,12 @@ def _complete(daemon: RunningDaemon, token: str, **body: Any) -> tuple[int, Any,
     import urllib.request  # noqa: PLC0415
 
     payload = {"model": "tiny", "prompt": "x", "max_tokens": 1, **body}
-    req = urllib.request.Request(daemon.url + "/v1/completions", data=json.dumps(payload).encode(),  # noqa: S310
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {token}"}, method="POST")
+    req = urllib.request.Request(  # noqa: S310
+        daemon.url + "/v1/completions",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback
             return resp.status, json.loads(resp.read()), dict(resp.headers)
@@ -139,8 +160,9 @@ def test_tokens_per_minute(limited: tuple[RunningDaemon, dict[str, str]]) -> Non
     daemon, tokens = limited
     statuses = []
     for _ in range(12):
-        status, body, headers = _complete(daemon, tokens["tpm"], prompt="p" * 40, max_tokens=10,
-                                          ignore_eos=True)
+        status, body, headers = _complete(
+            daemon, tokens["tpm"], prompt="p" * 40, max_tokens=10, ignore_eos=True
+        )
         statuses.append(status)
         if status == 429:
             break
@@ -187,17 +209,32 @@ def test_the_openai_client_retries_a_429_and_succeeds(limited: tuple[RunningDaem
 
 
 def test_a_full_queue_refuses_at_once(tmp_path: Path) -> None:
-    model = write_tiny_model(tmp_path / "slow.gguf", TinyModelSpec(seed=7, n_embd=512, n_head=8,
-                                                                   n_head_kv=4, n_layer=2, n_ff=2048))
-    settings = parse_settings({"models": [{"name": "slow", "file": str(model), "slots": 1,
-                                           "queue_size": 2, "context_size": 2048, "threads": 1}],
-                               "lock": {"allow_unsigned": True}}, base_dir=tmp_path)
+    model = write_tiny_model(
+        tmp_path / "slow.gguf", TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048)
+    )
+    settings = parse_settings(
+        {
+            "models": [
+                {
+                    "name": "slow",
+                    "file": str(model),
+                    "slots": 1,
+                    "queue_size": 2,
+                    "context_size": 2048,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+        },
+        base_dir=tmp_path,
+    )
     with running(settings) as daemon:
         results: dict[int, tuple[int, Any]] = {}
 
         def call(i: int) -> None:
-            results[i] = daemon.post("/v1/completions", {"model": "slow", "prompt": f"q{i}",
-                                                         "max_tokens": 800, "ignore_eos": True})
+            results[i] = daemon.post(
+                "/v1/completions", {"model": "slow", "prompt": f"q{i}", "max_tokens": 800, "ignore_eos": True}
+            )
 
         assert daemon.app is not None
         engine = daemon.app[appkeys.REGISTRY].get("slow").engine

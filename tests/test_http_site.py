@@ -14,9 +14,18 @@ from tests.serving import RunningDaemon, running, settings_for
 
 @pytest.fixture(scope="module")
 def guarded_socket(models_dir: Path) -> Iterator[RunningDaemon]:
-    settings = settings_for([{"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 1,
-                              "context_size": 128, "threads": 1}],
-                            server={"header_timeout_s": 1.0, "max_connections": 4})
+    settings = settings_for(
+        [
+            {
+                "name": "tiny",
+                "file": str(models_dir / "tiny.gguf"),
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            }
+        ],
+        server={"header_timeout_s": 1.0, "max_connections": 4},
+    )
     with running(settings) as daemon:
         yield daemon
 
@@ -83,11 +92,15 @@ def test_connections_beyond_the_cap_are_closed_and_others_served(guarded_socket:
     assert guarded_socket.get("/healthz")[0] == 200  # capacity is back once they close
 
 
-@pytest.mark.parametrize("head", [
-    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
-    b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-    b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(100)) + b"\r\n",
-], ids=["huge-header", "huge-request-line", "too-many-headers"])
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+        b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(100)) + b"\r\n",
+    ],
+    ids=["huge-header", "huge-request-line", "too-many-headers"],
+)
 def test_oversized_heads_are_refused(guarded_socket: RunningDaemon, head: bytes) -> None:
     with socket.create_connection(("127.0.0.1", guarded_socket.port), timeout=5) as sock:
         sock.sendall(head)

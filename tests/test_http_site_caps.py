@@ -32,11 +32,24 @@ def capped(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     keys = tmp_path_factory.mktemp("cap-keys") / "keys.yaml"
     _, token = create_key(keys, "app", ["inference"], limits={})
     # Deadlines far away: the held connections stay held for the whole test.
-    settings = settings_for([{"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 1,
-                              "context_size": 128, "threads": 1}],
-                            server={"max_connections": TOTAL, "max_connections_per_client": PER_CLIENT,
-                                    "header_timeout_s": 60, "body_timeout_s": 60},
-                            auth={"keys_file": str(keys)})
+    settings = settings_for(
+        [
+            {
+                "name": "tiny",
+                "file": str(models_dir / "tiny.gguf"),
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            }
+        ],
+        server={
+            "max_connections": TOTAL,
+            "max_connections_per_client": PER_CLIENT,
+            "header_timeout_s": 60,
+            "body_timeout_s": 60,
+        },
+        auth={"keys_file": str(keys)},
+    )
     with running(settings) as daemon:
         yield CappedDaemon(daemon, token)
 
@@ -108,23 +121,27 @@ def test_refusals_are_logged_without_flooding(capped: CappedDaemon, caplog: pyte
     assert len(lines) <= 1  # one line per interval (this test's may fall in an earlier one's)
 
 
-@pytest.mark.parametrize(("peer", "counted_as"), [
-    (("127.0.0.1", 5000), "127.0.0.1"),
-    (("::ffff:127.0.0.1", 5000, 0, 0), "127.0.0.1"),  # IPv4-mapped: the IPv4 address
-    (("::ffff:10.1.2.3", 5000, 0, 0), "10.1.2.3"),
-    (("2001:db8:1:2:aaaa::1", 5000, 0, 0), "2001:db8:1:2::/64"),  # IPv6: its /64
-    (("2001:db8:1:2:bbbb::9", 5000, 0, 0), "2001:db8:1:2::/64"),
-    (("::1", 5000, 0, 0), "::1"),
-    (None, "?"),
-    ("", "?"),
-])
+@pytest.mark.parametrize(
+    ("peer", "counted_as"),
+    [
+        (("127.0.0.1", 5000), "127.0.0.1"),
+        (("::ffff:127.0.0.1", 5000, 0, 0), "127.0.0.1"),  # IPv4-mapped: the IPv4 address
+        (("::ffff:10.1.2.3", 5000, 0, 0), "10.1.2.3"),
+        (("2001:db8:1:2:aaaa::1", 5000, 0, 0), "2001:db8:1:2::/64"),  # IPv6: its /64
+        (("2001:db8:1:2:bbbb::9", 5000, 0, 0), "2001:db8:1:2::/64"),
+        (("::1", 5000, 0, 0), "::1"),
+        (None, "?"),
+        ("", "?"),
+    ],
+)
 def test_client_address(peer: object, counted_as: str) -> None:
     assert client_address(peer) == counted_as
 
 
 def test_door_counts_mapped_and_plain_ipv4_as_one_client() -> None:
-    door = Door(DoorLimits(header_timeout_s=1, body_timeout_s=1, max_connections=10,
-                           max_connections_per_client=2))
+    door = Door(
+        DoorLimits(header_timeout_s=1, body_timeout_s=1, max_connections=10, max_connections_per_client=2)
+    )
     assert door.admit(client_address(("10.0.0.1", 1)))
     assert door.admit(client_address(("::ffff:10.0.0.1", 2, 0, 0)))
     assert not door.admit(client_address(("10.0.0.1", 3)))
@@ -137,8 +154,10 @@ def test_door_counts_mapped_and_plain_ipv4_as_one_client() -> None:
 
 def test_door_logs_one_line_per_interval_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
     now = [1000.0]
-    door = Door(DoorLimits(header_timeout_s=1, body_timeout_s=1, max_connections=10,
-                           max_connections_per_client=1), clock=lambda: now[0])
+    door = Door(
+        DoorLimits(header_timeout_s=1, body_timeout_s=1, max_connections=10, max_connections_per_client=1),
+        clock=lambda: now[0],
+    )
     assert door.admit("10.0.0.1")
     with caplog.at_level("WARNING", logger="edgellmd.http.site"):
         for _ in range(5):

@@ -25,10 +25,18 @@ SLOW_HEAD = get("/healthz", extra="X-Slow: " + "a" * 200 + "\r\n")
 
 
 def _settings(models_dir: Path) -> Settings:
-    return settings_for([{"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 1,
-                          "context_size": 128, "threads": 1}],
-                        server={"header_timeout_s": HEADER_S, "body_timeout_s": BODY_S,
-                                "keepalive_timeout_s": KEEPALIVE_S})
+    return settings_for(
+        [
+            {
+                "name": "tiny",
+                "file": str(models_dir / "tiny.gguf"),
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            }
+        ],
+        server={"header_timeout_s": HEADER_S, "body_timeout_s": BODY_S, "keepalive_timeout_s": KEEPALIVE_S},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +88,7 @@ def test_a_body_shorter_than_its_content_length_is_cut(door: RunningDaemon) -> N
 def test_a_chunked_body_that_never_ends_is_cut(door: RunningDaemon) -> None:
     with connect(door.port) as sock:
         started = time.monotonic()
-        sock.sendall(post("/v1/completions", b"", chunked=True) + b"5\r\n{\"a\":\r\n")
+        sock.sendall(post("/v1/completions", b"", chunked=True) + b'5\r\n{"a":\r\n')
         # More chunks keep coming, slowly: the deadline is for the whole body, not for silence.
         sock.settimeout(0.3)
         data = b""
@@ -133,8 +141,12 @@ def test_a_keep_alive_client_making_many_requests_is_never_cut(door: RunningDaem
                 answer = read_answer(sock, timeout=30)
                 assert answer.status == 200, answer.body
             elif i % 3 == 1:
-                sock.sendall(post("/v1/completions", b"", chunked=True) + b"%x\r\n" % len(COMPLETION)
-                             + COMPLETION + b"\r\n")
+                sock.sendall(
+                    post("/v1/completions", b"", chunked=True)
+                    + b"%x\r\n" % len(COMPLETION)
+                    + COMPLETION
+                    + b"\r\n"
+                )
                 time.sleep(0.1)
                 sock.sendall(b"0\r\n\r\n")
                 answer = read_answer(sock, timeout=30)

@@ -37,43 +37,93 @@ def malformed(secret: str) -> dict[str, tuple[bytes, str, str]]:
     auth = f"Authorization: Bearer {secret}"
     chunked = "Transfer-Encoding: chunked"
     return {
-        "bare-lf-in-header": (f"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\n{auth}\r\n\r\n".encode(),
-                              MALFORMED, "a header or the body's framing is not valid"),
-        "lf-line-endings": (f"GET /healthz HTTP/1.1\nHost: x\n{auth}\n\n".encode(),
-                            MALFORMED, "the request line is not valid"),
-        "nul-in-header": (_head("Host: x", f"{auth}\0x"), MALFORMED,
-                          "a header or the body's framing is not valid"),
-        "control-char-in-header": (_head("Host: x", f"{auth}\x01"), MALFORMED,
-                                   "a header or the body's framing is not valid"),
-        "header-too-long": (_head("Host: x", auth + "a" * 9000), HEAD_TOO_LARGE,
-                            "the request line or a header is longer than 8190 bytes"),
-        "header-name-too-long": (_head("Host: x", auth, "X" * 9000 + ": y"), HEAD_TOO_LARGE,
-                                 "the request line or a header is longer than 8190 bytes"),
-        "request-line-too-long": (_head(auth, request_line=f"GET /{secret}{'a' * 9000} HTTP/1.1"),
-                                  HEAD_TOO_LARGE, "the request line or a header is longer than 8190 bytes"),
-        "too-many-headers": (_head(auth, *(f"X-{i}: {secret}" for i in range(100))), HEAD_TOO_LARGE,
-                             "more than 64 headers"),
-        "bad-chunk-size": (_head("Host: x", auth, chunked, request_line="POST /v1/models HTTP/1.1")
-                           + f"{secret}\r\n".encode(), MALFORMED,
-                           "a header or the body's framing is not valid"),
-        "invalid-method": (_head(auth, request_line="G<T /healthz HTTP/1.1"), MALFORMED,
-                           "the method is not valid"),
-        "tls-on-plain-port": (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + secret.encode(),
-                              MALFORMED, "this is not HTTP (TLS sent to a plain-HTTP port?)"),
-        "bad-http-version": (_head(auth, request_line="GET /healthz HTTP/9.9"), MALFORMED,
-                             "the request line is not valid"),
-        "invalid-target": (_head(auth, request_line=f"GET /{secret}\x7f HTTP/1.1"), MALFORMED,
-                           "the request target is not valid"),
-        "space-before-colon": (_head("Host: x", f"Authorization : Bearer {secret}"), MALFORMED,
-                               "a header or the body's framing is not valid"),
-        "obsolete-line-folding": (_head("Host: x", "X-A: 1", f" {auth}"), MALFORMED,
-                                  "a header or the body's framing is not valid"),
-        "length-and-chunked": (_head("Host: x", auth, "Content-Length: 3", chunked,
-                                     request_line="POST /v1/models HTTP/1.1") + b"0\r\n\r\n",
-                               MALFORMED, "a header or the body's framing is not valid"),
-        "bad-content-length": (_head("Host: x", auth, f"Content-Length: {secret}",
-                                     request_line="POST /v1/models HTTP/1.1"),
-                               MALFORMED, "a header or the body's framing is not valid"),
+        "bare-lf-in-header": (
+            f"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\n{auth}\r\n\r\n".encode(),
+            MALFORMED,
+            "a header or the body's framing is not valid",
+        ),
+        "lf-line-endings": (
+            f"GET /healthz HTTP/1.1\nHost: x\n{auth}\n\n".encode(),
+            MALFORMED,
+            "the request line is not valid",
+        ),
+        "nul-in-header": (
+            _head("Host: x", f"{auth}\0x"),
+            MALFORMED,
+            "a header or the body's framing is not valid",
+        ),
+        "control-char-in-header": (
+            _head("Host: x", f"{auth}\x01"),
+            MALFORMED,
+            "a header or the body's framing is not valid",
+        ),
+        "header-too-long": (
+            _head("Host: x", auth + "a" * 9000),
+            HEAD_TOO_LARGE,
+            "the request line or a header is longer than 8190 bytes",
+        ),
+        "header-name-too-long": (
+            _head("Host: x", auth, "X" * 9000 + ": y"),
+            HEAD_TOO_LARGE,
+            "the request line or a header is longer than 8190 bytes",
+        ),
+        "request-line-too-long": (
+            _head(auth, request_line=f"GET /{secret}{'a' * 9000} HTTP/1.1"),
+            HEAD_TOO_LARGE,
+            "the request line or a header is longer than 8190 bytes",
+        ),
+        "too-many-headers": (
+            _head(auth, *(f"X-{i}: {secret}" for i in range(100))),
+            HEAD_TOO_LARGE,
+            "more than 64 headers",
+        ),
+        "bad-chunk-size": (
+            _head("Host: x", auth, chunked, request_line="POST /v1/models HTTP/1.1")
+            + f"{secret}\r\n".encode(),
+            MALFORMED,
+            "a header or the body's framing is not valid",
+        ),
+        "invalid-method": (
+            _head(auth, request_line="G<T /healthz HTTP/1.1"),
+            MALFORMED,
+            "the method is not valid",
+        ),
+        "tls-on-plain-port": (
+            b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + secret.encode(),
+            MALFORMED,
+            "this is not HTTP (TLS sent to a plain-HTTP port?)",
+        ),
+        "bad-http-version": (
+            _head(auth, request_line="GET /healthz HTTP/9.9"),
+            MALFORMED,
+            "the request line is not valid",
+        ),
+        "invalid-target": (
+            _head(auth, request_line=f"GET /{secret}\x7f HTTP/1.1"),
+            MALFORMED,
+            "the request target is not valid",
+        ),
+        "space-before-colon": (
+            _head("Host: x", f"Authorization : Bearer {secret}"),
+            MALFORMED,
+            "a header or the body's framing is not valid",
+        ),
+        "obsolete-line-folding": (
+            _head("Host: x", "X-A: 1", f" {auth}"),
+            MALFORMED,
+            "a header or the body's framing is not valid",
+        ),
+        "length-and-chunked": (
+            _head("Host: x", auth, "Content-Length: 3", chunked, request_line="POST /v1/models HTTP/1.1")
+            + b"0\r\n\r\n",
+            MALFORMED,
+            "a header or the body's framing is not valid",
+        ),
+        "bad-content-length": (
+            _head("Host: x", auth, f"Content-Length: {secret}", request_line="POST /v1/models HTTP/1.1"),
+            MALFORMED,
+            "a header or the body's framing is not valid",
+        ),
     }
 
 
@@ -84,8 +134,14 @@ def check_refusal(answer: RawAnswer, code: str, message: str) -> None:
     """A parser refusal: 400, OpenAI's envelope, the daemon's headers, the connection closed."""
     assert answer.status == 400
     assert answer.headers["content-type"].startswith("application/json")
-    assert answer.json() == {"error": {"message": f"malformed HTTP request: {message}",
-                                       "type": "invalid_request_error", "param": None, "code": code}}
+    assert answer.json() == {
+        "error": {
+            "message": f"malformed HTTP request: {message}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": code,
+        }
+    }
     for name, value in SECURITY_HEADERS.items():
         assert answer.headers[name.lower()] == value, name
     assert answer.headers["cache-control"] == "no-store"
@@ -96,16 +152,27 @@ def check_refusal(answer: RawAnswer, code: str, message: str) -> None:
 
 @pytest.fixture(scope="module")
 def door(models_dir: Path) -> Iterator[RunningDaemon]:
-    settings = settings_for([{"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 1,
-                              "context_size": 128, "threads": 1}],
-                            server={"header_timeout_s": 2.0, "body_timeout_s": 2.0})
+    settings = settings_for(
+        [
+            {
+                "name": "tiny",
+                "file": str(models_dir / "tiny.gguf"),
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            }
+        ],
+        server={"header_timeout_s": 2.0, "body_timeout_s": 2.0},
+    )
     with running(settings) as daemon:
         yield daemon
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_parser_refusal_is_an_envelope_that_echoes_nothing(
-    door: RunningDaemon, case: str, caplog: pytest.LogCaptureFixture,
+    door: RunningDaemon,
+    case: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     data, code, message = CASES[case]
     with caplog.at_level("DEBUG"), connect(door.port) as sock:
@@ -121,14 +188,17 @@ def test_a_parser_refusal_is_an_envelope_that_echoes_nothing(
 
 def test_a_broken_chunk_mid_body_is_answered_by_the_app_with_an_envelope(door: RunningDaemon) -> None:
     with connect(door.port) as sock:
-        sock.sendall(post("/v1/completions", b"", chunked=True) + b"5\r\n{\"a\":\r\n")
+        sock.sendall(post("/v1/completions", b"", chunked=True) + b'5\r\n{"a":\r\n')
         time.sleep(0.2)  # the handler is reading the body by now
         sock.sendall(f"{MARK}\r\n".encode())
         answer = read_answer(sock)
     assert answer.status == 400
-    assert answer.json()["error"] == {"message": "malformed HTTP request: the body's framing is not valid",
-                                      "type": "invalid_request_error", "param": None,
-                                      "code": MALFORMED}
+    assert answer.json()["error"] == {
+        "message": "malformed HTTP request: the body's framing is not valid",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": MALFORMED,
+    }
     assert answer.headers["connection"] == "close"
     assert answer.headers["server"] == "edgellm"
     assert MARK not in answer.body.decode()
@@ -136,9 +206,10 @@ def test_a_broken_chunk_mid_body_is_answered_by_the_app_with_an_envelope(door: R
 
 def test_a_body_whose_encoding_does_not_decode_is_a_400(door: RunningDaemon) -> None:
     garbage = b"this is not gzip at all"
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Encoding: gzip\r\nContent-Length: " + str(len(garbage)).encode() + b"\r\n\r\n"
-               + garbage)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Encoding: gzip\r\nContent-Length: " + str(len(garbage)).encode() + b"\r\n\r\n" + garbage
+    )
     answer = exchange(door.port, request)
     assert answer.status == 400, answer
     assert answer.json()["error"]["code"] == MALFORMED
@@ -200,15 +271,19 @@ def test_no_key_reaches_the_log_or_an_answer(tmp_path: Path) -> None:
         # A broken chunk once the handler reads the body; a body that never completes; a head
         # that never completes; the key in a path, in a request id and in a query string.
         answers["mid-body-chunk"] = _send(
-            daemon.port, post("/v1/completions", b"", token=token, chunked=True) + b"4\r\n{\"a\"\r\n",
-            then=f"{token}\r\n".encode(), wait=0.3)
+            daemon.port,
+            post("/v1/completions", b"", token=token, chunked=True) + b'4\r\n{"a"\r\n',
+            then=f"{token}\r\n".encode(),
+            wait=0.3,
+        )
         answers["body-timeout"] = _send(
-            daemon.port, post("/v1/completions", f'{{"prompt": "{token}'.encode(), token=token,
-                              length=1000))
+            daemon.port, post("/v1/completions", f'{{"prompt": "{token}'.encode(), token=token, length=1000)
+        )
         answers["head-timeout"] = _send(daemon.port, f"GET /healthz HTTP/1.1\r\n{token}: ".encode())
         answers["key-in-path"] = exchange(daemon.port, get(f"/v1/{token}?key={token}", token=token)).head
         answers["key-as-request-id"] = exchange(
-            daemon.port, get("/healthz", extra=f"X-Request-Id: {token}\r\n")).head
+            daemon.port, get("/healthz", extra=f"X-Request-Id: {token}\r\n")
+        ).head
         assert daemon.get("/healthz").status == 200
         daemon.stop()
     log = daemon.log_path.read_text(encoding="utf-8", errors="replace")
@@ -220,13 +295,17 @@ def test_no_key_reaches_the_log_or_an_answer(tmp_path: Path) -> None:
     refusals = [r["msg"] for r in records if r["logger"] == "edgellmd.http.site"]
     for name, (_, _, message) in malformed(token).items():
         assert f"request from 127.0.0.1 refused: malformed HTTP request: {message}" in refusals, name
-    assert "request from 127.0.0.1 refused: malformed HTTP request: the body's framing is not valid" \
-        in refusals
+    assert (
+        "request from 127.0.0.1 refused: malformed HTTP request: the body's framing is not valid" in refusals
+    )
     assert any("request body not complete within 1.0 s" in m for m in refusals)
     assert any("no complete request head within 1.0 s" in m for m in refusals)
     # (Watchdog may log an error of its own while the daemon stops: not this test's business.)
-    assert not [r for r in records if r["level"] in ("error", "critical")
-                and r["logger"].startswith(("aiohttp", "asyncio", "edgellmd"))]
+    assert not [
+        r
+        for r in records
+        if r["level"] in ("error", "critical") and r["logger"].startswith(("aiohttp", "asyncio", "edgellmd"))
+    ]
     for name, raw in answers.items():
         if name in ("key-as-request-id", "head-timeout"):
             continue  # the client's own id comes back to it; a cut head gets no answer
@@ -235,7 +314,11 @@ def test_no_key_reaches_the_log_or_an_answer(tmp_path: Path) -> None:
     assert answers["head-timeout"] == b""
     for name, (_, code, message) in malformed(token).items():
         head, _, body = answers[name].partition(b"\r\n\r\n")
-        assert json.loads(body)["error"] == {"message": f"malformed HTTP request: {message}",
-                                             "type": "invalid_request_error", "param": None, "code": code}
+        assert json.loads(body)["error"] == {
+            "message": f"malformed HTTP request: {message}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": code,
+        }
         assert b"Server: edgellm" in head, name
         assert b"Connection: close" in head, name

@@ -22,15 +22,27 @@ SLACK_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def tls_door(models_dir: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, ssl.SSLContext]]:
+def tls_door(
+    models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[int, ssl.SSLContext]]:
     root = tmp_path_factory.mktemp("tls-door")
     cert, key = write_self_signed(root / "tls", "127.0.0.1")
-    settings = parse_settings({"server": {"tls_cert": str(cert), "tls_key": str(key),
-                                          "header_timeout_s": HEADER_S},
-                               "models": [{"name": "tiny", "file": str(models_dir / "tiny.gguf"),
-                                           "slots": 1, "context_size": 128, "threads": 1}],
-                               "lock": {"allow_unsigned": True}}, base_dir=root)
+    settings = parse_settings(
+        {
+            "server": {"tls_cert": str(cert), "tls_key": str(key), "header_timeout_s": HEADER_S},
+            "models": [
+                {
+                    "name": "tiny",
+                    "file": str(models_dir / "tiny.gguf"),
+                    "slots": 1,
+                    "context_size": 128,
+                    "threads": 1,
+                }
+            ],
+            "lock": {"allow_unsigned": True},
+        },
+        base_dir=root,
+    )
     daemon = RunningDaemon(settings).start(wait_ready=False)
     context = ssl.create_default_context(cafile=str(cert))
     try:
@@ -49,8 +61,9 @@ def _listening(port: int) -> bool:
 
 
 def _tls(port: int, context: ssl.SSLContext) -> ssl.SSLSocket:
-    return context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
-                               server_hostname="127.0.0.1")
+    return context.wrap_socket(
+        socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="127.0.0.1"
+    )
 
 
 def test_a_handshake_that_never_comes_is_cut(tls_door: tuple[int, ssl.SSLContext]) -> None:

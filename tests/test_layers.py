@@ -59,8 +59,11 @@ def _imports(path: Path, root: Path = DAEMON) -> list[tuple[int, str, list[str]]
                 names = [a.name for a in node.names]
                 out.append((node.lineno, base, names))
                 # `from edgellmd.host import cpu` imports the module edgellmd.host.cpu
-                out += [(node.lineno, f"{base}.{n}", []) for n in names
-                        if (root / Path(*f"{base}.{n}".split(".")[1:])).with_suffix(".py").exists()]
+                out += [
+                    (node.lineno, f"{base}.{n}", [])
+                    for n in names
+                    if (root / Path(*f"{base}.{n}".split(".")[1:])).with_suffix(".py").exists()
+                ]
     return out
 
 
@@ -98,9 +101,11 @@ def test_an_upward_import_is_found_wherever_it_hides(tmp_path: Path) -> None:
     (root / "http").mkdir()
     (root / "http" / "appkeys.py").write_text("")
     module = root / "engine" / "chat.py"
-    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                      "    from edgellmd.http.appkeys import SETTINGS\n"
-                      "def later() -> None:\n    from ..http import appkeys\n")
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from edgellmd.http.appkeys import SETTINGS\n"
+        "def later() -> None:\n    from ..http import appkeys\n"
+    )
     assert len(_upward([module], root)) == 3  # the module, and `appkeys` imported from the package
 
 
@@ -121,19 +126,25 @@ def test_only_the_engine_package_imports_llama_cpp() -> None:
     # House rule: the native dependency is quarantined; everything else uses edgellmd.engine.
     root = Path(__file__).resolve().parents[1]
     importers = sorted(
-        str(path.relative_to(root)) for tree in ("daemon", "ops") for path in (root / tree).rglob("*.py")
-        if re.search(r"^\s*(import llama_cpp|from llama_cpp)", path.read_text(), re.MULTILINE))
+        str(path.relative_to(root))
+        for tree in ("daemon", "ops")
+        for path in (root / tree).rglob("*.py")
+        if re.search(r"^\s*(import llama_cpp|from llama_cpp)", path.read_text(), re.MULTILINE)
+    )
     assert importers, "the engine imports llama_cpp somewhere"
     assert all(p.startswith("daemon/engine/") for p in importers), importers
 
 
-@pytest.mark.parametrize(("importer", "target", "allowed"), [
-    ("edgellmd.http.app", "edgellmd.api.openai", True),
-    ("edgellmd.api.openai", "edgellmd.http.appkeys", False),
-    ("edgellmd.models.registry", "edgellmd.engine", True),
-    ("edgellmd.engine.scheduler", "edgellmd.models.handle", False),
-    ("edgellmd.host.metrics", "edgellmd.models.registry", False),
-    ("edgellmd.settings", "edgellmd.host.cpu", True),
-])
+@pytest.mark.parametrize(
+    ("importer", "target", "allowed"),
+    [
+        ("edgellmd.http.app", "edgellmd.api.openai", True),
+        ("edgellmd.api.openai", "edgellmd.http.appkeys", False),
+        ("edgellmd.models.registry", "edgellmd.engine", True),
+        ("edgellmd.engine.scheduler", "edgellmd.models.handle", False),
+        ("edgellmd.host.metrics", "edgellmd.models.registry", False),
+        ("edgellmd.settings", "edgellmd.host.cpu", True),
+    ],
+)
 def test_the_rule_itself(importer: str, target: str, allowed: bool) -> None:
     assert (RANKS[_layer(target)] <= RANKS[_layer(importer)]) is allowed

@@ -46,14 +46,21 @@ def executor() -> Iterator[ThreadPoolExecutor]:
 
 def make_handle(engine: CountingEngine, executor: ThreadPoolExecutor, **settings: Any) -> ModelHandle:
     fields: dict[str, Any] = {"name": "m", "file": None, "context_size": CONTEXT, **settings}
-    provenance = Provenance(source=Path("m.gguf"), source_stat=None, locked=None, lock_version=None,
-                            copy=None, memory_bytes=0)
-    return ModelHandle(settings=ModelSettings(**fields), engine=cast(Any, engine), template=None,
-                       executor=executor, provenance=provenance)
+    provenance = Provenance(
+        source=Path("m.gguf"), source_stat=None, locked=None, lock_version=None, copy=None, memory_bytes=0
+    )
+    return ModelHandle(
+        settings=ModelSettings(**fields),
+        engine=cast(Any, engine),
+        template=None,
+        executor=executor,
+        provenance=provenance,
+    )
 
 
 async def test_a_prompt_far_past_the_context_is_refused_after_tokenizing_a_prefix(
-        executor: ThreadPoolExecutor) -> None:
+    executor: ThreadPoolExecutor,
+) -> None:
     engine = CountingEngine()
     handle = make_handle(engine, executor)
     with pytest.raises(ContextLengthExceeded) as refused:
@@ -65,7 +72,8 @@ async def test_a_prompt_far_past_the_context_is_refused_after_tokenizing_a_prefi
 
 
 async def test_a_long_prompt_that_tokenizes_compactly_is_tokenized_whole(
-        executor: ThreadPoolExecutor) -> None:
+    executor: ThreadPoolExecutor,
+) -> None:
     # 50 characters a token: 10,000 characters are 200 tokens plus BOS, which fit in 256.
     engine = CountingEngine(chars_per_token=50)
     handle = make_handle(engine, executor)
@@ -106,16 +114,20 @@ async def test_embedding_inputs_are_bounded_the_same_way(executor: ThreadPoolExe
     assert "an input has at least" in refused.value.message
 
 
-@pytest.mark.parametrize(("busy", "waiting", "refused"), [
-    (0, 0, False),
-    (1, 1, False),  # a slot is free: room for one more
-    (1, 2, True),  # the free slot's request already waits for the scheduler: full
-    (0, 3, True),  # nothing running yet, but slots and queue are spoken for
-    (2, 0, False),
-    (2, 1, True),
-])
-def test_capacity_counts_running_and_waiting_together(executor: ThreadPoolExecutor, busy: int,
-                                                     waiting: int, refused: bool) -> None:
+@pytest.mark.parametrize(
+    ("busy", "waiting", "refused"),
+    [
+        (0, 0, False),
+        (1, 1, False),  # a slot is free: room for one more
+        (1, 2, True),  # the free slot's request already waits for the scheduler: full
+        (0, 3, True),  # nothing running yet, but slots and queue are spoken for
+        (2, 0, False),
+        (2, 1, True),
+    ],
+)
+def test_capacity_counts_running_and_waiting_together(
+    executor: ThreadPoolExecutor, busy: int, waiting: int, refused: bool
+) -> None:
     engine = CountingEngine()
     engine.busy_slots, engine.queue_depth = busy, waiting
     handle = make_handle(engine, executor, slots=2, queue_size=1)
@@ -130,12 +142,15 @@ def test_capacity_counts_running_and_waiting_together(executor: ThreadPoolExecut
 
 
 async def test_an_embedding_request_holds_no_pool_thread_while_the_model_works(
-        executor: ThreadPoolExecutor, tiny_model: Path) -> None:
+    executor: ThreadPoolExecutor, tiny_model: Path
+) -> None:
     """Model loads, hashing, NVML polling and /metrics share the loop's default executor: an
     embedding waiting for its model must not occupy one of its threads (before: a blocking
     future.result() inside it)."""
-    engine = EmbeddingEngine(EngineConfig(path=tiny_model, slots=1, context_size=128, batch_size=128,
-                                          threads=1, threads_batch=1), name="embed")
+    engine = EmbeddingEngine(
+        EngineConfig(path=tiny_model, slots=1, context_size=128, batch_size=128, threads=1, threads_batch=1),
+        name="embed",
+    )
     loop = asyncio.get_running_loop()
     blocked = threading.Event()
     with ThreadPoolExecutor(1) as only_thread:

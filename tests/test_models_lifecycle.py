@@ -42,9 +42,11 @@ class Box(SignedLock):
 
     def settings(self, models: list[dict[str, Any]] | None = None, **lifecycle: Any) -> Any:
         models = models or [{"name": MODEL, "threads": 1, "context_size": 128, "slots": 2}]
-        return settings_for(models, lock=self.lock_settings(),
-                            lifecycle={"preload_dir": str(self.shm), "watch_settle_s": SETTLE_S,
-                                       **lifecycle})
+        return settings_for(
+            models,
+            lock=self.lock_settings(),
+            lifecycle={"preload_dir": str(self.shm), "watch_settle_s": SETTLE_S, **lifecycle},
+        )
 
 
 @pytest.fixture
@@ -58,8 +60,9 @@ def model_status(daemon: RunningDaemon, name: str = MODEL) -> dict[str, Any]:
     return next(m for m in body["models"] if m["name"] == name)
 
 
-def wait_status(daemon: RunningDaemon, test: Callable[[dict[str, Any]], bool], what: str,
-                name: str = MODEL) -> dict[str, Any]:
+def wait_status(
+    daemon: RunningDaemon, test: Callable[[dict[str, Any]], bool], what: str, name: str = MODEL
+) -> dict[str, Any]:
     """The model's /admin/status entry once `test` holds for it."""
     found: list[dict[str, Any]] = []
 
@@ -76,8 +79,10 @@ def _has_version(version: int, status: dict[str, Any]) -> bool:
 
 
 def complete(daemon: RunningDaemon, model: str = MODEL) -> tuple[int, dict[str, Any]]:
-    return daemon.post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-                                           "temperature": 0, "ignore_eos": True})
+    return daemon.post(
+        "/v1/completions",
+        {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+    )
 
 
 # ---- the swap under load ------------------------------------------------------------------------
@@ -93,8 +98,14 @@ class StreamResult:
 
 
 async def _stream_once(session: aiohttp.ClientSession, url: str) -> StreamResult:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
             if response.status != 200:
@@ -128,8 +139,7 @@ async def _clients(url: str, n: int, stop: threading.Event) -> list[StreamResult
 
 
 def test_swap_under_load_loses_nothing_and_never_mixes_versions(box: Box) -> None:
-    data = {"a": box.model_bytes(TinyModelSpec(seed=11)),
-            "b": box.model_bytes(TinyModelSpec(seed=12))}
+    data = {"a": box.model_bytes(TinyModelSpec(seed=11)), "b": box.model_bytes(TinyModelSpec(seed=12))}
     box.publish({MODEL: ("tiny.gguf", data["a"])})
     # What each model says alone, to compare every answer under load with.
     expected: dict[str, str] = {}
@@ -143,8 +153,11 @@ def test_swap_under_load_loses_nothing_and_never_mixes_versions(box: Box) -> Non
     assert expected["a"] != expected["b"]
     sha_label = {hashlib.sha256(v).hexdigest()[:12]: k for k, v in data.items()}
 
-    with running(box.settings(models=[{"name": MODEL, "threads": 1, "context_size": 128,
-                                       "slots": 4, "queue_size": 64}])) as daemon:
+    with running(
+        box.settings(
+            models=[{"name": MODEL, "threads": 1, "context_size": 128, "slots": 4, "queue_size": 64}]
+        )
+    ) as daemon:
         stop = threading.Event()
         results: list[StreamResult] = []
         # The clients run in their own thread and event loop until the swaps are done.
@@ -226,7 +239,7 @@ def test_a_slowly_written_file_is_loaded_once_complete_and_not_before(box: Box) 
         chunk = len(second) // 16 + 1
         with (box.models / "tiny.gguf").open("wb") as out:  # in place, like a slow download
             for start in range(0, len(second), chunk):
-                out.write(second[start:start + chunk])
+                out.write(second[start : start + chunk])
                 out.flush()
                 time.sleep(0.1)
                 m = model_status(daemon)
@@ -269,19 +282,24 @@ OTHER = "other"
 
 def _on_loop(daemon: RunningDaemon, call: Callable[[], Any]) -> Any:
     """`call()` run on the daemon's event loop (the registry is the loop's)."""
+
     async def run() -> Any:
         return call()
+
     return asyncio.run_coroutine_threadsafe(run(), daemon.loop).result(10)
 
 
 @pytest.mark.parametrize("trigger", ["watch", "admin"])
 def test_a_revoked_model_comes_back_with_a_lock_that_lists_it_again_an_unloaded_one_does_not(
-        box: Box, trigger: str) -> None:
+    box: Box, trigger: str
+) -> None:
     from edgellmd.host.systemd import summary  # noqa: PLC0415
     from tests.test_host_metrics import scrape, value  # noqa: PLC0415
 
-    files = {MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=11))),
-             OTHER: ("other.gguf", box.model_bytes(TinyModelSpec(seed=12)))}
+    files = {
+        MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=11))),
+        OTHER: ("other.gguf", box.model_bytes(TinyModelSpec(seed=12))),
+    }
     both = {name: box.entry(file, data) for name, (file, data) in files.items()}
     box.publish(files)
     models = [{"name": n, "threads": 1, "context_size": 128, "slots": 1} for n in (MODEL, OTHER)]
@@ -352,7 +370,8 @@ def test_a_revoked_model_comes_back_with_a_lock_that_lists_it_again_an_unloaded_
 
 
 def test_no_room_in_the_preload_area_falls_back_to_the_models_dir_still_verified(
-        box: Box, caplog: pytest.LogCaptureFixture) -> None:
+    box: Box, caplog: pytest.LogCaptureFixture
+) -> None:
     big = box.model_bytes(BIG)
     assert len(big) > 1024 * 1024
     box.publish({MODEL: ("big.gguf", big)})
@@ -368,8 +387,9 @@ def test_no_room_in_the_preload_area_falls_back_to_the_models_dir_still_verified
         (box.models / ".big.tmp").rename(box.models / "big.gguf")
         m = wait_status(daemon, lambda s: s["last_reload"]["result"] == "failed", "the refused reload")
         assert "sha256" in m["last_reload"]["reason"]
-    assert any("no room to preload" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records)
+    assert any(
+        "no room to preload" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records
+    )
     assert any("verified" in r.getMessage() for r in caplog.records)
     assert box.copies() == []
 
@@ -379,14 +399,21 @@ def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> No
     box.publish({MODEL: ("tiny.gguf", data)})
     port = free_port()
     lock = box.lock_settings()
-    config = {"server": {"port": port}, "models": [{"name": MODEL, "threads": 1, "context_size": 128,
-                                                     "slots": 1}],
-              "lock": lock, "lifecycle": {"preload_dir": str(box.shm), "watch": False}}
+    config = {
+        "server": {"port": port},
+        "models": [{"name": MODEL, "threads": 1, "context_size": 128, "slots": 1}],
+        "lock": lock,
+        "lifecycle": {"preload_dir": str(box.shm), "watch": False},
+    }
     config_path = box.root / "edgellm.json.yaml"
     config_path.write_text(json.dumps(config))
-    proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(config_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgellmd", "--config", str(config_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def ready() -> bool:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
@@ -394,6 +421,7 @@ def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> No
                     return s.recv(64).startswith(b"HTTP/1.1 200")
             except OSError:
                 return False
+
         wait_for(ready, timeout=60, what="the daemon to be ready")
         # SIGHUP (systemctl reload) re-reads the lock; file watching is off here.
         box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=12)))})
@@ -402,6 +430,7 @@ def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> No
         def version() -> Any:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/status", timeout=5) as r:
                 return json.load(r)["models"][0]["version"]
+
         wait_for(lambda: version() == 2, what="the reload on SIGHUP")
         wait_for(lambda: len(box.copies()) == 1, what="the old copy to go")
         stale = box.copies()
@@ -423,8 +452,10 @@ def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> No
 def test_memory_budget_evicts_the_idle_evictable_model_or_refuses(box: Box) -> None:
     big = box.model_bytes(BIG)
     box.publish({"first": ("big.gguf", big), "second": ("big.gguf", big)})
-    models = [{"name": "first", "threads": 1, "context_size": 128, "slots": 1, "evictable": True},
-              {"name": "second", "threads": 1, "context_size": 128, "slots": 1}]
+    models = [
+        {"name": "first", "threads": 1, "context_size": 128, "slots": 1, "evictable": True},
+        {"name": "second", "threads": 1, "context_size": 128, "slots": 1},
+    ]
     budget = len(big) // (1024 * 1024) + 2  # room for one of them
     with running(box.settings(models=models, memory_budget_mb=budget)) as daemon:
         first, second = model_status(daemon, "first"), model_status(daemon, "second")
@@ -465,8 +496,9 @@ def test_admin_reload_reports_each_model_and_force_reloads(box: Box) -> None:
         assert daemon.post("/admin/models/nope/load", {})[0] == 404
 
 
-def test_edgellmctl_status_and_reload_use_the_admin_key(box: Box, capsys: pytest.CaptureFixture[str],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_edgellmctl_status_and_reload_use_the_admin_key(
+    box: Box, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = box.model_bytes(TinyModelSpec(seed=11))
     box.publish({MODEL: ("tiny.gguf", data)})
     keys = box.root / "keys.yaml"
@@ -474,9 +506,12 @@ def test_edgellmctl_status_and_reload_use_the_admin_key(box: Box, capsys: pytest
     _, inference = create_key(keys, "app", ["inference"], limits={})
     (box.root / "admin.key").write_text(admin + "\n")
     (box.root / "app.key").write_text(inference + "\n")
-    settings = settings_for([{"name": MODEL, "threads": 1, "context_size": 128, "slots": 2}],
-                            lock=box.lock_settings(), auth={"keys_file": str(keys)},
-                            lifecycle={"preload_dir": str(box.shm), "watch": False})
+    settings = settings_for(
+        [{"name": MODEL, "threads": 1, "context_size": 128, "slots": 2}],
+        lock=box.lock_settings(),
+        auth={"keys_file": str(keys)},
+        lifecycle={"preload_dir": str(box.shm), "watch": False},
+    )
     monkeypatch.delenv("EDGELLM_ADMIN_KEY", raising=False)
     monkeypatch.delenv("EDGELLM_ADMIN_KEY_FILE", raising=False)
     with running(settings) as daemon:
@@ -506,8 +541,9 @@ def test_edgellmctl_status_and_reload_use_the_admin_key(box: Box, capsys: pytest
         assert "no admin key" in capsys.readouterr().err
 
 
-def test_edgellmctl_status_when_the_daemon_is_down(capsys: pytest.CaptureFixture[str],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_edgellmctl_status_when_the_daemon_is_down(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("EDGELLM_ADMIN_KEY", "elk_0123456789ab_secret")
     assert edgellmctl(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "cannot reach" in capsys.readouterr().err
@@ -515,12 +551,26 @@ def test_edgellmctl_status_when_the_daemon_is_down(capsys: pytest.CaptureFixture
 
 @pytest.fixture
 def embedder(models_dir: Path) -> Iterator[RunningDaemon]:
-    settings = settings_for([
-        {"name": "embed", "file": str(models_dir / "tiny.gguf"), "embedding": True, "slots": 2,
-         "context_size": 128, "threads": 1},
-        {"name": MODEL, "file": str(models_dir / "tiny.gguf"), "slots": 1, "context_size": 128,
-         "threads": 1},
-    ], lifecycle={"watch": False})
+    settings = settings_for(
+        [
+            {
+                "name": "embed",
+                "file": str(models_dir / "tiny.gguf"),
+                "embedding": True,
+                "slots": 2,
+                "context_size": 128,
+                "threads": 1,
+            },
+            {
+                "name": MODEL,
+                "file": str(models_dir / "tiny.gguf"),
+                "slots": 1,
+                "context_size": 128,
+                "threads": 1,
+            },
+        ],
+        lifecycle={"watch": False},
+    )
     with running(settings) as daemon:
         yield daemon
 
@@ -531,8 +581,9 @@ def test_embeddings_with_the_openai_client(embedder: RunningDaemon) -> None:
     one = client.embeddings.create(model="embed", input="hello world")
     assert len(one.data) == 1
     assert len(one.data[0].embedding) == 64  # the tiny model's n_embd
-    many = client.embeddings.create(model="embed", input=["hello world", "other", "hello world"],
-                                    encoding_format="float")
+    many = client.embeddings.create(
+        model="embed", input=["hello world", "other", "hello world"], encoding_format="float"
+    )
     vectors = [d.embedding for d in many.data]
     assert [d.index for d in many.data] == [0, 1, 2]
     assert vectors[0] == vectors[2]
@@ -542,17 +593,26 @@ def test_embeddings_with_the_openai_client(embedder: RunningDaemon) -> None:
     assert many.usage.prompt_tokens == many.usage.total_tokens > 0
 
 
-@pytest.mark.parametrize(("model", "path", "body", "status", "fragment"), [
-    ("embed", "/v1/completions", {"prompt": "x"}, 400, "embedding model"),
-    ("embed", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400,
-     "embedding model"),
-    (MODEL, "/v1/embeddings", {"input": "x"}, 400, "does not produce embeddings"),
-    ("embed", "/v1/embeddings", {"input": "x" * 400}, 400, "at most 128 tokens"),
-    ("embed", "/v1/embeddings", {"input": [1, 2, 99999]}, 400, "below"),
-    ("nope", "/v1/embeddings", {"input": "x"}, 404, "does not exist"),
-])
-def test_embedding_requests_are_routed_by_kind(embedder: RunningDaemon, model: str, path: str,
-                                               body: dict[str, Any], status: int, fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "path", "body", "status", "fragment"),
+    [
+        ("embed", "/v1/completions", {"prompt": "x"}, 400, "embedding model"),
+        (
+            "embed",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}]},
+            400,
+            "embedding model",
+        ),
+        (MODEL, "/v1/embeddings", {"input": "x"}, 400, "does not produce embeddings"),
+        ("embed", "/v1/embeddings", {"input": "x" * 400}, 400, "at most 128 tokens"),
+        ("embed", "/v1/embeddings", {"input": [1, 2, 99999]}, 400, "below"),
+        ("nope", "/v1/embeddings", {"input": "x"}, 404, "does not exist"),
+    ],
+)
+def test_embedding_requests_are_routed_by_kind(
+    embedder: RunningDaemon, model: str, path: str, body: dict[str, Any], status: int, fragment: str
+) -> None:
     got, answer = embedder.post(path, {"model": model, **body})
     assert got == status, answer
     assert fragment in answer["error"]["message"]

@@ -46,21 +46,37 @@ class Box:
 
     def pub(self, name: str) -> Path:
         path = self.root / f"{name}.pub"
-        path.write_bytes(self.keys[name].public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        path.write_bytes(
+            self.keys[name]
+            .public_key()
+            .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
         return path
 
     def entry(self, file: str = "tiny.gguf") -> dict[str, Any]:
         data = (self.models / file).read_bytes()
-        return {"file": file, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "gguf": {"architecture": "llama", "file_type": "ALL_F32"}}
+        return {
+            "file": file,
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "gguf": {"architecture": "llama", "file_type": "ALL_F32"},
+        }
 
-    def document(self, *, version: int = 1, expires_in: timedelta = timedelta(days=30),
-                 models: dict[str, Any] | None = None) -> dict[str, Any]:
+    def document(
+        self,
+        *,
+        version: int = 1,
+        expires_in: timedelta = timedelta(days=30),
+        models: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         now = datetime.now(UTC)
-        return {"schema": 1, "version": version, "issued": format_time(now),
-                "expires": format_time(now + expires_in),
-                "models": models if models is not None else {MODEL: self.entry()}}
+        return {
+            "schema": 1,
+            "version": version,
+            "issued": format_time(now),
+            "expires": format_time(now + expires_in),
+            "models": models if models is not None else {MODEL: self.entry()},
+        }
 
     def write(self, document: dict[str, Any], *signers: str) -> None:
         document = dict(document)
@@ -69,10 +85,15 @@ class Box:
 
     def settings(self, trusted: list[Path] | None = None) -> Any:
         keys = trusted if trusted is not None else [self.pub("a"), self.pub("b")]
-        return settings_for([{"name": MODEL, "threads": 1, "context_size": 128, "slots": 1}],
-                            lock={"file": str(self.lock), "models_dir": str(self.models),
-                                  "state_dir": str(self.state),
-                                  "trusted_keys": [str(k) for k in keys]})
+        return settings_for(
+            [{"name": MODEL, "threads": 1, "context_size": 128, "slots": 1}],
+            lock={
+                "file": str(self.lock),
+                "models_dir": str(self.models),
+                "state_dir": str(self.state),
+                "trusted_keys": [str(k) for k in keys],
+            },
+        )
 
     def serve(self, trusted: list[Path] | None = None) -> tuple[int, dict[str, Any], list[str]]:
         """Start a daemon on this box: /readyz status and body, and the models it lists."""
@@ -100,9 +121,13 @@ def box(tmp_path: Path) -> Box:
     models.mkdir()
     write_tiny_model(models / "tiny.gguf", TinyModelSpec(seed=1))
     write_tiny_model(models / "other.gguf", TinyModelSpec(seed=2))  # same size, other weights
-    return Box(root=tmp_path, models=models, state=tmp_path / "state",
-               keys={n: Ed25519PrivateKey.generate() for n in ("a", "b", "untrusted")},
-               lock=tmp_path / "models.lock")
+    return Box(
+        root=tmp_path,
+        models=models,
+        state=tmp_path / "state",
+        keys={n: Ed25519PrivateKey.generate() for n in ("a", "b", "untrusted")},
+        lock=tmp_path / "models.lock",
+    )
 
 
 def _reason(body: dict[str, Any]) -> str:
@@ -172,15 +197,18 @@ def _edit_field(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("version", 99),
-    ("expires", "2099-01-01T00:00:00Z"),
-    ("issued", "2020-01-01T00:00:00Z"),
-    ("models.tiny.size", 1),
-    ("models.tiny.sha256", "0" * 64),
-    ("models.tiny.file", "other.gguf"),
-    ("models.tiny.gguf", {"architecture": "llama"}),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("version", 99),
+        ("expires", "2099-01-01T00:00:00Z"),
+        ("issued", "2020-01-01T00:00:00Z"),
+        ("models.tiny.size", 1),
+        ("models.tiny.sha256", "0" * 64),
+        ("models.tiny.file", "other.gguf"),
+        ("models.tiny.gguf", {"architecture": "llama"}),
+    ],
+)
 def test_a_lock_edited_after_signing_is_refused(box: Box, field: str, value: Any) -> None:
     box.write(box.document(version=2), "a")
     document = json.loads(box.lock.read_text())
@@ -229,11 +257,14 @@ def test_rollback_is_refused_also_across_a_restart(box: Box) -> None:
     assert box.serve()[0] == 200
 
 
-@pytest.mark.parametrize(("file", "reason"), [
-    ("../tiny.gguf", "contains '..'"),
-    ("sub/../../tiny.gguf", "contains '..'"),
-    ("/etc/passwd", "absolute path"),
-])
+@pytest.mark.parametrize(
+    ("file", "reason"),
+    [
+        ("../tiny.gguf", "contains '..'"),
+        ("sub/../../tiny.gguf", "contains '..'"),
+        ("/etc/passwd", "absolute path"),
+    ],
+)
 def test_paths_outside_the_models_directory_are_refused(box: Box, file: str, reason: str) -> None:
     entry = box.entry()
     entry["file"] = file
@@ -253,30 +284,49 @@ BAD_ENTRIES: list[tuple[str, dict[str, Any], str]] = [
     ("escape", {"file": "tiny\x1b[2J.gguf"}, "models.tiny.file: must not contain control characters"),
     ("del", {"file": "tiny\x7f.gguf"}, "models.tiny.file: must not contain control characters"),
     ("c1", {"file": "tiny\x85.gguf"}, "models.tiny.file: must not contain control characters"),
-    ("dotdot", {"file": "../tiny.gguf"},
-     "models.tiny.file: '../tiny.gguf' contains '..'; lockfile paths stay inside the models directory"),
-    ("dotdot-inside", {"file": "sub/../../tiny.gguf"},
-     "models.tiny.file: 'sub/../../tiny.gguf' contains '..'"),
+    (
+        "dotdot",
+        {"file": "../tiny.gguf"},
+        "models.tiny.file: '../tiny.gguf' contains '..'; lockfile paths stay inside the models directory",
+    ),
+    (
+        "dotdot-inside",
+        {"file": "sub/../../tiny.gguf"},
+        "models.tiny.file: 'sub/../../tiny.gguf' contains '..'",
+    ),
     ("dotdot-alone", {"file": ".."}, "models.tiny.file: '..' contains '..'"),
     ("absolute", {"file": "/etc/passwd"}, "models.tiny.file: '/etc/passwd' is an absolute path"),
     ("backslash", {"file": "..\\tiny.gguf"}, "models.tiny.file: '..\\\\tiny.gguf' contains a backslash"),
     ("too-long", {"file": "a/" * 600 + "tiny.gguf"}, "models.tiny.file: must be at most 1024 characters"),
     ("empty", {"file": ""}, "models.tiny.file: must be a non-empty string"),
     ("not-a-string", {"file": ["tiny.gguf"]}, "models.tiny.file: must be a non-empty string"),
-    ("gguf-control", {"gguf": {"architecture": "llama\r\nforged: line"}},
-     "models.tiny.gguf.architecture: must not contain control characters"),
-    ("gguf-long", {"gguf": {"architecture": "l" * 300}},
-     "models.tiny.gguf.architecture: must be at most 256"),
-    ("gguf-bool", {"gguf": {"context_length": True}},
-     "models.tiny.gguf.context_length: must be a string or an integer"),
-    ("gguf-member-control", {"gguf": {"arch\x00": "llama"}},
-     "models.tiny.gguf: member names must not contain control characters"),
+    (
+        "gguf-control",
+        {"gguf": {"architecture": "llama\r\nforged: line"}},
+        "models.tiny.gguf.architecture: must not contain control characters",
+    ),
+    (
+        "gguf-long",
+        {"gguf": {"architecture": "l" * 300}},
+        "models.tiny.gguf.architecture: must be at most 256",
+    ),
+    (
+        "gguf-bool",
+        {"gguf": {"context_length": True}},
+        "models.tiny.gguf.context_length: must be a string or an integer",
+    ),
+    (
+        "gguf-member-control",
+        {"gguf": {"arch\x00": "llama"}},
+        "models.tiny.gguf: member names must not contain control characters",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("change", "reason"), [pytest.param(c, r, id=i) for i, c, r in BAD_ENTRIES])
-def test_a_bad_entry_is_refused_by_the_parser_naming_it(box: Box, change: dict[str, Any],
-                                                        reason: str) -> None:
+def test_a_bad_entry_is_refused_by_the_parser_naming_it(
+    box: Box, change: dict[str, Any], reason: str
+) -> None:
     entry = {**box.entry(), **change}
     with pytest.raises(LockError) as caught:
         parse_lock(json.dumps(box.document(models={MODEL: entry})))
@@ -289,8 +339,9 @@ def test_a_bad_entry_is_refused_by_the_parser_naming_it(box: Box, change: dict[s
 def test_a_bad_model_name_is_refused_without_showing_it(box: Box, name: str) -> None:
     with pytest.raises(LockError) as caught:
         parse_lock(json.dumps(box.document(models={name: box.entry()})))
-    assert str(caught.value) == (f"models.{HIDDEN}: model names are 1-64 of A-Za-z0-9._:- starting with "
-                                 "a letter or digit")
+    assert str(caught.value) == (
+        f"models.{HIDDEN}: model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit"
+    )
 
 
 def test_an_unknown_member_with_an_unprintable_name_is_named_without_it(box: Box) -> None:
@@ -316,7 +367,8 @@ def test_a_signed_lock_with_a_bad_entry_ends_start_up_failed_with_the_reason(box
 @pytest.mark.parametrize("what", ["lockfile", "trusted key"])
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_a_lockfile_or_trusted_key_that_is_not_a_regular_file_fails_start_up_at_once(
-        box: Box, what: str, kind: str) -> None:
+    box: Box, what: str, kind: str
+) -> None:
     box.write(box.document(), "a")
     target = box.lock if what == "lockfile" else box.root / "trusted.pub"
     target.unlink(missing_ok=True)
@@ -359,23 +411,30 @@ def test_a_model_missing_from_the_lock_is_refused(box: Box) -> None:
     assert "not in the lockfile" in _reason(body)
 
 
-@pytest.mark.parametrize(("text", "member"), [
-    ("{not json", "not valid JSON"),
-    ("[]", "must be a JSON object"),
-    ('{"schema": 1, "version": "7", "models": {}}', "version: must be an integer"),
-    ('{"schema": 1, "models": {}}', "version: required"),
-    ('{"schema": 1, "version": 1}', "models: required"),
-    ('{"schema": 2, "version": 1, "models": {}}', "schema: must be 1"),
-    ('{"schema": 1, "version": 1, "models": {"tiny": {"file": "tiny.gguf", "size": 5}}}',
-     "models.tiny.sha256: required"),
-    ('{"schema": 1, "version": 1, "models": {"tiny": {"file": "t", "size": -1, "sha256": "'
-     + "a" * 64 + '"}}}',
-     "models.tiny.size: must be an integer >= 1"),
-    ('{"schema": 1, "version": 1, "models": {}, "extra": true}', "extra: unknown member"),
-    ('{"schema": 1, "version": 1, "models": {}, "signatures": [{"alg": "rsa"}]}',
-     "signatures[0].alg"),
-    ('{"schema": 1, "version": 1, "models": {}, "expires": "tomorrow"}', "expires: must be a UTC time"),
-])
+@pytest.mark.parametrize(
+    ("text", "member"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "must be a JSON object"),
+        ('{"schema": 1, "version": "7", "models": {}}', "version: must be an integer"),
+        ('{"schema": 1, "models": {}}', "version: required"),
+        ('{"schema": 1, "version": 1}', "models: required"),
+        ('{"schema": 2, "version": 1, "models": {}}', "schema: must be 1"),
+        (
+            '{"schema": 1, "version": 1, "models": {"tiny": {"file": "tiny.gguf", "size": 5}}}',
+            "models.tiny.sha256: required",
+        ),
+        (
+            '{"schema": 1, "version": 1, "models": {"tiny": {"file": "t", "size": -1, "sha256": "'
+            + "a" * 64
+            + '"}}}',
+            "models.tiny.size: must be an integer >= 1",
+        ),
+        ('{"schema": 1, "version": 1, "models": {}, "extra": true}', "extra: unknown member"),
+        ('{"schema": 1, "version": 1, "models": {}, "signatures": [{"alg": "rsa"}]}', "signatures[0].alg"),
+        ('{"schema": 1, "version": 1, "models": {}, "expires": "tomorrow"}', "expires: must be a UTC time"),
+    ],
+)
 def test_a_malformed_lock_names_the_member(box: Box, text: str, member: str) -> None:
     with pytest.raises(LockError) as caught:
         parse_lock(text)

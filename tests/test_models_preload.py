@@ -22,8 +22,13 @@ def model(tmp_path: Path) -> Path:
 
 def entry_for(path: Path, **changes: Any) -> LockedModel:
     data = path.read_bytes()
-    fields: dict[str, Any] = {"name": "tiny", "file": path.name, "size": len(data),
-                              "sha256": hashlib.sha256(data).hexdigest(), "gguf": {"architecture": "llama"}}
+    fields: dict[str, Any] = {
+        "name": "tiny",
+        "file": path.name,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "gguf": {"architecture": "llama"},
+    }
     fields.update(changes)
     return LockedModel(**fields)
 
@@ -51,13 +56,17 @@ def test_a_verified_copy_is_byte_identical_and_read_only(area: PreloadArea, mode
     assert files_in(area) == []
 
 
-@pytest.mark.parametrize(("changes", "reason"), [
-    ({"sha256": "0" * 64}, "sha256"),
-    ({"size": 1}, "bytes; the lockfile says 1"),
-    ({"gguf": {"architecture": "gemma3"}}, "GGUF architecture"),
-])
-def test_a_copy_that_does_not_verify_leaves_nothing(area: PreloadArea, model: Path,
-                                                    changes: dict[str, Any], reason: str) -> None:
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"sha256": "0" * 64}, "sha256"),
+        ({"size": 1}, "bytes; the lockfile says 1"),
+        ({"gguf": {"architecture": "gemma3"}}, "GGUF architecture"),
+    ],
+)
+def test_a_copy_that_does_not_verify_leaves_nothing(
+    area: PreloadArea, model: Path, changes: dict[str, Any], reason: str
+) -> None:
     with pytest.raises(LockError, match=reason):
         area.copy(model, "tiny", entry_for(model, **changes))
     assert files_in(area) == []
@@ -75,7 +84,8 @@ def test_no_room_is_reported_before_copying(tmp_path: Path, model: Path) -> None
 
 
 def test_a_full_filesystem_while_copying_is_no_room_and_leaves_nothing(
-        area: PreloadArea, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    area: PreloadArea, model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_write = os.write
     calls = []
 
@@ -117,7 +127,8 @@ def test_stale_areas_go_and_live_ones_stay(tmp_path: Path, model: Path) -> None:
 
 @pytest.mark.parametrize(("kind", "noun"), [("fifo", "a FIFO"), ("directory", "a directory")])
 def test_a_source_that_is_not_a_regular_file_is_refused_at_once_and_leaves_nothing(
-        area: PreloadArea, model: Path, tmp_path: Path, kind: str, noun: str) -> None:
+    area: PreloadArea, model: Path, tmp_path: Path, kind: str, noun: str
+) -> None:
     source = tmp_path / "models" / "tiny.gguf"
     source.parent.mkdir()
     if kind == "fifo":

@@ -46,8 +46,9 @@ async def _until(condition: Callable[[], object], what: str, limit_s: float = 30
         await asyncio.sleep(0.02)
 
 
-async def _serve(box: Box, aiohttp_client: Any, factory: CountingFactory,
-                 **lifecycle: Any) -> tuple[Any, Registry, list[list[Outcome]]]:
+async def _serve(
+    box: Box, aiohttp_client: Any, factory: CountingFactory, **lifecycle: Any
+) -> tuple[Any, Registry, list[list[Outcome]]]:
     """A daemon on `box` built by `factory`, once ready; the outcomes of every reload it finishes."""
     app: web.Application = create_app(box.settings(**lifecycle), engine_factory=factory)
     client = await aiohttp_client(app)
@@ -93,7 +94,8 @@ async def test_a_touched_identical_file_is_verified_not_loaded(box: Box, aiohttp
 
 @pytest.mark.parametrize("preload", [True, False])
 async def test_a_touched_file_whose_bytes_changed_is_refused_without_a_load(
-        box: Box, aiohttp_client: Any, preload: bool) -> None:
+    box: Box, aiohttp_client: Any, preload: bool
+) -> None:
     data = box.model_bytes(TinyModelSpec(seed=11))
     box.publish({MODEL: ("tiny.gguf", data)})
     factory = CountingFactory()

@@ -39,11 +39,13 @@ def test_twenty_forced_reloads_at_once_build_at_most_two_copies(tmp_path: Path) 
 
         async def storm() -> list[int]:
             async with aiohttp.ClientSession() as session:
+
                 async def one() -> int:
                     async with session.post(daemon.url + "/admin/reload", json={"force": True}) as resp:
                         body = await resp.json()
                         assert body["ok"], body
                         return resp.status
+
                 return await asyncio.gather(*(one() for _ in range(STORM)))
 
         try:

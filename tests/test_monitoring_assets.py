@@ -63,11 +63,13 @@ CONTRACT: Final[dict[str, frozenset[str]]] = {
         "edgellm_shm_free_bytes": "",
     }.items()
 }
-HISTOGRAMS: Final = frozenset({
-    "edgellm_request_duration_seconds",
-    "edgellm_time_to_first_token_seconds",
-    "edgellm_inter_token_latency_seconds",
-})
+HISTOGRAMS: Final = frozenset(
+    {
+        "edgellm_request_duration_seconds",
+        "edgellm_time_to_first_token_seconds",
+        "edgellm_inter_token_latency_seconds",
+    }
+)
 TARGET_LABELS: Final = frozenset({"job", "instance"})  # added by Prometheus at scrape time
 
 
@@ -90,12 +92,23 @@ METRIC_RE: Final = re.compile(r"edgellm_[a-z0-9_]+")
 SELECTOR_RE: Final = re.compile(r"(edgellm_[a-z0-9_]+)\s*\{([^}]*)\}")
 MATCHER_RE: Final = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
 
-ALERTS: Final = frozenset({
-    "EdgellmDown", "EdgellmModelNotServing", "EdgellmReloadFailures", "EdgellmQueueSaturated",
-    "EdgellmServerOverloaded", "EdgellmRateLimitStorm", "EdgellmSlowFirstToken",
-    "EdgellmGpuThermalThrottling", "EdgellmGpuPowerCapped", "EdgellmGpuEccErrors", "EdgellmGpuLost",
-    "EdgellmHighMemory", "EdgellmShmFull",
-})
+ALERTS: Final = frozenset(
+    {
+        "EdgellmDown",
+        "EdgellmModelNotServing",
+        "EdgellmReloadFailures",
+        "EdgellmQueueSaturated",
+        "EdgellmServerOverloaded",
+        "EdgellmRateLimitStorm",
+        "EdgellmSlowFirstToken",
+        "EdgellmGpuThermalThrottling",
+        "EdgellmGpuPowerCapped",
+        "EdgellmGpuEccErrors",
+        "EdgellmGpuLost",
+        "EdgellmHighMemory",
+        "EdgellmShmFull",
+    }
+)
 # What each alert's description must name, so that whoever is paged knows where to look.
 SUBJECT_LABELS: Final[dict[str, tuple[str, ...]]] = {
     "EdgellmDown": ("instance",),
@@ -189,7 +202,11 @@ def promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
     if path is None:
         pytest.fail("promtool not found: install the `prometheus` package (apt-get install -y prometheus)")
     return subprocess.run(
-        [path, *map(str, args)], capture_output=True, text=True, check=False, timeout=PROMTOOL_TIMEOUT_S,
+        [path, *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=PROMTOOL_TIMEOUT_S,
     )
 
 
@@ -241,7 +258,8 @@ def test_unit_tests_fire_every_alert_and_check_quiet_cases() -> None:
     cases = [case for test in _load_yaml(ALERTS_TEST_FILE)["tests"] for case in test["alert_rule_test"]]
     fired = {
         (case["alertname"], alert["exp_labels"]["severity"])
-        for case in cases for alert in case.get("exp_alerts") or []
+        for case in cases
+        for alert in case.get("exp_alerts") or []
     }
     assert {_rule_id(rule) for rule in alert_rules()} == {f"{name}-{severity}" for name, severity in fired}
     quiet = [case for case in cases if not case.get("exp_alerts")]
@@ -251,18 +269,28 @@ def test_unit_tests_fire_every_alert_and_check_quiet_cases() -> None:
 # The checker itself: a typo in a metric or label name must be caught.
 
 
-@pytest.mark.parametrize(("expr", "metrics", "labels"), [
-    ('rate(edgellm_requests_total{status="500"}[5m])', set(), set()),
-    ('histogram_quantile(0.95, sum by (le) (rate(edgellm_time_to_first_token_seconds_bucket[5m])))',
-     set(), set()),
-    ('up{job="edgellm"} == 0', set(), set()),
-    ('rate(edgellm_request_total[5m])', {"edgellm_request_total"}, set()),
-    ('edgellm_time_to_first_token_seconds > 1', {"edgellm_time_to_first_token_seconds"}, set()),
-    ('edgellm_gpu_memory_used_bytes_total', {"edgellm_gpu_memory_used_bytes_total"}, set()),
-    ('edgellm_gpu_throttle_active{reasons="hw_slowdown"}', set(), {"edgellm_gpu_throttle_active{reasons}"}),
-    ('edgellm_model_state{state=~"a|b=c", modle!="x"}', set(), {"edgellm_model_state{modle}"}),
-    ('edgellm_queue_depth{le="1"}', set(), {"edgellm_queue_depth{le}"}),
-])
+@pytest.mark.parametrize(
+    ("expr", "metrics", "labels"),
+    [
+        ('rate(edgellm_requests_total{status="500"}[5m])', set(), set()),
+        (
+            "histogram_quantile(0.95, sum by (le) (rate(edgellm_time_to_first_token_seconds_bucket[5m])))",
+            set(),
+            set(),
+        ),
+        ('up{job="edgellm"} == 0', set(), set()),
+        ("rate(edgellm_request_total[5m])", {"edgellm_request_total"}, set()),
+        ("edgellm_time_to_first_token_seconds > 1", {"edgellm_time_to_first_token_seconds"}, set()),
+        ("edgellm_gpu_memory_used_bytes_total", {"edgellm_gpu_memory_used_bytes_total"}, set()),
+        (
+            'edgellm_gpu_throttle_active{reasons="hw_slowdown"}',
+            set(),
+            {"edgellm_gpu_throttle_active{reasons}"},
+        ),
+        ('edgellm_model_state{state=~"a|b=c", modle!="x"}', set(), {"edgellm_model_state{modle}"}),
+        ('edgellm_queue_depth{le="1"}', set(), {"edgellm_queue_depth{le}"}),
+    ],
+)
 def test_checker_catches_misspelled_names(expr: str, metrics: set[str], labels: set[str]) -> None:
     assert unknown_metrics(expr) == metrics
     assert unknown_labels(expr) == labels
@@ -328,8 +356,10 @@ def test_dashboard_rows_and_layout() -> None:
         assert box["w"] > 0
         assert box["x"] + box["w"] <= 24
     cells = [
-        (x, y) for box in boxes
-        for x in range(box["x"], box["x"] + box["w"]) for y in range(box["y"], box["y"] + box["h"])
+        (x, y)
+        for box in boxes
+        for x in range(box["x"], box["x"] + box["w"])
+        for y in range(box["y"], box["y"] + box["h"])
     ]
     assert len(cells) == len(set(cells)), "panels overlap"
 
@@ -342,8 +372,10 @@ def test_dashboard_uses_only_exported_metrics_and_labels() -> None:
 
 def test_dashboard_queries_parse(tmp_path: Path) -> None:
     # promtool has no bare query parser: check the queries as recording rules instead.
-    rules = [{"record": f"dashboard:query_{n}", "expr": as_promql(query)}
-             for n, query in enumerate(dashboard_queries())]
+    rules = [
+        {"record": f"dashboard:query_{n}", "expr": as_promql(query)}
+        for n, query in enumerate(dashboard_queries())
+    ]
     assert [rule for rule in rules if "$" in rule["expr"]] == [], "a Grafana variable is left"
     path = tmp_path / "dashboard-queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}), encoding="utf-8")

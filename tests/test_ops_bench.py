@@ -28,8 +28,20 @@ from tests.serving import RunningDaemon
 
 KEY: Final = "sk-bench-secret-4711"
 MODEL: Final = "fake-model"
-SUMMARY_KEYS: Final = {"requests", "ok", "failed", "wall_s", "tokens", "tokens_per_s", "stream_tokens_per_s",
-                       "ttft_p50_s", "ttft_p95_s", "latency_p50_s", "latency_p95_s", "errors"}
+SUMMARY_KEYS: Final = {
+    "requests",
+    "ok",
+    "failed",
+    "wall_s",
+    "tokens",
+    "tokens_per_s",
+    "stream_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "latency_p50_s",
+    "latency_p95_s",
+    "errors",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +109,9 @@ class FakeOpenAI:
             if seed in self.fail:
                 status, kind = self.fail[seed]
                 if kind is None:
-                    return web.Response(status=status, text="<html>upstream trouble</html>",
-                                        content_type="text/html")
+                    return web.Response(
+                        status=status, text="<html>upstream trouble</html>", content_type="text/html"
+                    )
                 return error_response(status, kind)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
@@ -123,13 +136,25 @@ class FakeOpenAI:
                 if i == 1 and seed in self.truncate:
                     await response.write_eof()
                     return response
-            final = {"index": 0, "delta": {}, "finish_reason": "length"} if chat else \
-                {"index": 0, "text": "", "finish_reason": "length"}
+            final = (
+                {"index": 0, "delta": {}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": "", "finish_reason": "length"}
+            )
             await send(response, {"choices": [final]})
             if self.send_usage and body.get("stream_options", {}).get("include_usage"):
                 tokens = self.chunks if self.usage_tokens is None else self.usage_tokens
-                await send(response, {"choices": [], "usage": {
-                    "prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}})
+                await send(
+                    response,
+                    {
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": 3,
+                            "completion_tokens": tokens,
+                            "total_tokens": 3 + tokens,
+                        },
+                    },
+                )
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
@@ -139,8 +164,9 @@ class FakeOpenAI:
 
 def error_response(status: int, kind: str) -> web.Response:
     """OpenAI's error envelope."""
-    return web.json_response({"error": {"message": "no", "type": kind, "param": None, "code": None}},
-                             status=status)
+    return web.json_response(
+        {"error": {"message": "no", "type": kind, "param": None, "code": None}}, status=status
+    )
 
 
 async def send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
@@ -207,20 +233,23 @@ async def started(fake: FakeOpenAI, aiohttp_server: AiohttpServer) -> str:
 # --- pure parts -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("values", "q", "expected"), [
-    ([], 50, math.nan),
-    ([7.0], 0, 7.0),
-    ([7.0], 50, 7.0),
-    ([7.0], 100, 7.0),
-    ([1.0, 2.0, 3.0, 4.0], 0, 1.0),
-    ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
-    ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
-    ([3.0, 1.0, 2.0], 50, 2.0),  # unsorted input
-    ([1.0, 2.0], 25, 1.25),
-    ([float(i) for i in range(1, 11)], 95, 9.55),  # position 8.55 between 9 and 10
-    ([float(i) for i in range(1, 21)], 95, 19.05),
-    ([0.5, 0.5, 0.5], 95, 0.5),
-])
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([], 50, math.nan),
+        ([7.0], 0, 7.0),
+        ([7.0], 50, 7.0),
+        ([7.0], 100, 7.0),
+        ([1.0, 2.0, 3.0, 4.0], 0, 1.0),
+        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+        ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
+        ([3.0, 1.0, 2.0], 50, 2.0),  # unsorted input
+        ([1.0, 2.0], 25, 1.25),
+        ([float(i) for i in range(1, 11)], 95, 9.55),  # position 8.55 between 9 and 10
+        ([float(i) for i in range(1, 21)], 95, 19.05),
+        ([0.5, 0.5, 0.5], 95, 0.5),
+    ],
+)
 def test_percentile(values: list[float], q: float, expected: float) -> None:
     got = percentile(values, q)
     if math.isnan(expected):
@@ -274,28 +303,34 @@ def test_summary_of_nothing_but_failures_prints_dashes_and_nulls() -> None:
     assert figures["errors"] == {"connection": 3}
 
 
-@pytest.mark.parametrize(("url", "base"), [
-    ("http://127.0.0.1:8080", "http://127.0.0.1:8080"),
-    ("http://127.0.0.1:8080/", "http://127.0.0.1:8080"),
-    ("http://127.0.0.1:8080/v1", "http://127.0.0.1:8080"),
-    ("https://llm.lan/v1/", "https://llm.lan"),
-    ("http://gw.lan/llm/v1", "http://gw.lan/llm"),
-])
+@pytest.mark.parametrize(
+    ("url", "base"),
+    [
+        ("http://127.0.0.1:8080", "http://127.0.0.1:8080"),
+        ("http://127.0.0.1:8080/", "http://127.0.0.1:8080"),
+        ("http://127.0.0.1:8080/v1", "http://127.0.0.1:8080"),
+        ("https://llm.lan/v1/", "https://llm.lan"),
+        ("http://gw.lan/llm/v1", "http://gw.lan/llm"),
+    ],
+)
 def test_api_base(url: str, base: str) -> None:
     assert bench.api_base(url) == base
 
 
-@pytest.mark.parametrize(("chunk", "text"), [
-    ({"choices": [{"text": "hi"}]}, "hi"),
-    ({"choices": [{"delta": {"content": "hi"}}]}, "hi"),
-    ({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, ""),
-    ({"choices": [{"delta": {"content": None}}]}, ""),
-    ({"choices": [], "usage": {"completion_tokens": 3}}, ""),
-    ({"choices": None}, ""),
-    ({"choices": ["x"]}, ""),
-    ([1, 2], ""),
-    ("text", ""),
-])
+@pytest.mark.parametrize(
+    ("chunk", "text"),
+    [
+        ({"choices": [{"text": "hi"}]}, "hi"),
+        ({"choices": [{"delta": {"content": "hi"}}]}, "hi"),
+        ({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, ""),
+        ({"choices": [{"delta": {"content": None}}]}, ""),
+        ({"choices": [], "usage": {"completion_tokens": 3}}, ""),
+        ({"choices": None}, ""),
+        ({"choices": ["x"]}, ""),
+        ([1, 2], ""),
+        ("text", ""),
+    ],
+)
 def test_chunk_text(chunk: Any, text: str) -> None:
     assert bench.chunk_text(chunk) == text
 
@@ -348,8 +383,15 @@ async def test_request_bodies(aiohttp_server: AiohttpServer) -> None:
     assert sorted(x.body["seed"] for x in fake.seen[2:]) == [0, 1, 2]  # measured: the request index
     assert [x.body["seed"] for x in fake.seen[:2]] == [3, 4]  # warm-up: seeds after those
     for x in fake.seen:
-        assert x.body == {"model": "m", "prompt": "P", "max_tokens": 9, "temperature": 0.8,
-                          "seed": x.body["seed"], "stream": True, "stream_options": {"include_usage": True}}
+        assert x.body == {
+            "model": "m",
+            "prompt": "P",
+            "max_tokens": 9,
+            "temperature": 0.8,
+            "seed": x.body["seed"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         assert x.authorization is None
     fake.seen.clear()
     await run_bench(config(url, model="m", requests=1, ignore_eos=True))
@@ -375,8 +417,15 @@ async def test_workers_share_the_requests(aiohttp_server: AiohttpServer) -> None
 
 
 async def test_errors_are_counted_by_status_and_type(aiohttp_server: AiohttpServer) -> None:
-    fake = FakeOpenAI(chunks=3, fail={0: (429, "rate_limit_error"), 2: (429, "rate_limit_error"),
-                                      3: (500, "server_error"), 5: (503, None)})
+    fake = FakeOpenAI(
+        chunks=3,
+        fail={
+            0: (429, "rate_limit_error"),
+            2: (429, "rate_limit_error"),
+            3: (500, "server_error"),
+            5: (503, None),
+        },
+    )
     url = await started(fake, aiohttp_server)
     s = await run_bench(config(url, model=MODEL, concurrency=2, requests=7))
     assert (s.requests, s.ok, s.failed) == (7, 3, 4)
@@ -393,23 +442,33 @@ async def test_streams_without_done_are_truncated(aiohttp_server: AiohttpServer)
     assert s.tokens == 2 * 5
 
 
-@pytest.mark.parametrize(("raw", "tokens", "error"), [
-    # CRLF line ends, comments, other fields, `data:` without its space, no usage chunk.
-    (b": keep-alive\r\n\r\nevent: message\r\nid: 1\r\ndata: {\"choices\": [{\"text\": \"a\"}]}\r\n\r\n"
-     b'data:{"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n', 2, None),
-    # One event's JSON split over two data lines.
-    (b'data: {"choices":\ndata: [{"text": "a"}]}\n\ndata: [DONE]\n\n', 1, None),
-    # A final [DONE] without its blank line still ends the stream.
-    (b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n', 1, None),
-    # Usage wins over counted chunks, whatever chunk carries it.
-    (b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": 9}}\n\ndata: [DONE]\n\n', 9, None),
-    # A partial event at the end is a cut stream, not a parse error.
-    (b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi', 1, "truncated"),
-    (b"data: not json\n\ndata: [DONE]\n\n", 0, "bad stream"),
-    (b"", 0, "truncated"),
-])
-async def test_sse_framing(raw: bytes, tokens: int, error: str | None,
-                           aiohttp_server: AiohttpServer) -> None:
+@pytest.mark.parametrize(
+    ("raw", "tokens", "error"),
+    [
+        # CRLF line ends, comments, other fields, `data:` without its space, no usage chunk.
+        (
+            b': keep-alive\r\n\r\nevent: message\r\nid: 1\r\ndata: {"choices": [{"text": "a"}]}\r\n\r\n'
+            b'data:{"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n',
+            2,
+            None,
+        ),
+        # One event's JSON split over two data lines.
+        (b'data: {"choices":\ndata: [{"text": "a"}]}\n\ndata: [DONE]\n\n', 1, None),
+        # A final [DONE] without its blank line still ends the stream.
+        (b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n', 1, None),
+        # Usage wins over counted chunks, whatever chunk carries it.
+        (
+            b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": 9}}\n\ndata: [DONE]\n\n',
+            9,
+            None,
+        ),
+        # A partial event at the end is a cut stream, not a parse error.
+        (b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi', 1, "truncated"),
+        (b"data: not json\n\ndata: [DONE]\n\n", 0, "bad stream"),
+        (b"", 0, "truncated"),
+    ],
+)
+async def test_sse_framing(raw: bytes, tokens: int, error: str | None, aiohttp_server: AiohttpServer) -> None:
     url = await started(FakeOpenAI(raw=raw), aiohttp_server)
     s = await run_bench(config(url, model=MODEL, requests=1))
     assert s.tokens == (tokens if error is None else 0)
@@ -444,8 +503,9 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert (figures["requests"], figures["ok"], figures["failed"], figures["tokens"]) == (3, 2, 1, 6)
     assert figures["errors"] == {"truncated": 1}
     assert figures["tokens_per_s"] == pytest.approx(6 / figures["wall_s"])
-    assert all(isinstance(figures[k], float) for k in SUMMARY_KEYS - {"requests", "ok", "failed", "tokens",
-                                                                      "errors"})
+    assert all(
+        isinstance(figures[k], float) for k in SUMMARY_KEYS - {"requests", "ok", "failed", "tokens", "errors"}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -462,8 +522,9 @@ def key_file(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("via", ["--key-file", "file-env", "env"])
-def test_key_is_sent_and_never_printed(via: str, key_file: Path, capsys: pytest.CaptureFixture[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_is_sent_and_never_printed(
+    via: str, key_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake = FakeOpenAI(key=KEY)
     argv = ["-n", "2"]
     if via == "--key-file":
@@ -507,11 +568,14 @@ def test_server_without_models_needs_model_flag(capsys: pytest.CaptureFixture[st
     assert "--model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [
-    [],  # model lookup fails
-    ["--model", MODEL],  # warm-up request fails
-    ["--model", MODEL, "--warmup", "0", "--json"],  # every measured request fails
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # model lookup fails
+        ["--model", MODEL],  # warm-up request fails
+        ["--model", MODEL, "--warmup", "0", "--json"],  # every measured request fails
+    ],
+)
 def test_dead_server_exits_1_with_a_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     url = f"http://127.0.0.1:{closed_port()}"
     assert cli(["--url", url, "-n", "3", *argv]) == 1
@@ -523,14 +587,17 @@ def test_dead_server_exits_1_with_a_message(argv: list[str], capsys: pytest.Capt
         assert json.loads(captured.out)["errors"] == {"connection": 3}
 
 
-@pytest.mark.parametrize(("argv", "complaint"), [
-    (["-c", "0"], "--concurrency"),
-    (["-n", "-1"], "--requests"),
-    (["-m", "0"], "--max-tokens"),
-    (["-m", "many"], "--max-tokens"),
-    (["--warmup", "-1"], "--warmup"),
-    (["--endpoint", "embeddings"], "--endpoint"),
-])
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["-c", "0"], "--concurrency"),
+        (["-n", "-1"], "--requests"),
+        (["-m", "0"], "--max-tokens"),
+        (["-m", "many"], "--max-tokens"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--endpoint", "embeddings"], "--endpoint"),
+    ],
+)
 def test_bad_numbers_exit_2(argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse(["--url", "http://127.0.0.1:8080", *argv])
@@ -538,10 +605,19 @@ def test_bad_numbers_exit_2(argv: list[str], complaint: str, capsys: pytest.Capt
     assert complaint in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("url", [
-    "ftp://127.0.0.1/", "127.0.0.1:8080", "localhost:8080", "http://", "http://:8080",
-    "http://127.0.0.1:99999", "http://user:hunter2@127.0.0.1:8080", "http://127.0.0.1:8080/v1?x=1",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "ftp://127.0.0.1/",
+        "127.0.0.1:8080",
+        "localhost:8080",
+        "http://",
+        "http://:8080",
+        "http://127.0.0.1:99999",
+        "http://user:hunter2@127.0.0.1:8080",
+        "http://127.0.0.1:8080/v1?x=1",
+    ],
+)
 def test_bad_url_exits_2(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse(["--url", url])
@@ -559,8 +635,9 @@ def test_url_is_required(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize("via", ["env", "--key-file"])
-def test_key_that_cannot_be_a_header_exits_2(via: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_that_cannot_be_a_header_exits_2(
+    via: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     argv = ["--url", f"http://127.0.0.1:{closed_port()}"]
     if via == "env":
         monkeypatch.setenv(bench.KEY_ENV, "sk-abc\r\nX-Evil: 1")
@@ -576,15 +653,20 @@ def test_key_that_cannot_be_a_header_exits_2(via: str, tmp_path: Path, capsys: p
 TOKEN: Final = "elk_0123456789ab_" + "S3cr3t-" * 6  # the shape of an edgellm API token
 
 
-@pytest.mark.parametrize("argv", [
-    ["--key", TOKEN],  # the option bench had before: the key on the command line shows in `ps`
-    [f"--key={TOKEN}"],
-    ["--key-fi", TOKEN],  # an abbreviation of --key-file: options are taken by their full names only
-    ["--api-key", TOKEN],
-    [TOKEN],
-], ids=["key", "key=", "abbreviation", "other-option", "positional"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--key", TOKEN],  # the option bench had before: the key on the command line shows in `ps`
+        [f"--key={TOKEN}"],
+        ["--key-fi", TOKEN],  # an abbreviation of --key-file: options are taken by their full names only
+        ["--api-key", TOKEN],
+        [TOKEN],
+    ],
+    ids=["key", "key=", "abbreviation", "other-option", "positional"],
+)
 def test_a_key_on_the_command_line_is_refused_and_never_printed(
-        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--url", "http://127.0.0.1:8080", *argv])
     assert exc.value.code == 2
@@ -597,11 +679,16 @@ def test_a_key_on_the_command_line_is_refused_and_never_printed(
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "device", "missing", "empty"])
 def test_a_key_file_that_is_not_a_small_regular_file_is_refused_at_once(
-        kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "inference.key"
-    expected = {"fifo": "is a FIFO, not a regular file", "directory": "is a directory, not a regular file",
-                "device": "is a character device, not a regular file",
-                "missing": "No such file or directory", "empty": "is empty"}[kind]
+    expected = {
+        "fifo": "is a FIFO, not a regular file",
+        "directory": "is a directory, not a regular file",
+        "device": "is a character device, not a regular file",
+        "missing": "No such file or directory",
+        "empty": "is empty",
+    }[kind]
     if kind == "fifo":
         os.mkfifo(path)  # an open() without O_NONBLOCK would wait here for a writer, for ever
     elif kind == "directory":
@@ -621,8 +708,22 @@ def test_a_key_file_that_is_not_a_small_regular_file_is_refused_at_once(
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_against_edgellmd(endpoint: str, daemon: RunningDaemon, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--url", daemon.url + "/v1", "--model", "tiny", "-c", "2", "-n", "4", "-m", "8",
-            "--ignore-eos", "--endpoint", endpoint, "--json"]
+    argv = [
+        "--url",
+        daemon.url + "/v1",
+        "--model",
+        "tiny",
+        "-c",
+        "2",
+        "-n",
+        "4",
+        "-m",
+        "8",
+        "--ignore-eos",
+        "--endpoint",
+        endpoint,
+        "--json",
+    ]
     assert cli(argv) == 0
     figures = json.loads(capsys.readouterr().out)
     assert (figures["ok"], figures["failed"], figures["errors"]) == (4, 0, {})
@@ -635,4 +736,3 @@ def test_unknown_model_on_edgellmd(daemon: RunningDaemon, capsys: pytest.Capture
     captured = capsys.readouterr()
     assert "404 invalid_request_error: 3" in captured.out
     assert "every request" in captured.err
-

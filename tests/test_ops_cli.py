@@ -71,11 +71,17 @@ def test_every_parser_takes_options_by_their_full_names_only() -> None:
 @pytest.mark.parametrize("command", list(TALKERS))
 @pytest.mark.parametrize("form", ["--key", "--key=", "--api-key", "--token", "positional"])
 def test_a_key_on_the_command_line_is_refused_and_never_printed(
-        command: str, form: str, capsys: pytest.CaptureFixture[str]) -> None:
+    command: str, form: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     # `--key K` used to be taken for `--key-file K` by prefix matching; the error message
     # then printed K. The key on a command line shows in `ps` and shell history anyway.
-    extra = {"--key": ["--key", TOKEN], "--key=": [f"--key={TOKEN}"], "--api-key": ["--api-key", TOKEN],
-             "--token": ["--token", TOKEN], "positional": [TOKEN, TOKEN]}[form]
+    extra = {
+        "--key": ["--key", TOKEN],
+        "--key=": [f"--key={TOKEN}"],
+        "--api-key": ["--api-key", TOKEN],
+        "--token": ["--token", TOKEN],
+        "positional": [TOKEN, TOKEN],
+    }[form]
     err = refused([*TALKERS[command], *extra], capsys)
     assert "unrecognized arguments: " in err
     for part in SECRET_PARTS:
@@ -86,8 +92,9 @@ def test_a_key_on_the_command_line_is_refused_and_never_printed(
 
 @pytest.mark.parametrize("command", list(TALKERS))
 @pytest.mark.parametrize("abbreviation", ["--key-fi", "--key", "--ur"])
-def test_abbreviations_are_refused(command: str, abbreviation: str, tmp_path: Path,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_abbreviations_are_refused(
+    command: str, abbreviation: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     err = refused([*TALKERS[command], abbreviation, str(tmp_path / "admin.key")], capsys)
     # (reload takes the file for its optional model name; the option is refused all the same)
     assert f"unrecognized arguments: {abbreviation}" in err
@@ -95,9 +102,13 @@ def test_abbreviations_are_refused(command: str, abbreviation: str, tmp_path: Pa
 
 @pytest.mark.parametrize("command", list(TALKERS))
 def test_a_key_given_where_its_file_belongs_is_not_printed(
-        command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*TALKERS[command], "--url", f"http://127.0.0.1:{_closed_port()}", "--key-file", TOKEN]
-                if command != "bench" else [*TALKERS[command], "--key-file", TOKEN]) in (1, 2)
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(
+        [*TALKERS[command], "--url", f"http://127.0.0.1:{_closed_port()}", "--key-file", TOKEN]
+        if command != "bench"
+        else [*TALKERS[command], "--key-file", TOKEN]
+    ) in (1, 2)
     err = capsys.readouterr().err
     assert "No such file or directory" in err
     assert "elk_(hidden)" in err
@@ -109,8 +120,13 @@ def test_a_key_given_where_its_file_belongs_is_not_printed(
 @pytest.mark.parametrize("via", ["--key-file", "environment"])
 @pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
 def test_a_key_file_that_is_not_a_regular_file_is_refused_at_once_in_one_line(
-        command: str, via: str, kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    command: str,
+    via: str,
+    kind: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     path = tmp_path / "admin.key"
     if kind == "fifo":
         os.mkfifo(path)  # without O_NONBLOCK, opening it waits for a writer, for ever
@@ -134,7 +150,8 @@ def test_a_key_file_that_is_not_a_regular_file_is_refused_at_once_in_one_line(
 
 
 def test_the_admin_key_comes_from_the_file_env_before_the_key_env(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "empty.key").write_text("\n")
     monkeypatch.setenv(admin.KEY_FILE_ENV, str(tmp_path / "empty.key"))
     monkeypatch.setenv(admin.KEY_ENV, TOKEN)
@@ -144,7 +161,8 @@ def test_the_admin_key_comes_from_the_file_env_before_the_key_env(
 
 
 def test_a_url_with_credentials_from_the_environment_is_refused_without_them(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv(admin.URL_ENV, f"http://ops:{TOKEN}@127.0.0.1:8080")
     err = refused(["status"], capsys)
     assert "must not carry credentials; pass the key with --key-file" in err
@@ -154,8 +172,8 @@ def test_a_url_with_credentials_from_the_environment_is_refused_without_them(
 
 @pytest.mark.parametrize("kind", ["fifo", "garbage"])
 def test_a_cacert_that_is_not_a_certificate_file_is_refused_at_once(
-        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv(admin.KEY_ENV, TOKEN)
     cacert = tmp_path / "ca.pem"
     if kind == "fifo":
@@ -163,32 +181,47 @@ def test_a_cacert_that_is_not_a_certificate_file_is_refused_at_once(
     else:
         cacert.write_text("not a certificate\n")
     assert main(["status", "--url", "https://127.0.0.1:9", "--cacert", str(cacert)]) == 1
-    expected = {"fifo": f"--cacert: {cacert} is a FIFO, not a regular file",
-                "garbage": f"--cacert {cacert} holds no usable PEM certificate"}[kind]
+    expected = {
+        "fifo": f"--cacert: {cacert} is a FIFO, not a regular file",
+        "garbage": f"--cacert {cacert} holds no usable PEM certificate",
+    }[kind]
     assert capsys.readouterr().err == f"edgellmctl status: {expected}\n"
 
 
-@pytest.mark.parametrize(("message", "shown"), [
-    ("unrecognized arguments: --key elk_0123456789ab_c2VjcmV0",
-     "unrecognized arguments: --key ... (values are not shown)"),
-    ("unrecognized arguments: --key=hunter2 --json",
-     "unrecognized arguments: --key --json (values are not shown)"),
-    ("unrecognized arguments: --bogus", "unrecognized arguments: --bogus"),
-    ("unrecognized arguments: hunter2", "unrecognized arguments: ... (values are not shown)"),
-    ("argument COMMAND: invalid choice: 'elk_0123456789ab_c2VjcmV0'",
-     "argument COMMAND: invalid choice: 'elk_(hidden)'"),
-    ("cannot read the admin key file elk_0123456789ab_c2Vj: No such file or directory",
-     "cannot read the admin key file elk_(hidden): No such file or directory"),
-    ("argument --url: not a valid URL", "argument --url: not a valid URL"),
-])
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [
+        (
+            "unrecognized arguments: --key elk_0123456789ab_c2VjcmV0",
+            "unrecognized arguments: --key ... (values are not shown)",
+        ),
+        (
+            "unrecognized arguments: --key=hunter2 --json",
+            "unrecognized arguments: --key --json (values are not shown)",
+        ),
+        ("unrecognized arguments: --bogus", "unrecognized arguments: --bogus"),
+        ("unrecognized arguments: hunter2", "unrecognized arguments: ... (values are not shown)"),
+        (
+            "argument COMMAND: invalid choice: 'elk_0123456789ab_c2VjcmV0'",
+            "argument COMMAND: invalid choice: 'elk_(hidden)'",
+        ),
+        (
+            "cannot read the admin key file elk_0123456789ab_c2Vj: No such file or directory",
+            "cannot read the admin key file elk_(hidden): No such file or directory",
+        ),
+        ("argument --url: not a valid URL", "argument --url: not a valid URL"),
+    ],
+)
 def test_redact(message: str, shown: str) -> None:
     assert redact(message) == shown
 
 
-@pytest.mark.parametrize("verb", [["list"], ["revoke", "0123456789ab"],
-                                  ["create", "--name", "x", "--scope", "inference"]])
+@pytest.mark.parametrize(
+    "verb", [["list"], ["revoke", "0123456789ab"], ["create", "--name", "x", "--scope", "inference"]]
+)
 def test_keys_commands_refuse_a_keys_file_that_is_not_a_regular_file(
-        verb: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    verb: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     keys = tmp_path / "keys.yaml"
     os.mkfifo(keys, 0o600)
     assert main(["keys", *verb, "--file", str(keys)]) == 1
@@ -198,7 +231,8 @@ def test_keys_commands_refuse_a_keys_file_that_is_not_a_regular_file(
 
 
 def test_a_keys_file_with_a_yaml_error_is_refused_in_one_line(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # PyYAML's messages span lines (the context, then the problem, each with its mark).
     keys = tmp_path / "keys.yaml"
     keys.write_text("keys: [\n  - {id: x\n")

@@ -32,11 +32,14 @@ def cpuinfo(tmp_path: Path, flags: str) -> Host:
     return Host(cpuinfo=path)
 
 
-@pytest.mark.parametrize(("flags", "level", "detail"), [
-    ("fpu sse2 avx avx2 fma", "ok", "AVX2"),
-    ("fpu sse2 avx avx2 avx512f avx512_vnni", "ok", "AVX2, avx512f, avx512_vnni"),
-    ("fpu sse2 avx", "warn", "no AVX2"),
-])
+@pytest.mark.parametrize(
+    ("flags", "level", "detail"),
+    [
+        ("fpu sse2 avx avx2 fma", "ok", "AVX2"),
+        ("fpu sse2 avx avx2 avx512f avx512_vnni", "ok", "AVX2, avx512f, avx512_vnni"),
+        ("fpu sse2 avx", "warn", "no AVX2"),
+    ],
+)
 def test_cpu_flags(tmp_path: Path, flags: str, level: str, detail: str) -> None:
     check = check_cpu_flags(cpuinfo(tmp_path, flags))
     assert check.level == level
@@ -44,8 +47,9 @@ def test_cpu_flags(tmp_path: Path, flags: str, level: str, detail: str) -> None:
     assert (check.fix is not None) == (level != "ok")
 
 
-def write_box(root: Path, *, keys_mode: int = 0o600, private_as_trusted: bool = False,
-              drop_model: bool = False) -> Path:
+def write_box(
+    root: Path, *, keys_mode: int = 0o600, private_as_trusted: bool = False, drop_model: bool = False
+) -> Path:
     """A provisioned box: signed lock, tiny model, keys file, config; returns the config path."""
     models = root / "models"
     models.mkdir(parents=True)
@@ -53,16 +57,27 @@ def write_box(root: Path, *, keys_mode: int = 0o600, private_as_trusted: bool = 
     key = Ed25519PrivateKey.generate()
     pub = root / "signer.pub"
     if private_as_trusted:
-        pub.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+        pub.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     else:
-        pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
+        pub.write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
     now = datetime.now(UTC)
-    doc: dict[str, Any] = {"schema": 1, "version": 1, "issued": format_time(now),
-                           "expires": format_time(now + timedelta(days=1)),
-                           "models": {"tiny": {"file": "tiny.gguf", "size": len(data),
-                                               "sha256": hashlib.sha256(data).hexdigest()}}}
+    doc: dict[str, Any] = {
+        "schema": 1,
+        "version": 1,
+        "issued": format_time(now),
+        "expires": format_time(now + timedelta(days=1)),
+        "models": {
+            "tiny": {"file": "tiny.gguf", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        },
+    }
     doc["signatures"] = [sign(doc, key)]
     (root / "models.lock").write_text(json.dumps(doc))
     create_key(root / "keys.yaml", "app", ["inference"], limits={})
@@ -70,12 +85,20 @@ def write_box(root: Path, *, keys_mode: int = 0o600, private_as_trusted: bool = 
     if drop_model:
         (models / "tiny.gguf").unlink()
     config = root / "edgellm.yaml"
-    config.write_text(json.dumps({
-        "models": [{"name": "tiny", "context_size": 128}],
-        "lock": {"file": "models.lock", "trusted_keys": ["signer.pub"], "models_dir": "models",
-                 "state_dir": "state"},
-        "auth": {"keys_file": "keys.yaml"},
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "models": [{"name": "tiny", "context_size": 128}],
+                "lock": {
+                    "file": "models.lock",
+                    "trusted_keys": ["signer.pub"],
+                    "models_dir": "models",
+                    "state_dir": "state",
+                },
+                "auth": {"keys_file": "keys.yaml"},
+            }
+        )
+    )
     return config
 
 
@@ -94,13 +117,17 @@ def test_a_good_box_passes_every_file_check(tmp_path: Path) -> None:
     assert got["systemd unit"] == "warn"  # not installed here
 
 
-@pytest.mark.parametrize(("box", "name", "fragment"), [
-    ({"keys_mode": 0o644}, "permissions", "readable or writable by others"),
-    ({"private_as_trusted": True}, "permissions", "is a private key"),
-    ({"drop_model": True}, "config", "tiny.gguf is missing"),
-])
-def test_a_bad_box_fails_with_the_reason_and_a_fix(tmp_path: Path, box: dict[str, Any], name: str,
-                                                   fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("box", "name", "fragment"),
+    [
+        ({"keys_mode": 0o644}, "permissions", "readable or writable by others"),
+        ({"private_as_trusted": True}, "permissions", "is a private key"),
+        ({"drop_model": True}, "config", "tiny.gguf is missing"),
+    ],
+)
+def test_a_bad_box_fails_with_the_reason_and_a_fix(
+    tmp_path: Path, box: dict[str, Any], name: str, fragment: str
+) -> None:
     config = write_box(tmp_path, **box)
     checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.no_driver()), lambda: False)}
     assert checks[name].level == "fail"
@@ -129,16 +156,20 @@ def test_shm_too_small_for_a_swap_is_a_warning(tmp_path: Path, monkeypatch: pyte
     assert "remount" in check.fix
 
 
-@pytest.mark.parametrize(("nvml", "layers", "offload", "expected"), [
-    (fakenvml.h200, -1, True, {"gpu": "ok"}),
-    (fakenvml.h200, -1, False, {"gpu no_offload_build": "warn"}),
-    (fakenvml.p40, -1, True, {"gpu pascal_fp16_slow": "warn"}),
-    (fakenvml.maxwell, -1, True, {"gpu compute_capability_unsupported": "fail"}),
-    (fakenvml.no_driver, -1, True, {"gpu": "warn"}),
-    (fakenvml.no_driver, 0, False, {"gpu": "ok"}),
-])
-def test_gpu_checks_follow_the_verdicts(tmp_path: Path, nvml: Any, layers: int, offload: bool,
-                                        expected: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("nvml", "layers", "offload", "expected"),
+    [
+        (fakenvml.h200, -1, True, {"gpu": "ok"}),
+        (fakenvml.h200, -1, False, {"gpu no_offload_build": "warn"}),
+        (fakenvml.p40, -1, True, {"gpu pascal_fp16_slow": "warn"}),
+        (fakenvml.maxwell, -1, True, {"gpu compute_capability_unsupported": "fail"}),
+        (fakenvml.no_driver, -1, True, {"gpu": "warn"}),
+        (fakenvml.no_driver, 0, False, {"gpu": "ok"}),
+    ],
+)
+def test_gpu_checks_follow_the_verdicts(
+    tmp_path: Path, nvml: Any, layers: int, offload: bool, expected: dict[str, str]
+) -> None:
     config = write_box(tmp_path)
     data = json.loads(config.read_text())
     data["models"][0]["gpu_layers"] = layers
@@ -174,7 +205,8 @@ def test_the_unit_rating(tmp_path: Path) -> None:
 
 
 def test_the_command_prints_one_line_per_check_and_fails_on_a_failure(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(doctor, "read_gpus", lambda _nvml: fakenvml_snapshot())
     config = write_box(tmp_path, keys_mode=0o644)
     assert edgellmctl(["doctor", "--config", str(config)]) == 1
@@ -183,8 +215,15 @@ def test_the_command_prints_one_line_per_check_and_fails_on_a_failure(
     assert "      fix: chmod 0600 the keys file" in out
     assert edgellmctl(["doctor", "--config", str(config), "--json"]) == 1
     parsed = json.loads(capsys.readouterr().out)
-    assert {c["name"] for c in parsed} >= {"cpu flags", "cpu affinity", "memory", "shm", "permissions",
-                                           "config", "systemd unit"}
+    assert {c["name"] for c in parsed} >= {
+        "cpu flags",
+        "cpu affinity",
+        "memory",
+        "shm",
+        "permissions",
+        "config",
+        "systemd unit",
+    }
     (tmp_path / "keys.yaml").chmod(0o600)
     assert edgellmctl(["doctor", "--config", str(config)]) == 0
 

@@ -95,8 +95,10 @@ def lines_of(text: str, prefix: str) -> list[str]:
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     """Bytes of two distinct tiny GGUF models, written once per module."""
     root = tmp_path_factory.mktemp("pristine")
-    return {name: write_tiny_model(root / name, TinyModelSpec(seed=seed)).read_bytes()
-            for name, seed in (("tiny.gguf", 1), ("tiny-b.gguf", 2))}
+    return {
+        name: write_tiny_model(root / name, TinyModelSpec(seed=seed)).read_bytes()
+        for name, seed in (("tiny.gguf", 1), ("tiny-b.gguf", 2))
+    }
 
 
 @pytest.fixture
@@ -140,7 +142,8 @@ def signed(lock: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]) -> Path
 
 
 def test_keygen_writes_a_private_key_0600_and_prints_the_key_id(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "keys"
     result = run(capsys, "keygen", "--out", out)
     assert result.status == 0
@@ -153,8 +156,12 @@ def test_keygen_writes_a_private_key_0600_and_prints_the_key_id(
     # The public key is the private key's.
     private = serialization.load_pem_private_key(pem.read_bytes(), password=None)
     assert isinstance(private, Ed25519PrivateKey)
-    assert private.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo) == pub.read_bytes()
+    assert (
+        private.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        == pub.read_bytes()
+    )
 
 
 def test_keygen_never_overwrites_a_signing_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -174,7 +181,11 @@ def test_keygen_name_makes_a_second_pair(tmp_path: Path, capsys: pytest.CaptureF
     first = keygen(capsys, tmp_path)
     other = keygen(capsys, tmp_path, "other")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "other.pem", "other.pub", "signing.pem", "signing.pub"]
+        "other.pem",
+        "other.pub",
+        "signing.pem",
+        "signing.pub",
+    ]
     assert other.pem.stat().st_mode & 0o777 == 0o600
     assert other.key_id == raw_key_id(other.pub)
     assert first.key_id == raw_key_id(first.pub)
@@ -185,16 +196,25 @@ def test_keygen_name_makes_a_second_pair(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_add_creates_the_lock_and_records_the_file(
-        models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     lock = models / "models.lock"
     result = run(capsys, "lock", "add", "tiny", models / "tiny.gguf", "--lock", lock, "--models-dir", models)
     assert result.status == 0, result.err
     data = pristine["tiny.gguf"]
     digest = hashlib.sha256(data).hexdigest()
     assert read_json(lock) == {
-        "schema": 1, "version": 0, "signatures": [],
-        "models": {"tiny": {"file": "tiny.gguf", "size": len(data), "sha256": digest,
-                            "gguf": {"architecture": "llama", "file_type": "ALL_F32"}}},
+        "schema": 1,
+        "version": 0,
+        "signatures": [],
+        "models": {
+            "tiny": {
+                "file": "tiny.gguf",
+                "size": len(data),
+                "sha256": digest,
+                "gguf": {"architecture": "llama", "file_type": "ALL_F32"},
+            }
+        },
     }
     assert result.out == f"tiny: tiny.gguf {len(data)} bytes sha256 {digest} (llama, ALL_F32)\n"
     assert result.err == ""
@@ -211,7 +231,8 @@ def test_add_a_second_model_keeps_the_first(lock: Path, pristine: dict[str, byte
 
 
 def test_add_records_a_subdirectory_file_as_a_posix_path(
-        tmp_path: Path, models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     sub = models / "sub"
     sub.mkdir()
     (sub / "x.gguf").write_bytes(pristine["tiny.gguf"])
@@ -225,7 +246,8 @@ def test_add_records_a_subdirectory_file_as_a_posix_path(
 
 
 def test_add_refuses_a_file_outside_the_models_dir(
-        tmp_path: Path, models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     outside = tmp_path / "outside.gguf"
     outside.write_bytes(pristine["tiny.gguf"])
     lock = models / "models.lock"
@@ -236,13 +258,18 @@ def test_add_refuses_a_file_outside_the_models_dir(
     assert not lock.exists()
 
 
-@pytest.mark.parametrize("content", [
-    random.Random(7).randbytes(4096),
-    b"hello, this is a text file and not a model\n" * 20,
-    b"GG",
-], ids=["random-bytes", "text", "two-bytes"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        random.Random(7).randbytes(4096),
+        b"hello, this is a text file and not a model\n" * 20,
+        b"GG",
+    ],
+    ids=["random-bytes", "text", "two-bytes"],
+)
 def test_add_refuses_a_file_that_is_not_gguf(
-        models: Path, capsys: pytest.CaptureFixture[str], content: bytes) -> None:
+    models: Path, capsys: pytest.CaptureFixture[str], content: bytes
+) -> None:
     bogus = models / "bogus.gguf"
     bogus.write_bytes(content)
     lock = models / "models.lock"
@@ -254,7 +281,8 @@ def test_add_refuses_a_file_that_is_not_gguf(
 
 
 def test_add_a_non_gguf_file_leaves_an_existing_lock_alone(
-        lock: Path, models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lock: Path, models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = lock.read_bytes()
     bogus = models / "notes.txt"
     bogus.write_text("not a model\n")
@@ -265,7 +293,8 @@ def test_add_a_non_gguf_file_leaves_an_existing_lock_alone(
 
 
 def test_add_to_a_signed_lock_drops_the_signatures_and_says_so(
-        signed: Path, models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    signed: Path, models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert len(read_json(signed)["signatures"]) == 1
     (models / "c.gguf").write_bytes(pristine["tiny.gguf"])
     result = run(capsys, "lock", "add", "c", models / "c.gguf", "--lock", signed)
@@ -278,7 +307,8 @@ def test_add_to_a_signed_lock_drops_the_signatures_and_says_so(
 
 
 def test_add_replaces_an_entry_of_the_same_name(
-        lock: Path, models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    lock: Path, models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     result = run(capsys, "lock", "add", "tiny", models / "tiny-b.gguf", "--lock", lock)
     assert result.status == 0
     entry = read_json(lock)["models"]["tiny"]
@@ -286,10 +316,12 @@ def test_add_replaces_an_entry_of_the_same_name(
     assert entry["sha256"] == hashlib.sha256(pristine["tiny-b.gguf"]).hexdigest()
 
 
-@pytest.mark.parametrize("name", ["bad name", "../escape", ".hidden", "x" * 65],
-                         ids=["space", "dotdot", "leading-dot", "65-chars"])
+@pytest.mark.parametrize(
+    "name", ["bad name", "../escape", ".hidden", "x" * 65], ids=["space", "dotdot", "leading-dot", "65-chars"]
+)
 def test_add_refuses_a_model_name_the_lockfile_cannot_hold(
-        lock: Path, models: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    lock: Path, models: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
     # The daemon's parser refuses such names ("models.NAME: model names are 1-64 of ..."), so a
     # lock holding one is unreadable by every later command: add must refuse it up front.
     before = lock.read_bytes()
@@ -324,7 +356,8 @@ def test_remove_an_unknown_name_fails(lock: Path, capsys: pytest.CaptureFixture[
 
 
 def test_sign_bumps_the_version_and_sets_issued_and_expires(
-        lock: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]) -> None:
+    lock: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert read_json(lock)["version"] == 0
     result = run(capsys, "lock", "sign", "--lock", lock, "--key", key.pem)
     assert result.status == 0, result.err
@@ -361,17 +394,22 @@ def test_sign_sets_an_explicit_version(lock: Path, key: KeyPair, capsys: pytest.
     assert read_json(lock)["version"] == 8
 
 
-@pytest.mark.parametrize(("option", "message"), [
-    (["--expires", "5x"], "--expires must look like 365d, 12h or 2w, got '5x'"),
-    (["--expires", "0d"], "--expires must look like"),
-    (["--version", "-1"], "--version must be >= 0"),
-    # Past year 9999 (datetime's limit) and past timedelta's limit: the CLI must say what is
-    # wrong with --expires, not die with an OverflowError traceback.
-    (["--expires", "3000000d"], "--expires"),
-    (["--expires", "1000000000d"], "--expires"),
-], ids=["5x", "0d", "version-negative", "past-year-9999", "past-timedelta-max"])
-def test_sign_refuses_bad_options(lock: Path, key: KeyPair, capsys: pytest.CaptureFixture[str],
-                                  option: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--expires", "5x"], "--expires must look like 365d, 12h or 2w, got '5x'"),
+        (["--expires", "0d"], "--expires must look like"),
+        (["--version", "-1"], "--version must be >= 0"),
+        # Past year 9999 (datetime's limit) and past timedelta's limit: the CLI must say what is
+        # wrong with --expires, not die with an OverflowError traceback.
+        (["--expires", "3000000d"], "--expires"),
+        (["--expires", "1000000000d"], "--expires"),
+    ],
+    ids=["5x", "0d", "version-negative", "past-year-9999", "past-timedelta-max"],
+)
+def test_sign_refuses_bad_options(
+    lock: Path, key: KeyPair, capsys: pytest.CaptureFixture[str], option: list[str], message: str
+) -> None:
     before = lock.read_bytes()
     result = run(capsys, "lock", "sign", "--lock", lock, "--key", key.pem, *option)
     assert result.status == 1
@@ -380,7 +418,8 @@ def test_sign_refuses_bad_options(lock: Path, key: KeyPair, capsys: pytest.Captu
 
 
 def test_cosign_adds_a_second_signature_and_changes_nothing_else(
-        signed: Path, key: KeyPair, key2: KeyPair, capsys: pytest.CaptureFixture[str]) -> None:
+    signed: Path, key: KeyPair, key2: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = read_json(signed)
     result = run(capsys, "lock", "sign", "--lock", signed, "--key", key2.pem, "--cosign")
     assert result.status == 0, result.err
@@ -395,7 +434,8 @@ def test_cosign_adds_a_second_signature_and_changes_nothing_else(
 
 
 def test_cosign_with_the_same_key_replaces_its_signature(
-        signed: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]) -> None:
+    signed: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run(capsys, "lock", "sign", "--lock", signed, "--key", key.pem, "--cosign").status == 0
     assert [s["key_id"] for s in read_json(signed)["signatures"]] == [key.key_id]
 
@@ -409,7 +449,8 @@ def test_cosign_needs_a_signed_lock(lock: Path, key: KeyPair, capsys: pytest.Cap
 
 
 def test_cosign_refuses_version_and_expires(
-        signed: Path, key2: KeyPair, capsys: pytest.CaptureFixture[str]) -> None:
+    signed: Path, key2: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = signed.read_bytes()
     result = run(capsys, "lock", "sign", "--lock", signed, "--key", key2.pem, "--cosign", "--expires", "2w")
     assert result.status == 1
@@ -419,9 +460,11 @@ def test_cosign_refuses_version_and_expires(
 
 @pytest.mark.parametrize("kind", ["public-key", "garbage", "missing"])
 def test_sign_with_something_that_is_not_a_signing_key(
-        tmp_path: Path, lock: Path, key: KeyPair, capsys: pytest.CaptureFixture[str], kind: str) -> None:
-    bad = {"public-key": key.pub, "garbage": tmp_path / "garbage.pem",
-           "missing": tmp_path / "missing.pem"}[kind]
+    tmp_path: Path, lock: Path, key: KeyPair, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    bad = {"public-key": key.pub, "garbage": tmp_path / "garbage.pem", "missing": tmp_path / "missing.pem"}[
+        kind
+    ]
     if kind == "garbage":
         bad.write_bytes(b"-----BEGIN PRIVATE KEY-----\nnot base64 at all!\n-----END PRIVATE KEY-----\n")
     before = lock.read_bytes()
@@ -438,8 +481,9 @@ def test_sign_with_something_that_is_not_a_signing_key(
 # ---- lock verify ----------------------------------------------------------------------------
 
 
-def test_verify_a_good_lock(signed: Path, models: Path, key: KeyPair, pristine: dict[str, bytes],
-                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_a_good_lock(
+    signed: Path, models: Path, key: KeyPair, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     result = run(capsys, "lock", "verify", "--lock", signed, "--models-dir", models, "--trusted", key.pub)
     assert result.status == 0, result.out
     lines = result.out.splitlines()
@@ -452,14 +496,16 @@ def test_verify_a_good_lock(signed: Path, models: Path, key: KeyPair, pristine: 
 
 
 def test_verify_trusts_any_of_several_keys(
-        signed: Path, key: KeyPair, key2: KeyPair, capsys: pytest.CaptureFixture[str]) -> None:
+    signed: Path, key: KeyPair, key2: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = run(capsys, "lock", "verify", "--lock", signed, "--trusted", key2.pub, key.pub)
     assert result.status == 0, result.out
     assert f"signature by {key.key_id[:16]}… verifies" in result.out
 
 
-def test_verify_a_flipped_byte(signed: Path, models: Path, key: KeyPair,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_a_flipped_byte(
+    signed: Path, models: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = models / "tiny.gguf"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0x01  # a weight, not the header: only the hash can notice
@@ -471,28 +517,33 @@ def test_verify_a_flipped_byte(signed: Path, models: Path, key: KeyPair,
     assert "verifies" in lines_of(result.out, "lock ")[0]
 
 
-def test_verify_a_truncated_file(signed: Path, models: Path, key: KeyPair, pristine: dict[str, bytes],
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_a_truncated_file(
+    signed: Path, models: Path, key: KeyPair, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     size = len(pristine["tiny-b.gguf"])
     with (models / "tiny-b.gguf").open("r+b") as fh:
         fh.truncate(size - 100)
     result = run(capsys, "lock", "verify", "--lock", signed, "--trusted", key.pub)
     assert result.status == 1
-    assert (f"tiny-b    FAILED: tiny-b.gguf is {size - 100} bytes; the lockfile says {size}"
-            in result.out.splitlines())
+    assert (
+        f"tiny-b    FAILED: tiny-b.gguf is {size - 100} bytes; the lockfile says {size}"
+        in result.out.splitlines()
+    )
     assert lines_of(result.out, "tiny ")[0].startswith("tiny      ok: ")
 
 
-def test_verify_a_missing_file(signed: Path, models: Path, key: KeyPair,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_a_missing_file(
+    signed: Path, models: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     (models / "tiny.gguf").unlink()
     result = run(capsys, "lock", "verify", "--lock", signed, "--trusted", key.pub)
     assert result.status == 1
     assert "tiny      FAILED: cannot open tiny.gguf: No such file or directory" in result.out.splitlines()
 
 
-def test_verify_a_lock_edited_after_signing(signed: Path, key: KeyPair, pristine: dict[str, bytes],
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_a_lock_edited_after_signing(
+    signed: Path, key: KeyPair, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     document = read_json(signed)
     size = document["models"]["tiny"]["size"]
     document["models"]["tiny"]["size"] = size + 1
@@ -504,8 +555,9 @@ def test_verify_a_lock_edited_after_signing(signed: Path, key: KeyPair, pristine
     assert f"tiny      FAILED: tiny.gguf is {size} bytes; the lockfile says {size + 1}" in lines
 
 
-def test_verify_a_version_edited_after_signing(signed: Path, key: KeyPair,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_a_version_edited_after_signing(
+    signed: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     # An edit that leaves every file matching: only the signature can catch it.
     document = read_json(signed)
     document["version"] = 99
@@ -517,16 +569,20 @@ def test_verify_a_version_edited_after_signing(signed: Path, key: KeyPair,
     assert all(" ok: " in line for line in lines_of(result.out, "tiny"))
 
 
-def test_verify_with_an_untrusted_key(signed: Path, key: KeyPair, key2: KeyPair,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_with_an_untrusted_key(
+    signed: Path, key: KeyPair, key2: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = run(capsys, "lock", "verify", "--lock", signed, "--trusted", key2.pub)
     assert result.status == 1
-    assert (f"lock      FAILED: the lockfile is signed only by untrusted keys ({key.key_id[:16]})"
-            in result.out.splitlines())
+    assert (
+        f"lock      FAILED: the lockfile is signed only by untrusted keys ({key.key_id[:16]})"
+        in result.out.splitlines()
+    )
 
 
-def test_verify_an_unsigned_lock_with_a_trusted_key(lock: Path, key: KeyPair,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_an_unsigned_lock_with_a_trusted_key(
+    lock: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = run(capsys, "lock", "verify", "--lock", lock, "--trusted", key.pub)
     assert result.status == 1
     assert "lock      FAILED: the lockfile is not signed" in result.out.splitlines()
@@ -545,12 +601,15 @@ def test_verify_an_expired_lock(signed: Path, key: KeyPair, capsys: pytest.Captu
     assert "lock      FAILED: the lockfile expired at 2020-01-01T00:00:00Z" in result.out.splitlines()
 
 
-NO_SIGNATURE = ("lock      version 1: FAILED: no signature verified: no trusted key given "
-                "(--trusted PUBKEY, or --config FILE for the daemon's own)")
+NO_SIGNATURE = (
+    "lock      version 1: FAILED: no signature verified: no trusted key given "
+    "(--trusted PUBKEY, or --config FILE for the daemon's own)"
+)
 
 
 def test_verify_without_trusted_keys_says_no_signature_verified_and_still_checks_files(
-        signed: Path, models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    signed: Path, models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = run(capsys, "lock", "verify", "--lock", signed)
     assert result.status == 1  # every file matches, but nothing vouches for the lock itself
     lines = result.out.splitlines()
@@ -567,8 +626,9 @@ def test_verify_without_trusted_keys_says_no_signature_verified_and_still_checks
     assert lines_of(result.out, "tiny ")[0].startswith("tiny      FAILED: tiny.gguf has sha256 ")
 
 
-def test_verify_with_models_elsewhere(tmp_path: Path, signed: Path, models: Path, key: KeyPair,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_with_models_elsewhere(
+    tmp_path: Path, signed: Path, models: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     moved = tmp_path / "moved.lock"
     shutil.copy(signed, moved)
     result = run(capsys, "lock", "verify", "--lock", moved, "--trusted", key.pub)
@@ -585,8 +645,12 @@ def _config(tmp_path: Path, lock: Path, models: Path, trusted: list[Path], **ext
     """A daemon config serving `tiny` and `tiny-b` from `lock`, trusting `trusted`."""
     document: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": 8080},
-        "lock": {"file": str(lock), "trusted_keys": [str(p) for p in trusted], "models_dir": str(models),
-                 "state_dir": str(tmp_path / "state")},
+        "lock": {
+            "file": str(lock),
+            "trusted_keys": [str(p) for p in trusted],
+            "models_dir": str(models),
+            "state_dir": str(tmp_path / "state"),
+        },
         "models": [{"name": "tiny"}, {"name": "tiny-b"}],
         **extra,
     }
@@ -596,8 +660,13 @@ def _config(tmp_path: Path, lock: Path, models: Path, trusted: list[Path], **ext
 
 
 def test_verify_with_the_config_takes_the_lock_keys_and_models_dir_from_it(
-        tmp_path: Path, signed: Path, models: Path, key: KeyPair, key2: KeyPair,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path,
+    signed: Path,
+    models: Path,
+    key: KeyPair,
+    key2: KeyPair,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     elsewhere = tmp_path / "etc"
     elsewhere.mkdir()
     moved = elsewhere / "models.lock"  # not beside the models: only the config says where they are
@@ -615,24 +684,33 @@ def test_verify_with_the_config_takes_the_lock_keys_and_models_dir_from_it(
 
 
 def test_verify_with_the_config_refuses_a_rolled_back_version(
-        tmp_path: Path, signed: Path, models: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, signed: Path, models: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = _config(tmp_path, signed, models, [key.pub])
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "lock-state.json").write_text(json.dumps({"highest_version": 3}))
     result = run(capsys, "lock", "verify", "--config", config)
     assert result.status == 1
-    assert ("lock      FAILED: lockfile version 1 is lower than version 3 accepted before (rollback refused)"
-            in result.out.splitlines())
+    assert (
+        "lock      FAILED: lockfile version 1 is lower than version 3 accepted before (rollback refused)"
+        in result.out.splitlines()
+    )
 
 
-@pytest.mark.parametrize(("content", "problem"), [
-    ("server: [\n", "YAML syntax error"),
-    ("server: {}\nmodels: []\nlock: {allow_unsigned: true}\n", "models"),
-    ("server: {}\nmodels: [{name: m, file: /m.gguf}]\nlock: {allow_unsigned: true}\n",
-     "lock.allow_unsigned: it names no lockfile to verify"),
-])
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("server: [\n", "YAML syntax error"),
+        ("server: {}\nmodels: []\nlock: {allow_unsigned: true}\n", "models"),
+        (
+            "server: {}\nmodels: [{name: m, file: /m.gguf}]\nlock: {allow_unsigned: true}\n",
+            "lock.allow_unsigned: it names no lockfile to verify",
+        ),
+    ],
+)
 def test_verify_with_an_unusable_config_is_one_line(
-        content: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    content: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "edgellm.yaml"
     config.write_text(content, encoding="utf-8")
     result = run(capsys, "lock", "verify", "--config", config)
@@ -644,7 +722,8 @@ def test_verify_with_an_unusable_config_is_one_line(
 
 
 def test_verify_refuses_a_config_that_is_a_fifo_without_blocking(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "edgellm.yaml"
     os.mkfifo(config)
     result = run(capsys, "lock", "verify", "--config", config)
@@ -654,7 +733,8 @@ def test_verify_refuses_a_config_that_is_a_fifo_without_blocking(
 
 @pytest.mark.parametrize("extra", [["--lock", "models.lock"], ["--trusted", "k.pub"], ["--models-dir", "m"]])
 def test_verify_config_names_the_lock_keys_and_models_dir_alone(
-        extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as excinfo:
         main(["lock", "verify", "--config", "edgellm.yaml", *extra])
     assert excinfo.value.code == 2
@@ -665,25 +745,38 @@ def test_verify_config_names_the_lock_keys_and_models_dir_alone(
 
 
 def test_show_prints_version_signers_and_a_row_per_model(
-        signed: Path, key: KeyPair, key2: KeyPair, pristine: dict[str, bytes],
-        capsys: pytest.CaptureFixture[str]) -> None:
+    signed: Path, key: KeyPair, key2: KeyPair, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run(capsys, "lock", "sign", "--lock", signed, "--key", key2.pem, "--cosign").status == 0
     document = read_json(signed)
     result = run(capsys, "lock", "show", "--lock", signed)
     assert result.status == 0
     lines = result.out.splitlines()
-    assert lines[0] == (f"version 1  issued {document['issued']}  expires {document['expires']}  "
-                        "signatures 2")
+    assert lines[0] == (
+        f"version 1  issued {document['issued']}  expires {document['expires']}  signatures 2"
+    )
     assert lines[1] == f"  signed by {key.key_id}"
     assert lines[2] == f"  signed by {key2.key_id}"
     assert lines[3].split() == ["NAME", "FILE", "SIZE", "SHA256", "GGUF"]
     rows = [line.split() for line in lines[4:]]
     sha = {name: hashlib.sha256(data).hexdigest() for name, data in pristine.items()}
     assert rows == [
-        ["tiny", "tiny.gguf", str(len(pristine["tiny.gguf"])), sha["tiny.gguf"][:16] + "…",
-         "architecture=llama", "file_type=ALL_F32"],
-        ["tiny-b", "tiny-b.gguf", str(len(pristine["tiny-b.gguf"])), sha["tiny-b.gguf"][:16] + "…",
-         "architecture=llama", "file_type=ALL_F32"],
+        [
+            "tiny",
+            "tiny.gguf",
+            str(len(pristine["tiny.gguf"])),
+            sha["tiny.gguf"][:16] + "…",
+            "architecture=llama",
+            "file_type=ALL_F32",
+        ],
+        [
+            "tiny-b",
+            "tiny-b.gguf",
+            str(len(pristine["tiny-b.gguf"])),
+            sha["tiny-b.gguf"][:16] + "…",
+            "architecture=llama",
+            "file_type=ALL_F32",
+        ],
     ]
 
 
@@ -697,31 +790,62 @@ def test_show_an_unsigned_lock(lock: Path, capsys: pytest.CaptureFixture[str]) -
 _GOOD_ENTRY: dict[str, Any] = {"file": "tiny.gguf", "size": 10, "sha256": "ab" * 32}
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("{not json", "not valid JSON"),
-    ("[]", "the lockfile must be a JSON object"),
-    (json.dumps({"schema": 1, "version": "x", "models": {}}), "version: must be an integer >= 0"),
-    (json.dumps({"schema": 1, "version": -1, "models": {}}), "version: must be an integer >= 0"),
-    (json.dumps({"schema": 1, "version": 0}), "models: required"),
-    (json.dumps({"schema": 1, "version": 0, "models": []}), "models: must be an object"),
-    (json.dumps({"schema": 2, "version": 0, "models": {}}), "schema: must be 1"),
-    (json.dumps({"schema": 1, "version": 0, "models": {"tiny": {"file": "tiny.gguf", "size": 10}}}),
-     "models.tiny.sha256: required"),
-    (json.dumps({"schema": 1, "version": 0, "models": {"tiny": {**_GOOD_ENTRY, "sha256": "AB" * 32}}}),
-     "models.tiny.sha256: must be 64 lowercase hex digits"),
-    (json.dumps({"schema": 1, "version": 0, "models": {"tiny": {**_GOOD_ENTRY, "size": 0}}}),
-     "models.tiny.size: must be an integer >= 1"),
-    (json.dumps({"schema": 1, "version": 0, "models": {"tiny": {**_GOOD_ENTRY, "url": "x"}}}),
-     "models.tiny.url: unknown member"),
-    (json.dumps({"schema": 1, "version": 0, "models": {}, "comment": "hi"}), "comment: unknown member"),
-    (json.dumps({"schema": 1, "version": 0, "models": {}, "expires": "tomorrow"}), "expires: must be a UTC"),
-    (json.dumps({"schema": 1, "version": 0, "models": {}, "signatures": [{"alg": "rsa"}]}),
-     "signatures[0].alg: must be 'ed25519'"),
-], ids=["bad-json", "not-an-object", "version-string", "version-negative", "models-missing",
-        "models-list", "schema-2", "sha256-missing", "sha256-uppercase", "size-zero", "entry-unknown",
-        "top-unknown", "expires-bad", "signature-alg"])
-def test_show_refuses_a_malformed_lock(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                       text: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "the lockfile must be a JSON object"),
+        (json.dumps({"schema": 1, "version": "x", "models": {}}), "version: must be an integer >= 0"),
+        (json.dumps({"schema": 1, "version": -1, "models": {}}), "version: must be an integer >= 0"),
+        (json.dumps({"schema": 1, "version": 0}), "models: required"),
+        (json.dumps({"schema": 1, "version": 0, "models": []}), "models: must be an object"),
+        (json.dumps({"schema": 2, "version": 0, "models": {}}), "schema: must be 1"),
+        (
+            json.dumps({"schema": 1, "version": 0, "models": {"tiny": {"file": "tiny.gguf", "size": 10}}}),
+            "models.tiny.sha256: required",
+        ),
+        (
+            json.dumps({"schema": 1, "version": 0, "models": {"tiny": {**_GOOD_ENTRY, "sha256": "AB" * 32}}}),
+            "models.tiny.sha256: must be 64 lowercase hex digits",
+        ),
+        (
+            json.dumps({"schema": 1, "version": 0, "models": {"tiny": {**_GOOD_ENTRY, "size": 0}}}),
+            "models.tiny.size: must be an integer >= 1",
+        ),
+        (
+            json.dumps({"schema": 1, "version": 0, "models": {"tiny": {**_GOOD_ENTRY, "url": "x"}}}),
+            "models.tiny.url: unknown member",
+        ),
+        (json.dumps({"schema": 1, "version": 0, "models": {}, "comment": "hi"}), "comment: unknown member"),
+        (
+            json.dumps({"schema": 1, "version": 0, "models": {}, "expires": "tomorrow"}),
+            "expires: must be a UTC",
+        ),
+        (
+            json.dumps({"schema": 1, "version": 0, "models": {}, "signatures": [{"alg": "rsa"}]}),
+            "signatures[0].alg: must be 'ed25519'",
+        ),
+    ],
+    ids=[
+        "bad-json",
+        "not-an-object",
+        "version-string",
+        "version-negative",
+        "models-missing",
+        "models-list",
+        "schema-2",
+        "sha256-missing",
+        "sha256-uppercase",
+        "size-zero",
+        "entry-unknown",
+        "top-unknown",
+        "expires-bad",
+        "signature-alg",
+    ],
+)
+def test_show_refuses_a_malformed_lock(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
     path = tmp_path / "models.lock"
     path.write_text(text)
     result = run(capsys, "lock", "show", "--lock", path)
@@ -738,8 +862,7 @@ def test_show_a_missing_lock(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "nope.lock: No such file or directory" in result.err
 
 
-def test_add_refuses_to_extend_a_malformed_lock(
-        models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_add_refuses_to_extend_a_malformed_lock(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = models / "models.lock"
     path.write_text(json.dumps({"schema": 1, "version": 0, "models": {}, "extra": 1}))
     before = path.read_bytes()
@@ -764,17 +887,25 @@ def _write_entry(lock: Path, key: KeyPair | None, **change: Any) -> bytes:
     return data
 
 
-BAD_FILES = [("nul", "tiny.gguf\x00.txt", "must not contain control characters"),
-             ("dotdot", "../tiny.gguf", "contains '..'"),
-             ("absolute", "/etc/passwd", "is an absolute path"),
-             ("c1-control", "tiny\x9b.gguf", "must not contain control characters")]
+BAD_FILES = [
+    ("nul", "tiny.gguf\x00.txt", "must not contain control characters"),
+    ("dotdot", "../tiny.gguf", "contains '..'"),
+    ("absolute", "/etc/passwd", "is an absolute path"),
+    ("c1-control", "tiny\x9b.gguf", "must not contain control characters"),
+]
 
 
 @pytest.mark.parametrize(("file", "reason"), [pytest.param(f, r, id=i) for i, f, r in BAD_FILES])
 @pytest.mark.parametrize("verb", ["verify", "sign", "show", "add"])
 def test_a_bad_entry_is_refused_in_one_line_and_nothing_is_signed_or_written(
-        verb: str, file: str, reason: str, lock: Path, models: Path, key: KeyPair,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    verb: str,
+    file: str,
+    reason: str,
+    lock: Path,
+    models: Path,
+    key: KeyPair,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     before = _write_entry(lock, key if verb == "verify" else None, file=file)
     commands: dict[str, list[str | Path]] = {
         "verify": ["lock", "verify", "--lock", lock, "--trusted", key.pub],
@@ -793,7 +924,8 @@ def test_a_bad_entry_is_refused_in_one_line_and_nothing_is_signed_or_written(
 
 
 def test_add_refuses_a_file_name_the_lockfile_cannot_hold(
-        models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     for name in ("new\nline.gguf", "back\\slash.gguf"):
         (models / name).write_bytes(pristine["tiny.gguf"])
         lock = models / "models.lock"
@@ -807,7 +939,8 @@ def test_add_refuses_a_file_name_the_lockfile_cannot_hold(
 
 
 def test_add_refuses_a_gguf_header_whose_strings_the_lockfile_cannot_hold(
-        models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    models: Path, pristine: dict[str, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     # general.architecture is the header's first string value: "llama", 5 bytes after its length.
     data = pristine["tiny.gguf"]
     value = (5).to_bytes(8, "little") + b"llama"
@@ -853,8 +986,8 @@ WHAT = {"fifo": "a FIFO", "directory": "a directory", "socket": "a socket"}
 
 @pytest.mark.parametrize("kind", list(WHAT))
 def test_model_lock_and_key_files_that_are_not_regular_files_are_refused_at_once(
-        kind: str, tmp_path: Path, signed: Path, models: Path, key: KeyPair,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    kind: str, tmp_path: Path, signed: Path, models: Path, key: KeyPair, capsys: pytest.CaptureFixture[str]
+) -> None:
     noun = WHAT[kind]
     with _not_regular(kind, models / "tiny.gguf"):
         result = run(capsys, "lock", "verify", "--lock", signed, "--trusted", key.pub)
@@ -883,14 +1016,17 @@ def test_model_lock_and_key_files_that_are_not_regular_files_are_refused_at_once
 # ---- argument errors ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [
-    ["lock"],
-    ["lock", "sign"],  # --key is required
-    ["keygen"],  # --out is required
-    ["lock", "frobnicate"],
-    ["lock", "sign", "--ke", "signing.pem"],  # options by their full names only
-    ["lock", "verify", "--trust", "signing.pub"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["lock"],
+        ["lock", "sign"],  # --key is required
+        ["keygen"],  # --out is required
+        ["lock", "frobnicate"],
+        ["lock", "sign", "--ke", "signing.pem"],  # options by their full names only
+        ["lock", "verify", "--trust", "signing.pub"],
+    ],
+)
 def test_argument_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as excinfo:
         main(argv)

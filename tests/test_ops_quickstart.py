@@ -42,8 +42,12 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> Result:
 def check_config(directory: Path) -> None:
     """The config quickstart wrote is one the daemon takes."""
     config = directory / "edgellm.yaml"
-    checked = subprocess.run([sys.executable, "-m", "edgellmd", "--check-config", str(config)],
-                             capture_output=True, text=True, check=False)
+    checked = subprocess.run(
+        [sys.executable, "-m", "edgellmd", "--check-config", str(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert checked.returncode == 0, checked.stderr
 
 
@@ -75,16 +79,20 @@ def fresh(tmp_path: Path, installed: Path) -> Path:
 # ---- arguments ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("option", "value", "message"), [
-    ("--port", "0", "argument --port: must be an integer in 1..65535, got 0"),
-    ("--port", "65536", "argument --port: must be an integer in 1..65535, got 65536"),
-    ("--port", "http", "argument --port: must be an integer in 1..65535, got 'http'"),
-    ("--slots", "0", "argument --slots: must be an integer >= 1, got 0"),
-    ("--slots", "two", "argument --slots: must be an integer >= 1, got 'two'"),
-    ("--context", "63", "argument --context: must be an integer >= 64, got 63"),
-])
-def test_bad_numbers_are_argument_errors(option: str, value: str, message: str, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--port", "0", "argument --port: must be an integer in 1..65535, got 0"),
+        ("--port", "65536", "argument --port: must be an integer in 1..65535, got 65536"),
+        ("--port", "http", "argument --port: must be an integer in 1..65535, got 'http'"),
+        ("--slots", "0", "argument --slots: must be an integer >= 1, got 0"),
+        ("--slots", "two", "argument --slots: must be an integer >= 1, got 'two'"),
+        ("--context", "63", "argument --context: must be an integer >= 64, got 63"),
+    ],
+)
+def test_bad_numbers_are_argument_errors(
+    option: str, value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as caught:
         main(["quickstart", "--dir", str(tmp_path / "qs"), option, value])
     assert caught.value.code == 2
@@ -97,12 +105,16 @@ def test_bad_numbers_are_argument_errors(option: str, value: str, message: str, 
 # ---- failures: one line, exit 1, and a second run that works ---------------------------------
 
 
-@pytest.mark.parametrize(("extra", "problem"), [
-    (["--slots", "100000"], "models[0].slots"),
-    (["--host", "a b"], "server.host"),
-])
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        (["--slots", "100000"], "models[0].slots"),
+        (["--host", "a b"], "server.host"),
+    ],
+)
 def test_a_config_the_daemon_would_refuse_is_never_written(
-        extra: list[str], problem: str, fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    extra: list[str], problem: str, fresh: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = run(capsys, "quickstart", "--dir", fresh, *extra)
     assert_one_line(result)
     assert "the config would be invalid: " in result.err
@@ -136,11 +148,18 @@ OBSTACLES: list[tuple[str, Callable[[Path], None], list[str], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("where", "make", "extra", "named"),
-                         [pytest.param(*o, id=o[0].replace("/", "-")) for o in OBSTACLES])
+@pytest.mark.parametrize(
+    ("where", "make", "extra", "named"), [pytest.param(*o, id=o[0].replace("/", "-")) for o in OBSTACLES]
+)
 def test_a_path_in_the_way_is_one_line_and_a_second_run_works(
-        where: str, make: Callable[[Path], None], extra: list[str], named: str, tmp_path: Path,
-        installed: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    where: str,
+    make: Callable[[Path], None],
+    extra: list[str],
+    named: str,
+    tmp_path: Path,
+    installed: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     directory = tmp_path / "qs"
     if where not in (".", "models"):
         (directory / "models").mkdir(parents=True)
@@ -184,13 +203,18 @@ def _file_size_limit(limit: int) -> Callable[[], None]:
 
 
 def _limited_quickstart(directory: Path, limit: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "edgellmctl", "quickstart", "--dir", str(directory)],
-                          capture_output=True, text=True, check=False,
-                          preexec_fn=_file_size_limit(limit))
+    return subprocess.run(
+        [sys.executable, "-m", "edgellmctl", "quickstart", "--dir", str(directory)],
+        capture_output=True,
+        text=True,
+        check=False,
+        preexec_fn=_file_size_limit(limit),
+    )
 
 
 def test_a_write_error_while_installing_the_model_leaves_nothing_a_second_run_trips_on(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     directory = tmp_path / "qs"
     failed = _limited_quickstart(directory, 1 << 20)
     assert failed.returncode == 1, failed.stderr
@@ -205,7 +229,8 @@ def test_a_write_error_while_installing_the_model_leaves_nothing_a_second_run_tr
 
 
 def test_a_write_error_on_the_config_leaves_no_config(
-        fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fresh: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # The keys file and the signed lock are ~500 and ~650 bytes; the config is ~1000.
     failed = _limited_quickstart(fresh, 800)
     assert failed.returncode == 1, failed.stderr
@@ -221,7 +246,8 @@ def test_a_write_error_on_the_config_leaves_no_config(
 
 
 def test_a_model_file_that_is_not_the_demo_model_is_named_with_what_to_do(
-        fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fresh: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = fresh / "models" / DEMO_FILE
     model.unlink()
     model.write_bytes(b"GGUF half a model")
@@ -247,7 +273,8 @@ def test_the_admin_key_reads_metrics_and_the_inference_key_only_infers(fresh: Pa
 
 
 def test_a_second_run_keeps_good_tokens_and_replaces_broken_ones(
-        fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fresh: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run(capsys, "quickstart", "--dir", fresh).status == 0
     inference = (fresh / "inference.key").read_text()
     (fresh / "admin.key").write_text("")  # as a run cut short before this fix left it
@@ -261,7 +288,8 @@ def test_a_second_run_keeps_good_tokens_and_replaces_broken_ones(
 
 
 def test_an_admin_key_from_an_older_quickstart_gains_the_metrics_scope(
-        fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fresh: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run(capsys, "quickstart", "--dir", fresh).status == 0
     token = (fresh / "admin.key").read_text()
     parsed = parse_token(token.strip())
@@ -278,7 +306,8 @@ def test_an_admin_key_from_an_older_quickstart_gains_the_metrics_scope(
 
 
 def test_lock_verify_with_the_config_checks_the_signature_and_the_model(
-        fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fresh: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run(capsys, "quickstart", "--dir", fresh).status == 0
     result = run(capsys, "lock", "verify", "--config", fresh / "edgellm.yaml")
     assert result.status == 0, result.out + result.err
@@ -289,7 +318,8 @@ def test_lock_verify_with_the_config_checks_the_signature_and_the_model(
 
 
 def test_lock_verify_of_a_quickstart_lock_without_trusted_keys_verifies_no_signature(
-        fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fresh: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run(capsys, "quickstart", "--dir", fresh).status == 0
     result = run(capsys, "lock", "verify", "--lock", fresh / "models.lock", "--models-dir", fresh / "models")
     assert result.status == 1

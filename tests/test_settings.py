@@ -52,8 +52,7 @@ def problems_of(path: Path) -> list[str]:
 def with_model(**fields: Any) -> dict[str, Any]:
     """A config whose only model has name and file plus the given fields (None drops a key)."""
     model: dict[str, Any] = {"name": "tiny", "file": "tiny.gguf", **fields}
-    return {"models": [{key: value for key, value in model.items() if value is not None}],
-            "lock": UL}
+    return {"models": [{key: value for key, value in model.items() if value is not None}], "lock": UL}
 
 
 # --- good configs -------------------------------------------------------------------------
@@ -190,10 +189,16 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             ),
         ),
         logging=LoggingSettings(level="debug", format="text"),
-        auth=AuthSettings(keys_file=tmp_path / "secrets" / "keys.yaml", admin_cidrs=("10.0.0.0/8",),
-                          metrics_public=True),
-        lifecycle=LifecycleSettings(preload_dir=tmp_path / "shm", preload_max_mb=512, watch=False,
-                                    watch_settle_s=0.5, memory_budget_mb=4096),
+        auth=AuthSettings(
+            keys_file=tmp_path / "secrets" / "keys.yaml", admin_cidrs=("10.0.0.0/8",), metrics_public=True
+        ),
+        lifecycle=LifecycleSettings(
+            preload_dir=tmp_path / "shm",
+            preload_max_mb=512,
+            watch=False,
+            watch_settle_s=0.5,
+            memory_budget_mb=4096,
+        ),
         host=HostSettings(cpus="0-3,8", gpu_poll_s=2.5, gpu_headroom_mb=2048),
         source=tmp_path / "edgellm.yaml",
     )
@@ -516,9 +521,7 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("content", "path", "fragment"),
     [pytest.param(content, path, fragment, id=row_id) for row_id, content, path, fragment in BAD],
 )
-def test_bad_config_names_the_key_path(
-    tmp_path: Path, content: Any, path: str, fragment: str
-) -> None:
+def test_bad_config_names_the_key_path(tmp_path: Path, content: Any, path: str, fragment: str) -> None:
     config = write(tmp_path, content if isinstance(content, str | bytes) else dump(content))
     where = path.format(file=config)
 
@@ -586,8 +589,11 @@ def test_a_signed_lock_is_read_relative_to_the_config(tmp_path: Path) -> None:
     settings = parse_settings({"models": [{"name": "tiny"}], "lock": SIGNED}, base_dir=tmp_path)
 
     assert settings.lock == LockSettings(
-        file=tmp_path / "models.lock", trusted_keys=(tmp_path / "keys/a.pub",),
-        models_dir=tmp_path / "models", state_dir=tmp_path / "state")
+        file=tmp_path / "models.lock",
+        trusted_keys=(tmp_path / "keys/a.pub",),
+        models_dir=tmp_path / "models",
+        state_dir=tmp_path / "state",
+    )
     assert settings.models[0].file is None
 
 
@@ -671,9 +677,7 @@ def test_check_config_returns_the_problems_for_a_bad_file(tmp_path: Path) -> Non
 def test_check_config_reports_a_missing_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
 
-    assert check_config(missing) == [
-        f"{missing}: cannot read config file: No such file or directory"
-    ]
+    assert check_config(missing) == [f"{missing}: cannot read config file: No such file or directory"]
 
 
 def test_check_config_reports_a_directory(tmp_path: Path) -> None:

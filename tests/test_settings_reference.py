@@ -35,9 +35,15 @@ from edgellmd.settings import (
 
 REPO: Final = Path(__file__).resolve().parent.parent
 README: Final = REPO / "README.md"
-SECTIONS: Final = {"server": ServerSettings, "models": ModelSettings, "logging": LoggingSettings,
-                   "lock": LockSettings, "auth": AuthSettings, "lifecycle": LifecycleSettings,
-                   "host": HostSettings}
+SECTIONS: Final = {
+    "server": ServerSettings,
+    "models": ModelSettings,
+    "logging": LoggingSettings,
+    "lock": LockSettings,
+    "auth": AuthSettings,
+    "lifecycle": LifecycleSettings,
+    "host": HostSettings,
+}
 NOT_SETTINGS: Final = {(Settings, "source")}  # where a config was read from is no key of it
 
 
@@ -133,13 +139,16 @@ def test_defaults_other_modules_name_are_the_declared_ones() -> None:
     assert settings_mod.DEFAULT_SHUTDOWN_TIMEOUT_S == ServerSettings().shutdown_timeout_s == 30.0
     assert settings_mod.DEFAULT_PRELOAD_DIR == LifecycleSettings().preload_dir == Path("/dev/shm/edgellm")
     assert GPU_LAYERS_AUTO == "auto"
-    assert not any(isinstance(v, int) and v == -2 for v in vars(settings_mod).values()
-                   if not isinstance(v, bool)), "gpu_layers has no -2 sentinel any more"
+    assert not any(
+        isinstance(v, int) and v == -2 for v in vars(settings_mod).values() if not isinstance(v, bool)
+    ), "gpu_layers has no -2 sentinel any more"
 
 
 def test_gpu_layers_auto_is_kept_as_written() -> None:
-    data = {"models": [{"name": "m", "file": "m.gguf", "gpu_layers": "auto"}],
-            "lock": {"allow_unsigned": True}}
+    data = {
+        "models": [{"name": "m", "file": "m.gguf", "gpu_layers": "auto"}],
+        "lock": {"allow_unsigned": True},
+    }
     assert parse_settings(data, base_dir=Path("/srv")).models[0].gpu_layers == "auto"
 
 
@@ -152,12 +161,14 @@ def test_the_readme_carries_the_reference_generated_from_the_declarations() -> N
     assert readme.count(README_END) == 1
     assert with_reference(readme) == readme, (
         "README.md's configuration reference is stale: run "
-        "`python -m edgellmd.settings --markdown --readme README.md`")
+        "`python -m edgellmd.settings --markdown --readme README.md`"
+    )
 
 
 @pytest.mark.parametrize(("key", "field", "about"), _declared(), ids=[key for key, _, _ in _declared()])
 def test_each_setting_has_a_table_row_with_its_default_and_doc(
-        key: str, field: dataclasses.Field[Any], about: About) -> None:
+    key: str, field: dataclasses.Field[Any], about: About
+) -> None:
     rows = _rows()
     assert key in rows, f"README.md's Configuration table has no row for {key}"
     default, _accepts, meaning = rows[key]
@@ -214,8 +225,13 @@ def test_the_yaml_block_is_a_valid_config_of_the_defaults(tmp_path: Path) -> Non
 
 
 def test_the_script_prints_the_reference() -> None:
-    result = subprocess.run([sys.executable, "-m", "edgellmd.settings", "--markdown"], capture_output=True,
-                            text=True, check=False, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "edgellmd.settings", "--markdown"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert result.stdout == reference_markdown()

@@ -52,14 +52,16 @@ SYS_UID_MAX: Final = 999  # Debian's system range (login.defs SYS_UID_MAX)
 ACCEPTED_VERIFY_LINES: Final[tuple[str, ...]] = ()
 # ... and about the shipped file, where /opt/edgellm does not exist (every CI machine): only
 # that the daemon is not installed there, once per command that runs it.
-NOT_INSTALLED: Final = (f"edgellm.service: Command {SHIPPED_DAEMON} is not executable: "
-                        "No such file or directory")
+NOT_INSTALLED: Final = (
+    f"edgellm.service: Command {SHIPPED_DAEMON} is not executable: No such file or directory"
+)
 
 
 def tool(name: str, package: str = "systemd") -> str:
     """The path of a command these tests need; fails (not skips) without it: CI must have it."""
-    found = shutil.which(name) or next((str(p) for p in (Path("/usr/bin") / name, Path("/bin") / name)
-                                        if p.exists()), None)
+    found = shutil.which(name) or next(
+        (str(p) for p in (Path("/usr/bin") / name, Path("/bin") / name) if p.exists()), None
+    )
     if found is None:
         pytest.fail(f"{name} not found: install Debian's {package} package (apt-get install {package})")
     return found
@@ -250,15 +252,19 @@ def test_commands_run_the_daemon_with_one_config_path(unit: Unit) -> None:
 
 
 def test_device_allow_lists_the_nvidia_groups_only(unit: Unit) -> None:
-    assert sorted(unit["Service"]["DeviceAllow"]) == sorted([
-        "char-nvidia-frontend rw",  # major 195 before driver 550
-        "char-nvidia rw",  # major 195 from 550 on ...
-        "char-nvidiactl rw",  # ... and its control device
-        "char-nvidia-uvm rw",  # /dev/nvidia-uvm, /dev/nvidia-uvm-tools
-        "char-nvidia-caps r",  # MIG capabilities
-    ])
-    assert unit["Unit"]["Wants"] == ["network-online.target",
-                                     "modprobe@nvidia.service modprobe@nvidia_uvm.service"]
+    assert sorted(unit["Service"]["DeviceAllow"]) == sorted(
+        [
+            "char-nvidia-frontend rw",  # major 195 before driver 550
+            "char-nvidia rw",  # major 195 from 550 on ...
+            "char-nvidiactl rw",  # ... and its control device
+            "char-nvidia-uvm rw",  # /dev/nvidia-uvm, /dev/nvidia-uvm-tools
+            "char-nvidia-caps r",  # MIG capabilities
+        ]
+    )
+    assert unit["Unit"]["Wants"] == [
+        "network-online.target",
+        "modprobe@nvidia.service modprobe@nvidia_uvm.service",
+    ]
 
 
 def test_syscall_filter_keeps_pinning_memfd_and_mlock(unit: Unit) -> None:
@@ -358,8 +364,10 @@ def test_verify_is_not_blind(tmp_path: Path) -> None:
 def security(*options: str) -> subprocess.CompletedProcess[str]:
     version = systemd_version()
     if version < MIN_SYSTEMD:
-        pytest.fail(f"systemd-analyze {version} cannot rate a unit offline (--offline= needs systemd "
-                    f"{MIN_SYSTEMD}+; CI runs Debian 12's 252)")
+        pytest.fail(
+            f"systemd-analyze {version} cannot rate a unit offline (--offline= needs systemd "
+            f"{MIN_SYSTEMD}+; CI runs Debian 12's 252)"
+        )
     return run(tool("systemd-analyze"), "security", "--offline=true", *options, str(UNIT))
 
 
@@ -434,8 +442,9 @@ def test_tmpfiles_makes_the_private_directories(tmp_path: Path) -> None:
         # over (exit 73, EX_CANTCREAT) and says so once per directory, and nothing else.
         assert result.returncode == 73, result.stderr
         refused = re.compile(r"fchownat\(\) of (\S+) failed: Operation not permitted")
-        assert sorted(m.group(1) for line in output_lines(result) if (m := refused.fullmatch(line))) == \
-            sorted(f"{root}{path}" for path in expected)
+        assert sorted(
+            m.group(1) for line in output_lines(result) if (m := refused.fullmatch(line))
+        ) == sorted(f"{root}{path}" for path in expected)
         assert len(output_lines(result)) == len(expected)
     for path, (mode, owner, group) in expected.items():
         st = (root / path.lstrip("/")).stat()
@@ -484,8 +493,11 @@ def unit_filter(unit: Unit) -> tuple[set[str], set[str]]:
 
 def http(url: str, body: dict[str, object] | None = None) -> bytes:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data,  # noqa: S310 - http on loopback
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(  # noqa: S310 - http on loopback
+        url,
+        data=data,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 - loopback
         return bytes(response.read())
 
@@ -514,17 +526,30 @@ def test_daemon_stays_inside_the_unit_filters(tmp_path: Path, tiny_model: Path, 
     notify.bind(str(notify_path))
     notify.settimeout(0.2)
     port = free_port()
-    config = {"server": {"port": port},
-              "host": {"cpus": str(min(os.sched_getaffinity(0)))},
-              "models": [{"name": "m", "file": str(tiny_model), "threads": 1, "slots": 2,
-                          "context_size": 256}],
-              "lock": {"allow_unsigned": True},
-              "lifecycle": {"preload_dir": str(tmp_path / "shm"), "watch": True},
-              "logging": {"format": "json", "level": "info"}}
+    config = {
+        "server": {"port": port},
+        "host": {"cpus": str(min(os.sched_getaffinity(0)))},
+        "models": [{"name": "m", "file": str(tiny_model), "threads": 1, "slots": 2, "context_size": 256}],
+        "lock": {"allow_unsigned": True},
+        "lifecycle": {"preload_dir": str(tmp_path / "shm"), "watch": True},
+        "logging": {"format": "json", "level": "info"},
+    }
     (tmp_path / "edgellm.yaml").write_text(json.dumps(config), encoding="utf-8")
     trace = tmp_path / "trace"
-    command = [tool("strace", package="strace"), "-f", "-qq", "-e", "signal=none", "-o", str(trace),
-               sys.executable, "-m", "edgellmd", "--config", str(tmp_path / "edgellm.yaml")]
+    command = [
+        tool("strace", package="strace"),
+        "-f",
+        "-qq",
+        "-e",
+        "signal=none",
+        "-o",
+        str(trace),
+        sys.executable,
+        "-m",
+        "edgellmd",
+        "--config",
+        str(tmp_path / "edgellm.yaml"),
+    ]
     env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "2000000"}
     with (tmp_path / "daemon.log").open("wb") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -550,5 +575,3 @@ def test_daemon_stays_inside_the_unit_filters(tmp_path: Path, tiny_model: Path, 
     assert {"sched_setaffinity", "inotify_add_watch", "flock", "accept4"} <= used  # it did the work
     assert sorted(used - allowed) == [], "the unit's SystemCallFilter= would refuse these"
     assert set(SOCKET_FAMILY.findall(text)) <= families, "RestrictAddressFamilies= would refuse these"
-
-

@@ -26,10 +26,15 @@ def _answer(request: web.Request, action: str, outcomes: Sequence[Outcome]) -> w
     """200 when every operation succeeded (or had nothing to do), else 409; the body says which."""
     ok = all(o.ok for o in outcomes)
     caller = request.get(CALLER)
-    audit.info("admin %s: %s", action, ", ".join(f"{o.model} {o.result}" for o in outcomes) or "nothing",
-               extra={"peer": request.remote, "key_id": caller.key_id if caller else None})
-    return web.json_response({"ok": ok, "results": [o.as_dict() for o in outcomes]},
-                             status=200 if ok else CONFLICT)
+    audit.info(
+        "admin %s: %s",
+        action,
+        ", ".join(f"{o.model} {o.result}" for o in outcomes) or "nothing",
+        extra={"peer": request.remote, "key_id": caller.key_id if caller else None},
+    )
+    return web.json_response(
+        {"ok": ok, "results": [o.as_dict() for o in outcomes]}, status=200 if ok else CONFLICT
+    )
 
 
 async def status(request: web.Request) -> web.Response:
@@ -52,18 +57,25 @@ async def stats(request: web.Request) -> web.Response:
     app = context(request)
     settings = app.settings
     metrics = await asyncio.to_thread(app.metrics.as_json)
-    host = await asyncio.to_thread(host_stats, shm=settings.lifecycle.preload_dir,
-                                   models_dir=settings.lock.models_dir)
+    host = await asyncio.to_thread(
+        host_stats, shm=settings.lifecycle.preload_dir, models_dir=settings.lock.models_dir
+    )
     monitor = app.gpu
     snapshot = monitor.latest if monitor is not None else None
-    gpu: dict[str, Any] = (_jsonable(snapshot) if snapshot is not None
-                           else {"available": False, "reason": "not read yet", "devices": []})
+    gpu: dict[str, Any] = (
+        _jsonable(snapshot)
+        if snapshot is not None
+        else {"available": False, "reason": "not read yet", "devices": []}
+    )
     gpu["verdicts"] = _jsonable(monitor.latest_verdicts) if monitor is not None else []
     pinning = app.pinning
-    host["pinning"] = {"cpus": format_cpu_list(pinning.cpus), "requested": pinning.requested,
-                       "pinned": pinning.pinned, "note": pinning.note}
-    return web.json_response({"metrics": metrics, "host": host, "gpu": gpu,
-                              "models": app.registry.status()})
+    host["pinning"] = {
+        "cpus": format_cpu_list(pinning.cpus),
+        "requested": pinning.requested,
+        "pinned": pinning.pinned,
+        "note": pinning.note,
+    }
+    return web.json_response({"metrics": metrics, "host": host, "gpu": gpu, "models": app.registry.status()})
 
 
 async def reload(request: web.Request) -> web.Response:
@@ -73,8 +85,9 @@ async def reload(request: web.Request) -> web.Response:
         body = dict(await read_json_object(request))
     unknown = sorted(set(body) - _RELOAD_KEYS)
     if unknown:
-        raise InvalidRequest(f"unknown field {unknown[0][:64]!r} (expected model, force)",
-                             param=unknown[0][:64])
+        raise InvalidRequest(
+            f"unknown field {unknown[0][:64]!r} (expected model, force)", param=unknown[0][:64]
+        )
     model = body.get("model")
     force = body.get("force", False)
     if model is not None and not isinstance(model, str):
@@ -82,8 +95,7 @@ async def reload(request: web.Request) -> web.Response:
     if not isinstance(force, bool):
         raise InvalidRequest("'force' must be true or false", param="force")
     registry = context(request).registry
-    outcomes = await registry.reload([model] if model is not None else None, force=force,
-                                     trigger="admin")
+    outcomes = await registry.reload([model] if model is not None else None, force=force, trigger="admin")
     return _answer(request, "reload", outcomes)
 
 

@@ -54,13 +54,34 @@ from edgellmd.api.regex_gbnf import PatternError, parse_pattern, pattern_alterna
 
 # OpenAI's structured-output subset: types, and the keywords it documents per type.
 SCHEMA_TYPES: Final = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
-ANNOTATIONS: Final = frozenset({"title", "description", "$schema", "$id", "$comment", "examples", "default",
-                                "strict"})
-SCHEMA_KEYWORDS: Final = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-    "$ref", "$defs", "definitions", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "multipleOf", "minItems", "maxItems", *ANNOTATIONS,
-})
+ANNOTATIONS: Final = frozenset(
+    {"title", "description", "$schema", "$id", "$comment", "examples", "default", "strict"}
+)
+SCHEMA_KEYWORDS: Final = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "enum",
+        "const",
+        "anyOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minItems",
+        "maxItems",
+        *ANNOTATIONS,
+    }
+)
 
 # ---- limits -----------------------------------------------------------------------------------
 # OpenAI's published structured-output limits (platform.openai.com, "Structured Outputs").
@@ -76,14 +97,26 @@ MAX_SCHEMA_DEPTH: Final = 64  # subschemas inside subschemas, anyOf included
 MAX_INTEGER_DIGITS: Final = 20  # of a bounded integer (uint64 fits); unbounded: 16, as JSON numbers go
 _INTEGER_DIGITS: Final = 16
 
-STRING_FORMATS: Final = ("date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname", "email",
-                         "uri")
+STRING_FORMATS: Final = (
+    "date",
+    "time",
+    "date-time",
+    "duration",
+    "uuid",
+    "ipv4",
+    "ipv6",
+    "hostname",
+    "email",
+    "uri",
+)
 NUMBER_FORMATS: Final = ("int32", "int64", "float", "double")  # OpenAPI's; accepted, not enforced
 
 _YEAR = r"(?:[1-9]\d{3}|0[1-9]\d{2}|00[1-9]\d|000[1-9])"  # 0001-9999, as datetime.date takes
-_DATE = (rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)"
-         r"|02-(?:0[1-9]|1\d|2[0-8]))|(?:\d\d(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-         r"-02-29)")  # days per month, and 29 February in leap years only
+_DATE = (
+    rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)"
+    r"|02-(?:0[1-9]|1\d|2[0-8]))|(?:\d\d(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+    r"-02-29)"
+)  # days per month, and 29 February in leap years only
 _TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,6})?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
 _DUR_TIME = r"T(?:\d{1,9}H(?:\d{1,9}M)?(?:\d{1,9}S)?|\d{1,9}M(?:\d{1,9}S)?|\d{1,9}S)"
 _H16 = "[0-9a-fA-F]{1,4}"
@@ -95,19 +128,27 @@ FORMAT_PATTERNS: Final[Mapping[str, str]] = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
     "date-time": f"^{_DATE}T{_TIME}$",
-    "duration": (rf"^P(?:(?:\d{{1,9}}Y(?:\d{{1,9}}M)?(?:\d{{1,9}}D)?|\d{{1,9}}M(?:\d{{1,9}}D)?|\d{{1,9}}D)"
-                 rf"(?:{_DUR_TIME})?|{_DUR_TIME}|\d{{1,9}}W)$"),
+    "duration": (
+        rf"^P(?:(?:\d{{1,9}}Y(?:\d{{1,9}}M)?(?:\d{{1,9}}D)?|\d{{1,9}}M(?:\d{{1,9}}D)?|\d{{1,9}}D)"
+        rf"(?:{_DUR_TIME})?|{_DUR_TIME}|\d{{1,9}}W)$"
+    ),
     "uuid": "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
     "ipv4": f"^{_IPV4}$",
-    "ipv6": (f"^(?:(?:{_H16}:){{7}}{_H16}|(?:{_H16}:){{1,7}}:|(?:{_H16}:){{1,6}}:{_H16}"
-             f"|(?:{_H16}:){{1,5}}(?::{_H16}){{1,2}}|(?:{_H16}:){{1,4}}(?::{_H16}){{1,3}}"
-             f"|(?:{_H16}:){{1,3}}(?::{_H16}){{1,4}}|(?:{_H16}:){{1,2}}(?::{_H16}){{1,5}}"
-             f"|{_H16}:(?::{_H16}){{1,6}}|:(?:(?::{_H16}){{1,7}}|:))$"),
+    "ipv6": (
+        f"^(?:(?:{_H16}:){{7}}{_H16}|(?:{_H16}:){{1,7}}:|(?:{_H16}:){{1,6}}:{_H16}"
+        f"|(?:{_H16}:){{1,5}}(?::{_H16}){{1,2}}|(?:{_H16}:){{1,4}}(?::{_H16}){{1,3}}"
+        f"|(?:{_H16}:){{1,3}}(?::{_H16}){{1,4}}|(?:{_H16}:){{1,2}}(?::{_H16}){{1,5}}"
+        f"|{_H16}:(?::{_H16}){{1,6}}|:(?:(?::{_H16}){{1,7}}|:))$"
+    ),
     "hostname": f"^{_HOST}$",
-    "email": (rf"^[A-Za-z0-9_+-]{{1,32}}(?:\.[A-Za-z0-9_+-]{{1,32}}){{0,3}}"
-              rf"@(?:{_LABEL}\.){{1,4}}[A-Za-z]{{2,24}}$"),
-    "uri": (rf"^https?://(?:{_HOST}|{_IPV4})(?::[1-9]\d{{0,3}})?(?:/{_PCHAR}*)*(?:\?(?:{_PCHAR}|[/?])*)?"
-            rf"(?:#(?:{_PCHAR}|[/?])*)?$"),
+    "email": (
+        rf"^[A-Za-z0-9_+-]{{1,32}}(?:\.[A-Za-z0-9_+-]{{1,32}}){{0,3}}"
+        rf"@(?:{_LABEL}\.){{1,4}}[A-Za-z]{{2,24}}$"
+    ),
+    "uri": (
+        rf"^https?://(?:{_HOST}|{_IPV4})(?::[1-9]\d{{0,3}})?(?:/{_PCHAR}*)*(?:\?(?:{_PCHAR}|[/?])*)?"
+        rf"(?:#(?:{_PCHAR}|[/?])*)?$"
+    ),
 }
 
 _TYPE_KEYWORDS: Final = {
@@ -126,8 +167,9 @@ _TYPE_ONLY: Final = frozenset({"type"}) | ANNOTATIONS
 class SchemaError(Exception):
     """A schema edgellm refuses: a client-safe message naming the keyword, where it is and any limit."""
 
-    def __init__(self, message: str, *, keyword: str, path: str, limit: int | None = None,
-                 unsupported: bool = False) -> None:
+    def __init__(
+        self, message: str, *, keyword: str, path: str, limit: int | None = None, unsupported: bool = False
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.keyword = keyword
@@ -264,11 +306,17 @@ class _Checker:
         self.refs: list[tuple[str, str, Path]] = []
         self.parts: list[CheckedSchema] = []
 
-    def error(self, keyword: str, path: Path, problem: str, *, limit: int | None = None,
-              unsupported: bool = False) -> SchemaError:
+    def error(
+        self, keyword: str, path: Path, problem: str, *, limit: int | None = None, unsupported: bool = False
+    ) -> SchemaError:
         where = _pointer(self.label, path)
-        return SchemaError(f"'{keyword}' at {where} {problem}", keyword=keyword, path=where, limit=limit,
-                           unsupported=unsupported)
+        return SchemaError(
+            f"'{keyword}' at {where} {problem}",
+            keyword=keyword,
+            path=where,
+            limit=limit,
+            unsupported=unsupported,
+        )
 
     def over(self, keyword: str, path: Path, what: str, limit: int) -> SchemaError:
         return self.error(keyword, path, f"{what}; the most this server allows is {limit:,}", limit=limit)
@@ -281,8 +329,9 @@ class _Checker:
             if self.nodes > MAX_SCHEMA_NODES:
                 raise self.over(keyword, path, f"is past {MAX_SCHEMA_NODES:,} subschemas", MAX_SCHEMA_NODES)
             if depth > MAX_SCHEMA_DEPTH:
-                raise self.over(keyword, path, f"nests subschemas more than {MAX_SCHEMA_DEPTH} deep",
-                                MAX_SCHEMA_DEPTH)
+                raise self.over(
+                    keyword, path, f"nests subschemas more than {MAX_SCHEMA_DEPTH} deep", MAX_SCHEMA_DEPTH
+                )
             if isinstance(node, CheckedSchema) and self.wrapper:
                 self.parts.append(node)
                 continue
@@ -291,8 +340,10 @@ class _Checker:
             if not isinstance(node, dict):
                 raise self.error(keyword, path, "must be a JSON schema (an object or a boolean)")
             children = self._node(node, path, level)
-            pending.extend((sub, sub_path, sub_level, depth + 1, kw)
-                           for sub, sub_path, sub_level, kw in reversed(children))
+            pending.extend(
+                (sub, sub_path, sub_level, depth + 1, kw)
+                for sub, sub_path, sub_level, kw in reversed(children)
+            )
         for kind, name, path in self.refs:
             if kind != "#" and name not in self.defs[kind]:
                 raise self.error("$ref", path, "names a definition the schema does not have")
@@ -301,22 +352,32 @@ class _Checker:
 
     def _totals(self) -> None:
         if self.properties > MAX_OBJECT_PROPERTIES:
-            raise self.over("properties", (), f"has {self.properties:,} object properties in all",
-                            MAX_OBJECT_PROPERTIES)
+            raise self.over(
+                "properties", (), f"has {self.properties:,} object properties in all", MAX_OBJECT_PROPERTIES
+            )
         if self.enum_values > MAX_ENUM_VALUES:
             raise self.over("enum", (), f"has {self.enum_values:,} enum values in all", MAX_ENUM_VALUES)
         if self.chars > MAX_SCHEMA_CHARS:
-            raise self.over("properties", (), f"has {self.chars:,} characters of property names, definition "
-                            "names, enum and const values in all", MAX_SCHEMA_CHARS)
+            raise self.over(
+                "properties",
+                (),
+                f"has {self.chars:,} characters of property names, definition "
+                "names, enum and const values in all",
+                MAX_SCHEMA_CHARS,
+            )
 
     def _node(self, node: dict[str, Any], path: Path, level: int) -> list[tuple[Any, Path, int, str]]:
         children: list[tuple[Any, Path, int, str]] = []
         for key in node:
             if key not in SCHEMA_KEYWORDS:
                 where, name = _pointer(self.label, path), shown(str(key))
-                raise SchemaError(f"JSON schema keyword {name!r} (at {where}) is not supported; the "
-                                  "supported subset is OpenAI's structured-output subset", keyword=name,
-                                  path=where, unsupported=True)
+                raise SchemaError(
+                    f"JSON schema keyword {name!r} (at {where}) is not supported; the "
+                    "supported subset is OpenAI's structured-output subset",
+                    keyword=name,
+                    path=where,
+                    unsupported=True,
+                )
         constraints = set(node) - ANNOTATIONS - {"$defs", "definitions"}
         for lone in _LONE & constraints:
             if len(constraints) > 1:
@@ -325,8 +386,12 @@ class _Checker:
         if {"enum", "const"} & constraints:
             others = sorted(constraints - {"enum", "const", "type"})
             if others:
-                raise self.error("enum" if "enum" in node else "const", path,
-                                 f"cannot be combined with '{others[0]}'", unsupported=True)
+                raise self.error(
+                    "enum" if "enum" in node else "const",
+                    path,
+                    f"cannot be combined with '{others[0]}'",
+                    unsupported=True,
+                )
         if "pattern" in node and "format" in node:
             raise self.error("pattern", path, "cannot be combined with 'format'", unsupported=True)
         for key, value in node.items():
@@ -348,14 +413,18 @@ class _Checker:
             values = node["enum"] if "enum" in node else [node["const"]]
             allowed = set(kinds) | ({"integer"} if "number" in kinds else set())
             if "type" in node and not any(_json_type(v) in allowed for v in values):
-                raise self.error("enum" if "enum" in node else "const", path,
-                                 "has no value of the 'type' given")
+                raise self.error(
+                    "enum" if "enum" in node else "const", path, "has no value of the 'type' given"
+                )
             return
         if "integer" in kinds:
             bounds = _integer_bounds(node)
             if bounds is not None and bounds[0] > bounds[1]:
-                raise self.error("minimum", path, f"and the other bounds leave no integer of at most "
-                                 f"{MAX_INTEGER_DIGITS} digits")
+                raise self.error(
+                    "minimum",
+                    path,
+                    f"and the other bounds leave no integer of at most {MAX_INTEGER_DIGITS} digits",
+                )
         if "array" in kinds and node.get("items") is False and node.get("minItems", 0) > 0:
             raise self.error("minItems", path, "cannot be met: 'items' is false")
         if "object" in kinds:
@@ -364,17 +433,22 @@ class _Checker:
                 if props.get(name) is False:
                     raise self.error("required", path, "names a property whose schema is false")
                 if name not in props and node.get("additionalProperties") is False:
-                    raise self.error("required", path, "names a property that 'properties' lacks and "
-                                     "'additionalProperties' forbids")
+                    raise self.error(
+                        "required",
+                        path,
+                        "names a property that 'properties' lacks and 'additionalProperties' forbids",
+                    )
 
-    def schema_list(self, key: str, value: Any, path: Path, level: int,
-                    children: list[tuple[Any, Path, int, str]]) -> None:
+    def schema_list(
+        self, key: str, value: Any, path: Path, level: int, children: list[tuple[Any, Path, int, str]]
+    ) -> None:
         if not isinstance(value, list) or not value:
             raise self.error(key, path, "must be a non-empty list of schemas")
         children.extend((sub, (*path, key, i), level, key) for i, sub in enumerate(value))
 
-    def schema_map(self, key: str, value: Any, path: Path, level: int,
-                   children: list[tuple[Any, Path, int, str]]) -> None:
+    def schema_map(
+        self, key: str, value: Any, path: Path, level: int, children: list[tuple[Any, Path, int, str]]
+    ) -> None:
         if not isinstance(value, dict):
             raise self.error(key, path, "must be an object of schemas")
         if not all(isinstance(name, str) for name in value):
@@ -391,11 +465,16 @@ class _Checker:
         sub_level = level + 1 if key == "properties" else 0
         children.extend((sub, (*path, key, name), sub_level, key) for name, sub in value.items())
 
-    def schema_one(self, key: str, value: Any, path: Path, level: int,
-                   children: list[tuple[Any, Path, int, str]]) -> None:
+    def schema_one(
+        self, key: str, value: Any, path: Path, level: int, children: list[tuple[Any, Path, int, str]]
+    ) -> None:
         if isinstance(value, list) and key == "items":
-            raise self.error(key, path, "must be one schema (lists of schemas, tuple validation, are not "
-                             "supported)", unsupported=True)
+            raise self.error(
+                key,
+                path,
+                "must be one schema (lists of schemas, tuple validation, are not supported)",
+                unsupported=True,
+            )
         if not isinstance(value, dict | bool):
             raise self.error(key, path, "must be a schema (an object or a boolean)")
         if level + 1 > MAX_NESTING and value is not False:
@@ -412,8 +491,13 @@ class _Checker:
         if key == "enum" and len(values) > LARGE_ENUM_VALUES and all(isinstance(v, str) for v in values):
             size = sum(len(v) for v in values)
             if size > MAX_LARGE_ENUM_CHARS:
-                raise self.over(key, path, f"has {len(values):,} string values of {size:,} characters in all "
-                                f"(over {LARGE_ENUM_VALUES} values)", MAX_LARGE_ENUM_CHARS)
+                raise self.over(
+                    key,
+                    path,
+                    f"has {len(values):,} string values of {size:,} characters in all "
+                    f"(over {LARGE_ENUM_VALUES} values)",
+                    MAX_LARGE_ENUM_CHARS,
+                )
 
 
 _Children = list[tuple[Any, Path, int, str]]
@@ -423,8 +507,11 @@ def _check_type(c: _Checker, value: Any, path: Path, level: int, children: _Chil
     types: Any = [value] if isinstance(value, str) else value
     known = isinstance(types, list) and all(isinstance(t, str) and t in SCHEMA_TYPES for t in types)
     if not known or not types or len(set(types)) != len(types):
-        raise c.error("type", path, "must be one of " + ", ".join(sorted(SCHEMA_TYPES))
-                      + ", or a non-empty list of distinct ones")
+        raise c.error(
+            "type",
+            path,
+            "must be one of " + ", ".join(sorted(SCHEMA_TYPES)) + ", or a non-empty list of distinct ones",
+        )
 
 
 def _check_required(c: _Checker, value: Any, path: Path, level: int, children: _Children) -> None:
@@ -449,8 +536,12 @@ def _check_ref(c: _Checker, value: Any, path: Path, level: int, children: _Child
         raise c.error("$ref", path, "must be a string")
     target = ref_target(value)
     if target is None:
-        raise c.error("$ref", path, "must be a local reference: #, #/$defs/<name> or #/definitions/<name>",
-                      unsupported=True)
+        raise c.error(
+            "$ref",
+            path,
+            "must be a local reference: #, #/$defs/<name> or #/definitions/<name>",
+            unsupported=True,
+        )
     c.refs.append((*target, path))
 
 
@@ -467,15 +558,22 @@ def _check_format(c: _Checker, value: Any, path: Path, level: int, children: _Ch
     if not isinstance(value, str):
         raise c.error("format", path, "must be a string")
     if value not in STRING_FORMATS and value not in NUMBER_FORMATS:
-        raise c.error("format", path, f"{shown(value)!r} is not supported; the supported formats are "
-                      + ", ".join(STRING_FORMATS + NUMBER_FORMATS), unsupported=True)
+        raise c.error(
+            "format",
+            path,
+            f"{shown(value)!r} is not supported; the supported formats are "
+            + ", ".join(STRING_FORMATS + NUMBER_FORMATS),
+            unsupported=True,
+        )
 
 
 def _check_number(key: str) -> Callable[[_Checker, Any, Path, int, _Children], None]:
     def check(c: _Checker, value: Any, path: Path, level: int, children: _Children) -> None:
         if not _finite_number(value) or (key == "multipleOf" and value <= 0):
-            raise c.error(key, path, "must be a positive number" if key == "multipleOf"
-                          else "must be a number")
+            raise c.error(
+                key, path, "must be a positive number" if key == "multipleOf" else "must be a number"
+            )
+
     return check
 
 
@@ -484,8 +582,10 @@ def _check_count(key: str) -> Callable[[_Checker, Any, Path, int, _Children], No
         if not _finite_number(value) or value < 0 or value != int(value):
             raise c.error(key, path, "must be a non-negative integer")
         if value > MAX_REPETITION:
-            raise c.over(key, path, f"is {int(value):,}" if value < 10**9 else "is over 1,000,000,000",
-                         MAX_REPETITION)
+            raise c.over(
+                key, path, f"is {int(value):,}" if value < 10**9 else "is over 1,000,000,000", MAX_REPETITION
+            )
+
     return check
 
 
@@ -493,6 +593,7 @@ def _check_string(key: str) -> Callable[[_Checker, Any, Path, int, _Children], N
     def check(c: _Checker, value: Any, path: Path, level: int, children: _Children) -> None:
         if not isinstance(value, str):
             raise c.error(key, path, "must be a string")
+
     return check
 
 
@@ -521,14 +622,25 @@ def _check_any_of(c: _Checker, value: Any, path: Path, level: int, children: _Ch
 def _check_map(key: str) -> Callable[[_Checker, Any, Path, int, _Children], None]:
     def check(c: _Checker, value: Any, path: Path, level: int, children: _Children) -> None:
         c.schema_map(key, value, path, level, children)
+
     return check
 
 
 _KEYWORD_CHECKS: Final[Mapping[str, Callable[[_Checker, Any, Path, int, _Children], None]]] = {
-    "type": _check_type, "required": _check_required, "enum": _check_enum, "const": _check_const,
-    "$ref": _check_ref, "pattern": _check_pattern, "format": _check_format, "examples": _check_examples,
-    "strict": _check_strict, "additionalProperties": _check_additional, "items": _check_items,
-    "anyOf": _check_any_of, "properties": _check_map("properties"), "$defs": _check_map("$defs"),
+    "type": _check_type,
+    "required": _check_required,
+    "enum": _check_enum,
+    "const": _check_const,
+    "$ref": _check_ref,
+    "pattern": _check_pattern,
+    "format": _check_format,
+    "examples": _check_examples,
+    "strict": _check_strict,
+    "additionalProperties": _check_additional,
+    "items": _check_items,
+    "anyOf": _check_any_of,
+    "properties": _check_map("properties"),
+    "$defs": _check_map("$defs"),
     "definitions": _check_map("definitions"),
     **{k: _check_number(k) for k in _TYPE_KEYWORDS["number"]},
     **{k: _check_count(k) for k in ("minItems", "maxItems")},
@@ -542,8 +654,8 @@ def ref_target(ref: str) -> tuple[str, str] | None:
         return ("#", "")
     for kind in ("$defs", "definitions"):
         prefix = f"#/{kind}/"
-        if ref.startswith(prefix) and "/" not in ref[len(prefix):]:
-            return (kind, ref[len(prefix):].replace("~1", "/").replace("~0", "~"))
+        if ref.startswith(prefix) and "/" not in ref[len(prefix) :]:
+            return (kind, ref[len(prefix) :].replace("~1", "/").replace("~0", "~"))
     return None
 
 
@@ -588,8 +700,11 @@ class _Converter:
         if "$ref" in node:
             return [(self.definition(node["$ref"], doc, path),)]
         if "anyOf" in node:
-            alts = [alt for i, branch in enumerate(node["anyOf"])
-                    for alt in self.value(branch, doc, (*path, "anyOf", i))]
+            alts = [
+                alt
+                for i, branch in enumerate(node["anyOf"])
+                for alt in self.value(branch, doc, (*path, "anyOf", i))
+            ]
             self.at("anyOf", doc, path)
             return g.factor(alts, "any-of")
         if "enum" in node or "const" in node:
@@ -666,16 +781,22 @@ class _Converter:
         if not items:
             if lo > 0:
                 where = _pointer(doc.label, path)
-                raise SchemaError(f"'minItems' at {where} cannot be met: 'items' is false",
-                                  keyword="minItems", path=where)
+                raise SchemaError(
+                    f"'minItems' at {where} cannot be met: 'items' is false", keyword="minItems", path=where
+                )
             hi = 0
         if hi == 0:
             return [(Lit("["), space, Lit("]"))]
         item = g.named(items, "item")
         more_lo, more_hi = max(lo - 1, 0), None if hi is None else hi - 1
         tail = g.named([(Lit(","), space, item, space)], "more")
-        more: Seq = (() if more_hi == 0 else (tail,) if (more_lo, more_hi) == (1, 1)
-                     else (Rep(tail, more_lo, more_hi),))
+        more: Seq = (
+            ()
+            if more_hi == 0
+            else (tail,)
+            if (more_lo, more_hi) == (1, 1)
+            else (Rep(tail, more_lo, more_hi),)
+        )
         body = seq(item, space, more)
         if lo == 0:
             return [seq(Lit("["), space, Rep(g.named([body], "items"), 0, 1), Lit("]"))]
@@ -700,18 +821,28 @@ class _Converter:
                 entries.append((name, alts[0] if short else (g.named(alts, "prop"),), name in must))
             elif name in must:
                 where = _pointer(doc.label, path)
-                raise SchemaError(f"'required' at {where} names a property whose schema is false",
-                                  keyword="required", path=where)
-        extra_alts = (None if extra is None or extra is False
-                      else self.value(extra, doc, (*path, "additionalProperties")))
+                raise SchemaError(
+                    f"'required' at {where} names a property whose schema is false",
+                    keyword="required",
+                    path=where,
+                )
+        extra_alts = (
+            None
+            if extra is None or extra is False
+            else self.value(extra, doc, (*path, "additionalProperties"))
+        )
         self.at("properties", doc, path)
         for name in required:
             if name in props:
                 continue
             if extra is False or extra_alts == []:
                 where = _pointer(doc.label, path)
-                raise SchemaError(f"'required' at {where} names a property that 'properties' lacks and "
-                                  "'additionalProperties' forbids", keyword="required", path=where)
+                raise SchemaError(
+                    f"'required' at {where} names a property that 'properties' lacks and "
+                    "'additionalProperties' forbids",
+                    keyword="required",
+                    path=where,
+                )
             entries.append((name, (g.named(extra_alts, "prop") if extra_alts else g.builtin("value"),), True))
         end_after: Seq = ()
         end_first: Seq = ()
@@ -894,11 +1025,19 @@ def _build(root: Any, label: str) -> str:
         return g.render([seq(g.inline(alts, "value"), g.builtin("space"))])
     except GrammarLimitError as exc:
         if exc.origin is None:
-            raise SchemaError(f"the JSON schema's grammar: {exc.message}", keyword="schema", path=f"{label}#",
-                              limit=exc.limit) from None
+            raise SchemaError(
+                f"the JSON schema's grammar: {exc.message}",
+                keyword="schema",
+                path=f"{label}#",
+                limit=exc.limit,
+            ) from None
         keyword = exc.origin.keyword or "schema"
-        raise SchemaError(f"'{keyword}' at {exc.origin.path}: {exc.message}", keyword=keyword,
-                          path=exc.origin.path, limit=exc.limit) from None
+        raise SchemaError(
+            f"'{keyword}' at {exc.origin.path}: {exc.message}",
+            keyword=keyword,
+            path=exc.origin.path,
+            limit=exc.limit,
+        ) from None
 
 
 def schema_to_grammar(schema: Any) -> str:
@@ -917,12 +1056,22 @@ def embedded_grammar(wrapper: Any) -> str:
     checker = _Checker("", wrapper=True)
     checker.run(wrapper)
     parts = checker.parts
-    totals = (("properties", "object properties", sum(p.properties for p in parts), MAX_OBJECT_PROPERTIES),
-              ("enum", "enum values", sum(p.enum_values for p in parts), MAX_ENUM_VALUES),
-              ("properties", "characters of names, enum and const values", sum(p.chars for p in parts),
-               MAX_SCHEMA_CHARS))
+    totals = (
+        ("properties", "object properties", sum(p.properties for p in parts), MAX_OBJECT_PROPERTIES),
+        ("enum", "enum values", sum(p.enum_values for p in parts), MAX_ENUM_VALUES),
+        (
+            "properties",
+            "characters of names, enum and const values",
+            sum(p.chars for p in parts),
+            MAX_SCHEMA_CHARS,
+        ),
+    )
     for keyword, what, count, limit in totals:
         if count > limit:
-            raise SchemaError(f"the schemas together have {count:,} {what}; the most this server allows is "
-                              f"{limit:,}", keyword=keyword, path="#", limit=limit)
+            raise SchemaError(
+                f"the schemas together have {count:,} {what}; the most this server allows is {limit:,}",
+                keyword=keyword,
+                path="#",
+                limit=limit,
+            )
     return _build(wrapper, "")

@@ -268,8 +268,19 @@ def _atom_text(atom: Atom) -> str:
     if isinstance(atom, Ref):
         return atom.name
     lo, hi = atom.lo, atom.hi
-    suffix = ("?" if (lo, hi) == (0, 1) else "*" if (lo, hi) == (0, None) else "+" if (lo, hi) == (1, None)
-              else f"{{{lo}}}" if lo == hi else f"{{{lo},}}" if hi is None else f"{{{lo},{hi}}}")
+    suffix = (
+        "?"
+        if (lo, hi) == (0, 1)
+        else "*"
+        if (lo, hi) == (0, None)
+        else "+"
+        if (lo, hi) == (1, None)
+        else f"{{{lo}}}"
+        if lo == hi
+        else f"{{{lo},}}"
+        if hi is None
+        else f"{{{lo},{hi}}}"
+    )
     return _atom_text(atom.atom) + suffix
 
 
@@ -428,7 +439,7 @@ class Grammar:
                     break
                 child = node.children.get(symbols[i])
                 if child is None:
-                    new = node.children[symbols[i]] = _Node(symbols[i + 1:] or None)
+                    new = node.children[symbols[i]] = _Node(symbols[i + 1 :] or None)
                     new.end = i + 1 == len(symbols)
                     break
                 node, i = child, i + 1
@@ -449,8 +460,13 @@ class Grammar:
                 branches.append(_symbols_seq(node.tail))
             for symbol, child in node.children.items():
                 path, stop = _chain_end(child)
-                rest: Seq = (self.inline(done[id(stop)], hint) if _forks(stop)
-                             else _symbols_seq(stop.tail) if stop.tail is not None else ())
+                rest: Seq = (
+                    self.inline(done[id(stop)], hint)
+                    if _forks(stop)
+                    else _symbols_seq(stop.tail)
+                    if stop.tail is not None
+                    else ()
+                )
                 branches.append(seq(_symbols_seq([symbol, *path]), rest))
             done[id(node)] = _merge_heads(branches)
         return done[id(root)]
@@ -463,13 +479,21 @@ class Grammar:
         _Analysis(reachable, self._origins, self._weights).check()
         # An empty alternative is written `""`, and first: after a bare trailing `|` (or `::=`)
         # llama.cpp reads on past the newline and takes the next rule's name as part of this one.
-        lines = [f"{name} ::= " + " | ".join(" ".join(_atom_text(a) for a in alt) if alt else '""'
-                                             for alt in sorted(alts, key=bool))
-                 for name, alts in reachable.items()]
+        lines = [
+            f"{name} ::= "
+            + " | ".join(
+                " ".join(_atom_text(a) for a in alt) if alt else '""' for alt in sorted(alts, key=bool)
+            )
+            for name, alts in reachable.items()
+        ]
         text = "\n".join(lines) + "\n"
         if len(text) > MAX_GRAMMAR_BYTES:
-            raise GrammarLimitError(f"the grammar would be {len(text):,} bytes; the most this server "
-                                    f"allows is {MAX_GRAMMAR_BYTES:,}", None, MAX_GRAMMAR_BYTES)
+            raise GrammarLimitError(
+                f"the grammar would be {len(text):,} bytes; the most this server "
+                f"allows is {MAX_GRAMMAR_BYTES:,}",
+                None,
+                MAX_GRAMMAR_BYTES,
+            )
         return text
 
     def _reachable(self) -> dict[str, tuple[Seq, ...]]:
@@ -564,8 +588,9 @@ def _merge_heads(branches: list[Seq]) -> list[Seq]:
 class _Analysis:
     """What llama.cpp will do with the rules: expansion sizes, left recursion, stacks at once."""
 
-    def __init__(self, rules: dict[str, tuple[Seq, ...]], origins: dict[str, Origin],
-                 weights: dict[str, int]) -> None:
+    def __init__(
+        self, rules: dict[str, tuple[Seq, ...]], origins: dict[str, Origin], weights: dict[str, int]
+    ) -> None:
         self.rules = rules
         self.origins = origins
         self.weights = weights
@@ -591,13 +616,20 @@ class _Analysis:
                 elements += 1 + sum(_elements(a) for a in alt)
                 rules += sum(_rep_rules(a) for a in alt if isinstance(a, Rep))
         if rules > MAX_GRAMMAR_RULES:
-            raise GrammarLimitError(f"the grammar would have {rules:,} rules once repetitions are expanded; "
-                                    f"the most this server allows is {MAX_GRAMMAR_RULES:,}", None,
-                                    MAX_GRAMMAR_RULES)
+            raise GrammarLimitError(
+                f"the grammar would have {rules:,} rules once repetitions are expanded; "
+                f"the most this server allows is {MAX_GRAMMAR_RULES:,}",
+                None,
+                MAX_GRAMMAR_RULES,
+            )
         if elements > MAX_GRAMMAR_ELEMENTS:
-            raise GrammarLimitError(f"the grammar would have {elements:,} elements once repetitions are "
-                                    "expanded; the most this server allows is "
-                                    f"{MAX_GRAMMAR_ELEMENTS:,}", None, MAX_GRAMMAR_ELEMENTS)
+            raise GrammarLimitError(
+                f"the grammar would have {elements:,} elements once repetitions are "
+                "expanded; the most this server allows is "
+                f"{MAX_GRAMMAR_ELEMENTS:,}",
+                None,
+                MAX_GRAMMAR_ELEMENTS,
+            )
 
     def atom_nullable(self, atom: Atom) -> bool:
         if isinstance(atom, Ref):
@@ -659,11 +691,16 @@ class _Analysis:
                         raise self._too_many_states(name, self.states[name])
                     depth[name] = 1 + max((depth[r] for r in leftmost), default=0)
                     if depth[name] > MAX_GRAMMAR_DEPTH:
-                        raise self.fail(name, f"the grammar would nest more than {MAX_GRAMMAR_DEPTH} rules "
-                                        "before its first character", MAX_GRAMMAR_DEPTH)
+                        raise self.fail(
+                            name,
+                            f"the grammar would nest more than {MAX_GRAMMAR_DEPTH} rules "
+                            "before its first character",
+                            MAX_GRAMMAR_DEPTH,
+                        )
                 elif state.get(nxt) == 1:
-                    raise self.fail(nxt, "the schema refers back to itself before any value begins "
-                                    "(left recursion)", None)
+                    raise self.fail(
+                        nxt, "the schema refers back to itself before any value begins (left recursion)", None
+                    )
                 elif nxt not in state:
                     state[nxt] = 1
                     path.append((nxt, iter(self._leftmost_refs(nxt))))
@@ -681,8 +718,12 @@ class _Analysis:
         if self.origins.get(name) is _BUILTIN_ORIGIN or name not in self.weights:
             weighted = [r for r in self._leftmost_refs(name) if self.states.get(r)]
             culprit = max(weighted, key=self.states.__getitem__, default=name)
-        return self.fail(culprit, f"patterns that may be matched at once would have {count:,} states; the "
-                         f"most this server allows is {MAX_PATTERN_STATES:,}", MAX_PATTERN_STATES)
+        return self.fail(
+            culprit,
+            f"patterns that may be matched at once would have {count:,} states; the "
+            f"most this server allows is {MAX_PATTERN_STATES:,}",
+            MAX_PATTERN_STATES,
+        )
 
     def _suffixes(self, alt: Seq) -> list[tuple[int, bool, int]]:
         """Per position of `alt` and its end: the stacks starting there, whether the rest may be
@@ -723,7 +764,7 @@ class _Analysis:
                     if empty:
                         tails.append((name, first + again, alt, i + 1))
                     elif first + again > MAX_GRAMMAR_CHOICES:
-                        raise self._too_many(name, first + again, alt[i + 1:])
+                        raise self._too_many(name, first + again, alt[i + 1 :])
             sites[name] = own
             if self.first[name] > MAX_GRAMMAR_CHOICES:
                 raise self._too_many(name, self.first[name], self._leftmost_atoms(name))
@@ -777,9 +818,13 @@ class _Analysis:
             elif culprit is None and name in self.cont_from:
                 name, alt, at = self.cont_from[name]
                 atoms = alt[at:]
-        return self.fail(culprit or name, f"the grammar would offer {count:,} alternatives at one point of "
-                         "the reply (enum values, anyOf branches, types and optional properties add up); the "
-                         f"most this server allows is {MAX_GRAMMAR_CHOICES}", MAX_GRAMMAR_CHOICES)
+        return self.fail(
+            culprit or name,
+            f"the grammar would offer {count:,} alternatives at one point of "
+            "the reply (enum values, anyOf branches, types and optional properties add up); the "
+            f"most this server allows is {MAX_GRAMMAR_CHOICES}",
+            MAX_GRAMMAR_CHOICES,
+        )
 
 
 # ---- characters of a set, as JSON string text -------------------------------------------------
@@ -815,5 +860,3 @@ def escape_tails(escaped: list[int]) -> list[Seq]:
         else:
             tails.append((Lit(head), Chars(norm((c, c) for c in lows))))
     return tails
-
-

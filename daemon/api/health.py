@@ -33,8 +33,9 @@ async def readyz(request: web.Request) -> web.Response:
         status = "loading"
     else:
         status = "unloaded"  # an operator unloaded every model
-    return web.json_response({"status": status, "models": models}, status=503,
-                             headers={"Retry-After": RETRY_AFTER_LOADING_S})
+    return web.json_response(
+        {"status": status, "models": models}, status=503, headers={"Retry-After": RETRY_AFTER_LOADING_S}
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -44,8 +44,9 @@ def _limits(request: web.Request) -> Limits:
     if caller is not None and caller.max_tokens is not None:
         ceiling = min(ceiling, caller.max_tokens)  # the key's own ceiling, when lower
     default = server.default_max_tokens
-    return Limits(max_tokens_limit=ceiling,
-                  default_max_tokens=min(default, ceiling) if default is not None else None)
+    return Limits(
+        max_tokens_limit=ceiling, default_max_tokens=min(default, ceiling) if default is not None else None
+    )
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -66,23 +67,31 @@ async def get_model(request: web.Request) -> web.Response:
     except ServiceUnavailable:
         handle = None
     if handle is None:
-        raise ModelNotFound(f"the model {shown(name, quote=True)} does not exist or is not loaded",
-                            param="model")
+        raise ModelNotFound(
+            f"the model {shown(name, quote=True)} does not exist or is not loaded", param="model"
+        )
     return web.json_response(_model_object(handle))
 
 
-def _generation_request(handle: ModelHandle, common: CommonRequest, tokens: list[int],
-                        choice: int) -> GenerationRequest:
+def _generation_request(
+    handle: ModelHandle, common: CommonRequest, tokens: list[int], choice: int
+) -> GenerationRequest:
     sampling = common.sampling
     if choice and sampling.seed is not None:  # seeded choices differ from each other, reproducibly
         sampling = replace(sampling, seed=sampling.seed + choice)
     return GenerationRequest(
-        prompt_tokens=tokens, max_tokens=handle.generation_limit(len(tokens), common.max_tokens),
-        sampling=sampling, stop=common.stop, ignore_eos=common.ignore_eos, logprobs=common.logprobs)
+        prompt_tokens=tokens,
+        max_tokens=handle.generation_limit(len(tokens), common.max_tokens),
+        sampling=sampling,
+        stop=common.stop,
+        ignore_eos=common.ignore_eos,
+        logprobs=common.logprobs,
+    )
 
 
-def _submit_all(handle: ModelHandle, common: CommonRequest, tokens: list[int],
-                grammars: list[CompiledGrammar] | None) -> list[Generation]:
+def _submit_all(
+    handle: ModelHandle, common: CommonRequest, tokens: list[int], grammars: list[CompiledGrammar] | None
+) -> list[Generation]:
     """One generation per choice; all or none (a 429 on the third cancels the first two)."""
     gens: list[Generation] = []
     pending = list(grammars or [])
@@ -113,8 +122,15 @@ def check_key_still_valid(request: web.Request) -> None:
         raise KeyRevoked(KEY_REVOKED)
 
 
-async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
-               tokens: list[int], shape: Shape, *, param: str) -> web.StreamResponse:
+async def _run(
+    request: web.Request,
+    handle: ModelHandle,
+    common: CommonRequest,
+    tokens: list[int],
+    shape: Shape,
+    *,
+    param: str,
+) -> web.StreamResponse:
     tag = user_tag(common.user)
     if tag is not None:
         request[USER_TAG] = tag
@@ -138,8 +154,14 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
     server = context(request).settings.server
     try:
         if common.stream:
-            return await stream(request, gens, timings, shape, write_timeout=server.stream_write_timeout_s,
-                                idle_timeout=server.progress_timeout_s)
+            return await stream(
+                request,
+                gens,
+                timings,
+                shape,
+                write_timeout=server.stream_write_timeout_s,
+                idle_timeout=server.progress_timeout_s,
+            )
         return await collect(gens, timings, shape, server.progress_timeout_s)
     finally:
         # Normal end, client gone (write error or handler cancelled): either way the slots
@@ -156,8 +178,9 @@ async def _run(request: web.Request, handle: ModelHandle, common: CommonRequest,
             metrics.completion_tokens.labels(handle.name).inc(completion)
 
 
-async def _parse_off_loop(request: web.Request, parse: Callable[[dict[str, Any], Limits], Any],
-                          data: dict[str, Any]) -> Any:
+async def _parse_off_loop(
+    request: web.Request, parse: Callable[[dict[str, Any], Limits], Any], data: dict[str, Any]
+) -> Any:
     """Validate a body; one with a schema (its grammar is built as it is checked) on the prompt pool.
 
     Checking and converting the largest schema the limits allow takes most of a second: a
@@ -180,8 +203,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if body.tools is not None and body.tools.instructions:
             messages = (ChatMessage("system", body.tools.instructions), *messages)
         tokens = await handle.chat_prompt(messages, body.tools.tools if body.tools else None)
-        shape = Shape(chat=True, model=handle.name, fingerprint=handle.provenance.fingerprint,
-                      include_usage=common.include_usage, logprobs=common.logprobs, tools=body.tools)
+        shape = Shape(
+            chat=True,
+            model=handle.name,
+            fingerprint=handle.provenance.fingerprint,
+            include_usage=common.include_usage,
+            logprobs=common.logprobs,
+            tools=body.tools,
+        )
         param = "tools" if body.tools is not None and body.tools.grammar is not None else "response_format"
         return await _run(request, handle, common, tokens, shape, param=param)
 
@@ -195,8 +224,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
         handle.check_capacity()  # a request that will be refused costs no tokenizing
         tokens = await handle.text_prompt(body.prompt)
-        shape = Shape(chat=False, model=handle.name, fingerprint=handle.provenance.fingerprint,
-                      include_usage=common.include_usage, logprobs=common.logprobs)
+        shape = Shape(
+            chat=False,
+            model=handle.name,
+            fingerprint=handle.provenance.fingerprint,
+            include_usage=common.include_usage,
+            logprobs=common.logprobs,
+        )
         return await _run(request, handle, common, tokens, shape, param="response_format")
 
 
@@ -218,12 +252,18 @@ async def embeddings(request: web.Request) -> web.Response:
         request[TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
         vectors = await handle.embed(inputs)
         context(request).metrics.prompt_tokens.labels(handle.name).inc(n_tokens)
-    return web.json_response({
-        "object": "list", "model": handle.name,
-        "data": [{"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
-                 for i, v in enumerate(vectors)],
-        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-    }, dumps=lambda obj: json.dumps(obj, separators=(",", ":")))
+    return web.json_response(
+        {
+            "object": "list",
+            "model": handle.name,
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
+                for i, v in enumerate(vectors)
+            ],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        },
+        dumps=lambda obj: json.dumps(obj, separators=(",", ":")),
+    )
 
 
 Route = tuple[str, str, Callable[[web.Request], Any]]

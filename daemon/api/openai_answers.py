@@ -78,8 +78,16 @@ class Choice:
 class Shape:
     """How one endpoint shapes its objects (chat and text completions differ only here)."""
 
-    def __init__(self, *, chat: bool, model: str, fingerprint: str, include_usage: bool = False,
-                 logprobs: int | None = None, tools: ToolPlan | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        model: str,
+        fingerprint: str,
+        include_usage: bool = False,
+        logprobs: int | None = None,
+        tools: ToolPlan | None = None,
+    ) -> None:
         self.chat = chat
         self.model = model
         # Which approved bytes answered: a reload in the middle of a stream cannot mix two.
@@ -102,26 +110,42 @@ class Shape:
         return head + dumps(text) + tail
 
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+        }
 
     def logprobs(self, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these tokens (chat: `content`; completions: the legacy lists)."""
         if not self.want_logprobs:
             return None
         if self.chat:
-            return {"content": [
-                {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
-                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top]}
-                for e in entries], "refusal": None}
+            return {
+                "content": [
+                    {
+                        "token": e.token,
+                        "logprob": e.logprob,
+                        "bytes": list(e.bytes),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top],
+                    }
+                    for e in entries
+                ],
+                "refusal": None,
+            }
         offsets = []
         for e in entries:
             offsets.append(offset)
             offset += len(e.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                # Keyed by text: byte tokens that print alike keep the likelier one (best last).
-                "top_logprobs": [{t: lp for t, _, lp in reversed(e.top)} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            # Keyed by text: byte tokens that print alike keep the likelier one (best last).
+            "top_logprobs": [{t: lp for t, _, lp in reversed(e.top)} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _message(self, choice: Choice) -> tuple[dict[str, Any], str]:
         assert choice.final is not None  # noqa: S101 - only finished choices are shaped
@@ -142,19 +166,39 @@ class Shape:
             assert c.final is not None  # noqa: S101 - complete() gets finished choices
             if self.chat:
                 message, reason = self._message(c)
-                out.append({"index": c.index, "message": message, "logprobs": self.logprobs(c.logprobs),
-                            "finish_reason": reason})
+                out.append(
+                    {
+                        "index": c.index,
+                        "message": message,
+                        "logprobs": self.logprobs(c.logprobs),
+                        "finish_reason": reason,
+                    }
+                )
             else:
-                out.append({"index": c.index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
-                            "finish_reason": _finish_reason(c.final)})
+                out.append(
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "logprobs": self.logprobs(c.logprobs),
+                        "finish_reason": _finish_reason(c.final),
+                    }
+                )
         body = self._base("chat.completion" if self.chat else "text_completion")
         body["choices"] = out
         body["usage"] = usage(choices)
         return body
 
-    def chunk(self, text: str | None, finish_reason: str | None, *, index: int = 0, role: bool = False,
-              logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
-              usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        *,
+        index: int = 0,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+        usage: dict[str, int] | None = None,
+    ) -> dict[str, Any]:
         """One streamed chunk (a usage chunk when `usage` is given)."""
         if self.chat:
             body = self._base("chat.completion.chunk")
@@ -168,8 +212,9 @@ class Shape:
             choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         else:
             body = self._base("text_completion")
-            choices = [{"index": index, "text": text or "", "logprobs": logprobs,
-                        "finish_reason": finish_reason}]
+            choices = [
+                {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            ]
         body["choices"] = [] if usage is not None else choices
         if self.include_usage:
             body["usage"] = usage
@@ -200,8 +245,9 @@ def _failed(event: Finished) -> Exception:
     return InternalError("the model failed while generating")
 
 
-async def collect(gens: Sequence[Generation], timings: Sequence[TokenTiming], shape: Shape,
-                  idle_timeout: float) -> web.Response:
+async def collect(
+    gens: Sequence[Generation], timings: Sequence[TokenTiming], shape: Shape, idle_timeout: float
+) -> web.Response:
     """Wait for every choice and answer with the whole completion."""
 
     async def one(i: int) -> Choice:
@@ -225,8 +271,13 @@ async def collect(gens: Sequence[Generation], timings: Sequence[TokenTiming], sh
     return web.json_response(shape.complete(choices))
 
 
-async def send_events(write: Write, gens: Sequence[Generation], timings: Sequence[TokenTiming],
-                      shape: Shape, idle_timeout: float) -> None:
+async def send_events(
+    write: Write,
+    gens: Sequence[Generation],
+    timings: Sequence[TokenTiming],
+    shape: Shape,
+    idle_timeout: float,
+) -> None:
     """Write every choice's chunks as they come; raises NoProgress past the idle timeout."""
     if len(gens) == 1 and not shape.want_logprobs and shape.tools is None:
         await _send_single(write, gens[0], timings[0], shape, idle_timeout)
@@ -263,8 +314,9 @@ async def _send_error(write: Write, event: Finished) -> None:
     await _send(write, envelope("the model failed while generating", "server_error", None, "internal_error"))
 
 
-async def _send_merged(write: Write, queue: asyncio.Queue[tuple[int, Event | NoProgress]], n: int,
-                       shape: Shape) -> None:
+async def _send_merged(
+    write: Write, queue: asyncio.Queue[tuple[int, Event | NoProgress]], n: int, shape: Shape
+) -> None:
     choices = [Choice(i) for i in range(n)]
     offsets = [0] * n
     if shape.chat:
@@ -283,8 +335,15 @@ async def _send_merged(write: Write, queue: asyncio.Queue[tuple[int, Event | NoP
             choice.parts.append(event.text)
             choice.logprobs.extend(event.logprobs)
         elif event.text or event.logprobs:
-            await _send(write, shape.chunk(event.text if shape.chat or event.text else "", None, index=i,
-                                           logprobs=shape.logprobs(event.logprobs, offsets[i])))
+            await _send(
+                write,
+                shape.chunk(
+                    event.text if shape.chat or event.text else "",
+                    None,
+                    index=i,
+                    logprobs=shape.logprobs(event.logprobs, offsets[i]),
+                ),
+            )
             offsets[i] += len(event.text)
         if isinstance(event, Finished):
             choice.final = event
@@ -297,18 +356,28 @@ async def _send_merged(write: Write, queue: asyncio.Queue[tuple[int, Event | NoP
 async def _send_finish(write: Write, shape: Shape, choice: Choice) -> None:
     assert choice.final is not None  # noqa: S101 - called on finish
     if shape.tools is None:
-        await _send(write, shape.chunk(None if shape.chat else "", _finish_reason(choice.final),
-                                       index=choice.index))
+        await _send(
+            write, shape.chunk(None if shape.chat else "", _finish_reason(choice.final), index=choice.index)
+        )
         return
     message, reason = shape._message(choice)
     calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls", []))]
-    await _send(write, shape.chunk(message["content"], None, index=choice.index, tool_calls=calls,
-                                   logprobs=shape.logprobs(choice.logprobs)))
+    await _send(
+        write,
+        shape.chunk(
+            message["content"],
+            None,
+            index=choice.index,
+            tool_calls=calls,
+            logprobs=shape.logprobs(choice.logprobs),
+        ),
+    )
     await _send(write, shape.chunk(None, reason, index=choice.index))
 
 
-async def _send_single(write: Write, gen: Generation, timing: TokenTiming, shape: Shape,
-                       idle_timeout: float) -> None:
+async def _send_single(
+    write: Write, gen: Generation, timing: TokenTiming, shape: Shape, idle_timeout: float
+) -> None:
     """The per-token path of a plain one-choice stream: one prepared frame, no dict per token."""
     if shape.chat:
         await _send(write, shape.chunk("", None, role=True))
@@ -329,8 +398,15 @@ async def _send_single(write: Write, gen: Generation, timing: TokenTiming, shape
             await _send(write, shape.chunk(None, None, usage=usage([choice])))
 
 
-async def stream(request: web.Request, gens: Sequence[Generation], timings: Sequence[TokenTiming],
-                 shape: Shape, *, write_timeout: float, idle_timeout: float) -> web.StreamResponse:
+async def stream(
+    request: web.Request,
+    gens: Sequence[Generation],
+    timings: Sequence[TokenTiming],
+    shape: Shape,
+    *,
+    write_timeout: float,
+    idle_timeout: float,
+) -> web.StreamResponse:
     """Answer with an SSE stream of chunks, ending with [DONE]."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
@@ -351,8 +427,11 @@ async def stream(request: web.Request, gens: Sequence[Generation], timings: Sequ
             await send_events(write, gens, timings, shape, idle_timeout)
         except NoProgress:
             log.error("generation made no progress for %.0f s; stream ended", idle_timeout)  # noqa: TRY400 - no traceback
-            await write(b"data: " + dumps(envelope(
-                "the model made no progress in time", "server_error", None, "timeout")) + b"\n\n")
+            await write(
+                b"data: "
+                + dumps(envelope("the model made no progress in time", "server_error", None, "timeout"))
+                + b"\n\n"
+            )
         await write(SSE_DONE)
         await response.write_eof()
     except ConnectionResetError:

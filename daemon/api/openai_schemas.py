@@ -39,19 +39,58 @@ _TOKEN_ID: Final = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit()
 _PLAIN_NAME: Final = re.compile(r"[A-Za-z0-9_]{1,64}")
 
 # Accepted and ignored: they do not change what is generated.
-_IGNORED: Final = frozenset({
-    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
-    "reasoning_effort", "safety_identifier", "prompt_cache_key", "verbosity",
-})
-_SAMPLING: Final = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options", "n",
-    "logprobs", "logit_bias", "ignore_eos",
-})
-_CHAT_FIELDS: Final = _SAMPLING | _IGNORED | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-    "function_call", "response_format", "modalities", "audio", "web_search_options",
-}
+_IGNORED: Final = frozenset(
+    {
+        "user",
+        "store",
+        "metadata",
+        "service_tier",
+        "parallel_tool_calls",
+        "prediction",
+        "reasoning_effort",
+        "safety_identifier",
+        "prompt_cache_key",
+        "verbosity",
+    }
+)
+_SAMPLING: Final = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "logprobs",
+        "logit_bias",
+        "ignore_eos",
+    }
+)
+_CHAT_FIELDS: Final = (
+    _SAMPLING
+    | _IGNORED
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "modalities",
+        "audio",
+        "web_search_options",
+    }
+)
 _COMPLETION_FIELDS: Final = _SAMPLING | _IGNORED | {"prompt", "echo", "suffix", "best_of"}
 _EMBEDDING_FIELDS: Final = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 
@@ -151,8 +190,11 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     if _ESCAPED_SURROGATE.search(text):
         where = _lone_surrogate(data)
         if where is not None:
-            raise InvalidRequest(f"the JSON body holds a lone UTF-16 surrogate escape (at {where}); "
-                                 "strings must be valid Unicode", param=where if where != "(a key)" else None)
+            raise InvalidRequest(
+                f"the JSON body holds a lone UTF-16 surrogate escape (at {where}); "
+                "strings must be valid Unicode",
+                param=where if where != "(a key)" else None,
+            )
     return data
 
 
@@ -225,8 +267,7 @@ class _Fields:
         _check_range(name, value, lo, hi)
         return value
 
-    def number(self, name: str, default: float, *, lo: float | None = None,
-               hi: float | None = None) -> float:
+    def number(self, name: str, default: float, *, lo: float | None = None, hi: float | None = None) -> float:
         value = self.data.get(name)
         if value is None:
             return default
@@ -260,8 +301,9 @@ def _reject_unknown(data: Mapping[str, Any], allowed: frozenset[str]) -> None:
     for name in data:
         if name not in allowed:
             safe = shown(name)
-            raise InvalidRequest(f"unrecognized request argument: {safe}", param=safe,
-                                 code="unknown_parameter")
+            raise InvalidRequest(
+                f"unrecognized request argument: {safe}", param=safe, code="unknown_parameter"
+            )
 
 
 def _unsupported(name: str, why: str = "") -> UnsupportedParameter:
@@ -279,13 +321,15 @@ def _stop(f: _Fields) -> tuple[str, ...]:
     if len(items) > MAX_STOP_SEQUENCES:
         raise InvalidRequest(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences", param="stop")
     if any(len(s) > MAX_STOP_LENGTH for s in items):
-        raise InvalidRequest(f"each 'stop' sequence must be at most {MAX_STOP_LENGTH} characters",
-                             param="stop")
+        raise InvalidRequest(
+            f"each 'stop' sequence must be at most {MAX_STOP_LENGTH} characters", param="stop"
+        )
     return tuple(s for s in items if s)
 
 
-def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
-            default_max_tokens: int | None) -> CommonRequest:
+def _common(
+    f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...], default_max_tokens: int | None
+) -> CommonRequest:
     model = f.string("model", required=True)
     assert model is not None  # noqa: S101 - required=True guarantees it
     if not model:
@@ -298,7 +342,9 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
             if value > limits.max_tokens_limit:
                 raise InvalidRequest(
                     f"'{name}' must be at most {limits.max_tokens_limit} on this server, "
-                    f"got {_number(value)}", param=name)
+                    f"got {_number(value)}",
+                    param=name,
+                )
             max_tokens = value
     if max_tokens is None:
         max_tokens = limits.default_max_tokens if limits.default_max_tokens else default_max_tokens
@@ -313,14 +359,17 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
     options = f.data.get("stream_options")
     if options is not None:
         if not stream:
-            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
-                                 param="stream_options")
+            raise InvalidRequest(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
         if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
-            raise InvalidRequest("'stream_options' must be an object with 'include_usage'",
-                                 param="stream_options")
+            raise InvalidRequest(
+                "'stream_options' must be an object with 'include_usage'", param="stream_options"
+            )
         if not isinstance(options.get("include_usage", False), bool):
-            raise InvalidRequest("'stream_options.include_usage' must be a boolean",
-                                 param="stream_options.include_usage")
+            raise InvalidRequest(
+                "'stream_options.include_usage' must be a boolean", param="stream_options.include_usage"
+            )
         include_usage = bool(options.get("include_usage", False))
 
     seed = f.integer("seed", lo=-(2**63), hi=2**64 - 1)
@@ -337,8 +386,14 @@ def _common(f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...],
         logit_bias=_logit_bias(f.data.get("logit_bias")),
     )
     return CommonRequest(
-        model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(f), stream=stream,
-        include_usage=include_usage, ignore_eos=f.boolean("ignore_eos", False), n=n,
+        model=model,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=_stop(f),
+        stream=stream,
+        include_usage=include_usage,
+        ignore_eos=f.boolean("ignore_eos", False),
+        n=n,
         user=f.string("user"),
     )
 
@@ -348,8 +403,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
-        raise InvalidRequest(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids",
-                             param="logit_bias")
+        raise InvalidRequest(
+            f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", param="logit_bias"
+        )
     out = []
     for key, bias in value.items():
         if not (isinstance(key, str) and _TOKEN_ID.fullmatch(key)):
@@ -368,12 +424,14 @@ def _content(value: Any, param: str) -> str:
         parts: list[str] = []
         for j, part in enumerate(value):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise InvalidRequest(f"'{param}[{j}]' must be a content part object with a 'type'",
-                                     param=f"{param}[{j}]")
+                raise InvalidRequest(
+                    f"'{param}[{j}]' must be a content part object with a 'type'", param=f"{param}[{j}]"
+                )
             if part["type"] != "text":
                 raise UnsupportedParameter(
                     f"content parts of type {part['type'][:32]!r} are not supported (text only)",
-                    param=f"{param}[{j}].type")
+                    param=f"{param}[{j}].type",
+                )
             if not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"'{param}[{j}].text' must be a string", param=f"{param}[{j}].text")
             parts.append(part["text"])
@@ -396,11 +454,13 @@ def _messages(f: _Fields) -> tuple[ChatMessage, ...]:
         if not isinstance(role, str):
             raise InvalidRequest(f"'{where}.role' must be a string", param=f"{where}.role")
         if role == "function" or msg.get("function_call"):
-            raise UnsupportedParameter("the deprecated 'function' messages are not supported; use tools",
-                                       param=f"{where}.role")
+            raise UnsupportedParameter(
+                "the deprecated 'function' messages are not supported; use tools", param=f"{where}.role"
+            )
         if role not in CHAT_ROLES:
-            raise InvalidRequest(f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}",
-                                 param=f"{where}.role")
+            raise InvalidRequest(
+                f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}", param=f"{where}.role"
+            )
         unknown = set(msg) - {"role", "content", "name", "refusal", "tool_calls", "tool_call_id"}
         if unknown:
             key = shown(sorted(unknown)[0])
@@ -411,14 +471,20 @@ def _messages(f: _Fields) -> tuple[ChatMessage, ...]:
             raise InvalidRequest(f"'{where}.content' is required", param=f"{where}.content")
         call_id = msg.get("tool_call_id")
         if role == "tool" and not isinstance(call_id, str):
-            raise InvalidRequest(f"'{where}.tool_call_id' is required for tool messages",
-                                 param=f"{where}.tool_call_id")
+            raise InvalidRequest(
+                f"'{where}.tool_call_id' is required for tool messages", param=f"{where}.tool_call_id"
+            )
         name = msg.get("name")
         # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
-        out.append(ChatMessage("system" if role == "developer" else role,
-                               "" if content is None else _content(content, f"{where}.content"),
-                               tool_calls=calls, tool_call_id=call_id if role == "tool" else None,
-                               name=name if isinstance(name, str) else None))
+        out.append(
+            ChatMessage(
+                "system" if role == "developer" else role,
+                "" if content is None else _content(content, f"{where}.content"),
+                tool_calls=calls,
+                tool_call_id=call_id if role == "tool" else None,
+                name=name if isinstance(name, str) else None,
+            )
+        )
     return tuple(out)
 
 
@@ -430,11 +496,16 @@ def _tool_calls(value: Any, role: str, where: str) -> tuple[dict[str, Any], ...]
         raise InvalidRequest(f"'{param}' must be a list, on assistant messages only", param=param)
     for j, call in enumerate(value):
         fn = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
-                and isinstance(fn.get("arguments", ""), str) and isinstance(call.get("id", ""), str)):
+        if not (
+            isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("arguments", ""), str)
+            and isinstance(call.get("id", ""), str)
+        ):
             raise InvalidRequest(
                 f"'{param}[{j}]' must be {{id, type: function, function: {{name, arguments}}}}",
-                param=f"{param}[{j}]")
+                param=f"{param}[{j}]",
+            )
     return tuple(value)
 
 
@@ -453,16 +524,20 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     tools = tool_plan(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
     if tools is not None and tools.grammar is not None:
         if grammar is not None:
-            raise InvalidRequest("'response_format' cannot be combined with tool calls; "
-                                 "set tool_choice: none", param="response_format")
+            raise InvalidRequest(
+                "'response_format' cannot be combined with tool calls; set tool_choice: none",
+                param="response_format",
+            )
         grammar = tools.grammar
     modalities = data.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise _unsupported("modalities", "other than ['text']")
-    common = _common(f, limits, max_tokens_names=("max_tokens", "max_completion_tokens"),
-                     default_max_tokens=None)
-    common = replace(common, logprobs=(top or 0) if logprobs else None,
-                     sampling=replace(common.sampling, grammar=grammar))
+    common = _common(
+        f, limits, max_tokens_names=("max_tokens", "max_completion_tokens"), default_max_tokens=None
+    )
+    common = replace(
+        common, logprobs=(top or 0) if logprobs else None, sampling=replace(common.sampling, grammar=grammar)
+    )
     return ChatRequest(common=common, messages=_messages(f), tools=tools)
 
 
@@ -478,8 +553,9 @@ def parse_completion(data: Mapping[str, Any], limits: Limits) -> CompletionReque
     if best_of is not None and best_of != 1:
         raise _unsupported("best_of", "greater than 1")
     logprobs = f.integer("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)
-    common = _common(f, limits, max_tokens_names=("max_tokens",),
-                     default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    common = _common(
+        f, limits, max_tokens_names=("max_tokens",), default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS
+    )
     return CompletionRequest(common=replace(common, logprobs=logprobs), prompt=_prompt(data.get("prompt")))
 
 
@@ -490,8 +566,11 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
         value = value[0]
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
         if any(t < 0 for t in value):
             raise InvalidRequest("'prompt' token ids must not be negative", param="prompt")
         return tuple(value)
@@ -518,8 +597,9 @@ def parse_embeddings(data: Mapping[str, Any], max_inputs: int = MAX_EMBEDDING_IN
         encoding_format = "float"
     if encoding_format not in ENCODING_FORMATS:
         raise InvalidRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-    return EmbeddingRequest(model=model, inputs=inputs, encoding_format=encoding_format,
-                            user=f.string("user"))
+    return EmbeddingRequest(
+        model=model, inputs=inputs, encoding_format=encoding_format, user=f.string("user")
+    )
 
 
 def _is_token(value: Any) -> bool:
@@ -545,8 +625,9 @@ def _embedding_inputs(value: Any, max_inputs: int) -> tuple[str | tuple[int, ...
         if not value:
             raise InvalidRequest("'input' must not be an empty string", param="input")
         return (value,)
-    shapes = ("'input' must be a string, a list of strings, a list of token ids "
-              "or a list of lists of token ids")
+    shapes = (
+        "'input' must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+    )
     if not isinstance(value, list):
         raise InvalidRequest(shapes, param="input")
     if not value:

@@ -51,7 +51,6 @@ class PatternError(Exception):
         self.unsupported = unsupported
 
 
-
 # ---- regexes ----------------------------------------------------------------------------------
 
 
@@ -81,12 +80,29 @@ _Re = _Set | _Cat | _Alt | _Rep
 
 DIGIT: Final = ((0x30, 0x39),)
 WORD: Final = norm([(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)])
-SPACE: Final = norm([(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
-                     (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
-                     (0xFEFF, 0xFEFF)])
+SPACE: Final = norm(
+    [
+        (0x09, 0x0D),
+        (0x20, 0x20),
+        (0xA0, 0xA0),
+        (0x1680, 0x1680),
+        (0x2000, 0x200A),
+        (0x2028, 0x2029),
+        (0x202F, 0x202F),
+        (0x205F, 0x205F),
+        (0x3000, 0x3000),
+        (0xFEFF, 0xFEFF),
+    ]
+)
 DOT: Final = complement(norm([(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]))  # no line terminators
-_CLASS_ESCAPES: Final = {"d": DIGIT, "D": complement(DIGIT), "w": WORD, "W": complement(WORD),
-                         "s": SPACE, "S": complement(SPACE)}
+_CLASS_ESCAPES: Final = {
+    "d": DIGIT,
+    "D": complement(DIGIT),
+    "w": WORD,
+    "W": complement(WORD),
+    "s": SPACE,
+    "S": complement(SPACE),
+}
 _CONTROL_ESCAPES: Final = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B}
 _HEX: Final = frozenset("0123456789abcdefABCDEF")
 
@@ -110,8 +126,10 @@ class Branch:
 class _Parser:
     def __init__(self, pattern: str) -> None:
         if len(pattern) > MAX_PATTERN_LENGTH:
-            raise PatternError(f"is {len(pattern):,} characters long; the most this server allows is "
-                               f"{MAX_PATTERN_LENGTH:,}", limit=MAX_PATTERN_LENGTH)
+            raise PatternError(
+                f"is {len(pattern):,} characters long; the most this server allows is {MAX_PATTERN_LENGTH:,}",
+                limit=MAX_PATTERN_LENGTH,
+            )
         self.p = pattern
         self.i = 0
 
@@ -130,9 +148,11 @@ class _Parser:
                 frames.append(_Frame([], []))
                 self.i += self._group_opening()
                 if len(frames) - 1 > MAX_PATTERN_NESTING:
-                    raise PatternError(f"nests groups {len(frames) - 1} deep (at character {self.i + 1}); "
-                                       f"the most this server allows is {MAX_PATTERN_NESTING}",
-                                       limit=MAX_PATTERN_NESTING)
+                    raise PatternError(
+                        f"nests groups {len(frames) - 1} deep (at character {self.i + 1}); "
+                        f"the most this server allows is {MAX_PATTERN_NESTING}",
+                        limit=MAX_PATTERN_NESTING,
+                    )
                 continue
             if c == ")":
                 if len(frames) == 1:
@@ -153,13 +173,17 @@ class _Parser:
                 continue
             elif c == "^":
                 if len(frames) > 1 or frame.items or start:
-                    raise self.error("'^' is supported only at the start of the pattern or of a top-level "
-                                     "alternative", unsupported=True)
+                    raise self.error(
+                        "'^' is supported only at the start of the pattern or of a top-level alternative",
+                        unsupported=True,
+                    )
                 start = True
             elif c == "$":
                 if len(frames) > 1 or (self.i + 1 < len(p) and p[self.i + 1] != "|"):
-                    raise self.error("'$' is supported only at the end of the pattern or of a top-level "
-                                     "alternative", unsupported=True)
+                    raise self.error(
+                        "'$' is supported only at the end of the pattern or of a top-level alternative",
+                        unsupported=True,
+                    )
                 end = True
                 self.i += 1
                 if self.i < len(p):  # the '|' that follows
@@ -178,7 +202,7 @@ class _Parser:
         return branches
 
     def _group_opening(self) -> int:
-        rest = self.p[self.i:self.i + 4]
+        rest = self.p[self.i : self.i + 4]
         if not rest.startswith("(?"):
             return 1
         if rest.startswith("(?:"):
@@ -220,8 +244,11 @@ class _Parser:
         for number in numbers:
             if len(number) > 7 or (number and int(number) > MAX_REPETITION):
                 shown = f"{int(number):,}" if len(number) <= 7 else "over 9,999,999"
-                raise PatternError(f"has a quantifier bound of {shown} (at character {self.i + 1}); the most "
-                                   f"this server allows is {MAX_REPETITION:,}", limit=MAX_REPETITION)
+                raise PatternError(
+                    f"has a quantifier bound of {shown} (at character {self.i + 1}); the most "
+                    f"this server allows is {MAX_REPETITION:,}",
+                    limit=MAX_REPETITION,
+                )
         lo = int(numbers[0])
         hi = lo if len(numbers) == 1 else int(numbers[1]) if numbers[1] else None
         if hi is not None and hi < lo:
@@ -322,7 +349,7 @@ class _Parser:
         return self._code_point(c)
 
     def _hex_digits(self, count: int) -> int:
-        digits = self.p[self.i:self.i + count]
+        digits = self.p[self.i : self.i + count]
         if len(digits) != count or not set(digits) <= _HEX:
             raise self.error(f"has an escape that needs {count} hex digits")
         self.i += count
@@ -339,7 +366,7 @@ class _Parser:
         p = self.p
         if self.i < len(p) and p[self.i] == "{":
             end = p.find("}", self.i)
-            digits = p[self.i + 1:end] if end > 0 else ""
+            digits = p[self.i + 1 : end] if end > 0 else ""
             if not digits or len(digits) > 6 or not set(digits) <= _HEX:
                 raise self.error("has a \\u{...} escape without 1 to 6 hex digits")
             self.i = end + 1
@@ -369,9 +396,12 @@ def parse_pattern(pattern: str) -> list[Branch]:
     branches = _Parser(pattern).parse()
     count = sum(states(b.node) for b in branches)
     if count > MAX_PATTERN_STATES:
-        raise PatternError(f"has {count:,} states once its counted repetitions are written out (x{{m,n}} "
-                           f"counts n times x, nested ones multiply); the most this server allows is "
-                           f"{MAX_PATTERN_STATES:,}", limit=MAX_PATTERN_STATES)
+        raise PatternError(
+            f"has {count:,} states once its counted repetitions are written out (x{{m,n}} "
+            f"counts n times x, nested ones multiply); the most this server allows is "
+            f"{MAX_PATTERN_STATES:,}",
+            limit=MAX_PATTERN_STATES,
+        )
     return branches
 
 
@@ -475,8 +505,10 @@ def pattern_alternatives(g: Grammar, pattern: str) -> list[Seq]:
     converter = _Converter(g)
     bodies: list[Seq] = []
     for branch in branches:
-        bodies.extend(seq(() if branch.start else (anything,), body, () if branch.end else (anything,))
-                      for body in converter.alts(branch.node))
+        bodies.extend(
+            seq(() if branch.start else (anything,), body, () if branch.end else (anything,))
+            for body in converter.alts(branch.node)
+        )
     # One rule for the whole pattern, weighed with its states (see MAX_PATTERN_STATES).
     rule = g.named(g.factor(bodies, "pattern"), "pattern")
     g.weigh(rule, sum(states(b.node) for b in branches))

@@ -121,8 +121,16 @@ class _JsonString:
 
     def _decode_escape(self) -> str:
         escape, self._escape = self._escape, ""
-        simple = {'\\"': '"', "\\\\": "\\", "\\/": "/", "\\b": "\b", "\\f": "\f", "\\n": "\n",
-                  "\\r": "\r", "\\t": "\t"}
+        simple = {
+            '\\"': '"',
+            "\\\\": "\\",
+            "\\/": "/",
+            "\\b": "\b",
+            "\\f": "\f",
+            "\\n": "\n",
+            "\\r": "\r",
+            "\\t": "\t",
+        }
         if escape in simple:
             return self._flush_high() + simple[escape]
         try:
@@ -368,7 +376,7 @@ class ReasoningSplitter:
                 if not stripped:
                     return parts
                 if stripped.startswith(self._open):
-                    self._held = stripped[len(self._open):]
+                    self._held = stripped[len(self._open) :]
                     self._state = "reasoning"
                     continue
                 if self._open.startswith(stripped):
@@ -388,13 +396,13 @@ class ReasoningSplitter:
             if at >= 0:
                 if at:
                     parts.append(ReasoningPart(self._held[:at]))
-                self._held = self._held[at + len(self._close):]
+                self._held = self._held[at + len(self._close) :]
                 self._state = "answer_start"
                 continue
             keep = _partial_suffix(self._held, self._close)
             if len(self._held) > keep:
                 parts.append(ReasoningPart(self._held[: len(self._held) - keep]))
-                self._held = self._held[len(self._held) - keep:]
+                self._held = self._held[len(self._held) - keep :]
             return parts
         return parts
 
@@ -417,8 +425,9 @@ def _partial_suffix(text: str, tag: str) -> int:
 class ReplyReader:
     """One choice's stream of text turned into parts: reasoning first, then tools or answer text."""
 
-    def __init__(self, *, tools: Sequence[str] | None = None,
-                 reasoning: ReasoningSplitter | None = None) -> None:
+    def __init__(
+        self, *, tools: Sequence[str] | None = None, reasoning: ReasoningSplitter | None = None
+    ) -> None:
         self.tools = ToolReplyReader(tools) if tools is not None else None
         self._reasoning = reasoning
         self.text: list[str] = []  # answer text so far

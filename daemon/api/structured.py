@@ -27,8 +27,16 @@ from edgellmd.api.gbnf import (
 from edgellmd.api.gbnf import check_schema as _check
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter
 
-__all__ = ["SCHEMA_KEYWORDS", "SCHEMA_TYPES", "ToolPlan", "ToolReply", "check_schema", "parse_tool_reply",
-           "response_format_grammar", "tool_plan"]
+__all__ = [
+    "SCHEMA_KEYWORDS",
+    "SCHEMA_TYPES",
+    "ToolPlan",
+    "ToolReply",
+    "check_schema",
+    "parse_tool_reply",
+    "response_format_grammar",
+    "tool_plan",
+]
 
 MAX_TOOLS: Final = 128
 MAX_PARALLEL_CALLS: Final = 8  # calls in one reply: a model that never stops calling is cut here
@@ -75,16 +83,21 @@ def response_format_grammar(value: Any) -> str | None:
     if kind == "json_object":
         return _json_object_grammar()
     if kind != "json_schema":
-        raise InvalidRequest("'response_format.type' must be text, json_object or json_schema",
-                             param="response_format.type")
+        raise InvalidRequest(
+            "'response_format.type' must be text, json_object or json_schema", param="response_format.type"
+        )
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise InvalidRequest("'response_format.json_schema' must be an object with a 'name' and a 'schema'",
-                             param="response_format.json_schema")
+        raise InvalidRequest(
+            "'response_format.json_schema' must be an object with a 'name' and a 'schema'",
+            param="response_format.json_schema",
+        )
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
-        raise InvalidRequest(f"unrecognized field in 'response_format.json_schema': "
-                             f"{sorted(unknown)[0][:40]}", param="response_format.json_schema")
+        raise InvalidRequest(
+            f"unrecognized field in 'response_format.json_schema': {sorted(unknown)[0][:40]}",
+            param="response_format.json_schema",
+        )
     param = "response_format.json_schema.schema"
     return _grammar(check_schema(spec.get("schema", {"type": "object"}), param), param)
 
@@ -102,15 +115,18 @@ class ToolPlan:
 
 def _function(tool: Any, i: int) -> tuple[str, CheckedSchema]:
     where = f"tools[{i}]"
-    if (not isinstance(tool, dict) or tool.get("type") != "function"
-            or not isinstance(tool.get("function"), dict)):
-        raise InvalidRequest(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}",
-                             param=where)
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type") != "function"
+        or not isinstance(tool.get("function"), dict)
+    ):
+        raise InvalidRequest(f'\'{where}\' must be {{"type": "function", "function": {{...}}}}', param=where)
     fn = tool["function"]
     name = fn.get("name")
     if not isinstance(name, str) or not name or len(name) > 64 or set(name) - FUNCTION_NAME_CHARS:
-        raise InvalidRequest(f"'{where}.function.name' must be 1 to 64 of a-z A-Z 0-9 _ -",
-                             param=f"{where}.function.name")
+        raise InvalidRequest(
+            f"'{where}.function.name' must be 1 to 64 of a-z A-Z 0-9 _ -", param=f"{where}.function.name"
+        )
     params = fn.get("parameters", {"type": "object", "properties": {}})
     return name, check_schema(params, f"{where}.function.parameters", f"{where}.function.parameters")
 
@@ -139,24 +155,50 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
             raise InvalidRequest("'tool_choice' must name one of the tools", param="tool_choice")
         chosen, mode = match, "required"
     elif mode not in ("none", "auto", "required"):
-        raise InvalidRequest("'tool_choice' must be none, auto, required or a named function",
-                             param="tool_choice")
+        raise InvalidRequest(
+            "'tool_choice' must be none, auto, required or a named function", param="tool_choice"
+        )
     if mode == "none":
         return ToolPlan(tuple(tools), "none", None, names=names)
     # edgellm's wrapper around the checked parameter schemas: its own nesting and names do not
     # count toward the client's limits (embedded_grammar); the parameters' counts add up.
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                       "required": ["name", "arguments"], "additionalProperties": False}
-                      for name, params in chosen]}
-    calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1,
-                             "maxItems": 1 if parallel is False else MAX_PARALLEL_CALLS}
-    with_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-                  "additionalProperties": False}
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, params in chosen
+        ]
+    }
+    calls: dict[str, Any] = {
+        "type": "array",
+        "items": call,
+        "minItems": 1,
+        "maxItems": 1 if parallel is False else MAX_PARALLEL_CALLS,
+    }
+    with_calls = {
+        "type": "object",
+        "properties": {"tool_calls": calls},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
     schema: dict[str, Any] = with_calls
     answer = ""
     if mode == "auto":
-        schema = {"anyOf": [with_calls, {"type": "object", "properties": {"response": {"type": "string"}},
-                                         "required": ["response"], "additionalProperties": False}]}
+        schema = {
+            "anyOf": [
+                with_calls,
+                {
+                    "type": "object",
+                    "properties": {"response": {"type": "string"}},
+                    "required": ["response"],
+                    "additionalProperties": False,
+                },
+            ]
+        }
         answer = ', or, to answer without tools, {"response": <your answer>}'
     try:
         grammar = embedded_grammar(schema)
@@ -184,8 +226,16 @@ def parse_tool_reply(text: str, names: Sequence[str]) -> ToolReply:
     raw = data.get("tool_calls") if isinstance(data, dict) else None
     if not isinstance(raw, list):
         return ToolReply(text, ())
-    calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-              "function": {"name": item["name"],
-                           "arguments": json.dumps(item.get("arguments", {}), ensure_ascii=False)}}
-             for item in raw if isinstance(item, dict) and item.get("name") in names]
+    calls = [
+        {
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {
+                "name": item["name"],
+                "arguments": json.dumps(item.get("arguments", {}), ensure_ascii=False),
+            },
+        }
+        for item in raw
+        if isinstance(item, dict) and item.get("name") in names
+    ]
     return ToolReply(None if calls else text, tuple(calls))

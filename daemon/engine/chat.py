@@ -39,13 +39,24 @@ class ChatMessage:
     def marked(self, markers: Markers) -> ChatMessage:
         """This message with every client-chosen string replaced by a marker (see Markers)."""
         calls = tuple(
-            {**call, "id": markers.mark(call["id"]) if isinstance(call.get("id"), str) else call.get("id"),
-             "function": {**call["function"], "name": markers.mark(call["function"].get("name", "")),
-                          "arguments": json.dumps(markers.tree(_arguments(call["function"])))}}
-            for call in self.tool_calls)
-        return replace(self, content=markers.mark(self.content), tool_calls=calls,
-                       tool_call_id=None if self.tool_call_id is None else markers.mark(self.tool_call_id),
-                       name=None if self.name is None else markers.mark(self.name))
+            {
+                **call,
+                "id": markers.mark(call["id"]) if isinstance(call.get("id"), str) else call.get("id"),
+                "function": {
+                    **call["function"],
+                    "name": markers.mark(call["function"].get("name", "")),
+                    "arguments": json.dumps(markers.tree(_arguments(call["function"]))),
+                },
+            }
+            for call in self.tool_calls
+        )
+        return replace(
+            self,
+            content=markers.mark(self.content),
+            tool_calls=calls,
+            tool_call_id=None if self.tool_call_id is None else markers.mark(self.tool_call_id),
+            name=None if self.name is None else markers.mark(self.name),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The message as Hugging Face chat templates expect it."""
@@ -54,7 +65,8 @@ class ChatMessage:
             # Templates print arguments with `| tojson`: they want an object, not OpenAI's string.
             out["tool_calls"] = [
                 {**call, "function": {**call["function"], "arguments": _arguments(call["function"])}}
-                for call in self.tool_calls]
+                for call in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
@@ -134,8 +146,15 @@ def _candidates(text: str) -> list[str]:
     encoded = json.dumps(text)[1:-1]
     html_safe = "".join(_HTML_SAFE.get(c, c) for c in encoded)
     out: list[str] = []
-    for option in (text, text.strip(), text.lstrip(), text.rstrip(), html_safe, encoded,
-                   json.dumps(text, ensure_ascii=False)[1:-1]):
+    for option in (
+        text,
+        text.strip(),
+        text.lstrip(),
+        text.rstrip(),
+        html_safe,
+        encoded,
+        json.dumps(text, ensure_ascii=False)[1:-1],
+    ):
         if option not in out:
             out.append(option)
     return out
@@ -162,8 +181,11 @@ def split_rendered(marked: str, real: str, markers: Markers) -> tuple[list[Segme
         last = i == len(keys) - 1
         for option in _candidates(markers.texts[key]):
             end = pos + len(option)
-            if real.startswith(option, pos) and real.startswith(after, end) and (
-                    not last or end + len(after) == len(real)):
+            if (
+                real.startswith(option, pos)
+                and real.startswith(after, end)
+                and (not last or end + len(after) == len(real))
+            ):
                 segments += [(option, False), (after, True)]
                 pos = end + len(after)
                 break
@@ -185,22 +207,26 @@ class ChatTemplate:
     supports_tools = False  # whether the template renders `tools` and tool messages
     _warned_rewrite = False
 
-    def render_segments(self, messages: Sequence[ChatMessage],
-                        tools: Sequence[Mapping[str, Any]] | None = None) -> list[Segment]:
+    def render_segments(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[Segment]:
         """Render, telling the template's own text from the request's (see split_rendered)."""
         markers = Markers()
-        marked = self.render([m.marked(markers) for m in messages],
-                             markers.tree(list(tools)) if tools else None)
+        marked = self.render(
+            [m.marked(markers) for m in messages], markers.tree(list(tools)) if tools else None
+        )
         real = self.render(messages, tools)
         segments, exact = split_rendered(marked, real, markers)
         if not exact and not self._warned_rewrite:
             self._warned_rewrite = True
-            log.info("chat template %s rewrites message text; such prompts carry the text as sent",
-                     self.source)
+            log.info(
+                "chat template %s rewrites message text; such prompts carry the text as sent", self.source
+            )
         return segments
 
-    def render(self, messages: Sequence[ChatMessage],
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:  # pragma: no cover - interface
+    def render(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:  # pragma: no cover - interface
         """Return the prompt text, ending where the assistant's reply begins."""
         raise NotImplementedError
 
@@ -229,8 +255,9 @@ class JinjaChatTemplate(ChatTemplate):
         """Where the template came from."""
         return self._origin
 
-    def render(self, messages: Sequence[ChatMessage],
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    def render(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
         """Render with `add_generation_prompt=True`, as llama-server and transformers do."""
         context: dict[str, Any] = {
             "messages": [m.as_dict() for m in messages],
@@ -260,8 +287,9 @@ class BuiltinChatTemplate(ChatTemplate):
         """The built-in template's name."""
         return f"built-in template {self._name!r}"
 
-    def render(self, messages: Sequence[ChatMessage],
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    def render(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
         """Render through llama.cpp (which knows no tools)."""
         return self._renderer(self._name, [(m.role, m.content) for m in messages])
 

@@ -107,8 +107,10 @@ class EmbeddingEngine(NativeThread):
         # llama.cpp lowers n_batch to n_ctx for causal models; pack batches by what it kept.
         self._n_batch = min(llama.llama_n_batch(ctx), llama.llama_n_ubatch(ctx))
         if self._n_batch < config.context_size:
-            raise ModelLoadError(f"llama.cpp allows only {self._n_batch} tokens per batch for "
-                                 f"{config.path}, fewer than context_size {config.context_size}")
+            raise ModelLoadError(
+                f"llama.cpp allows only {self._n_batch} tokens per batch for "
+                f"{config.path}, fewer than context_size {config.context_size}"
+            )
         self._memory = llama.llama_get_memory(ctx)  # NULL for encoder-only models (BERT)
         self._batch = llama.llama_batch_init(self._n_batch, 0, 1)
 
@@ -117,8 +119,9 @@ class EmbeddingEngine(NativeThread):
         declared = model_meta(self._model, f"{self.info.architecture}.pooling_type")
         value = int(declared) if declared and declared.isdigit() else llama.LLAMA_POOLING_TYPE_NONE
         if value == llama.LLAMA_POOLING_TYPE_RANK:
-            raise ModelLoadError(f"{self.config.path} is a reranking model (rank pooling), "
-                                 "not an embedding model")
+            raise ModelLoadError(
+                f"{self.config.path} is a reranking model (rank pooling), not an embedding model"
+            )
         # A plain decoder (llama, gemma, ...) declares none, and llama.cpp then pools NONE:
         # one vector per token and no llama_get_embeddings_seq. The mean over the tokens is
         # what OpenAI-style clients expect from such a model; llama-server refuses it instead.
@@ -160,8 +163,9 @@ class EmbeddingEngine(NativeThread):
             if len(tokens) > limit:
                 raise EngineError(f"input {i} has {len(tokens)} tokens, more than the limit of {limit}")
             if not all(0 <= t < self.n_vocab for t in tokens):
-                raise EngineError(f"input {i} holds a token id outside the vocabulary "
-                                  f"(0 to {self.n_vocab - 1})")
+                raise EngineError(
+                    f"input {i} holds a token id outside the vocabulary (0 to {self.n_vocab - 1})"
+                )
             checked.append(list(tokens))  # a copy: the caller may reuse its lists
         job = _EmbedJob(checked)
         with self._cond:
@@ -228,8 +232,11 @@ class EmbeddingEngine(NativeThread):
             if self._stopping:  # close() during a long job: do not finish it first
                 raise EngineError("the model was unloaded")
             end, used = start, 0
-            while (end < len(inputs) and end - start < self._per_decode
-                   and used + len(inputs[end]) <= self._n_batch):
+            while (
+                end < len(inputs)
+                and end - start < self._per_decode
+                and used + len(inputs[end]) <= self._n_batch
+            ):
                 used += len(inputs[end])
                 end += 1
             out.extend(self._decode(inputs[start:end]))

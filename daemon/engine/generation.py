@@ -47,11 +47,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """True when any repetition penalty is active."""
-        return (
-            self.repeat_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)

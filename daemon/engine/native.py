@@ -145,8 +145,10 @@ def _set_load_mode(mparams: Any, *, mmap: bool) -> None:
     elif "use_mmap" in fields:
         mparams.use_mmap = mmap
     else:
-        raise ModelLoadError("this llama.cpp build's model parameters have neither load_mode nor "
-                             "use_mmap: cannot choose between mapping and reading the model file")
+        raise ModelLoadError(
+            "this llama.cpp build's model parameters have neither load_mode nor "
+            "use_mmap: cannot choose between mapping and reading the model file"
+        )
 
 
 # ---- model metadata and tokens, shared by Engine and EmbeddingEngine ----------------------
@@ -263,8 +265,9 @@ class ControlTokens:
         return self.find(text, 0) is not None
 
 
-def tokenize_segments(vocab: Any, controls: ControlTokens, segments: Sequence[tuple[str, bool]], *,
-                      add_special: bool) -> list[int]:
+def tokenize_segments(
+    vocab: Any, controls: ControlTokens, segments: Sequence[tuple[str, bool]], *, add_special: bool
+) -> list[int]:
     """Tokenize (text, trusted) segments: control tokens are parsed in trusted text only.
 
     The fragments between control tokens are tokenized one by one without special parsing,
@@ -333,7 +336,6 @@ def token_piece(vocab: Any, token: int, *, special: bool = False) -> bytes:
         buf = ctypes.create_string_buffer(-n)
         n = llama.llama_token_to_piece(vocab, token, buf, -n, 0, special)
     return buf.raw[: max(n, 0)]
-
 
 
 class NativeThread(abc.ABC):
@@ -463,11 +465,9 @@ class NativeThread(abc.ABC):
             self._model = None
 
 
-
 def default_threads() -> int:
     """Threads llama.cpp should use when the config does not say: the CPUs we may run on."""
     return max(1, len(os.sched_getaffinity(0)))
-
 
 
 def supports_gpu_offload() -> bool:

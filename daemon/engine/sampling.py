@@ -81,11 +81,13 @@ def make_chain(sp: SamplingParams, n_vocab: int) -> tuple[Any, Any]:
     penalties = None
     if sp.logit_bias:
         biases: Any = (llama.llama_logit_bias * len(sp.logit_bias))(
-            *(llama.llama_logit_bias(token, bias) for token, bias in sp.logit_bias))
+            *(llama.llama_logit_bias(token, bias) for token, bias in sp.logit_bias)
+        )
         add(chain, llama.llama_sampler_init_logit_bias(n_vocab, len(sp.logit_bias), biases))
     if sp.penalized:
         penalties = llama.llama_sampler_init_penalties(
-            n_vocab, sp.penalty_last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty)
+            n_vocab, sp.penalty_last_n, sp.repeat_penalty, sp.frequency_penalty, sp.presence_penalty
+        )
         add(chain, penalties)  # the chain owns it now
     if sp.greedy:
         add(chain, llama.llama_sampler_init_greedy())
@@ -119,8 +121,9 @@ class SlotSampler:
 
     __slots__ = ("_candidates", "_check", "chain", "grammar", "history", "logit_bias", "penalties")
 
-    def __init__(self, sp: SamplingParams, vocab: Any, candidates: Candidates,
-                 grammar: CompiledGrammar | None = None) -> None:
+    def __init__(
+        self, sp: SamplingParams, vocab: Any, candidates: Candidates, grammar: CompiledGrammar | None = None
+    ) -> None:
         """Build the chain around the request's grammar, compiled beforehand (see Engine.submit)."""
         self._candidates = candidates
         self.logit_bias = sp.logit_bias
@@ -160,8 +163,9 @@ class SlotSampler:
         array = llama.llama_token_data_array(check, 1, -1, False)
         llama.llama_sampler_apply(self.grammar, ctypes.byref(array))
         if math.isinf(check[0].logit):
-            logits = np.ctypeslib.as_array(llama.llama_get_logits_ith(ctx, index),
-                                           shape=(self._candidates.n_vocab,))
+            logits = np.ctypeslib.as_array(
+                llama.llama_get_logits_ith(ctx, index), shape=(self._candidates.n_vocab,)
+            )
             token = self._resample_best(logits)
             if token < 0:
                 # Nothing likely fits: the grammar filters the whole vocabulary.
@@ -199,7 +203,7 @@ class SlotSampler:
             ids, values = zip(*self.logit_bias, strict=True)
             scores[list(ids)] += np.asarray(values, dtype=scores.dtype)
         tiers = [min(k, n_vocab) for k in RESAMPLE_TIERS]
-        pool = np.argpartition(scores, -tiers[-1])[-tiers[-1]:]
+        pool = np.argpartition(scores, -tiers[-1])[-tiers[-1] :]
         tried = 0
         for k in tiers:
             if k <= tried:

@@ -64,8 +64,16 @@ class _Slot:
     """Scheduler-thread state of one sequence in the batch."""
 
     __slots__ = (
-        "batch_index", "completion", "gen", "last", "n_past", "prefilled", "prompt", "sampler",
-        "stops", "utf8",
+        "batch_index",
+        "completion",
+        "gen",
+        "last",
+        "n_past",
+        "prefilled",
+        "prompt",
+        "sampler",
+        "stops",
+        "utf8",
     )
 
     def __init__(self, gen: Generation, sampler: SlotSampler) -> None:
@@ -150,8 +158,9 @@ class Engine(NativeThread):
         with self.native_use():
             return tokenize_text(self._vocab, text, add_special=add_special, parse_special=parse_special)
 
-    def tokenize_segments(self, segments: Sequence[tuple[str, bool]], *,
-                          add_special: bool = True) -> list[int]:
+    def tokenize_segments(
+        self, segments: Sequence[tuple[str, bool]], *, add_special: bool = True
+    ) -> list[int]:
         """(text, trusted) segments to token ids; control tokens are parsed in trusted text only."""
         with self.native_use():
             return tokenize_segments(self._vocab, self.controls, segments, add_special=add_special)
@@ -179,8 +188,12 @@ class Engine(NativeThread):
 
     # ---- scheduler interface (event loop side) -------------------------------------------
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-               grammar: CompiledGrammar | None = None) -> Generation:
+    def submit(
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        grammar: CompiledGrammar | None = None,
+    ) -> Generation:
         """Queue a generation; its events arrive on `loop`. Never blocks on the scheduler.
 
         A request with a grammar brings it compiled (`compile_grammar`, on the prompt pool);
@@ -194,8 +207,9 @@ class Engine(NativeThread):
                 grammar.free()
             raise
 
-    def _queue(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
-               grammar: CompiledGrammar | None) -> Generation:
+    def _queue(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, grammar: CompiledGrammar | None
+    ) -> Generation:
         if len(request.prompt_tokens) == 0:
             raise EngineError("empty prompt")
         gen = Generation(request, loop)
@@ -248,8 +262,9 @@ class Engine(NativeThread):
             self._pending.clear()
         for gen in leftovers:
             _free_grammar(gen)
-            gen.push_threadsafe([Finished("error", len(gen.request.prompt_tokens), 0,
-                                          error="the model was unloaded")])
+            gen.push_threadsafe(
+                [Finished("error", len(gen.request.prompt_tokens), 0, error="the model was unloaded")]
+            )
         for i, slot in enumerate(self._slots):
             if slot is not None:
                 self._finish(i, "error", error="the model was unloaded", deliver=True)
@@ -331,8 +346,12 @@ class Engine(NativeThread):
             reuse = 0
         del self._kv[best][reuse:]
         grammar, gen.grammar = gen.grammar, None
-        sampler = SlotSampler(gen.request.sampling, self._vocab, self._candidates,
-                              grammar if isinstance(grammar, CompiledGrammar) else None)
+        sampler = SlotSampler(
+            gen.request.sampling,
+            self._vocab,
+            self._candidates,
+            grammar if isinstance(grammar, CompiledGrammar) else None,
+        )
         slot = _Slot(gen, sampler)
         slot.prefilled = slot.n_past = reuse
         self.prompt_tokens_reused += reuse
@@ -447,8 +466,15 @@ class Engine(NativeThread):
             return [delta, *self._finish(i, "length")]
         return [delta]
 
-    def _finish(self, i: int, reason: FinishReason, *, error: str | None = None,
-                flushed: bool = False, deliver: bool = False) -> list[Event]:
+    def _finish(
+        self,
+        i: int,
+        reason: FinishReason,
+        *,
+        error: str | None = None,
+        flushed: bool = False,
+        deliver: bool = False,
+    ) -> list[Event]:
         slot = self._slots[i]
         assert slot is not None  # noqa: S101 - scheduler invariant
         self.finished[reason] += 1  # counted before the slot shows free: readers see both
@@ -491,8 +517,9 @@ def _deliver(outbox: list[tuple[Generation, list[Event]]]) -> None:
         done.wait(_LOCKSTEP_WAIT_S)
 
 
-def _push_all(loop: asyncio.AbstractEventLoop, items: list[tuple[Generation, list[Event]]],
-              done: threading.Event) -> None:
+def _push_all(
+    loop: asyncio.AbstractEventLoop, items: list[tuple[Generation, list[Event]]], done: threading.Event
+) -> None:
     for gen, events in items:
         gen.push(events)
     # Runs after the consumers woken above have taken their turn (the ready queue is FIFO).

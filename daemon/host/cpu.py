@@ -28,7 +28,7 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     """`"0-3,8"` -> {0, 1, 2, 3, 8}; raises CpuListError naming the problem."""
     compact = text.replace(" ", "")
     if not _CPU_LIST.fullmatch(compact):
-        raise CpuListError("must be a CPU list like \"0-3,8\" or \"auto\"")
+        raise CpuListError('must be a CPU list like "0-3,8" or "auto"')
     cpus: set[int] = set()
     for part in compact.split(","):
         low, _, high = part.partition("-")
@@ -61,8 +61,9 @@ def one_per_core(allowed: frozenset[int], sysfs: Path = SYSFS_CPU) -> frozenset[
     seen: set[frozenset[int]] = set()
     for cpu in sorted(allowed):
         try:
-            siblings = parse_cpu_list((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list")
-                                      .read_text().strip())
+            siblings = parse_cpu_list(
+                (sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
+            )
         except (OSError, CpuListError):
             siblings = frozenset({cpu})  # no topology: count it as a core of its own
         if siblings in seen:
@@ -99,20 +100,29 @@ def pin_cpus(requested: str | None, sysfs: Path = SYSFS_CPU) -> Pinning:
         note = f"CPUs {format_cpu_list(outside)} are not allowed to this process (cgroup/cpuset)"
         target &= allowed
     if not target:
-        log.warning("cpus %r: none of these CPUs is allowed (%s); running on %s", requested, note,
-                    format_cpu_list(allowed))
+        log.warning(
+            "cpus %r: none of these CPUs is allowed (%s); running on %s",
+            requested,
+            note,
+            format_cpu_list(allowed),
+        )
         return Pinning(allowed, requested, pinned=False, note=note)
     try:
         os.sched_setaffinity(0, target)
         _pin_other_threads(target)
     except OSError as exc:
-        log.warning("cpus %r: pinning refused (%s; seccomp or cgroup policy?); running on %s",
-                    requested, exc.strerror or exc, format_cpu_list(allowed))
+        log.warning(
+            "cpus %r: pinning refused (%s; seccomp or cgroup policy?); running on %s",
+            requested,
+            exc.strerror or exc,
+            format_cpu_list(allowed),
+        )
         return Pinning(allowed, requested, pinned=False, note=f"pinning refused: {exc.strerror or exc}")
     if note:
         log.warning("cpus %r: %s; pinned to the rest", requested, note)
-    log.info("pinned to CPUs %s (%d); model threads default to that count", format_cpu_list(target),
-             len(target))
+    log.info(
+        "pinned to CPUs %s (%d); model threads default to that count", format_cpu_list(target), len(target)
+    )
     return Pinning(target, requested, pinned=True, note=note)
 
 
@@ -151,8 +161,12 @@ def host_stats(*, shm: Path | None, models_dir: Path | None) -> dict[str, Any]:
         "load1": os.getloadavg()[0],
         "memory_total_bytes": memory.total,
         "memory_used_bytes": memory.total - memory.available,
-        "process": {"rss_bytes": rss, "threads": threads, "open_fds": fds,
-                    "cpu_seconds": cpu_times.user + cpu_times.system},
+        "process": {
+            "rss_bytes": rss,
+            "threads": threads,
+            "open_fds": fds,
+            "cpu_seconds": cpu_times.user + cpu_times.system,
+        },
         "shm": _disk(shm),
         "models_dir": _disk(models_dir),
     }

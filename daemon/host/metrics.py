@@ -63,20 +63,39 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("edgellm_requests", "HTTP requests answered, by endpoint, status and key id",
-                                ["endpoint", "status", "key_id"], registry=r)
-        self.request_duration = Histogram("edgellm_request_duration_seconds",
-                                          "Time from request to the end of the answer", ["endpoint"],
-                                          buckets=REQUEST_BUCKETS, registry=r)
-        self.ttft = Histogram("edgellm_time_to_first_token_seconds",
-                              "Time from admission to the first generated token", ["model"],
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("edgellm_inter_token_latency_seconds", "Time between generated tokens",
-                             ["model"], buckets=ITL_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("edgellm_prompt_tokens", "Prompt tokens processed", ["model"],
-                                     registry=r)
-        self.completion_tokens = Counter("edgellm_completion_tokens", "Tokens generated", ["model"],
-                                         registry=r)
+        self.requests = Counter(
+            "edgellm_requests",
+            "HTTP requests answered, by endpoint, status and key id",
+            ["endpoint", "status", "key_id"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "edgellm_request_duration_seconds",
+            "Time from request to the end of the answer",
+            ["endpoint"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "edgellm_time_to_first_token_seconds",
+            "Time from admission to the first generated token",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "edgellm_inter_token_latency_seconds",
+            "Time between generated tokens",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "edgellm_prompt_tokens", "Prompt tokens processed", ["model"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "edgellm_completion_tokens", "Tokens generated", ["model"], registry=r
+        )
         build = Gauge("edgellm_build_info", "The daemon's version", ["version"], registry=r)
         build.labels(__version__).set(1)
 
@@ -84,8 +103,14 @@ class Metrics:
         """A per-generation timer feeding the TTFT and inter-token histograms of `model`."""
         return TokenTiming(self.ttft.labels(model), self.itl.labels(model))
 
-    def add_state(self, registry: ModelsView, refusals: Callable[[], Tally[str]],
-                  gpu: Callable[[], GpuSnapshot | None], shm: Path | None, models_dir: Path | None) -> None:
+    def add_state(
+        self,
+        registry: ModelsView,
+        refusals: Callable[[], Tally[str]],
+        gpu: Callable[[], GpuSnapshot | None],
+        shm: Path | None,
+        models_dir: Path | None,
+    ) -> None:
         """Gauges and counters that are read from the daemon's state at every scrape."""
         self.registry.register(_StateCollector(registry, refusals, gpu, shm, models_dir))
 
@@ -98,7 +123,8 @@ class Metrics:
         out: dict[str, Any] = {}
         for family in self.registry.collect():
             out[family.name] = {
-                "type": family.type, "help": family.documentation,
+                "type": family.type,
+                "help": family.documentation,
                 "samples": [{"name": s.name, "labels": s.labels, "value": s.value} for s in family.samples],
             }
         return out
@@ -120,8 +146,14 @@ class ModelsView(Protocol):
 
 
 class _StateCollector(Collector):
-    def __init__(self, registry: ModelsView, refusals: Callable[[], Tally[str]],
-                 gpu: Callable[[], GpuSnapshot | None], shm: Path | None, models_dir: Path | None) -> None:
+    def __init__(
+        self,
+        registry: ModelsView,
+        refusals: Callable[[], Tally[str]],
+        gpu: Callable[[], GpuSnapshot | None],
+        shm: Path | None,
+        models_dir: Path | None,
+    ) -> None:
         self._registry = registry
         self._refusals = refusals
         self._gpu = gpu
@@ -130,8 +162,9 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._models()
-        refused = CounterMetricFamily("edgellm_rate_limited", "Requests refused by a key's rate limits",
-                                      labels=["reason"])
+        refused = CounterMetricFamily(
+            "edgellm_rate_limited", "Requests refused by a key's rate limits", labels=["reason"]
+        )
         counts = self._refusals()
         for reason in ("rpm", "tpm", "concurrency"):
             refused.add_metric([reason], counts.get(reason, 0))
@@ -141,13 +174,21 @@ class _StateCollector(Collector):
 
     def _models(self) -> Iterator[Metric]:
         status = self._registry.status()
-        gauges = {name: GaugeMetricFamily(f"edgellm_{name}", text, labels=["model"]) for name, text in (
-            ("slots_busy", "Slots generating now"), ("slots_total", "Slots configured"),
-            ("queue_depth", "Requests waiting for a slot"), ("queue_size", "Queue bound; beyond it 429"))}
-        info = GaugeMetricFamily("edgellm_model_info", "The version each model serves",
-                                 labels=["model", "version", "sha256"])
-        state = GaugeMetricFamily("edgellm_model_state", "1 for the model's current state",
-                                  labels=["model", "state"])
+        gauges = {
+            name: GaugeMetricFamily(f"edgellm_{name}", text, labels=["model"])
+            for name, text in (
+                ("slots_busy", "Slots generating now"),
+                ("slots_total", "Slots configured"),
+                ("queue_depth", "Requests waiting for a slot"),
+                ("queue_size", "Queue bound; beyond it 429"),
+            )
+        }
+        info = GaugeMetricFamily(
+            "edgellm_model_info", "The version each model serves", labels=["model", "version", "sha256"]
+        )
+        state = GaugeMetricFamily(
+            "edgellm_model_state", "1 for the model's current state", labels=["model", "state"]
+        )
         for m in status["models"]:
             name = m["name"]
             gauges["slots_total"].add_metric([name], m["slots_total"])
@@ -162,13 +203,17 @@ class _StateCollector(Collector):
         yield from gauges.values()
         yield info
         yield state
-        reloads = CounterMetricFamily("edgellm_reloads", "Loads, reloads and unloads by result",
-                                      labels=["model", "result"])
+        reloads = CounterMetricFamily(
+            "edgellm_reloads", "Loads, reloads and unloads by result", labels=["model", "result"]
+        )
         for (model, result), n in sorted(self._registry.reloads_by_model.items()):
             reloads.add_metric([model, result], n)
         yield reloads
-        rejected = CounterMetricFamily("edgellm_queue_rejections", "Requests refused with 429 "
-                                       "server_overloaded (slots busy, queue full)", labels=["model"])
+        rejected = CounterMetricFamily(
+            "edgellm_queue_rejections",
+            "Requests refused with 429 server_overloaded (slots busy, queue full)",
+            labels=["model"],
+        )
         for model, n in sorted(self._registry.rejections.items()):
             rejected.add_metric([model], n)
         yield rejected
@@ -177,34 +222,47 @@ class _StateCollector(Collector):
         snapshot = self._gpu()
         if snapshot is None or not snapshot.available:
             return
-        up = GaugeMetricFamily("edgellm_gpu_up", "1 while the GPU answers NVML, 0 once lost",
-                               labels=["gpu", "name"])
-        simple = {key: GaugeMetricFamily(f"edgellm_gpu_{key}", text, labels=["gpu"]) for key, text in (
-            ("memory_used_bytes", "GPU memory in use"), ("memory_total_bytes", "GPU memory"),
-            ("utilization_ratio", "GPU busy share of the last sample period"),
-            ("temperature_celsius", "GPU temperature"), ("power_watts", "GPU power draw"),
-            ("power_limit_watts", "GPU enforced power limit"))}
-        throttle = GaugeMetricFamily("edgellm_gpu_throttle_active", "1 while a clock-event reason is active",
-                                     labels=["gpu", "reason"])
-        ecc = GaugeMetricFamily("edgellm_gpu_ecc_volatile_errors", "ECC errors since the driver loaded",
-                                labels=["gpu", "kind"])
+        up = GaugeMetricFamily(
+            "edgellm_gpu_up", "1 while the GPU answers NVML, 0 once lost", labels=["gpu", "name"]
+        )
+        simple = {
+            key: GaugeMetricFamily(f"edgellm_gpu_{key}", text, labels=["gpu"])
+            for key, text in (
+                ("memory_used_bytes", "GPU memory in use"),
+                ("memory_total_bytes", "GPU memory"),
+                ("utilization_ratio", "GPU busy share of the last sample period"),
+                ("temperature_celsius", "GPU temperature"),
+                ("power_watts", "GPU power draw"),
+                ("power_limit_watts", "GPU enforced power limit"),
+            )
+        }
+        throttle = GaugeMetricFamily(
+            "edgellm_gpu_throttle_active", "1 while a clock-event reason is active", labels=["gpu", "reason"]
+        )
+        ecc = GaugeMetricFamily(
+            "edgellm_gpu_ecc_volatile_errors", "ECC errors since the driver loaded", labels=["gpu", "kind"]
+        )
         for gpu in snapshot.devices:
             index = str(gpu.index)
             up.add_metric([index, gpu.name or ""], 0.0 if gpu.lost else 1.0)
             if gpu.lost:
                 continue
-            for key, value in (("memory_used_bytes", gpu.memory_used),
-                               ("memory_total_bytes", gpu.memory_total),
-                               ("utilization_ratio", None if gpu.utilization_gpu is None
-                                else gpu.utilization_gpu / 100),
-                               ("temperature_celsius", gpu.temperature_c), ("power_watts", gpu.power_w),
-                               ("power_limit_watts", gpu.power_limit_w)):
+            for key, value in (
+                ("memory_used_bytes", gpu.memory_used),
+                ("memory_total_bytes", gpu.memory_total),
+                ("utilization_ratio", None if gpu.utilization_gpu is None else gpu.utilization_gpu / 100),
+                ("temperature_celsius", gpu.temperature_c),
+                ("power_watts", gpu.power_w),
+                ("power_limit_watts", gpu.power_limit_w),
+            ):
                 if value is not None:
                     simple[key].add_metric([index], float(value))
             for reason in gpu.throttle_reasons:
                 throttle.add_metric([index, reason], 1.0)
-            for kind, count in (("corrected", gpu.ecc_volatile_corrected),
-                                ("uncorrected", gpu.ecc_volatile_uncorrected)):
+            for kind, count in (
+                ("corrected", gpu.ecc_volatile_corrected),
+                ("uncorrected", gpu.ecc_volatile_uncorrected),
+            ):
                 if count is not None:
                     ecc.add_metric([index, kind], float(count))
         yield up

@@ -44,13 +44,13 @@ CLOCK_EVENT_REASONS: Final = (
 _LOST_ERRORS: Final = ("NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_ResetRequired")
 _INIT_REASONS: Final = {
     "NVMLError_LibraryNotFound": "the NVIDIA driver library libnvidia-ml.so.1 was not found "
-                                 "(no NVIDIA driver installed, or not visible to this service)",
+    "(no NVIDIA driver installed, or not visible to this service)",
     "NVMLError_DriverNotLoaded": "the NVIDIA kernel driver is not loaded (or /dev/nvidia* is hidden "
-                                 "from this service, e.g. by PrivateDevices=yes)",
+    "from this service, e.g. by PrivateDevices=yes)",
     "NVMLError_NoPermission": "no permission to open /dev/nvidiactl and /dev/nvidia* "
-                              "(check DeviceAllow= and the service user's groups)",
+    "(check DeviceAllow= and the service user's groups)",
     "NVMLError_LibRmVersionMismatch": "the NVIDIA driver library and kernel module versions differ "
-                                      "(reboot after the driver upgrade)",
+    "(reboot after the driver upgrade)",
 }
 _FIELD_REASONS: Final = {
     "NVMLError_NotSupported": "not supported",
@@ -188,8 +188,10 @@ def _read_device(nvml: Any, index: int, pid: int | None) -> GpuReading:
         values["sm_clock_mhz"] = r(("sm_clock_mhz",), "nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_SM)
         values["memory_clock_mhz"] = r(("memory_clock_mhz",), "nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_MEM)
         values["throttle_reasons"] = _read_reasons(reader)
-        for kind, error_type in (("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                                 ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
+        for kind, error_type in (
+            ("corrected", nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+            ("uncorrected", nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+        ):
             key = f"ecc_volatile_{kind}"  # NotSupported while ECC is off (GeForce, P40 by choice)
             values[key] = r((key,), "nvmlDeviceGetTotalEccErrors", error_type, nvml.NVML_VOLATILE_ECC)
         if pid is not None:
@@ -204,7 +206,9 @@ def _read_reasons(reader: _DeviceReader) -> tuple[str, ...]:
     # the last ones for Pascal among them, only have the old name.
     mask = reader.call(("throttle_reasons",), "nvmlDeviceGetCurrentClocksEventReasons")
     if mask is None and reader.unavailable.get("throttle_reasons") in (
-            "function not found on this driver", "not in this nvidia-ml-py version"):
+        "function not found on this driver",
+        "not in this nvidia-ml-py version",
+    ):
         del reader.unavailable["throttle_reasons"]
         mask = reader.call(("throttle_reasons",), "nvmlDeviceGetCurrentClocksThrottleReasons")
     return () if mask is None else _reasons(int(mask))
@@ -223,19 +227,32 @@ def _process_memory(reader: _DeviceReader, pid: int) -> int | None:
     return sum(used or 0 for used in mine)
 
 
-def _reading(index: int, values: Mapping[str, Any], unavailable: Mapping[str, str], *,
-             lost: bool = False) -> GpuReading:
+def _reading(
+    index: int, values: Mapping[str, Any], unavailable: Mapping[str, str], *, lost: bool = False
+) -> GpuReading:
     get = values.get
     return GpuReading(
-        index=index, name=get("name"), uuid=get("uuid"), compute_capability=get("compute_capability"),
-        memory_total=get("memory_total"), memory_used=get("memory_used"), memory_free=get("memory_free"),
-        utilization_gpu=get("utilization_gpu"), utilization_memory=get("utilization_memory"),
-        temperature_c=get("temperature_c"), fan_percent=get("fan_percent"), power_w=get("power_w"),
-        power_limit_w=get("power_limit_w"), sm_clock_mhz=get("sm_clock_mhz"),
-        memory_clock_mhz=get("memory_clock_mhz"), throttle_reasons=get("throttle_reasons", ()),
+        index=index,
+        name=get("name"),
+        uuid=get("uuid"),
+        compute_capability=get("compute_capability"),
+        memory_total=get("memory_total"),
+        memory_used=get("memory_used"),
+        memory_free=get("memory_free"),
+        utilization_gpu=get("utilization_gpu"),
+        utilization_memory=get("utilization_memory"),
+        temperature_c=get("temperature_c"),
+        fan_percent=get("fan_percent"),
+        power_w=get("power_w"),
+        power_limit_w=get("power_limit_w"),
+        sm_clock_mhz=get("sm_clock_mhz"),
+        memory_clock_mhz=get("memory_clock_mhz"),
+        throttle_reasons=get("throttle_reasons", ()),
         ecc_volatile_corrected=get("ecc_volatile_corrected"),
-        ecc_volatile_uncorrected=get("ecc_volatile_uncorrected"), process_memory=get("process_memory"),
-        unavailable=MappingProxyType(dict(unavailable)), lost=lost,
+        ecc_volatile_uncorrected=get("ecc_volatile_uncorrected"),
+        process_memory=get("process_memory"),
+        unavailable=MappingProxyType(dict(unavailable)),
+        lost=lost,
     )
 
 
@@ -274,8 +291,14 @@ def read_gpus(nvml: Any = None, *, pid: int | None = None) -> GpuSnapshot:
     finally:
         with contextlib.suppress(*errors):
             nvml.nvmlShutdown()
-    return GpuSnapshot(True, None, None if driver is None else _text(driver),
-                       None if cuda is None else int(cuda), devices, taken_at)
+    return GpuSnapshot(
+        True,
+        None,
+        None if driver is None else _text(driver),
+        None if cuda is None else int(cuda),
+        devices,
+        taken_at,
+    )
 
 
 # ---- the monitor ----------------------------------------------------------------------------
@@ -293,9 +316,16 @@ def _describe_reading(gpu: GpuReading) -> str:
 class GpuMonitor:
     """Polls NVML off the event loop every `interval_s`; `latest` is the last snapshot."""
 
-    def __init__(self, interval_s: float, *, nvml: Any = None, pid: int | None = None,
-                 offload_supported: bool = False, gpu_layers: GpuLayers = 0,
-                 model_file_types: Sequence[str] | Callable[[], Iterable[str]] = ()) -> None:
+    def __init__(
+        self,
+        interval_s: float,
+        *,
+        nvml: Any = None,
+        pid: int | None = None,
+        offload_supported: bool = False,
+        gpu_layers: GpuLayers = 0,
+        model_file_types: Sequence[str] | Callable[[], Iterable[str]] = (),
+    ) -> None:
         """`offload_supported`, `gpu_layers` and `model_file_types` feed `verdicts`.
 
         `gpu_layers`: what the models ask for, as `largest_gpu_layers` reduces them to one value.
@@ -325,8 +355,11 @@ class GpuMonitor:
 
         self._read: Callable[[], GpuSnapshot] = read
         self._judge: Callable[[GpuSnapshot], list[Verdict]] = lambda snapshot: verdicts(
-            snapshot, offload_supported=offload_supported, gpu_layers=gpu_layers,
-            model_file_types=self._file_types)
+            snapshot,
+            offload_supported=offload_supported,
+            gpu_layers=gpu_layers,
+            model_file_types=self._file_types,
+        )
         self._task: asyncio.Task[None] | None = None
         self._failing = False
 
@@ -384,7 +417,8 @@ class GpuMonitor:
         known = {d.index: d for d in self.latest.devices} if self.latest is not None else {}
         devices = tuple(
             replace(d, name=d.name or known[d.index].name, uuid=d.uuid or known[d.index].uuid)
-            if d.lost and d.index in known else d
-            for d in snapshot.devices)
+            if d.lost and d.index in known
+            else d
+            for d in snapshot.devices
+        )
         return replace(snapshot, devices=devices)
-

@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from edgellmd.host.nvml import GpuSnapshot
 
-def auto_gpu_layers(*, free_bytes: int, headroom_bytes: int, layer_bytes: Sequence[int], other_bytes: int,
-                    n_layers: int) -> int:
+
+def auto_gpu_layers(
+    *, free_bytes: int, headroom_bytes: int, layer_bytes: Sequence[int], other_bytes: int, n_layers: int
+) -> int:
     """How many layers `gpu_layers: auto` offloads: -1 (all plus output), or 0..n_layers-1.
 
     Rule: budget = free_bytes - headroom_bytes. Layer i weighs layer_bytes[i] (only the first
@@ -37,8 +39,14 @@ def auto_gpu_layers(*, free_bytes: int, headroom_bytes: int, layer_bytes: Sequen
     return k
 
 
-def plan_gpu_layers(sizes: Callable[[], tuple[list[int], int]], *, snapshot: GpuSnapshot | None,
-                    offload_supported: bool, headroom_bytes: int, kv_bytes: int) -> tuple[int, str]:
+def plan_gpu_layers(
+    sizes: Callable[[], tuple[list[int], int]],
+    *,
+    snapshot: GpuSnapshot | None,
+    offload_supported: bool,
+    headroom_bytes: int,
+    kv_bytes: int,
+) -> tuple[int, str]:
     """`gpu_layers: auto` for one model: the layer count and a sentence saying why.
 
     `sizes` gives the bytes of each layer and of all other tensors (models.gguf reads them
@@ -59,11 +67,18 @@ def plan_gpu_layers(sizes: Callable[[], tuple[list[int], int]], *, snapshot: Gpu
         return 0, f"cannot size the model's layers: {exc}"
     n = len(layers)
     share = kv_bytes // n if n else 0
-    count = auto_gpu_layers(free_bytes=free, headroom_bytes=headroom_bytes,
-                            layer_bytes=[b + share for b in layers], other_bytes=other, n_layers=n)
+    count = auto_gpu_layers(
+        free_bytes=free,
+        headroom_bytes=headroom_bytes,
+        layer_bytes=[b + share for b in layers],
+        other_bytes=other,
+        n_layers=n,
+    )
     shown = "all" if count == -1 else f"{count} of {n}"
-    return count, (f"{shown} layers fit in {free / 2**30:.1f} GiB free VRAM less "
-                   f"{headroom_bytes / 2**30:.1f} GiB headroom")
+    return count, (
+        f"{shown} layers fit in {free / 2**30:.1f} GiB free VRAM less "
+        f"{headroom_bytes / 2**30:.1f} GiB headroom"
+    )
 
 
 # ggml types: (elements per block, bytes per block), as gguf.GGML_QUANT_SIZES (checked by a test).

@@ -27,8 +27,9 @@ RELOAD_SIGNAL: Final = signal.SIGHUP
 class Signals:
     """Route stop and reload signals into an event loop; ignore them once it has ended."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, *, on_stop: Callable[[], None],
-                 on_reload: Callable[[], None]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, *, on_stop: Callable[[], None], on_reload: Callable[[], None]
+    ) -> None:
         self._loop = loop
         self._on_stop = on_stop
         self._on_reload = on_reload

@@ -165,14 +165,17 @@ class Supervisor:
         """Begin: extend the start timeout while models load, then READY=1 once all are warm."""
         watchdog = self.notifier.watchdog_s
         if self.notifier.enabled:
-            log.info("systemd notify socket in use%s",
-                     f"; watchdog ping every {watchdog / 2:.1f}s" if watchdog else "")
+            log.info(
+                "systemd notify socket in use%s",
+                f"; watchdog ping every {watchdog / 2:.1f}s" if watchdog else "",
+            )
         self.registry.observe(self._on_registry)
         self._tasks.append(asyncio.create_task(self._startup(load_task), name="systemd-startup"))
         self._tasks.append(asyncio.create_task(self._status_loop(), name="systemd-status"))
         if self.notifier.watchdog_s is not None:
-            self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s),
-                                                   name="systemd-watchdog"))
+            self._tasks.append(
+                asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_s), name="systemd-watchdog")
+            )
 
     async def stop(self) -> None:
         """Cancel the background tasks."""

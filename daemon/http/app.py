@@ -70,10 +70,14 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
         return response
     finally:
         _count(request, status, time.monotonic() - started)
-        access_log.info("%s %s %d %.3fs", request.method, request.path, status,
-                        time.monotonic() - started,
-                        extra={"peer": request.remote, "status": status,
-                               "user": request.get(USER_TAG)})
+        access_log.info(
+            "%s %s %d %.3fs",
+            request.method,
+            request.path,
+            status,
+            time.monotonic() - started,
+            extra={"peer": request.remote, "status": status, "user": request.get(USER_TAG)},
+        )
         logs.request_id.reset(token)
 
 
@@ -88,8 +92,11 @@ def _count(request: web.Request, status: int, seconds: float) -> None:
 
 
 def create_app(
-    settings: Settings, *, engine_factory: EngineFactory = default_engine_factory,
-    notifier: Notifier | None = None, pinning: Pinning | None = None,
+    settings: Settings,
+    *,
+    engine_factory: EngineFactory = default_engine_factory,
+    notifier: Notifier | None = None,
+    pinning: Pinning | None = None,
 ) -> web.Application:
     """Build the daemon's application; nothing is loaded until the app starts."""
     # Order matters: the request context wraps everything so even error answers carry a
@@ -153,14 +160,23 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
     async def registry_ctx(app: web.Application) -> AsyncIterator[None]:
         settings = app[appkeys.SETTINGS]
         monitor = app[appkeys.GPU_MONITOR]
-        registry = Registry(settings.models, app[appkeys.EXECUTOR], factory, settings.lock,
-                            settings.lifecycle, gpu=lambda: monitor.latest,
-                            gpu_headroom_bytes=settings.host.gpu_headroom_mb * 1024 * 1024)
+        registry = Registry(
+            settings.models,
+            app[appkeys.EXECUTOR],
+            factory,
+            settings.lock,
+            settings.lifecycle,
+            gpu=lambda: monitor.latest,
+            gpu_headroom_bytes=settings.host.gpu_headroom_mb * 1024 * 1024,
+        )
         app[appkeys.REGISTRY] = registry
         app[appkeys.METRICS].add_state(
-            registry, refusals=lambda: _limiter_refusals(app),
+            registry,
+            refusals=lambda: _limiter_refusals(app),
             gpu=lambda: monitor.latest,
-            shm=_existing(settings.lifecycle.preload_dir), models_dir=settings.lock.models_dir)
+            shm=_existing(settings.lifecycle.preload_dir),
+            models_dir=settings.lock.models_dir,
+        )
         # Load in the background: the server listens at once, /readyz says 503 until done.
         app[appkeys.LOAD_TASK] = asyncio.create_task(registry.start(), name="load-models")
         yield
@@ -231,10 +247,13 @@ async def _gpu_ctx(app: web.Application) -> AsyncIterator[None]:
     # judge the model that offloads most (as `edgellmctl doctor` does) and the file types of
     # the models as they are at each reading.
     settings = app[appkeys.SETTINGS]
-    monitor = GpuMonitor(settings.host.gpu_poll_s, pid=os.getpid(),
-                         offload_supported=supports_gpu_offload(),
-                         gpu_layers=largest_gpu_layers(m.gpu_layers for m in settings.models),
-                         model_file_types=_model_file_types(settings))
+    monitor = GpuMonitor(
+        settings.host.gpu_poll_s,
+        pid=os.getpid(),
+        offload_supported=supports_gpu_offload(),
+        gpu_layers=largest_gpu_layers(m.gpu_layers for m in settings.models),
+        model_file_types=_model_file_types(settings),
+    )
     app[appkeys.GPU_MONITOR] = monitor
     await monitor.start()
     yield
@@ -247,8 +266,12 @@ async def _watcher_ctx(app: web.Application) -> AsyncIterator[None]:
     watcher = None
     if settings.lifecycle.watch:
         open_dirs, files = watch_targets(settings)
-        watcher = ModelWatcher(app[appkeys.REGISTRY], open_dirs=open_dirs, files=files,
-                               settle_s=settings.lifecycle.watch_settle_s)
+        watcher = ModelWatcher(
+            app[appkeys.REGISTRY],
+            open_dirs=open_dirs,
+            files=files,
+            settle_s=settings.lifecycle.watch_settle_s,
+        )
         await watcher.start()
     yield
     if watcher is not None:
@@ -259,10 +282,15 @@ async def _api_ctx(app: web.Application) -> AsyncIterator[None]:
     # Once the models exist: what the API adapters see of the application.
     store = app.get(appkeys.KEY_STORE)
     app[API_CONTEXT] = ApiContext(
-        settings=app[appkeys.SETTINGS], registry=app[appkeys.REGISTRY], metrics=app[appkeys.METRICS],
-        executor=app[appkeys.EXECUTOR], generations=app[appkeys.GENERATIONS], pinning=app[appkeys.PINNING],
+        settings=app[appkeys.SETTINGS],
+        registry=app[appkeys.REGISTRY],
+        metrics=app[appkeys.METRICS],
+        executor=app[appkeys.EXECUTOR],
+        generations=app[appkeys.GENERATIONS],
+        pinning=app[appkeys.PINNING],
         gpu=app.get(appkeys.GPU_MONITOR),
-        key_valid=(lambda key_id: not unusable(store, {key_id})) if store is not None else lambda _: True)
+        key_valid=(lambda key_id: not unusable(store, {key_id})) if store is not None else lambda _: True,
+    )
     yield
 
 
@@ -292,18 +320,33 @@ async def start_server(app: web.Application, host: str, port: int) -> web.AppRun
     # What each connection's protocol is built with (by the guarded site). No aiohttp access
     # log: ours is in request_context.
     handler_args: dict[str, Any] = {
-        "keepalive_timeout": server.keepalive_timeout_s, "max_line_size": MAX_LINE_BYTES,
-        "max_field_size": MAX_FIELD_BYTES, "max_headers": MAX_HEADERS, "access_log": None}
+        "keepalive_timeout": server.keepalive_timeout_s,
+        "max_line_size": MAX_LINE_BYTES,
+        "max_field_size": MAX_FIELD_BYTES,
+        "max_headers": MAX_HEADERS,
+        "access_log": None,
+    }
     # handler_cancellation: a client that disconnects cancels its handler, which frees its
     # slot at once instead of when its generation would have ended.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=server.shutdown_timeout_s,
-                           **handler_args)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=server.shutdown_timeout_s, **handler_args
+    )
     await runner.setup()
-    limits = DoorLimits(header_timeout_s=server.header_timeout_s, body_timeout_s=server.body_timeout_s,
-                        max_connections=server.max_connections,
-                        max_connections_per_client=server.max_connections_per_client)
+    limits = DoorLimits(
+        header_timeout_s=server.header_timeout_s,
+        body_timeout_s=server.body_timeout_s,
+        max_connections=server.max_connections,
+        max_connections_per_client=server.max_connections_per_client,
+    )
     # Parser refusals never reach the app's middlewares: the site stamps the same headers.
-    site = GuardedSite(runner, host, port, limits=limits, headers=SECURITY_HEADERS,
-                       handler_args=handler_args, ssl_context=_tls_context(server))
+    site = GuardedSite(
+        runner,
+        host,
+        port,
+        limits=limits,
+        headers=SECURITY_HEADERS,
+        handler_args=handler_args,
+        ssl_context=_tls_context(server),
+    )
     await site.start()
     return runner

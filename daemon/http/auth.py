@@ -39,8 +39,9 @@ def _unauthorized(message: str) -> AuthenticationFailed:
     return AuthenticationFailed(message, headers={"WWW-Authenticate": "Bearer"})
 
 
-def authenticate(store: KeyStore, header: str | None, scope: str, peer: str | None,
-                 now: datetime | None = None) -> ApiKey:
+def authenticate(
+    store: KeyStore, header: str | None, scope: str, peer: str | None, now: datetime | None = None
+) -> ApiKey:
     """The key a request's Authorization header carries, checked for the scope; audit-logs failures."""
     moment = now or datetime.now(UTC)
     if not header:
@@ -85,8 +86,9 @@ def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
             if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
                 address = address.ipv4_mapped  # a dual-stack listener's IPv4 client
             if address is None or not any(address in net for net in allowed):
-                audit.warning("admin refused: address not in auth.admin_cidrs",
-                              extra={"peer": peer, "key_id": None})
+                audit.warning(
+                    "admin refused: address not in auth.admin_cidrs", extra={"peer": peer, "key_id": None}
+                )
                 raise AddressNotAllowed("admin endpoints are not reachable from this address")
         return await handler(request)
 
@@ -112,8 +114,10 @@ async def watch_keys(store: KeyStore, running: Running) -> None:
         if gone:
             ended = running.abort_keys(gone, KEY_REVOKED)
             for key_id in sorted(gone):
-                audit.warning("key no longer valid: its running requests were ended",
-                              extra={"peer": None, "key_id": key_id})
+                audit.warning(
+                    "key no longer valid: its running requests were ended",
+                    extra={"peer": None, "key_id": key_id},
+                )
             log.info("ended %d request(s) of %d key(s) that are no longer valid", ended, len(gone))
 
 
@@ -128,7 +132,8 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
         scope = scope_for(request.path, metrics_public=metrics_public)
         if scope is not None:
             key = request[appkeys.API_KEY] = authenticate(
-                store_holder[0], request.headers.get("Authorization"), scope, request.remote)
+                store_holder[0], request.headers.get("Authorization"), scope, request.remote
+            )
             request[CALLER] = Caller(key.id, key.limits.max_tokens)
         return await handler(request)
 

@@ -28,10 +28,16 @@ def setup_cors(app: web.Application, origins: Sequence[str]) -> None:
         if origin is None or origin not in allowed:
             return await handler(request)
         if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
-            return web.Response(status=204, headers={
-                "Access-Control-Allow-Origin": origin, "Access-Control-Allow-Methods": ALLOW_METHODS,
-                "Access-Control-Allow-Headers": ALLOW_HEADERS, "Access-Control-Max-Age": MAX_AGE_S,
-                "Vary": "Origin"})
+            return web.Response(
+                status=204,
+                headers={
+                    "Access-Control-Allow-Origin": origin,
+                    "Access-Control-Allow-Methods": ALLOW_METHODS,
+                    "Access-Control-Allow-Headers": ALLOW_HEADERS,
+                    "Access-Control-Max-Age": MAX_AGE_S,
+                    "Vary": "Origin",
+                },
+            )
         request[appkeys.CORS_ORIGIN] = origin
         return await handler(request)
 
@@ -43,4 +49,3 @@ def setup_cors(app: web.Application, origins: Sequence[str]) -> None:
 
     app.middlewares.append(cors_middleware)
     app.on_response_prepare.append(stamp)
-

@@ -47,8 +47,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         return _render(_from_http(exc))
     except Exception:
-        log.exception("unhandled error in %s %s (request %s)", request.method, request.path,
-                      logs.request_id.get())
+        log.exception(
+            "unhandled error in %s %s (request %s)", request.method, request.path, logs.request_id.get()
+        )
         return _render(InternalError("internal server error"))
 
 

@@ -150,9 +150,15 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
         disabled = entry.get("disabled", False)
         if not isinstance(disabled, bool):
             raise KeysFileError(f"{where}.disabled: must be true or false")
-        keys[key_id] = ApiKey(id=key_id, name=name, hash=hashed, scopes=frozenset(scopes),
-                              expires=_time(entry.get("expires"), f"{where}.expires"),
-                              disabled=disabled, limits=_limits(entry.get("limits"), f"{where}.limits"))
+        keys[key_id] = ApiKey(
+            id=key_id,
+            name=name,
+            hash=hashed,
+            scopes=frozenset(scopes),
+            expires=_time(entry.get("expires"), f"{where}.expires"),
+            disabled=disabled,
+            limits=_limits(entry.get("limits"), f"{where}.limits"),
+        )
     return keys
 
 
@@ -174,8 +180,10 @@ def read_keys_data(path: Path) -> object:
             if info.st_size > MAX_KEYS_BYTES:
                 raise KeysFileError(f"{path} is larger than {MAX_KEYS_BYTES} bytes")
             if stat.S_IMODE(info.st_mode) & 0o077:
-                raise KeysFileError(f"{path} is readable or writable by others (mode "
-                                    f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
+                raise KeysFileError(
+                    f"{path} is readable or writable by others (mode "
+                    f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it"
+                )
             data = fh.read(MAX_KEYS_BYTES + 1)
     except OSError as exc:
         raise KeysFileError(f"cannot read {path}: {exc.strerror}") from None
@@ -227,8 +235,11 @@ class KeyStore:
         try:
             keys = read_keys_file(self.path)
         except KeysFileError as exc:
-            log.error("keys file change rejected, the previous %d key(s) stay in force: %s",  # noqa: TRY400
-                      len(self._keys), exc)
+            log.error(  # noqa: TRY400
+                "keys file change rejected, the previous %d key(s) stay in force: %s",
+                len(self._keys),
+                exc,
+            )
             return False
         self._keys = keys
         log.info("keys file reloaded: %d key(s)", len(keys))
@@ -241,12 +252,24 @@ class KeyStore:
             self.reload_if_changed()
 
 
-def key_record(key_id: str, name: str, hashed: str, scopes: list[str], *, limits: dict[str, int],
-               expires: datetime | None) -> dict[str, Any]:
+def key_record(
+    key_id: str,
+    name: str,
+    hashed: str,
+    scopes: list[str],
+    *,
+    limits: dict[str, int],
+    expires: datetime | None,
+) -> dict[str, Any]:
     """A keys-file entry, as `edgellmctl keys create` appends it."""
-    record: dict[str, Any] = {"id": key_id, "name": name, "hash": hashed, "scopes": scopes,
-                              "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                              "disabled": False}
+    record: dict[str, Any] = {
+        "id": key_id,
+        "name": name,
+        "hash": hashed,
+        "scopes": scopes,
+        "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "disabled": False,
+    }
     if expires is not None:
         record["expires"] = expires.strftime("%Y-%m-%dT%H:%M:%SZ")
     if limits:

@@ -17,8 +17,14 @@ request_id: Final = contextvars.ContextVar[str]("request_id", default="-")
 
 _RESERVED: Final = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 # aiohttp's own loggers (aiohttp/log.py). They propagate to the root handler like ours do.
-AIOHTTP_LOGGERS: Final = ("aiohttp.access", "aiohttp.client", "aiohttp.internal",
-                          "aiohttp.server", "aiohttp.web", "aiohttp.websocket")
+AIOHTTP_LOGGERS: Final = (
+    "aiohttp.access",
+    "aiohttp.client",
+    "aiohttp.internal",
+    "aiohttp.server",
+    "aiohttp.web",
+    "aiohttp.websocket",
+)
 # An API key's secret part, wherever it turns up in a line. The shape mirrors keystore's token
 # (elk_<12 hex id>_<secret>); the id is kept, it is what an operator needs to find the key.
 _KEY_SECRET: Final = re.compile(r"\b(elk_[0-9a-f]{12}_)[A-Za-z0-9_-]{20,128}")
@@ -54,8 +60,10 @@ class ProtocolErrorFilter(logging.Filter):
         """Scrub the record in place; never drops it."""
         found = _protocol_error(record.exc_info[1] if record.exc_info else None)
         if found is None and isinstance(record.args, tuple):
-            found = next((a for a in record.args if isinstance(a, BaseException)
-                          and _protocol_error(a) is not None), None)
+            found = next(
+                (a for a in record.args if isinstance(a, BaseException) and _protocol_error(a) is not None),
+                None,
+            )
         if found is not None:
             record.msg = SCRUBBED_MESSAGE
             record.args = (type(found).__name__,)
@@ -89,8 +97,13 @@ class JsonFormatter(logging.Formatter):
             "msg": redact(record.getMessage()),
             "request_id": redact(request_id.get()),  # a client's own X-Request-Id may be anything sane
         }
-        entry.update({k: redact(v) if isinstance(v, str) else v for k, v in vars(record).items()
-                      if k not in _RESERVED and not k.startswith("_")})
+        entry.update(
+            {
+                k: redact(v) if isinstance(v, str) else v
+                for k, v in vars(record).items()
+                if k not in _RESERVED and not k.startswith("_")
+            }
+        )
         if record.exc_info:
             entry["exc"] = redact(self.formatException(record.exc_info))
         return json.dumps(entry, default=str, ensure_ascii=False)
@@ -120,8 +133,7 @@ def configure(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.addFilter(_RequestIdFilter())
-        handler.setFormatter(TextFormatter(
-            "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -90,7 +90,9 @@ class RateLimiter:
             state = KeyState(
                 requests=TokenBucket(float(key.limits.rpm)) if key.limits.rpm else None,
                 tokens=TokenBucket(float(key.limits.tpm)) if key.limits.tpm else None,
-                in_flight=in_flight, limits_seen=limits)
+                in_flight=in_flight,
+                limits_seen=limits,
+            )
             self._states[key.id] = state
         return state
 
@@ -100,8 +102,9 @@ class RateLimiter:
         now = self._clock()
         if key.limits.concurrent is not None and state.in_flight >= key.limits.concurrent:
             self.refusals["concurrency"] += 1
-            raise RateLimited(f"this key allows {key.limits.concurrent} concurrent request(s)",
-                              headers={"Retry-After": "1"})
+            raise RateLimited(
+                f"this key allows {key.limits.concurrent} concurrent request(s)", headers={"Retry-After": "1"}
+            )
         waits = []
         if state.requests is not None:
             waits.append(("rpm", state.requests.wait_for(1, now)))
@@ -112,8 +115,10 @@ class RateLimiter:
             if wait > 0:
                 self.refusals[reason] += 1
                 what = "requests per minute" if reason == "rpm" else "tokens per minute"
-                raise RateLimited(f"rate limit reached for {what}; retry in {math.ceil(wait)} s",
-                                  headers={"Retry-After": str(max(1, math.ceil(wait)))})
+                raise RateLimited(
+                    f"rate limit reached for {what}; retry in {math.ceil(wait)} s",
+                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                )
         if state.requests is not None:
             state.requests.take(1, now)
         state.in_flight += 1

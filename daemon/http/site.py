@@ -149,8 +149,14 @@ class Door:
             return
         count = self._unlogged.pop(setting)
         more = f"; {count - 1} more refused since the last such line" if count > 1 else ""
-        log.warning("connection from %s refused: %d connections open %s (server.%s)%s",
-                    client, held, where, setting, more)
+        log.warning(
+            "connection from %s refused: %d connections open %s (server.%s)%s",
+            client,
+            held,
+            where,
+            setting,
+            more,
+        )
         self._quiet_until[setting] = now + REFUSAL_LOG_INTERVAL_S
 
 
@@ -169,8 +175,10 @@ def check_internals(probe: web.RequestHandler | None = None) -> None:
         if found != expected:
             problems.append(f"RequestHandler.{name}{found or ''} is not {name}{expected}")
     if problems:
-        raise RuntimeError(f"aiohttp {aiohttp.__version__} changed what edgellmd's front door "
-                           f"(daemon/frontdoor.py) relies on: {'; '.join(problems)}")
+        raise RuntimeError(
+            f"aiohttp {aiohttp.__version__} changed what edgellmd's front door "
+            f"(daemon/frontdoor.py) relies on: {'; '.join(problems)}"
+        )
 
 
 def _refusal(exc: HttpProcessingError, handler: web.RequestHandler) -> tuple[str, str]:
@@ -201,8 +209,15 @@ def _refusal(exc: HttpProcessingError, handler: web.RequestHandler) -> tuple[str
 class FrontDoorHandler(web.RequestHandler):
     """aiohttp's protocol, plus per-stage deadlines, the connection caps and generic refusals."""
 
-    def __init__(self, manager: web.Server, *, loop: asyncio.AbstractEventLoop, door: Door,
-                 headers: Mapping[str, str], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        door: Door,
+        headers: Mapping[str, str],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, loop=loop, **kwargs)
         self._door = door
         self._answer_headers = headers
@@ -274,14 +289,14 @@ class FrontDoorHandler(web.RequestHandler):
                 # a pipelined head behind it wait under the keep-alive timeout instead.
                 partial = False
             else:  # after a head or a chunked body, which both end in a blank line
-                partial = not (self._tail + data[-len(_HEAD_END):]).endswith(_HEAD_END)
+                partial = not (self._tail + data[-len(_HEAD_END) :]).endswith(_HEAD_END)
             if partial and self._head_since is None:
                 self._head_since = now
                 if self._answered_n >= self._parsed_n:
                     # No longer idle: aiohttp's keep-alive timer would cut this head at its
                     # own time; the head's deadline is the one that applies now.
                     self.keep_alive(True)
-        self._tail = (self._tail + data[-len(_HEAD_END):])[-len(_HEAD_END) + 1:]
+        self._tail = (self._tail + data[-len(_HEAD_END) :])[-len(_HEAD_END) + 1 :]
         self._rearm()
 
     def _parsed(self, message: object, payload: StreamReader, now: float) -> None:
@@ -300,8 +315,9 @@ class FrontDoorHandler(web.RequestHandler):
             self._body, self._body_of, self._body_since = payload, self._parsed_n, now
             self._framing = "chunked" if message.chunked else "length"
 
-    async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
-                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+    async def finish_response(
+        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
         """Send the answer as aiohttp does; its end starts the clocks of what was waiting."""
         try:
             return await super().finish_response(request, resp, start_time)
@@ -342,14 +358,23 @@ class FrontDoorHandler(web.RequestHandler):
         limits = self._door.limits
         self._cut = True
         if stage is not None and stage[0] == _BODY and self._body is not None:
-            log.warning("connection from %s closed: request body not complete within %.1f s "
-                        "(server.body_timeout_s)", self._peer, limits.body_timeout_s)
-            self._end_body(RequestTimeout(
-                f"the request body did not arrive within {limits.body_timeout_s:g} s",
-                headers={"Connection": "close"}))
+            log.warning(
+                "connection from %s closed: request body not complete within %.1f s (server.body_timeout_s)",
+                self._peer,
+                limits.body_timeout_s,
+            )
+            self._end_body(
+                RequestTimeout(
+                    f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                    headers={"Connection": "close"},
+                )
+            )
             return
-        log.warning("connection from %s closed: no complete request head within %.1f s "
-                    "(server.header_timeout_s)", self._peer, limits.header_timeout_s)
+        log.warning(
+            "connection from %s closed: no complete request head within %.1f s (server.header_timeout_s)",
+            self._peer,
+            limits.header_timeout_s,
+        )
         if self.transport is not None:
             _abort(self.transport)
 
@@ -360,8 +385,9 @@ class FrontDoorHandler(web.RequestHandler):
             code, text = _refusal(exc, self)
         log.info("request from %s refused: malformed HTTP request: %s", self._peer, text)
         self._cut = True
-        self._end_body(MalformedRequest(f"malformed HTTP request: {text}", code=code,
-                                        headers={"Connection": "close"}))
+        self._end_body(
+            MalformedRequest(f"malformed HTTP request: {text}", code=code, headers={"Connection": "close"})
+        )
 
     def _end_body(self, error: ApiError) -> None:
         """End the incomplete body: its reader gets `error` (answered by the app), then close."""
@@ -380,9 +406,13 @@ class FrontDoorHandler(web.RequestHandler):
 
     # -- refusals
 
-    def handle_error(self, request: BaseRequest, status: int = 500,
-                     exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         """Answer a request aiohttp could not parse (or whose handler failed) with an envelope."""
         del message  # aiohttp's text quotes the request's bytes
         if request.writer.output_size > 0:
@@ -402,9 +432,17 @@ class FrontDoorHandler(web.RequestHandler):
         finally:
             logs.request_id.reset(token)
         body = json.dumps(envelope(text, type_, None, code)).encode()
-        response = web.Response(status=status, body=body, content_type="application/json",
-                                headers={**self._answer_headers, "Cache-Control": "no-store",
-                                         "Connection": "close", "X-Request-Id": rid})
+        response = web.Response(
+            status=status,
+            body=body,
+            content_type="application/json",
+            headers={
+                **self._answer_headers,
+                "Cache-Control": "no-store",
+                "Connection": "close",
+                "X-Request-Id": rid,
+            },
+        )
         response.force_close()
         return response
 
@@ -419,9 +457,17 @@ def _abort(transport: asyncio.BaseTransport) -> None:
 class GuardedSite(web.TCPSite):
     """A TCP site whose connections are served by FrontDoorHandler."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, limits: DoorLimits,
-                 headers: Mapping[str, str], handler_args: Mapping[str, Any],
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        limits: DoorLimits,
+        headers: Mapping[str, str],
+        handler_args: Mapping[str, Any],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(runner, host, port, **kwargs)
         self.door = Door(limits)
         self._answer_headers = dict(headers)
@@ -435,13 +481,20 @@ class GuardedSite(web.TCPSite):
         loop = asyncio.get_running_loop()
 
         def handler() -> FrontDoorHandler:
-            return FrontDoorHandler(server, loop=loop, door=self.door,
-                                    headers=self._answer_headers, **self._handler_args)
+            return FrontDoorHandler(
+                server, loop=loop, door=self.door, headers=self._answer_headers, **self._handler_args
+            )
 
         check_internals(handler())
         # A TLS handshake is a stage too, bounded like a request head (asyncio's default: 60 s).
         tls = self._ssl_context
         self._server = await loop.create_server(
-            handler, self._host, self._port, ssl=tls, backlog=self._backlog,
-            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
-            ssl_handshake_timeout=self.door.limits.header_timeout_s if tls is not None else None)
+            handler,
+            self._host,
+            self._port,
+            ssl=tls,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+            ssl_handshake_timeout=self.door.limits.header_timeout_s if tls is not None else None,
+        )

@@ -42,5 +42,6 @@ def evictions(budget_mb: int, model: str, need: int, resident: Sequence[Resident
         raise OverBudget(
             f"memory budget exceeded: {model} needs about {need // MIB} MiB, "
             f"{(budget - used) // MIB} MiB of the {budget_mb} MiB budget is free and no idle "
-            "evictable model can make room")
+            "evictable model can make room"
+        )
     return out

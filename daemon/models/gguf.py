@@ -26,8 +26,19 @@ class GgufError(Exception):
 
 GGUF_MAGIC: Final = b"GGUF"
 # GGUF metadata value types (gguf.GGUFValueType) and the sizes of the fixed-size ones.
-_SCALAR: Final = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                  10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR: Final = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING: Final = 8
 _ARRAY: Final = 9
 MAX_KV: Final = 1_000_000  # sanity bounds against hostile headers
@@ -136,13 +147,42 @@ def read_gguf_facts(path: Path) -> dict[str, str | int]:
 
 # ---- tensor sizes -------------------------------------------------------------------------
 
-GGML_BLOCKS: Final[Mapping[int, tuple[int, int]]] = MappingProxyType({
-    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
-    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110),
-    22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
-    29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17),
-})  # F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 Q2_K..Q8_K IQ2_XXS.. I8..F64 IQ1_M BF16 TQ1_0 TQ2_0 MXFP4
+GGML_BLOCKS: Final[Mapping[int, tuple[int, int]]] = MappingProxyType(
+    {
+        0: (1, 4),
+        1: (1, 2),
+        2: (32, 18),
+        3: (32, 20),
+        6: (32, 22),
+        7: (32, 24),
+        8: (32, 34),
+        9: (32, 40),
+        10: (256, 84),
+        11: (256, 110),
+        12: (256, 144),
+        13: (256, 176),
+        14: (256, 210),
+        15: (256, 292),
+        16: (256, 66),
+        17: (256, 74),
+        18: (256, 98),
+        19: (256, 50),
+        20: (32, 18),
+        21: (256, 110),
+        22: (256, 82),
+        23: (256, 136),
+        24: (1, 1),
+        25: (1, 2),
+        26: (1, 4),
+        27: (1, 8),
+        28: (1, 8),
+        29: (256, 56),
+        30: (1, 2),
+        34: (256, 54),
+        35: (256, 66),
+        39: (32, 17),
+    }
+)  # F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 Q2_K..Q8_K IQ2_XXS.. I8..F64 IQ1_M BF16 TQ1_0 TQ2_0 MXFP4
 _MAX_TENSORS: Final = 1 << 20  # sanity bounds against hostile headers
 _MAX_DIMS: Final = 4  # GGML_MAX_DIMS
 _MAX_NAME: Final = 256  # ggml allows 63 bytes; leave room, refuse absurd ones

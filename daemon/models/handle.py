@@ -58,13 +58,18 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         raise EngineError(f"model {settings.name}: no file to load")
     gpu_layers = settings.gpu_layers
     if isinstance(gpu_layers, str):  # "auto": the loader sizes it from free VRAM before this
-        raise EngineError(f"model {settings.name}: gpu_layers {gpu_layers} was not resolved to a "
-                          "layer count before loading")
+        raise EngineError(
+            f"model {settings.name}: gpu_layers {gpu_layers} was not resolved to a layer count before loading"
+        )
     threads = settings.threads or engine_mod.default_threads()
     return EngineConfig(
-        path=settings.file, slots=settings.slots, context_size=settings.context_size,
-        batch_size=settings.batch_size, threads=threads,
-        threads_batch=settings.threads_batch or threads, gpu_layers=gpu_layers,
+        path=settings.file,
+        slots=settings.slots,
+        context_size=settings.context_size,
+        batch_size=settings.batch_size,
+        threads=threads,
+        threads_batch=settings.threads_batch or threads,
+        gpu_layers=gpu_layers,
         mmap=mmap,
     )
 
@@ -85,22 +90,27 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
             text = read_regular(settings.chat_template_file, MAX_TEMPLATE_BYTES).decode("utf-8")
         except UnicodeDecodeError:
             raise TemplateError(f"{settings.chat_template_file} is not UTF-8") from None
-        return JinjaChatTemplate(text, bos_token=info.bos_text, eos_token=info.eos_text,
-                                 origin=str(settings.chat_template_file))
+        return JinjaChatTemplate(
+            text, bos_token=info.bos_text, eos_token=info.eos_text, origin=str(settings.chat_template_file)
+        )
     if settings.chat_template is not None:
         if settings.chat_template not in engine_mod.builtin_chat_templates():
-            raise TemplateError(f"chat_template {settings.chat_template!r} is not a llama.cpp "
-                                "built-in template")
+            raise TemplateError(
+                f"chat_template {settings.chat_template!r} is not a llama.cpp built-in template"
+            )
         return BuiltinChatTemplate(settings.chat_template, engine_mod.apply_builtin_template)
     if info.chat_template:
-        return JinjaChatTemplate(info.chat_template, bos_token=info.bos_text,
-                                 eos_token=info.eos_text, origin="the model file")
+        return JinjaChatTemplate(
+            info.chat_template, bos_token=info.bos_text, eos_token=info.eos_text, origin="the model file"
+        )
     return None
 
 
 def _gone(name: str) -> ServiceUnavailable:
-    return ServiceUnavailable(f"the model {name!r} was unloaded while the request was prepared; retry",
-                              headers={"Retry-After": RETRY_AFTER_BUSY_S})
+    return ServiceUnavailable(
+        f"the model {name!r} was unloaded while the request was prepared; retry",
+        headers={"Retry-After": RETRY_AFTER_BUSY_S},
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,20 +159,30 @@ class ModelHandle:
         """The text generation engine; 400 for an embedding model."""
         if isinstance(self.engine, Engine):
             return self.engine
-        raise InvalidRequest(f"the model {self.name!r} is an embedding model: use /v1/embeddings",
-                             param="model", code="model_not_supported")
+        raise InvalidRequest(
+            f"the model {self.name!r} is an embedding model: use /v1/embeddings",
+            param="model",
+            code="model_not_supported",
+        )
 
     @property
     def embedder(self) -> EmbeddingEngine:
         """The embedding engine; 400 for a text generation model."""
         if isinstance(self.engine, EmbeddingEngine):
             return self.engine
-        raise InvalidRequest(f"the model {self.name!r} does not produce embeddings",
-                             param="model", code="model_not_supported")
+        raise InvalidRequest(
+            f"the model {self.name!r} does not produce embeddings", param="model", code="model_not_supported"
+        )
 
-    def _tokenize_bounded(self, text: str, param: str, *, add_special: bool = True,
-                          parse_special: bool = False,
-                          whole: Callable[[], list[int]] | None = None) -> list[int]:
+    def _tokenize_bounded(
+        self,
+        text: str,
+        param: str,
+        *,
+        add_special: bool = True,
+        parse_special: bool = False,
+        whole: Callable[[], list[int]] | None = None,
+    ) -> list[int]:
         """Tokenize `text`, giving up early (400) once a prefix proves it cannot fit the context.
 
         Tokenizing is linear or worse in the text's length and runs on the prompt pool that
@@ -177,49 +197,62 @@ class ModelHandle:
         enough = limit + _prefix_slack(limit)
         chars = limit * PREFIX_CHARS_PER_TOKEN
         while chars < len(text):
-            n_prefix = len(self.engine.tokenize(text[:chars], add_special=add_special,
-                                                parse_special=parse_special))
+            n_prefix = len(
+                self.engine.tokenize(text[:chars], add_special=add_special, parse_special=parse_special)
+            )
             if n_prefix >= enough:
                 at_least = n_prefix - _prefix_slack(limit)
                 what = "an input" if self.settings.embedding else "the prompt"
                 raise ContextLengthExceeded(
                     f"this model's context is {limit} tokens per request; {what} has at least "
-                    f"{at_least} tokens (its first {chars} characters alone)", param=param)
+                    f"{at_least} tokens (its first {chars} characters alone)",
+                    param=param,
+                )
             chars *= 2
         if whole is not None:
             return whole()
         return self.engine.tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    def _render_and_tokenize(self, messages: Sequence[ChatMessage],
-                             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    def _render_and_tokenize(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         assert self.template is not None  # noqa: S101 - checked by the caller
         generator = self.generator
         # Object keys of tool arguments and tool definitions stay in the template's text (they
         # order its JSON); the only ones refused are those that spell a control token.
         for key in json_keys([tools or [], [m.as_dict().get("tool_calls") or [] for m in messages]]):
             if generator.contains_control_text(key):
-                raise InvalidRequest("an object key in 'tools' or 'tool_calls' holds the text of one of "
-                                     "the model's control tokens", param="messages")
+                raise InvalidRequest(
+                    "an object key in 'tools' or 'tool_calls' holds the text of one of "
+                    "the model's control tokens",
+                    param="messages",
+                )
         segments = self.template.render_segments(messages, tools)
         text = "".join(part for part, _ in segments)
         # Templates that print the BOS themselves must not get a second one from the tokenizer.
         bos = self.engine.info.bos_text
         add_special = not (bos and segments and segments[0][1] and segments[0][0].startswith(bos))
         return self._tokenize_bounded(
-            text, "messages", whole=lambda: generator.tokenize_segments(segments, add_special=add_special))
+            text, "messages", whole=lambda: generator.tokenize_segments(segments, add_special=add_special)
+        )
 
-    async def chat_prompt(self, messages: Sequence[ChatMessage],
-                          tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    async def chat_prompt(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """Render the chat template (with `tools` when given) and tokenize, off the event loop."""
         self.generator  # noqa: B018 - refuses embedding models
         if self.template is None:
-            raise InvalidRequest(NO_TEMPLATE_MESSAGE.format(model=self.name), param="messages",
-                                 code="chat_template_missing")
+            raise InvalidRequest(
+                NO_TEMPLATE_MESSAGE.format(model=self.name), param="messages", code="chat_template_missing"
+            )
         tooling = tools or any(m.tool_calls or m.role == "tool" for m in messages)
         if tooling and not self.template.supports_tools:
-            raise InvalidRequest(f"the chat template of model {self.name!r} ({self.template.source}) has no "
-                                 "tool support: it does not render 'tools' or tool messages", param="tools",
-                                 code="tools_not_supported")
+            raise InvalidRequest(
+                f"the chat template of model {self.name!r} ({self.template.source}) has no "
+                "tool support: it does not render 'tools' or tool messages",
+                param="tools",
+                code="tools_not_supported",
+            )
         loop = asyncio.get_running_loop()
         try:
             tokens = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages, tools)
@@ -241,8 +274,7 @@ class ModelHandle:
         else:
             tokens = list(prompt)
             if any(t >= self.engine.n_vocab for t in tokens):
-                raise InvalidRequest(f"'{param}' token ids must be below {self.engine.n_vocab}",
-                                     param=param)
+                raise InvalidRequest(f"'{param}' token ids must be below {self.engine.n_vocab}", param=param)
         self.check_prompt(tokens, param)
         return tokens
 
@@ -253,13 +285,17 @@ class ModelHandle:
         limit = self.settings.context_size
         if self.settings.embedding:
             if len(tokens) > limit:
-                raise ContextLengthExceeded(f"this model embeds at most {limit} tokens per input; "
-                                            f"an input has {len(tokens)}", param=param)
+                raise ContextLengthExceeded(
+                    f"this model embeds at most {limit} tokens per input; an input has {len(tokens)}",
+                    param=param,
+                )
             return
         if len(tokens) >= limit:
             raise ContextLengthExceeded(
                 f"this model's context is {limit} tokens per request; the prompt has "
-                f"{len(tokens)} tokens and leaves no room for a reply", param=param)
+                f"{len(tokens)} tokens and leaves no room for a reply",
+                param=param,
+            )
 
     def generation_limit(self, n_prompt: int, requested: int | None) -> int:
         """Tokens a request may generate: what it asked for, capped by the room left in its slot."""
@@ -277,8 +313,9 @@ class ModelHandle:
         if busy + waiting >= self.settings.slots + self.settings.queue_size:
             self.counters["queue_rejections"] += 1
             raise ServerOverloaded(
-                f"model {self.name!r} is at capacity ({busy} running, {waiting} waiting); "
-                "retry shortly", headers={"Retry-After": RETRY_AFTER_BUSY_S})
+                f"model {self.name!r} is at capacity ({busy} running, {waiting} waiting); retry shortly",
+                headers={"Retry-After": RETRY_AFTER_BUSY_S},
+            )
 
     async def grammars(self, grammar: str | None, copies: int, param: str) -> list[CompiledGrammar] | None:
         """Parse a request's grammar (one copy per choice) on the prompt pool, before admission.
@@ -292,8 +329,11 @@ class ModelHandle:
         try:
             return await loop.run_in_executor(self.executor, generator.compile_grammar, grammar, copies)
         except GrammarError:
-            raise InvalidRequest("the output constraint of this request cannot be compiled into a grammar",
-                                 param=param, code="invalid_grammar") from None
+            raise InvalidRequest(
+                "the output constraint of this request cannot be compiled into a grammar",
+                param=param,
+                code="invalid_grammar",
+            ) from None
         except EngineError:
             raise _gone(self.name) from None
 

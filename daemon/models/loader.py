@@ -67,8 +67,13 @@ def estimate_bytes(path: Path, settings: ModelSettings) -> int:
     embd = values.get(f"{arch}.embedding_length")
     heads = values.get(f"{arch}.attention.head_count")
     heads_kv = values.get(f"{arch}.attention.head_count_kv", heads)
-    if not (isinstance(layers, int) and isinstance(embd, int) and isinstance(heads, int)
-            and isinstance(heads_kv, int) and min(layers, embd, heads, heads_kv) > 0):
+    if not (
+        isinstance(layers, int)
+        and isinstance(embd, int)
+        and isinstance(heads, int)
+        and isinstance(heads_kv, int)
+        and min(layers, embd, heads, heads_kv) > 0
+    ):
         return size
     cells = settings.context_size * settings.slots
     kv = 2 * layers * cells * (embd // heads) * heads_kv * KV_BYTES_PER_VALUE
@@ -78,8 +83,15 @@ def estimate_bytes(path: Path, settings: ModelSettings) -> int:
 class Loader:
     """Builds handles: the files' checks and copies, the engine, its template and warm-up."""
 
-    def __init__(self, executor: Executor, factory: EngineFactory, lock: LockSettings, *,
-                 gpu: Callable[[], GpuSnapshot | None] = lambda: None, gpu_headroom_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        factory: EngineFactory,
+        lock: LockSettings,
+        *,
+        gpu: Callable[[], GpuSnapshot | None] = lambda: None,
+        gpu_headroom_bytes: int = 0,
+    ) -> None:
         self._executor = executor  # the prompt pool, handed to every handle
         self._factory = factory
         self._lock = lock
@@ -95,9 +107,16 @@ class Loader:
         assert settings.file is not None  # noqa: S101 - settings guarantee (unsigned mode)
         return settings.file
 
-    async def build(self, settings: ModelSettings, locked: LockedModel | None, lock: Lockfile | None, *,
-                    counters: Tally[str], make_room: Callable[[ModelSettings, int], None],
-                    dispose: Callable[[ModelHandle], None]) -> ModelHandle:
+    async def build(
+        self,
+        settings: ModelSettings,
+        locked: LockedModel | None,
+        lock: Lockfile | None,
+        *,
+        counters: Tally[str],
+        make_room: Callable[[ModelSettings, int], None],
+        dispose: Callable[[ModelHandle], None],
+    ) -> ModelHandle:
         """verify + preload → load → warm-up, all off the loop; raises LoadFailed with the reason.
 
         `make_room` keeps the memory budget for the estimated size (it may evict others or
@@ -121,17 +140,25 @@ class Loader:
         copy, verified = await self._prepare(settings, source, locked)
         load_path = copy or (verified.load_path if verified is not None else source)
         if settings.gpu_layers == GPU_LAYERS_AUTO:
-            layers, why = await loop.run_in_executor(None, partial(
-                plan_gpu_layers, partial(gguf_layer_bytes, load_path), snapshot=self._gpu(),
-                offload_supported=supports_gpu_offload(),
-                headroom_bytes=self._gpu_headroom, kv_bytes=need - source_stat[2]))
+            layers, why = await loop.run_in_executor(
+                None,
+                partial(
+                    plan_gpu_layers,
+                    partial(gguf_layer_bytes, load_path),
+                    snapshot=self._gpu(),
+                    offload_supported=supports_gpu_offload(),
+                    headroom_bytes=self._gpu_headroom,
+                    kv_bytes=need - source_stat[2],
+                ),
+            )
             log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)
             settings = replace(settings, gpu_layers=layers)
         try:
             # Mapped only from a private preload copy: a file in the models directory that is
             # truncated in place under a mapping would kill the daemon (SIGBUS).
-            engine = await loop.run_in_executor(None, self._factory, replace(settings, file=load_path),
-                                                copy is not None)
+            engine = await loop.run_in_executor(
+                None, self._factory, replace(settings, file=load_path), copy is not None
+            )
         except (EngineError, OSError) as exc:
             self.discard_copy(copy)
             raise LoadFailed(str(exc)) from None
@@ -144,20 +171,30 @@ class Loader:
             await loop.run_in_executor(None, engine.close)
             self.discard_copy(copy)
             raise LoadFailed(f"chat template: {exc}") from None
-        provenance = Provenance(source=source, source_stat=source_stat, locked=locked,
-                                lock_version=lock.version if lock is not None else None,
-                                copy=copy, memory_bytes=need)
-        handle = ModelHandle(settings, engine, template, self._executor, provenance,
-                             counters=counters)
+        provenance = Provenance(
+            source=source,
+            source_stat=source_stat,
+            locked=locked,
+            lock_version=lock.version if lock is not None else None,
+            copy=copy,
+            memory_bytes=need,
+        )
+        handle = ModelHandle(settings, engine, template, self._executor, provenance, counters=counters)
         try:
             await self.warm_up(handle)
         except LoadFailed:
             dispose(handle)
             raise
-        log.info("model %s loaded in %.2fs (%s, %d slots x %d tokens, %s, template: %s)", name,
-                 time.monotonic() - started, engine.info.description, settings.slots,
-                 settings.context_size, f"preloaded to {copy}" if copy else f"from {source}",
-                 template.source if template else "none")
+        log.info(
+            "model %s loaded in %.2fs (%s, %d slots x %d tokens, %s, template: %s)",
+            name,
+            time.monotonic() - started,
+            engine.info.description,
+            settings.slots,
+            settings.context_size,
+            f"preloaded to {copy}" if copy else f"from {source}",
+            template.source if template else "none",
+        )
         return handle
 
     async def reverify(self, settings: ModelSettings, locked: LockedModel) -> tuple[int, int, int, int]:
@@ -182,12 +219,19 @@ class Loader:
         except OSError as exc:
             raise LoadFailed(f"file {locked.file}: {exc.strerror or exc}") from None
         verified.close()
-        log.info("model %s: %s changed on disk but verified the same (%d bytes, sha256 %s…): the "
-                 "loaded model serves on", settings.name, locked.file, locked.size, locked.sha256[:16])
+        log.info(
+            "model %s: %s changed on disk but verified the same (%d bytes, sha256 %s…): the "
+            "loaded model serves on",
+            settings.name,
+            locked.file,
+            locked.size,
+            locked.sha256[:16],
+        )
         return before
 
-    async def _prepare(self, settings: ModelSettings, source: Path,
-                       locked: LockedModel | None) -> tuple[Path | None, VerifiedFile | None]:
+    async def _prepare(
+        self, settings: ModelSettings, source: Path, locked: LockedModel | None
+    ) -> tuple[Path | None, VerifiedFile | None]:
         """Copy into the preload area while hashing, or verify in place when there is no room."""
         loop = asyncio.get_running_loop()
         label = locked.file if locked is not None else source.name
@@ -195,16 +239,27 @@ class Loader:
             try:
                 copy = await loop.run_in_executor(None, self.area.copy, source, settings.name, locked)
             except NoRoom as exc:
-                log.warning("model %s: no room to preload %s into %s (%s); loading it from the "
-                            "models directory instead", settings.name, label, self.area.root, exc)
+                log.warning(
+                    "model %s: no room to preload %s into %s (%s); loading it from the "
+                    "models directory instead",
+                    settings.name,
+                    label,
+                    self.area.root,
+                    exc,
+                )
             except LockError as exc:
                 raise LoadFailed(f"file {label}: {exc}") from None
             except OSError as exc:
                 raise LoadFailed(f"file {label}: {exc.strerror or exc}") from None
             else:
                 if locked is not None:
-                    log.info("model %s: %s verified (%d bytes, sha256 %s…) and preloaded",
-                             settings.name, locked.file, locked.size, locked.sha256[:16])
+                    log.info(
+                        "model %s: %s verified (%d bytes, sha256 %s…) and preloaded",
+                        settings.name,
+                        locked.file,
+                        locked.size,
+                        locked.sha256[:16],
+                    )
                 return copy, None
         if locked is None:
             return None, None
@@ -215,8 +270,13 @@ class Loader:
             raise LoadFailed(f"file {locked.file}: {exc}") from None
         # Loaded through the descriptor that was hashed: a file swapped after the check is
         # never what llama.cpp reads.
-        log.info("model %s: %s verified (%d bytes, sha256 %s…)", settings.name, locked.file,
-                 locked.size, locked.sha256[:16])
+        log.info(
+            "model %s: %s verified (%d bytes, sha256 %s…)",
+            settings.name,
+            locked.file,
+            locked.size,
+            locked.sha256[:16],
+        )
         return None, verified
 
     async def warm_up(self, handle: ModelHandle) -> None:
@@ -227,8 +287,11 @@ class Loader:
             if isinstance(engine, EmbeddingEngine):
                 await asyncio.wait_for(handle.embed([bos]), WARM_UP_TIMEOUT_S)
                 return
-            gen = handle.submit(GenerationRequest(prompt_tokens=bos, max_tokens=2, ignore_eos=True,
-                                                  sampling=SamplingParams(temperature=0.0)))
+            gen = handle.submit(
+                GenerationRequest(
+                    prompt_tokens=bos, max_tokens=2, ignore_eos=True, sampling=SamplingParams(temperature=0.0)
+                )
+            )
             final: Finished | None = None
             async with asyncio.timeout(WARM_UP_TIMEOUT_S):
                 async for event in gen.events():

@@ -122,8 +122,9 @@ def _int(value: object, where: str, *, lo: int = 0) -> int:
 
 def shown(value: str) -> str:
     """`value` quoted for a message if it is short and printable, else a placeholder."""
-    return show_value(value, limit=MAX_SHOWN_CHARS, quote=True,
-                      placeholder="(a value too long or unprintable to show)")
+    return show_value(
+        value, limit=MAX_SHOWN_CHARS, quote=True, placeholder="(a value too long or unprintable to show)"
+    )
 
 
 def _member(name: str) -> str:
@@ -144,8 +145,7 @@ def file_problem(file: str) -> str | None:
         # something else here; folders are separated by '/'.
         return f"{shown(file)} contains a backslash; separate folders with '/'"
     if file.startswith("/"):
-        return (f"{shown(file)} is an absolute path; lockfile paths are relative to the models "
-                "directory")
+        return f"{shown(file)} is an absolute path; lockfile paths are relative to the models directory"
     if ".." in file.split("/"):
         return f"{shown(file)} contains '..'; lockfile paths stay inside the models directory"
     return None
@@ -176,8 +176,9 @@ def _gguf(value: object, where: str) -> dict[str, str | int]:
 
 def _model(name: str, value: object) -> LockedModel:
     if not MODEL_NAME.fullmatch(name):
-        raise LockError(f"models.{_member(name)}: model names are 1-64 of A-Za-z0-9._:- starting "
-                        "with a letter or digit")
+        raise LockError(
+            f"models.{_member(name)}: model names are 1-64 of A-Za-z0-9._:- starting with a letter or digit"
+        )
     where = f"models.{name}"
     if not isinstance(value, dict):
         raise LockError(f"{where}: must be an object")
@@ -311,8 +312,11 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
 def sign(document: Mapping[str, Any], key: Ed25519PrivateKey) -> dict[str, str]:
     """A signature entry over the canonical form of `document`."""
     sig = key.sign(canonical_bytes(document))
-    return {"key_id": key_id(key.public_key()), "alg": ALGORITHM,
-            "sig": base64.b64encode(sig).decode("ascii")}
+    return {
+        "key_id": key_id(key.public_key()),
+        "alg": ALGORITHM,
+        "sig": base64.b64encode(sig).decode("ascii"),
+    }
 
 
 def verify_lock(lock: Lockfile, trusted: Sequence[Ed25519PublicKey], *, now: datetime | None = None) -> str:
@@ -371,8 +375,10 @@ class VersionState:
         """Refuse a version lower than one accepted before."""
         highest = self.highest()
         if version < highest:
-            raise LockError(f"lockfile version {version} is lower than version {highest} "
-                            "accepted before (rollback refused)")
+            raise LockError(
+                f"lockfile version {version} is lower than version {highest} "
+                "accepted before (rollback refused)"
+            )
 
     def accept(self, version: int) -> None:
         """Record `version` if it is the highest yet (write, fsync, rename, fsync the folder)."""
@@ -480,8 +486,7 @@ def _check_open_file(verified: VerifiedFile, entry: LockedModel, progress: Progr
     if os.fstat(verified.fd).st_size != size:
         raise LockError(f"{entry.file} changed size while it was being hashed")
     if digest != entry.sha256:
-        raise LockError(f"{entry.file} has sha256 {digest[:16]}...; the lockfile says "
-                        f"{entry.sha256[:16]}...")
+        raise LockError(f"{entry.file} has sha256 {digest[:16]}...; the lockfile says {entry.sha256[:16]}...")
     check_gguf(read_gguf_facts(verified.load_path), entry)
 
 
@@ -498,8 +503,9 @@ def check_gguf(facts: Mapping[str, str | int], entry: LockedModel) -> None:
     for member, expected in entry.gguf.items():
         actual = facts.get(member)
         if actual != expected:
-            raise LockError(f"{entry.file}: GGUF {member} is {_fact(actual)}; the lockfile says "
-                            f"{_fact(expected)}")
+            raise LockError(
+                f"{entry.file}: GGUF {member} is {_fact(actual)}; the lockfile says {_fact(expected)}"
+            )
 
 
 def _fact(value: object) -> str:

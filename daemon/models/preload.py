@@ -94,8 +94,9 @@ class PreloadArea:
             free = min(free, self.max_bytes - self.used_bytes())
         return max(free, 0)
 
-    def copy(self, source: Path, name: str, entry: LockedModel | None,
-             progress: Progress | None = None) -> Path:
+    def copy(
+        self, source: Path, name: str, entry: LockedModel | None, progress: Progress | None = None
+    ) -> Path:
         """Copy `source` into the area while hashing it; with `entry`, verify size, sha256 and header.
 
         Raises NoRoom when the copy does not fit (checked first, and on ENOSPC while
@@ -169,8 +170,7 @@ def _copy_hashing(src: int, dest: Path, size: int, progress: Progress | None) ->
 def _check_copy(copy: Path, digest: str, entry: LockedModel) -> None:
     # The digest is of the bytes that were written: what gets loaded is what was checked.
     if digest != entry.sha256:
-        raise LockError(f"{entry.file} has sha256 {digest[:16]}...; the lockfile says "
-                        f"{entry.sha256[:16]}...")
+        raise LockError(f"{entry.file} has sha256 {digest[:16]}...; the lockfile says {entry.sha256[:16]}...")
     check_gguf(read_gguf_facts(copy), entry)
 
 

@@ -78,8 +78,14 @@ class Outcome:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form for the admin API."""
-        return {"model": self.model, "result": self.result, "reason": self.reason,
-                "trigger": self.trigger, "at": self.at, "version": self.version}
+        return {
+            "model": self.model,
+            "result": self.result,
+            "reason": self.reason,
+            "trigger": self.trigger,
+            "at": self.at,
+            "version": self.version,
+        }
 
 
 @dataclass(slots=True)
@@ -104,12 +110,17 @@ class _Entry:
 class Registry:
     """Configured models by name, each with its current handle, state and last outcome."""
 
-    def __init__(self, models: Sequence[ModelSettings], executor: Executor,
-                 factory: EngineFactory = default_engine_factory,
-                 lock: LockSettings | None = None,
-                 lifecycle: LifecycleSettings | None = None, *,
-                 gpu: Callable[[], GpuSnapshot | None] = lambda: None,
-                 gpu_headroom_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        models: Sequence[ModelSettings],
+        executor: Executor,
+        factory: EngineFactory = default_engine_factory,
+        lock: LockSettings | None = None,
+        lifecycle: LifecycleSettings | None = None,
+        *,
+        gpu: Callable[[], GpuSnapshot | None] = lambda: None,
+        gpu_headroom_bytes: int = 0,
+    ) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
         self._lock = lock or LockSettings(allow_unsigned=True)
         self._lifecycle = lifecycle or LifecycleSettings(preload_dir=None, watch=False)
@@ -139,13 +150,18 @@ class Registry:
             try:
                 await loop.run_in_executor(None, area.open)
             except OSError as exc:
-                log.warning("preload directory %s unusable (%s); models load from the models "
-                            "directory", root, exc.strerror or exc)
+                log.warning(
+                    "preload directory %s unusable (%s); models load from the models directory",
+                    root,
+                    exc.strerror or exc,
+                )
             else:
                 self.loader.area = area
         if self._lock.allow_unsigned:
-            log.warning("UNSIGNED MODE (lock.allow_unsigned): models load WITHOUT lockfile "
-                        "verification; never run a production box like this")
+            log.warning(
+                "UNSIGNED MODE (lock.allow_unsigned): models load WITHOUT lockfile "
+                "verification; never run a production box like this"
+            )
         await self.reload(trigger="start")
 
     async def close(self) -> None:
@@ -176,8 +192,10 @@ class Registry:
         if entry.handle is None:
             told = entry.state in (ModelState.UNLOADED, ModelState.REVOKED)  # why it was stopped
             detail = f": {entry.error}" if told and entry.error else ""
-            raise ServiceUnavailable(f"the model {name!r} is {entry.state.value}{detail}",
-                                     headers={"Retry-After": RETRY_AFTER_LOADING_S})
+            raise ServiceUnavailable(
+                f"the model {name!r} is {entry.state.value}{detail}",
+                headers={"Retry-After": RETRY_AFTER_LOADING_S},
+            )
         return entry.handle
 
     @contextlib.asynccontextmanager
@@ -223,13 +241,15 @@ class Registry:
         # the models they still serve with them. It shows in /readyz's body, in /admin/status,
         # in the metrics and in systemd's STATUS= all the same.
         stopped = (ModelState.READY, ModelState.UNLOADED, ModelState.REVOKED)
-        return all(e.state in stopped for e in self._entries.values()) \
-            and any(e.state is ModelState.READY for e in self._entries.values())
+        return all(e.state in stopped for e in self._entries.values()) and any(
+            e.state is ModelState.READY for e in self._entries.values()
+        )
 
     # ---- lifecycle operations -------------------------------------------------------------
 
-    async def reload(self, names: Sequence[str] | None = None, *, force: bool = False,
-                     trigger: str = "admin") -> list[Outcome]:
+    async def reload(
+        self, names: Sequence[str] | None = None, *, force: bool = False, trigger: str = "admin"
+    ) -> list[Outcome]:
         """Re-verify the lockfile and replace every named model whose approved bytes changed.
 
         `force` reloads models whose lock entry and file look unchanged too. Models an
@@ -241,12 +261,14 @@ class Registry:
         # request that it covers (all models, or these; forced if this one is) joins it. A storm
         # of reloads thus runs at most one beside the one in progress.
         for waiting in self._queued:
-            if (waiting.names is None or (names is not None and set(names) <= set(waiting.names))) \
-                    and (waiting.force or not force):
+            if (waiting.names is None or (names is not None and set(names) <= set(waiting.names))) and (
+                waiting.force or not force
+            ):
                 outcomes = await asyncio.shield(waiting.done)
                 return [o for o in outcomes if names is None or o.model in names]
-        queued = _Queued(tuple(names) if names is not None else None, force,
-                         asyncio.get_running_loop().create_future())
+        queued = _Queued(
+            tuple(names) if names is not None else None, force, asyncio.get_running_loop().create_future()
+        )
         self._queued.append(queued)
         try:
             async with self._mutex:
@@ -272,8 +294,9 @@ class Registry:
             except Exception:
                 log.exception("registry observer failed on %s", event)
 
-    async def _reload(self, entries: list[_Entry], names: Sequence[str] | None, *, force: bool,
-                      trigger: str) -> list[Outcome]:
+    async def _reload(
+        self, entries: list[_Entry], names: Sequence[str] | None, *, force: bool, trigger: str
+    ) -> list[Outcome]:
         lock: Lockfile | None = None
         if not self._lock.allow_unsigned:
             loop = asyncio.get_running_loop()
@@ -320,8 +343,7 @@ class Registry:
         reason = f"model {name!r} is not in the lockfile (version {lock.version})"
         if entry.state is ModelState.REVOKED:  # still not listed: nothing to stop
             entry.error = reason
-            return self._record(entry, Outcome(name, "unchanged", reason, trigger, time.time()),
-                                log_it=False)
+            return self._record(entry, Outcome(name, "unchanged", reason, trigger, time.time()), log_it=False)
         handle, entry.handle = entry.handle, None
         entry.state, entry.error = ModelState.REVOKED, reason
         if handle is not None:
@@ -341,8 +363,9 @@ class Registry:
         state = VersionState(self._lock.state_dir)
         state.check(lock.version)
         state.accept(lock.version)
-        log.info("lockfile %s version %d verified (signed by key %s…)", self._lock.file,
-                 lock.version, signer[:16])
+        log.info(
+            "lockfile %s version %d verified (signed by key %s…)", self._lock.file, lock.version, signer[:16]
+        )
         return lock
 
     @property
@@ -363,8 +386,7 @@ class Registry:
             return True  # let the load say why
         return stat_key(source) != prov.source_stat
 
-    async def _refresh(self, entry: _Entry, lock: Lockfile | None, *, force: bool,
-                       trigger: str) -> Outcome:
+    async def _refresh(self, entry: _Entry, lock: Lockfile | None, *, force: bool, trigger: str) -> Outcome:
         name = entry.settings.name
         locked: LockedModel | None = None
         if lock is not None:
@@ -372,8 +394,11 @@ class Registry:
             if locked is None:
                 return self._revoke(entry, lock, trigger)
         if not force and not self._changed(entry, locked):
-            return self._record(entry, Outcome(name, "unchanged", None, trigger, time.time(),
-                                               self._version(entry)), log_it=False)
+            return self._record(
+                entry,
+                Outcome(name, "unchanged", None, trigger, time.time(), self._version(entry)),
+                log_it=False,
+            )
         old = entry.handle
         if old is not None and not force and locked is not None and old.provenance.locked == locked:
             # The same lock entry; only the file's stat changed (touched, or rewritten
@@ -386,8 +411,14 @@ class Registry:
             # At most one copy beside the serving one: versions retired by earlier reloads
             # (their last request is done) are freed before another is built.
             await asyncio.gather(*self._freeing.get(name, ()), return_exceptions=True)
-            handle = await self.loader.build(entry.settings, locked, lock, counters=self._counters[name],
-                                             make_room=self._make_room, dispose=self._dispose)
+            handle = await self.loader.build(
+                entry.settings,
+                locked,
+                lock,
+                counters=self._counters[name],
+                make_room=self._make_room,
+                dispose=self._dispose,
+            )
         except LoadFailed as exc:
             return self._failed(entry, str(exc), trigger)
         finally:
@@ -395,13 +426,19 @@ class Registry:
         entry.handle, entry.state, entry.error = handle, ModelState.READY, None  # the swap
         if old is not None:
             self._retire(old)
-        log.info("model %s now serving %s (%s)", name, handle.provenance.fingerprint,
-                 "replaced the previous version" if old is not None else "first load")
-        return self._record(entry, Outcome(name, "loaded", None, trigger, time.time(),
-                                           handle.provenance.lock_version))
+        log.info(
+            "model %s now serving %s (%s)",
+            name,
+            handle.provenance.fingerprint,
+            "replaced the previous version" if old is not None else "first load",
+        )
+        return self._record(
+            entry, Outcome(name, "loaded", None, trigger, time.time(), handle.provenance.lock_version)
+        )
 
-    async def _reverify(self, entry: _Entry, handle: ModelHandle, locked: LockedModel,
-                        trigger: str) -> Outcome:
+    async def _reverify(
+        self, entry: _Entry, handle: ModelHandle, locked: LockedModel, trigger: str
+    ) -> Outcome:
         """Check a serving model's file against its unchanged lock entry; keep the warm handle."""
         name = entry.settings.name
         entry.reloading = True
@@ -414,8 +451,9 @@ class Registry:
         # Noted, so that the next look does not check it again. The served version (its
         # lock version, its fingerprint) is the one that was loaded: the bytes are the same.
         handle.provenance = replace(handle.provenance, source_stat=source_stat)
-        return self._record(entry, Outcome(name, "unchanged", None, trigger, time.time(),
-                                           self._version(entry)))
+        return self._record(
+            entry, Outcome(name, "unchanged", None, trigger, time.time(), self._version(entry))
+        )
 
     @staticmethod
     def _version(entry: _Entry) -> int | None:
@@ -427,10 +465,18 @@ class Registry:
         if entry.handle is None and entry.state not in (ModelState.UNLOADED, ModelState.REVOKED):
             entry.state, entry.error = ModelState.FAILED, reason
         serving = " (the previous version keeps serving)" if entry.handle is not None else ""
-        log.error("model %s: %s failed: %s%s", entry.settings.name,
-                  "load" if trigger == "start" else "reload", reason, serving)
-        return self._record(entry, Outcome(entry.settings.name, "failed", reason, trigger,
-                                           time.time(), self._version(entry)), log_it=False)
+        log.error(
+            "model %s: %s failed: %s%s",
+            entry.settings.name,
+            "load" if trigger == "start" else "reload",
+            reason,
+            serving,
+        )
+        return self._record(
+            entry,
+            Outcome(entry.settings.name, "failed", reason, trigger, time.time(), self._version(entry)),
+            log_it=False,
+        )
 
     def _record(self, entry: _Entry, outcome: Outcome, *, log_it: bool = True) -> Outcome:
         # "unchanged" does not hide the last load, but it does replace a failure: once the
@@ -454,18 +500,24 @@ class Registry:
         budget_mb = self._lifecycle.memory_budget_mb
         if budget_mb is None:
             return
-        resident = [Resident(e.settings.name, e.handle.provenance.memory_bytes,
-                             e.settings.evictable and e.handle.leases == 0 and e.handle.engine.idle,
-                             e.handle.last_used)
-                    for e in self._entries.values()
-                    if e.handle is not None and e.settings.name != settings.name]
+        resident = [
+            Resident(
+                e.settings.name,
+                e.handle.provenance.memory_bytes,
+                e.settings.evictable and e.handle.leases == 0 and e.handle.engine.idle,
+                e.handle.last_used,
+            )
+            for e in self._entries.values()
+            if e.handle is not None and e.settings.name != settings.name
+        ]
         try:
             names = evictions(budget_mb, settings.name, need, resident)
         except OverBudget as exc:
             raise LoadFailed(str(exc)) from None
         for name in names:
-            self._unload(self._entries[name], f"evicted to make room for {settings.name} (memory budget)",
-                         "budget")
+            self._unload(
+                self._entries[name], f"evicted to make room for {settings.name} (memory budget)", "budget"
+            )
 
     # ---- freeing --------------------------------------------------------------------------
 
@@ -503,40 +555,55 @@ class Registry:
         for name, entry in self._entries.items():
             handle = entry.handle
             item: dict[str, Any] = {
-                "name": name, "kind": "embedding" if entry.settings.embedding else "generation",
-                "state": entry.state.value, "reason": entry.error, "reloading": entry.reloading,
-                "slots_total": entry.settings.slots, "queue_size": entry.settings.queue_size,
+                "name": name,
+                "kind": "embedding" if entry.settings.embedding else "generation",
+                "state": entry.state.value,
+                "reason": entry.error,
+                "reloading": entry.reloading,
+                "slots_total": entry.settings.slots,
+                "queue_size": entry.settings.queue_size,
                 "evictable": entry.settings.evictable,
                 "last_reload": entry.last.as_dict() if entry.last else None,
             }
             if handle is not None:
                 prov = handle.provenance
                 busy, waiting = handle.engine.occupancy()
-                item.update({
-                    "version": prov.lock_version,
-                    "sha256": prov.locked.sha256 if prov.locked else None,
-                    "file": prov.locked.file if prov.locked else str(prov.source),
-                    "shm_path": str(prov.copy) if prov.copy else None,
-                    "fingerprint": prov.fingerprint,
-                    "loaded_at": handle.loaded_at,
-                    "memory_bytes": prov.memory_bytes,
-                    "slots_busy": busy,
-                    "queue_depth": waiting,
-                    "leases": handle.leases,
-                    "threads": handle.engine.config.threads,
-                    "threads_batch": handle.engine.config.threads_batch,
-                })
+                item.update(
+                    {
+                        "version": prov.lock_version,
+                        "sha256": prov.locked.sha256 if prov.locked else None,
+                        "file": prov.locked.file if prov.locked else str(prov.source),
+                        "shm_path": str(prov.copy) if prov.copy else None,
+                        "fingerprint": prov.fingerprint,
+                        "loaded_at": handle.loaded_at,
+                        "memory_bytes": prov.memory_bytes,
+                        "slots_busy": busy,
+                        "queue_depth": waiting,
+                        "leases": handle.leases,
+                        "threads": handle.engine.config.threads,
+                        "threads_batch": handle.engine.config.threads_batch,
+                    }
+                )
             models.append(item)
         budget = self._lifecycle.memory_budget_mb
         return {
-            "lock": {"file": str(self._lock.file) if self._lock.file else None,
-                     "version": self.lock_version, "unsigned": self._lock.allow_unsigned},
-            "preload": {"dir": str(self.area.path) if self.area and self.area.path else None,
-                        "used_bytes": self.area.used_bytes() if self.area else 0},
-            "memory": {"budget_bytes": budget * MIB if budget else None,
-                       "used_bytes": sum(h.provenance.memory_bytes for h in self.ready_handles())},
+            "lock": {
+                "file": str(self._lock.file) if self._lock.file else None,
+                "version": self.lock_version,
+                "unsigned": self._lock.allow_unsigned,
+            },
+            "preload": {
+                "dir": str(self.area.path) if self.area and self.area.path else None,
+                "used_bytes": self.area.used_bytes() if self.area else 0,
+            },
+            "memory": {
+                "budget_bytes": budget * MIB if budget else None,
+                "used_bytes": sum(h.provenance.memory_bytes for h in self.ready_handles()),
+            },
             # Replaced or unloaded versions that still have requests running on them.
-            "draining": [{"name": h.name, "fingerprint": h.provenance.fingerprint, "leases": h.leases}
-                         for h in self._draining],
+            "draining": [
+                {"name": h.name, "fingerprint": h.provenance.fingerprint, "leases": h.leases}
+                for h in self._draining
+            ],
             "models": models,
         }

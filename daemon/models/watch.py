@@ -47,8 +47,9 @@ class _Handler(FileSystemEventHandler):
 class ModelWatcher:
     """Watches directories; once every relevant file has been unchanged for `settle_s`, reloads."""
 
-    def __init__(self, registry: Registry, *, open_dirs: Iterable[Path], files: Iterable[Path],
-                 settle_s: float) -> None:
+    def __init__(
+        self, registry: Registry, *, open_dirs: Iterable[Path], files: Iterable[Path], settle_s: float
+    ) -> None:
         self.registry = registry
         self.open_dirs = {d.absolute() for d in open_dirs}  # every file in these counts
         self.files = {f.absolute() for f in files}  # and these files, wherever they are
@@ -102,8 +103,9 @@ class ModelWatcher:
                     observer.schedule(handler, str(directory), recursive=False)
                 observer.start()
             except OSError as exc:
-                log.warning("file watching with %s failed (%s); trying the next method",
-                            label, exc.strerror or exc)
+                log.warning(
+                    "file watching with %s failed (%s); trying the next method", label, exc.strerror or exc
+                )
                 continue
             self._observer = observer
             break
@@ -111,8 +113,11 @@ class ModelWatcher:
             log.error("file watching is unavailable: reload with POST /admin/reload")
             return
         self._task = asyncio.create_task(self._run(), name="model-watcher")
-        log.info("watching %s for model and lockfile changes (settle %.1fs)",
-                 ", ".join(map(str, self.directories)), self.settle_s)
+        log.info(
+            "watching %s for model and lockfile changes (settle %.1fs)",
+            ", ".join(map(str, self.directories)),
+            self.settle_s,
+        )
 
     async def stop(self) -> None:
         """Stop observing and cancel a pending reload wait (a running reload finishes)."""
@@ -143,8 +148,11 @@ class ModelWatcher:
             except Exception:
                 log.exception("reload after a file change failed")
                 continue
-            changed = [f"{o.model}: {o.result}" + (f" ({o.reason})" if o.reason else "")
-                       for o in outcomes if o.result != "unchanged"]
+            changed = [
+                f"{o.model}: {o.result}" + (f" ({o.reason})" if o.reason else "")
+                for o in outcomes
+                if o.result != "unchanged"
+            ]
             log.info("files changed; reload: %s", "; ".join(changed) or "nothing to do")
 
 

@@ -76,7 +76,7 @@ async def exchange(host: str, port: int, head: bytes, body: bytes = b"") -> Resp
         try:
             writer.write(head)
             for start in range(0, len(body), 65536):
-                writer.write(body[start:start + 65536])
+                writer.write(body[start : start + 65536])
                 await writer.drain()
         except ConnectionError:
             pass  # the server answered and closed before taking the whole body: fine
@@ -91,9 +91,11 @@ async def exchange(host: str, port: int, head: bytes, body: bytes = b"") -> Resp
 
 
 def _post(path: str, token: str, body: bytes, *, length: int | None = None, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body) if length is None else length}\r\n"
-            f"Connection: close\r\n{extra}\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body) if length is None else length}\r\n"
+        f"Connection: close\r\n{extra}\r\n"
+    ).encode()
 
 
 def _check_envelope(tally: Tally, kind: str, response: Response, status: int, code: str | None) -> None:
@@ -163,9 +165,11 @@ async def header_injection(host: str, port: int, token: str, tally: Tally) -> No
     _check_envelope(tally, "header_injection", response, 404, "model_not_found")
     if response.headers.get("x-request-id") != "abc":
         tally.problem(f"header_injection: X-Request-Id {response.headers.get('x-request-id')!r}")
-    head = (f"GET /v1/models/m%0D%0A{INJECTED}:%20yes HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Authorization: Bearer {token}\r\nX-Request-Id: <script>alert(1)</script>\r\n"
-            "Connection: close\r\n\r\n").encode()
+    head = (
+        f"GET /v1/models/m%0D%0A{INJECTED}:%20yes HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {token}\r\nX-Request-Id: <script>alert(1)</script>\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
     response = await exchange(host, port, head)
     _check_envelope(tally, "header_injection", response, 404, "model_not_found")
     if "<" in response.headers.get("x-request-id", ""):
@@ -173,8 +177,11 @@ async def header_injection(host: str, port: int, token: str, tally: Tally) -> No
 
 
 ATTACKS: Final[dict[str, Attack]] = {
-    "oversized": oversized, "deep_json": deep_json, "invalid_utf8": invalid_utf8,
-    "huge_max_tokens": huge_max_tokens, "prompt_stuffing": prompt_stuffing,
+    "oversized": oversized,
+    "deep_json": deep_json,
+    "invalid_utf8": invalid_utf8,
+    "huge_max_tokens": huge_max_tokens,
+    "prompt_stuffing": prompt_stuffing,
     "header_injection": header_injection,
 }
 KINDS: Final = ("slow_loris", *ATTACKS)
@@ -236,8 +243,9 @@ async def slow_loris(host: str, port: int, seconds: float, tally: Tally) -> None
 Interval = tuple[float, float]
 
 
-async def run(kind: str, url: str, token: str, on_s: float, off_s: float,
-              cycles: int) -> tuple[Tally, list[Interval], list[Interval]]:
+async def run(
+    kind: str, url: str, token: str, on_s: float, off_s: float, cycles: int
+) -> tuple[Tally, list[Interval], list[Interval]]:
     """Abuse `url` in one way, on and off; the tally and the on and off intervals."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -270,8 +278,14 @@ def main(argv: list[str]) -> int:
     os.nice(19)
     print("ready", flush=True)
     tally, on, off = asyncio.run(run(kind, url, token, on_s, off_s, cycles))
-    summary: dict[str, Any] = {"kind": kind, "sent": tally.sent, "statuses": dict(tally.statuses),
-                               "problems": tally.problems, "on": on, "off": off}
+    summary: dict[str, Any] = {
+        "kind": kind,
+        "sent": tally.sent,
+        "statuses": dict(tally.statuses),
+        "problems": tally.problems,
+        "on": on,
+        "off": off,
+    }
     print(json.dumps(summary), flush=True)
     return 0
 

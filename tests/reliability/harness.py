@@ -96,8 +96,10 @@ class Figures:
         target = os.environ.get(FIGURES_VARIABLE)
         if target:
             with Path(target).open("a", encoding="utf-8") as out:
-                out.write(json.dumps({"test": self.nodeid, "mode": mode, "figures": self.values},
-                                     default=str) + "\n")
+                out.write(
+                    json.dumps({"test": self.nodeid, "mode": mode, "figures": self.values}, default=str)
+                    + "\n"
+                )
         self.shown = True
 
 
@@ -136,19 +138,38 @@ class SignedBox(SignedLock):
     def keys_file(self) -> Path:
         return self.root / "keys.yaml"
 
-    def config(self, port: int, *, model: dict[str, Any] | None = None,
-               server: dict[str, Any] | None = None, lifecycle: dict[str, Any] | None = None,
-               auth: dict[str, Any] | None = None,
-               extra_models: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    def config(
+        self,
+        port: int,
+        *,
+        model: dict[str, Any] | None = None,
+        server: dict[str, Any] | None = None,
+        lifecycle: dict[str, Any] | None = None,
+        auth: dict[str, Any] | None = None,
+        extra_models: Sequence[dict[str, Any]] = (),
+    ) -> dict[str, Any]:
         """A daemon configuration for this box (YAML is a superset of the JSON it is written as)."""
         return {
             "server": {"host": "127.0.0.1", "port": port, **(server or {})},
-            "models": [{"name": MODEL, "threads": 1, "context_size": 256, "slots": 4, "queue_size": 16,
-                        **(model or {})}, *extra_models],
+            "models": [
+                {
+                    "name": MODEL,
+                    "threads": 1,
+                    "context_size": 256,
+                    "slots": 4,
+                    "queue_size": 16,
+                    **(model or {}),
+                },
+                *extra_models,
+            ],
             "lock": self.lock_settings(),
             "auth": {"keys_file": str(self.keys_file), **(auth or {})},
-            "lifecycle": {"preload_dir": str(self.shm), "watch": True, "watch_settle_s": 0.3,
-                          **(lifecycle or {})},
+            "lifecycle": {
+                "preload_dir": str(self.shm),
+                "watch": True,
+                "watch_settle_s": 0.3,
+                **(lifecycle or {}),
+            },
             "logging": {"level": "info", "format": "json"},
         }
 
@@ -181,8 +202,9 @@ class Usage:
 class DaemonProcess:
     """`python -m edgellmd --config FILE` as a child process (behind an optional command prefix)."""
 
-    def __init__(self, box: SignedBox, config: dict[str, Any], *, prefix: Sequence[str] = (),
-                 label: str = "daemon") -> None:
+    def __init__(
+        self, box: SignedBox, config: dict[str, Any], *, prefix: Sequence[str] = (), label: str = "daemon"
+    ) -> None:
         self.box = box
         self.config = config
         self.port = int(config["server"]["port"])
@@ -198,8 +220,11 @@ class DaemonProcess:
         """Start the process; by default wait until /readyz answers 200."""
         self.config_path.write_text(json.dumps(self.config))
         with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "edgellmd", "--config",
-                                          str(self.config_path)], stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [*self.prefix, sys.executable, "-m", "edgellmd", "--config", str(self.config_path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self._process = psutil.Process(self.proc.pid)
         if ready:
             self.wait_ready(timeout)
@@ -263,8 +288,9 @@ class DaemonProcess:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.running:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.stop(30)
@@ -276,9 +302,17 @@ class DaemonProcess:
         """Base URL, http://127.0.0.1:PORT."""
         return f"http://127.0.0.1:{self.port}"
 
-    def call(self, method: str, path: str, body: Any = None, *, token: str | None = None,
-             raw: bytes | None = None, headers: Mapping[str, str] | None = None,
-             timeout: float = 60.0) -> Reply:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        token: str | None = None,
+        raw: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> Reply:
         """One request with the stdlib client (a fresh connection); never raises for HTTP errors."""
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         hdrs = {"Content-Type": "application/json"} if data is not None else {}
@@ -304,11 +338,18 @@ class DaemonProcess:
         except OSError:
             return None
 
-    def complete(self, *, max_tokens: int = 16, prompt: str = PROMPT, token: str | None = None,
-                 **extra: Any) -> Reply:
+    def complete(
+        self, *, max_tokens: int = 16, prompt: str = PROMPT, token: str | None = None, **extra: Any
+    ) -> Reply:
         """A greedy, non-streamed completion of exactly `max_tokens` tokens."""
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, **extra}
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **extra,
+        }
         return self.call("POST", "/v1/completions", body, token=token or self.box.app_token)
 
     def admin(self, method: str, path: str, body: Any = None) -> Reply:
@@ -332,8 +373,12 @@ class DaemonProcess:
         reply = self.get("/metrics", token=self.box.admin_token)
         assert reply.status == 200, reply
         text = reply.body.decode() if isinstance(reply.body, bytes) else str(reply.body)
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples if sample.name == name and where(sample.labels))
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and where(sample.labels)
+        )
 
     # -- resources and logs
 
@@ -425,11 +470,18 @@ class Answer:
         return self.status == 200 and self.complete and self.problem is None
 
 
-def completion(max_tokens: int = 16, *, stream: bool = False, prompt: str = PROMPT,
-               **extra: Any) -> tuple[str, dict[str, Any]]:
+def completion(
+    max_tokens: int = 16, *, stream: bool = False, prompt: str = PROMPT, **extra: Any
+) -> tuple[str, dict[str, Any]]:
     """(path, body) of a greedy completion of exactly `max_tokens` tokens."""
-    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, **extra}
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return "/v1/completions", body
@@ -437,8 +489,13 @@ def completion(max_tokens: int = 16, *, stream: bool = False, prompt: str = PROM
 
 def chat(max_tokens: int = 16, *, stream: bool = False, content: str = PROMPT) -> tuple[str, dict[str, Any]]:
     """(path, body) of a greedy chat completion of exactly `max_tokens` tokens."""
-    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": content}],
-                            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return "/v1/chat/completions", body
@@ -451,8 +508,9 @@ def _choice_text(choice: Mapping[str, Any]) -> str:
     return str(part.get("content") or "")
 
 
-async def ask(session: aiohttp.ClientSession, url: str, token: str, path: str,
-              body: Mapping[str, Any]) -> Answer:
+async def ask(
+    session: aiohttp.ClientSession, url: str, token: str, path: str, body: Mapping[str, Any]
+) -> Answer:
     """Send one completion request and read the whole answer (SSE when streamed)."""
     answer = Answer(0, time.monotonic())
     headers = {"Authorization": f"Bearer {token}"}
@@ -513,8 +571,9 @@ class Load:
     OpenAI SDK does; `stop()` lets every request in flight finish.
     """
 
-    def __init__(self, url: str, token: str, clients: int, request: Request, *,
-                 pause_s: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self, url: str, token: str, clients: int, request: Request, *, pause_s: float = 0.0, seed: int = 0
+    ) -> None:
         self.url = url
         self.token = token
         self.clients = clients
@@ -542,8 +601,9 @@ class Load:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._thread.is_alive():
             self.stop()
 
@@ -619,9 +679,19 @@ def private_tmpfs(mountpoint: Path, size_mb: int) -> list[str] | None:
     unshare = shutil.which("unshare")
     if unshare is None or shutil.which("nsenter") is None:
         return None
-    prefix = [unshare, "--mount", "--propagation", "private", "--", "sh", "-c",
-              'mount -t tmpfs -o "size=$1,mode=1777" tmpfs "$2" && shift 2 && exec "$@"',
-              "sh", f"{size_mb}m", str(mountpoint)]
+    prefix = [
+        unshare,
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        'mount -t tmpfs -o "size=$1,mode=1777" tmpfs "$2" && shift 2 && exec "$@"',
+        "sh",
+        f"{size_mb}m",
+        str(mountpoint),
+    ]
     return prefix if _works([*prefix, "true"]) else None
 
 
@@ -629,6 +699,7 @@ def in_mount_namespace(pid: int, argv: Sequence[str]) -> str:
     """Run a command in the mount namespace of process `pid`; its stdout."""
     nsenter = shutil.which("nsenter")
     assert nsenter is not None
-    done = subprocess.run([nsenter, "-t", str(pid), "-m", "--", *argv], capture_output=True,
-                          text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [nsenter, "-t", str(pid), "-m", "--", *argv], capture_output=True, text=True, timeout=60, check=True
+    )
     return done.stdout

@@ -45,8 +45,17 @@ def _victim(client: int, number: int) -> tuple[str, dict[str, Any]]:
 
 def _abuse(kind: str, url: str, token: str, cycles: int) -> dict[str, Any]:
     """Run one abuser process (ON_S on, OFF_S off, `cycles` times); its summary."""
-    argv = [sys.executable, "-m", "tests.reliability.abuser", kind, url, token, str(ON_S), str(OFF_S),
-            str(cycles)]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.reliability.abuser",
+        kind,
+        url,
+        token,
+        str(ON_S),
+        str(OFF_S),
+        str(cycles),
+    ]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=cycles * (ON_S + OFF_S) + 120)
     assert proc.returncode == 0, err
@@ -56,8 +65,11 @@ def _abuse(kind: str, url: str, token: str, cycles: int) -> dict[str, Any]:
 
 def _within(answers: list[Answer], intervals: list[list[float]]) -> list[float]:
     """Latencies of the complete answers that ran entirely inside one of the intervals."""
-    return [a.latency for a in answers if a.ok
-            and any(start <= a.started and a.ended <= end for start, end in intervals)]
+    return [
+        a.latency
+        for a in answers
+        if a.ok and any(start <= a.started and a.ended <= end for start, end in intervals)
+    ]
 
 
 def test_abuse_is_refused_cleanly_and_spares_other_clients(box: SignedBox, figures: Figures) -> None:
@@ -65,8 +77,14 @@ def test_abuse_is_refused_cleanly_and_spares_other_clients(box: SignedBox, figur
     slowdown_bound = bound(0.5, 0.2)
     _, abuser_token = create_key(box.keys_file, "abuser", ["inference"], limits={})
     box.publish(box.model_bytes(STEADY_SPEC))
-    config = box.config(free_port(), server={"header_timeout_s": abuser.HEADER_TIMEOUT_S,
-                                             "max_body_bytes": abuser.MAX_BODY, "max_tokens_limit": 512})
+    config = box.config(
+        free_port(),
+        server={
+            "header_timeout_s": abuser.HEADER_TIMEOUT_S,
+            "max_body_bytes": abuser.MAX_BODY,
+            "max_tokens_limit": 512,
+        },
+    )
     summaries: dict[str, dict[str, Any]] = {}
     with DaemonProcess(box, config) as daemon:
         daemon.start()
@@ -77,8 +95,10 @@ def test_abuse_is_refused_cleanly_and_spares_other_clients(box: SignedBox, figur
         answers = load.answers
         ready = daemon.get("/readyz").status
         errors = daemon.errors()
-        server_5xx = daemon.metric("edgellm_requests_total", lambda labels: labels["status"] >= "500"
-                                   and labels["endpoint"] != "/readyz")
+        server_5xx = daemon.metric(
+            "edgellm_requests_total",
+            lambda labels: labels["status"] >= "500" and labels["endpoint"] != "/readyz",
+        )
 
     latency: dict[str, tuple[float, float, int, int]] = {}  # kind: (quiet median, abused median, n, n)
     for kind, summary in summaries.items():
@@ -88,9 +108,12 @@ def test_abuse_is_refused_cleanly_and_spares_other_clients(box: SignedBox, figur
     bad = failures(answers)
     figures["abuse on / off s, cycles"] = (ON_S, OFF_S, cycles)
     figures["victim latency median s quiet -> abused (samples)"] = {
-        kind: f"{q:.4f} -> {a:.4f} ({nq}, {na})" for kind, (q, a, nq, na) in latency.items()}
+        kind: f"{q:.4f} -> {a:.4f} ({nq}, {na})" for kind, (q, a, nq, na) in latency.items()
+    }
     figures["victim slowdown by abuse (bound)"] = (
-        {k: f"{v:+.1%}" for k, v in slowdowns.items()}, f"{slowdown_bound:.0%}")
+        {k: f"{v:+.1%}" for k, v in slowdowns.items()},
+        f"{slowdown_bound:.0%}",
+    )
     figures["abuse sent / answers"] = {k: (s["sent"], s["statuses"]) for k, s in summaries.items()}
     figures["victim requests / failed"] = (len(answers), len(bad))
     figures.show()
@@ -118,9 +141,14 @@ def test_stuffed_prompts_do_not_hold_up_other_clients(box: SignedBox) -> None:
             before.append(time.monotonic() - started)
         stuffed = {"model": "m", "messages": [{"role": "user", "content": "stuff " * 25_000}]}
         statuses: list[int] = []
-        stuffers = [threading.Thread(target=lambda: statuses.append(
-            daemon.call("POST", "/v1/chat/completions", stuffed, token=box.app_token).status))
-            for _ in range(2)]
+        stuffers = [
+            threading.Thread(
+                target=lambda: statuses.append(
+                    daemon.call("POST", "/v1/chat/completions", stuffed, token=box.app_token).status
+                )
+            )
+            for _ in range(2)
+        ]
         for thread in stuffers:
             thread.start()
         time.sleep(0.3)  # both are being tokenized now

@@ -41,8 +41,9 @@ FILE = "model.gguf"
 
 
 @contextmanager
-def serving(box: SignedBox, figures: Figures, *, prefix: Sequence[str] = (),
-            **config: Any) -> Iterator[DaemonProcess]:
+def serving(
+    box: SignedBox, figures: Figures, *, prefix: Sequence[str] = (), **config: Any
+) -> Iterator[DaemonProcess]:
     """A daemon under light steady load; on leaving, asserts that no request failed meanwhile."""
     with DaemonProcess(box, box.config(free_port(), **config), prefix=prefix) as daemon:
         daemon.start()
@@ -55,8 +56,9 @@ def serving(box: SignedBox, figures: Figures, *, prefix: Sequence[str] = (),
     assert bad == [], describe(bad)
 
 
-def last_reload(daemon: DaemonProcess, test: Callable[[dict[str, Any]], bool], what: str,
-                name: str = MODEL) -> dict[str, Any]:
+def last_reload(
+    daemon: DaemonProcess, test: Callable[[dict[str, Any]], bool], what: str, name: str = MODEL
+) -> dict[str, Any]:
     """The model's last reload outcome once `test` holds for it."""
     found: list[dict[str, Any]] = []
 
@@ -89,7 +91,8 @@ def recovered(outcome: dict[str, Any]) -> bool:
 
 
 def test_a_deleted_model_file_is_reported_the_other_model_reloads_and_restoring_recovers(
-        box: SignedBox, figures: Figures) -> None:
+    box: SignedBox, figures: Figures
+) -> None:
     steady, other = box.model_bytes(STEADY_SPEC), box.model_bytes(OTHER_SPEC)
     box.models.joinpath("other.gguf").write_bytes(other)
     box.publish(steady, file=FILE)
@@ -126,7 +129,8 @@ def _model(daemon: DaemonProcess, name: str) -> dict[str, Any]:
 
 
 def test_a_model_file_truncated_in_place_is_reported_and_replacing_it_recovers(
-        box: SignedBox, figures: Figures) -> None:
+    box: SignedBox, figures: Figures
+) -> None:
     data = box.model_bytes(STEADY_SPEC)
     version = box.publish(data, file=FILE)
     with serving(box, figures) as daemon:
@@ -231,8 +235,9 @@ def stops_promptly(daemon: DaemonProcess, figures: Figures) -> None:
     try:
         status = daemon.wait(STOP_S)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"SIGTERM did not stop the daemon within {STOP_S} s:\n"
-                             f"{daemon.log_tail()}") from None
+        raise AssertionError(
+            f"SIGTERM did not stop the daemon within {STOP_S} s:\n{daemon.log_tail()}"
+        ) from None
     figures["SIGTERM to exit s"] = time.monotonic() - started
     assert status == 0, daemon.log_tail()
 
@@ -249,7 +254,8 @@ def loaded(daemon: DaemonProcess, figures: Figures) -> Iterator[None]:
 
 @pytest.mark.parametrize("kind", ["fifo", "character device", "socket", "directory"])
 def test_a_model_file_that_is_not_a_regular_file_is_refused_at_once_and_sigterm_still_stops(
-        box: SignedBox, figures: Figures, kind: str) -> None:
+    box: SignedBox, figures: Figures, kind: str
+) -> None:
     data = box.model_bytes(STEADY_SPEC)
     version = box.publish(data, file=FILE)
     with DaemonProcess(box, box.config(free_port())) as daemon:
@@ -276,7 +282,8 @@ def test_a_model_file_that_is_not_a_regular_file_is_refused_at_once_and_sigterm_
 
 
 def test_a_signed_entry_with_a_nul_byte_is_refused_with_its_reason_at_reload_and_at_start(
-        box: SignedBox, figures: Figures) -> None:
+    box: SignedBox, figures: Figures
+) -> None:
     data = box.model_bytes(STEADY_SPEC)
     version = box.publish(data, file=FILE)
     good = box.lock.read_bytes()
@@ -299,8 +306,10 @@ def test_a_signed_entry_with_a_nul_byte_is_refused_with_its_reason_at_reload_and
     # Starting with it: start-up ends "failed" with the reason, not "loading" for ever.
     with DaemonProcess(box, box.config(free_port()), label="restart") as daemon:
         daemon.start(ready=False)
-        model = wait_for(lambda: daemon.probe("/readyz") is not None
-                         and (m := daemon.model())["state"] != "loading" and m, what="the start-up to end")
+        model = wait_for(
+            lambda: daemon.probe("/readyz") is not None and (m := daemon.model())["state"] != "loading" and m,
+            what="the start-up to end",
+        )
         figures["at start"] = (model["state"], model["reason"])
         assert model["state"] == "failed"
         assert model["reason"] == expected
@@ -313,7 +322,8 @@ def test_a_signed_entry_with_a_nul_byte_is_refused_with_its_reason_at_reload_and
 
 @pytest.mark.parametrize("which", ["lockfile", "trusted key"])
 def test_a_fifo_in_place_of_the_lockfile_or_a_trusted_key_is_refused_at_once(
-        box: SignedBox, figures: Figures, which: str) -> None:
+    box: SignedBox, figures: Figures, which: str
+) -> None:
     version = box.publish(box.model_bytes(STEADY_SPEC), file=FILE)
     target = box.lock if which == "lockfile" else box.pub
     good = target.read_bytes()
@@ -360,7 +370,8 @@ def test_a_deleted_lockfile_is_reported_and_restoring_it_recovers(box: SignedBox
 
 @pytest.mark.parametrize("damage", ["garbage", "tampered"])
 def test_a_corrupted_lockfile_is_refused_precisely_and_restoring_it_recovers(
-        box: SignedBox, figures: Figures, damage: str) -> None:
+    box: SignedBox, figures: Figures, damage: str
+) -> None:
     version = box.publish(box.model_bytes(STEADY_SPEC), file=FILE)
     good = box.lock.read_bytes()
     if damage == "garbage":
@@ -388,13 +399,16 @@ def test_a_corrupted_lockfile_is_refused_precisely_and_restoring_it_recovers(
 
 
 def test_a_corrupted_keys_file_keeps_the_last_good_keys_and_a_fixed_one_applies(
-        box: SignedBox, figures: Figures) -> None:
+    box: SignedBox, figures: Figures
+) -> None:
     box.publish(box.model_bytes(STEADY_SPEC), file=FILE)
     good = box.keys_file.read_bytes()
     with serving(box, figures) as daemon:
         _write_private(box.keys_file, b"keys: [{id: 0123, name: broken\n")
-        rejected = wait_for(lambda: [m for m in daemon.errors() if "keys file change rejected" in m],
-                            what="the rejection in the log")
+        rejected = wait_for(
+            lambda: [m for m in daemon.errors() if "keys file change rejected" in m],
+            what="the rejection in the log",
+        )
         figures["reported"] = rejected[0]
         assert "the previous 2 key(s) stay in force" in rejected[0]
         assert "YAML syntax error" in rejected[0]
@@ -402,8 +416,11 @@ def test_a_corrupted_keys_file_keeps_the_last_good_keys_and_a_fixed_one_applies(
         # Fixed: the good keys plus a new one; the new key works within a second, no restart.
         _write_private(box.keys_file, good)
         _, token = create_key(box.keys_file, "late", ["inference"], limits={})
-        reply = wait_for(lambda: (r := daemon.complete(max_tokens=4, token=token)).status == 200 and r,
-                         what="the new key to work", timeout=5)
+        reply = wait_for(
+            lambda: (r := daemon.complete(max_tokens=4, token=token)).status == 200 and r,
+            what="the new key to work",
+            timeout=5,
+        )
         figures["after the fix"] = f"new key answered {reply.status}"
         assert daemon.complete(max_tokens=4).status == 200
         # Loosened permissions are a corruption too: refused, the keys in force stay.
@@ -414,15 +431,18 @@ def test_a_corrupted_keys_file_keeps_the_last_good_keys_and_a_fixed_one_applies(
 
 
 def test_a_fifo_in_place_of_the_keys_file_keeps_the_last_good_keys_and_stops_nothing(
-        box: SignedBox, figures: Figures) -> None:
+    box: SignedBox, figures: Figures
+) -> None:
     box.publish(box.model_bytes(STEADY_SPEC), file=FILE)
     good = box.keys_file.read_bytes()
     with DaemonProcess(box, box.config(free_port())) as daemon:
         daemon.start()
         # The keys file is polled from the event loop: a blocked read there would stop every request.
         with loaded(daemon, figures), put_in_place("fifo", box.keys_file):
-            rejected = wait_for(lambda: [m for m in daemon.errors() if "keys file change rejected" in m],
-                                what="the rejection in the log")
+            rejected = wait_for(
+                lambda: [m for m in daemon.errors() if "keys file change rejected" in m],
+                what="the rejection in the log",
+            )
             figures["reported"] = rejected[0]
             assert rejected[0].endswith(f"{box.keys_file} is a FIFO, not a regular file")
             assert "the previous 2 key(s) stay in force" in rejected[0]
@@ -430,8 +450,10 @@ def test_a_fifo_in_place_of_the_keys_file_keeps_the_last_good_keys_and_stops_not
         _write_private(box.keys_file, good)
         stops_promptly(daemon, figures)
     # Starting with one: the daemon exits at once (status 1) and the log says why.
-    with put_in_place("fifo", box.keys_file), \
-            DaemonProcess(box, box.config(free_port()), label="restart") as daemon:
+    with (
+        put_in_place("fifo", box.keys_file),
+        DaemonProcess(box, box.config(free_port()), label="restart") as daemon,
+    ):
         daemon.start(ready=False)
         try:
             status = daemon.wait(STOP_S)
@@ -462,7 +484,8 @@ def _shm_free(pid: int) -> int:
 
 
 def test_a_full_dev_shm_loads_from_the_models_dir_verified_and_preloads_again_once_freed(
-        box: SignedBox, figures: Figures) -> None:
+    box: SignedBox, figures: Figures
+) -> None:
     prefix = private_tmpfs(SHM, SHM_MB)
     if prefix is None:
         pytest.skip("cannot mount a private tmpfs on /dev/shm here (unshare/mount not permitted)")
@@ -485,8 +508,10 @@ def test_a_full_dev_shm_loads_from_the_models_dir_verified_and_preloads_again_on
         still_serving(daemon, version)
         # The old version's copy is freed once its engine has closed, in the background: wait
         # for that, or the filling below races with it.
-        wait_for(lambda: any("previous version" in m and "freed" in m for m in daemon.messages()),
-                 what="the previous version to be freed")
+        wait_for(
+            lambda: any("previous version" in m and "freed" in m for m in daemon.messages()),
+            what="the previous version to be freed",
+        )
         # Completely full now: what is loaded keeps serving.
         in_mount_namespace(daemon.pid, ["sh", "-c", f"head -c {2**30} /dev/zero >> {filler}; true"])
         assert _shm_free(daemon.pid) == 0
@@ -505,7 +530,8 @@ def test_a_full_dev_shm_loads_from_the_models_dir_verified_and_preloads_again_on
 
 
 def test_a_model_file_truncated_in_place_without_a_preload_copy_does_not_kill_the_daemon(
-        box: SignedBox) -> None:
+    box: SignedBox,
+) -> None:
     data = box.model_bytes(STEADY_SPEC)
     box.publish(data, file=FILE)
     config = box.config(free_port(), lifecycle={"preload_dir": None})

@@ -52,11 +52,15 @@ class Abort:
 
 async def _storm_client(port: int, token: str, rng: random.Random) -> Abort:
     await asyncio.sleep(rng.uniform(0, 1.0))  # arrivals spread over a second
-    body = json.dumps({"model": MODEL, "prompt": "storm", "max_tokens": STREAM_TOKENS, "stream": True,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": "storm", "max_tokens": STREAM_TOKENS, "stream": True, "ignore_eos": True}
+    ).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head[:200]
@@ -110,9 +114,12 @@ async def _storm(daemon: DaemonProcess) -> tuple[list[Abort], list[tuple[float, 
                 await asyncio.sleep(0.01)
 
     poller = asyncio.create_task(poll())
-    aborts = await asyncio.gather(*(_storm_client(daemon.port, daemon.box.app_token,
-                                                  random.Random(rng.random()))
-                                    for _ in range(CLIENTS)))
+    aborts = await asyncio.gather(
+        *(
+            _storm_client(daemon.port, daemon.box.app_token, random.Random(rng.random()))
+            for _ in range(CLIENTS)
+        )
+    )
     storm_done.set()
     await asyncio.wait_for(poller, 30)
     return list(aborts), polls
@@ -126,8 +133,9 @@ async def _speed(daemon: DaemonProcess, rounds: int) -> tuple[list[float], list[
     async with aiohttp.ClientSession() as session:
         for _ in range(rounds):
             started = time.monotonic()
-            answers = await asyncio.gather(*(ask(session, daemon.url, daemon.box.app_token, path, body)
-                                             for _ in range(SPEED_STREAMS)))
+            answers = await asyncio.gather(
+                *(ask(session, daemon.url, daemon.box.app_token, path, body) for _ in range(SPEED_STREAMS))
+            )
             assert all(a.ok for a in answers), describe(answers)
             rates.append(sum(a.tokens for a in answers) / (time.monotonic() - started))
             ttfts += [a.first_token_at - a.started for a in answers if a.first_token_at is not None]
@@ -137,8 +145,11 @@ async def _speed(daemon: DaemonProcess, rounds: int) -> tuple[list[float], list[
 def test_disconnect_storm_frees_every_slot_at_once(box: SignedBox, figures: Figures) -> None:
     rounds = int(duration(5, 15))
     box.publish(box.model_bytes(STEADY_SPEC))
-    config = box.config(free_port(), model={"slots": SLOTS, "queue_size": CLIENTS, "context_size": 2048},
-                        server={"max_tokens_limit": STREAM_TOKENS})
+    config = box.config(
+        free_port(),
+        model={"slots": SLOTS, "queue_size": CLIENTS, "context_size": 2048},
+        server={"max_tokens_limit": STREAM_TOKENS},
+    )
     with DaemonProcess(box, config) as daemon:
         daemon.start()
         before, ttft_before = asyncio.run(_speed(daemon, rounds))
@@ -150,16 +161,25 @@ def test_disconnect_storm_frees_every_slot_at_once(box: SignedBox, figures: Figu
         disconnects = sum("client disconnected" in m for m in daemon.messages())
 
     last_close = max(a.at for a in aborts)
-    free_at = next(t for t, m in polls if t >= last_close
-                   and (m["slots_busy"], m["queue_depth"], m["leases"]) == (0, 0, 0))
+    free_at = next(
+        t
+        for t, m in polls
+        if t >= last_close and (m["slots_busy"], m["queue_depth"], m["leases"]) == (0, 0, 0)
+    )
     busy_peak = max(m["slots_busy"] for _, m in polls)
     speed_ratio = median(after) / median(before)
     speed_floor = 1 - bound(0.5, 0.2)
     figures["storm duration s"] = last_close - storm_started
-    figures["clients (FIN / RST)"] = (len(aborts), sum(a.how == "close" for a in aborts),
-                                      sum(a.how == "reset" for a in aborts))
+    figures["clients (FIN / RST)"] = (
+        len(aborts),
+        sum(a.how == "close" for a in aborts),
+        sum(a.how == "reset" for a in aborts),
+    )
     figures["events before abort: min / median / max"] = (
-        min(a.events for a in aborts), median([a.events for a in aborts]), max(a.events for a in aborts))
+        min(a.events for a in aborts),
+        median([a.events for a in aborts]),
+        max(a.events for a in aborts),
+    )
     figures["aborted while queued (0 events)"] = sum(a.events == 0 for a in aborts)
     figures["peak slots busy during storm"] = busy_peak
     figures["slots and queue free after last abort s (bound)"] = (free_at - last_close, FREE_WITHIN_S)

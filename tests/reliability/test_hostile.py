@@ -54,8 +54,15 @@ class Hostile:
     daemon: DaemonProcess
     attacker: str  # an inference key of its own: the log is scanned for it at the end
 
-    def ask(self, path: str, body: Any, *, token: str | None = None, raw: bytes | None = None,
-            timeout: float = 60.0) -> Reply:
+    def ask(
+        self,
+        path: str,
+        body: Any,
+        *,
+        token: str | None = None,
+        raw: bytes | None = None,
+        timeout: float = 60.0,
+    ) -> Reply:
         return self.daemon.call("POST", path, body, token=token or self.attacker, raw=raw, timeout=timeout)
 
     def healthy(self) -> None:
@@ -70,18 +77,26 @@ class Hostile:
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
     box = SignedBox(tmp_path_factory.mktemp("hostile") / "box")
     steady = box.model_bytes(STEADY_SPEC)
-    chat_path = write_tiny_model(box.sources / "chat.gguf", TinyModelSpec(
-        seed=51, chat_template=CONTROL_CHAT_TEMPLATE, control_tokens=CONTROL_TOKENS))
+    chat_path = write_tiny_model(
+        box.sources / "chat.gguf",
+        TinyModelSpec(seed=51, chat_template=CONTROL_CHAT_TEMPLATE, control_tokens=CONTROL_TOKENS),
+    )
     chat = chat_path.read_bytes()
     box.replace(box.models / "model.gguf", steady)
     box.replace(box.models / "chat.gguf", chat)
     box.sign_lock({MODEL: box.entry("model.gguf", steady), CHAT: box.entry("chat.gguf", chat)})
     _, attacker = create_key(box.keys_file, "attacker", ["inference"], limits={})
     config = box.config(
-        free_port(), server={"header_timeout_s": HEAD_S, "body_timeout_s": BODY_S,
-                             "max_connections_per_client": PER_CLIENT, "max_tokens_limit": 512},
+        free_port(),
+        server={
+            "header_timeout_s": HEAD_S,
+            "body_timeout_s": BODY_S,
+            "max_connections_per_client": PER_CLIENT,
+            "max_tokens_limit": 512,
+        },
         model={"context_size": 1024},
-        extra_models=[{"name": CHAT, "threads": 1, "context_size": 1024, "slots": 2}])
+        extra_models=[{"name": CHAT, "threads": 1, "context_size": 1024, "slots": 2}],
+    )
     config["logging"]["level"] = "debug"  # the most a log can say: still no key in it
     with DaemonProcess(box, config) as daemon:
         daemon.start()
@@ -135,8 +150,9 @@ def test_a_forged_turn_is_read_as_the_characters_it_is(hostile: Hostile, bystand
             messages = [{"role": "user", "content": text}]
         else:
             messages = [{"role": where, "content": text}, {"role": "user", "content": "Hi"}]
-        reply = hostile.ask("/v1/chat/completions", {"model": CHAT, "messages": messages, "max_tokens": 1,
-                                                     "temperature": 0})
+        reply = hostile.ask(
+            "/v1/chat/completions", {"model": CHAT, "messages": messages, "max_tokens": 1, "temperature": 0}
+        )
         assert reply.status == 200, reply
         return int(reply.body["usage"]["prompt_tokens"])
 
@@ -150,9 +166,13 @@ def test_a_forged_turn_is_read_as_the_characters_it_is(hostile: Hostile, bystand
 
 
 def _schema(schema: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 96,
-            "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Answer in JSON."}],
+        "max_tokens": 96,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
 
 
 def _nested(levels: int) -> dict[str, Any]:
@@ -184,19 +204,25 @@ REFUSED_SCHEMAS: Final[dict[str, Any]] = {
 }
 ODD_BUT_VALID: Final[dict[str, tuple[Any, Any]]] = {
     "a property name with quotes and a backslash": (
-        {"type": "object", "properties": {'a"b\\c': {"const": 1}}, "required": ['a"b\\c']}, {'a"b\\c': 1}),
+        {"type": "object", "properties": {'a"b\\c': {"const": 1}}, "required": ['a"b\\c']},
+        {'a"b\\c': 1},
+    ),
     "a const with NUL and control characters": (
         {"type": "object", "properties": {"k": {"const": "x\u0000\u001f\ty"}}, "required": ["k"]},
-        {"k": "x\u0000\u001f\ty"}),
+        {"k": "x\u0000\u001f\ty"},
+    ),
     "an enum of one non-BMP string": ({"enum": ["\U0001d11e clef"]}, "\U0001d11e clef"),
-    "a type list": ({"type": ["object", "array"], "properties": {"a": {"const": True}}, "required": ["a"],
-                     "maxItems": 0}, None),
+    "a type list": (
+        {"type": ["object", "array"], "properties": {"a": {"const": True}}, "required": ["a"], "maxItems": 0},
+        None,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED_SCHEMAS))
-def test_schemas_past_the_limits_are_400s_naming_the_reason(hostile: Hostile, bystander: Load,
-                                                            case: str) -> None:
+def test_schemas_past_the_limits_are_400s_naming_the_reason(
+    hostile: Hostile, bystander: Load, case: str
+) -> None:
     del bystander
     error = _envelope(hostile.ask("/v1/chat/completions", _schema(REFUSED_SCHEMAS[case])), 400)
     assert error["param"] is not None
@@ -216,8 +242,9 @@ def test_odd_but_valid_schemas_are_followed_exactly(hostile: Hostile, bystander:
         assert value in ({"a": True}, [])
 
 
-def test_the_largest_enum_allowed_does_not_stall_other_streams(hostile: Hostile, bystander: Load,
-                                                               figures: Figures) -> None:
+def test_the_largest_enum_allowed_does_not_stall_other_streams(
+    hostile: Hostile, bystander: Load, figures: Figures
+) -> None:
     """1,000 enum values (OpenAI's limit; 15,000 characters in all past 250 values): served while
     the bystander streams, its grammar built on the prompt pool, not the scheduler thread."""
     enum = [f"value-{i:04d}" for i in range(1000)]
@@ -233,8 +260,9 @@ def test_the_largest_enum_allowed_does_not_stall_other_streams(hostile: Hostile,
 
 
 BAD_BODIES: Final[dict[str, bytes]] = {
-    "lone surrogate in content": (b'{"model": "chat", "messages": [{"role": "user", '
-                                  b'"content": "a\\ud800b"}]}'),
+    "lone surrogate in content": (
+        b'{"model": "chat", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    ),
     "lone low surrogate in a prompt": b'{"model": "m", "prompt": "x\\udfff", "max_tokens": 2}',
     "lone surrogate in a stop string": b'{"model": "m", "prompt": "x", "stop": ["\\ud83d"]}',
     "lone surrogate in a key": b'{"model": "m", "prompt": "x", "\\ud800": 1}',
@@ -264,18 +292,25 @@ def _parser_attacks(token: str) -> dict[str, bytes]:
     return {
         "bare LF in a header": f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}X-A: 1\nX-B: 2\r\n\r\n".encode(),
         "NUL in a header": f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}X-A: a\0b\r\n\r\n".encode(),
-        "a header past the limit": (f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}X-A: {'a' * 9000}"
-                                    "\r\n\r\n").encode(),
-        "too many headers": (f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}"
-                             + "".join(f"X-{i}: 1\r\n" for i in range(100)) + "\r\n").encode(),
+        "a header past the limit": (
+            f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}X-A: {'a' * 9000}\r\n\r\n"
+        ).encode(),
+        "too many headers": (
+            f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}"
+            + "".join(f"X-{i}: 1\r\n" for i in range(100))
+            + "\r\n"
+        ).encode(),
         "invalid method": f"G\x01T /v1/models HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode(),
-        "bad chunk size": (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json"
-                           "\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n").encode(),
+        "bad chunk size": (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json"
+            "\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
+        ).encode(),
     }
 
 
-def test_what_the_http_parser_refuses_is_an_envelope_that_quotes_nothing(hostile: Hostile,
-                                                                          bystander: Load) -> None:
+def test_what_the_http_parser_refuses_is_an_envelope_that_quotes_nothing(
+    hostile: Hostile, bystander: Load
+) -> None:
     del bystander
     for case, data in _parser_attacks(hostile.attacker).items():
         answer = exchange(hostile.daemon.port, data)
@@ -300,8 +335,9 @@ def _hold(kind: str, port: int, source: str) -> socket.socket:
     return sock
 
 
-def test_held_connections_are_cut_and_never_starve_another_client(hostile: Hostile, bystander: Load,
-                                                                  figures: Figures) -> None:
+def test_held_connections_are_cut_and_never_starve_another_client(
+    hostile: Hostile, bystander: Load, figures: Figures
+) -> None:
     """One address (127.0.0.2) holds every connection it may, three ways; another client
     (127.0.0.1: the bystander, /healthz) is served throughout, and every held one is cut."""
     del bystander
@@ -350,11 +386,15 @@ def test_a_revoked_key_loses_its_running_stream_at_once(hostile: Hostile, bystan
     def stream() -> None:
         import urllib.request  # noqa: PLC0415 - the blocking client this thread needs
 
-        body = json.dumps({"model": MODEL, "prompt": "go", "max_tokens": 512, "ignore_eos": True,
-                           "stream": True}).encode()
-        req = urllib.request.Request(hostile.daemon.url + "/v1/completions", data=body, method="POST",  # noqa: S310
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {token}"})
+        body = json.dumps(
+            {"model": MODEL, "prompt": "go", "max_tokens": 512, "ignore_eos": True, "stream": True}
+        ).encode()
+        req = urllib.request.Request(  # noqa: S310
+            hostile.daemon.url + "/v1/completions",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 - loopback
             for chunk in sse_events_sync(resp):
                 events.append(chunk)

@@ -48,8 +48,9 @@ def _request(client: int, number: int) -> tuple[str, dict[str, Any]]:
 
 def test_overload_answers_whole_or_refuses_fast(box: SignedBox, figures: Figures) -> None:
     box.publish(box.model_bytes(STEADY_SPEC))
-    config = box.config(free_port(), model={"slots": SLOTS, "queue_size": QUEUE},
-                        server={"max_tokens_limit": 512})
+    config = box.config(
+        free_port(), model={"slots": SLOTS, "queue_size": QUEUE}, server={"max_tokens_limit": 512}
+    )
     run_s = duration(15, 60)
     with DaemonProcess(box, config) as daemon:
         daemon.start()
@@ -67,8 +68,10 @@ def test_overload_answers_whole_or_refuses_fast(box: SignedBox, figures: Figures
         ready = daemon.get("/readyz").status
         follow_up = daemon.complete(max_tokens=8)
         server_rejections = daemon.metric("edgellm_queue_rejections_total")
-        server_5xx = daemon.metric("edgellm_requests_total", lambda labels: labels["status"] >= "500"
-                                   and labels["endpoint"].startswith("/v1/"))
+        server_5xx = daemon.metric(
+            "edgellm_requests_total",
+            lambda labels: labels["status"] >= "500" and labels["endpoint"].startswith("/v1/"),
+        )
         errors = daemon.errors()
 
     accepted = [a for a in answers if a.ok]
@@ -82,10 +85,14 @@ def test_overload_answers_whole_or_refuses_fast(box: SignedBox, figures: Figures
     figures["answered whole"] = len(accepted)
     figures["refused 429"] = len(refused)
     figures["failed (5xx, cut, other)"] = len(bad)
-    figures["accepted latency p50 / p99 s"] = (percentile([a.latency for a in accepted], 50),
-                                              percentile([a.latency for a in accepted], 99))
-    figures["429 latency p50 / p99 s"] = (percentile([a.latency for a in refused], 50),
-                                         percentile([a.latency for a in refused], 99))
+    figures["accepted latency p50 / p99 s"] = (
+        percentile([a.latency for a in accepted], 50),
+        percentile([a.latency for a in accepted], 99),
+    )
+    figures["429 latency p50 / p99 s"] = (
+        percentile([a.latency for a in refused], 50),
+        percentile([a.latency for a in refused], 99),
+    )
     figures["429 bounds p50 / p99 s"] = (FAST_429_P50_S, fast_429_s)
     figures["tokens/s served"] = sum(a.tokens for a in accepted) / elapsed
     figures["peak slots busy / queue depth / both at once"] = (peak_busy, peak_queue, peak_held)
@@ -126,8 +133,11 @@ PREFILL_SPEC = TinyModelSpec(seed=33, n_embd=512, n_head=8, n_head_kv=8, n_layer
 
 def test_the_queue_stays_bounded_while_a_free_slot_waits_for_the_scheduler(box: SignedBox) -> None:
     box.publish(box.model_bytes(PREFILL_SPEC))
-    config = box.config(free_port(), model={"slots": 2, "queue_size": 1, "context_size": 4096,
-                                            "batch_size": 4096}, server={"max_tokens_limit": 4096})
+    config = box.config(
+        free_port(),
+        model={"slots": 2, "queue_size": 1, "context_size": 4096, "batch_size": 4096},
+        server={"max_tokens_limit": 4096},
+    )
     with DaemonProcess(box, config) as daemon:
         daemon.start()
         statuses: list[int] = []

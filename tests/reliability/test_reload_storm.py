@@ -86,15 +86,22 @@ def test_reload_storm_loses_nothing(box: SignedBox, figures: Figures) -> None:
             texts[fingerprint.rsplit("-", 1)[1]].add(answer.text)
     figures["duration_s / reloads asked"] = (run_s, run_s)
     figures["reload to serving s, p50 / max, by trigger"] = {
-        t: (percentile(v, 50), max(v)) for t, v in took.items()}
+        t: (percentile(v, 50), max(v)) for t, v in took.items()
+    }
     figures["daemon reloads loaded / unchanged / failed"] = tuple(reloads.values())
     figures["requests / failed"] = (len(answers), len(bad))
     figures["versions answering"] = len({f for a in answers for f in a.fingerprints})
     figures["fds before -> after"] = (before.fds, after.fds)
     figures["threads before, most in the first two thirds, most in the last third"] = (
-        before.threads, max(threads[:-third]), max(threads[-third:]))
+        before.threads,
+        max(threads[:-third]),
+        max(threads[-third:]),
+    )
     figures["RSS MiB before, middle third, last third of the reloads"] = (
-        before.rss / 2**20, median(rss[third:-third]) / 2**20, median(rss[-third:]) / 2**20)
+        before.rss / 2**20,
+        median(rss[third:-third]) / 2**20,
+        median(rss[-third:]) / 2**20,
+    )
     figures["RSS growth middle -> last third (bound)"] = f"{rss_growth:+.1%} ({rss_bound:.0%})"
     figures.show()
 

@@ -65,14 +65,19 @@ def _areas(root: Path) -> list[Path]:
 
 def test_sigterm_mid_stream_finishes_every_stream_then_exits_clean(box: SignedBox, figures: Figures) -> None:
     box.publish(box.model_bytes(STEADY_SPEC))
-    config = box.config(free_port(), model={"slots": SLOTS, "queue_size": STREAMS, "context_size": 1024},
-                        server={"shutdown_timeout_s": 60, "max_tokens_limit": STREAM_TOKENS})
+    config = box.config(
+        free_port(),
+        model={"slots": SLOTS, "queue_size": STREAMS, "context_size": 1024},
+        server={"shutdown_timeout_s": 60, "max_tokens_limit": STREAM_TOKENS},
+    )
     preload_root = Path(config["lifecycle"]["preload_dir"])
     with DaemonProcess(box, config) as daemon:
         daemon.start()
         thread, answers = _in_background(daemon.url, box.app_token, STREAMS, STREAM_TOKENS)
-        wait_for(lambda: (daemon.model()["slots_busy"], daemon.model()["queue_depth"])
-                 == (SLOTS, STREAMS - SLOTS), what="every slot busy and the rest queued")
+        wait_for(
+            lambda: (daemon.model()["slots_busy"], daemon.model()["queue_depth"]) == (SLOTS, STREAMS - SLOTS),
+            what="every slot busy and the rest queued",
+        )
         signalled = time.monotonic()
         daemon.send(signal.SIGTERM)
         wait_for(lambda: _refuses_connections(daemon.port), timeout=5, what="new connections to be refused")
@@ -97,11 +102,11 @@ def test_sigterm_mid_stream_finishes_every_stream_then_exits_clean(box: SignedBo
 
 
 def test_sigkill_then_restart_keeps_the_version_state_and_refuses_rollback(
-        box: SignedBox, figures: Figures) -> None:
+    box: SignedBox, figures: Figures
+) -> None:
     first, second = box.model_bytes(STEADY_SPEC), box.model_bytes(OTHER_SPEC)
     box.publish(first)
-    config = box.config(free_port(), server={"max_tokens_limit": 4000},
-                        model={"context_size": 4096})
+    config = box.config(free_port(), server={"max_tokens_limit": 4000}, model={"context_size": 4096})
     preload_root = Path(config["lifecycle"]["preload_dir"])
     daemon = DaemonProcess(box, config).start()
     try:
@@ -123,14 +128,18 @@ def test_sigkill_then_restart_keeps_the_version_state_and_refuses_rollback(
 
         # A live rollback is refused ...
         box.replace(box.lock, old_lock)
-        refused = wait_for(lambda: (m := daemon.model())["last_reload"]["result"] == "failed" and m,
-                           what="the rollback to be refused")
+        refused = wait_for(
+            lambda: (m := daemon.model())["last_reload"]["result"] == "failed" and m,
+            what="the rollback to be refused",
+        )
         serving_after_refusal = daemon.complete(max_tokens=4).body["system_fingerprint"]
         # ... and so is one through a crash: the old lockfile stays in place across SIGKILL.
         daemon.kill()
         daemon = DaemonProcess(box, config, label="rolled-back").start(ready=False)
-        readyz = wait_for(lambda: (r := daemon.probe("/readyz")) is not None and r.body["status"] == "failed"
-                          and r, what="the refused start")
+        readyz = wait_for(
+            lambda: (r := daemon.probe("/readyz")) is not None and r.body["status"] == "failed" and r,
+            what="the refused start",
+        )
         served = daemon.get("/v1/models", token=box.app_token)
         # A newer lockfile recovers it without a restart.
         version = box.publish(second)
@@ -177,8 +186,9 @@ def _older_lock(box: SignedBox, data: bytes) -> bytes:
     return old
 
 
-def test_sigkill_at_random_moments_of_reloads_never_breaks_a_restart(box: SignedBox,
-                                                                     figures: Figures) -> None:
+def test_sigkill_at_random_moments_of_reloads_never_breaks_a_restart(
+    box: SignedBox, figures: Figures
+) -> None:
     rounds = int(duration(3, 10))
     data = [box.model_bytes(STEADY_SPEC), box.model_bytes(OTHER_SPEC)]
     box.publish(data[0])

@@ -78,7 +78,7 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     rss_growth = median([s.rss for s in last]) / median([s.rss for s in first]) - 1
     # Tokens per second in windows of whole sampling intervals; the first third's median
     # against the last third's.
-    edges = measured[::max(1, round(window_s / sample_s))]
+    edges = measured[:: max(1, round(window_s / sample_s))]
     windows = list(itertools.pairwise(edges))
     rates = [tokens_between(answers, a.at, b.at) / (b.at - a.at) for a, b in windows]
     # The daemon's own pace: tokens per second of CPU it used. Unlike the wall-clock rate it
@@ -110,14 +110,19 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
 
     figures["duration_s / warm-up_s / window_s"] = (total_s, warm_up_s, window_s)
     figures["requests / failed"] = (len(answers), len(bad))
-    figures["RSS MiB after warm-up -> end"] = (median([s.rss for s in first]) / 2**20,
-                                               median([s.rss for s in last]) / 2**20)
+    figures["RSS MiB after warm-up -> end"] = (
+        median([s.rss for s in first]) / 2**20,
+        median([s.rss for s in last]) / 2**20,
+    )
     figures["RSS growth (bound 5%)"] = f"{rss_growth:+.2%}"
     figures["fds after warm-up -> end (medians; max)"] = (*fds, max(s.fds for s in measured))
     figures["threads after warm-up -> end (medians; max)"] = (*threads, max(s.threads for s in measured))
     figures["/dev/shm bytes, files: min..max while measured"] = (
-        min(s.shm_bytes for s in measured), max(s.shm_bytes for s in measured),
-        min(s.shm_files for s in measured), max(s.shm_files for s in measured))
+        min(s.shm_bytes for s in measured),
+        max(s.shm_bytes for s in measured),
+        min(s.shm_files for s in measured),
+        max(s.shm_files for s in measured),
+    )
     figures["tokens/s per window"] = [round(r) for r in rates]
     figures["tokens/s first third -> last third"] = (rate_first, rate_last)
     figures["tokens/s drift (bound)"] = f"{drift:+.1%} ({rate_bound:.0%}, {sides})"
