@@ -776,6 +776,28 @@ class ModelSettings:
         "may be unloaded (least recently used first) to fit another in the budget",
         more="when a load would exceed `lifecycle.memory_budget_mb`; only idle models are",
     )
+    reasoning: str = setting(
+        "none",
+        "deepseek: text between <think> and </think> is the model's reasoning, not its answer",
+        choices=("none", "deepseek"),
+        more="returned as `reasoning_content` (chat), `reasoning` items (Responses) and `thinking` blocks "
+        "(Messages), never mixed into the answer; `none` leaves the reply as the model wrote it",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesSettings:
+    """OpenAI Responses API: the in-memory store behind `store` and `previous_response_id`."""
+
+    store_max_responses: int = setting(
+        1000,
+        "responses kept in memory (oldest evicted first); 0: nothing is stored",
+        bounds=(0, 1_000_000),
+        more="per daemon, each visible only to the API key that made it; never written to disk",
+    )
+    store_max_mb: int = setting(
+        64, "memory the stored responses and their conversations may take", bounds=(1, 65536)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -836,6 +858,7 @@ class Settings:
     auth: AuthSettings = setting(AuthSettings(), "who may call the API", read=_auth)
     lifecycle: LifecycleSettings = setting(LifecycleSettings(), "preloading, file watching, memory budget")
     host: HostSettings = setting(HostSettings(), "how the daemon uses its hardware")
+    responses: ResponsesSettings = setting(ResponsesSettings(), "the Responses API's store")
     source: Path | None = None  # the file it was read from; no setting
 
 

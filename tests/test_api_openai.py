@@ -381,32 +381,6 @@ BAD_INPUTS: Final = [
         "messages[0].mood",
     ),
     bad(
-        "tool-role-message",
-        Req(body=chat_body(messages=[*HELLO, {"role": "tool", "content": "42", "tool_call_id": "x"}])),
-        400,
-        "tools",
-        "tools_not_supported",
-    ),
-    bad(
-        "assistant-tool-calls",
-        Req(
-            body=chat_body(
-                messages=[
-                    {
-                        "role": "assistant",
-                        "content": "",
-                        "tool_calls": [
-                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-                        ],
-                    }
-                ]
-            )
-        ),
-        400,
-        "tools",
-        "tools_not_supported",
-    ),
-    bad(
         "tool-message-without-call-id",
         Req(body=chat_body(messages=[*HELLO, {"role": "tool", "content": "42"}])),
         400,
@@ -494,13 +468,6 @@ BAD_INPUTS: Final = [
     bad("n-0", Req(body=chat_body(n=0)), 400, "n"),
     bad("top-logprobs-without-logprobs", Req(body=chat_body(top_logprobs=2)), 400, "top_logprobs"),
     bad("top-logprobs-21", Req(body=chat_body(logprobs=True, top_logprobs=21)), 400, "top_logprobs"),
-    bad(
-        "tools-without-template-support",
-        Req(body=chat_body(tools=[TOOL])),
-        400,
-        "tools",
-        "tools_not_supported",
-    ),
     bad("tools-not-a-list", Req(body=chat_body(tools={"a": 1})), 400, "tools"),
     bad(
         "tool-bad-name",

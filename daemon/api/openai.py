@@ -8,7 +8,6 @@ import json
 import logging
 import struct
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, Final
 
 from aiohttp import web
@@ -17,7 +16,6 @@ from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
 from edgellmd.api.openai_answers import Shape, collect, stream
 from edgellmd.api.openai_schemas import (
     ChatRequest,
-    CommonRequest,
     CompletionRequest,
     EmbeddingRequest,
     Limits,
@@ -26,10 +24,8 @@ from edgellmd.api.openai_schemas import (
     parse_embeddings,
     read_json_object,
 )
-from edgellmd.engine import CompiledGrammar
-from edgellmd.engine.chat import ChatMessage
-from edgellmd.engine.generation import KEY_REVOKED, Generation, GenerationRequest
-from edgellmd.errors import InvalidRequest, KeyRevoked, ModelNotFound, ServiceUnavailable, shown
+from edgellmd.api.session import chat_session, generation_session, user_tag
+from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
 from edgellmd.models.handle import ModelHandle
 
 log = logging.getLogger(__name__)
@@ -73,111 +69,6 @@ async def get_model(request: web.Request) -> web.Response:
     return web.json_response(_model_object(handle))
 
 
-def _generation_request(
-    handle: ModelHandle, common: CommonRequest, tokens: list[int], choice: int
-) -> GenerationRequest:
-    sampling = common.sampling
-    if choice and sampling.seed is not None:  # seeded choices differ from each other, reproducibly
-        sampling = replace(sampling, seed=sampling.seed + choice)
-    return GenerationRequest(
-        prompt_tokens=tokens,
-        max_tokens=handle.generation_limit(len(tokens), common.max_tokens),
-        sampling=sampling,
-        stop=common.stop,
-        ignore_eos=common.ignore_eos,
-        logprobs=common.logprobs,
-    )
-
-
-def _submit_all(
-    handle: ModelHandle, common: CommonRequest, tokens: list[int], grammars: list[CompiledGrammar] | None
-) -> list[Generation]:
-    """One generation per choice; all or none (a 429 on the third cancels the first two)."""
-    gens: list[Generation] = []
-    pending = list(grammars or [])
-    try:
-        for choice in range(common.n):
-            grammar = pending.pop(0) if pending else None
-            gens.append(handle.submit(_generation_request(handle, common, tokens, choice), grammar))
-    except BaseException:
-        for gen in gens:
-            gen.cancel()
-        for grammar in pending:
-            grammar.free()
-        raise
-    return gens
-
-
-def user_tag(value: str | None) -> str | None:
-    """A client's `user` field as the access log may show it: short and printable."""
-    if value is None:
-        return None
-    return shown(value[:64])
-
-
-def check_key_still_valid(request: web.Request) -> None:
-    """401 when the request's key was revoked, disabled or expired since it was authenticated."""
-    caller = request.get(CALLER)
-    if caller is not None and not context(request).key_valid(caller.key_id):
-        raise KeyRevoked(KEY_REVOKED)
-
-
-async def _run(
-    request: web.Request,
-    handle: ModelHandle,
-    common: CommonRequest,
-    tokens: list[int],
-    shape: Shape,
-    *,
-    param: str,
-) -> web.StreamResponse:
-    tag = user_tag(common.user)
-    if tag is not None:
-        request[USER_TAG] = tag
-    n_vocab = handle.engine.n_vocab
-    if any(token >= n_vocab for token, _ in common.sampling.logit_bias):
-        raise InvalidRequest(f"'logit_bias' token ids must be below {n_vocab}", param="logit_bias")
-    grammars = await handle.grammars(common.sampling.grammar, common.n, param)
-    try:
-        check_key_still_valid(request)  # tokenizing and compiling took a while: revoked since?
-    except BaseException:
-        for grammar in grammars or []:
-            grammar.free()
-        raise
-    gens = _submit_all(handle, common, tokens, grammars)
-    metrics = context(request).metrics
-    timings = [metrics.timing(handle.name) for _ in gens]
-    active = context(request).generations
-    caller = request.get(CALLER)
-    for gen in gens:
-        active.add(gen, caller.key_id if caller is not None else None)
-    server = context(request).settings.server
-    try:
-        if common.stream:
-            return await stream(
-                request,
-                gens,
-                timings,
-                shape,
-                write_timeout=server.stream_write_timeout_s,
-                idle_timeout=server.progress_timeout_s,
-            )
-        return await collect(gens, timings, shape, server.progress_timeout_s)
-    finally:
-        # Normal end, client gone (write error or handler cancelled): either way the slots
-        # must be free now, not when the generations would have ended.
-        for gen in gens:
-            active.discard(gen)
-            gen.cancel()
-        handle.generator.wake()
-        finals = [gen.final for gen in gens if gen.final is not None]
-        completion = sum(fin.completion_tokens for fin in finals)
-        request[TOKENS_USED] = len(tokens) + completion
-        if finals:
-            metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
-            metrics.completion_tokens.labels(handle.name).inc(completion)
-
-
 async def _parse_off_loop(
     request: web.Request, parse: Callable[[dict[str, Any], Limits], Any], data: dict[str, Any]
 ) -> Any:
@@ -196,13 +87,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body: ChatRequest = await _parse_off_loop(request, parse_chat, await read_json_object(request))
     common = body.common
-    async with context(request).registry.lease(common.model) as handle:
-        handle.generator  # noqa: B018 - refuses embedding models before tokenizing
-        handle.check_capacity()  # a request that will be refused costs no tokenizing
-        messages = body.messages
-        if body.tools is not None and body.tools.instructions:
-            messages = (ChatMessage("system", body.tools.instructions), *messages)
-        tokens = await handle.chat_prompt(messages, body.tools.tools if body.tools else None)
+    async with chat_session(request, body) as session:
+        handle = session.handle
         shape = Shape(
             chat=True,
             model=handle.name,
@@ -210,9 +96,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             include_usage=common.include_usage,
             logprobs=common.logprobs,
             tools=body.tools,
+            reasoning=handle.settings.reasoning != "none",
         )
-        param = "tools" if body.tools is not None and body.tools.grammar is not None else "response_format"
-        return await _run(request, handle, common, tokens, shape, param=param)
+        return await (stream(request, session, shape) if common.stream else collect(session, shape))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -231,7 +117,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             include_usage=common.include_usage,
             logprobs=common.logprobs,
         )
-        return await _run(request, handle, common, tokens, shape, param="response_format")
+        async with generation_session(request, handle, common, tokens, param="response_format") as session:
+            return await (stream(request, session, shape) if common.stream else collect(session, shape))
 
 
 def _vector(values: list[float], encoding: str) -> list[float] | str:

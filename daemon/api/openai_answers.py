@@ -12,13 +12,15 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.structured import ToolPlan, parse_tool_reply
+from edgellmd.api.reply import CallArguments, CallStart, ReasoningPart, TextPart
+from edgellmd.api.session import ChoiceEnd, Session, finish_reason, read_choices
+from edgellmd.api.structured import ToolPlan
 from edgellmd.engine.generation import (
     KEY_REVOKED,
     SHUTTING_DOWN,
@@ -87,6 +89,7 @@ class Shape:
         include_usage: bool = False,
         logprobs: int | None = None,
         tools: ToolPlan | None = None,
+        reasoning: bool = False,
     ) -> None:
         self.chat = chat
         self.model = model
@@ -94,8 +97,10 @@ class Shape:
         self.fingerprint = fingerprint
         self.include_usage = include_usage
         self.want_logprobs = logprobs is not None
-        # Tool calls are parsed from the whole reply: with a tool grammar the text is buffered.
+        # With a tool grammar the reply is tool-call JSON, read as it streams (api.reply);
+        # with a reasoning model its thinking is split from its answer the same way.
         self.tools = tools if tools is not None and tools.grammar is not None else None
+        self.reasoning = reasoning
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._delta_frame: tuple[bytes, bytes] | None = None
@@ -147,17 +152,49 @@ class Shape:
             "text_offset": offsets,
         }
 
-    def _message(self, choice: Choice) -> tuple[dict[str, Any], str]:
-        assert choice.final is not None  # noqa: S101 - only finished choices are shaped
-        reason = _finish_reason(choice.final)
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
-        if self.tools is not None:
-            reply = parse_tool_reply(choice.text, self.tools.names)
-            message["content"] = reply.content
-            if reply.calls:
-                message["tool_calls"] = list(reply.calls)
-                reason = "tool_calls"
-        return message, reason
+    @property
+    def reads_parts(self) -> bool:
+        """True when the reply is read as parts (tool calls, reasoning), not passed on as text."""
+        return self.tools is not None or self.reasoning
+
+    def message(self, end: ChoiceEnd) -> dict[str, Any]:
+        """A chat message from a choice read as parts: answer, tool calls, reasoning."""
+        reader = end.reader
+        calls = reader.calls
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": reader.answer or (None if calls else ""),
+            "refusal": None,
+        }
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_text}}
+                for c in calls
+            ]
+        if reader.reasoning is not None:
+            message["reasoning_content"] = reader.reasoning
+        return message
+
+    def complete_parts(self, ends: Sequence[ChoiceEnd]) -> dict[str, Any]:
+        """The whole chat answer from choices read as parts."""
+        body = self._base("chat.completion")
+        body["choices"] = [
+            {
+                "index": e.index,
+                "message": self.message(e),
+                "logprobs": self.logprobs(e.logprobs),
+                "finish_reason": finish_reason(e.final, e.reader),
+            }
+            for e in sorted(ends, key=lambda e: e.index)
+        ]
+        prompt = max((e.final.prompt_tokens for e in ends), default=0)
+        completion = sum(e.final.completion_tokens for e in ends)
+        body["usage"] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return body
 
     def complete(self, choices: Sequence[Choice]) -> dict[str, Any]:
         """The whole answer."""
@@ -165,13 +202,13 @@ class Shape:
         for c in choices:
             assert c.final is not None  # noqa: S101 - complete() gets finished choices
             if self.chat:
-                message, reason = self._message(c)
+                message = {"role": "assistant", "content": c.text, "refusal": None}
                 out.append(
                     {
                         "index": c.index,
                         "message": message,
                         "logprobs": self.logprobs(c.logprobs),
-                        "finish_reason": reason,
+                        "finish_reason": _finish_reason(c.final),
                     }
                 )
             else:
@@ -198,6 +235,7 @@ class Shape:
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
         usage: dict[str, int] | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk (a usage chunk when `usage` is given)."""
         if self.chat:
@@ -207,6 +245,8 @@ class Shape:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
             if tool_calls:
                 delta["tool_calls"] = tool_calls
             choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
@@ -245,41 +285,43 @@ def _failed(event: Finished) -> Exception:
     return InternalError("the model failed while generating")
 
 
-async def collect(
-    gens: Sequence[Generation], timings: Sequence[TokenTiming], shape: Shape, idle_timeout: float
-) -> web.Response:
+async def collect(session: Session, shape: Shape) -> web.Response:
     """Wait for every choice and answer with the whole completion."""
-
-    async def one(i: int) -> Choice:
-        choice = Choice(i)
-        async for event in gens[i].events(idle_timeout):
-            timings[i].tokens(event.completion_tokens)
-            choice.parts.append(event.text)
-            choice.logprobs.extend(event.logprobs)
-            if isinstance(event, Finished):
-                if event.reason == "error":
-                    raise _failed(event)
-                choice.final = event
-                return choice
-        raise InternalError("the generation ended without finishing")  # pragma: no cover
-
     try:
-        choices = await asyncio.gather(*(one(i) for i in range(len(gens))))
+        if shape.reads_parts:
+            ends = [item async for item in read_choices(session) if isinstance(item, ChoiceEnd)]
+            for end in ends:
+                if end.final.reason == "error":
+                    raise _failed(end.final)
+            return web.json_response(shape.complete_parts(ends))
+        choices = await asyncio.gather(*(_collect_one(session, i) for i in range(len(session.gens))))
     except NoProgress:
-        log.error("generation made no progress for %.0f s; request ended", idle_timeout)  # noqa: TRY400 - no traceback to show
+        log.error("generation made no progress for %.0f s; request ended", session.idle_timeout)  # noqa: TRY400 - no traceback to show
         raise GenerationTimeout("the model made no progress in time") from None
     return web.json_response(shape.complete(choices))
 
 
-async def send_events(
-    write: Write,
-    gens: Sequence[Generation],
-    timings: Sequence[TokenTiming],
-    shape: Shape,
-    idle_timeout: float,
-) -> None:
+async def _collect_one(session: Session, i: int) -> Choice:
+    choice = Choice(i)
+    async for event in session.gens[i].events(session.idle_timeout):
+        session.timings[i].tokens(event.completion_tokens)
+        choice.parts.append(event.text)
+        choice.logprobs.extend(event.logprobs)
+        if isinstance(event, Finished):
+            if event.reason == "error":
+                raise _failed(event)
+            choice.final = event
+            return choice
+    raise InternalError("the generation ended without finishing")  # pragma: no cover
+
+
+async def send_events(write: Write, session: Session, shape: Shape) -> None:
     """Write every choice's chunks as they come; raises NoProgress past the idle timeout."""
-    if len(gens) == 1 and not shape.want_logprobs and shape.tools is None:
+    gens, timings, idle_timeout = session.gens, session.timings, session.idle_timeout
+    if shape.reads_parts:
+        await _send_parts(write, session, shape)
+        return
+    if len(gens) == 1 and not shape.want_logprobs:
         await _send_single(write, gens[0], timings[0], shape, idle_timeout)
         return
     queue: asyncio.Queue[tuple[int, Event | NoProgress]] = asyncio.Queue()
@@ -331,10 +373,7 @@ async def _send_merged(
         if isinstance(event, Finished) and event.reason == "error":
             await _send_error(write, event)
             return
-        if shape.tools is not None:  # buffered: a tool call is known once the reply is whole
-            choice.parts.append(event.text)
-            choice.logprobs.extend(event.logprobs)
-        elif event.text or event.logprobs:
+        if event.text or event.logprobs:
             await _send(
                 write,
                 shape.chunk(
@@ -355,24 +394,63 @@ async def _send_merged(
 
 async def _send_finish(write: Write, shape: Shape, choice: Choice) -> None:
     assert choice.final is not None  # noqa: S101 - called on finish
-    if shape.tools is None:
-        await _send(
-            write, shape.chunk(None if shape.chat else "", _finish_reason(choice.final), index=choice.index)
-        )
-        return
-    message, reason = shape._message(choice)
-    calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls", []))]
     await _send(
-        write,
-        shape.chunk(
-            message["content"],
-            None,
-            index=choice.index,
-            tool_calls=calls,
-            logprobs=shape.logprobs(choice.logprobs),
-        ),
+        write, shape.chunk(None if shape.chat else "", _finish_reason(choice.final), index=choice.index)
     )
-    await _send(write, shape.chunk(None, reason, index=choice.index))
+
+
+async def _send_parts(write: Write, session: Session, shape: Shape) -> None:
+    """A chat stream read as parts: answer and reasoning deltas, tool calls as they are generated."""
+    for i in range(len(session.gens)):
+        await _send(write, shape.chunk("", None, index=i, role=True))
+    ends: list[ChoiceEnd] = []
+    async for item in read_choices(session):
+        if isinstance(item, ChoiceEnd):
+            if item.final.reason == "error":
+                await _send_error(write, item.final)
+                return
+            ends.append(item)
+            await _send(
+                write,
+                shape.chunk(
+                    None,
+                    finish_reason(item.final, item.reader),
+                    index=item.index,
+                    logprobs=shape.logprobs(item.logprobs),
+                ),
+            )
+            continue
+        part, index = item.part, item.index
+        if isinstance(part, TextPart):
+            await _send(write, shape.chunk(part.text, None, index=index))
+        elif isinstance(part, ReasoningPart):
+            await _send(write, shape.chunk(None, None, index=index, reasoning=part.text))
+        elif isinstance(part, CallStart):
+            call = {
+                "index": part.index,
+                "id": part.id,
+                "type": "function",
+                "function": {"name": part.name, "arguments": ""},
+            }
+            await _send(write, shape.chunk(None, None, index=index, tool_calls=[call]))
+        elif isinstance(part, CallArguments):
+            call = {"index": part.index, "function": {"arguments": part.delta}}
+            await _send(write, shape.chunk(None, None, index=index, tool_calls=[call]))
+    if shape.include_usage:
+        prompt = max((e.final.prompt_tokens for e in ends), default=0)
+        completion = sum(e.final.completion_tokens for e in ends)
+        await _send(
+            write,
+            shape.chunk(
+                None,
+                None,
+                usage={
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
+                },
+            ),
+        )
 
 
 async def _send_single(
@@ -398,18 +476,40 @@ async def _send_single(
             await _send(write, shape.chunk(None, None, usage=usage([choice])))
 
 
-async def stream(
-    request: web.Request,
-    gens: Sequence[Generation],
-    timings: Sequence[TokenTiming],
-    shape: Shape,
-    *,
-    write_timeout: float,
-    idle_timeout: float,
-) -> web.StreamResponse:
+async def stream(request: web.Request, session: Session, shape: Shape) -> web.StreamResponse:
     """Answer with an SSE stream of chunks, ending with [DONE]."""
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    timeout = (
+        b"data: "
+        + dumps(envelope("the model made no progress in time", "server_error", None, "timeout"))
+        + b"\n\n"
+    )
+    return await sse(
+        request,
+        session,
+        lambda write: send_events(write, session, shape),
+        on_no_progress=timeout,
+        done=SSE_DONE,
+    )
+
+
+async def sse(
+    request: web.Request,
+    session: Session,
+    send: Callable[[Write], Awaitable[None]],
+    *,
+    on_no_progress: bytes,
+    done: bytes | None,
+    headers: Mapping[str, str] = SSE_HEADERS,
+) -> web.StreamResponse:
+    """An event stream whose events `send` writes; the same cuts for every API family.
+
+    A client that stops reading past the session's write timeout is cut (its slot goes to
+    somebody who listens); a model that makes no progress ends the stream with
+    `on_no_progress`; `done` (OpenAI's `[DONE]`) ends every stream that was not cut.
+    """
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
+    write_timeout = session.write_timeout
 
     async def write(data: bytes) -> None:
         # A client that stops reading fills the socket buffers and this write waits; past the
@@ -424,15 +524,12 @@ async def stream(
 
     try:
         try:
-            await send_events(write, gens, timings, shape, idle_timeout)
+            await send(write)
         except NoProgress:
-            log.error("generation made no progress for %.0f s; stream ended", idle_timeout)  # noqa: TRY400 - no traceback
-            await write(
-                b"data: "
-                + dumps(envelope("the model made no progress in time", "server_error", None, "timeout"))
-                + b"\n\n"
-            )
-        await write(SSE_DONE)
+            log.error("generation made no progress for %.0f s; stream ended", session.idle_timeout)  # noqa: TRY400 - no traceback
+            await write(on_no_progress)
+        if done is not None:
+            await write(done)
         await response.write_eof()
     except ConnectionResetError:
         # The client went away mid-stream; the caller frees the slot. Nothing to answer.

@@ -9,9 +9,7 @@ is turned back into OpenAI's `tool_calls`.
 
 from __future__ import annotations
 
-import json
-import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Final
@@ -31,9 +29,7 @@ __all__ = [
     "SCHEMA_KEYWORDS",
     "SCHEMA_TYPES",
     "ToolPlan",
-    "ToolReply",
     "check_schema",
-    "parse_tool_reply",
     "response_format_grammar",
     "tool_plan",
 ]
@@ -205,37 +201,3 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
     except SchemaError as exc:
         raise _api_error(exc, "tools") from None
     return ToolPlan(tuple(tools), mode, grammar, TOOL_INSTRUCTIONS.format(answer=answer), names)
-
-
-@dataclass(frozen=True, slots=True)
-class ToolReply:
-    """A constrained reply turned back into OpenAI's shape."""
-
-    content: str | None
-    calls: tuple[dict[str, Any], ...]  # [{"id", "type": "function", "function": {"name", "arguments"}}]
-
-
-def parse_tool_reply(text: str, names: Sequence[str]) -> ToolReply:
-    """Read `{"tool_calls": [...]}` or `{"response": "..."}`; anything else is plain content."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return ToolReply(text, ())  # cut short (max_tokens): hand back what there is
-    if isinstance(data, dict) and isinstance(data.get("response"), str):
-        return ToolReply(data["response"], ())
-    raw = data.get("tool_calls") if isinstance(data, dict) else None
-    if not isinstance(raw, list):
-        return ToolReply(text, ())
-    calls = [
-        {
-            "id": "call_" + uuid.uuid4().hex[:24],
-            "type": "function",
-            "function": {
-                "name": item["name"],
-                "arguments": json.dumps(item.get("arguments", {}), ensure_ascii=False),
-            },
-        }
-        for item in raw
-        if isinstance(item, dict) and item.get("name") in names
-    ]
-    return ToolReply(None if calls else text, tuple(calls))

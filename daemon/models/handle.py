@@ -23,6 +23,7 @@ from edgellmd.engine.chat import (
     json_keys,
 )
 from edgellmd.engine.generation import Generation, GenerationRequest
+from edgellmd.engine.tool_turns import tool_turns
 from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ServerOverloaded, ServiceUnavailable
 from edgellmd.files import read_regular
 from edgellmd.models.lockfile import LockedModel
@@ -104,6 +105,18 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
             info.chat_template, bos_token=info.bos_text, eos_token=info.eos_text, origin="the model file"
         )
     return None
+
+
+# What each `reasoning:` setting means: the tags between which a model thinks.
+REASONING_TAGS: Final = {"deepseek": ("<think>", "</think>")}
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A rendered, tokenized chat prompt."""
+
+    tokens: list[int]
+    reasoning_open: bool = False  # the template opened the model's thinking: the reply starts in it
 
 
 def _gone(name: str) -> ServiceUnavailable:
@@ -215,7 +228,7 @@ class ModelHandle:
 
     def _render_and_tokenize(
         self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
-    ) -> list[int]:
+    ) -> Prompt:
         assert self.template is not None  # noqa: S101 - checked by the caller
         generator = self.generator
         # Object keys of tool arguments and tool definitions stay in the template's text (they
@@ -232,14 +245,29 @@ class ModelHandle:
         # Templates that print the BOS themselves must not get a second one from the tokenizer.
         bos = self.engine.info.bos_text
         add_special = not (bos and segments and segments[0][1] and segments[0][0].startswith(bos))
-        return self._tokenize_bounded(
+        tokens = self._tokenize_bounded(
             text, "messages", whole=lambda: generator.tokenize_segments(segments, add_special=add_special)
         )
+        # A template that opens the model's thinking itself (DeepSeek R1, Qwen3): the reply
+        # starts inside the reasoning. Only the template's own text can open it.
+        tags = REASONING_TAGS.get(self.settings.reasoning)
+        opened = bool(tags and segments and segments[-1][1] and segments[-1][0].rstrip().endswith(tags[0]))
+        return Prompt(tokens, reasoning_open=opened)
 
     async def chat_prompt(
-        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
-    ) -> list[int]:
-        """Render the chat template (with `tools` when given) and tokenize, off the event loop."""
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        instructions: str = "",
+    ) -> Prompt:
+        """Render the chat template and tokenize, off the event loop.
+
+        With tools (or tool calls and results in the history): a template that renders tools
+        gets them, with `instructions` (the reply format) as a system turn first; a template
+        that cannot is given the conversation rewritten into turns it can show, the tools
+        described in a system turn (engine.tool_turns): tools work on every model.
+        """
         self.generator  # noqa: B018 - refuses embedding models
         if self.template is None:
             raise InvalidRequest(
@@ -247,21 +275,18 @@ class ModelHandle:
             )
         tooling = tools or any(m.tool_calls or m.role == "tool" for m in messages)
         if tooling and not self.template.supports_tools:
-            raise InvalidRequest(
-                f"the chat template of model {self.name!r} ({self.template.source}) has no "
-                "tool support: it does not render 'tools' or tool messages",
-                param="tools",
-                code="tools_not_supported",
-            )
+            messages, tools = tool_turns(messages, tools, instructions), None
+        elif instructions:
+            messages = (ChatMessage("system", instructions), *messages)
         loop = asyncio.get_running_loop()
         try:
-            tokens = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages, tools)
+            prompt = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages, tools)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         except EngineError:  # unloaded meanwhile (a swap or an unload while it rendered)
             raise _gone(self.name) from None
-        self.check_prompt(tokens, "messages")
-        return tokens
+        self.check_prompt(prompt.tokens, "messages")
+        return prompt
 
     async def text_prompt(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
         """Tokenize a prompt (or check given token ids), off the event loop."""

@@ -1,0 +1,257 @@
+"""One request's generations, the same for every API family: lease, prompt, grammar, submit, read, free.
+
+The adapters (OpenAI chat and completions, OpenAI Responses, Anthropic Messages) decode their
+wire format into a `ChatRequest` (a conversation, sampling, output constraints, tools) and
+encode what comes back; everything between lives here once: the model's lease, the capacity
+check before any tokenizing, the chat prompt (with tools rendered for templates that cannot
+show them), grammars compiled on the prompt pool, the revocation check, one generation per
+choice, the bookkeeping the front door reads (tokens used, user tag), and the guarantee that
+every slot is free the moment the request ends, however it ends.
+
+`read_choices` turns the generations' events into reply parts (`api.reply`), so that tool
+calls and reasoning are read the same way whatever the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from aiohttp import web
+
+from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
+from edgellmd.api.openai_schemas import ChatRequest, CommonRequest
+from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
+from edgellmd.engine import CompiledGrammar
+from edgellmd.engine.generation import (
+    KEY_REVOKED,
+    Event,
+    Finished,
+    Generation,
+    GenerationRequest,
+    NoProgress,
+    TokenLogprob,
+)
+from edgellmd.errors import InvalidRequest, KeyRevoked, shown
+from edgellmd.host.metrics import TokenTiming
+from edgellmd.models.handle import REASONING_TAGS, ModelHandle
+
+
+def user_tag(value: str | None) -> str | None:
+    """A client's `user` field as the access log may show it: short and printable."""
+    if value is None:
+        return None
+    return shown(value[:64])
+
+
+def check_key_still_valid(request: web.Request) -> None:
+    """401 when the request's key was revoked, disabled or expired since it was authenticated."""
+    caller = request.get(CALLER)
+    if caller is not None and not context(request).key_valid(caller.key_id):
+        raise KeyRevoked(KEY_REVOKED)
+
+
+@dataclass(slots=True)
+class Session:
+    """A request's running generations (one per choice) on a leased model."""
+
+    handle: ModelHandle
+    gens: list[Generation]
+    timings: list[TokenTiming]
+    prompt_tokens: int
+    idle_timeout: float
+    write_timeout: float
+    tools: tuple[str, ...] | None = None  # function names, when the reply is tool-call JSON
+    reasoning_open: bool = False  # the prompt left the model inside its thinking tags
+    stop_strings: tuple[str, ...] = field(default=())
+
+    def reader(self) -> ReplyReader:
+        """A reader for one choice's text: tool calls and reasoning as this request has them."""
+        tags = REASONING_TAGS.get(self.handle.settings.reasoning)
+        splitter = ReasoningSplitter(*tags, opened=self.reasoning_open) if tags else None
+        return ReplyReader(tools=self.tools, reasoning=splitter)
+
+
+def _generation_request(
+    handle: ModelHandle, common: CommonRequest, tokens: list[int], choice: int
+) -> GenerationRequest:
+    sampling = common.sampling
+    if choice and sampling.seed is not None:  # seeded choices differ from each other, reproducibly
+        sampling = replace(sampling, seed=sampling.seed + choice)
+    return GenerationRequest(
+        prompt_tokens=tokens,
+        max_tokens=handle.generation_limit(len(tokens), common.max_tokens),
+        sampling=sampling,
+        stop=common.stop,
+        ignore_eos=common.ignore_eos,
+        logprobs=common.logprobs,
+    )
+
+
+def _submit_all(
+    handle: ModelHandle, common: CommonRequest, tokens: list[int], grammars: list[CompiledGrammar] | None
+) -> list[Generation]:
+    """One generation per choice; all or none (a 429 on the third cancels the first two)."""
+    gens: list[Generation] = []
+    pending = list(grammars or [])
+    try:
+        for choice in range(common.n):
+            grammar = pending.pop(0) if pending else None
+            gens.append(handle.submit(_generation_request(handle, common, tokens, choice), grammar))
+    except BaseException:
+        for gen in gens:
+            gen.cancel()
+        for grammar in pending:
+            grammar.free()
+        raise
+    return gens
+
+
+@contextlib.asynccontextmanager
+async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator[Session]:
+    """Run a chat request's generations for the `async with` block, then free them."""
+    async with context(request).registry.lease(body.common.model) as handle:
+        handle.generator  # noqa: B018 - refuses embedding models before tokenizing
+        handle.check_capacity()  # a request that will be refused costs no tokenizing
+        tools = body.tools.tools if body.tools else None
+        prompt = await handle.chat_prompt(
+            body.messages, tools, instructions=body.tools.instructions if body.tools else ""
+        )
+        param = "tools" if body.tools is not None and body.tools.grammar is not None else "response_format"
+        names = body.tools.names if body.tools is not None and body.tools.grammar is not None else None
+        async with generation_session(request, handle, body.common, prompt.tokens, param=param) as session:
+            session.tools = names
+            session.reasoning_open = prompt.reasoning_open
+            yield session
+
+
+@contextlib.asynccontextmanager
+async def generation_session(
+    request: web.Request, handle: ModelHandle, common: CommonRequest, tokens: list[int], *, param: str
+) -> AsyncIterator[Session]:
+    """Submit one generation per choice on `handle`; free every slot when the block ends."""
+    ctx = context(request)
+    tag = user_tag(common.user)
+    if tag is not None:
+        request[USER_TAG] = tag
+    n_vocab = handle.engine.n_vocab
+    if any(token >= n_vocab for token, _ in common.sampling.logit_bias):
+        raise InvalidRequest(f"'logit_bias' token ids must be below {n_vocab}", param="logit_bias")
+    grammars = await handle.grammars(common.sampling.grammar, common.n, param)
+    try:
+        check_key_still_valid(request)  # tokenizing and compiling took a while: revoked since?
+    except BaseException:
+        for grammar in grammars or []:
+            grammar.free()
+        raise
+    gens = _submit_all(handle, common, tokens, grammars)
+    timings = [ctx.metrics.timing(handle.name) for _ in gens]
+    caller = request.get(CALLER)
+    for gen in gens:
+        ctx.generations.add(gen, caller.key_id if caller is not None else None)
+    server = ctx.settings.server
+    try:
+        yield Session(
+            handle,
+            gens,
+            timings,
+            len(tokens),
+            server.progress_timeout_s,
+            server.stream_write_timeout_s,
+            stop_strings=common.stop,
+        )
+    finally:
+        # Normal end, client gone (write error or handler cancelled): either way the slots
+        # must be free now, not when the generations would have ended.
+        for gen in gens:
+            ctx.generations.discard(gen)
+            gen.cancel()
+        handle.generator.wake()
+        finals = [gen.final for gen in gens if gen.final is not None]
+        completion = sum(fin.completion_tokens for fin in finals)
+        request[TOKENS_USED] = len(tokens) + completion
+        if finals:
+            ctx.metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
+            ctx.metrics.completion_tokens.labels(handle.name).inc(completion)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoicePart:
+    """A part of choice `index`'s reply."""
+
+    index: int
+    part: Part
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceEnd:
+    """Choice `index` finished; `reader` holds everything it said."""
+
+    index: int
+    final: Finished
+    reader: ReplyReader
+    logprobs: tuple[TokenLogprob, ...] = ()  # of every token of the choice, when asked for
+
+
+async def read_choices(session: Session) -> AsyncIterator[ChoicePart | ChoiceEnd]:
+    """Every choice's reply parts as they are generated, then its end (NoProgress past the idle timeout)."""
+    gens = session.gens
+    readers = [session.reader() for _ in gens]
+    if len(gens) == 1:
+        async for item in _read_one(session, 0, readers[0]):
+            yield item
+        return
+    queue: asyncio.Queue[ChoicePart | ChoiceEnd | NoProgress] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for item in _read_one(session, i, readers[i]):
+                queue.put_nowait(item)
+        except NoProgress as exc:
+            queue.put_nowait(exc)
+
+    pumps = [asyncio.create_task(pump(i)) for i in range(len(gens))]
+    try:
+        remaining = len(gens)
+        while remaining:
+            got = await queue.get()
+            if isinstance(got, NoProgress):
+                raise got
+            if isinstance(got, ChoiceEnd):
+                remaining -= 1
+            yield got
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _read_one(session: Session, i: int, reader: ReplyReader) -> AsyncIterator[ChoicePart | ChoiceEnd]:
+    gen, timing = session.gens[i], session.timings[i]
+    logprobs: list[TokenLogprob] = []
+    event: Event
+    async for event in gen.events(session.idle_timeout):
+        timing.tokens(event.completion_tokens)
+        logprobs.extend(event.logprobs)
+        if event.text:
+            for part in reader.feed(event.text):
+                yield ChoicePart(i, part)
+        if isinstance(event, Finished):
+            for part in reader.finish():
+                yield ChoicePart(i, part)
+            yield ChoiceEnd(i, event, reader, tuple(logprobs))
+            return
+
+
+def finish_reason(final: Finished, reader: ReplyReader) -> str:
+    """OpenAI's finish reason: `tool_calls` when the reply made complete calls and was not cut."""
+    if final.reason == "length":
+        return "length"
+    return "tool_calls" if reader.calls else "stop"
+
+
+def tool_names(body: ChatRequest) -> Sequence[str] | None:
+    """The function names a reply may call, when its text is tool-call JSON."""
+    return body.tools.names if body.tools is not None and body.tools.grammar is not None else None
