@@ -15,6 +15,7 @@ from typing import Final
 from aiohttp import web
 
 from edgellmd.engine.generation import Running
+from edgellmd.errors import ApiError
 from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import GpuMonitor
@@ -45,7 +46,27 @@ class ApiContext:
     key_valid: Callable[[str], bool] = lambda _key_id: True
 
 
+class ErrorShapes:
+    """How errors look under a path prefix, for API families with an envelope of their own
+    (Anthropic's `{"type": "error", "error": {...}}` on /v1/messages); OpenAI's elsewhere."""
+
+    def __init__(self) -> None:
+        self._shapes: list[tuple[str, Callable[[ApiError], web.Response]]] = []
+
+    def add(self, prefix: str, render: Callable[[ApiError], web.Response]) -> None:
+        """Render errors of requests under `prefix` with `render`."""
+        self._shapes.append((prefix, render))
+
+    def renderer(self, path: str) -> Callable[[ApiError], web.Response] | None:
+        """The renderer for a request path, if a family claimed it."""
+        for prefix, render in self._shapes:
+            if path == prefix or path.startswith(prefix + "/"):
+                return render
+        return None
+
+
 API_CONTEXT: Final = web.AppKey("api_context", ApiContext)
+ERROR_SHAPES: Final = web.AppKey("error_shapes", ErrorShapes)
 CALLER: Final = web.RequestKey("caller", Caller)  # set by authentication; absent without keys
 USER_TAG: Final = web.RequestKey("user_tag", str)  # the request's `user` field, logged as a tag
 TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, for tokens/minute

@@ -8,11 +8,10 @@ renders each token's chunk from a frame prepared once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from edgellmd.api.reply import CallArguments, CallStart, ReasoningPart, TextPart
 from edgellmd.api.session import ChoiceEnd, Session, finish_reason, read_choices
+from edgellmd.api.sse import Write, dumps, sse
 from edgellmd.api.structured import ToolPlan
 from edgellmd.engine.generation import (
     KEY_REVOKED,
@@ -45,17 +45,6 @@ log = logging.getLogger(__name__)
 
 _SENTINEL: Final = "\x00edgellm-delta\x00"  # never produced by a tokenizer: its JSON form is unique
 SSE_DONE: Final = b"data: [DONE]\n\n"
-SSE_HEADERS: Final = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",  # tell reverse proxies not to buffer the stream
-}
-Write = Callable[[bytes], Awaitable[None]]
-
-
-def dumps(obj: Any) -> bytes:
-    """Compact UTF-8 JSON."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _finish_reason(fin: Finished) -> str:
@@ -490,52 +479,3 @@ async def stream(request: web.Request, session: Session, shape: Shape) -> web.St
         on_no_progress=timeout,
         done=SSE_DONE,
     )
-
-
-async def sse(
-    request: web.Request,
-    session: Session,
-    send: Callable[[Write], Awaitable[None]],
-    *,
-    on_no_progress: bytes,
-    done: bytes | None,
-    headers: Mapping[str, str] = SSE_HEADERS,
-) -> web.StreamResponse:
-    """An event stream whose events `send` writes; the same cuts for every API family.
-
-    A client that stops reading past the session's write timeout is cut (its slot goes to
-    somebody who listens); a model that makes no progress ends the stream with
-    `on_no_progress`; `done` (OpenAI's `[DONE]`) ends every stream that was not cut.
-    """
-    response = web.StreamResponse(headers=headers)
-    await response.prepare(request)
-    write_timeout = session.write_timeout
-
-    async def write(data: bytes) -> None:
-        # A client that stops reading fills the socket buffers and this write waits; past the
-        # deadline the stream is cut so that its slot goes to somebody who is listening.
-        # With nothing buffered a write cannot wait, and needs no timer (the per-token path).
-        transport = request.transport
-        if transport is not None and transport.get_write_buffer_size() == 0:
-            await response.write(data)
-            return
-        async with asyncio.timeout(write_timeout):
-            await response.write(data)
-
-    try:
-        try:
-            await send(write)
-        except NoProgress:
-            log.error("generation made no progress for %.0f s; stream ended", session.idle_timeout)  # noqa: TRY400 - no traceback
-            await write(on_no_progress)
-        if done is not None:
-            await write(done)
-        await response.write_eof()
-    except ConnectionResetError:
-        # The client went away mid-stream; the caller frees the slot. Nothing to answer.
-        log.info("client disconnected mid-stream")
-    except TimeoutError:
-        log.warning("client stopped reading its stream for %.1f s; stream cut", write_timeout)
-        if request.transport is not None:
-            request.transport.abort()
-    return response

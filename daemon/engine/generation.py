@@ -90,6 +90,7 @@ class Finished:
     completion_tokens: int
     text: str = ""  # any text released by the finish (held back for a stop-string check)
     error: str | None = None
+    stop_sequence: str | None = None  # the request's stop string that ended it, if one did
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -193,19 +194,21 @@ class Utf8Stream:
 class StopMatcher:
     """Finds stop strings across token boundaries and holds back text that could start one."""
 
-    __slots__ = ("_held", "_stops")
+    __slots__ = ("_held", "_stops", "hit")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
+        self.hit: str | None = None  # the stop string that ended the text, once one did
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit, whether a stop string was hit)."""
         if not self._stops:
             return text, False
         buf = self._held + text
-        hit = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if hit >= 0:
+        found = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if found:
+            hit, self.hit = min(found, key=lambda f: f[0])
             self._held = ""
             return buf[:hit], True
         keep = 0

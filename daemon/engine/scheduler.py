@@ -487,7 +487,9 @@ class Engine(NativeThread):
         if not flushed and reason in ("stop", "length"):
             tail, _ = slot.stops.feed(slot.utf8.flush())
             tail += slot.stops.flush()
-        event = Finished(reason, len(slot.prompt), slot.completion, text=tail, error=error)
+        event = Finished(
+            reason, len(slot.prompt), slot.completion, text=tail, error=error, stop_sequence=slot.stops.hit
+        )
         if deliver:
             slot.gen.push_threadsafe([event])
             return []

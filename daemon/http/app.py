@@ -18,9 +18,11 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.admin import setup_admin
-from edgellmd.api.context import API_CONTEXT, USER_TAG, ApiContext
+from edgellmd.api.anthropic import setup_anthropic
+from edgellmd.api.context import API_CONTEXT, ERROR_SHAPES, USER_TAG, ApiContext, ErrorShapes
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
+from edgellmd.api.openai_responses import setup_responses
 from edgellmd.engine import supports_gpu_offload
 from edgellmd.engine.generation import Running
 from edgellmd.host.cpu import Pinning
@@ -109,6 +111,7 @@ def create_app(
         client_max_size=settings.server.max_body_bytes,
     )
     app[appkeys.SETTINGS] = settings
+    app[ERROR_SHAPES] = ErrorShapes()  # API families with an error envelope of their own add theirs
     app[appkeys.NOTIFIER] = notifier or Notifier()
     app[appkeys.GENERATIONS] = Running()
     app[appkeys.METRICS] = Metrics()
@@ -119,6 +122,8 @@ def create_app(
     setup_auth(app, settings.auth.keys_file, metrics_public=settings.auth.metrics_public)
     setup_health(app)
     setup_openai(app)
+    setup_responses(app)
+    setup_anthropic(app)
     setup_admin(app)
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_gpu_ctx)  # before the registry: gpu_layers: auto reads its snapshot

@@ -121,6 +121,14 @@ async def watch_keys(store: KeyStore, running: Running) -> None:
             log.info("ended %d request(s) of %d key(s) that are no longer valid", ended, len(gone))
 
 
+def _credentials(request: web.Request) -> str | None:
+    """The request's Authorization header; Anthropic's clients send the key as `x-api-key` instead."""
+    header = request.headers.get("Authorization")
+    if header is None and (key := request.headers.get("x-api-key")) is not None:
+        return f"Bearer {key}"
+    return header
+
+
 def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: bool = False) -> None:
     """Install bearer-key checks on /v1/* and /admin/* (only when a keys file is configured)."""
     if keys_file is None:
@@ -132,7 +140,7 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
         scope = scope_for(request.path, metrics_public=metrics_public)
         if scope is not None:
             key = request[appkeys.API_KEY] = authenticate(
-                store_holder[0], request.headers.get("Authorization"), scope, request.remote
+                store_holder[0], _credentials(request), scope, request.remote
             )
             request[CALLER] = Caller(key.id, key.limits.max_tokens)
         return await handler(request)

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from edgellmd.api.context import ERROR_SHAPES
 from edgellmd.errors import (
     ApiError,
     InternalError,
@@ -41,19 +42,21 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as exc:
-        return _render(exc)
+        return _render(request, exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _render(_from_http(exc))
+        return _render(request, _from_http(exc))
     except Exception:
         log.exception(
             "unhandled error in %s %s (request %s)", request.method, request.path, logs.request_id.get()
         )
-        return _render(InternalError("internal server error"))
+        return _render(request, InternalError("internal server error"))
 
 
-def _render(exc: ApiError) -> web.Response:
-    response = web.json_response(exc.body(), status=exc.status)
+def _render(request: web.Request, exc: ApiError) -> web.Response:
+    shapes = request.app.get(ERROR_SHAPES)
+    render = shapes.renderer(request.path) if shapes is not None else None
+    response = render(exc) if render is not None else web.json_response(exc.body(), status=exc.status)
     response.headers.update(exc.headers)
     return response
