@@ -290,7 +290,7 @@ def test_tools_work_with_a_template_that_cannot_render_them(client: openai.OpenA
     """The server describes the tools in a system turn and shows results as turns the
     template can render: the plain model's template has no tool support (before: 400)."""
     answer = client.chat.completions.create(
-        model="plain", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=300
+        model="plain", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=600, temperature=0
     )
     choice = answer.choices[0]
     # The random tiny model may go on calling until max_tokens: complete calls come back either way.
@@ -464,3 +464,56 @@ def test_tiny_vocabulary_byte_tokens(tmp_path: Path) -> None:
 
     assert N_VOCAB == 3 + 256
     del tmp_path
+
+
+@pytest.mark.parametrize("max_tokens", [10, 30, 60, 90])  # before the name, inside the arguments, ...
+def test_a_reply_cut_mid_tool_call_shows_no_internal_json(client: openai.OpenAI, max_tokens: int) -> None:
+    args: Any = {
+        "model": "plain",
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "parallel_tool_calls": False,
+    }
+    answer = client.chat.completions.create(**args)
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("length", "tool_calls")
+    assert not choice.message.content  # before: the internal {"tool_calls": [{"name": ... as text
+    for call in choice.message.tool_calls or []:  # only complete calls
+        json.loads(call.function.arguments)
+    content, names, finish = [], [], None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            content.append(c.delta.content or "")
+            names += [t.function.name for t in c.delta.tool_calls or [] if t.function and t.function.name]
+            finish = c.finish_reason or finish
+    assert "".join(content) == ""
+    assert finish == choice.finish_reason
+    assert len(names) <= 1
+
+
+def test_tool_call_arguments_stream_as_they_are_generated(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="plain",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=400,
+        parallel_tool_calls=False,
+        stream=True,
+        seed=3,
+    )
+    deltas: list[str] = []
+    ids = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            for t in c.delta.tool_calls or []:
+                if t.id:
+                    ids.add(t.id)
+                if t.function and t.function.arguments:
+                    deltas.append(t.function.arguments)
+    assert len(ids) == 1
+    assert len(deltas) > 3  # one per token or so, not one at the end
+    json.loads("".join(deltas))  # and they add up to the whole arguments

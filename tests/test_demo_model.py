@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -222,6 +223,41 @@ def test_chat_completion_with_the_gemma_template(demo_daemon: str, demo_dir: Pat
     assert 0 < reply.usage.completion_tokens <= 24
     # The base model knows the fact; greedy decoding says it.
     assert "Paris" in choice.message.content or reply.usage.completion_tokens > 0
+
+
+WEATHER_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tools_work_on_the_demo_model_out_of_the_box(demo_daemon: str, demo_dir: Path) -> None:
+    """The demo model's built-in gemma template cannot render tools (before: 400
+    tools_not_supported); the server describes them in a system turn instead."""
+    client = _client(demo_daemon, demo_dir)
+    reply = client.chat.completions.create(
+        model="gemma3-270m",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_tokens=200,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = (choice.message.tool_calls or [])[0]
+    assert call.function.name == "get_weather"  # type: ignore[union-attr] # a function call
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo", "Lima")  # type: ignore[union-attr]
+    assert choice.message.content is None
 
 
 def test_streamed_completion_matches_the_non_streamed_one(demo_daemon: str, demo_dir: Path) -> None:

@@ -127,6 +127,20 @@ def _function(tool: Any, i: int) -> tuple[str, CheckedSchema]:
     return name, check_schema(params, f"{where}.function.parameters", f"{where}.function.parameters")
 
 
+def max_calls(parallel: bool | None, functions: int) -> int:
+    """How many calls one reply may hold: what the request allows, never a fixed number to fill.
+
+    `parallel_tool_calls: false`: one; `true`: up to MAX_PARALLEL_CALLS; not given: one per
+    function offered (small models asked for "the weather in Paris" otherwise go on calling
+    for every city they know until the list is full). The model ends the list when it wants.
+    """
+    if parallel is False:
+        return 1
+    if parallel is True:
+        return MAX_PARALLEL_CALLS
+    return max(1, min(functions, MAX_PARALLEL_CALLS))
+
+
 def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
     """Check `tools`/`tool_choice`/`parallel_tool_calls` and build the reply's grammar."""
     if tools is None:
@@ -173,7 +187,7 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
         "type": "array",
         "items": call,
         "minItems": 1,
-        "maxItems": 1 if parallel is False else MAX_PARALLEL_CALLS,
+        "maxItems": max_calls(parallel, len(chosen)),
     }
     with_calls = {
         "type": "object",
