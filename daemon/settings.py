@@ -505,7 +505,28 @@ def _models(f: _Field) -> Any:
             )
         else:
             first_seen[model.name] = index
+        _check_model(f.checker, model, f"{f.path}[{index}]")
     return models
+
+
+def _check_model(checker: _Checker, model: ModelSettings, path: str) -> None:
+    """What one field cannot say alone: settings of a model that contradict each other."""
+    if model.cache_type_v != "f16" and model.flash_attention == "off":
+        checker.add(
+            f"{path}.cache_type_v",
+            f"{model.cache_type_v} values need flash attention; flash_attention is off",
+        )
+    spec = model.speculative
+    if spec.ngram_min > spec.ngram_max:
+        checker.add(
+            f"{path}.speculative.ngram_min",
+            f"{spec.ngram_min} is more than ngram_max ({spec.ngram_max})",
+        )
+    if model.embedding:
+        if spec.mode != "none":
+            checker.add(f"{path}.speculative.mode", "an embedding model generates no text to draft")
+        if model.prompt_cache_mb:
+            checker.add(f"{path}.prompt_cache_mb", "an embedding model keeps no prompt cache")
 
 
 def _lock(f: _Field) -> Any:
@@ -550,6 +571,15 @@ def _auth(f: _Field) -> Any:
             "without API keys is refused; set auth.keys_file",
         )
     return auth
+
+
+def _console(f: _Field) -> Any:
+    console = f.subsection()
+    if console.enabled and f.parsed["auth"].keys_file is None:
+        f.checker.add(
+            "console.enabled", "the console signs in with API keys: set auth.keys_file to enable it"
+        )
+    return console
 
 
 def _is_loopback(host: str) -> bool:
@@ -711,6 +741,28 @@ class LockSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeSettings:
+    """Speculative decoding: drafts from the request's own text, verified in the same llama_decode."""
+
+    mode: str = setting(
+        "none",
+        "none, or ngram: draft from the prompt and reply so far (pays on text that copies its input)",
+        choices=("none", "ngram"),
+        more="rewriting, extraction, code edits, quotes, JSON that repeats keys; the output is exactly "
+        "plain decoding's (each draft token is checked with the request's own sampler)",
+    )
+    max_draft: int = setting(8, "most draft tokens per sequence and step", bounds=(1, 64))
+    ngram_min: int = setting(2, "shortest repeated n-gram that makes a draft", bounds=(1, 16))
+    ngram_max: int = setting(4, "longest n-gram looked up first", bounds=(1, 16))
+    max_sequences: int = setting(
+        2,
+        "draft only while at most this many sequences decode together",
+        bounds=(1, 256),
+        more="on a CPU a full batch is compute-bound and drafts only cost; a GPU box may raise it",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSettings:
     """One served model and how llama.cpp loads it."""
 
@@ -775,6 +827,31 @@ class ModelSettings:
         False,
         "may be unloaded (least recently used first) to fit another in the budget",
         more="when a load would exceed `lifecycle.memory_budget_mb`; only idle models are",
+    )
+    cache_type_k: str = setting(
+        "f16",
+        "KV cache type of the keys: f16, q8_0 (half the bytes) or q4_0",
+        choices=("f16", "q8_0", "q4_0"),
+        more="the memory budget and `gpu_layers: auto` count the chosen type's bytes",
+    )
+    cache_type_v: str = setting(
+        "f16",
+        "KV cache type of the values: f16, q8_0 or q4_0 (quantized: needs flash attention)",
+        choices=("f16", "q8_0", "q4_0"),
+        more="llama.cpp stores quantized values only with flash attention: `auto` turns it on for them",
+    )
+    flash_attention: str = setting(
+        "auto", "flash attention: auto (llama.cpp decides), on or off", choices=("auto", "on", "off")
+    )
+    prompt_cache_mb: int = setting(
+        0,
+        "host RAM for KV states of earlier prompts (LRU); 0: no prompt cache",
+        bounds=(0, 1_048_576),
+        more="a prompt that starts as an earlier one did (a shared system prompt, a conversation back "
+        "after its slot was reused) restores that prefix instead of prefilling it again",
+    )
+    speculative: SpeculativeSettings = setting(
+        SpeculativeSettings(), "speculative decoding (drafts verified in the same batch)"
     )
     reasoning: str = setting(
         "none",
@@ -846,6 +923,38 @@ class HostSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ConsoleSettings:
+    """The web console at /ui: a session per sign-in, a live overview, actions and a playground."""
+
+    enabled: bool = setting(
+        False,
+        "serve the web console at /ui (needs `auth.keys_file`)",
+        more="sign-in with an API key; `auth.admin_cidrs` applies to it as to /admin/* "
+        "(see [Console](#console))",
+    )
+    session_idle_s: float = setting(900.0, "a console session unused this long ends")
+    session_max_s: float = setting(28800.0, "a console session ends this long after its sign-in, used or not")
+    max_sessions: int = setting(
+        64,
+        "console sessions held in memory",
+        bounds=(1, 10_000),
+        more="a sign-in beyond it ends the least recently used session",
+    )
+    stream_interval_s: float = setting(
+        2.0, "seconds between two updates of the live overview", more="(one event stream per session)"
+    )
+    history_s: int = setting(
+        600, "seconds of chart history (tokens/s, TTFT, queue, GPU) the daemon keeps", bounds=(60, 86_400)
+    )
+    signin_failures_per_minute: int = setting(
+        10,
+        "wrong keys allowed per client address and minute at sign-in",
+        bounds=(1, 10_000),
+        more="then 429 `rate_limit_exceeded` with `Retry-After`, like the API's limits",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """The whole daemon configuration."""
 
@@ -859,6 +968,7 @@ class Settings:
     lifecycle: LifecycleSettings = setting(LifecycleSettings(), "preloading, file watching, memory budget")
     host: HostSettings = setting(HostSettings(), "how the daemon uses its hardware")
     responses: ResponsesSettings = setting(ResponsesSettings(), "the Responses API's store")
+    console: ConsoleSettings = setting(ConsoleSettings(), "the web console at /ui", read=_console)
     source: Path | None = None  # the file it was read from; no setting
 
 
@@ -1043,18 +1153,33 @@ def reference_markdown() -> str:
     table = ["| key | default | accepts | meaning |", "|---|---|---|---|"]
     for top, cls, listed in _sections():
         block.append(_commented(f"{top.name}:", top.about.doc))
-        for index, spec in enumerate(_declared(cls)):
-            lead = ("  - " if index == 0 else "    ") if listed else "  "
-            default = None if spec.default is MISSING else spec.default
-            shown = spec.about.example if spec.about.example is not None else _yaml_text(default)
-            block.append(_commented(f"{lead}{spec.name}: {shown}", spec.about.doc))
-            more = spec.about.more
-            meaning = spec.about.doc + ((" " if more.startswith("(") else "; ") + more if more else "")
-            default_cell = "required" if spec.required else f"`{_yaml_text(default)}`"
-            key = f"{top.name}{'[]' if listed else ''}.{spec.name}"
-            table.append(f"| `{key}` | {default_cell} | {_cell(_accepts(spec))} | {_cell(meaning)} |")
+        _reference_rows(
+            cls, f"{top.name}{'[]' if listed else ''}", "  ", listed=listed, block=block, table=table
+        )
     block.append("```")
     return "\n".join([*block, "", *table]) + "\n"
+
+
+def _reference_rows(
+    cls: type, prefix: str, indent: str, *, listed: bool, block: list[str], table: list[str]
+) -> None:
+    """One section's keys; a key that is a section of its own (`speculative`) nests its keys."""
+    for index, spec in enumerate(_declared(cls)):
+        lead = indent + ("- " if index == 0 else "  ") if listed else indent
+        key = f"{prefix}.{spec.name}"
+        if isinstance(spec.base, type) and is_dataclass(spec.base):
+            block.append(_commented(f"{lead}{spec.name}:", spec.about.doc))
+            _reference_rows(
+                spec.base, key, indent + ("    " if listed else "  "), listed=False, block=block, table=table
+            )
+            continue
+        default = None if spec.default is MISSING else spec.default
+        shown = spec.about.example if spec.about.example is not None else _yaml_text(default)
+        block.append(_commented(f"{lead}{spec.name}: {shown}", spec.about.doc))
+        more = spec.about.more
+        meaning = spec.about.doc + ((" " if more.startswith("(") else "; ") + more if more else "")
+        default_cell = "required" if spec.required else f"`{_yaml_text(default)}`"
+        table.append(f"| `{key}` | {default_cell} | {_cell(_accepts(spec))} | {_cell(meaning)} |")
 
 
 def with_reference(readme: str) -> str:

@@ -10,7 +10,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -33,6 +33,7 @@ DEFAULT_PROMPT: Final = "Once upon a time, in a small village by the sea,"
 KEY_ENV: Final = "EDGELLM_API_KEY"
 KEY_FILE_ENV: Final = "EDGELLM_API_KEY_FILE"
 MAX_SCHEMA_BYTES: Final = 1024 * 1024
+MAX_PROMPT_BYTES: Final = 4 * 1024 * 1024
 CONNECT_TIMEOUT_S: Final = 10.0
 # A stream that sends nothing for this long is counted as a connection error; long
 # generations are fine as long as tokens keep coming.
@@ -63,6 +64,48 @@ class BenchConfig:
     warmup: int = 1
     ignore_eos: bool = False
     response_format: dict[str, Any] | None = None  # chat only: structured output to measure
+    temperature: float = 0.8
+    system: str | None = None  # a system prompt every request starts with (chat: a system message)
+    users: int = 0  # closed-loop users holding conversations; 0: every request is a fresh prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Speed:
+    """A reply's own account of speculation and prompt reuse, in whichever form the server gives it.
+
+    edgellmd and OpenAI: `usage.completion_tokens_details.accepted_prediction_tokens` and
+    `rejected_prediction_tokens`, `usage.prompt_tokens_details.cached_tokens`. llama-server:
+    `timings.draft_n`, `draft_n_accepted` and `cache_n`.
+    """
+
+    drafted: int
+    accepted: int
+    cached: int
+
+
+def speed_of(chunk: Any) -> Speed | None:
+    """The Speed a chunk (or a whole answer) reports, or None when it reports none."""
+    if not isinstance(chunk, dict):
+        return None
+    usage, timings = chunk.get("usage"), chunk.get("timings")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens_details"), dict):
+        details = usage["completion_tokens_details"]
+        prompt = usage.get("prompt_tokens_details")
+        accepted = _count(details.get("accepted_prediction_tokens"))
+        rejected = _count(details.get("rejected_prediction_tokens"))
+        cached = _count(prompt.get("cached_tokens")) if isinstance(prompt, dict) else 0
+        return Speed(accepted + rejected, accepted, cached)
+    if isinstance(timings, dict):
+        return Speed(
+            _count(timings.get("draft_n")),
+            _count(timings.get("draft_n_accepted")),
+            _count(timings.get("cache_n")),
+        )
+    return None
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +116,8 @@ class RequestResult:
     latency_s: float
     tokens: int
     error: str | None = None
+    text: str = ""  # the reply, for a conversation's next turn
+    speed: Speed | None = None  # what the server said its speed features did, when it said
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +136,9 @@ class BenchSummary:
     latency_p50_s: float
     latency_p95_s: float
     errors: dict[str, int] = field(default_factory=dict)
+    drafted_tokens: int | None = None  # None: the server reported no speculation figures
+    accepted_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -128,6 +176,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> BenchSummary:
     ]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     latencies = [r.latency_s for r in ok]
+    speeds = [r.speed for r in ok if r.speed is not None]
     return BenchSummary(
         requests=len(results),
         ok=len(ok),
@@ -141,6 +190,9 @@ def summarize(results: list[RequestResult], wall_s: float) -> BenchSummary:
         latency_p50_s=percentile(latencies, 50),
         latency_p95_s=percentile(latencies, 95),
         errors=dict(Counter(r.error for r in results if r.error is not None)),
+        drafted_tokens=sum(s.drafted for s in speeds) if speeds else None,
+        accepted_tokens=sum(s.accepted for s in speeds) if speeds else None,
+        cached_prompt_tokens=sum(s.cached for s in speeds) if speeds else None,
     )
 
 
@@ -190,6 +242,8 @@ class StreamTally:
     text_chunks: int = 0
     usage_tokens: int | None = None
     done: bool = False
+    parts: list[str] = field(default_factory=list)
+    speed: Speed | None = None
 
     def feed(self, data: bytes, now: float) -> None:
         """Account for one event's data; raises ValueError for data that is not JSON."""
@@ -200,7 +254,10 @@ class StreamTally:
         usage = chunk.get("usage") if isinstance(chunk, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage_tokens = usage["completion_tokens"]
-        if chunk_text(chunk):
+        self.speed = speed_of(chunk) or self.speed
+        text = chunk_text(chunk)
+        if text:
+            self.parts.append(text)
             self.text_chunks += 1
             if self.ttft_s is None:
                 self.ttft_s = now - self.started
@@ -232,20 +289,31 @@ async def _read_stream(response: aiohttp.ClientResponse, tally: StreamTally) -> 
         tally.done = True
 
 
-def request_body(config: BenchConfig, model: str, index: int) -> dict[str, Any]:
-    """The JSON body of request `index` (its seed, so that runs are repeatable)."""
+def request_body(
+    config: BenchConfig, model: str, index: int, history: Sequence[tuple[str, str]] = ()
+) -> dict[str, Any]:
+    """The JSON body of request `index` (its seed, so that runs are repeatable).
+
+    `history`: a conversation's earlier turns (question, reply), sent before this question.
+    """
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": config.max_tokens,
-        "temperature": 0.8,
+        "temperature": config.temperature,
         "seed": index,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if config.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": config.prompt}]
+        messages = [{"role": "system", "content": config.system}] if config.system else []
+        for question, reply in history:
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        body["messages"] = [*messages, {"role": "user", "content": config.prompt}]
+    elif config.users:  # a conversation, from its first turn on
+        turns = "".join(f"User: {q}\nAssistant: {a}\n" for q, a in history)
+        body["prompt"] = f"{config.system or ''}\n\n{turns}User: {config.prompt}\nAssistant:"
     else:
-        body["prompt"] = config.prompt
+        body["prompt"] = f"{config.system}\n\n{config.prompt}" if config.system else config.prompt
     if config.ignore_eos:
         body["ignore_eos"] = True
     if config.response_format is not None:
@@ -254,7 +322,11 @@ def request_body(config: BenchConfig, model: str, index: int) -> dict[str, Any]:
 
 
 async def one_request(
-    session: aiohttp.ClientSession, config: BenchConfig, model: str, index: int
+    session: aiohttp.ClientSession,
+    config: BenchConfig,
+    model: str,
+    index: int,
+    history: Sequence[tuple[str, str]] = (),
 ) -> RequestResult:
     """Send one streamed request and measure it; failures become an `error` label, never raise."""
     url = api_base(config.base_url) + ENDPOINT_PATHS[config.endpoint]
@@ -263,7 +335,7 @@ async def one_request(
     streaming = False
     try:
         async with session.post(
-            url, json=request_body(config, model, index), headers=_headers(config.key)
+            url, json=request_body(config, model, index, history), headers=_headers(config.key)
         ) as response:
             if not 200 <= response.status < 300:
                 return RequestResult(None, time.perf_counter() - started, 0, await _error_label(response))
@@ -279,7 +351,7 @@ async def one_request(
     latency = time.perf_counter() - started
     if not tally.done:
         return RequestResult(tally.ttft_s, latency, tally.tokens, TRUNCATED)
-    return RequestResult(tally.ttft_s, latency, tally.tokens)
+    return RequestResult(tally.ttft_s, latency, tally.tokens, text="".join(tally.parts), speed=tally.speed)
 
 
 async def first_model(session: aiohttp.ClientSession, config: BenchConfig) -> str:
@@ -320,11 +392,24 @@ async def run_bench(config: BenchConfig) -> BenchSummary:
                 raise BenchError(f"cannot reach {api_base(config.base_url)} (warm-up request failed)")
         indexes = iter(range(config.requests))
         results: list[RequestResult] = []
+        # Conversations: each user waits its turn in a round-robin line; a worker takes the
+        # user at its head, sends that user's next question after the earlier turns, and
+        # puts the user back at the end with the reply added.
+        line: asyncio.Queue[list[tuple[str, str]]] = asyncio.Queue()
+        for _ in range(config.users):
+            line.put_nowait([])
 
         async def worker() -> None:
             for index in indexes:  # one shared iterator: each index goes to exactly one worker
-                result = await one_request(session, config, model, index)
+                if not config.users:
+                    results.append(await one_request(session, config, model, index))
+                    continue
+                history = await line.get()
+                result = await one_request(session, config, model, index, history)
                 results.append(result)
+                if result.error is None:
+                    history.append((config.prompt, result.text))
+                line.put_nowait(history)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(config.concurrency)))
@@ -341,7 +426,9 @@ def format_text(s: BenchSummary, config: BenchConfig) -> str:
         (
             "requests",
             f"{s.ok} ok, {s.failed} failed of {s.requests} "
-            f"(concurrency {config.concurrency}, max_tokens {config.max_tokens})",
+            f"(concurrency {config.concurrency}, max_tokens {config.max_tokens}"
+            + (f", {config.users} users" if config.users else "")
+            + ")",
         ),
         ("wall time", f"{s.wall_s:.3f} s"),
         ("completion tokens", str(s.tokens)),
@@ -351,6 +438,11 @@ def format_text(s: BenchSummary, config: BenchConfig) -> str:
         ("latency p50 / p95", f"{_seconds(s.latency_p50_s)} / {_seconds(s.latency_p95_s)} s"),
         ("errors", ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())) or "none"),
     ]
+    if s.drafted_tokens is not None and s.accepted_tokens is not None:
+        rate = f" ({s.accepted_tokens / s.drafted_tokens:.0%})" if s.drafted_tokens else ""
+        rows.append(("drafts accepted", f"{s.accepted_tokens} of {s.drafted_tokens}{rate}"))
+    if s.cached_prompt_tokens is not None:
+        rows.append(("cached prompt tokens", str(s.cached_prompt_tokens)))
     width = max(len(label) for label, _ in rows) + 2
     return "\n".join(f"{label:<{width}}{value}" for label, value in rows)
 
@@ -361,6 +453,36 @@ def format_json(s: BenchSummary) -> str:
         k: None if isinstance(v, float) and math.isnan(v) else v for k, v in dataclasses.asdict(s).items()
     }
     return json.dumps(figures)
+
+
+def _read_text(path: Path, option: str) -> str:
+    """A prompt file's text: a small regular UTF-8 file, not empty."""
+    try:
+        text = read_regular(path, MAX_PROMPT_BYTES).decode("utf-8")
+    except UnsuitableFile as exc:
+        raise CommandError(f"{option}: {exc}") from None
+    except OSError as exc:
+        raise CommandError(f"{option}: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CommandError(f"{option}: {path} is not UTF-8 text") from None
+    if not text.strip():
+        raise CommandError(f"{option}: {path} is empty")
+    return text
+
+
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a finite number from `low` to `high`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not low <= value <= high:  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be a number from {low:g} to {high:g}, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -387,7 +509,28 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument(
         "-m", "--max-tokens", type=positive_int, default=64, help="max_tokens per request (default 64)"
     )
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    prompt.add_argument("--prompt-file", type=Path, metavar="FILE", help="read the prompt text from FILE")
+    p.add_argument(
+        "--system-file",
+        type=Path,
+        metavar="FILE",
+        help="a system prompt every request starts with (chat: a system message), to measure prompt reuse",
+    )
+    p.add_argument(
+        "--users",
+        type=int_at_least(0),
+        default=0,
+        help="closed-loop users holding conversations, served round-robin by the concurrent "
+        "streams: each request carries its user's earlier turns (default 0: fresh prompts)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float_in(0.0, 2.0),
+        default=0.8,
+        help="sampling temperature (default 0.8; 0 for greedy, as speculation benchmarks use)",
+    )
     p.add_argument(
         "--endpoint",
         choices=tuple(ENDPOINT_PATHS),
@@ -444,18 +587,27 @@ def run(args: argparse.Namespace) -> int:
             print(f"edgellmctl bench: cannot read the JSON schema {args.json_schema}: {exc}", file=sys.stderr)
             return 2
         response_format = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+    try:
+        prompt = args.prompt if args.prompt_file is None else _read_text(args.prompt_file, "--prompt-file")
+        system = None if args.system_file is None else _read_text(args.system_file, "--system-file")
+    except CommandError as exc:
+        print(f"edgellmctl bench: {exc}", file=sys.stderr)
+        return 2
     config = BenchConfig(
         base_url=args.url,
         model=args.model,
         concurrency=args.concurrency,
         requests=args.requests,
         max_tokens=args.max_tokens,
-        prompt=args.prompt,
+        prompt=prompt,
         endpoint=args.endpoint,
         key=key,
         warmup=args.warmup,
         ignore_eos=args.ignore_eos,
         response_format=response_format,
+        temperature=args.temperature,
+        system=system,
+        users=args.users,
     )
     try:
         summary = asyncio.run(run_bench(config))

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
+from tests.tools import TIME_NAME, TIME_PARAMETERS, WEATHER_DESCRIPTION, WEATHER_NAME, WEATHER_PARAMETERS
 
 # A chat template with tool support, in the Hugging Face dialect (tools listed in the system
 # turn, assistant tool calls and tool results rendered as their own turns).
@@ -32,32 +33,9 @@ TOOLS_TEMPLATE = (
 # Any: the openai client's TypedDict parameters would need every literal spelled out.
 WEATHER: Any = {
     "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                "celsius": {"type": "boolean"},
-            },
-            "required": ["city", "celsius"],
-            "additionalProperties": False,
-        },
-    },
+    "function": {"name": WEATHER_NAME, "description": WEATHER_DESCRIPTION, "parameters": WEATHER_PARAMETERS},
 }
-TIME: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "integer"}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
+TIME: Any = {"type": "function", "function": {"name": TIME_NAME, "parameters": TIME_PARAMETERS}}
 ASK: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 

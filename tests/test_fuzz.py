@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Final
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -52,6 +52,10 @@ PATHS = st.sampled_from(
     [
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
+        "/v1/responses/resp_00000000000000000000000000000000",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v1/models",
         "/healthz",
         "/readyz",
@@ -81,12 +85,18 @@ def _send(
             return exc.code, exc.read()
 
 
-def _check(status: int, payload: bytes) -> None:
+def _check(status: int, payload: bytes, path: str = "") -> None:
+    """No 5xx; a 4xx in OpenAI's envelope, or under /v1/messages in Anthropic's."""
     assert status < 500, payload[:300]
     if status >= 400:
         body: Any = json.loads(payload)
         error = body["error"]
-        assert set(error) == {"message", "type", "param", "code"}
+        if path == "/v1/messages" or path.startswith("/v1/messages/"):
+            assert set(body) == {"type", "error"}
+            assert body["type"] == "error"
+            assert set(error) == {"type", "message"}
+        else:
+            assert set(error) == {"message", "type", "param", "code"}
         assert isinstance(error["message"], str)
         assert error["message"]
 
@@ -99,7 +109,7 @@ def test_random_request_bodies(daemon: RunningDaemon, body: dict[str, Any], path
     else:
         body["max_tokens"] = 2
     raw = json.dumps(body).encode()
-    _check(*_send(daemon, "POST", path, raw, {"Content-Type": "application/json"}))
+    _check(*_send(daemon, "POST", path, raw, {"Content-Type": "application/json"}), path)
 
 
 @FUZZ
@@ -128,7 +138,7 @@ def test_random_headers_methods_and_paths(
     daemon: RunningDaemon, headers: dict[str, str], method: str, path: str
 ) -> None:
     body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1}).encode() if method != "GET" else None
-    _check(*_send(daemon, method, path, body, headers))
+    _check(*_send(daemon, method, path, body, headers), path)
 
 
 # Every Unicode category, lone surrogates included (json.dumps writes them as \\udXXX escapes,
@@ -192,6 +202,224 @@ def test_bodies_with_any_unicode_and_odd_digits(
         body["prompt"] = next((m["content"] for m in body.pop("messages", [])), "x") or "x"
     raw = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\udXXX escapes
     _check(*_send(daemon, "POST", path, raw, {"Content-Type": "application/json"}))
+
+
+# Responses-shaped bodies: every input item type (and a few that are not), tools of every kind,
+# text formats, metadata past its limits, ids of every shape; most fields well-formed, so that
+# many bodies get as far as the model, one field at a time hostile.
+def _or_hostile(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    # one in five hostile (one_of would draw each branch alike: a weight needs a draw of its own)
+    return st.sampled_from((False, False, False, False, True)).flatmap(
+        lambda hostile: ANY_TEXT | JSON if hostile else valid
+    )
+
+
+PARTS = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "input_text", "output_text", "refusal", "input_image", "bogus"])},
+    optional={"text": _or_hostile(ANY_TEXT), "refusal": ANY_TEXT},
+)
+MESSAGES = st.fixed_dictionaries(
+    {
+        "role": _or_hostile(st.sampled_from(["user", "assistant", "system", "developer"])),
+        "content": _or_hostile(ANY_TEXT | st.lists(PARTS, max_size=3)),
+    },
+    optional={"type": st.just("message"), "id": ANY_TEXT, "status": ANY_TEXT},
+)
+CALL_PAIRS = st.tuples(ANY_TEXT | st.just("c1"), st.sampled_from(["f", "get_weather"]) | ANY_TEXT).map(
+    lambda c: [
+        {"type": "function_call", "call_id": c[0], "name": c[1], "arguments": '{"a": 1}'},
+        {"type": "function_call_output", "call_id": c[0], "output": "ok"},
+    ]
+)
+OTHER_ITEMS = st.fixed_dictionaries(
+    {"type": st.sampled_from(["reasoning", "item_reference", "web_search_call", "mcp_call", "bogus"])},
+    optional={"summary": JSON, "id": ANY_TEXT, "call_id": ANY_TEXT, "output": JSON, "arguments": JSON},
+)
+ITEMS = st.lists(
+    st.one_of(
+        MESSAGES.map(lambda m: [m]), MESSAGES.map(lambda m: [m]), CALL_PAIRS, OTHER_ITEMS.map(lambda i: [i])
+    ),
+    min_size=1,
+    max_size=3,
+).map(lambda groups: [item for group in groups for item in group])
+RESPONSES_TOOLS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(
+                ["function", "function", "web_search", "file_search", "mcp", "custom", "x"]
+            ),
+            "name": st.sampled_from(["f", "get_weather"]) | ANY_TEXT,
+        },
+        optional={
+            "parameters": _or_hostile(st.just({"type": "object", "properties": {"a": {"type": "integer"}}})),
+            "strict": st.booleans() | JSON,
+            "description": ANY_TEXT,
+        },
+    ),
+    max_size=2,
+)
+FORMATS = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema", "yaml"])},
+    optional={
+        "name": st.just("out") | ANY_TEXT,
+        "schema": _or_hostile(st.just({"type": "object", "properties": {"a": {"type": "boolean"}}})),
+        "strict": st.booleans(),
+    },
+)
+RESPONSES_BODIES = st.fixed_dictionaries(
+    {"model": _or_hostile(st.just("tiny")), "input": _or_hostile(ANY_TEXT | ITEMS)},
+    optional={
+        "instructions": _or_hostile(ANY_TEXT),
+        "tools": _or_hostile(RESPONSES_TOOLS),
+        "tool_choice": _or_hostile(
+            st.sampled_from(["auto", "none", "required"])
+            | st.fixed_dictionaries(
+                {"type": st.sampled_from(["function", "allowed_tools"]), "name": ANY_TEXT}
+            )
+        ),
+        "parallel_tool_calls": _or_hostile(st.booleans()),
+        "text": _or_hostile(
+            st.fixed_dictionaries(
+                {}, optional={"format": FORMATS, "verbosity": _or_hostile(st.sampled_from(["low", "high"]))}
+            )
+        ),
+        "metadata": _or_hostile(st.dictionaries(ANY_TEXT, ANY_TEXT, max_size=20)),
+        "previous_response_id": _or_hostile(st.just("resp_" + "0" * 32)),
+        "store": _or_hostile(st.booleans()),
+        "stream": st.booleans(),
+        "temperature": _or_hostile(st.floats(0, 2)),
+        "reasoning": _or_hostile(
+            st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "x"])})
+        ),
+        "include": _or_hostile(
+            st.lists(
+                st.sampled_from(["reasoning.encrypted_content", "message.output_text.logprobs"]), max_size=2
+            )
+        ),
+        "truncation": _or_hostile(st.sampled_from(["auto", "disabled"])),
+        "user": _or_hostile(ANY_TEXT),
+    },
+)
+
+
+@FUZZ
+@given(body=RESPONSES_BODIES)
+def test_responses_shaped_bodies(daemon: RunningDaemon, body: dict[str, Any]) -> None:
+    body["max_output_tokens"] = 2  # keep generations short
+    raw = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\udXXX escapes
+    _check(*_send(daemon, "POST", "/v1/responses", raw, {"Content-Type": "application/json"}))
+
+
+# Messages-shaped bodies (Anthropic): every content block type (and some that are not), tools
+# custom and typed, every tool_choice; most fields well-formed, one at a time hostile.
+ANTHROPIC_BLOCKS = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(
+            ["text", "text", "tool_use", "tool_result", "thinking", "image", "document", "bogus"]
+        )
+    },
+    optional={
+        "text": _or_hostile(ANY_TEXT),
+        "id": _or_hostile(st.just("toolu_1")),
+        "name": _or_hostile(st.sampled_from(["get_weather", "f"])),
+        "input": _or_hostile(st.just({"city": "Oslo"})),
+        "tool_use_id": _or_hostile(st.just("toolu_1")),
+        "content": _or_hostile(
+            ANY_TEXT
+            | st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]), "text": ANY_TEXT}),
+                max_size=2,
+            )
+        ),
+        "is_error": _or_hostile(st.booleans()),
+        "thinking": ANY_TEXT,
+        "signature": ANY_TEXT,
+        "cache_control": _or_hostile(st.just({"type": "ephemeral"})),
+    },
+)
+ANTHROPIC_MESSAGES = st.tuples(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "assistant"] * 4 + ["system"]),
+                "content": _or_hostile(ANY_TEXT | st.lists(ANTHROPIC_BLOCKS, max_size=3)),
+            }
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.booleans(),
+).map(lambda m: [*m[0], {"role": "user", "content": "go"}] if m[1] else m[0])  # mostly a user's turn last
+ANTHROPIC_TOOLS = st.lists(
+    st.fixed_dictionaries(
+        {"name": _or_hostile(st.sampled_from(["get_weather", "f"]))},
+        optional={
+            "type": st.sampled_from(["custom", "web_search_20250305", "bash_20250124", "x"]),
+            "description": ANY_TEXT,
+            "input_schema": _or_hostile(
+                st.just({"type": "object", "properties": {"city": {"type": "string"}}})
+            ),
+        },
+    ),
+    max_size=2,
+)
+MESSAGES_BODIES = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from(["tiny", "tiny", "tiny", "nope"]),
+        "messages": _or_hostile(ANTHROPIC_MESSAGES),
+    },
+    optional={
+        "system": _or_hostile(
+            ANY_TEXT
+            | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": ANY_TEXT}), max_size=2)
+        ),
+        "tools": _or_hostile(ANTHROPIC_TOOLS),
+        "tool_choice": _or_hostile(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                optional={"name": _or_hostile(st.just("get_weather")), "disable_parallel_tool_use": JSON},
+            )
+        ),
+        "stop_sequences": _or_hostile(st.lists(ANY_TEXT, max_size=3)),
+        "temperature": _or_hostile(st.floats(0, 1)),
+        "top_p": _or_hostile(st.floats(0, 1)),
+        "top_k": _or_hostile(st.integers(0, 100)),
+        "metadata": _or_hostile(st.fixed_dictionaries({}, optional={"user_id": ANY_TEXT})),
+        "stream": st.booleans(),
+        "thinking": _or_hostile(
+            st.sampled_from([{"type": "disabled"}, {"type": "adaptive"}, {"type": "disabled"}])
+            | st.fixed_dictionaries(
+                {"type": st.sampled_from(["enabled", "adaptive", "x"])},
+                optional={"budget_tokens": st.integers(0, 4096) | JSON},
+            )
+        ),
+        "output_config": _or_hostile(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "format": st.fixed_dictionaries(
+                        {"type": st.sampled_from(["json_schema", "x"])},
+                        optional={"schema": _or_hostile(st.just({"type": "string", "maxLength": 2}))},
+                    ),
+                    "effort": JSON,
+                },
+            )
+        ),
+        "service_tier": _or_hostile(st.sampled_from(["auto", "standard_only"])),
+    },
+)
+_GENERATING: Final = ("max_tokens", "stream", "stop_sequences", "temperature", "top_p", "top_k", "metadata")
+
+
+@FUZZ
+@given(body=MESSAGES_BODIES, path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]))
+def test_messages_shaped_bodies(daemon: RunningDaemon, body: dict[str, Any], path: str) -> None:
+    if path == "/v1/messages":
+        body["max_tokens"] = 2  # keep generations short
+    else:  # count_tokens takes the body without what generates
+        body = {k: v for k, v in body.items() if k not in (*_GENERATING, "service_tier")}
+    raw = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\udXXX escapes
+    _check(*_send(daemon, "POST", path, raw, {"Content-Type": "application/json"}), path)
 
 
 def test_the_daemon_is_ready_after_the_fuzzing(daemon: RunningDaemon) -> None:

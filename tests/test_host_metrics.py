@@ -18,6 +18,7 @@ from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import read_gpus
 from edgellmd.models.registry import Registry
 from tests import fakenvml
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
 from tests.test_monitoring_assets import CONTRACT, HISTOGRAMS
 
@@ -193,6 +194,7 @@ def test_every_contract_name_is_exported_with_a_gpu(tmp_path: Path) -> None:
         "edgellm_model_state",
         "edgellm_reloads_total",
         "edgellm_queue_rejections_total",
+        *(name for name in CONTRACT if "draft" in name or "prompt_cache" in name),
     }  # need a configured model: covered above
     assert wanted - exported - model_series == set()
     samples = parse(metrics.render().decode())
@@ -217,3 +219,66 @@ def test_a_lost_gpu_reads_as_down(tmp_path: Path) -> None:
     assert value(samples, "edgellm_gpu_up", gpu="1", name="NVIDIA H200") == 1
     used = {dict(labels)["gpu"] for name, labels in samples if name == "edgellm_gpu_memory_used_bytes"}
     assert used == {"1"}
+
+
+def test_speculation_and_prompt_cache_reach_status_and_metrics(tmp_path: Path) -> None:
+    """The model's speed settings reach its engine; what they did shows in /admin/status and /metrics."""
+    # Heads of 32 values: a q8_0 KV cache stores them in blocks of 32.
+    model = write_tiny_model(tmp_path / "wide.gguf", TinyModelSpec(seed=2, n_embd=128, n_head=4))
+    settings = settings_for(
+        [
+            {
+                "name": "fast",
+                "file": str(model),
+                "slots": 1,
+                "context_size": 1024,
+                "threads": 1,
+                "cache_type_k": "q8_0",
+                "prompt_cache_mb": 32,
+                "speculative": {"mode": "ngram", "max_draft": 4},
+            }
+        ],
+        lifecycle={"watch": False},
+    )
+    shared = "rules of the house: " + "be brief and be right. " * 10
+    with running(settings) as daemon:
+        usages = []
+        for prompt in (
+            shared + "first: be brief and",
+            "something else entirely " * 10,
+            shared + "second: be brief and",
+        ):
+            body = {"model": "fast", "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+            status, reply = daemon.post("/v1/completions", body)
+            assert status == 200, reply
+            usages.append(reply["usage"])
+        status, admin = daemon.get("/admin/status")
+        assert status == 200, admin
+        perf = admin["models"][0]["performance"]
+        samples = scrape(daemon)
+    assert perf["kv_cache"] == {"type_k": "q8_0", "type_v": "f16", "flash_attention": "auto"}
+    assert perf["speculative"]["mode"] == "ngram"
+    # Greedy decoding of a tiny model falls into a loop: the drafter finds n-grams to propose.
+    assert perf["speculative"]["drafted_tokens"] > 0
+    assert 0 <= perf["speculative"]["accepted_tokens"] <= perf["speculative"]["drafted_tokens"]
+    cache = perf["prompt_cache"]
+    # The third prompt starts as the first did; the slot held the second by then: a restore.
+    assert cache["hits"] == 1, cache
+    assert cache["restored_tokens"] >= 128
+    assert 0 < cache["used_bytes"] <= 32 * 1024 * 1024
+    for name, key in (
+        ("edgellm_draft_tokens_total", "drafted_tokens"),
+        ("edgellm_draft_accepted_tokens_total", "accepted_tokens"),
+    ):
+        assert value(samples, name, model="fast") == perf["speculative"][key]
+    assert value(samples, "edgellm_prompt_cache_hits_total", model="fast") == 1
+    # Each reply says what its request got, in OpenAI's usage details.
+    assert usages[2]["prompt_tokens_details"]["cached_tokens"] == cache["restored_tokens"]
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] < 16  # shares only the BOS and a byte or so
+    details = [u["completion_tokens_details"] for u in usages]
+    assert sum(d["accepted_prediction_tokens"] for d in details) == perf["speculative"]["accepted_tokens"]
+    assert (
+        sum(d["accepted_prediction_tokens"] + d["rejected_prediction_tokens"] for d in details)
+        == perf["speculative"]["drafted_tokens"]
+    )
+    assert value(samples, "edgellm_prompt_cache_bytes", model="fast") == cache["used_bytes"]

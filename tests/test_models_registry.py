@@ -124,3 +124,42 @@ async def test_a_touched_file_whose_bytes_changed_is_refused_without_a_load(
 
 def test_the_metrics_know_every_model_state() -> None:
     assert sorted(STATES) == sorted(s.value for s in ModelState)
+
+
+async def test_a_reloaded_model_starts_with_an_empty_prompt_cache(box: Box, aiohttp_client: Any) -> None:
+    """KV states belong to the weights that made them: a new version never restores an old one's."""
+    box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=11)))})
+    models = [{"name": MODEL, "threads": 1, "context_size": 512, "slots": 1, "prompt_cache_mb": 16}]
+    app: web.Application = create_app(box.settings(models, watch=False), engine_factory=CountingFactory())
+    client = await aiohttp_client(app)
+    registry = app[appkeys.REGISTRY]
+    await _until(registry.ready_handles, "the first load")
+    shared = "A long shared system prompt for every request. " * 4
+    first, second = shared + "First?", "Another prompt that takes the only slot. " * 4
+
+    async def complete(prompt: str) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        answer = await client.post("/v1/completions", json=body)
+        assert answer.status == 200, await answer.text()
+        return str((await answer.json())["choices"][0]["text"])
+
+    def cache_of(handle: Any) -> Any:
+        assert handle.engine.prompt_cache is not None
+        return handle.engine.prompt_cache
+
+    old = registry.get(MODEL)
+    await complete(first)
+    await complete(second)
+    assert cache_of(old).covers(old.engine.tokenize(first))  # kept: ready to be restored
+    box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=12)))})
+    answer = await client.post("/admin/reload", json={})
+    assert [r["result"] for r in (await answer.json())["results"]] == ["loaded"]
+    new = registry.get(MODEL)
+    assert new is not old
+    assert not cache_of(new).entries
+    after = await complete(first)
+    assert cache_of(new).stats.hits == 0  # prefilled from scratch on the new weights
+    assert cache_of(new).stats.misses >= 1
+    await complete(second)
+    assert await complete(first) == after  # now restored from the new version's own cache
+    assert cache_of(new).stats.hits == 1

@@ -10,7 +10,7 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +22,7 @@ from pytest_aiohttp import AiohttpServer
 
 from edgellmctl import bench
 from edgellmctl.__main__ import main
-from edgellmctl.bench import BenchConfig, RequestResult, percentile, run_bench, summarize
+from edgellmctl.bench import BenchConfig, RequestResult, percentile, request_body, run_bench, summarize
 from edgellmctl.cli import Parser
 from tests.serving import RunningDaemon
 
@@ -41,6 +41,9 @@ SUMMARY_KEYS: Final = {
     "latency_p50_s",
     "latency_p95_s",
     "errors",
+    "drafted_tokens",
+    "accepted_tokens",
+    "cached_prompt_tokens",
 }
 
 
@@ -63,6 +66,8 @@ class FakeOpenAI:
     request_delay: float = 0.0  # before the status line
     usage_tokens: int | None = None  # None: the number of text chunks
     send_usage: bool = True
+    usage_details: dict[str, Any] | None = None  # merged into the usage chunk (edgellmd, OpenAI)
+    timings: dict[str, Any] | None = None  # sent in the final chunk, as llama-server does
     key: str | None = None
     fail: dict[int, tuple[int, str | None]] = field(default_factory=dict)  # seed -> status, error type
     truncate: set[int] = field(default_factory=set)  # clean end of body without [DONE]
@@ -141,7 +146,10 @@ class FakeOpenAI:
                 if chat
                 else {"index": 0, "text": "", "finish_reason": "length"}
             )
-            await send(response, {"choices": [final]})
+            last: dict[str, Any] = {"choices": [final]}
+            if self.timings is not None:
+                last["timings"] = self.timings
+            await send(response, last)
             if self.send_usage and body.get("stream_options", {}).get("include_usage"):
                 tokens = self.chunks if self.usage_tokens is None else self.usage_tokens
                 await send(
@@ -152,6 +160,7 @@ class FakeOpenAI:
                             "prompt_tokens": 3,
                             "completion_tokens": tokens,
                             "total_tokens": 3 + tokens,
+                            **(self.usage_details or {}),
                         },
                     },
                 )
@@ -503,9 +512,9 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert (figures["requests"], figures["ok"], figures["failed"], figures["tokens"]) == (3, 2, 1, 6)
     assert figures["errors"] == {"truncated": 1}
     assert figures["tokens_per_s"] == pytest.approx(6 / figures["wall_s"])
-    assert all(
-        isinstance(figures[k], float) for k in SUMMARY_KEYS - {"requests", "ok", "failed", "tokens", "errors"}
-    )
+    counts = {"requests", "ok", "failed", "tokens", "errors", "drafted_tokens", "accepted_tokens"}
+    assert all(isinstance(figures[k], float) for k in SUMMARY_KEYS - counts - {"cached_prompt_tokens"})
+    assert figures["drafted_tokens"] is None  # the fake reports no speculation
 
 
 @pytest.fixture(autouse=True)
@@ -596,6 +605,11 @@ def test_dead_server_exits_1_with_a_message(argv: list[str], capsys: pytest.Capt
         (["-m", "many"], "--max-tokens"),
         (["--warmup", "-1"], "--warmup"),
         (["--endpoint", "embeddings"], "--endpoint"),
+        (["--temperature", "2.5"], "--temperature"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--temperature", "warm"], "--temperature"),
+        (["--users", "-1"], "--users"),
+        (["--prompt", "a", "--prompt-file", "p.txt"], "not allowed with argument"),
     ],
 )
 def test_bad_numbers_exit_2(argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -736,3 +750,160 @@ def test_unknown_model_on_edgellmd(daemon: RunningDaemon, capsys: pytest.Capture
     captured = capsys.readouterr()
     assert "404 invalid_request_error: 3" in captured.out
     assert "every request" in captured.err
+
+
+# --- conversations, prompt files, speed figures ---------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_users_hold_conversations_round_robin(endpoint: str, aiohttp_server: AiohttpServer) -> None:
+    fake = FakeOpenAI(chunks=2)
+    url = await started(fake, aiohttp_server)
+    s = await run_bench(
+        config(
+            url, model=MODEL, concurrency=2, requests=7, users=3, endpoint=endpoint, system="S!", prompt="Q?"
+        )
+    )
+    assert s.ok == 7
+    reply = "tok0 tok1 "
+    if endpoint == "chat":
+        turns = sorted((len(x.body["messages"]) - 2) // 2 for x in fake.seen)
+        for x in fake.seen:
+            messages = x.body["messages"]
+            assert messages[0] == {"role": "system", "content": "S!"}
+            assert messages[-1] == {"role": "user", "content": "Q?"}
+            assert all(m == {"role": "assistant", "content": reply} for m in messages[2:-1:2])
+    else:
+        turns = sorted(x.body["prompt"].count("Assistant: tok0") for x in fake.seen)
+        assert all(x.body["prompt"].startswith("S!\n\n") for x in fake.seen)
+        assert all(x.body["prompt"].endswith("User: Q?\nAssistant:") for x in fake.seen)
+    # Three users, seven requests: each user's first turn, then each one's second, then one third.
+    assert turns == [0, 0, 0, 1, 1, 1, 2]
+
+
+async def test_fewer_users_than_streams_limit_the_streams(aiohttp_server: AiohttpServer) -> None:
+    fake = FakeOpenAI(chunks=1, request_delay=0.05)
+    url = await started(fake, aiohttp_server)
+    s = await run_bench(config(url, model=MODEL, concurrency=4, requests=6, users=2))
+    assert s.ok == 6
+    assert fake.max_active == 2  # a user waits for its reply before its next turn
+
+
+async def test_a_failed_turn_is_not_added_to_the_conversation(aiohttp_server: AiohttpServer) -> None:
+    fake = FakeOpenAI(chunks=1, fail={0: (500, "server_error")})
+    url = await started(fake, aiohttp_server)
+    s = await run_bench(config(url, model=MODEL, requests=3, users=1, endpoint="chat"))
+    assert (s.ok, s.failed) == (2, 1)
+    assert [len(x.body["messages"]) for x in fake.seen] == [1, 1, 3]
+
+
+def test_a_system_prompt_alone_leads_every_fresh_prompt() -> None:
+    body = request_body(BenchConfig("http://x", "m", 1, 1, 4, prompt="Q", system="S"), "m", 0)
+    assert body["prompt"] == "S\n\nQ"
+    chat = request_body(
+        BenchConfig("http://x", "m", 1, 1, 4, prompt="Q", system="S", endpoint="chat"), "m", 0
+    )
+    assert chat["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+
+
+@pytest.mark.parametrize(
+    ("fake", "drafted", "accepted", "cached"),
+    [
+        pytest.param(
+            FakeOpenAI(
+                usage_details={
+                    "prompt_tokens_details": {"cached_tokens": 100},
+                    "completion_tokens_details": {
+                        "accepted_prediction_tokens": 6,
+                        "rejected_prediction_tokens": 2,
+                    },
+                }
+            ),
+            24,
+            18,
+            300,
+            id="openai-usage-details",
+        ),
+        pytest.param(
+            FakeOpenAI(timings={"draft_n": 5, "draft_n_accepted": 4, "cache_n": 7}),
+            15,
+            12,
+            21,
+            id="llama-server",
+        ),
+        pytest.param(FakeOpenAI(), None, None, None, id="neither"),
+        pytest.param(
+            FakeOpenAI(timings={"draft_n": "5", "draft_n_accepted": True, "cache_n": -3}), 0, 0, 0, id="junk"
+        ),
+    ],
+)
+async def test_speed_figures_come_from_what_the_server_reports(
+    fake: FakeOpenAI,
+    drafted: int | None,
+    accepted: int | None,
+    cached: int | None,
+    aiohttp_server: AiohttpServer,
+) -> None:
+    url = await started(fake, aiohttp_server)
+    s = await run_bench(config(url, model=MODEL, requests=3))
+    assert (s.drafted_tokens, s.accepted_tokens, s.cached_prompt_tokens) == (drafted, accepted, cached)
+
+
+def test_text_report_shows_the_acceptance_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    fake = FakeOpenAI(timings={"draft_n": 8, "draft_n_accepted": 6, "cache_n": 10})
+    with serving(fake) as url:
+        assert cli(["--url", url, "-n", "2", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^drafts accepted\s+12 of 16 \(75%\)$", out, re.MULTILINE), out
+    assert re.search(r"^cached prompt tokens\s+20$", out, re.MULTILINE), out
+    with serving(FakeOpenAI()) as url:
+        assert cli(["--url", url, "-n", "1", "--warmup", "0"]) == 0
+    assert "drafts accepted" not in capsys.readouterr().out  # nothing reported, nothing printed
+
+
+def test_prompt_and_system_files_are_read(tmp_path: Path) -> None:
+    (tmp_path / "p.txt").write_text("Rewrite this: héllo", encoding="utf-8")
+    (tmp_path / "s.txt").write_text("You are terse.", encoding="utf-8")
+    fake = FakeOpenAI(chunks=1)
+    with serving(fake) as url:
+        argv = ["--url", url, "-n", "1", "--warmup", "0", "--endpoint", "chat", "--temperature", "0"]
+        assert (
+            cli([*argv, "--prompt-file", str(tmp_path / "p.txt"), "--system-file", str(tmp_path / "s.txt")])
+            == 0
+        )
+    assert fake.seen[0].body["messages"] == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Rewrite this: héllo"},
+    ]
+    assert fake.seen[0].body["temperature"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("make", "complaint"),
+    [
+        (lambda d: d / "missing.txt", "cannot read"),
+        (lambda d: d, "not a regular file"),
+        (lambda d: _write(d / "empty.txt", b" \n"), "is empty"),
+        (lambda d: _write(d / "latin1.txt", b"caf\xe9"), "is not UTF-8 text"),
+    ],
+)
+@pytest.mark.parametrize("option", ["--prompt-file", "--system-file"])
+def test_unusable_prompt_files_exit_2(
+    make: Callable[[Path], Path],
+    complaint: str,
+    option: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fake = FakeOpenAI()
+    with serving(fake) as url:
+        assert cli(["--url", url, "-n", "1", option, str(make(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"edgellmctl bench: {option}: "), err
+    assert complaint in err
+    assert not fake.seen
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path

@@ -17,8 +17,10 @@ from edgellmd.settings import (
     LockSettings,
     LoggingSettings,
     ModelSettings,
+    ResponsesSettings,
     ServerSettings,
     Settings,
+    SpeculativeSettings,
     check_config,
     load_settings,
     parse_settings,
@@ -119,6 +121,12 @@ models:
     chat_template: gemma
     queue_size: 4
     evictable: true
+    cache_type_k: q8_0
+    cache_type_v: q4_0
+    flash_attention: "on"
+    prompt_cache_mb: 256
+    speculative: {mode: ngram, max_draft: 12, ngram_min: 3, ngram_max: 5, max_sequences: 4}
+    reasoning: deepseek
   - name: Tiny-1.0_b
     file: /srv/models/tiny.gguf
     chat_template_file: templates/tiny.jinja
@@ -142,6 +150,9 @@ host:
   cpus: 0-3,8
   gpu_poll_s: 2.5
   gpu_headroom_mb: 2048
+responses:
+  store_max_responses: 50
+  store_max_mb: 8
 """
 
 
@@ -180,6 +191,14 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 chat_template="gemma",
                 queue_size=4,
                 evictable=True,
+                cache_type_k="q8_0",
+                cache_type_v="q4_0",
+                flash_attention="on",
+                prompt_cache_mb=256,
+                speculative=SpeculativeSettings(
+                    mode="ngram", max_draft=12, ngram_min=3, ngram_max=5, max_sequences=4
+                ),
+                reasoning="deepseek",
             ),
             ModelSettings(
                 name="Tiny-1.0_b",
@@ -200,6 +219,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             memory_budget_mb=4096,
         ),
         host=HostSettings(cpus="0-3,8", gpu_poll_s=2.5, gpu_headroom_mb=2048),
+        responses=ResponsesSettings(store_max_responses=50, store_max_mb=8),
         source=tmp_path / "edgellm.yaml",
     )
 
@@ -214,6 +234,8 @@ def test_full_config_sets_every_field_away_from_its_default(tmp_path: Path) -> N
         (settings.auth, defaults.auth),
         (settings.lifecycle, defaults.lifecycle),
         (settings.host, defaults.host),
+        (settings.responses, defaults.responses),
+        (settings.models[0].speculative, defaults.models[0].speculative),
     ]
     for got, default in sections:
         for field in dataclasses.fields(got):
@@ -466,8 +488,28 @@ BAD: list[tuple[str, Any, str, str]] = [
      "must be a non-empty string"),
     ("both-templates", with_model(chat_template="gemma", chat_template_file="t.jinja"),
      "models[0].chat_template", "cannot be combined with models[0].chat_template_file"),
+    ("kv-type-unknown", with_model(cache_type_k="q5_1"), "models[0].cache_type_k",
+     "must be one of f16, q8_0, q4_0, got 'q5_1'"),
+    ("kv-quantized-values-without-flash", with_model(cache_type_v="q8_0", flash_attention="off"),
+     "models[0].cache_type_v", "q8_0 values need flash attention; flash_attention is off"),
+    ("flash-attention-bool", with_model(flash_attention=True), "models[0].flash_attention", "got True"),
+    ("prompt-cache-negative", with_model(prompt_cache_mb=-1), "models[0].prompt_cache_mb", "got -1"),
+    ("prompt-cache-on-embedding", with_model(embedding=True, prompt_cache_mb=64),
+     "models[0].prompt_cache_mb", "an embedding model keeps no prompt cache"),
+    ("speculative-mode-unknown", with_model(speculative={"mode": "eagle"}), "models[0].speculative.mode",
+     "got 'eagle'"),
+    ("speculative-not-mapping", with_model(speculative="ngram"), "models[0].speculative", "got 'ngram'"),
+    ("speculative-unknown-key", with_model(speculative={"draft_model": "x.gguf"}),
+     "models[0].speculative.draft_model", "unknown key"),
+    ("speculative-draft-zero", with_model(speculative={"max_draft": 0}), "models[0].speculative.max_draft",
+     "got 0"),
+    ("speculative-ngram-inverted", with_model(speculative={"ngram_min": 4, "ngram_max": 2}),
+     "models[0].speculative.ngram_min", "4 is more than ngram_max (2)"),
+    ("speculative-on-embedding", with_model(embedding=True, speculative={"mode": "ngram"}),
+     "models[0].speculative.mode", "an embedding model generates no text to draft"),
     ("model-unknown-key", with_model(n_ctx=2048), "models[0].n_ctx",
-     "unknown key (expected one of batch_size, chat_template, chat_template_file"),
+     "unknown key (expected one of batch_size, cache_type_k, cache_type_v, chat_template, "
+     "chat_template_file"),
     ("model-not-mapping", {"models": ["tiny.gguf"], "lock": UL}, "models[0]",
      "must be a mapping with keys name, file, context_size"),
     ("duplicate-names",
@@ -490,10 +532,12 @@ BAD: list[tuple[str, Any, str, str]] = [
      "logging.file", "unknown key (expected one of format, level)"),
     # top level and file
     ("top-unknown-key", {**with_model(), "servers": {}}, "servers",
-     "unknown key (expected one of auth, host, lifecycle, lock, logging, models, server)"),
+     "unknown key (expected one of auth, console, host, lifecycle, lock, logging, models, "
+     "responses, server)"),
     ("top-non-string-key", "1: one\n" + MINIMAL, "1", "unknown key"),
     ("top-level-list", "- name: tiny\n  file: tiny.gguf\n", "(top level)",
-     "must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, got [{"),
+     "must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, responses, "
+     "console, got [{"),
     ("top-level-string", "just text\n", "(top level)", "got 'just text'"),
     ("empty-file", "", "{file}", "config file is empty"),
     ("comments-only", "# nothing yet\n", "{file}", "config file is empty"),
@@ -654,7 +698,7 @@ def test_parse_settings_rejects_non_mapping_data(tmp_path: Path) -> None:
 
     assert caught.value.problems == [
         "(top level): must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, "
-        "got None"
+        "responses, console, got None"
     ]
 
 

@@ -19,11 +19,7 @@ from edgellmd.settings import (
     README_BEGIN,
     README_END,
     About,
-    AuthSettings,
-    HostSettings,
     LifecycleSettings,
-    LockSettings,
-    LoggingSettings,
     ModelSettings,
     ServerSettings,
     Settings,
@@ -35,16 +31,32 @@ from edgellmd.settings import (
 
 REPO: Final = Path(__file__).resolve().parent.parent
 README: Final = REPO / "README.md"
-SECTIONS: Final = {
-    "server": ServerSettings,
-    "models": ModelSettings,
-    "logging": LoggingSettings,
-    "lock": LockSettings,
-    "auth": AuthSettings,
-    "lifecycle": LifecycleSettings,
-    "host": HostSettings,
-}
 NOT_SETTINGS: Final = {(Settings, "source")}  # where a config was read from is no key of it
+
+
+def _sections() -> dict[str, type]:
+    """Each top-level section and its settings class, in declaration order (models: one entry's)."""
+    out: dict[str, type] = {}
+    hints = typing.get_type_hints(Settings)
+    for field in dataclasses.fields(Settings):
+        if (Settings, field.name) in NOT_SETTINGS:
+            continue
+        hint = hints[field.name]
+        out[field.name] = typing.get_args(hint)[0] if typing.get_origin(hint) is tuple else hint
+    return out
+
+
+SECTIONS: Final = _sections()
+
+
+def _nested(cls: type) -> list[type]:
+    """A section's own sections (a model's `speculative`), depth first."""
+    hints = typing.get_type_hints(cls)
+    inner = [hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])]
+    return [c for i in inner for c in (i, *_nested(i))]
+
+
+ALL_CLASSES: Final = [c for cls in SECTIONS.values() for c in (cls, *_nested(cls))]
 
 
 def _about(field: dataclasses.Field[Any]) -> About | None:
@@ -52,13 +64,21 @@ def _about(field: dataclasses.Field[Any]) -> About | None:
 
 
 def _declared() -> list[tuple[str, dataclasses.Field[Any], About]]:
-    """(README key, field, declaration) of every setting, in the README's order."""
-    out = []
-    for section, cls in SECTIONS.items():
+    """(README key, field, declaration) of every setting, in the README's order; sections nest."""
+    out: list[tuple[str, dataclasses.Field[Any], About]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             about = _about(field)
             assert about is not None, f"{cls.__name__}.{field.name} is not declared with setting()"
-            out.append((f"{section}{'[]' if cls is ModelSettings else ''}.{field.name}", field, about))
+            if dataclasses.is_dataclass(hints[field.name]):
+                walk(hints[field.name], f"{prefix}.{field.name}")
+            else:
+                out.append((f"{prefix}.{field.name}", field, about))
+
+    for section, cls in SECTIONS.items():
+        walk(cls, f"{section}{'[]' if cls is ModelSettings else ''}")
     return out
 
 
@@ -106,7 +126,7 @@ def _rows() -> dict[str, list[str]]:
 
 
 def test_every_field_of_every_section_is_a_declared_setting() -> None:
-    for cls in (Settings, *SECTIONS.values()):
+    for cls in (Settings, *ALL_CLASSES):
         for field in dataclasses.fields(cls):
             about = _about(field)
             if (cls, field.name) in NOT_SETTINGS:
@@ -121,7 +141,7 @@ def test_every_field_of_every_section_is_a_declared_setting() -> None:
 
 
 def _owner(field: dataclasses.Field[Any]) -> type:
-    return next(cls for cls in SECTIONS.values() if field in dataclasses.fields(cls))
+    return next(cls for cls in ALL_CLASSES if field in dataclasses.fields(cls))
 
 
 def _hint(field: dataclasses.Field[Any]) -> Any:
@@ -188,19 +208,24 @@ def test_no_table_row_names_a_setting_that_does_not_exist() -> None:
 
 def test_the_yaml_block_lists_every_setting_with_its_default_and_doc() -> None:
     block = _yaml_block()
-    section = ""
+    path: list[tuple[int, str]] = []  # (indent, key) of the sections the line is in
     seen: set[str] = set()
     docs = {key: about for key, _, about in _declared()}
+    sections = {key.rsplit(".", 1)[0] for key in docs}
     for line in block.splitlines():
-        top = re.match(r"(\w+):\s+# (.*)$", line)
-        if top:
-            section = top.group(1) + ("[]" if top.group(1) == "models" else "")
-            continue
-        entry = re.match(r" {2}(?:- | {2})?(\w+): (.*?)\s+# (.*)$", line)
+        entry = re.match(r"( *)(?:- )?(\w+):(?: ([^\s#].*?))?\s+# (.*)$", line)
         assert entry, f"not a `key: value  # doc` line: {line!r}"
-        key = f"{section}.{entry.group(1)}"
+        indent = len(entry.group(1)) + (2 if "- " in line[: len(entry.group(1)) + 2] else 0)
+        while path and path[-1][0] >= indent:
+            path.pop()
+        name = entry.group(2) + ("[]" if not path and entry.group(2) == "models" else "")
+        key = ".".join([*(k for _, k in path), name])
+        if entry.group(3) is None:  # a section: its keys follow, deeper
+            assert key in sections or key in SECTIONS, f"the YAML block names section {key}, which is none"
+            path.append((indent, name))
+            continue
         assert key in docs, f"the YAML block names {key}, which is no setting"
-        assert entry.group(3) == docs[key].doc, key
+        assert entry.group(4) == docs[key].doc, key
         seen.add(key)
     assert seen == set(docs)
 

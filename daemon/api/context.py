@@ -14,6 +14,7 @@ from typing import Final
 
 from aiohttp import web
 
+from edgellmd.api.openai_schemas import Limits
 from edgellmd.engine.generation import Running
 from edgellmd.errors import ApiError
 from edgellmd.host.cpu import Pinning
@@ -75,3 +76,19 @@ TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, 
 def context(request: web.Request) -> ApiContext:
     """The adapters' view of the application serving `request`."""
     return request.app[API_CONTEXT]
+
+
+def token_limits(request: web.Request) -> Limits:
+    """The max_tokens ceiling of this request: the server's, or the key's own when lower.
+
+    The one rule for every API family (chat, completions, Responses, Messages).
+    """
+    server = context(request).settings.server
+    ceiling = server.max_tokens_limit
+    caller = request.get(CALLER)
+    if caller is not None and caller.max_tokens is not None:
+        ceiling = min(ceiling, caller.max_tokens)
+    default = server.default_max_tokens
+    return Limits(
+        max_tokens_limit=ceiling, default_max_tokens=min(default, ceiling) if default is not None else None
+    )

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
+from edgellmd.api.context import TOKENS_USED, USER_TAG, context, token_limits
 from edgellmd.api.openai_answers import Shape, collect, stream
 from edgellmd.api.openai_schemas import (
     ChatRequest,
@@ -31,18 +31,6 @@ from edgellmd.models.handle import ModelHandle
 log = logging.getLogger(__name__)
 
 OWNED_BY: Final = "edgellm"
-
-
-def _limits(request: web.Request) -> Limits:
-    server = context(request).settings.server
-    ceiling = server.max_tokens_limit
-    caller = request.get(CALLER)
-    if caller is not None and caller.max_tokens is not None:
-        ceiling = min(ceiling, caller.max_tokens)  # the key's own ceiling, when lower
-    default = server.default_max_tokens
-    return Limits(
-        max_tokens_limit=ceiling, default_max_tokens=min(default, ceiling) if default is not None else None
-    )
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -78,9 +66,9 @@ async def _parse_off_loop(
     cost the client controls, kept off the event loop that every other request shares.
     """
     if "response_format" not in data and "tools" not in data:
-        return parse(data, _limits(request))
+        return parse(data, token_limits(request))
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(context(request).executor, parse, data, _limits(request))
+    return await loop.run_in_executor(context(request).executor, parse, data, token_limits(request))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

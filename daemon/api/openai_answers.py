@@ -176,13 +176,7 @@ class Shape:
             }
             for e in sorted(ends, key=lambda e: e.index)
         ]
-        prompt = max((e.final.prompt_tokens for e in ends), default=0)
-        completion = sum(e.final.completion_tokens for e in ends)
-        body["usage"] = {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        body["usage"] = usage_of([e.final for e in ends])
         return body
 
     def complete(self, choices: Sequence[Choice]) -> dict[str, Any]:
@@ -223,7 +217,7 @@ class Shape:
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
-        usage: dict[str, int] | None = None,
+        usage: dict[str, Any] | None = None,
         reasoning: str | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk (a usage chunk when `usage` is given)."""
@@ -250,11 +244,33 @@ class Shape:
         return body
 
 
-def usage(choices: Sequence[Choice]) -> dict[str, int]:
-    """Prompt tokens once (every choice shares the prompt), completion tokens summed."""
-    prompt = max((c.final.prompt_tokens for c in choices if c.final), default=0)
-    completion = sum(c.final.completion_tokens for c in choices if c.final)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(choices: Sequence[Choice]) -> dict[str, Any]:
+    """The usage of finished choices (see usage_of)."""
+    return usage_of([c.final for c in choices if c.final])
+
+
+def usage_of(finals: Sequence[Finished]) -> dict[str, Any]:
+    """Prompt tokens once (every choice shares the prompt), completion tokens summed.
+
+    OpenAI's details say what the speed features did: `cached_tokens`, the prompt tokens
+    whose KV cache was kept from an earlier request or restored from the prompt cache;
+    `accepted_prediction_tokens` and `rejected_prediction_tokens`, the speculative draft
+    tokens the sampler agreed and disagreed with (0 without speculation).
+    """
+    prompt = max((f.prompt_tokens for f in finals), default=0)
+    completion = sum(f.completion_tokens for f in finals)
+    drafted = sum(f.draft_tokens for f in finals)
+    accepted = sum(f.accepted_draft_tokens for f in finals)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": max((f.cached_tokens for f in finals), default=0)},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        },
+    }
 
 
 def aborted(reason: str | None) -> ApiError | None:

@@ -1,10 +1,224 @@
-"""OpenAI's Responses API: POST /v1/responses, stored responses, GET and DELETE /v1/responses/{id}."""
+"""OpenAI's Responses API: POST /v1/responses, stored responses, GET and DELETE /v1/responses/{id}.
+
+The same request as a chat completion in another encoding (`api.responses_schemas`): one
+conversation, the same session (`api.session`: lease, prompt, grammar, tools on every
+model), the same reply parts, encoded as response objects and events (`api.responses_answers`).
+Finished responses are kept per API key in memory (`api.responses_store`) so that
+`previous_response_id` can continue them.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from typing import Any, Final
+
 from aiohttp import web
+
+from edgellmd.api.context import CALLER, context, token_limits
+from edgellmd.api.openai_answers import aborted
+from edgellmd.api.openai_schemas import ChatRequest, read_json_object
+from edgellmd.api.responses_answers import Draft
+from edgellmd.api.responses_schemas import ResponsesRequest, parse_responses
+from edgellmd.api.responses_store import ANONYMOUS, RESPONSE_ID, ResponseStore, StoredResponse
+from edgellmd.api.session import ChoiceEnd, ChoicePart, Session, chat_session, read_choices
+from edgellmd.api.sse import Write, dumps, event, sse
+from edgellmd.engine.chat import ChatMessage
+from edgellmd.engine.generation import Finished, NoProgress
+from edgellmd.errors import ApiError, GenerationTimeout, InternalError, InvalidRequest, NotFound, shown
+
+log = logging.getLogger(__name__)
+
+RESPONSES_STORE: Final = web.AppKey("responses_store", ResponseStore)
+NO_PROGRESS: Final = "the model made no progress in time"
+
+
+def _owner(request: web.Request) -> str:
+    caller = request.get(CALLER)
+    return caller.key_id if caller is not None else ANONYMOUS
+
+
+def _store(request: web.Request) -> ResponseStore:
+    return request.app[RESPONSES_STORE]
+
+
+async def _parse(request: web.Request, data: dict[str, Any]) -> ResponsesRequest:
+    """Validate a body; one with schemas (their grammars are built as they are checked) on the prompt pool."""
+    if data.get("tools") is None and data.get("text") is None:
+        return parse_responses(data, token_limits(request))
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(context(request).executor, parse_responses, data, token_limits(request))
+
+
+def _check_call_outputs(turns: tuple[ChatMessage, ...]) -> None:
+    """Every function_call_output answers a function_call earlier in the conversation."""
+    called: set[str] = set()
+    for turn in turns:
+        for call in turn.tool_calls:
+            called.add(call["id"])
+        if turn.role == "tool" and turn.tool_call_id not in called:
+            raise InvalidRequest(
+                "a function_call_output's call_id matches no function_call before it", param="input"
+            )
+
+
+def _previous(request: web.Request, body: ResponsesRequest) -> tuple[ChatMessage, ...]:
+    """The stored conversation that `previous_response_id` continues (404 when it is not this key's)."""
+    rid = body.previous_response_id
+    if rid is None:
+        return ()
+    stored = _store(request).get(_owner(request), rid)
+    if stored is None:
+        raise NotFound(
+            f"no stored response with id {shown(rid, quote=True)}",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return stored.conversation
+
+
+def _keep(
+    request: web.Request,
+    body: ResponsesRequest,
+    conversation: tuple[ChatMessage, ...],
+    draft: Draft,
+    payload: bytes,
+) -> None:
+    """Store a finished response (when asked) with its conversation, for GET and previous_response_id."""
+    if not body.store:
+        return
+    limits = context(request).settings.responses
+    entry = StoredResponse.of(_owner(request), payload, conversation + draft.turns())
+    if not _store(request).put(
+        draft.id, entry, max_responses=limits.store_max_responses, max_bytes=limits.store_max_mb * 1024 * 1024
+    ):
+        log.info("response not stored: the store is off or the conversation is larger than all of it")
+
+
+def _json(payload: bytes) -> web.Response:
+    return web.Response(body=payload, content_type="application/json", charset="utf-8")
+
+
+def _failure(final: Finished) -> ApiError:
+    cut = aborted(final.error)
+    if cut is not None:
+        return cut
+    log.error("generation failed: %s", final.error)
+    return InternalError("the model failed while generating")
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses."""
+    body = await _parse(request, await read_json_object(request))
+    conversation = _previous(request, body) + body.chat.messages
+    _check_call_outputs(conversation)
+    system = (ChatMessage("system", body.instructions),) if body.instructions else ()
+    chat = ChatRequest(common=body.chat.common, messages=system + conversation, tools=body.chat.tools)
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            session = await stack.enter_async_context(chat_session(request, chat))
+        except ApiError as exc:
+            if exc.param == "messages":  # the prompt's errors (too long, unrenderable) are the input's
+                exc.param = "input"
+            raise
+        draft = Draft(session.handle.name, body.echo)
+        if body.chat.common.stream:
+            return await _stream(request, session, body, conversation, draft)
+        return await _collect(request, session, body, conversation, draft)
+    raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
+
+
+async def _collect(
+    request: web.Request,
+    session: Session,
+    body: ResponsesRequest,
+    conversation: tuple[ChatMessage, ...],
+    draft: Draft,
+) -> web.Response:
+    try:
+        async for item in read_choices(session):
+            if isinstance(item, ChoicePart):
+                draft.feed(item.part)
+                continue
+            if item.final.reason == "error":
+                raise _failure(item.final)
+            draft.finish(item)
+    except NoProgress:
+        log.error("generation made no progress for %.0f s; request ended", session.idle_timeout)  # noqa: TRY400 - no traceback to show
+        raise GenerationTimeout(NO_PROGRESS) from None
+    payload = dumps(draft.response())
+    _keep(request, body, conversation, draft, payload)
+    return _json(payload)
+
+
+async def _stream(
+    request: web.Request,
+    session: Session,
+    body: ResponsesRequest,
+    conversation: tuple[ChatMessage, ...],
+    draft: Draft,
+) -> web.StreamResponse:
+    async def send(write: Write) -> None:
+        async def emit(events: list[dict[str, Any]]) -> None:
+            for e in events:
+                await write(event(e["type"], e))
+
+        await emit(draft.start())
+        try:
+            async for item in read_choices(session):
+                if isinstance(item, ChoicePart):
+                    await emit(draft.feed(item.part))
+                    continue
+                assert isinstance(item, ChoiceEnd)  # noqa: S101 - parts, then the end
+                if item.final.reason == "error":
+                    await emit(draft.fail(_failure(item.final)))
+                    return
+                events = draft.finish(item)
+                # Stored before the client hears it is done: a GET right after finds it.
+                _keep(request, body, conversation, draft, dumps(draft.response()))
+                await emit(events)
+        except NoProgress:
+            await emit(draft.fail(GenerationTimeout(NO_PROGRESS)))
+            raise  # sse logs it and ends the stream
+
+    return await sse(request, session, send, on_no_progress=b"", done=None)
+
+
+def _response_id(request: web.Request) -> str:
+    rid = request.match_info["response_id"]
+    if not RESPONSE_ID.fullmatch(rid):
+        raise InvalidRequest(
+            "'response_id' must be an id this server gave a response (resp_ and 32 hex digits)",
+            param="response_id",
+        )
+    return rid
+
+
+def _not_found(rid: str) -> NotFound:
+    return NotFound(f"no stored response with id {shown(rid, quote=True)}", param="response_id")
+
+
+async def get_response(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}: a stored response, to the key that made it."""
+    rid = _response_id(request)
+    stored = _store(request).get(_owner(request), rid)
+    if stored is None:
+        raise _not_found(rid)
+    return _json(stored.body)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{id}: forget a stored response (OpenAI's deletion object)."""
+    rid = _response_id(request)
+    if not _store(request).delete(_owner(request), rid):
+        raise _not_found(rid)
+    return _json(dumps({"id": rid, "object": "response", "deleted": True}))
 
 
 def setup_responses(app: web.Application) -> None:
-    """Install the Responses API routes."""
-    del app
+    """Install the Responses API routes and their store."""
+    app[RESPONSES_STORE] = ResponseStore()
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)

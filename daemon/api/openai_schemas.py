@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -11,6 +10,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from edgellmd.api.fields import Fields, number_text, reject_unknown, unsupported
 from edgellmd.api.structured import ToolPlan, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
@@ -231,87 +231,7 @@ def _lone_surrogate(data: Any) -> str | None:
     return None
 
 
-class _Fields:
-    """Typed getters over one JSON object; each failure raises InvalidRequest naming the param."""
-
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self.data = data
-
-    def present(self, name: str) -> bool:
-        return self.data.get(name) is not None
-
-    def string(self, name: str, *, required: bool = False) -> str | None:
-        value = self.data.get(name)
-        if value is None:
-            if required:
-                raise InvalidRequest(f"'{name}' is required", param=name)
-            return None
-        if not isinstance(value, str):
-            raise InvalidRequest(f"'{name}' must be a string", param=name)
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise InvalidRequest(f"'{name}' must be a boolean", param=name)
-        return value
-
-    def integer(self, name: str, *, lo: int | None = None, hi: int | None = None) -> int | None:
-        value = self.data.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidRequest(f"'{name}' must be an integer", param=name)
-        _check_range(name, value, lo, hi)
-        return value
-
-    def number(self, name: str, default: float, *, lo: float | None = None, hi: float | None = None) -> float:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidRequest(f"'{name}' must be a number", param=name)
-        try:
-            finite = math.isfinite(value)
-        except OverflowError:  # an integer past any float: 1 followed by 400 zeros
-            finite = False
-        if not finite:
-            raise InvalidRequest(f"'{name}' must be a finite number", param=name)
-        _check_range(name, value, lo, hi)
-        return float(value)
-
-
-def _number(value: float) -> str:
-    # Client numbers are echoed only when short: a 4000-digit integer stays out of the answer.
-    return shown(value, limit=24, placeholder="a number out of range")
-
-
-def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
-    if lo is not None and hi is not None and not lo <= value <= hi:
-        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {_number(value)}", param=name)
-    if lo is not None and value < lo:
-        raise InvalidRequest(f"'{name}' must be at least {lo}, got {_number(value)}", param=name)
-    if hi is not None and value > hi:
-        raise InvalidRequest(f"'{name}' must be at most {hi}, got {_number(value)}", param=name)
-
-
-def _reject_unknown(data: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    for name in data:
-        if name not in allowed:
-            safe = shown(name)
-            raise InvalidRequest(
-                f"unrecognized request argument: {safe}", param=safe, code="unknown_parameter"
-            )
-
-
-def _unsupported(name: str, why: str = "") -> UnsupportedParameter:
-    what = f"'{name}' {why}" if why else f"'{name}'"
-    return UnsupportedParameter(f"{what} is not supported by this server", param=name)
-
-
-def _stop(f: _Fields) -> tuple[str, ...]:
+def _stop(f: Fields) -> tuple[str, ...]:
     value = f.data.get("stop")
     if value is None:
         return ()
@@ -328,7 +248,7 @@ def _stop(f: _Fields) -> tuple[str, ...]:
 
 
 def _common(
-    f: _Fields, limits: Limits, *, max_tokens_names: tuple[str, ...], default_max_tokens: int | None
+    f: Fields, limits: Limits, *, max_tokens_names: tuple[str, ...], default_max_tokens: int | None
 ) -> CommonRequest:
     model = f.string("model", required=True)
     assert model is not None  # noqa: S101 - required=True guarantees it
@@ -342,7 +262,7 @@ def _common(
             if value > limits.max_tokens_limit:
                 raise InvalidRequest(
                     f"'{name}' must be at most {limits.max_tokens_limit} on this server, "
-                    f"got {_number(value)}",
+                    f"got {number_text(value)}",
                     param=name,
                 )
             max_tokens = value
@@ -439,7 +359,7 @@ def _content(value: Any, param: str) -> str:
     raise InvalidRequest(f"'{param}' must be a string or a list of content parts", param=param)
 
 
-def _messages(f: _Fields) -> tuple[ChatMessage, ...]:
+def _messages(f: Fields) -> tuple[ChatMessage, ...]:
     value = f.data.get("messages")
     if value is None:
         raise InvalidRequest("'messages' is required", param="messages")
@@ -511,11 +431,11 @@ def _tool_calls(value: Any, role: str, where: str) -> tuple[dict[str, Any], ...]
 
 def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     """Validate a chat completion body."""
-    _reject_unknown(data, _CHAT_FIELDS)
-    f = _Fields(data)
+    reject_unknown(data, _CHAT_FIELDS)
+    f = Fields(data)
     for name in ("functions", "function_call", "audio", "web_search_options"):
         if f.present(name):
-            raise _unsupported(name)
+            raise unsupported(name)
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
@@ -531,7 +451,7 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
         grammar = tools.grammar
     modalities = data.get("modalities")
     if modalities is not None and modalities != ["text"]:
-        raise _unsupported("modalities", "other than ['text']")
+        raise unsupported("modalities", "other than ['text']")
     common = _common(
         f, limits, max_tokens_names=("max_tokens", "max_completion_tokens"), default_max_tokens=None
     )
@@ -543,15 +463,15 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
 
 def parse_completion(data: Mapping[str, Any], limits: Limits) -> CompletionRequest:
     """Validate a (legacy) text completion body."""
-    _reject_unknown(data, _COMPLETION_FIELDS)
-    f = _Fields(data)
+    reject_unknown(data, _COMPLETION_FIELDS)
+    f = Fields(data)
     if f.boolean("echo", False):
-        raise _unsupported("echo")
+        raise unsupported("echo")
     if f.present("suffix"):
-        raise _unsupported("suffix")
+        raise unsupported("suffix")
     best_of = f.integer("best_of", lo=1, hi=128)
     if best_of is not None and best_of != 1:
-        raise _unsupported("best_of", "greater than 1")
+        raise unsupported("best_of", "greater than 1")
     logprobs = f.integer("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)
     common = _common(
         f, limits, max_tokens_names=("max_tokens",), default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -583,10 +503,10 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
 
 def parse_embeddings(data: Mapping[str, Any], max_inputs: int = MAX_EMBEDDING_INPUTS) -> EmbeddingRequest:
     """Validate an embeddings body."""
-    _reject_unknown(data, _EMBEDDING_FIELDS)
-    f = _Fields(data)
+    reject_unknown(data, _EMBEDDING_FIELDS)
+    f = Fields(data)
     if f.present("dimensions"):  # the model's vectors have one size; shortening them is not done here
-        raise _unsupported("dimensions")
+        raise unsupported("dimensions")
     model = f.string("model", required=True)
     assert model is not None  # noqa: S101 - required=True guarantees it
     if not model:

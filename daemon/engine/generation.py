@@ -92,6 +92,9 @@ class Finished:
     error: str | None = None
     stop_sequence: str | None = None  # the request's stop string that ended it, if one did
     logprobs: tuple[TokenLogprob, ...] = ()
+    cached_tokens: int = 0  # prompt tokens not prefilled: their KV was kept or restored
+    draft_tokens: int = 0  # speculative draft tokens checked for this generation
+    accepted_draft_tokens: int = 0  # of which the sampler picked the same
 
 
 Event = TextDelta | Finished

@@ -12,11 +12,13 @@ import re
 import stat
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import llama_cpp as llama
+
+from edgellmd.engine.drafts import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,11 @@ class EngineConfig:
     threads_batch: int
     gpu_layers: int = 0
     mmap: bool = False  # may memory-map the file (a private preload copy only); False: read it
+    cache_type_k: str = "f16"  # KV cache types: f16, q8_0, q4_0
+    cache_type_v: str = "f16"
+    flash_attention: str = "auto"  # auto, on, off
+    prompt_cache_bytes: int = 0  # host RAM for KV states of earlier prompts; 0: none
+    speculative: Speculation = field(default_factory=Speculation)
 
 
 def _set_load_mode(mparams: Any, *, mmap: bool) -> None:
@@ -474,3 +481,122 @@ def supports_gpu_offload() -> bool:
     """True when this llama.cpp build can offload layers to a GPU (False for a CPU-only build)."""
     init_backend()  # the backend registry lists GPU devices once the backend is set up
     return bool(llama.llama_supports_gpu_offload())
+
+
+# ---- what this llama.cpp build can do -----------------------------------------------------
+
+# enum ggml_backend_dev_type (ggml-backend.h), in order. llama_cpp binds none of the
+# ggml_backend_dev_* / ggml_backend_reg_* calls; libllama links libggml, which has them.
+_DEVICE_TYPES: Final = ("cpu", "gpu", "igpu", "accel")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendDevice:
+    """One device of llama.cpp's backend registry (`CUDA0`, `CPU`), memory as it reports it now."""
+
+    name: str
+    description: str  # "NVIDIA H200", the CPU's model name
+    type: str  # one of _DEVICE_TYPES, or "unknown"
+    memory_free: int  # bytes
+    memory_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class BuildInfo:
+    """Which backends, devices and CUDA architectures the loaded llama.cpp has (`build_info`)."""
+
+    backends: tuple[str, ...]  # registered backends, e.g. ("CUDA", "CPU"); CUDA is there with 0 GPUs too
+    devices: tuple[BackendDevice, ...]
+    # Compute capabilities compiled into the CUDA backend, as CMake names them (61, 90, 120):
+    # () without a CUDA backend; None when it has one that does not say (nvcc before 11.5).
+    cuda_archs: tuple[int, ...] | None
+    gpu_offload: bool  # llama_supports_gpu_offload()
+    system_info: str  # llama_print_system_info(), as llama.cpp prints it
+    features: dict[str, dict[str, str]]  # the same, parsed: backend -> feature -> value
+
+
+def parse_system_info(text: str) -> dict[str, dict[str, str]]:
+    """`CUDA : ARCHS = 610,900 | USE_GRAPHS = 1 | CPU : AVX2 = 1 | ` -> {"CUDA": {"ARCHS": ...}, ...}.
+
+    llama_print_system_info() writes, per backend that lists features, "NAME : " and then
+    "KEY = VALUE | " for each; values never hold "|" (ARCHS is nvcc's comma-separated
+    __CUDA_ARCH_LIST__).
+    """
+    out: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for raw in text.split("|"):
+        part = raw.strip()
+        while " : " in part:  # a backend starts here (one with no features runs into the next)
+            name, _, part = part.partition(" : ")
+            current = out.setdefault(name.strip(), {})
+            part = part.strip()
+        key, sep, value = part.partition(" = ")
+        if current is not None and sep:
+            current[key.strip()] = value.strip()
+    return out
+
+
+def cuda_archs_of(features: dict[str, dict[str, str]]) -> tuple[int, ...] | None:
+    """The CUDA architectures in parsed system info: ARCHS "610,750,900" -> (61, 75, 90)."""
+    cuda = features.get("CUDA")
+    if cuda is None:
+        return ()
+    listed = cuda.get("ARCHS")
+    if listed is None:
+        return None
+    archs = {int(a) // 10 for a in re.findall(r"\d+", listed)}  # __CUDA_ARCH_LIST__: 10 x CMake's
+    return tuple(sorted(archs))
+
+
+def _ggml(name: str, restype: Any, *argtypes: Any) -> Any:
+    """A ggml function from the library llama_cpp loaded, with its own prototype (shares no state)."""
+    lib = llama.llama_cpp._lib  # llama_cpp's own handle on libllama, which links libggml
+    return ctypes.CFUNCTYPE(restype, *argtypes)((name, lib))
+
+
+def build_info() -> BuildInfo:
+    """What the loaded llama.cpp build can do, from its own backend registry and system info."""
+    init_backend()
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    reg_count = _ggml("ggml_backend_reg_count", sz)
+    reg_get = _ggml("ggml_backend_reg_get", vp, sz)
+    reg_name = _ggml("ggml_backend_reg_name", ctypes.c_char_p, vp)
+    dev_count = _ggml("ggml_backend_dev_count", sz)
+    dev_get = _ggml("ggml_backend_dev_get", vp, sz)
+    dev_name = _ggml("ggml_backend_dev_name", ctypes.c_char_p, vp)
+    dev_description = _ggml("ggml_backend_dev_description", ctypes.c_char_p, vp)
+    dev_type = _ggml("ggml_backend_dev_type", ctypes.c_int, vp)
+    dev_memory = _ggml("ggml_backend_dev_memory", None, vp, ctypes.POINTER(sz), ctypes.POINTER(sz))
+
+    def text(value: bytes | None) -> str:
+        return value.decode("utf-8", "replace") if value else ""
+
+    backends = tuple(text(reg_name(reg_get(i))) for i in range(reg_count()))
+    devices = []
+    for i in range(dev_count()):
+        dev = dev_get(i)
+        free, total = sz(0), sz(0)
+        dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = dev_type(dev)
+        devices.append(
+            BackendDevice(
+                name=text(dev_name(dev)),
+                description=text(dev_description(dev)),
+                type=_DEVICE_TYPES[kind] if 0 <= kind < len(_DEVICE_TYPES) else "unknown",
+                memory_free=free.value,
+                memory_total=total.value,
+            )
+        )
+    system_info = text(llama.llama_print_system_info()).strip()
+    features = parse_system_info(system_info)
+    archs = cuda_archs_of(features)
+    if archs == () and "CUDA" in backends:  # registered, yet listing no features at all
+        archs = None
+    return BuildInfo(
+        backends=backends,
+        devices=tuple(devices),
+        cuda_archs=archs,
+        gpu_offload=bool(llama.llama_supports_gpu_offload()),
+        system_info=system_info,
+        features=features,
+    )

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import math
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from typing import Final
+from dataclasses import asdict
+from typing import Any, Final
 
 import llama_cpp as llama
 import numpy as np
 
+from edgellmd.engine.drafts import MIN_CACHED_TOKENS, NgramDrafter, PromptCache, common_prefix
 from edgellmd.engine.generation import (
     Event,
     Finished,
@@ -41,6 +44,7 @@ from edgellmd.engine.native import (
     EngineError,
     ModelLoadError,
     NativeThread,
+    model_meta,
     read_model_info,
     token_piece,
     tokenize_segments,
@@ -58,14 +62,64 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S: Final = 0.5  # the idle scheduler still wakes up to report liveness
 _LOCKSTEP_WAIT_S: Final = 0.02  # longest the scheduler waits for the event loop to send a step
+_KV_TYPES: Final = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
+# Bytes per stored value of each KV cache type (ggml's block sizes: 34 bytes per 32 for q8_0).
+KV_BYTES_PER_VALUE: Final = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+_FLASH_NAMES: Final = {
+    int(llama.LLAMA_FLASH_ATTN_TYPE_ENABLED): "on",
+    int(llama.LLAMA_FLASH_ATTN_TYPE_DISABLED): "off",
+    int(llama.LLAMA_FLASH_ATTN_TYPE_AUTO): "auto",
+}
+_KV_BLOCK: Final = 32  # values per block of q8_0 and q4_0
+_MIN_RESTORE_GAIN: Final = 64  # tokens a cached prefix must save over a slot's own to be restored
+
+
+def _check_kv_blocks(model: Any, config: EngineConfig) -> None:
+    """A quantized KV cache stores heads in blocks of 32 values: refuse a head size it cannot.
+
+    llama.cpp's own refusal is a log line and a context that is not created; this names the
+    setting to change.
+    """
+    arch = model_meta(model, "general.architecture") or ""
+    n_head = max(1, llama.llama_model_n_head(model))
+    default = llama.llama_model_n_embd(model) // n_head
+    for side, kind in (("k", config.cache_type_k), ("v", config.cache_type_v)):
+        if kind == "f16":
+            continue
+        key = "key_length" if side == "k" else "value_length"
+        given = model_meta(model, f"{arch}.attention.{key}")
+        head = int(given) if given and given.isdigit() else default
+        if head % _KV_BLOCK:
+            raise ModelLoadError(
+                f"cache_type_{side} {kind} stores blocks of {_KV_BLOCK} values and this model's "
+                f"attention heads have {head}: use f16 for it"
+            )
+
+
+def _flash_attention(config: EngineConfig) -> int:
+    """llama.cpp's flash-attention choice: quantized values need it, so `auto` turns it on for them."""
+    if config.flash_attention == "on" or (config.flash_attention == "auto" and config.cache_type_v != "f16"):
+        return int(llama.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    if config.flash_attention == "off":
+        if config.cache_type_v != "f16":
+            raise ModelLoadError(
+                "cache_type_v q8_0/q4_0 needs flash attention: set flash_attention to auto or on"
+            )
+        return int(llama.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    return int(llama.LLAMA_FLASH_ATTN_TYPE_AUTO)
 
 
 class _Slot:
     """Scheduler-thread state of one sequence in the batch."""
 
     __slots__ = (
+        "accepted",
         "batch_index",
+        "cached",
         "completion",
+        "draft",
+        "drafted",
+        "drafter",
         "gen",
         "last",
         "n_past",
@@ -76,7 +130,7 @@ class _Slot:
         "utf8",
     )
 
-    def __init__(self, gen: Generation, sampler: SlotSampler) -> None:
+    def __init__(self, gen: Generation, sampler: SlotSampler, drafter: NgramDrafter | None = None) -> None:
         self.gen = gen
         self.sampler = sampler
         self.prompt: Sequence[int] = gen.request.prompt_tokens
@@ -87,6 +141,11 @@ class _Slot:
         self.last = -1  # the last sampled token, fed back in the next step
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(gen.request.stop)
+        self.drafter = drafter  # prompt lookup: the sequence's tokens and its draft length
+        self.draft: list[int] = []  # the draft tokens in the last batch, after `last`
+        self.cached = 0  # prompt tokens whose KV came from a slot or the prompt cache
+        self.drafted = 0  # draft tokens checked, and of those the ones the sampler agreed with
+        self.accepted = 0
 
 
 class Engine(NativeThread):
@@ -110,6 +169,9 @@ class Engine(NativeThread):
         self.finished: Counter[str] = Counter()
         self.tokens_generated = 0
         self.prompt_tokens_reused = 0
+        self.drafted_tokens = 0  # draft tokens checked in a batch
+        self.accepted_tokens = 0  # of which the request's own sampler picked the same
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
         self._pieces: dict[int, bytes] = {}  # token -> bytes, filled by the scheduler
         self._candidates: Candidates  # resampling room, made once the vocabulary is known
         # Tokens whose keys/values each sequence holds in the KV cache, position by position.
@@ -138,7 +200,13 @@ class Engine(NativeThread):
         # Sliding-window layers keep only their window (llama-server's default too): for
         # Gemma 3 that is most of the KV cache. A prefix that slid out of the window cannot
         # be reused, which _assign detects (seq_rm fails) and answers with a full prefill.
-        cparams.swa_full = False
+        # A prompt cache restores a prefix of a saved sequence: that needs every position of
+        # the sliding-window layers too, so they keep the full context (more memory).
+        cparams.swa_full = self.prompt_cache is not None
+        _check_kv_blocks(model, config)
+        cparams.type_k = _KV_TYPES[config.cache_type_k]
+        cparams.type_v = _KV_TYPES[config.cache_type_v]
+        cparams.flash_attn_type = _flash_attention(config)
         cparams.no_perf = True
         ctx = llama.llama_init_from_model(model, cparams)
         if not ctx:
@@ -249,6 +317,32 @@ class Engine(NativeThread):
         with self._cond:
             return self.busy_slots, len(self._pending)
 
+    def performance(self) -> dict[str, Any]:
+        """What the speed features have done since the load, for /admin/status and /metrics."""
+        config = self.config
+        cache = self.prompt_cache
+        return {
+            "kv_cache": {
+                "type_k": config.cache_type_k,
+                "type_v": config.cache_type_v,
+                "flash_attention": _FLASH_NAMES[_flash_attention(config)],
+            },
+            "prompt_tokens_reused": self.prompt_tokens_reused,
+            "speculative": {
+                "mode": config.speculative.mode,
+                "drafted_tokens": self.drafted_tokens,
+                "accepted_tokens": self.accepted_tokens,
+            },
+            "prompt_cache": None
+            if cache is None
+            else {
+                "max_bytes": cache.max_bytes,
+                "used_bytes": cache.used_bytes,
+                "entries": len(cache.entries),
+                **asdict(cache.stats),
+            },
+        }
+
     @property
     def idle(self) -> bool:
         """True when nothing is running or waiting."""
@@ -330,9 +424,11 @@ class Engine(NativeThread):
         best, best_len = -1, -1
         for i, slot in enumerate(self._slots):
             if slot is None:
-                n = _common_prefix(self._kv[i], prompt)
+                n = common_prefix(self._kv[i], prompt)
                 if n > best_len:
                     best, best_len = i, n
+        if self.prompt_cache is not None:
+            best, best_len = self._restore(prompt, best, best_len)
         # The last prompt token is always decoded again: its logits start the reply.
         reuse = min(best_len, len(prompt) - 1)
         if reuse > 0 and self._n_swa > 0:
@@ -352,10 +448,51 @@ class Engine(NativeThread):
             self._candidates,
             grammar if isinstance(grammar, CompiledGrammar) else None,
         )
-        slot = _Slot(gen, sampler)
-        slot.prefilled = slot.n_past = reuse
+        spec = self.config.speculative
+        slot = _Slot(gen, sampler, NgramDrafter(spec, prompt) if spec.enabled else None)
+        slot.prefilled = slot.n_past = slot.cached = reuse
         self.prompt_tokens_reused += reuse
         self._slots[best] = slot
+
+    def _restore(self, prompt: Sequence[int], best: int, best_len: int) -> tuple[int, int]:
+        """Restore a cached prefix into a free slot when it saves more than the slots' own KV."""
+        cache = self.prompt_cache
+        assert cache is not None  # noqa: S101 - called with a cache only
+        found = cache.best(prompt)
+        if found is None or found[2] < best_len + _MIN_RESTORE_GAIN:
+            if best_len < MIN_CACHED_TOKENS:  # neither a slot nor the cache had this prefix
+                cache.stats.misses += 1
+            return best, best_len
+        tokens, data, shared = found
+        # Into the free slot whose own tokens are worth least (the shortest).
+        target = min((i for i, s in enumerate(self._slots) if s is None), key=lambda i: len(self._kv[i]))
+        started = time.perf_counter()
+        llama.llama_memory_seq_rm(self._memory, target, -1, -1)
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama.llama_state_seq_set_data(self._ctx, buffer, len(data), target) != len(data):
+            llama.llama_memory_seq_rm(self._memory, target, -1, -1)
+            self._kv[target].clear()
+            cache.stats.misses += 1
+            return best, best_len
+        self._kv[target] = list(tokens)
+        cache.stats.hits += 1
+        cache.stats.restored_tokens += shared
+        cache.stats.restore_seconds += time.perf_counter() - started
+        return target, shared
+
+    def _keep(self, i: int) -> None:
+        """Save a finished sequence's KV state in the prompt cache (long ones, not already there)."""
+        cache = self.prompt_cache
+        tokens = self._kv[i]
+        if cache is None or len(tokens) < MIN_CACHED_TOKENS or cache.covers(tokens):
+            return
+        size = llama.llama_state_seq_get_size(self._ctx, i)
+        if size <= 0 or size > cache.max_bytes:
+            return
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama.llama_state_seq_get_data(self._ctx, buffer, size, i)
+        if written > 0:
+            cache.put(tokens, bytes(buffer[:written]))
 
     def _step(self) -> bool:
         if not self._admit():
@@ -368,14 +505,31 @@ class Engine(NativeThread):
         # behind a long prompt; then prompt chunks in admission order with what is left.
         items: list[tuple[int, int, int, bool]] = []
         budget = self.config.batch_size
-        for i, slot in enumerate(self._slots):
-            if slot is None or slot.prefilled < len(slot.prompt):
-                continue
+        generating = [
+            (i, s) for i, s in enumerate(self._slots) if s is not None and s.prefilled >= len(s.prompt)
+        ]
+        spec = self.config.speculative
+        # Drafts only while few sequences decode: a full batch is compute-bound, drafts only cost.
+        drafting = spec.enabled and len(generating) <= spec.max_sequences
+        budget -= len(generating)
+        for i, slot in generating:
             slot.batch_index = len(items)
             items.append((slot.last, slot.n_past, i, True))
             self._kv[i].append(slot.last)
             slot.n_past += 1
-        budget -= len(items)
+            slot.draft = []
+            if drafting and slot.drafter is not None:
+                # Room: the batch, the slot's context, and the reply's own limit.
+                room = min(
+                    budget,
+                    self.config.context_size - 2 - slot.n_past,
+                    slot.gen.request.max_tokens - slot.completion - 1,
+                )
+                if room > 0:
+                    slot.draft = slot.drafter.draft()[:room]
+                    items.extend((d, slot.n_past + j, i, True) for j, d in enumerate(slot.draft))
+                    self._kv[i].extend(slot.draft)
+                    budget -= len(slot.draft)
         for i, slot in enumerate(self._slots):
             if budget <= 0:
                 break
@@ -409,6 +563,11 @@ class Engine(NativeThread):
         for i, slot in enumerate(self._slots):
             if slot is None or slot.batch_index < 0:
                 continue
+            if slot.draft:
+                events = self._verify(i, slot)
+                if events:
+                    outbox.append((slot.gen, events))
+                continue
             token = slot.sampler.sample(self._ctx, slot.batch_index)
             if token < 0:  # no token can continue the grammar
                 slot.batch_index = -1
@@ -423,6 +582,54 @@ class Engine(NativeThread):
             _deliver(outbox)
         self.heartbeat = time.monotonic()
         return True
+
+    def _verify(self, i: int, slot: _Slot) -> list[Event]:
+        """Check a sequence's draft with its own sampler, position by position; keep what matches.
+
+        The token at each position is sampled exactly as plain decoding would sample it (the
+        same chain, grammar and random state, from the logits at that position); a draft
+        token is kept only when it is that token, and the first one that differs ends the
+        check, so the reply is token for token what plain decoding gives. Rejected positions
+        leave the KV cache.
+        """
+        draft, base = slot.draft, slot.batch_index
+        req = slot.gen.request
+        first = slot.n_past - 1  # where `last` went; the drafts follow it
+        produced: list[tuple[int, TokenLogprob | None]] = []
+        dead_end = False
+        for j in range(len(draft) + 1):
+            slot.batch_index = base + j
+            token = slot.sampler.sample(self._ctx, base + j)
+            if token < 0:  # no token can continue the grammar
+                dead_end = True
+                break
+            produced.append((token, self._logprob(slot, token) if req.logprobs is not None else None))
+            ends = not req.ignore_eos and llama.llama_vocab_is_eog(self._vocab, token)
+            if j == len(draft) or token != draft[j] or ends:
+                break
+        kept = len(produced) if dead_end else max(0, len(produced) - 1)  # drafts the sampler confirmed
+        self.drafted_tokens += len(draft)
+        self.accepted_tokens += kept
+        slot.drafted += len(draft)
+        slot.accepted += kept
+        if slot.drafter is not None:
+            slot.drafter.accepted(len(draft), kept)
+        # The cache holds `last` and the kept drafts; the rest leave it.
+        llama.llama_memory_seq_rm(self._memory, i, first + 1 + kept, -1)
+        del self._kv[i][len(self._kv[i]) - (len(draft) - kept) :]
+        slot.draft = []
+        events: list[Event] = []
+        for k, (token, logprob) in enumerate(produced):
+            slot.n_past = first + 1 + k  # each token before this one is in the cache
+            slot.batch_index = -1
+            events += self._advance(i, slot, token, logprob)
+            if self._slots[i] is not slot:  # finished
+                return events
+        slot.batch_index = -1
+        if dead_end:
+            slot.n_past = first + 1 + kept
+            events += self._finish(i, "stop")
+        return events
 
     def _logprob(self, slot: _Slot, token: int) -> TokenLogprob:
         """Log-softmax of the model's logits at this position (numpy over the C array)."""
@@ -458,6 +665,8 @@ class Engine(NativeThread):
         slot.completion += 1
         self.tokens_generated += 1
         slot.last = token
+        if slot.drafter is not None:
+            slot.drafter.append(token)
         text, hit = slot.stops.feed(slot.utf8.feed(self._cached_piece(token)))
         delta = TextDelta(text, slot.completion, (logprob,) if logprob is not None else ())
         if hit:
@@ -482,13 +691,23 @@ class Engine(NativeThread):
         if reason == "error":  # the cache may not hold what _kv says: forget it
             llama.llama_memory_seq_rm(self._memory, i, -1, -1)
             self._kv[i].clear()
+        elif reason in ("stop", "length"):
+            self._keep(i)  # for a later prompt that starts the same way, in any slot
         slot.sampler.free()
         tail = ""
         if not flushed and reason in ("stop", "length"):
             tail, _ = slot.stops.feed(slot.utf8.flush())
             tail += slot.stops.flush()
         event = Finished(
-            reason, len(slot.prompt), slot.completion, text=tail, error=error, stop_sequence=slot.stops.hit
+            reason,
+            len(slot.prompt),
+            slot.completion,
+            text=tail,
+            error=error,
+            stop_sequence=slot.stops.hit,
+            cached_tokens=slot.cached,
+            draft_tokens=slot.drafted,
+            accepted_draft_tokens=slot.accepted,
         )
         if deliver:
             slot.gen.push_threadsafe([event])
@@ -538,11 +757,3 @@ def _free_grammar(gen: Generation) -> None:
     gen.grammar = None
     if isinstance(grammar, CompiledGrammar):
         grammar.free()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for k in range(n):
-        if a[k] != b[k]:
-            return k
-    return n

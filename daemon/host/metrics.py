@@ -203,6 +203,7 @@ class _StateCollector(Collector):
         yield from gauges.values()
         yield info
         yield state
+        yield from _performance(status["models"])
         reloads = CounterMetricFamily(
             "edgellm_reloads", "Loads, reloads and unloads by result", labels=["model", "result"]
         )
@@ -287,3 +288,52 @@ class _StateCollector(Collector):
         if shm is not None:
             yield GaugeMetricFamily("edgellm_shm_used_bytes", "Preload tmpfs in use", value=shm["used_bytes"])
             yield GaugeMetricFamily("edgellm_shm_free_bytes", "Preload tmpfs free", value=shm["free_bytes"])
+
+
+_SPEED_COUNTERS: Final = (
+    # (metric, help, section of a model's "performance", key)
+    ("edgellm_draft_tokens", "Draft tokens checked by speculative decoding", "speculative", "drafted_tokens"),
+    (
+        "edgellm_draft_accepted_tokens",
+        "Draft tokens the sampler agreed with",
+        "speculative",
+        "accepted_tokens",
+    ),
+    ("edgellm_prompt_cache_hits", "Prompts that restored a cached prefix", "prompt_cache", "hits"),
+    ("edgellm_prompt_cache_misses", "Prompts the prompt cache had nothing for", "prompt_cache", "misses"),
+    (
+        "edgellm_prompt_cache_restored_tokens",
+        "Prompt tokens restored, not prefilled",
+        "prompt_cache",
+        "restored_tokens",
+    ),
+    (
+        "edgellm_prompt_cache_restore_seconds",
+        "Time spent restoring cached prefixes",
+        "prompt_cache",
+        "restore_seconds",
+    ),
+    ("edgellm_prompt_cache_evictions", "Cached prefixes dropped for room", "prompt_cache", "evicted"),
+)
+
+
+def _performance(models: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Speculation and prompt-cache counters of each loaded model (they restart with a reload)."""
+    families = {
+        metric: CounterMetricFamily(metric, text, labels=["model"]) for metric, text, _, _ in _SPEED_COUNTERS
+    }
+    used = GaugeMetricFamily(
+        "edgellm_prompt_cache_bytes", "Host RAM the prompt cache holds", labels=["model"]
+    )
+    for m in models:
+        perf = m.get("performance")
+        if not perf:
+            continue
+        for metric, _, section, key in _SPEED_COUNTERS:
+            values = perf.get(section)
+            if values is not None:
+                families[metric].add_metric([m["name"]], float(values[key]))
+        if perf.get("prompt_cache") is not None:
+            used.add_metric([m["name"]], float(perf["prompt_cache"]["used_bytes"]))
+    yield from families.values()
+    yield used

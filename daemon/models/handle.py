@@ -22,10 +22,12 @@ from edgellmd.engine.chat import (
     TemplateError,
     json_keys,
 )
+from edgellmd.engine.drafts import Speculation
 from edgellmd.engine.generation import Generation, GenerationRequest
 from edgellmd.engine.tool_turns import tool_turns
 from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ServerOverloaded, ServiceUnavailable
 from edgellmd.files import read_regular
+from edgellmd.models.budget import MIB
 from edgellmd.models.lockfile import LockedModel
 from edgellmd.settings import ModelSettings
 
@@ -63,6 +65,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
             f"model {settings.name}: gpu_layers {gpu_layers} was not resolved to a layer count before loading"
         )
     threads = settings.threads or engine_mod.default_threads()
+    spec = settings.speculative
     return EngineConfig(
         path=settings.file,
         slots=settings.slots,
@@ -72,6 +75,17 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         threads_batch=settings.threads_batch or threads,
         gpu_layers=gpu_layers,
         mmap=mmap,
+        cache_type_k=settings.cache_type_k,
+        cache_type_v=settings.cache_type_v,
+        flash_attention=settings.flash_attention,
+        prompt_cache_bytes=settings.prompt_cache_mb * MIB,
+        speculative=Speculation(
+            mode=spec.mode,
+            max_draft=spec.max_draft,
+            ngram_min=spec.ngram_min,
+            ngram_max=spec.ngram_max,
+            max_sequences=spec.max_sequences,
+        ),
     )
 
 

@@ -22,8 +22,10 @@ from typing import Final
 from edgellmd.engine import EmbeddingEngine, EngineError, supports_gpu_offload
 from edgellmd.engine.chat import TemplateError
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.engine.scheduler import KV_BYTES_PER_VALUE
 from edgellmd.host.nvml import GpuSnapshot
 from edgellmd.host.offload import plan_gpu_layers
+from edgellmd.models.budget import MIB
 from edgellmd.models.gguf import GgufError, gguf_layer_bytes, read_gguf_values
 from edgellmd.models.handle import EngineFactory, ModelHandle, Provenance, chat_template_for
 from edgellmd.models.lockfile import (
@@ -40,7 +42,6 @@ from edgellmd.settings import GPU_LAYERS_AUTO, LockSettings, ModelSettings
 log = logging.getLogger(__name__)
 
 WARM_UP_TIMEOUT_S: Final = 60.0  # a short generation that takes longer than this is a broken model
-KV_BYTES_PER_VALUE: Final = 2  # llama.cpp's default KV cache type is f16
 
 
 class LoadFailed(Exception):
@@ -56,12 +57,16 @@ def stat_key(path: Path) -> tuple[int, int, int, int] | None:
 
 
 def estimate_bytes(path: Path, settings: ModelSettings) -> int:
-    """Memory a model will take once loaded: its file plus an f16 KV cache for every slot."""
-    size = path.stat().st_size
+    """Memory a model will take once loaded: its file, its KV cache, its prompt cache."""
+    return path.stat().st_size + kv_cache_bytes(path, settings) + settings.prompt_cache_mb * MIB
+
+
+def kv_cache_bytes(path: Path, settings: ModelSettings) -> int:
+    """The KV cache of every slot, in the configured cache types (0 when the file does not say)."""
     try:
         values = read_gguf_values(path)
     except GgufError:
-        return size  # the load itself will say what is wrong with the file
+        return 0  # the load itself will say what is wrong with the file
     arch = values.get("general.architecture")
     layers = values.get(f"{arch}.block_count")
     embd = values.get(f"{arch}.embedding_length")
@@ -74,10 +79,10 @@ def estimate_bytes(path: Path, settings: ModelSettings) -> int:
         and isinstance(heads_kv, int)
         and min(layers, embd, heads, heads_kv) > 0
     ):
-        return size
-    cells = settings.context_size * settings.slots
-    kv = 2 * layers * cells * (embd // heads) * heads_kv * KV_BYTES_PER_VALUE
-    return size + kv
+        return 0
+    values_per_side = layers * settings.context_size * settings.slots * (embd // heads) * heads_kv
+    per_value = KV_BYTES_PER_VALUE[settings.cache_type_k] + KV_BYTES_PER_VALUE[settings.cache_type_v]
+    return int(values_per_side * per_value)
 
 
 class Loader:
@@ -148,7 +153,7 @@ class Loader:
                     snapshot=self._gpu(),
                     offload_supported=supports_gpu_offload(),
                     headroom_bytes=self._gpu_headroom,
-                    kv_bytes=need - source_stat[2],
+                    kv_bytes=await loop.run_in_executor(None, kv_cache_bytes, source, settings),
                 ),
             )
             log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)

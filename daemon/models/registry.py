@@ -21,6 +21,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from edgellmd.engine import Engine
 from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.nvml import GpuSnapshot
 from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
@@ -584,6 +585,8 @@ class Registry:
                         "threads_batch": handle.engine.config.threads_batch,
                     }
                 )
+                if isinstance(handle.engine, Engine):
+                    item["performance"] = handle.engine.performance()
             models.append(item)
         budget = self._lifecycle.memory_budget_mb
         return {

@@ -1,0 +1,581 @@
+"""Validation of Anthropic Messages bodies into the shared request model; every rejection names its field.
+
+A Messages body decodes into the same `ChatRequest` as an OpenAI chat body: `system` and the
+text blocks become system, user and assistant turns, `tool_use` blocks an assistant's tool
+calls, `tool_result` blocks tool turns, `tools` and `tool_choice` the same tool plan (and
+grammar) as chat's, `output_config.format` the same structured-output grammar as
+`response_format`. What Messages has of its own is only its shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from edgellmd.api.openai_schemas import ChatRequest, CommonRequest, Limits
+from edgellmd.api.structured import FUNCTION_NAME_CHARS, ToolPlan, response_format_grammar, tool_plan
+from edgellmd.engine.chat import ChatMessage
+from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
+from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter, shown
+
+# Each stop string is looked for after every token on the scheduler thread: twice OpenAI's 4.
+MAX_STOP_SEQUENCES: Final = 8
+MAX_STOP_LENGTH: Final = 256  # characters per stop sequence, as chat's `stop`
+MAX_TOP_K: Final = 1_000_000
+MIN_THINKING_BUDGET: Final = 1024  # Anthropic's own lower bound on budget_tokens
+MAX_USER_ID: Final = 256  # Anthropic's limit on metadata.user_id
+BLOCK_JOINER: Final = "\n\n"  # between text blocks of one turn, and turns that merge
+
+_MESSAGE_FIELDS: Final = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "messages",
+        "system",
+        "metadata",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_config",
+        "service_tier",  # accepted and ignored: one tier here
+        "cache_control",  # accepted and ignored: the daemon reuses a slot's prompt prefix by itself
+    }
+)
+_COUNT_FIELDS: Final = frozenset(
+    {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control"}
+)
+# Known to Anthropic, not done here: refused by name rather than as unknown fields.
+_UNSUPPORTED_FIELDS: Final = frozenset({"container", "mcp_servers", "context_management"})
+_UNSUPPORTED_BLOCKS: Final = frozenset(
+    {
+        "image",
+        "document",
+        "search_result",
+        "container_upload",
+        "server_tool_use",
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "bash_code_execution_tool_result",
+        "text_editor_code_execution_tool_result",
+        "tool_search_tool_result",
+        "mcp_tool_use",
+        "mcp_tool_result",
+    }
+)
+_BLOCK_FIELDS: Final = {
+    "text": frozenset({"type", "text", "cache_control", "citations"}),
+    "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
+    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
+    # An earlier reply's thinking, sent back: accepted and left out of the prompt, as
+    # reasoning models' own templates drop earlier turns' reasoning.
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+}
+_TOOL_FIELDS: Final = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"})
+_TOOL_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
+TOOL_ERROR_PREFIX: Final = "Error: "  # how a tool_result with is_error reaches the model
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesRequest:
+    """A validated `POST /v1/messages` body: the shared chat request and how to show reasoning."""
+
+    chat: ChatRequest
+    show_thinking: bool  # False with thinking disabled: a reasoning model's thinking is left out
+
+
+@dataclass(frozen=True, slots=True)
+class CountRequest:
+    """A validated `POST /v1/messages/count_tokens` body: what renders the prompt, nothing to generate."""
+
+    model: str
+    messages: tuple[ChatMessage, ...]
+    tools: ToolPlan | None
+
+
+def _fail(message: str, where: str) -> InvalidRequest:
+    return InvalidRequest(message, param=where)
+
+
+def _unknown(data: Mapping[str, Any], allowed: frozenset[str], where: str = "") -> None:
+    for name in data:
+        if name not in allowed:
+            safe = shown(name)
+            path = f"{where}.{safe}" if where else safe
+            if not where and name in _UNSUPPORTED_FIELDS:
+                raise UnsupportedParameter(f"'{name}' is not supported by this server", param=name)
+            raise InvalidRequest(
+                f"{path}: Extra inputs are not permitted", param=path, code="unknown_parameter"
+            )
+
+
+def _typed(value: Any, kind: type[T], where: str, what: str) -> T:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _fail(f"'{where}' must be {what}", where)
+    return value
+
+
+def _number(data: Mapping[str, Any], name: str, default: float, hi: float) -> float:
+    value = data.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(f"'{name}' must be a number", name)
+    try:
+        ok = math.isfinite(value) and 0.0 <= value <= hi
+    except OverflowError:  # an integer past any float
+        ok = False
+    if not ok:
+        raise _fail(f"'{name}' must be between 0 and {hi:g}", name)
+    return float(value)
+
+
+def _model(data: Mapping[str, Any]) -> str:
+    model = data.get("model")
+    if model is None:
+        raise _fail("'model' is required", "model")
+    if not isinstance(model, str) or not model:
+        raise _fail("'model' must be a non-empty string", "model")
+    return model
+
+
+def _max_tokens(data: Mapping[str, Any], limits: Limits) -> int:
+    value = data.get("max_tokens")
+    if value is None:
+        raise _fail("'max_tokens' is required", "max_tokens")
+    value = _typed(value, int, "max_tokens", "an integer")
+    if value < 1:
+        raise _fail("'max_tokens' must be at least 1", "max_tokens")
+    if value > limits.max_tokens_limit:
+        raise _fail(
+            f"'max_tokens' must be at most {limits.max_tokens_limit} on this server, "
+            f"got {shown(value, limit=24, placeholder='a number out of range')}",
+            "max_tokens",
+        )
+    return value
+
+
+def _stop_sequences(data: Mapping[str, Any]) -> tuple[str, ...]:
+    value = data.get("stop_sequences")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _fail("'stop_sequences' must be a list of strings", "stop_sequences")
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise _fail(f"'stop_sequences' takes at most {MAX_STOP_SEQUENCES} sequences", "stop_sequences")
+    if any(len(s) > MAX_STOP_LENGTH for s in value):
+        raise _fail(f"each stop sequence must be at most {MAX_STOP_LENGTH} characters", "stop_sequences")
+    return tuple(s for s in value if s)
+
+
+def _user(data: Mapping[str, Any]) -> str | None:
+    value = data.get("metadata")
+    if value is None:
+        return None
+    meta = _typed(value, dict, "metadata", "an object")
+    _unknown(meta, frozenset({"user_id"}), "metadata")
+    user = meta.get("user_id")
+    if user is None:
+        return None
+    user = _typed(user, str, "metadata.user_id", "a string")
+    if len(user) > MAX_USER_ID:
+        raise _fail(f"'metadata.user_id' must be at most {MAX_USER_ID} characters", "metadata.user_id")
+    return user
+
+
+def _show_thinking(data: Mapping[str, Any], max_tokens: int | None) -> bool:
+    """Whether a reasoning model's thinking comes back as thinking blocks.
+
+    The model reasons or not by its own nature (`reasoning:` in its settings): `thinking`
+    cannot switch that on or off here, and `budget_tokens` is checked as Anthropic checks it
+    but not enforced apart from max_tokens, which the reasoning counts towards. `disabled`
+    (or display `omitted`) leaves the thinking out of the answer.
+    """
+    value = data.get("thinking")
+    if value is None:
+        return True
+    spec = _typed(value, dict, "thinking", "an object with a 'type'")
+    kind = spec.get("type")
+    if kind == "disabled":
+        _unknown(spec, frozenset({"type"}), "thinking")
+        return False
+    if kind not in ("enabled", "adaptive"):
+        raise _fail("'thinking.type' must be enabled, adaptive or disabled", "thinking.type")
+    _unknown(spec, frozenset({"type", "budget_tokens", "display"}), "thinking")
+    display = spec.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise _fail("'thinking.display' must be summarized or omitted", "thinking.display")
+    if kind == "enabled":
+        budget = _typed(spec.get("budget_tokens"), int, "thinking.budget_tokens", "an integer")
+        if budget < MIN_THINKING_BUDGET:
+            raise _fail(
+                f"'thinking.budget_tokens' must be at least {MIN_THINKING_BUDGET}", "thinking.budget_tokens"
+            )
+        if max_tokens is not None and budget >= max_tokens:
+            raise _fail("'thinking.budget_tokens' must be less than 'max_tokens'", "thinking.budget_tokens")
+    elif "budget_tokens" in spec:
+        raise _fail("'thinking.budget_tokens' is only for thinking type enabled", "thinking.budget_tokens")
+    return display != "omitted"
+
+
+def _text(value: Any, where: str) -> str:
+    """A string, or a list of text blocks (joined); the only content `system` and tool results take."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _fail(f"'{where}' must be a string or a list of text blocks", where)
+    parts: list[str] = []
+    for j, block in enumerate(value):
+        kind = _block_type(block, f"{where}[{j}]")
+        if kind != "text":
+            _refuse_block(kind, f"{where}[{j}]", "text blocks")
+        parts.append(_text_block(block, f"{where}[{j}]"))
+    return BLOCK_JOINER.join(parts)
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise _fail(f"'{where}' must be a content block object with a 'type'", where)
+    kind: str = block["type"]
+    return kind
+
+
+def _refuse_block(kind: str, where: str, allowed: str) -> None:
+    name = shown(kind, limit=48, quote=True)
+    if kind in _UNSUPPORTED_BLOCKS:
+        raise UnsupportedParameter(
+            f"content blocks of type {name} are not supported by this server (at '{where}'; {allowed} only)",
+            param=f"{where}.type",
+        )
+    raise _fail(
+        f"'{where}.type': unknown or misplaced content block type {name} ({allowed} only)", f"{where}.type"
+    )
+
+
+def _text_block(block: dict[str, Any], where: str) -> str:
+    _unknown(block, _BLOCK_FIELDS["text"], where)
+    citations = block.get("citations")
+    if citations is not None and not isinstance(citations, list):  # accepted and ignored
+        raise _fail(f"'{where}.citations' must be a list", f"{where}.citations")
+    return _typed(block.get("text"), str, f"{where}.text", "a string")
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    _unknown(block, _BLOCK_FIELDS["tool_use"], where)
+    call_id = _typed(block.get("id"), str, f"{where}.id", "a string")
+    if not _TOOL_ID.fullmatch(call_id):
+        raise _fail(f"'{where}.id' must be 1 to 128 of a-z A-Z 0-9 _ -", f"{where}.id")
+    name = _typed(block.get("name"), str, f"{where}.name", "a string")
+    arguments = _typed(block.get("input"), dict, f"{where}.input", "an object")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def _tool_result(block: dict[str, Any], where: str, names: Mapping[str, str]) -> ChatMessage:
+    _unknown(block, _BLOCK_FIELDS["tool_result"], where)
+    call_id = _typed(block.get("tool_use_id"), str, f"{where}.tool_use_id", "a string")
+    content = block.get("content")
+    text = "" if content is None else _text(content, f"{where}.content")
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise _fail(f"'{where}.is_error' must be a boolean", f"{where}.is_error")
+    if is_error:
+        text = TOOL_ERROR_PREFIX + text
+    return ChatMessage("tool", text, tool_call_id=call_id, name=names.get(call_id))
+
+
+def _turns(i: int, role: str, content: Any, names: dict[str, str]) -> list[ChatMessage]:
+    """One Anthropic message as the shared model's turns (tool results are turns of their own)."""
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return [ChatMessage(role, content)]
+    if not isinstance(content, list):
+        raise _fail(f"'{where}' must be a string or a list of content blocks", where)
+    turns: list[ChatMessage] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if texts or calls:
+            turns.append(ChatMessage(role, BLOCK_JOINER.join(texts), tool_calls=tuple(calls)))
+            texts.clear()
+            calls.clear()
+
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = _block_type(block, at)
+        if kind == "text":
+            texts.append(_text_block(block, at))
+        elif kind == "tool_use" and role == "assistant":
+            call = _tool_use(block, at)
+            names[call["id"]] = call["function"]["name"]
+            calls.append(call)
+        elif kind == "tool_result" and role == "user":
+            flush()
+            turns.append(_tool_result(block, at, names))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            _unknown(block, _BLOCK_FIELDS[kind], at)
+        else:
+            allowed = "text, tool_use and thinking" if role == "assistant" else "text and tool_result"
+            _refuse_block(kind, at, allowed)
+    flush()
+    return turns
+
+
+def _merged(turns: list[ChatMessage]) -> list[ChatMessage]:
+    """Consecutive user (or assistant) turns as one, as Anthropic combines them."""
+    out: list[ChatMessage] = []
+    for turn in turns:
+        last = out[-1] if out else None
+        if last is not None and turn.role == last.role and turn.role in ("user", "assistant"):
+            text = BLOCK_JOINER.join(t for t in (last.content, turn.content) if t)
+            out[-1] = ChatMessage(last.role, text, tool_calls=(*last.tool_calls, *turn.tool_calls))
+        else:
+            out.append(turn)
+    return out
+
+
+def _messages(data: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+    value = data.get("messages")
+    if value is None:
+        raise _fail("'messages' is required", "messages")
+    if not isinstance(value, list) or not value:
+        raise _fail("'messages' must be a non-empty list", "messages")
+    turns: list[ChatMessage] = []
+    system = data.get("system")
+    if system is not None:
+        text = _text(system, "system")
+        if text:
+            turns.append(ChatMessage("system", text))
+    names: dict[str, str] = {}  # tool_use id -> the tool's name, for the results that answer them
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        message = _typed(item, dict, where, "an object with 'role' and 'content'")
+        _unknown(message, frozenset({"role", "content"}), where)
+        role = message.get("role")
+        if role not in ("user", "assistant", "system"):
+            raise _fail(f"'{where}.role' must be user, assistant or system", f"{where}.role")
+        if "content" not in message:
+            raise _fail(f"'{where}.content' is required", f"{where}.content")
+        if role == "system":  # a system turn in the conversation: text only, as `system`
+            turns.append(ChatMessage("system", _text(message["content"], f"{where}.content")))
+        else:
+            turns.extend(_turns(i, role, message["content"], names))
+    merged = _merged(turns)
+    if not any(turn.role != "system" for turn in merged):
+        raise _fail("'messages' must hold at least one user or assistant turn with content", "messages")
+    if merged[-1].role == "assistant":
+        # Anthropic's prefill continues the last assistant turn; a chat template renders it
+        # as a finished turn and starts another, so the answer would not be what was asked.
+        raise UnsupportedParameter(
+            "a last message with role assistant (prefill) is not supported by this server; "
+            "end with a user message",
+            param=f"messages[{len(value) - 1}].role",
+        )
+    return tuple(merged)
+
+
+# tool_plan and response_format_grammar speak chat's field names; a client of this API
+# should read its own in a refusal.
+_RENAMES: Final = (
+    (re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+    (re.compile(r"tools\[(\d+)\]\.function\.name"), r"tools[\1].name"),
+    (re.compile(r"response_format\.json_schema\.schema"), "output_config.format.schema"),
+    (re.compile(r"response_format"), "output_config.format"),
+)
+
+
+def _renamed(exc: ApiError) -> ApiError:
+    def rename(text: str) -> str:
+        for pattern, repl in _RENAMES:
+            text = pattern.sub(repl, text)
+        return text
+
+    message, param = rename(exc.message), None if exc.param is None else rename(exc.param)
+    if param is not None and param not in message:  # Anthropic's shape has no `param`: say where
+        message = f"{message} (in '{param}')"
+    return type(exc)(message, param=param, code=exc.code, headers=exc.headers)
+
+
+def _in_our_names(build: Callable[[], T]) -> T:
+    try:
+        return build()
+    except ApiError as exc:
+        raise _renamed(exc) from None
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    tool = _typed(tool, dict, where, "an object with 'name' and 'input_schema'")
+    kind = tool.get("type")
+    if kind not in (None, "custom"):
+        raise UnsupportedParameter(
+            f"tools of type {shown(kind, limit=48, quote=True)} are not supported by this server "
+            f"(at '{where}'; custom tools with an input_schema only)",
+            param=f"{where}.type",
+        )
+    _unknown(tool, _TOOL_FIELDS, where)
+    name = tool.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64 or set(name) - FUNCTION_NAME_CHARS:
+        raise _fail(f"'{where}.name' must be 1 to 64 of a-z A-Z 0-9 _ -", f"{where}.name")
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise _fail(f"'{where}.description' must be a string", f"{where}.description")
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        raise _fail(f"'{where}.input_schema' must be a JSON schema with type object", f"{where}.input_schema")
+    function: dict[str, Any] = {"name": name, "parameters": schema}
+    if description is not None:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(value: Any, names: set[str]) -> tuple[Any, bool | None]:
+    """Anthropic's tool_choice as chat's, and whether parallel calls are allowed (None: default)."""
+    if value is None:
+        return None, None
+    choice = _typed(value, dict, "tool_choice", "an object with a 'type'")
+    kind = choice.get("type")
+    fields = (
+        {"type", "name", "disable_parallel_tool_use"}
+        if kind == "tool"
+        else {"type", "disable_parallel_tool_use"}
+    )
+    if kind == "none":
+        fields = {"type"}
+    if kind not in ("auto", "any", "tool", "none"):
+        raise _fail("'tool_choice.type' must be auto, any, tool or none", "tool_choice.type")
+    _unknown(choice, frozenset(fields), "tool_choice")
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise _fail(
+            "'tool_choice.disable_parallel_tool_use' must be a boolean",
+            "tool_choice.disable_parallel_tool_use",
+        )
+    parallel = False if disable else None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or name not in names:
+            raise _fail("'tool_choice.name' must name one of the tools", "tool_choice.name")
+        return {"type": "function", "function": {"name": name}}, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+def _tools(data: Mapping[str, Any]) -> ToolPlan | None:
+    tools = data.get("tools")
+    choice = data.get("tool_choice")
+    if tools == []:  # Anthropic takes an empty list for no tools
+        tools = None
+    if tools is None:
+        if choice is not None and not (isinstance(choice, dict) and choice.get("type") == "none"):
+            raise _fail("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise _fail("'tools' must be a list of tools", "tools")
+    converted = [_tool(t, i) for i, t in enumerate(tools)]
+    mode, parallel = _tool_choice(choice, {t["function"]["name"] for t in converted})
+    return _in_our_names(lambda: tool_plan(converted, mode, parallel))
+
+
+def _format_grammar(data: Mapping[str, Any]) -> str | None:
+    value = data.get("output_config")
+    if value is None:
+        return None
+    config = _typed(value, dict, "output_config", "an object")
+    _unknown(config, frozenset({"format", "effort"}), "output_config")  # effort: accepted and ignored
+    spec = config.get("format")
+    if spec is None:
+        return None
+    spec = _typed(spec, dict, "output_config.format", "an object with a 'type'")
+    if spec.get("type") != "json_schema":
+        raise _fail("'output_config.format.type' must be json_schema", "output_config.format.type")
+    _unknown(spec, frozenset({"type", "schema"}), "output_config.format")
+    schema = spec.get("schema")
+    if schema is None:
+        raise _fail("'output_config.format.schema' is required", "output_config.format.schema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    return _in_our_names(lambda: response_format_grammar(fmt))
+
+
+def _grammar(data: Mapping[str, Any], tools: ToolPlan | None) -> str | None:
+    grammar = _format_grammar(data)
+    if tools is not None and tools.grammar is not None:
+        if grammar is not None:
+            raise _fail(
+                "'output_config.format' cannot be combined with tool use; set tool_choice to none",
+                "output_config.format",
+            )
+        return tools.grammar
+    return grammar
+
+
+def _stream(data: Mapping[str, Any]) -> bool:
+    value = data.get("stream")
+    return False if value is None else _typed(value, bool, "stream", "a boolean")
+
+
+def _ignored(data: Mapping[str, Any]) -> None:
+    """Fields accepted and ignored still have to be what Anthropic takes."""
+    tier = data.get("service_tier")
+    if tier is not None and tier not in ("auto", "standard_only"):
+        raise _fail("'service_tier' must be auto or standard_only", "service_tier")
+    cache = data.get("cache_control")
+    if cache is not None and not isinstance(cache, dict):
+        raise _fail("'cache_control' must be an object", "cache_control")
+
+
+def parse_messages(data: Mapping[str, Any], limits: Limits) -> MessagesRequest:
+    """Validate a `POST /v1/messages` body."""
+    _unknown(data, _MESSAGE_FIELDS)
+    model = _model(data)
+    max_tokens = _max_tokens(data, limits)
+    show_thinking = _show_thinking(data, max_tokens)
+    _ignored(data)
+    top_k = data.get("top_k")
+    if top_k is not None:
+        top_k = _typed(top_k, int, "top_k", "an integer")
+        if not 0 <= top_k <= MAX_TOP_K:
+            raise _fail(f"'top_k' must be between 0 and {MAX_TOP_K}", "top_k")
+    messages = _messages(data)
+    tools = _tools(data)
+    sampling = SamplingParams(
+        temperature=_number(data, "temperature", 1.0, 1.0),
+        top_p=_number(data, "top_p", 1.0, 1.0),
+        top_k=DEFAULT_TOP_K if top_k is None else top_k,
+        penalty_last_n=DEFAULT_PENALTY_LAST_N,
+        grammar=_grammar(data, tools),
+    )
+    common = CommonRequest(
+        model=model,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=_stop_sequences(data),
+        stream=_stream(data),
+        include_usage=False,
+        ignore_eos=False,
+        user=_user(data),
+    )
+    return MessagesRequest(ChatRequest(common=common, messages=messages, tools=tools), show_thinking)
+
+
+def parse_count_tokens(data: Mapping[str, Any]) -> CountRequest:
+    """Validate a `POST /v1/messages/count_tokens` body (a Messages body without what generates)."""
+    _unknown(data, _COUNT_FIELDS)
+    model = _model(data)
+    _show_thinking(data, None)
+    _ignored(data)
+    messages = _messages(data)
+    tools = _tools(data)
+    _grammar(data, tools)
+    return CountRequest(model, messages, tools)

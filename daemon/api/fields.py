@@ -1,0 +1,123 @@
+"""Reading a client's JSON object field by field: typed getters whose failures name the param.
+
+Every API family (chat and completions, Responses, Messages) validates its bodies with these,
+so a wrong type or an out-of-range number reads the same everywhere, and no client value is
+echoed at length (`shown`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from edgellmd.errors import InvalidRequest, UnsupportedParameter, shown
+
+
+def number_text(value: float) -> str:
+    """A client's number, echoed only when short: a 4000-digit integer stays out of the answer."""
+    return shown(value, limit=24, placeholder="a number out of range")
+
+
+def check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    """400 naming `name` unless lo <= value <= hi (either bound may be absent)."""
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise InvalidRequest(f"'{name}' must be between {lo} and {hi}, got {number_text(value)}", param=name)
+    if lo is not None and value < lo:
+        raise InvalidRequest(f"'{name}' must be at least {lo}, got {number_text(value)}", param=name)
+    if hi is not None and value > hi:
+        raise InvalidRequest(f"'{name}' must be at most {hi}, got {number_text(value)}", param=name)
+
+
+def reject_unknown(data: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    """OpenAI's 400 for a top-level field the endpoint does not know (its name shown safely)."""
+    for name in data:
+        if name not in allowed:
+            safe = shown(name)
+            raise InvalidRequest(
+                f"unrecognized request argument: {safe}", param=safe, code="unknown_parameter"
+            )
+
+
+def unsupported(name: str, why: str = "") -> UnsupportedParameter:
+    """The 400 for a field this server knows and does not serve."""
+    what = f"'{name}' {why}" if why else f"'{name}'"
+    return UnsupportedParameter(f"{what} is not supported by this server", param=name)
+
+
+class Fields:
+    """Typed getters over one JSON object; `prefix` names a nested one (`text.format.`)."""
+
+    def __init__(self, data: Mapping[str, Any], prefix: str = "") -> None:
+        self.data = data
+        self.prefix = prefix
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}{key}"
+
+    def present(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def string(self, key: str, *, required: bool = False, nonempty: bool = False) -> str | None:
+        value = self.data.get(key)
+        param = self.name(key)
+        if value is None:
+            if required:
+                raise InvalidRequest(f"'{param}' is required", param=param)
+            return None
+        if not isinstance(value, str):
+            raise InvalidRequest(f"'{param}' must be a string", param=param)
+        if nonempty and not value:
+            raise InvalidRequest(f"'{param}' must not be empty", param=param)
+        return value
+
+    def choice(self, key: str, allowed: tuple[str, ...]) -> str | None:
+        value = self.string(key)
+        if value is not None and value not in allowed:
+            param = self.name(key)
+            raise InvalidRequest(f"'{param}' must be one of {', '.join(allowed)}", param=param)
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            param = self.name(key)
+            raise InvalidRequest(f"'{param}' must be a boolean", param=param)
+        return value
+
+    def integer(self, key: str, *, lo: int | None = None, hi: int | None = None) -> int | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        param = self.name(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest(f"'{param}' must be an integer", param=param)
+        check_range(param, value, lo, hi)
+        return value
+
+    def number(self, key: str, default: float, *, lo: float | None = None, hi: float | None = None) -> float:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        param = self.name(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"'{param}' must be a number", param=param)
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an integer past any float: 1 followed by 400 zeros
+            finite = False
+        if not finite:
+            raise InvalidRequest(f"'{param}' must be a finite number", param=param)
+        check_range(param, value, lo, hi)
+        return float(value)
+
+    def only(self, allowed: frozenset[str], what: str) -> None:
+        """400 for a key of this nested object that is not in `allowed`."""
+        for key in self.data:
+            if key not in allowed:
+                safe = shown(key)
+                # A key that cannot be shown is not named: the object that holds it is.
+                param = self.name(key) if key and safe == key else self.prefix.rstrip(".")
+                raise InvalidRequest(f"unrecognized field in '{what}': {safe}", param=param)

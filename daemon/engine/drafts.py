@@ -1,0 +1,148 @@
+"""Prompt-lookup drafts and the host-RAM prompt cache: the scheduler's two ways to skip work.
+
+`NgramDrafter` proposes the tokens that followed the latest earlier occurrence of a
+sequence's last n tokens (in its prompt or its reply so far): text that copies from its
+input (rewriting, extraction, code edits, quotes, JSON that repeats keys) is drafted, the
+drafts are checked in the next `llama_decode` beside everyone else's tokens, and every token
+the request's own sampler would have picked anyway is kept.
+
+`PromptCache` keeps the KV state of finished sequences in host RAM, keyed by their tokens,
+least recently used first out: a prompt that starts the way an earlier one did, in another
+slot or in a slot since reused, restores that prefix instead of prefilling it. Each engine
+has its own: a reload (a new engine) starts with an empty cache, so a state computed by one
+model version is never used with another.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+MIN_CACHED_TOKENS: Final = 128  # shorter prefixes prefill faster than a state restores
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """How a model drafts (from its `speculative` settings)."""
+
+    mode: str = "none"  # "none" or "ngram"
+    max_draft: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+    max_sequences: int = 2  # draft only while at most this many sequences decode
+
+    @property
+    def enabled(self) -> bool:
+        """True when the model drafts at all."""
+        return self.mode != "none"
+
+
+class NgramDrafter:
+    """One sequence's n-gram index over its tokens so far, and its adaptive draft length."""
+
+    __slots__ = ("_index", "_max", "_min", "draft_len", "max_draft", "tokens")
+
+    def __init__(self, spec: Speculation, tokens: Sequence[int]) -> None:
+        self._min = max(1, min(spec.ngram_min, spec.ngram_max))
+        self._max = max(spec.ngram_min, spec.ngram_max)
+        self.max_draft = spec.max_draft
+        self.draft_len = spec.max_draft
+        self.tokens: list[int] = []
+        # n -> the n-gram -> the position just after its latest occurrence (before the tail).
+        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self._min, self._max + 1)}
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        """Note the sequence's next token (prompt or generated)."""
+        tokens = self.tokens
+        # Index the n-grams that end at the current tail before the tail moves on: a lookup
+        # of the tail then finds only earlier occurrences.
+        end = len(tokens)
+        for n, index in self._index.items():
+            if end >= n:
+                index[tuple(tokens[end - n : end])] = end
+        tokens.append(token)
+
+    def draft(self) -> list[int]:
+        """Up to `draft_len` tokens that followed the longest earlier match of the tail."""
+        tokens = self.tokens
+        for n in range(self._max, self._min - 1, -1):
+            if len(tokens) < n:
+                continue
+            at = self._index[n].get(tuple(tokens[-n:]))
+            if at is not None:
+                return tokens[at : at + self.draft_len]
+        return []
+
+    def accepted(self, drafted: int, kept: int) -> None:
+        """Adapt the draft length to how many of `drafted` tokens the sampler kept."""
+        if drafted == 0:
+            return
+        if kept == drafted:
+            self.draft_len = min(self.max_draft, self.draft_len + 2)
+        else:
+            self.draft_len = max(1, kept + 1)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the common start of two token sequences."""
+    n = min(len(a), len(b))
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return n
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """What the prompt cache has done, for /metrics and /admin/stats."""
+
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    evicted: int = 0
+    restored_tokens: int = 0
+    restore_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class PromptCache:
+    """KV states of earlier sequences by their tokens, within `max_bytes`, LRU."""
+
+    max_bytes: int
+    entries: OrderedDict[tuple[int, ...], bytes] = field(default_factory=OrderedDict)
+    used_bytes: int = 0
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def best(self, prompt: Sequence[int]) -> tuple[tuple[int, ...], bytes, int] | None:
+        """The entry sharing the longest start with `prompt` (at least MIN_CACHED_TOKENS), and its length."""
+        found: tuple[tuple[int, ...], bytes, int] | None = None
+        for tokens, data in self.entries.items():
+            shared = common_prefix(tokens, prompt)
+            if shared >= MIN_CACHED_TOKENS and (found is None or shared > found[2]):
+                found = (tokens, data, shared)
+        if found is not None:
+            self.entries.move_to_end(found[0])
+        return found
+
+    def covers(self, tokens: Sequence[int]) -> bool:
+        """True when an entry already holds `tokens` or more of the same sequence."""
+        return any(len(t) >= len(tokens) and common_prefix(t, tokens) == len(tokens) for t in self.entries)
+
+    def put(self, tokens: Sequence[int], data: bytes) -> None:
+        """Keep a sequence's state; entries it extends go, the oldest go while over the limit."""
+        if len(data) > self.max_bytes:
+            return
+        key = tuple(tokens)
+        for old in [t for t in self.entries if common_prefix(t, key) == len(t)]:  # prefixes of this one
+            self.used_bytes -= len(self.entries.pop(old))
+        self.entries[key] = data
+        self.used_bytes += len(data)
+        self.stats.stored += 1
+        while self.used_bytes > self.max_bytes and self.entries:
+            _, dropped = self.entries.popitem(last=False)
+            self.used_bytes -= len(dropped)
+            self.stats.evicted += 1

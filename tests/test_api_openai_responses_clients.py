@@ -1,0 +1,106 @@
+"""Frameworks on the Responses API against a real daemon: the OpenAI Agents SDK and LangChain's ChatOpenAI."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Literal
+
+import agents
+import openai
+import pytest
+from langchain_core.messages import AIMessageChunk
+from langchain_openai import ChatOpenAI
+from pydantic import SecretStr
+
+from edgellmctl.keys import create_key
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import RunningDaemon, running, settings_for
+
+
+@pytest.fixture(scope="module")
+def token(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    path = tmp_path_factory.mktemp("clients-keys") / "keys.yaml"
+    return path, create_key(path, "client", ["inference"], limits={})[1]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, token: tuple[Path, str]) -> Iterator[RunningDaemon]:
+    model = write_tiny_model(tmp_path_factory.mktemp("clients") / "plain.gguf", TinyModelSpec(seed=31))
+    settings = settings_for(
+        [{"name": "plain", "file": str(model), "slots": 2, "context_size": 2048, "threads": 1}],
+        server={"max_tokens_limit": 1024},
+        lifecycle={"watch": False},
+        auth={"keys_file": str(token[0])},
+    )
+    with running(settings) as d:
+        yield d
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_tracing() -> None:
+    agents.set_tracing_disabled(True)  # the SDK would otherwise send traces to OpenAI
+
+
+def _agent(client: openai.AsyncOpenAI, called: list[str]) -> agents.Agent[None]:
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
+        """The current weather in a city."""
+        called.append(city)
+        return f"sunny in {city}"
+
+    # A tiny random model does not decide to stop by itself: one required call ends the run.
+    return agents.Agent(
+        name="weather",
+        instructions="Answer weather questions with the tool.",
+        model=agents.OpenAIResponsesModel(model="plain", openai_client=client),
+        tools=[get_weather],
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=600
+        ),
+        tool_use_behavior="stop_on_first_tool",
+    )
+
+
+@pytest.fixture
+async def client(daemon: RunningDaemon, token: tuple[Path, str]) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=daemon.url + "/v1", api_key=token[1], max_retries=0, timeout=60
+    ) as c:
+        yield c
+
+
+async def test_agents_sdk_runs_a_tool_to_completion(client: openai.AsyncOpenAI) -> None:
+    called: list[str] = []
+    result = await agents.Runner.run(_agent(client, called), "What is the weather in Oslo?")
+    assert len(called) == 1
+    assert result.final_output == f"sunny in {called[0]}"
+    assert [type(r).__name__ for r in result.raw_responses] == ["ModelResponse"]
+
+
+async def test_agents_sdk_streamed(client: openai.AsyncOpenAI) -> None:
+    called: list[str] = []
+    result = agents.Runner.run_streamed(_agent(client, called), "Weather in Lima?")
+    kinds = [event.type async for event in result.stream_events()]
+    assert "raw_response_event" in kinds
+    assert len(called) == 1
+    assert result.final_output == f"sunny in {called[0]}"
+
+
+def test_langchain_streams_and_the_text_adds_up(daemon: RunningDaemon, token: tuple[Path, str]) -> None:
+    llm = ChatOpenAI(
+        model="plain",
+        use_responses_api=True,
+        base_url=daemon.url + "/v1",
+        api_key=SecretStr(token[1]),
+        max_retries=0,
+        temperature=0,
+        max_completion_tokens=16,
+    )
+    whole = llm.invoke("hello")
+    chunks = list(llm.stream("hello"))
+    assert len(chunks) > 2
+    assert all(isinstance(c, AIMessageChunk) for c in chunks)
+    streamed = "".join(c.text for c in chunks)
+    assert streamed == whole.text
+    assert streamed

@@ -1,0 +1,161 @@
+"""Responses bodies as the request model: input items as turns, flat tools and text.format as chat's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from edgellmd.api.openai_schemas import Limits
+from edgellmd.api.responses_schemas import ResponsesRequest, parse_responses
+from edgellmd.engine.chat import ChatMessage
+from edgellmd.errors import ApiError, UnsupportedParameter
+
+LIMITS = Limits(max_tokens_limit=512, default_max_tokens=None)
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def _parse(**body: Any) -> ResponsesRequest:
+    return parse_responses({"model": "tiny", **body}, LIMITS)
+
+
+def test_a_string_is_one_user_turn() -> None:
+    body = _parse(input="hello", instructions="Be brief.")
+    assert body.chat.messages == (ChatMessage("user", "hello"),)
+    assert body.instructions == "Be brief."  # the handler puts it first, after any stored turns
+    assert body.store
+    assert body.chat.common.max_tokens == 512  # no max_output_tokens: the ceiling
+    assert body.chat.common.n == 1
+
+
+def test_items_become_turns() -> None:
+    body = _parse(
+        input=[
+            {"role": "developer", "content": "Rules."},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+            },
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {
+                "type": "message",
+                "id": "msg_1",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}],
+            },
+            {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
+            {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "one"},
+            {
+                "type": "function_call_output",
+                "call_id": "c2",
+                "output": [{"type": "input_text", "text": "two"}],
+            },
+        ]
+    )
+    system, user, assistant, out1, out2 = body.chat.messages
+    assert system == ChatMessage("system", "Rules.")
+    assert user == ChatMessage("user", "ab")
+    assert assistant.role == "assistant"
+    assert assistant.content == "Let me look."  # the reply's text and its calls: one turn
+    assert [c["id"] for c in assistant.tool_calls] == ["c1", "c2"]
+    assert assistant.tool_calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert (out1.role, out1.tool_call_id, out1.content) == ("tool", "c1", "one")
+    assert (out2.tool_call_id, out2.content) == ("c2", "two")
+
+
+def test_function_tools_become_chat_tools() -> None:
+    body = _parse(input="hi", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"})
+    plan = body.chat.tools
+    assert plan is not None
+    assert plan.mode == "required"
+    assert plan.names == ("get_weather",)
+    assert plan.tools[0] == {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": WEATHER["parameters"],
+            "description": "Current weather",
+        },
+    }
+    assert body.chat.common.sampling.grammar == plan.grammar
+    assert body.echo["tools"] == [{**WEATHER, "strict": True}]
+    assert body.echo["tool_choice"] == {"type": "function", "name": "get_weather"}
+
+
+def test_no_tools_and_auto_is_plain_text() -> None:
+    body = _parse(input="hi", tools=[], tool_choice="auto")
+    assert body.chat.tools is None
+    assert body.chat.common.sampling.grammar is None
+
+
+@pytest.mark.parametrize(
+    ("text", "constrained"),
+    [
+        ({"format": {"type": "text"}}, False),
+        ({"format": {"type": "json_object"}}, True),
+        (
+            {"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}, "strict": True}},
+            True,
+        ),
+        ({"verbosity": "low"}, False),
+    ],
+)
+def test_text_format(text: dict[str, Any], constrained: bool) -> None:
+    body = _parse(input="hi", text=text)
+    assert (body.chat.common.sampling.grammar is not None) is constrained
+    assert body.echo["text"]["format"]["type"] == text.get("format", {"type": "text"})["type"]
+
+
+def test_limits_and_echo() -> None:
+    body = parse_responses(
+        {"model": "tiny", "input": "hi", "metadata": {"k": "v"}, "user": "u1"},
+        Limits(max_tokens_limit=64, default_max_tokens=32),
+    )
+    assert body.chat.common.max_tokens == 32
+    assert body.chat.common.user == "u1"
+    assert body.echo["metadata"] == {"k": "v"}
+    assert body.echo["max_output_tokens"] is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "tools": [
+                    {
+                        **WEATHER,
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "minLength": 1}},
+                        },
+                    }
+                ]
+            },
+            "tools[0].parameters",
+        ),
+        (
+            {
+                "text": {
+                    "format": {"type": "json_schema", "name": "p", "schema": {"type": "object", "allOf": []}}
+                }
+            },
+            "text.format.schema",
+        ),
+    ],
+)
+def test_schema_refusals_name_this_apis_params(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        _parse(input="hi", **body)
+    assert isinstance(caught.value, UnsupportedParameter)
+    assert caught.value.param == param
+    assert "function." not in caught.value.message
+    assert "response_format" not in caught.value.message

@@ -1,0 +1,222 @@
+"""Speculative decoding and the prompt cache on the real engine: the text is exactly plain decoding's."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from edgellmd.engine import Engine, EngineConfig, ModelLoadError
+from edgellmd.engine.drafts import MIN_CACHED_TOKENS, NgramDrafter, PromptCache, Speculation
+from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+
+NGRAM = Speculation(mode="ngram", max_draft=6, max_sequences=8)
+NO_DRAFTS = Speculation()
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    "abcabcabcabc the quick brown fox jumps over the lazy dog " * 2,
+    "hello world",
+    "0101010101010101",
+    "repeat repeat repeat repeat repeat",
+    '{"name": "a", "name": "b", "name": "c", "name": "',
+]
+ABAB = 'root ::= ("ab")+ "." '  # a reply that repeats itself: drafts are right most of the time
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("drafts") / "m.gguf", TinyModelSpec(seed=5))
+
+
+def _engine(model: Path, *, slots: int = 4, spec: Speculation = NO_DRAFTS, cache_mb: int = 0) -> Engine:
+    return Engine(
+        EngineConfig(
+            path=model,
+            slots=slots,
+            context_size=1024,
+            batch_size=512,
+            threads=1,
+            threads_batch=1,
+            speculative=spec,
+            prompt_cache_bytes=cache_mb * 1024 * 1024,
+        ),
+        name="m",
+    )
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path) -> Iterator[Engine]:
+    engine = _engine(model)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def drafting(model: Path) -> Iterator[Engine]:
+    engine = _engine(model, spec=NGRAM)
+    yield engine
+    engine.close()
+
+
+async def _generate(
+    engine: Engine,
+    prompt: str | list[int],
+    max_tokens: int = 48,
+    sampling: SamplingParams = GREEDY,
+) -> tuple[str, Finished]:
+    tokens = engine.tokenize(prompt) if isinstance(prompt, str) else prompt
+    gen = engine.submit(
+        GenerationRequest(tokens, max_tokens, sampling, ignore_eos=sampling.grammar is None),
+        asyncio.get_running_loop(),
+    )
+    parts = []
+    async for event in gen.events():
+        parts.append(event.text)
+        if isinstance(event, Finished):
+            return "".join(parts), event
+    raise AssertionError("no Finished event")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+async def test_greedy_text_with_drafts_is_plain_decodings(
+    plain: Engine, drafting: Engine, prompt: str
+) -> None:
+    assert await _generate(drafting, prompt) == await _generate(plain, prompt)
+
+
+async def test_several_streams_at_once_with_grammars_among_them(plain: Engine, drafting: Engine) -> None:
+    cases = [(p, SamplingParams(temperature=0.0)) for p in PROMPTS[:3]]
+    cases.append(("ab", SamplingParams(temperature=0.0, grammar=ABAB)))
+    expected = [await _generate(plain, p, sampling=s) for p, s in cases]
+    before = drafting.accepted_tokens
+    got = await asyncio.gather(*(_generate(drafting, p, sampling=s) for p, s in cases))
+    assert list(got) == expected
+    assert drafting.accepted_tokens > before  # the grammar's repeating reply was drafted and kept
+
+
+async def test_a_repeating_reply_keeps_most_drafts(plain: Engine, drafting: Engine) -> None:
+    sampling = SamplingParams(temperature=0.0, grammar=ABAB)
+    drafted, accepted = drafting.drafted_tokens, drafting.accepted_tokens
+    text, final = await _generate(drafting, "ab ab ab", 64, sampling)
+    assert (text, final) == await _generate(plain, "ab ab ab", 64, sampling)
+    assert drafting.accepted_tokens - accepted > (drafting.drafted_tokens - drafted) // 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_seeded_sampling_is_the_same_with_drafts(plain: Engine, drafting: Engine, seed: int) -> None:
+    for grammar in (None, ABAB):
+        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar, top_k=8)
+        assert await _generate(drafting, PROMPTS[0], 40, sampling) == await _generate(
+            plain, PROMPTS[0], 40, sampling
+        )
+
+
+async def test_the_first_tokens_distribution_matches_plain_decoding(plain: Engine, drafting: Engine) -> None:
+    """Over 120 seeds the replies' first four tokens come out alike: the same counts exactly,
+    since each position is sampled from the same logits with the same random state (a bound
+    with margin would hold anyway: this is the stronger property)."""
+
+    async def histogram(engine: Engine) -> collections.Counter[str]:
+        counts: collections.Counter[str] = collections.Counter()
+        for seed in range(120):
+            text, _ = await _generate(engine, "0101 0101 0101", 4, SamplingParams(temperature=1.0, seed=seed))
+            counts[text] += 1
+        return counts
+
+    with_drafts, without = await histogram(drafting), await histogram(plain)
+    assert with_drafts == without
+    assert len(without) > 10  # the sampler really varies
+
+
+def test_the_drafter_finds_the_longest_earlier_match() -> None:
+    drafter = NgramDrafter(
+        Speculation(mode="ngram", max_draft=3, ngram_min=1, ngram_max=3), [1, 2, 3, 4, 9, 2, 3]
+    )
+    assert drafter.draft() == [4, 9, 2]  # "2 3" was followed by "4 9 2"
+    drafter.append(5)
+    assert drafter.draft() == []  # "3 5" never occurred; nor "5" alone
+    drafter.accepted(3, 0)
+    assert drafter.draft_len == 1
+    drafter.accepted(1, 1)
+    assert drafter.draft_len == 3
+
+
+# ---- the prompt cache ------------------------------------------------------------------------
+
+
+async def test_a_restored_prefix_continues_exactly_as_a_full_prefill(model: Path, plain: Engine) -> None:
+    system = "You are a careful assistant. " * 12  # well past MIN_CACHED_TOKENS with the byte vocabulary
+    assert len(plain.tokenize(system)) > MIN_CACHED_TOKENS
+    cached = _engine(model, slots=1, cache_mb=64)
+    try:
+        await _generate(cached, system + "First question?", 8)
+        await _generate(cached, "Something else entirely, to take the slot. " * 4, 8)  # the slot's KV is gone
+        assert cached.prompt_cache is not None
+        hits = cached.prompt_cache.stats.hits
+        again = await _generate(cached, system + "Second question?", 24)
+        assert cached.prompt_cache.stats.hits == hits + 1
+        assert cached.prompt_cache.stats.restored_tokens >= len(plain.tokenize(system)) - 1
+        assert again == await _generate(plain, system + "Second question?", 24)
+    finally:
+        cached.close()
+
+
+def test_the_cache_keeps_within_its_size_lru() -> None:
+    cache = PromptCache(max_bytes=1000)
+    for n in range(5):
+        cache.put([n] * 200, bytes(300))
+    assert cache.used_bytes <= 1000
+    assert len(cache.entries) == 3
+    assert cache.stats.evicted == 2
+    assert cache.best([4] * 200 + [7]) is not None  # the newest stays
+    assert cache.best([0] * 200) is None  # the oldest went
+    cache.put([4] * 300, bytes(400))  # extends an entry: replaces it
+    assert (4,) * 200 not in cache.entries
+    assert cache.used_bytes <= 1000
+
+
+# ---- a quantized KV cache ----------------------------------------------------------------------
+
+
+def test_a_quantized_cache_needs_heads_in_whole_blocks(model: Path) -> None:
+    # The tiny model's heads have 16 values; q8_0 stores blocks of 32.
+    config = EngineConfig(path=model, slots=1, context_size=256, batch_size=64, threads=1, threads_batch=1)
+    with pytest.raises(ModelLoadError, match=r"cache_type_k q8_0 stores blocks of 32 values .* have 16"):
+        Engine(replace(config, cache_type_k="q8_0"), name="m")
+    with pytest.raises(ModelLoadError, match=r"cache_type_v q4_0"):
+        Engine(replace(config, cache_type_v="q4_0"), name="m")
+
+
+async def test_a_q8_0_cache_generates_and_takes_about_half_the_bytes(tmp_path: Path) -> None:
+    wide = write_tiny_model(tmp_path / "wide.gguf", TinyModelSpec(seed=2, n_embd=128, n_head=4))
+    config = EngineConfig(
+        path=wide,
+        slots=1,
+        context_size=512,
+        batch_size=64,
+        threads=1,
+        threads_batch=1,
+        prompt_cache_bytes=1 << 24,
+    )
+    prompt = "the cache holds keys and values; " * 8  # long enough to be kept in the prompt cache
+    sizes = {}
+    texts = {}
+    for kind in ("f16", "q8_0"):
+        engine = Engine(replace(config, cache_type_k=kind, cache_type_v=kind), name=kind)
+        try:
+            assert engine.performance()["kv_cache"]["flash_attention"] == ("auto" if kind == "f16" else "on")
+            texts[kind], finished = await _generate(engine, prompt, 24)
+            assert finished.completion_tokens == 24
+            assert engine.prompt_cache is not None
+            assert len(engine.prompt_cache.entries) == 1  # the finished sequence's saved state
+            sizes[kind] = engine.prompt_cache.used_bytes
+        finally:
+            engine.close()
+    assert texts["q8_0"]  # it decodes; quantized keys and values may pick other tokens
+    # 34 bytes per 32 values against 64: the saved state of the same sequence shrinks alike.
+    assert 0.45 < sizes["q8_0"] / sizes["f16"] < 0.6, sizes
