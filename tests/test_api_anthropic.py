@@ -147,6 +147,11 @@ def assert_anthropic_error(body: Any, kind: str) -> str:
 # ---- text ---------------------------------------------------------------------------------------
 
 
+def prompt_tokens(message: anthropic.types.Message) -> int:
+    """The whole prompt of a reply, as count_tokens counts it: prefilled plus read from a cache."""
+    return message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+
+
 def test_create_answers_a_message(client: anthropic.Anthropic) -> None:
     message = client.messages.create(model="plain", max_tokens=12, messages=HELLO, extra_body=GREEDY)
     assert message.id.startswith("msg_")
@@ -156,9 +161,7 @@ def test_create_answers_a_message(client: anthropic.Anthropic) -> None:
     assert message.model == "plain"
     assert message.stop_reason in ("end_turn", "max_tokens")
     assert message.stop_sequence is None
-    assert (
-        message.usage.input_tokens == client.messages.count_tokens(model="plain", messages=HELLO).input_tokens
-    )
+    assert prompt_tokens(message) == client.messages.count_tokens(model="plain", messages=HELLO).input_tokens
     assert 1 <= message.usage.output_tokens <= 12
     assert (message.stop_reason == "max_tokens") == (message.usage.output_tokens == 12)
     assert all(block.type == "text" for block in message.content)
@@ -177,7 +180,8 @@ def test_stream_helpers_give_the_same_greedy_text(client: anthropic.Anthropic) -
     assert whole.content[0].type == "text"
     assert whole.content[0].text == text
     assert final.stop_reason == whole.stop_reason
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_tokens(final) == prompt_tokens(whole)
+    assert final.usage.cache_read_input_tokens  # the second time: the slot kept the prompt
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.id.startswith("msg_")
 
@@ -211,7 +215,9 @@ def test_the_raw_stream_has_anthropics_events_in_order(served: Served) -> None:
     delta = got[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == 8
-    assert delta["usage"]["input_tokens"] == start["usage"]["input_tokens"]
+    # message_start counts the whole prompt; the end splits it into prefilled and cached.
+    end = delta["usage"]
+    assert end["input_tokens"] + end["cache_read_input_tokens"] == start["usage"]["input_tokens"]
     blocks = [name for name in names if name.startswith("content_block")]
     assert blocks[0] == "content_block_start"
     assert blocks[-1] == "content_block_stop"
@@ -282,7 +288,7 @@ def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
     assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
     # The result reached the prompt: it holds the call and its result.
     counted = client.messages.count_tokens(model="plain", messages=history, tools=[WEATHER])
-    assert answer.usage.input_tokens == counted.input_tokens
+    assert prompt_tokens(answer) == counted.input_tokens
     before = client.messages.count_tokens(model="plain", messages=ASK, tools=[WEATHER])
     assert counted.input_tokens > before.input_tokens + len(b"sunny, 21 C")
 
@@ -393,7 +399,7 @@ def test_count_tokens_counts_the_tools_too(client: anthropic.Anthropic) -> None:
         model="plain", max_tokens=400, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"}
     )
     assert (
-        used.usage.input_tokens
+        prompt_tokens(used)
         == client.messages.count_tokens(
             model="plain", messages=ASK, tools=[WEATHER], tool_choice={"type": "any"}
         ).input_tokens

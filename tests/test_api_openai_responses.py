@@ -425,6 +425,20 @@ def test_seeds_reproduce(client: openai.OpenAI) -> None:
     assert run(5) == run(5)
 
 
+def test_usage_counts_the_prompt_tokens_an_earlier_request_left(client: openai.OpenAI) -> None:
+    prompt = "A prompt long enough to matter, sent twice in a row. " * 2
+
+    def usage() -> Any:
+        return client.responses.create(model="plain", input=prompt, max_output_tokens=4).usage
+
+    first, again = usage(), usage()
+    assert first is not None
+    assert again is not None
+    assert again.input_tokens == first.input_tokens
+    # The slot kept the first one's prompt: all of it but the last token, decoded again for its logits.
+    assert again.input_tokens_details.cached_tokens == again.input_tokens - 1
+
+
 # ---- refusals --------------------------------------------------------------------------------
 
 UNKNOWN_ID: Final = "resp_" + "0" * 32

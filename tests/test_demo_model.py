@@ -161,15 +161,23 @@ def test_the_commands_dev_demo_prints_work_as_printed(
 
 def test_the_readme_quick_start_commands_work_from_a_quick_start(demo_daemon: str, demo_dir: Path) -> None:
     commands = _commands(_quick_start_section())
-    assert any("/v1/chat/completions" in c for c in commands)
+    for endpoint in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        assert any(endpoint in c for c in commands), f"the quick start shows no call of {endpoint}"
     assert any("/metrics" in c for c in commands), "the quick start shows how to read /metrics"
     for command in commands:
         answered = _run_against(command, demo_daemon, demo_dir)
         assert answered.returncode == 0, answered.stderr
         if "/metrics" in command:
             assert "edgellm_build_info" in answered.stdout, answered.stdout[:300]
+            continue
+        body = json.loads(answered.stdout)
+        if "/v1/responses" in command:
+            [message] = [item for item in body["output"] if item["type"] == "message"]
+            assert message["content"][0]["text"], body
+        elif "/v1/messages" in command:
+            assert body["type"] == "message", body
+            assert body["content"][0]["text"], body
         else:
-            body = json.loads(answered.stdout)
             assert body["choices"][0]["message"]["content"], body
 
 
@@ -258,6 +266,53 @@ def test_tools_work_on_the_demo_model_out_of_the_box(demo_daemon: str, demo_dir:
     assert call.function.name == "get_weather"  # type: ignore[union-attr] # a function call
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo", "Lima")  # type: ignore[union-attr]
     assert choice.message.content is None
+
+
+def test_tools_work_on_the_demo_model_through_responses_and_messages(
+    demo_daemon: str, demo_dir: Path
+) -> None:
+    """The same call as above, through the two other API families, with their own clients."""
+    import anthropic  # noqa: PLC0415 - only these tests speak Messages
+
+    function = WEATHER_TOOL["function"]
+    # Any: the SDKs' TypedDict parameters would need every literal spelled out.
+    responses_tool: Any = {"type": "function", "strict": True, **function}
+    messages_tool: Any = {
+        "name": "get_weather",
+        "description": function["description"],
+        "input_schema": function["parameters"],
+    }
+    reply = _client(demo_daemon, demo_dir).responses.create(
+        model="gemma3-270m",
+        input="What is the weather in Paris?",
+        tools=[responses_tool],
+        tool_choice="required",
+        max_output_tokens=200,
+        temperature=0,
+    )
+    assert reply.status == "completed", reply
+    calls = [item for item in reply.output if item.type == "function_call"]
+    assert calls, reply.output
+    assert calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo", "Lima")
+    assert not [item for item in reply.output if item.type == "message"]
+
+    key = (demo_dir / "inference.key").read_text().strip()
+    client = anthropic.Anthropic(base_url=demo_daemon, api_key=key, max_retries=0)
+    message = client.messages.create(
+        model="gemma3-270m",
+        max_tokens=200,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[messages_tool],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
+    assert message.stop_reason == "tool_use", message
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses, message.content
+    assert uses[0].name == "get_weather"
+    assert isinstance(uses[0].input, dict)
+    assert uses[0].input["city"] in ("Paris", "Oslo", "Lima")
 
 
 def test_streamed_completion_matches_the_non_streamed_one(demo_daemon: str, demo_dir: Path) -> None:

@@ -77,6 +77,18 @@ def _error_event(exc: ApiError) -> bytes:
     return event("error", error_body(exc)[1])
 
 
+def usage(final: Finished) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` are the prompt tokens prefilled for this request, and
+    `cache_read_input_tokens` those whose KV cache an earlier request left (in its slot or in the
+    prompt cache); together they are the whole prompt, as count_tokens counts it."""
+    return {
+        "input_tokens": final.prompt_tokens - final.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": final.cached_tokens,
+        "output_tokens": final.completion_tokens,
+    }
+
+
 def _failed(final: Finished) -> ApiError:
     cut = aborted(final.error)
     if cut is not None:
@@ -135,7 +147,7 @@ class Reply:
         body["content"] = content
         body["stop_reason"] = self.stop_reason(final, reader)
         body["stop_sequence"] = final.stop_sequence
-        body["usage"]["output_tokens"] = final.completion_tokens
+        body["usage"] = usage(final)
         return body
 
 
@@ -271,8 +283,9 @@ async def send_events(write: Write, session: Session, reply: Reply) -> None:
                 "stop_reason": reply.stop_reason(final, item.reader),
                 "stop_sequence": final.stop_sequence,
             }
-            usage = {"input_tokens": final.prompt_tokens, "output_tokens": final.completion_tokens}
-            await write(event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
+            await write(
+                event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(final)})
+            )
             await write(event("message_stop", {"type": "message_stop"}))
             return
 

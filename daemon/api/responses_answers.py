@@ -176,7 +176,8 @@ class Draft:
         prompt, completion = end.final.prompt_tokens, end.final.completion_tokens
         self.usage = {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            # Prompt tokens whose KV came from an earlier request (a slot's, or the prompt cache).
+            "input_tokens_details": {"cached_tokens": end.final.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,
