@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient
 
 from edgellmd.errors import PermissionDenied
+from edgellmd.http import cors
 from edgellmd.http.cors import setup_cors
 from edgellmd.http.errors import error_middleware
 from tests.bare import bare_app, error_of, route_all
@@ -29,8 +30,8 @@ CORS_HEADERS: Final = (
 )
 PREFLIGHT_ANSWER: Final = {
     "Access-Control-Allow-Origin": ALLOWED,
-    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-    "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Request-Id",
+    "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+    "Access-Control-Allow-Headers": cors.ALLOW_HEADERS,
     "Access-Control-Max-Age": "600",
     "Vary": "Origin",
 }
@@ -161,3 +162,21 @@ async def test_without_origins_nothing_is_installed(aiohttp_client: AiohttpClien
     response = await client.get("/v1/models", headers={"Origin": ALLOWED})
     assert response.status == 200
     assert not any(name in response.headers for name in CORS_HEADERS)
+
+
+def test_the_sdks_headers_pass_a_preflight() -> None:
+    """What the OpenAI and Anthropic clients send on every request (the JavaScript SDKs send the
+    same from a browser), less what a browser sends itself (Accept is safelisted; a page cannot
+    set User-Agent)."""
+    import anthropic  # noqa: PLC0415 - only this test looks at the SDKs
+    import openai  # noqa: PLC0415
+
+    allowed = {name.strip().lower() for name in cors.ALLOW_HEADERS.split(",")}
+    sent = {
+        *anthropic.Anthropic(api_key="k", base_url="http://127.0.0.1:9").default_headers,
+        *openai.OpenAI(api_key="k", base_url="http://127.0.0.1:9").default_headers,
+        "x-api-key",  # Anthropic's key header
+        "X-Stainless-Retry-Count",  # added to each attempt
+        "X-Stainless-Timeout",
+    }
+    assert {name.lower() for name in sent} - {"accept", "user-agent"} <= allowed

@@ -10,8 +10,37 @@ from aiohttp import web
 from edgellmd.http import appkeys
 from edgellmd.http.errors import Handler
 
-ALLOW_METHODS: Final = "GET, POST, OPTIONS"
-ALLOW_HEADERS: Final = "Authorization, Content-Type, X-Request-Id"
+ALLOW_METHODS: Final = "GET, POST, DELETE, OPTIONS"  # DELETE: /v1/responses/{id}
+# What the OpenAI and Anthropic SDKs send from a browser: their keys (Anthropic's as
+# x-api-key), versions and beta flags, and the Stainless client's own description of itself.
+ALLOW_HEADERS: Final = ", ".join(
+    (
+        "Authorization",
+        "Content-Type",
+        "X-Request-Id",
+        "X-Api-Key",
+        "Anthropic-Version",
+        "Anthropic-Beta",
+        "Anthropic-Dangerous-Direct-Browser-Access",
+        "OpenAI-Organization",
+        "OpenAI-Project",
+        *(
+            f"X-Stainless-{name}"
+            for name in (
+                "Arch",
+                "Async",
+                "Helper-Method",
+                "Lang",
+                "OS",
+                "Package-Version",
+                "Retry-Count",
+                "Runtime",
+                "Runtime-Version",
+                "Timeout",
+            )
+        ),
+    )
+)
 MAX_AGE_S: Final = "600"
 
 
