@@ -6,64 +6,42 @@ import argparse
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
-
-import yaml
+from typing import Final
 
 from edgellmctl.cli import CommandError, Subcommands, guarded, positive_int
-from edgellmctl.lock import parse_duration, write_atomically
+from edgellmctl.lock import parse_duration
 from edgellmd.http.keystore import (
     SCOPES,
     KeysFileError,
-    key_record,
-    new_token,
-    parse_keys,
-    read_keys_data,
+    NoSuchKey,
+    append_key,
+    load_keys_document,
     read_keys_file,
+    save_keys_document,
+    set_key_disabled,
 )
 
 DEFAULT_KEYS: Final = Path("keys.yaml")
-
-
-def _load(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {"keys": []}
-    raw = read_keys_data(path)  # one read: refuses a file others can read, a FIFO, a device
-    parse_keys(raw)  # validates every entry
-    data: dict[str, Any] = raw if isinstance(raw, dict) else {"keys": []}
-    data["keys"] = data.get("keys") or []
-    return data
-
-
-def _save(path: Path, data: dict[str, Any]) -> None:
-    parse_keys(data)  # never write a file the daemon would refuse
-    text = "# edgellm API keys: secrets are stored only as hashes. Edit with `edgellmctl keys`.\n"
-    text += yaml.safe_dump(data, sort_keys=False)
-    write_atomically(path, text.encode(), mode=0o600)
 
 
 def create_key(
     path: Path, name: str, scopes: list[str], *, limits: dict[str, int], expires_in: str | None = None
 ) -> tuple[str, str]:
     """Append a new key to the keys file; returns (key id, token). The token is not stored."""
-    data = _load(path)
-    key_id, token, hashed = new_token()
     expires = datetime.now(UTC).replace(microsecond=0) + parse_duration(expires_in) if expires_in else None
-    data["keys"].append(key_record(key_id, name, hashed, sorted(set(scopes)), limits=limits, expires=expires))
-    _save(path, data)
-    return key_id, token
+    return append_key(path, name, scopes, limits=limits, expires=expires)
 
 
 def add_scopes(path: Path, key_id: str, scopes: list[str]) -> bool:
     """Give key `key_id` the `scopes` it lacks; True when the keys file changed."""
-    data = _load(path)
+    data = load_keys_document(path)
     for entry in data["keys"]:
         if entry.get("id") == key_id:
             missing = sorted(set(scopes) - set(entry["scopes"]))
             if not missing:
                 return False
             entry["scopes"] = sorted({*entry["scopes"], *missing})
-            _save(path, data)
+            save_keys_document(path, data)
             return True
     raise CommandError(f"no key with id {key_id!r} in {path}")
 
@@ -115,14 +93,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_revoke(args: argparse.Namespace) -> int:
     """Disable a key (kept for the audit trail); the daemon stops accepting it on its next poll."""
-    data = _load(args.file)
-    for entry in data["keys"]:
-        if entry.get("id") == args.id:
-            entry["disabled"] = True
-            _save(args.file, data)
-            print(f"key {args.id} ({entry.get('name')}) revoked")
-            return 0
-    raise CommandError(f"no key with id {args.id!r} in {args.file}")
+    try:
+        entry = set_key_disabled(args.file, args.id, disabled=True)
+    except NoSuchKey as exc:
+        raise CommandError(str(exc)) from None
+    print(f"key {args.id} ({entry.get('name')}) revoked")
+    return 0
 
 
 def add_parser(sub: Subcommands) -> None:

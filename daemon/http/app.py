@@ -32,6 +32,7 @@ from edgellmd.host.systemd import Notifier, Supervisor
 from edgellmd.host.verdicts import largest_gpu_layers
 from edgellmd.http import appkeys, logs
 from edgellmd.http.auth import setup_admin_networks, setup_auth, unusable
+from edgellmd.http.console import setup_console
 from edgellmd.http.cors import setup_cors
 from edgellmd.http.errors import Handler, error_middleware
 from edgellmd.http.site import DoorLimits, GuardedSite
@@ -125,6 +126,9 @@ def create_app(
     setup_responses(app)
     setup_anthropic(app)
     setup_admin(app)
+    # The web console last: its middleware runs after auth (it reads the keys file auth loads,
+    # and the rate limiter), and its CSP stamp after _stamp_headers, which it overrides on /ui.
+    setup_console(app, settings)
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_gpu_ctx)  # before the registry: gpu_layers: auto reads its snapshot
     app.cleanup_ctx.append(_registry_ctx(engine_factory))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from edgellmd.api.console import is_console_path
 from edgellmd.api.context import CALLER, Caller
 from edgellmd.engine.generation import KEY_REVOKED, Running
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied
@@ -46,7 +47,7 @@ def authenticate(
     moment = now or datetime.now(UTC)
     if not header:
         audit.warning("auth failed: no bearer token", extra={"peer": peer, "key_id": None})
-        raise _unauthorized("missing API key: send Authorization: Bearer <key>")
+        raise _unauthorized("missing API key: send Authorization: Bearer <key> (or x-api-key: <key>)")
     scheme, _, token = header.partition(" ")
     parsed = parse_token(token.strip()) if scheme.lower() == "bearer" else None
     if parsed is None:
@@ -69,15 +70,20 @@ def authenticate(
     return key
 
 
+def admin_network_path(path: str) -> bool:
+    """Whether `auth.admin_cidrs` applies to a path: /admin/* and the web console (/ui)."""
+    return scope_for(path) == "admin" or is_console_path(path)
+
+
 def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
-    """Refuse /admin/* from peers outside `networks` (CIDRs), before any key is looked at."""
+    """Refuse /admin/* and the console from peers outside `networks` (CIDRs), before any key is looked at."""
     if not networks:
         return
     allowed = [ipaddress.ip_network(n, strict=False) for n in networks]
 
     @web.middleware
     async def admin_networks(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if scope_for(request.path) == "admin":
+        if admin_network_path(request.path):
             peer = request.remote or ""
             try:
                 address = ipaddress.ip_address(peer)

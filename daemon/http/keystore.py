@@ -10,7 +10,8 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +36,14 @@ MAX_KEYS_BYTES: Final = 4 * 1024 * 1024
 
 class KeysFileError(Exception):
     """The keys file cannot be used; the message names the entry and field."""
+
+
+class KeysFileNotWritable(KeysFileError):
+    """The keys file cannot be written (a read-only file system, a directory the daemon may not write)."""
+
+
+class NoSuchKey(KeysFileError):
+    """No entry of the keys file has this id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,3 +284,85 @@ def key_record(
     if limits:
         record["limits"] = limits
     return record
+
+
+# ---- writing (edgellmctl keys and the console share these) -------------------------------------
+
+KEYS_FILE_HEADER: Final = (
+    "# edgellm API keys: secrets are stored only as hashes. Edit with `edgellmctl keys` or the console.\n"
+)
+
+
+def load_keys_document(path: Path) -> dict[str, Any]:
+    """The keys file as a document to edit ({"keys": [entries]}); a missing file is an empty one."""
+    if not path.exists():
+        return {"keys": []}
+    raw = read_keys_data(path)  # one read: refuses a file others can read, a FIFO, a device
+    parse_keys(raw)  # validates every entry
+    data: dict[str, Any] = raw if isinstance(raw, dict) else {"keys": []}
+    data["keys"] = data.get("keys") or []
+    return data
+
+
+def save_keys_document(path: Path, data: dict[str, Any]) -> None:
+    """Write the keys file atomically (mode 0600), refusing a document the daemon would refuse."""
+    parse_keys(data)
+    text = KEYS_FILE_HEADER + yaml.safe_dump(data, sort_keys=False)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise KeysFileNotWritable(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(text.encode())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)  # readers (the daemon's poll) never see half a file
+    except OSError as exc:
+        raise KeysFileNotWritable(f"cannot write {path}: {exc.strerror or type(exc).__name__}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # gone already after the rename
+
+
+def append_key(
+    path: Path,
+    name: str,
+    scopes: Sequence[str],
+    *,
+    limits: dict[str, int],
+    expires: datetime | None = None,
+) -> tuple[str, str]:
+    """Add a new key to the keys file; returns (key id, token). The token is stored nowhere."""
+    data = load_keys_document(path)
+    key_id, token, hashed = new_token()
+    data["keys"].append(key_record(key_id, name, hashed, sorted(set(scopes)), limits=limits, expires=expires))
+    save_keys_document(path, data)
+    return key_id, token
+
+
+def _entry(data: dict[str, Any], key_id: str, path: Path) -> dict[str, Any]:
+    for entry in data["keys"]:
+        if entry.get("id") == key_id:
+            found: dict[str, Any] = entry
+            return found
+    raise NoSuchKey(f"no key with id {key_id!r} in {path}")
+
+
+def set_key_disabled(path: Path, key_id: str, disabled: bool) -> dict[str, Any]:
+    """Disable (or enable again) the key `key_id`, kept in the file; returns its entry."""
+    data = load_keys_document(path)
+    entry = _entry(data, key_id, path)
+    entry["disabled"] = disabled
+    save_keys_document(path, data)
+    return entry
+
+
+def remove_key(path: Path, key_id: str) -> dict[str, Any]:
+    """Take the key `key_id` out of the keys file for good; returns the entry it had."""
+    data = load_keys_document(path)
+    entry = _entry(data, key_id, path)
+    data["keys"].remove(entry)
+    save_keys_document(path, data)
+    return entry

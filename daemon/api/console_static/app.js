@@ -1,0 +1,663 @@
+// edgellm console. No framework, no build step, nothing from off the box. Every element is
+// made with createElement and filled with textContent: no string ever becomes HTML (the
+// page's CSP enforces Trusted Types, so innerHTML would throw).
+"use strict";
+
+(() => {
+  const state = {
+    session: null, // {key_id, name, scopes, csrf, ...}: the CSRF token lives here, in memory only
+    source: null, // the one EventSource of this page
+    samples: [],
+    interval: 2,
+    overview: null,
+    conversation: [],
+    abort: null,
+    keys: null,
+  };
+  const VIEWS = ["overview", "actions", "keys", "playground"];
+  const $ = (id) => document.getElementById(id);
+
+  function h(tag, attrs, ...children) {
+    const el = document.createElement(tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (value === null || value === undefined || value === false) continue;
+      if (name === "text") el.textContent = String(value);
+      else if (name === "on") for (const [ev, fn] of Object.entries(value)) el.addEventListener(ev, fn);
+      else el.setAttribute(name, value === true ? "" : String(value));
+    }
+    for (const child of children.flat()) {
+      if (child === null || child === undefined || child === false) continue;
+      el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return el;
+  }
+  const SVG = "http://www.w3.org/2000/svg";
+  function s(tag, attrs) {
+    const el = document.createElementNS(SVG, tag);
+    for (const [name, value] of Object.entries(attrs || {})) el.setAttribute(name, String(value));
+    return el;
+  }
+  const clear = (el) => { while (el.firstChild) el.firstChild.remove(); return el; };
+
+  // ---- formatting -------------------------------------------------------------------------
+  const dash = "–";
+  function bytes(n) {
+    if (n === null || n === undefined) return dash;
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+    return `${n.toFixed(i === 0 ? 0 : 1)} ${units[i]}`;
+  }
+  function when(seconds) {
+    if (seconds === null || seconds === undefined) return dash;
+    const d = new Date(seconds * 1000);
+    return d.toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+  }
+  const num = (v, digits = 1) => (v === null || v === undefined ? dash : Number(v).toFixed(digits));
+  const shortHash = (hash) => (hash ? hash.slice(0, 12) : dash);
+
+  // ---- the server -------------------------------------------------------------------------
+  async function api(method, path, body) {
+    const headers = { Accept: "application/json" };
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    if (method !== "GET" && state.session) headers["X-CSRF-Token"] = state.session.csrf;
+    const res = await fetch(path, {
+      method, headers, credentials: "same-origin", cache: "no-store",
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    let data = null;
+    try { data = await res.json(); } catch (_) { data = null; }
+    if (!res.ok) {
+      const message = data && data.error ? data.error.message : `HTTP ${res.status}`;
+      const err = new Error(message);
+      err.status = res.status;
+      err.data = data;
+      if (data && data.error && data.error.code === "session_required") signedOut("Your session ended.");
+      throw err;
+    }
+    return data;
+  }
+
+  function notice(text) {
+    const el = $("notice");
+    el.textContent = text || "";
+    el.hidden = !text;
+  }
+
+  // ---- confirmation -----------------------------------------------------------------------
+  function confirmAction(text, okLabel) {
+    const dialog = $("confirm");
+    $("confirm-text").textContent = text;
+    $("confirm-ok").textContent = okLabel;
+    return new Promise((resolve) => {
+      const done = (answer) => {
+        $("confirm-ok").removeEventListener("click", ok);
+        $("confirm-cancel").removeEventListener("click", cancel);
+        dialog.removeEventListener("cancel", cancel);
+        if (dialog.open) dialog.close();
+        resolve(answer);
+      };
+      const ok = () => done(true);
+      const cancel = () => done(false);
+      $("confirm-ok").addEventListener("click", ok);
+      $("confirm-cancel").addEventListener("click", cancel);
+      dialog.addEventListener("cancel", cancel);
+      dialog.showModal();
+      $("confirm-cancel").focus();
+    });
+  }
+
+  // ---- sign-in and views ------------------------------------------------------------------
+  const can = (scope) => Boolean(state.session && state.session.scopes.includes(scope));
+
+  function show(view) {
+    const signedIn = Boolean(state.session);
+    if (!signedIn) view = "signin";
+    else if (!VIEWS.includes(view)) view = can("admin") ? "overview" : "playground";
+    for (const name of ["signin", ...VIEWS]) $(`view-${name}`).hidden = name !== view;
+    for (const link of document.querySelectorAll("#nav a")) {
+      if (link.dataset.view === view) link.setAttribute("aria-current", "page");
+      else link.removeAttribute("aria-current");
+      const needs = link.dataset.view === "playground" ? "inference" : "admin";
+      link.parentElement.hidden = !can(needs);
+    }
+    $("nav").hidden = !signedIn;
+    $("who").hidden = !signedIn;
+    if (view === "keys") loadKeys();
+    if (view === "playground") loadModels();
+    if (view === "signin") $("signin-key").focus();
+  }
+  const route = () => show(location.hash.replace("#", ""));
+
+  function signedIn(session) {
+    state.session = session;
+    $("who-name").textContent = `${session.name} (${session.key_id})`;
+    $("admin-only-overview").hidden = can("admin");
+    $("overview-body").hidden = !can("admin");
+    $("playground-denied").hidden = can("inference");
+    $("chat-form").hidden = !can("inference");
+    notice("");
+    if (can("admin")) connect();
+    route();
+  }
+
+  function signedOut(reason) {
+    if (state.source) { state.source.close(); state.source = null; }
+    if (state.abort) state.abort.abort();
+    state.session = null;
+    state.keys = null;
+    state.conversation = [];
+    clear($("transcript"));
+    $("new-key").hidden = true;
+    $("new-key-token").value = "";
+    setBadge("signed out", "");
+    if (reason) $("signin-error").textContent = reason;
+    show("signin");
+  }
+
+  async function signIn(event) {
+    event.preventDefault();
+    const input = $("signin-key");
+    const key = input.value.trim();
+    input.value = ""; // the key leaves the page with this request and is kept nowhere
+    $("signin-error").textContent = "";
+    try {
+      const session = await api("POST", "/ui/api/session", { key });
+      signedIn(session);
+    } catch (err) {
+      $("signin-error").textContent = err.message;
+      input.focus();
+    }
+  }
+
+  async function signOut() {
+    try { await api("POST", "/ui/api/session/end", {}); } catch (_) { /* ended already */ }
+    signedOut("Signed out.");
+  }
+
+  // ---- live overview ----------------------------------------------------------------------
+  function connect() {
+    if (state.source) state.source.close();
+    const source = new EventSource("/ui/api/events");
+    state.source = source;
+    source.addEventListener("history", (e) => {
+      const data = JSON.parse(e.data);
+      state.interval = data.interval_s;
+      state.samples = data.samples;
+      drawCharts();
+    });
+    source.addEventListener("overview", (e) => {
+      const data = JSON.parse(e.data);
+      state.overview = data;
+      if (data.sample && (!state.samples.length || state.samples[state.samples.length - 1].t < data.sample.t)) {
+        state.samples.push(data.sample);
+        const keep = Math.max(2, Math.round(600 / state.interval));
+        if (state.samples.length > keep * 2) state.samples.splice(0, state.samples.length - keep);
+      }
+      renderOverview(data);
+    });
+    source.addEventListener("end", (e) => {
+      source.close();
+      if (state.source === source) state.source = null;
+      const reason = JSON.parse(e.data).reason;
+      if (reason.startsWith("replaced")) return;
+      signedOut(`Your session ended: ${reason}.`);
+    });
+    source.addEventListener("error", () => {
+      if (source.readyState === EventSource.CLOSED) setBadge("disconnected", "bad");
+      else setBadge("reconnecting…", "warn");
+    });
+  }
+
+  function setBadge(text, kind) {
+    const badge = $("ready-badge");
+    badge.textContent = text;
+    badge.className = `badge ${kind}`;
+  }
+
+  function renderOverview(data) {
+    const ready = data.ready;
+    const reasons = Object.entries(ready.models)
+      .filter(([, m]) => m.state !== "ready")
+      .map(([name, m]) => `${name} is ${m.state}${m.reason ? `: ${m.reason}` : ""}`);
+    const isReady = ready.status === "ready";
+    setBadge(isReady ? "ready" : `not ready: ${ready.status}`, isReady ? "ok" : "bad");
+    const readiness = $("readiness");
+    readiness.textContent = isReady ? "Ready: every model is loaded and warmed." : `Not ready (${ready.status}). ${reasons.join("; ")}`;
+    readiness.className = `readiness ${isReady ? "ok" : "bad"}`;
+    readiness.dataset.status = ready.status;
+    renderModels(data.status.models);
+    renderActions(data.status.models);
+    renderLock(data.lockfile, data.status.lock);
+    renderHost(data.host);
+    renderGpus(data.gpu);
+    renderReloads(data.reloads);
+    drawCharts();
+  }
+
+  function lastReload(last) {
+    if (!last) return dash;
+    const text = `${last.result} (${last.trigger}, ${when(last.at)})`;
+    return last.reason ? `${text}: ${last.reason}` : text;
+  }
+
+  function renderModels(models) {
+    const body = clear($("models-table").tBodies[0]);
+    for (const m of models) {
+      const cell = (field, text, cls) => h("td", { "data-field": field, class: cls }, text);
+      body.append(h("tr", { "data-model": m.name },
+        h("th", { scope: "row", "data-field": "name" }, m.name),
+        cell("state", m.reason && m.state !== "ready" ? `${m.state}: ${m.reason}` : m.state + (m.reloading ? " (reloading)" : ""), `state-${m.state}`),
+        cell("version", m.version === undefined || m.version === null ? dash : m.version),
+        cell("sha256", shortHash(m.sha256), "mono"),
+        cell("slots", `${m.slots_busy ?? 0} / ${m.slots_total}`),
+        cell("queue", `${m.queue_depth ?? 0} / ${m.queue_size}`),
+        cell("loaded_at", m.loaded_at ? when(m.loaded_at) : dash),
+        cell("last_reload", lastReload(m.last_reload)),
+      ));
+    }
+  }
+
+  function renderLock(lock, status) {
+    const dl = clear($("lockfile"));
+    const add = (term, value, cls, field) => dl.append(h("dt", {}, term), h("dd", { class: cls, "data-field": field }, value));
+    if (lock.unsigned) {
+      add("Mode", "unsigned (development): models load unverified", "warning", "mode");
+      return;
+    }
+    add("File", lock.file, "mono", "file");
+    add("Version in force", status.version ?? dash, null, "version");
+    if (lock.problem) add("Problem", lock.problem, "bad", "problem");
+    if (lock.version !== undefined) add("Version on disk", lock.version, null, "disk_version");
+    if (lock.signers) {
+      const list = h("ul", {});
+      for (const signer of lock.signers) {
+        const mark = signer.verified ? "verified" : signer.trusted ? "trusted" : "not trusted";
+        list.append(h("li", { class: signer.verified ? "ok" : signer.trusted ? "" : "bad" },
+          h("span", { class: "mono" }, signer.key_id.slice(0, 16)), ` (${mark})`));
+      }
+      add("Signed by", list, null, "signers");
+    }
+    if (lock.expires) {
+      const days = lock.expires_in_s / 86400;
+      const left = lock.expires_in_s <= 0 ? "expired" : days < 2 ? `${Math.round(lock.expires_in_s / 3600)} h left` : `${Math.floor(days)} days left`;
+      add("Expires", `${lock.expires} (${left})${lock.expiry_warning ? ": sign a new lockfile soon" : ""}`,
+        lock.expiry_warning ? "warning" : null, "expires");
+    }
+  }
+
+  function renderHost(host) {
+    const dl = clear($("host"));
+    const add = (term, value, field) => dl.append(h("dt", {}, term), h("dd", { "data-field": field }, value));
+    add("CPU", `${host.cpu_count} CPUs, ${num(host.cpu_usage_ratio * 100, 0)} % busy`, "cpu");
+    add("Load (1 min)", num(host.load1, 2), "load1");
+    add("Memory", `${bytes(host.memory_used_bytes)} of ${bytes(host.memory_total_bytes)}`, "memory");
+    const pin = host.pinning;
+    add("Pinning", pin.pinned ? `pinned to CPUs ${pin.cpus}` : `not pinned (CPUs ${pin.cpus})${pin.note ? `: ${pin.note}` : ""}`, "pinning");
+    add("/dev/shm", host.shm ? `${bytes(host.shm.used_bytes)} used, ${bytes(host.shm.free_bytes)} free` : "no preload area", "shm");
+    add("Daemon", `${bytes(host.process.rss_bytes)} resident, ${host.process.threads} threads`, "process");
+  }
+
+  function renderGpus(gpu) {
+    const box = clear($("gpus"));
+    if (!gpu.available || !gpu.devices.length) {
+      box.append(h("p", { class: "help", "data-field": "gpu-none" }, `No GPU in use: ${gpu.reason || "none found"}.`));
+    }
+    for (const d of gpu.devices || []) {
+      const dl = h("dl", {});
+      const add = (term, value, field) => dl.append(h("dt", {}, term), h("dd", { "data-field": field }, value));
+      if (d.lost) add("State", "lost: fell off the bus or stopped answering", "state");
+      add("Compute capability", d.compute_capability ? d.compute_capability.join(".") : dash, "cc");
+      add("Memory", `${bytes(d.memory_used)} of ${bytes(d.memory_total)}`, "memory");
+      add("Utilisation", d.utilization_gpu === null ? dash : `${d.utilization_gpu} %`, "util");
+      add("Temperature", d.temperature_c === null ? dash : `${d.temperature_c} °C`, "temperature");
+      add("Power", d.power_w === null ? dash : `${num(d.power_w, 0)} W of ${num(d.power_limit_w, 0)} W`, "power");
+      add("Throttle reasons", d.throttle_reasons.length ? d.throttle_reasons.join(", ") : "none", "throttle");
+      box.append(h("div", { class: "card", "data-gpu": d.index }, h("h3", {}, `GPU ${d.index}: ${d.name || "unknown"}`), dl));
+    }
+    const verdicts = gpu.verdicts || [];
+    if (verdicts.length) {
+      const list = h("ul", { "data-field": "verdicts" });
+      for (const v of verdicts) {
+        list.append(h("li", { class: v.level === "error" ? "bad" : v.level === "warning" ? "warning" : "" },
+          v.message));
+      }
+      box.append(h("div", { class: "card" }, h("h3", {}, "Verdicts"), list));
+    }
+  }
+
+  function renderReloads(reloads) {
+    const body = clear($("reload-history").tBodies[0]);
+    for (const r of reloads) {
+      body.append(h("tr", { "data-model": r.model, "data-trigger": r.trigger },
+        h("td", {}, when(r.at)), h("td", {}, r.model), h("td", { class: r.result === "failed" ? "bad" : "" }, r.result),
+        h("td", {}, r.trigger), h("td", {}, r.version ?? dash), h("td", {}, r.reason || "")));
+    }
+  }
+
+  // ---- charts -----------------------------------------------------------------------------
+  function series() {
+    const out = [
+      { id: "tokens", title: "Tokens/s", unit: "", pick: (p) => p.tokens_per_s, digits: 1 },
+      { id: "ttft", title: "Time to first token", unit: " s", pick: (p) => p.ttft_s, digits: 3 },
+      { id: "queue", title: "Queue depth", unit: "", pick: (p) => p.queue, digits: 0 },
+      { id: "busy", title: "Busy slots", unit: "", pick: (p) => p.busy, digits: 0 },
+    ];
+    const gpus = new Set();
+    for (const p of state.samples) for (const g of p.gpus) gpus.add(g.index);
+    for (const i of gpus) {
+      const of = (p) => p.gpus.find((g) => g.index === i);
+      out.push({ id: `gpu${i}-util`, title: `GPU ${i} utilisation`, unit: " %", pick: (p) => of(p)?.util ?? null, digits: 0 });
+      out.push({ id: `gpu${i}-mem`, title: `GPU ${i} memory`, unit: " GiB", pick: (p) => (of(p)?.memory_used ?? null) === null ? null : of(p).memory_used / 2 ** 30, digits: 1 });
+      out.push({ id: `gpu${i}-temp`, title: `GPU ${i} temperature`, unit: " °C", pick: (p) => of(p)?.temperature ?? null, digits: 0 });
+      out.push({ id: `gpu${i}-power`, title: `GPU ${i} power`, unit: " W", pick: (p) => of(p)?.power ?? null, digits: 0 });
+    }
+    return out;
+  }
+
+  function drawCharts() {
+    const box = $("charts");
+    const samples = state.samples;
+    const minutes = Math.max(1, Math.round((samples.length * state.interval) / 60));
+    for (const sr of series()) {
+      let fig = box.querySelector(`[data-chart="${sr.id}"]`);
+      if (!fig) {
+        fig = h("figure", { class: "chart", "data-chart": sr.id },
+          h("figcaption", {}, h("span", {}, sr.title), h("span", { class: "now" })));
+        fig.append(s("svg", { viewBox: "0 0 300 60", preserveAspectRatio: "none", role: "img" }));
+        box.append(fig);
+      }
+      const values = samples.map(sr.pick);
+      const known = values.filter((v) => v !== null && v !== undefined);
+      const last = known.length ? known[known.length - 1] : null;
+      const max = Math.max(1e-9, ...known);
+      fig.querySelector(".now").textContent = last === null ? dash : `${num(last, sr.digits)}${sr.unit}`;
+      const svg = fig.querySelector("svg");
+      svg.setAttribute("aria-label", `${sr.title} over the last ${minutes} min: now ${last === null ? "no data" : num(last, sr.digits) + sr.unit}, highest ${known.length ? num(max, sr.digits) + sr.unit : "none"}`);
+      while (svg.firstChild) svg.firstChild.remove();
+      svg.append(s("line", { class: "base", x1: 0, y1: 59, x2: 300, y2: 59 }));
+      if (values.length < 2) continue;
+      const step = 300 / (values.length - 1);
+      const points = [];
+      values.forEach((v, i) => {
+        if (v === null || v === undefined) return;
+        points.push(`${(i * step).toFixed(1)},${(58 - (v / max) * 54).toFixed(1)}`);
+      });
+      if (points.length < 2) continue;
+      const first = points[0].split(",")[0];
+      const lastX = points[points.length - 1].split(",")[0];
+      svg.append(s("polygon", { class: "area", points: `${first},59 ${points.join(" ")} ${lastX},59` }));
+      svg.append(s("polyline", { class: "line", points: points.join(" ") }));
+    }
+  }
+
+  // ---- actions ----------------------------------------------------------------------------
+  function showOutcome(title, data) {
+    const box = clear($("action-outcome"));
+    box.append(h("p", { class: data.ok ? "ok" : "bad" }, `${title}: ${data.ok ? "done" : "failed"}`));
+    const list = h("ul", {});
+    for (const r of data.results) {
+      list.append(h("li", { "data-model": r.model, "data-result": r.result },
+        `${r.model}: ${r.result}${r.version !== null && r.version !== undefined ? ` (lock version ${r.version})` : ""}${r.reason ? ` – ${r.reason}` : ""}`));
+    }
+    if (!data.results.length) list.append(h("li", {}, "nothing to do"));
+    box.append(list);
+  }
+
+  async function act(title, path, body, confirmText, okLabel) {
+    if (confirmText && !(await confirmAction(confirmText, okLabel))) return;
+    const box = clear($("action-outcome"));
+    box.append(h("p", {}, `${title}: running…`));
+    try {
+      showOutcome(title, await api("POST", path, body));
+    } catch (err) {
+      if (err.data && err.data.results) showOutcome(title, err.data);
+      else clear(box).append(h("p", { class: "bad" }, `${title}: ${err.message}`));
+    }
+  }
+
+  function renderActions(models) {
+    const body = clear($("actions-table").tBodies[0]);
+    for (const m of models) {
+      const name = m.name;
+      const buttons = [];
+      if (m.state === "ready") {
+        buttons.push(h("button", { type: "button", "data-action": "reload", on: { click: () => act(`Reload ${name}`, "/ui/api/reload", { model: name }) } }, "Reload"));
+        buttons.push(h("button", { type: "button", class: "secondary", "data-action": "force", on: { click: () => act(`Force reload ${name}`, "/ui/api/reload", { model: name, force: true }, `Load ${name} again from its file even if it did not change? Requests in flight finish on the running copy.`, "Force reload") } }, "Force reload"));
+        buttons.push(h("button", { type: "button", class: "danger", "data-action": "unload", on: { click: () => act(`Unload ${name}`, `/ui/api/models/${encodeURIComponent(name)}/unload`, {}, `Stop serving ${name}? Its clients get errors until it is loaded again.`, "Unload") } }, "Unload"));
+      } else if (m.state !== "loading") {
+        buttons.push(h("button", { type: "button", "data-action": "load", on: { click: () => act(`Load ${name}`, `/ui/api/models/${encodeURIComponent(name)}/load`, {}) } }, "Load"));
+      }
+      const focused = document.activeElement;
+      const wasHere = focused && focused.closest && focused.closest(`#actions-table tr[data-model="${CSS.escape(name)}"]`);
+      const row = h("tr", { "data-model": name }, h("th", { scope: "row" }, name), h("td", { class: `state-${m.state}` }, m.state), h("td", {}, buttons));
+      body.append(row);
+      if (wasHere) {
+        const again = row.querySelector(`[data-action="${focused.dataset.action}"]`);
+        if (again) again.focus();
+      }
+    }
+  }
+
+  // ---- keys -------------------------------------------------------------------------------
+  async function loadKeys() {
+    if (!can("admin")) return;
+    try {
+      const data = await api("GET", "/ui/api/keys");
+      state.keys = data;
+      renderKeys(data);
+    } catch (err) {
+      keysOutcome(err.message, "bad");
+    }
+  }
+
+  function keysOutcome(text, cls) {
+    clear($("keys-outcome")).append(h("p", { class: cls }, text));
+  }
+
+  function renderKeys(data) {
+    const readonly = $("keys-readonly");
+    readonly.hidden = data.writable;
+    readonly.textContent = data.writable ? "" : `The daemon cannot write its keys file (${data.file}): keys can be listed here, not changed. See the README's Console section for what to allow.`;
+    const body = clear($("keys-table").tBodies[0]);
+    for (const k of data.keys) {
+      const limits = Object.entries(k.limits).map(([n, v]) => `${n}=${v}`).join(" ") || dash;
+      const buttons = [];
+      if (k.state === "disabled") {
+        buttons.push(h("button", { type: "button", "data-action": "enable", on: { click: () => keyAction(k, "enable") } }, "Enable"));
+      } else {
+        buttons.push(h("button", { type: "button", class: "secondary", "data-action": "disable", on: { click: () => keyAction(k, "disable") } }, "Disable"));
+      }
+      buttons.push(h("button", { type: "button", class: "danger", "data-action": "revoke", on: { click: () => keyAction(k, "revoke") } }, "Revoke"));
+      body.append(h("tr", { "data-key": k.id },
+        h("td", { class: "mono" }, k.id), h("th", { scope: "row" }, k.name), h("td", {}, k.scopes.join(", ")),
+        h("td", { "data-field": "state", class: k.state === "active" ? "ok" : "bad" }, k.state),
+        h("td", {}, k.created || dash), h("td", {}, k.expires || "never"), h("td", {}, limits), h("td", {}, buttons)));
+    }
+  }
+
+  async function keyAction(key, verb) {
+    const own = state.session && key.id === state.session.key_id ? " This is the key of your own session: you will be signed out." : "";
+    const texts = {
+      disable: [`Disable key ${key.id} (${key.name})? Its clients are refused, and its running requests end, until it is enabled again.${own}`, "Disable"],
+      revoke: [`Revoke key ${key.id} (${key.name}) for good? It leaves the keys file; its clients are refused at once.${own}`, "Revoke"],
+    };
+    if (texts[verb] && !(await confirmAction(...texts[verb]))) return;
+    try {
+      await api("POST", `/ui/api/keys/${key.id}/${verb}`, {});
+      keysOutcome(`Key ${key.id} (${key.name}): ${verb}d.`, "ok");
+      await loadKeys();
+    } catch (err) {
+      keysOutcome(`Key ${key.id}: ${err.message}`, "bad");
+    }
+  }
+
+  async function createKey(event) {
+    event.preventDefault();
+    const intOf = (id) => { const v = $(id).value.trim(); return v ? Number.parseInt(v, 10) : null; };
+    const limits = {};
+    for (const [name, id] of [["rpm", "key-rpm"], ["tpm", "key-tpm"], ["concurrent", "key-concurrent"], ["max_tokens", "key-max-tokens"]]) {
+      const v = intOf(id);
+      if (v !== null) limits[name] = v;
+    }
+    const scopes = [...document.querySelectorAll('#key-form input[name="scope"]:checked')].map((i) => i.value);
+    try {
+      const data = await api("POST", "/ui/api/keys", { name: $("key-name").value.trim(), scopes, expires_days: intOf("key-expires"), limits });
+      $("new-key").hidden = false;
+      $("new-key-token").value = data.token;
+      $("new-key-token").focus();
+      $("new-key-token").select();
+      keysOutcome(`Key ${data.key.id} (${data.key.name}) created.`, "ok");
+      $("key-form").reset();
+      await loadKeys();
+    } catch (err) {
+      keysOutcome(`Not created: ${err.message}`, "bad");
+    }
+  }
+
+  // ---- playground -------------------------------------------------------------------------
+  async function loadModels() {
+    if (!can("inference")) return;
+    try {
+      const data = await api("GET", "/ui/api/models");
+      const select = $("chat-model");
+      const chosen = select.value;
+      clear(select);
+      for (const name of data.models) select.append(h("option", { value: name }, name));
+      if (data.models.includes(chosen)) select.value = chosen;
+    } catch (err) {
+      $("chat-figures").textContent = err.message;
+    }
+  }
+
+  function turn(role, text) {
+    const body = h("span", { class: "text" }, text);
+    const el = h("div", { class: `turn ${role}`, "data-role": role }, h("span", { class: "role" }, role === "user" ? "You" : "Model"), body);
+    $("transcript").append(el);
+    return body;
+  }
+
+  async function send(event) {
+    event.preventDefault();
+    const figures = $("chat-figures");
+    const message = $("chat-message").value;
+    if (!message.trim()) return;
+    const body = {
+      model: $("chat-model").value,
+      messages: [...state.conversation, { role: "user", content: message }],
+      stream: true,
+      stream_options: { include_usage: true },
+    };
+    const temperature = $("chat-temperature").value.trim();
+    if (temperature) body.temperature = Number(temperature);
+    const maxTokens = $("chat-max-tokens").value.trim();
+    if (maxTokens) body.max_tokens = Number.parseInt(maxTokens, 10);
+    const schemaText = $("chat-schema").value.trim();
+    if (schemaText) {
+      try {
+        body.response_format = { type: "json_schema", json_schema: { name: "playground", schema: JSON.parse(schemaText) } };
+      } catch (err) {
+        figures.textContent = `The JSON schema is not valid JSON: ${err.message}`;
+        figures.className = "figures bad";
+        return;
+      }
+    }
+    figures.className = "figures";
+    figures.textContent = "Generating…";
+    turn("user", message);
+    $("chat-message").value = "";
+    const out = turn("assistant", "");
+    const transcript = $("transcript");
+    transcript.setAttribute("aria-busy", "true");
+    $("chat-send").disabled = true;
+    $("chat-stop").disabled = false;
+    state.abort = new AbortController();
+    const started = performance.now();
+    let first = null;
+    let usage = null;
+    let text = "";
+    let failure = null;
+    try {
+      const res = await fetch("/ui/api/chat", {
+        method: "POST", credentials: "same-origin", signal: state.abort.signal,
+        headers: { "Content-Type": "application/json", Accept: "text/event-stream", "X-CSRF-Token": state.session.csrf },
+        body: JSON.stringify(body),
+      });
+      if (!res.ok) {
+        let data = null;
+        try { data = await res.json(); } catch (_) { data = null; }
+        throw new Error(data && data.error ? data.error.message : `HTTP ${res.status}`);
+      }
+      const reader = res.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        let cut;
+        while ((cut = buffer.indexOf("\n\n")) >= 0) {
+          const chunk = buffer.slice(0, cut);
+          buffer = buffer.slice(cut + 2);
+          for (const line of chunk.split("\n")) {
+            if (!line.startsWith("data: ")) continue;
+            const payload = line.slice(6);
+            if (payload === "[DONE]") continue;
+            const data = JSON.parse(payload);
+            if (data.error) { failure = data.error.message; continue; }
+            if (data.usage) usage = data.usage;
+            for (const choice of data.choices || []) {
+              const piece = choice.delta && choice.delta.content;
+              if (piece) {
+                if (first === null) first = performance.now();
+                text += piece;
+                out.textContent = text;
+              }
+            }
+          }
+        }
+      }
+    } catch (err) {
+      failure = err.name === "AbortError" ? "stopped" : err.message;
+    } finally {
+      transcript.setAttribute("aria-busy", "false");
+      $("chat-send").disabled = false;
+      $("chat-stop").disabled = true;
+      state.abort = null;
+    }
+    const end = performance.now();
+    const ttft = first === null ? null : (first - started) / 1000;
+    const tokens = usage ? usage.completion_tokens : null;
+    const rate = tokens && first !== null && end > first ? tokens / ((end - first) / 1000) : null;
+    if (text) state.conversation.push({ role: "user", content: message }, { role: "assistant", content: text });
+    const parts = [`TTFT ${ttft === null ? dash : `${ttft.toFixed(3)} s`}`, `${rate === null ? dash : rate.toFixed(1)} tokens/s`, `${tokens ?? dash} tokens`];
+    figures.dataset.ttft = ttft === null ? "" : String(ttft);
+    figures.dataset.tokens = tokens === null ? "" : String(tokens);
+    figures.textContent = failure ? `${parts.join(" · ")} · ended: ${failure}` : parts.join(" · ");
+    figures.className = failure ? "figures bad" : "figures";
+  }
+
+  // ---- start ------------------------------------------------------------------------------
+  async function start() {
+    $("signin-form").addEventListener("submit", signIn);
+    $("sign-out").addEventListener("click", signOut);
+    $("reload-all").addEventListener("click", () => act("Reload", "/ui/api/reload", {}));
+    $("reload-force").addEventListener("click", () => act("Force reload", "/ui/api/reload", { force: true },
+      "Load every model again from its file, changed or not? Requests in flight finish on the running copies.", "Force reload"));
+    $("key-form").addEventListener("submit", createKey);
+    $("new-key-done").addEventListener("click", () => { $("new-key-token").value = ""; $("new-key").hidden = true; });
+    $("chat-form").addEventListener("submit", send);
+    $("chat-stop").addEventListener("click", () => state.abort && state.abort.abort());
+    $("chat-clear").addEventListener("click", () => { state.conversation = []; clear($("transcript")); $("chat-figures").textContent = ""; });
+    window.addEventListener("hashchange", route);
+    try {
+      const session = await api("GET", "/ui/api/session");
+      if (session.signed_in) signedIn(session);
+      else signedOut("");
+    } catch (err) {
+      notice(`The console cannot reach the daemon: ${err.message}`);
+      signedOut("");
+    }
+  }
+  start();
+})();

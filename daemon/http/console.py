@@ -1,0 +1,268 @@
+"""The console's front door: an API key exchanged for a session cookie, the session and CSRF checks, the CSP.
+
+For every request under /ui the middleware here finds the session its cookie names (none:
+the public routes only), checks its key against the keys file as it is now (revoked,
+disabled, expired or removed: the session ends), the scope the route needs, and, for every
+change (any method but GET), that the request comes from the console's own pages (the
+browser's `Sec-Fetch-Site` and `Origin`) and carries the session's CSRF token. Sign-in
+checks the key exactly as the API does (`auth.authenticate`, with its audit lines) and
+counts wrong keys per client address in a token bucket like the API's limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Final
+from urllib.parse import urlsplit
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from edgellmd.api.console import CSP, SIGNED_IN, RouteScopes, add_console_routes, is_console_path
+from edgellmd.api.console_sessions import (
+    CONSOLE_SESSION,
+    COOKIE,
+    KEY_NO_LONGER_VALID,
+    SESSIONS,
+    SIGNED_OUT,
+    ConsoleSession,
+    SessionStore,
+    set_cookie,
+)
+from edgellmd.api.context import CALLER, TOKENS_USED, Caller
+from edgellmd.api.openai_schemas import read_json_object
+from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDenied, RateLimited
+from edgellmd.http import appkeys
+from edgellmd.http.auth import authenticate, unusable
+from edgellmd.http.console_keys import KEY_ROUTES, setup_key_writes
+from edgellmd.http.errors import Handler
+from edgellmd.http.keystore import RELOAD_INTERVAL_S, ApiKey, KeyStore, parse_token
+from edgellmd.http.ratelimit import TokenBucket
+from edgellmd.settings import Settings
+
+audit = logging.getLogger("edgellmd.audit")
+
+CSRF_HEADER: Final = "X-CSRF-Token"
+SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+SAME_SITE: Final = frozenset({"same-origin", "none"})  # Sec-Fetch-Site of the console's own requests
+MAX_TRACKED_PEERS: Final = 4096  # addresses whose wrong keys are counted; the oldest forgotten first
+WATCH_INTERVAL_S: Final = 2 * RELOAD_INTERVAL_S  # how often sessions are checked against the keys file
+CONSOLE_HEADERS: Final = {
+    "Content-Security-Policy": CSP,
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Resource-Policy": "same-origin",
+}
+
+
+class SignInLimiter:
+    """Wrong keys at sign-in per client address: `per_minute` of them, refilled evenly, then 429."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._per_minute = per_minute
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def _bucket(self, peer: str) -> TokenBucket:
+        bucket = self._buckets.pop(peer, None)
+        if bucket is None:
+            bucket = TokenBucket(float(self._per_minute))
+            while len(self._buckets) >= MAX_TRACKED_PEERS:
+                del self._buckets[next(iter(self._buckets))]
+        self._buckets[peer] = bucket  # most recent last
+        return bucket
+
+    def check(self, peer: str) -> None:
+        """Raise RateLimited (with Retry-After) when this address used up its wrong keys."""
+        wait = self._bucket(peer).wait_for(1, self._clock())
+        if wait > 0:
+            seconds = max(1, round(wait + 0.5))
+            audit.warning(
+                "console sign-in refused: too many wrong keys", extra={"peer": peer, "key_id": None}
+            )
+            raise RateLimited(
+                f"too many wrong API keys from this address; retry in {seconds} s",
+                headers={"Retry-After": str(seconds)},
+            )
+
+    def failed(self, peer: str) -> None:
+        """Count one wrong key from this address."""
+        self._bucket(peer).take(1, self._clock())
+
+
+def _same_origin(request: web.Request) -> None:
+    """Refuse a change that a page of another site asked the browser to make."""
+    site = request.headers.get("Sec-Fetch-Site")
+    origin = request.headers.get("Origin")
+    if (site is not None and site not in SAME_SITE) or (
+        origin is not None and urlsplit(origin).netloc != request.host
+    ):
+        audit.warning("console refused: a cross-site request", extra={"peer": request.remote, "key_id": None})
+        raise PermissionDenied("the console takes changes from its own pages only", code="cross_site_request")
+
+
+def _check_csrf(request: web.Request, session: ConsoleSession) -> None:
+    given = request.headers.get(CSRF_HEADER, "")
+    if not hmac.compare_digest(given.encode(), session.csrf.encode()):
+        audit.warning(
+            "console refused: missing or wrong CSRF token",
+            extra={"peer": request.remote, "key_id": session.key_id},
+        )
+        raise PermissionDenied(f"missing or wrong {CSRF_HEADER} header", code="csrf_token_invalid")
+
+
+def _session_key(
+    store: SessionStore, keys: KeyStore, request: web.Request
+) -> tuple[ConsoleSession, ApiKey] | None:
+    """The request's live session and its key as it is now; a session whose key stopped working ends."""
+    session = store.get(request.cookies.get(COOKIE))
+    if session is None:
+        return None
+    key = keys.get(session.key_id)
+    if key is None or key.usable(datetime.now(UTC)) is not None:
+        store.end(session, KEY_NO_LONGER_VALID)
+        audit.warning(
+            "console session ended: its key is no longer valid",
+            extra={"peer": request.remote, "key_id": session.key_id},
+        )
+        return None
+    session.name, session.scopes = key.name, key.scopes
+    return session, key
+
+
+def _middleware(store: SessionStore, scopes: RouteScopes) -> Middleware:
+    @web.middleware
+    async def console_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not is_console_path(request.path):
+            return await handler(request)
+        known, scope = scopes.of(request)
+        changes = request.method not in SAFE_METHODS
+        if changes:
+            _same_origin(request)
+        found = _session_key(store, request.app[appkeys.KEY_STORE], request)
+        if found is not None:
+            request[CONSOLE_SESSION] = found[0]
+        if not known or scope is None:
+            return await handler(request)
+        if found is None:
+            raise AuthenticationFailed("sign in to the console first", code="session_required")
+        session, key = found
+        if scope != SIGNED_IN and scope not in key.scopes:
+            raise PermissionDenied(f"this API key does not have the '{scope}' scope")
+        if changes:
+            _check_csrf(request, session)
+        request[appkeys.API_KEY] = key
+        request[CALLER] = Caller(key.id, key.limits.max_tokens)
+        if scope != "inference":
+            return await handler(request)
+        # The playground's requests count against the key's limits like its /v1 requests.
+        limiter = request.app[appkeys.RATE_LIMITER]
+        limiter.admit(key)
+        try:
+            return await handler(request)
+        finally:
+            limiter.release(key, request.get(TOKENS_USED, 0))
+
+    return console_middleware
+
+
+def _sign_in(store: SessionStore, limiter: SignInLimiter, settings: Settings) -> Handler:
+    secure = settings.server.tls_cert is not None
+    max_age = int(settings.console.session_max_s)
+
+    async def sign_in(request: web.Request) -> web.StreamResponse:
+        """POST /ui/api/session {"key": token}: a session for a valid admin or inference key."""
+        peer = request.remote or ""
+        limiter.check(peer)
+        body = await read_json_object(request)
+        token = body.get("key")
+        if not isinstance(token, str) or set(body) != {"key"}:
+            raise InvalidRequest('send {"key": "<API key>"}', param="key")
+        keys = request.app[appkeys.KEY_STORE]
+        parsed = parse_token(token.strip())
+        candidate = keys.get(parsed[0]) if parsed is not None else None
+        # A key with either scope may sign in; the scope asked of authenticate is one it has.
+        scope = "admin" if candidate is not None and "admin" in candidate.scopes else "inference"
+        try:
+            key = authenticate(keys, f"Bearer {token.strip()}", scope, peer)
+        except AuthenticationFailed:
+            limiter.failed(peer)
+            raise
+        earlier = store.get(request.cookies.get(COOKIE))
+        if earlier is not None:  # a fresh id at every sign-in: no session fixation
+            store.end(earlier, SIGNED_OUT)
+        session_id, session = store.create(key.id)
+        session.name, session.scopes = key.name, key.scopes
+        audit.info("console sign-in", extra={"peer": peer, "key_id": key.id})
+        response = web.json_response(
+            {
+                "signed_in": True,
+                "key_id": key.id,
+                "name": key.name,
+                "scopes": sorted(key.scopes),
+                "csrf": session.csrf,
+                "expires_in_s": round(store.expires_in(session), 1),
+                "idle_s": store.idle_s,
+            }
+        )
+        set_cookie(response, session_id, max_age=max_age, secure=secure)
+        return response
+
+    return sign_in
+
+
+async def _stamp(request: web.Request, response: web.StreamResponse) -> None:
+    # Runs after app._stamp_headers (installed before this): the console's pages get their own CSP.
+    if is_console_path(request.path):
+        response.headers.update(CONSOLE_HEADERS)
+
+
+def _sessions_ctx(store: SessionStore) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def watch(app: web.Application) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            store.prune()
+            gone = unusable(app[appkeys.KEY_STORE], store.key_ids())
+            if gone:
+                store.end_keys(gone)
+                for key_id in sorted(gone):
+                    audit.warning(
+                        "console sessions ended: their key is no longer valid",
+                        extra={"peer": None, "key_id": key_id},
+                    )
+
+    async def sessions_ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(watch(app), name="console-sessions")
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    return sessions_ctx
+
+
+async def _end_sessions(app: web.Application) -> None:
+    # on_shutdown runs before the server waits for its handlers: the event streams end now.
+    app[SESSIONS].close()
+
+
+def setup_console(app: web.Application, settings: Settings) -> None:
+    """Serve the console at /ui when `console.enabled` (after auth: it needs the keys file and limiter)."""
+    console = settings.console
+    if not console.enabled:
+        return
+    store = SessionStore(
+        idle_s=console.session_idle_s, max_s=console.session_max_s, capacity=console.max_sessions
+    )
+    app[SESSIONS] = store
+    setup_key_writes(app)
+    scopes = add_console_routes(app, settings)
+    limiter = SignInLimiter(console.signin_failures_per_minute)
+    scopes.add(app, [("POST", "/ui/api/session", _sign_in(store, limiter, settings), None), *KEY_ROUTES])
+    app.middlewares.append(_middleware(store, scopes))
+    app.on_response_prepare.append(_stamp)
+    app.on_shutdown.append(_end_sessions)
+    app.cleanup_ctx.append(_sessions_ctx(store))

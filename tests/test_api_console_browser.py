@@ -1,0 +1,325 @@
+"""The web console in a real Chromium: sign-in, overview against /admin/status, reload, keys, playground.
+
+Debian's `chromium` driven by Playwright for Python (`executable_path`: nothing downloads a
+browser; `./dev test` installs the package). One browser for the module, one signed-in page
+for the tests that share it; every test fails if the page logged a console error, threw, or
+met a Content Security Policy violation. With EDGELLM_SCREENSHOTS=DIR the tests also write
+the README's screenshots (console-overview.png, console-playground.png) into DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import openai
+import pytest
+
+from edgellmctl.keys import create_key
+from edgellmd.settings import ConsoleSettings
+from tests import fakenvml
+from tests.ggufmodels import TinyModelSpec
+from tests.serving import RunningDaemon, SignedLock, running, settings_for
+
+CHROMIUM: Final = Path("/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="Debian's chromium is not installed (./dev test installs it with apt-get)"
+)
+# Chromium as root needs --no-sandbox; the background services would call out of a closed network.
+CHROMIUM_ARGS: Final = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TIMEOUT_MS: Final = 15_000
+CSP_LISTENER: Final = """
+window.__cspViolations = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.__cspViolations.push(e.violatedDirective + " " + e.blockedURI);
+});
+"""
+MODEL: Final = SignedLock.model
+
+if CHROMIUM.exists():  # the module is skipped without it; playwright is a test dependency
+    from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
+
+
+@dataclass
+class Box:
+    daemon: RunningDaemon
+    lock: SignedLock
+    keys: Path
+    token: str  # the operator's key: admin and inference
+
+    def admin_get(self, path: str) -> Any:
+        request = urllib.request.Request(  # noqa: S310 - loopback URL
+            self.daemon.url + path, headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            return json.loads(response.read())
+
+
+@dataclass
+class Watched:
+    """A page and what it reported: console errors, uncaught errors, CSP violations."""
+
+    page: Page
+    errors: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        violations = self.page.evaluate("window.__cspViolations || []")
+        return [*self.errors, *(f"CSP violation: {v}" for v in violations)]
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
+    root = tmp_path_factory.mktemp("console")
+    lock = SignedLock(root / "box")
+    lock.publish(lock.model_bytes(TinyModelSpec(seed=1)))
+    keys = root / "keys.yaml"
+    _, token = create_key(keys, "operator", ["admin", "inference"], limits={})
+    settings = settings_for(
+        [{"name": MODEL, "threads": 1, "context_size": 256, "slots": 2}],
+        lock=lock.lock_settings(),
+        auth={"keys_file": str(keys)},
+        lifecycle={"preload_dir": str(lock.shm), "watch": False},
+    )
+    settings = replace(settings, console=ConsoleSettings(enabled=True, stream_interval_s=0.5))
+    # No NVIDIA driver here: the GPU monitor reads an H200 as one answered, hot and at its power cap.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "pynvml", fakenvml.hot())
+        with running(settings) as daemon:
+            yield Box(daemon, lock, keys, token)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        # launch() gives every browser a fresh temporary profile of its own.
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+def _watched(browser: Browser) -> Watched:
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    context.set_default_timeout(TIMEOUT_MS)
+    context.add_init_script(CSP_LISTENER)
+    page = context.new_page()
+    watched = Watched(page)
+
+    def on_console(message: ConsoleMessage) -> None:
+        if message.type == "error":
+            watched.errors.append(f"console error: {message.text}")
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda exc: watched.errors.append(f"page error: {exc}"))
+    return watched
+
+
+def _sign_in(watched: Watched, box: Box, token: str | None = None) -> None:
+    page = watched.page
+    page.goto(box.daemon.url + "/ui/")
+    page.get_by_label("API key", exact=True).fill(token or box.token)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.locator("#who-name")).to_contain_text("operator")
+
+
+@pytest.fixture(scope="module")
+def signed_in(browser: Browser, box: Box) -> Iterator[Watched]:
+    watched = _watched(browser)
+    _sign_in(watched, box)
+    yield watched
+    watched.page.context.close()
+
+
+@pytest.fixture
+def console(signed_in: Watched) -> Iterator[Page]:
+    """The shared signed-in page; the test fails on anything the page reported during it."""
+    signed_in.errors.clear()
+    signed_in.page.evaluate("window.__cspViolations = []")
+    yield signed_in.page
+    assert signed_in.problems() == []
+
+
+def _screenshot(page: Page, name: str) -> None:
+    folder = os.environ.get("EDGELLM_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / name), full_page=True)
+
+
+def _shown_time(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def test_sign_in_keeps_no_key_in_the_browser(browser: Browser, box: Box) -> None:
+    watched = _watched(browser)
+    page = watched.page
+    try:
+        page.goto(box.daemon.url + "/ui/")
+        expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+        page.keyboard.press("Tab")  # the skip link, then the form: usable by keyboard alone
+        page.get_by_label("API key", exact=True).focus()
+        page.keyboard.type(box.token)
+        page.keyboard.press("Enter")
+        expect(page.locator("#who-name")).to_contain_text("operator")
+        expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+        assert page.get_by_label("API key", exact=True).input_value() == ""
+        stored = page.evaluate(
+            "JSON.stringify([Object.entries(localStorage), Object.entries(sessionStorage), document.cookie])"
+        )
+        assert box.token not in stored
+        assert "edgellm_console" not in stored  # HttpOnly: no script reads the session cookie
+        cookies = page.context.cookies()
+        assert [c["name"] for c in cookies] == ["edgellm_console"]
+        assert cookies[0]["httpOnly"] is True
+        assert cookies[0]["sameSite"] == "Strict"
+        assert box.token not in json.dumps(cookies)
+        page.get_by_role("button", name="Sign out").click()
+        expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+        assert watched.problems() == []
+    finally:
+        page.context.close()
+
+
+def test_the_overview_shows_what_admin_status_says(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#overview")
+    row = console.locator(f'#models-table tr[data-model="{MODEL}"]')
+    expect(row.locator('[data-field="state"]')).to_have_text("ready")
+    expect(console.locator("#readiness")).to_have_attribute("data-status", "ready")
+    status = box.admin_get("/admin/status")
+    model = next(m for m in status["models"] if m["name"] == MODEL)
+    expected = {
+        "state": model["state"],
+        "version": str(model["version"]),
+        "sha256": model["sha256"][:12],
+        "slots": f"{model['slots_busy']} / {model['slots_total']}",
+        "queue": f"{model['queue_depth']} / {model['queue_size']}",
+        "loaded_at": _shown_time(model["loaded_at"]),
+    }
+    for name, text in expected.items():
+        expect(row.locator(f'[data-field="{name}"]')).to_have_text(text)
+    expect(row.locator('[data-field="last_reload"]')).to_contain_text(model["last_reload"]["result"])
+    lock = console.locator("#lockfile")
+    expect(lock.locator('[data-field="version"]')).to_have_text(str(status["lock"]["version"]))
+    expect(lock.locator('[data-field="signers"]')).to_contain_text("verified")
+    expect(lock.locator('[data-field="expires"]')).to_contain_text("h left")
+    expect(lock.locator('[data-field="expires"]')).to_contain_text("sign a new lockfile soon")  # a day left
+    stats = box.admin_get("/admin/stats")
+    expect(console.locator('#host [data-field="cpu"]')).to_contain_text(f"{stats['host']['cpu_count']} CPUs")
+    expect(console.locator('#host [data-field="pinning"]')).to_contain_text(stats["host"]["pinning"]["cpus"])
+    gpu = stats["gpu"]["devices"][0]
+    card = console.locator('#gpus [data-gpu="0"]')
+    expect(card.get_by_role("heading")).to_have_text(f"GPU 0: {gpu['name']}")
+    expect(card.locator('[data-field="cc"]')).to_have_text(".".join(map(str, gpu["compute_capability"])))
+    expect(card.locator('[data-field="util"]')).to_have_text(f"{gpu['utilization_gpu']} %")
+    expect(card.locator('[data-field="temperature"]')).to_have_text(f"{gpu['temperature_c']} °C")
+    expect(card.locator('[data-field="throttle"]')).to_have_text(", ".join(gpu["throttle_reasons"]))
+    verdicts = console.locator('#gpus [data-field="verdicts"] li')
+    expect(verdicts).to_have_count(len(stats["gpu"]["verdicts"]))
+    expect(console.locator('[data-chart="gpu0-temp"] .now')).to_have_text(f"{gpu['temperature_c']} °C")
+    # A line once two ticks came.
+    expect(console.locator('[data-chart="tokens"] svg polyline')).to_have_count(1)
+
+
+def test_a_reload_from_the_button_shows_its_outcome_and_in_the_history(console: Page, box: Box) -> None:
+    version = box.lock.publish(box.lock.model_bytes(TinyModelSpec(seed=2)))  # a new file, newly signed
+    console.goto(box.daemon.url + "/ui/#actions")
+    console.get_by_role("button", name="Reload changed models").click()
+    outcome = console.locator(f'#action-outcome li[data-model="{MODEL}"]')
+    expect(outcome).to_have_attribute("data-result", "loaded", timeout=30_000)
+    expect(outcome).to_contain_text(f"lock version {version}")
+    console.get_by_role("link", name="Overview").click()
+    history = console.locator(f'#reload-history tr[data-model="{MODEL}"][data-trigger="admin"]').first
+    expect(history).to_contain_text("loaded")
+    expect(history).to_contain_text(str(version))
+    expect(console.locator(f'#models-table tr[data-model="{MODEL}"] [data-field="version"]')).to_have_text(
+        str(version)
+    )
+
+
+def test_a_key_made_in_the_console_works_until_it_is_revoked_there(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#keys")
+    console.get_by_label("Name", exact=True).fill("ci-client")
+    console.get_by_role("button", name="Create key").click()
+    token_box = console.get_by_label("Token", exact=True)
+    expect(console.locator("#new-key")).to_be_visible()
+    expect(console.locator("#keys-outcome")).to_contain_text("created")
+    token = token_box.input_value()
+    assert token.startswith("elk_")
+    key_id = token.split("_")[1]
+    row = console.locator(f'#keys-table tr[data-key="{key_id}"]')
+    expect(row.locator('[data-field="state"]')).to_have_text("active")
+    assert token not in console.locator("#keys-table").inner_text()  # the list never shows secrets
+
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=token, max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2
+    )
+    assert reply.choices[0].message is not None
+
+    row.get_by_role("button", name="Revoke").click()
+    dialog = console.get_by_role("dialog")
+    expect(dialog).to_contain_text(f"Revoke key {key_id}")
+    dialog.get_by_role("button", name="Revoke").click()
+    expect(row).to_have_count(0)
+    expect(console.locator("#keys-outcome")).to_contain_text("revoked")
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2
+        )
+    console.get_by_role("button", name="Done, hide it").click()
+    expect(token_box).to_be_hidden()
+
+
+def test_the_playground_streams_a_reply_with_its_figures(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#playground")
+    expect(console.get_by_label("Model", exact=True)).to_have_value(MODEL)
+    console.get_by_label("Temperature", exact=True).fill("0")
+    console.get_by_label("Max tokens", exact=True).fill("12")
+    console.get_by_label("JSON schema of the reply (optional)", exact=True).fill(
+        '{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}'
+    )
+    console.get_by_label("Message", exact=True).fill("Answer in JSON, please.")
+    console.get_by_role("button", name="Send").click()
+    figures = console.locator("#chat-figures")
+    expect(figures).to_contain_text("tokens/s")
+    expect(figures).to_have_attribute("data-tokens", "12")
+    reply = console.locator('#transcript [data-role="assistant"] .text').last
+    assert reply.inner_text().startswith("{")  # the schema's grammar held from the first token
+    ttft = float(figures.get_attribute("data-ttft") or "nan")
+    assert 0 < ttft < 30
+    expect(console.locator("#transcript")).to_have_attribute("aria-busy", "false")
+    console.emulate_media(color_scheme="dark")  # the README shows the dark scheme here
+    _screenshot(console, "console-playground.png")
+    console.emulate_media(color_scheme="light")
+
+
+def test_the_overview_charts_what_was_served(console: Page, box: Box) -> None:
+    # After the tests before it: a reload in the history, tokens generated in the charts.
+    console.goto(box.daemon.url + "/ui/#overview")
+    expect(console.locator('#reload-history tr[data-trigger="admin"]').first).to_be_visible()
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.token, max_retries=0)
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt="tick", max_tokens=24, extra_body={"ignore_eos": True})
+        console.wait_for_timeout(600)  # a tick in between: the chart shows each burst
+    expect(console.locator('[data-chart="tokens"] .now')).not_to_have_text(
+        "\u2013"
+    )  # the dash of "no figure"
+    expect(console.locator('[data-chart="ttft"] svg polyline')).to_have_count(1)
+    label = console.locator('[data-chart="tokens"] svg').get_attribute("aria-label") or ""
+    assert "highest" in label
+    assert "highest 0.0" not in label
+    _screenshot(console, "console-overview.png")
