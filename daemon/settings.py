@@ -509,6 +509,17 @@ def _models(f: _Field) -> Any:
     return models
 
 
+def _probability(f: _Field) -> Any:
+    """speculative.draft_p_min: a number from 0 to 1 (the generic float reader wants one > 0)."""
+    value = f.value
+    if not f.given:
+        return f.default
+    if (_is_int(value) or isinstance(value, float)) and 0 <= value <= 1:  # NaN fails both
+        return float(value)
+    f.problem(f"must be a number from 0 to 1, got {_show(value)}")
+    return f.default
+
+
 def _check_model(checker: _Checker, model: ModelSettings, path: str) -> None:
     """What one field cannot say alone: settings of a model that contradict each other."""
     if model.cache_type_v != "f16" and model.flash_attention == "off":
@@ -522,6 +533,16 @@ def _check_model(checker: _Checker, model: ModelSettings, path: str) -> None:
             f"{path}.speculative.ngram_min",
             f"{spec.ngram_min} is more than ngram_max ({spec.ngram_max})",
         )
+    if spec.mode == "draft":
+        if spec.draft_model is not None and spec.draft_model == model.name:
+            checker.add(
+                f"{path}.speculative.draft_model",
+                f"names this model itself ({model.name!r}): each draft token would cost a token of its own",
+            )
+    else:
+        for key, value in (("draft_model", spec.draft_model), ("draft_file", spec.draft_file)):
+            if value is not None:
+                checker.add(f"{path}.speculative.{key}", f"only with mode draft (mode is {spec.mode})")
     if model.embedding:
         if spec.mode != "none":
             checker.add(f"{path}.speculative.mode", "an embedding model generates no text to draft")
@@ -559,6 +580,23 @@ def _check_model_files(checker: _Checker, raw_models: object, lock: LockSettings
             checker.add(
                 f"models[{index}].file", "not allowed with a lockfile: the lock names each model's file"
             )
+        # A draft model's file likewise (speculative mode draft; an embedding model is refused it).
+        spec = entry.get("speculative")
+        if not isinstance(spec, dict) or str(spec.get("mode")).lower() != "draft" or entry.get("embedding"):
+            continue
+        where = f"models[{index}].speculative"
+        if lock.allow_unsigned and spec.get("draft_file") is None:
+            checker.add(f"{where}.draft_file", "required with mode draft (lock.allow_unsigned is set)")
+        elif not lock.allow_unsigned:
+            if spec.get("draft_file") is not None:
+                checker.add(
+                    f"{where}.draft_file",
+                    "not allowed with a lockfile: the lock names the draft model's file (set draft_model)",
+                )
+            if spec.get("draft_model") is None:
+                checker.add(
+                    f"{where}.draft_model", "required with mode draft: the draft model's name in the lockfile"
+                )
 
 
 def _auth(f: _Field) -> Any:
@@ -742,14 +780,15 @@ class LockSettings:
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeSettings:
-    """Speculative decoding: drafts from the request's own text, verified in the same llama_decode."""
+    """Speculative decoding: drafts from the request's text or a draft model, checked in the same batch."""
 
     mode: str = setting(
         "none",
-        "none, or ngram: draft from the prompt and reply so far (pays on text that copies its input)",
-        choices=("none", "ngram"),
-        more="rewriting, extraction, code edits, quotes, JSON that repeats keys; the output is exactly "
-        "plain decoding's (each draft token is checked with the request's own sampler)",
+        "none; ngram: draft from the prompt and reply so far; draft: a smaller model drafts",
+        choices=("none", "ngram", "draft"),
+        more="ngram pays on text that copies its input (rewriting, extraction, code edits, quotes, JSON "
+        "that repeats keys); draft needs a model of the same vocabulary (`draft_model`); the output is "
+        "exactly plain decoding's (each draft token is checked with the request's own sampler)",
     )
     max_draft: int = setting(8, "most draft tokens per sequence and step", bounds=(1, 64))
     ngram_min: int = setting(2, "shortest repeated n-gram that makes a draft", bounds=(1, 16))
@@ -759,6 +798,24 @@ class SpeculativeSettings:
         "draft only while at most this many sequences decode together",
         bounds=(1, 256),
         more="on a CPU a full batch is compute-bound and drafts only cost; a GPU box may raise it",
+    )
+    draft_model: str | None = setting(
+        None,
+        "mode draft: the draft model's entry in the lockfile (required with a lockfile)",
+        pattern=MODEL_NAME,
+        wanted="a model name of 1 to 64 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit",
+        more="a smaller model of the same vocabulary, verified and preloaded as every model is, with a KV "
+        "cache (f16) of the model's slots and context; unsigned, only the name status pages show",
+    )
+    draft_file: Path | None = setting(
+        None, "mode draft, unsigned mode only (then required): the draft GGUF, relative to the config file"
+    )
+    draft_p_min: float = setting(
+        0.75,
+        "mode draft: a draft ends where the draft model's top token is less likely than this",
+        read=_probability,
+        accepts="a number from 0 to 1",
+        more="as llama.cpp's `--draft-p-min`",
     )
 
 

@@ -6,6 +6,9 @@ input (rewriting, extraction, code edits, quotes, JSON that repeats keys) is dra
 drafts are checked in the next `llama_decode` beside everyone else's tokens, and every token
 the request's own sampler would have picked anyway is kept.
 
+`ModelDrafter` holds what a draft model (engine.draft_model) needs of one sequence: its
+tokens, and the draft the model proposed for the sequence's next step.
+
 `PromptCache` keeps the KV state of finished sequences in host RAM, keyed by their tokens,
 least recently used first out: a prompt that starts the way an earlier one did, in another
 slot or in a slot since reused, restores that prefix instead of prefilling it. Each engine
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
 MIN_CACHED_TOKENS: Final = 128  # shorter prefixes prefill faster than a state restores
@@ -27,11 +31,18 @@ MIN_CACHED_TOKENS: Final = 128  # shorter prefixes prefill faster than a state r
 class Speculation:
     """How a model drafts (from its `speculative` settings)."""
 
-    mode: str = "none"  # "none" or "ngram"
+    mode: str = "none"  # "none", "ngram" or "draft"
     max_draft: int = 8
     ngram_min: int = 2
     ngram_max: int = 4
     max_sequences: int = 2  # draft only while at most this many sequences decode
+    # Mode "draft": the draft model's file as it is loaded (a verified copy or descriptor),
+    # what status pages call it, the confidence under which it stops a draft, and whether
+    # its file may be memory-mapped (a private preload copy only, as for the model's own).
+    draft_path: Path | None = None
+    draft_name: str = ""
+    draft_p_min: float = 0.75
+    draft_mmap: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -39,16 +50,34 @@ class Speculation:
         return self.mode != "none"
 
 
-class NgramDrafter:
+class DraftLength:
+    """A sequence's adaptive draft length: longer while every draft is kept, cut where one is not."""
+
+    __slots__ = ("draft_len", "max_draft")
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
+        self.draft_len = max_draft
+
+    def accepted(self, drafted: int, kept: int) -> None:
+        """Adapt the draft length to how many of `drafted` tokens the sampler kept."""
+        if drafted == 0:
+            return
+        if kept == drafted:
+            self.draft_len = min(self.max_draft, self.draft_len + 2)
+        else:
+            self.draft_len = max(1, kept + 1)
+
+
+class NgramDrafter(DraftLength):
     """One sequence's n-gram index over its tokens so far, and its adaptive draft length."""
 
-    __slots__ = ("_index", "_max", "_min", "draft_len", "max_draft", "tokens")
+    __slots__ = ("_index", "_max", "_min", "tokens")
 
     def __init__(self, spec: Speculation, tokens: Sequence[int]) -> None:
+        super().__init__(spec.max_draft)
         self._min = max(1, min(spec.ngram_min, spec.ngram_max))
         self._max = max(spec.ngram_min, spec.ngram_max)
-        self.max_draft = spec.max_draft
-        self.draft_len = spec.max_draft
         self.tokens: list[int] = []
         # n -> the n-gram -> the position just after its latest occurrence (before the tail).
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self._min, self._max + 1)}
@@ -77,14 +106,42 @@ class NgramDrafter:
                 return tokens[at : at + self.draft_len]
         return []
 
-    def accepted(self, drafted: int, kept: int) -> None:
-        """Adapt the draft length to how many of `drafted` tokens the sampler kept."""
-        if drafted == 0:
-            return
-        if kept == drafted:
-            self.draft_len = min(self.max_draft, self.draft_len + 2)
-        else:
-            self.draft_len = max(1, kept + 1)
+
+class ModelDrafter(DraftLength):
+    """One sequence's tokens so far, and the draft a draft model proposed for its next step.
+
+    The draft model drafts for every drafting sequence of a step at once (one llama_decode
+    per draft position for all of them), before the step's batch is built: `proposed` holds
+    this sequence's share until the scheduler takes it with `draft()`.
+    """
+
+    __slots__ = ("proposed", "tokens")
+
+    def __init__(self, spec: Speculation, tokens: Sequence[int]) -> None:
+        super().__init__(spec.max_draft)
+        self.tokens: list[int] = list(tokens)
+        self.proposed: list[int] = []
+
+    def append(self, token: int) -> None:
+        """Note the sequence's next token (generated)."""
+        self.tokens.append(token)
+
+    def draft(self) -> list[int]:
+        """The draft proposed for this step (once: a later step gets a fresh one or none)."""
+        out, self.proposed = self.proposed, []
+        return out
+
+
+Drafter = NgramDrafter | ModelDrafter
+
+
+def make_drafter(spec: Speculation, tokens: Sequence[int]) -> Drafter | None:
+    """The drafter a new sequence of a model with these settings gets; None when it drafts not."""
+    if spec.mode == "draft":
+        return ModelDrafter(spec, tokens)
+    if spec.enabled:
+        return NgramDrafter(spec, tokens)
+    return None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

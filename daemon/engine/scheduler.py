@@ -25,7 +25,15 @@ from typing import Any, Final
 import llama_cpp as llama
 import numpy as np
 
-from edgellmd.engine.drafts import MIN_CACHED_TOKENS, NgramDrafter, PromptCache, common_prefix
+from edgellmd.engine.draft_model import DraftModel
+from edgellmd.engine.drafts import (
+    MIN_CACHED_TOKENS,
+    Drafter,
+    ModelDrafter,
+    PromptCache,
+    common_prefix,
+    make_drafter,
+)
 from edgellmd.engine.generation import (
     Event,
     Finished,
@@ -130,7 +138,7 @@ class _Slot:
         "utf8",
     )
 
-    def __init__(self, gen: Generation, sampler: SlotSampler, drafter: NgramDrafter | None = None) -> None:
+    def __init__(self, gen: Generation, sampler: SlotSampler, drafter: Drafter | None = None) -> None:
         self.gen = gen
         self.sampler = sampler
         self.prompt: Sequence[int] = gen.request.prompt_tokens
@@ -141,7 +149,7 @@ class _Slot:
         self.last = -1  # the last sampled token, fed back in the next step
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(gen.request.stop)
-        self.drafter = drafter  # prompt lookup: the sequence's tokens and its draft length
+        self.drafter = drafter  # prompt lookup or a draft model's: the tokens, the draft length
         self.draft: list[int] = []  # the draft tokens in the last batch, after `last`
         self.cached = 0  # prompt tokens whose KV came from a slot or the prompt cache
         self.drafted = 0  # draft tokens checked, and of those the ones the sampler agreed with
@@ -178,6 +186,7 @@ class Engine(NativeThread):
         # A finished sequence keeps them so that the next prompt with the same prefix (a
         # system prompt, a growing conversation) skips that part of the prefill.
         self._kv: list[list[int]] = [[] for _ in range(config.slots)]
+        self._draft: DraftModel | None = None  # speculative mode draft: loaded with the model
         self._start_thread(f"engine:{name}")
 
     def _load(self) -> None:
@@ -218,6 +227,8 @@ class Engine(NativeThread):
         self.controls = ControlTokens(self._vocab, self.n_vocab)
         # Room for the whole vocabulary: the last resort of a grammar miss draws from all of it.
         self._candidates = Candidates(self.n_vocab)
+        if config.speculative.mode == "draft":
+            self._draft = DraftModel.open(config, model, self.name)
 
     # ---- tokens ---------------------------------------------------------------------------
 
@@ -330,6 +341,7 @@ class Engine(NativeThread):
             "prompt_tokens_reused": self.prompt_tokens_reused,
             "speculative": {
                 "mode": config.speculative.mode,
+                **({"draft_model": config.speculative.draft_name} if self._draft is not None else {}),
                 "drafted_tokens": self.drafted_tokens,
                 "accepted_tokens": self.accepted_tokens,
             },
@@ -376,6 +388,14 @@ class Engine(NativeThread):
         llama.llama_sampler_sample(chain, self._ctx, 0)
         llama.llama_sampler_free(chain)
         llama.llama_memory_clear(self._memory, True)
+        if self._draft is not None:
+            self._draft.warm_up()
+
+    def _free_native(self) -> None:
+        super()._free_native()
+        if self._draft is not None:  # loaded on this thread with the model, freed with it
+            self._draft.free()
+            self._draft = None
 
     def _fill_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
         batch = self._batch
@@ -448,8 +468,7 @@ class Engine(NativeThread):
             self._candidates,
             grammar if isinstance(grammar, CompiledGrammar) else None,
         )
-        spec = self.config.speculative
-        slot = _Slot(gen, sampler, NgramDrafter(spec, prompt) if spec.enabled else None)
+        slot = _Slot(gen, sampler, make_drafter(self.config.speculative, prompt))
         slot.prefilled = slot.n_past = slot.cached = reuse
         self.prompt_tokens_reused += reuse
         self._slots[best] = slot
@@ -512,6 +531,22 @@ class Engine(NativeThread):
         # Drafts only while few sequences decode: a full batch is compute-bound, drafts only cost.
         drafting = spec.enabled and len(generating) <= spec.max_sequences
         budget -= len(generating)
+        if drafting and self._draft is not None:  # one pass of the draft model drafts for them all
+            self._draft.propose(
+                [
+                    (
+                        i,
+                        s.drafter,
+                        min(
+                            budget,
+                            self.config.context_size - 3 - s.n_past,
+                            s.gen.request.max_tokens - s.completion - 1,
+                        ),
+                    )
+                    for i, s in generating
+                    if isinstance(s.drafter, ModelDrafter)
+                ]
+            )
         for i, slot in generating:
             slot.batch_index = len(items)
             items.append((slot.last, slot.n_past, i, True))

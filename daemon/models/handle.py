@@ -66,6 +66,11 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         )
     threads = settings.threads or engine_mod.default_threads()
     spec = settings.speculative
+    draft: Path | None = None  # speculative mode draft: the draft model's file (an embedder has none)
+    if spec.mode == "draft" and not settings.embedding:
+        if spec.draft_file is None:
+            raise EngineError(f"model {settings.name}: speculative mode draft without a draft model file")
+        draft = spec.draft_file
     return EngineConfig(
         path=settings.file,
         slots=settings.slots,
@@ -85,6 +90,12 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
             ngram_min=spec.ngram_min,
             ngram_max=spec.ngram_max,
             max_sequences=spec.max_sequences,
+            draft_path=draft,
+            draft_name=spec.draft_model or (draft.name if draft is not None else ""),
+            draft_p_min=spec.draft_p_min,
+            # Mapped only when both are private preload copies (the loader puts them side by side
+            # in its area); a draft verified in place, or unsigned, is read like the model's own.
+            draft_mmap=mmap and draft is not None and draft.parent == settings.file.parent,
         ),
     )
 
@@ -141,6 +152,17 @@ def _gone(name: str) -> ServiceUnavailable:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftProvenance:
+    """Where a loaded model's draft model (speculative mode draft) came from, as Provenance does."""
+
+    name: str  # its lock entry (or, unsigned, the configured name or the file's)
+    source: Path
+    source_stat: tuple[int, int, int, int] | None
+    locked: LockedModel | None
+    copy: Path | None
+
+
+@dataclass(frozen=True, slots=True)
 class Provenance:
     """Where a loaded model's bytes came from, for status pages and change detection."""
 
@@ -149,7 +171,8 @@ class Provenance:
     locked: LockedModel | None  # the lock entry it was verified against; None: unsigned mode
     lock_version: int | None
     copy: Path | None  # the preloaded copy it was loaded from; None: loaded from `source`
-    memory_bytes: int  # estimated: weights plus KV cache
+    memory_bytes: int  # estimated: weights plus KV cache (the draft model's included)
+    draft: DraftProvenance | None = None  # speculative mode draft: its draft model
 
     @property
     def fingerprint(self) -> str:

@@ -27,7 +27,7 @@ from edgellmd.host.nvml import GpuSnapshot
 from edgellmd.host.offload import plan_gpu_layers
 from edgellmd.models.budget import MIB
 from edgellmd.models.gguf import GgufError, gguf_layer_bytes, read_gguf_values
-from edgellmd.models.handle import EngineFactory, ModelHandle, Provenance, chat_template_for
+from edgellmd.models.handle import DraftProvenance, EngineFactory, ModelHandle, Provenance, chat_template_for
 from edgellmd.models.lockfile import (
     LockedModel,
     LockError,
@@ -56,13 +56,16 @@ def stat_key(path: Path) -> tuple[int, int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def estimate_bytes(path: Path, settings: ModelSettings) -> int:
-    """Memory a model will take once loaded: its file, its KV cache, its prompt cache."""
-    return path.stat().st_size + kv_cache_bytes(path, settings) + settings.prompt_cache_mb * MIB
+def estimate_bytes(path: Path, settings: ModelSettings, draft: Path | None = None) -> int:
+    """Memory a model will take once loaded: its file, its KV cache, its prompt cache, its draft model's."""
+    need = path.stat().st_size + kv_cache_bytes(path, settings) + settings.prompt_cache_mb * MIB
+    if draft is not None:  # its file and its KV cache (f16, a sequence per slot as the model's)
+        need += draft.stat().st_size + kv_cache_bytes(draft, settings, kinds=("f16", "f16"))
+    return need
 
 
-def kv_cache_bytes(path: Path, settings: ModelSettings) -> int:
-    """The KV cache of every slot, in the configured cache types (0 when the file does not say)."""
+def kv_cache_bytes(path: Path, settings: ModelSettings, *, kinds: tuple[str, str] | None = None) -> int:
+    """The KV cache of every slot, in the configured cache types or `kinds` (0 when the file does not say)."""
     try:
         values = read_gguf_values(path)
     except GgufError:
@@ -81,7 +84,8 @@ def kv_cache_bytes(path: Path, settings: ModelSettings) -> int:
     ):
         return 0
     values_per_side = layers * settings.context_size * settings.slots * (embd // heads) * heads_kv
-    per_value = KV_BYTES_PER_VALUE[settings.cache_type_k] + KV_BYTES_PER_VALUE[settings.cache_type_v]
+    type_k, type_v = kinds or (settings.cache_type_k, settings.cache_type_v)
+    per_value = KV_BYTES_PER_VALUE[type_k] + KV_BYTES_PER_VALUE[type_v]
     return int(values_per_side * per_value)
 
 
@@ -137,13 +141,29 @@ class Loader:
         source_stat = stat_key(source)
         if source_stat is None:
             raise LoadFailed(f"model file not found: {locked.file if locked else source}")
+        draft = self.draft_source(settings, lock)
         try:
-            need = await loop.run_in_executor(None, estimate_bytes, source, settings)
+            need = await loop.run_in_executor(
+                None, estimate_bytes, source, settings, draft.source if draft else None
+            )
         except OSError as exc:
-            raise LoadFailed(f"cannot read {source.name}: {exc.strerror}") from None
+            raise LoadFailed(f"cannot read {exc.filename or source.name}: {exc.strerror}") from None
         make_room(settings, need)
         copy, verified = await self._prepare(settings, source, locked)
         load_path = copy or (verified.load_path if verified is not None else source)
+        draft_verified: VerifiedFile | None = None
+        if draft is not None:  # checked and preloaded exactly as the model's own file
+            try:
+                draft_copy, draft_verified = await self._prepare(
+                    settings, draft.source, draft.locked, draft=True
+                )
+            except LoadFailed as exc:
+                self.discard_copy(copy)
+                if verified is not None:
+                    verified.close()
+                raise LoadFailed(f"draft model {draft.name}: {exc}") from None
+            draft = replace(draft, copy=draft_copy)
+        copies = [copy, draft.copy if draft is not None else None]
         if settings.gpu_layers == GPU_LAYERS_AUTO:
             layers, why = await loop.run_in_executor(
                 None,
@@ -158,23 +178,31 @@ class Loader:
             )
             log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)
             settings = replace(settings, gpu_layers=layers)
+        loaded = replace(settings, file=load_path)
+        if draft is not None:  # the engine loads the draft from where it was verified, too
+            draft_path = draft.copy or (
+                draft_verified.load_path if draft_verified is not None else draft.source
+            )
+            loaded = replace(
+                loaded,
+                speculative=replace(settings.speculative, draft_model=draft.name, draft_file=draft_path),
+            )
         try:
             # Mapped only from a private preload copy: a file in the models directory that is
             # truncated in place under a mapping would kill the daemon (SIGBUS).
-            engine = await loop.run_in_executor(
-                None, self._factory, replace(settings, file=load_path), copy is not None
-            )
+            engine = await loop.run_in_executor(None, self._factory, loaded, copy is not None)
         except (EngineError, OSError) as exc:
-            self.discard_copy(copy)
+            self.discard_copies(copies)
             raise LoadFailed(str(exc)) from None
         finally:
-            if verified is not None:
-                verified.close()  # the loaded model keeps its own mapping
+            for opened in (verified, draft_verified):
+                if opened is not None:
+                    opened.close()  # the loaded model keeps its own mapping
         try:
             template = None if settings.embedding else chat_template_for(settings, engine)
         except (TemplateError, EngineError, OSError) as exc:
             await loop.run_in_executor(None, engine.close)
-            self.discard_copy(copy)
+            self.discard_copies(copies)
             raise LoadFailed(f"chat template: {exc}") from None
         provenance = Provenance(
             source=source,
@@ -183,6 +211,7 @@ class Loader:
             lock_version=lock.version if lock is not None else None,
             copy=copy,
             memory_bytes=need,
+            draft=draft,
         )
         handle = ModelHandle(settings, engine, template, self._executor, provenance, counters=counters)
         try:
@@ -201,6 +230,52 @@ class Loader:
             template.source if template else "none",
         )
         return handle
+
+    def draft_source(self, settings: ModelSettings, lock: Lockfile | None) -> DraftProvenance | None:
+        """Where the model's draft model comes from (speculative mode draft), not yet copied; LoadFailed."""
+        spec = settings.speculative
+        if spec.mode != "draft" or settings.embedding:
+            return None
+        entry: LockedModel | None = None
+        if lock is not None:
+            if spec.draft_model is None:  # settings guarantee; loaders built by hand may not
+                raise LoadFailed("speculative mode draft needs speculative.draft_model with a lockfile")
+            name = spec.draft_model
+            entry = lock.models.get(name)
+            if entry is None:
+                raise LoadFailed(f"draft model {name} is not in the lockfile (version {lock.version})")
+            try:
+                source = self.source(settings, entry)
+            except LockError as exc:
+                raise LoadFailed(f"draft model {name}: file {entry.file}: {exc}") from None
+        else:
+            if spec.draft_file is None:
+                raise LoadFailed("speculative mode draft needs speculative.draft_file (unsigned mode)")
+            source = spec.draft_file
+            name = spec.draft_model or source.name
+        source_stat = stat_key(source)
+        if source_stat is None:
+            raise LoadFailed(f"draft model {name}: file not found: {entry.file if entry else source}")
+        return DraftProvenance(name, source, source_stat, entry, None)
+
+    def draft_entry(self, settings: ModelSettings, lock: Lockfile | None) -> LockedModel | None:
+        """The lock entry the model's draft model would be verified against now (None: no draft, unsigned)."""
+        spec = settings.speculative
+        if lock is None or spec.mode != "draft" or settings.embedding or spec.draft_model is None:
+            return None
+        return lock.models.get(spec.draft_model)
+
+    def draft_changed(
+        self, settings: ModelSettings, loaded: DraftProvenance | None, lock: Lockfile | None
+    ) -> bool:
+        """True when the draft model a handle was built with is not the one the model would get now."""
+        if settings.speculative.mode != "draft" or settings.embedding:
+            return loaded is not None
+        if loaded is None:
+            return True
+        if lock is not None and self.draft_entry(settings, lock) != loaded.locked:
+            return True
+        return stat_key(loaded.source) != loaded.source_stat
 
     async def reverify(self, settings: ModelSettings, locked: LockedModel) -> tuple[int, int, int, int]:
         """Check the model's file against its lock entry (size, sha256, GGUF header) and load nothing.
@@ -235,14 +310,15 @@ class Loader:
         return before
 
     async def _prepare(
-        self, settings: ModelSettings, source: Path, locked: LockedModel | None
+        self, settings: ModelSettings, source: Path, locked: LockedModel | None, *, draft: bool = False
     ) -> tuple[Path | None, VerifiedFile | None]:
         """Copy into the preload area while hashing, or verify in place when there is no room."""
         loop = asyncio.get_running_loop()
         label = locked.file if locked is not None else source.name
         if self.area is not None:
+            name = f"{settings.name}-draft" if draft else settings.name
             try:
-                copy = await loop.run_in_executor(None, self.area.copy, source, settings.name, locked)
+                copy = await loop.run_in_executor(None, self.area.copy, source, name, locked)
             except NoRoom as exc:
                 log.warning(
                     "model %s: no room to preload %s into %s (%s); loading it from the "
@@ -311,3 +387,8 @@ class Loader:
         """Remove a preload copy (a failed load's, or a freed version's)."""
         if copy is not None and self.area is not None:
             self.area.remove(copy)
+
+    def discard_copies(self, copies: list[Path | None]) -> None:
+        """Remove a failed load's preload copies (the model's and its draft model's)."""
+        for copy in copies:
+            self.discard_copy(copy)

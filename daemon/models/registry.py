@@ -374,7 +374,7 @@ class Registry:
         """This daemon's preload area, once opened (None: models load from the models directory)."""
         return self.loader.area
 
-    def _changed(self, entry: _Entry, locked: LockedModel | None) -> bool:
+    def _changed(self, entry: _Entry, locked: LockedModel | None, lock: Lockfile | None) -> bool:
         handle = entry.handle
         if handle is None:
             return True
@@ -385,7 +385,9 @@ class Registry:
             source = self.loader.source(entry.settings, locked)
         except LockError:
             return True  # let the load say why
-        return stat_key(source) != prov.source_stat
+        return stat_key(source) != prov.source_stat or self.loader.draft_changed(
+            entry.settings, prov.draft, lock
+        )
 
     async def _refresh(self, entry: _Entry, lock: Lockfile | None, *, force: bool, trigger: str) -> Outcome:
         name = entry.settings.name
@@ -394,15 +396,21 @@ class Registry:
             locked = lock.models.get(name)
             if locked is None:
                 return self._revoke(entry, lock, trigger)
-        if not force and not self._changed(entry, locked):
+        if not force and not self._changed(entry, locked, lock):
             return self._record(
                 entry,
                 Outcome(name, "unchanged", None, trigger, time.time(), self._version(entry)),
                 log_it=False,
             )
         old = entry.handle
-        if old is not None and not force and locked is not None and old.provenance.locked == locked:
-            # The same lock entry; only the file's stat changed (touched, or rewritten
+        if (
+            old is not None
+            and not force
+            and locked is not None
+            and old.provenance.locked == locked
+            and self._same_draft_entry(entry, old, lock)
+        ):
+            # The same lock entries; only a file's stat changed (touched, or rewritten
             # identically): check its bytes against the entry, and load nothing.
             return await self._reverify(entry, old, locked, trigger)
         if old is None:
@@ -442,19 +450,33 @@ class Registry:
     ) -> Outcome:
         """Check a serving model's file against its unchanged lock entry; keep the warm handle."""
         name = entry.settings.name
+        prov = handle.provenance
+        source_stat, draft = prov.source_stat, prov.draft
         entry.reloading = True
         try:
-            source_stat = await self.loader.reverify(entry.settings, locked)
+            if stat_key(prov.source) != source_stat:
+                source_stat = await self.loader.reverify(entry.settings, locked)
+            if draft is not None and draft.locked is not None and stat_key(draft.source) != draft.source_stat:
+                try:
+                    draft_stat = await self.loader.reverify(entry.settings, draft.locked)
+                except LoadFailed as exc:
+                    raise LoadFailed(f"draft model {draft.name}: {exc}") from None
+                draft = replace(draft, source_stat=draft_stat)
         except LoadFailed as exc:
             return self._failed(entry, str(exc), trigger)
         finally:
             entry.reloading = False
         # Noted, so that the next look does not check it again. The served version (its
         # lock version, its fingerprint) is the one that was loaded: the bytes are the same.
-        handle.provenance = replace(handle.provenance, source_stat=source_stat)
+        handle.provenance = replace(handle.provenance, source_stat=source_stat, draft=draft)
         return self._record(
             entry, Outcome(name, "unchanged", None, trigger, time.time(), self._version(entry))
         )
+
+    def _same_draft_entry(self, entry: _Entry, handle: ModelHandle, lock: Lockfile | None) -> bool:
+        """The lock entry of the model's draft model (if any) is the one its handle was built with."""
+        draft = handle.provenance.draft
+        return self.loader.draft_entry(entry.settings, lock) == (draft.locked if draft is not None else None)
 
     @staticmethod
     def _version(entry: _Entry) -> int | None:
@@ -546,6 +568,8 @@ class Registry:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, handle.engine.close)
         self.loader.discard_copy(handle.provenance.copy)
+        if handle.provenance.draft is not None:
+            self.loader.discard_copy(handle.provenance.draft.copy)
         log.info("model %s: previous version %s freed", handle.name, handle.provenance.fingerprint)
 
     # ---- status ---------------------------------------------------------------------------
