@@ -12,17 +12,22 @@ import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import psutil
 
 from edgellmctl.cli import Subcommands
+from edgellmctl.cudabuild import cc_name, coverage, rebuild_hint
 from edgellmd.files import kind_of, read_regular
 from edgellmd.host.cpu import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
 from edgellmd.host.nvml import read_gpus
 from edgellmd.host.verdicts import largest_gpu_layers, verdicts
 from edgellmd.models.lockfile import MAX_KEY_BYTES, LockError, load_lock, resolve_model_file
 from edgellmd.settings import ConfigError, Settings, load_settings
+
+if TYPE_CHECKING:
+    from edgellmd.engine import BuildInfo
+    from edgellmd.host.nvml import GpuSnapshot
 
 DEFAULT_CONFIG: Final = Path("/etc/edgellm/edgellm.yaml")
 UNIT_PATHS: Final = (
@@ -176,14 +181,88 @@ def check_shm(settings: Settings | None, host: Host) -> Check:
     return _ok("shm", detail)
 
 
-def check_gpu(
-    settings: Settings | None, host: Host, offload_supported: Callable[[], bool]
-) -> Iterator[Check]:
+def describe_build(build: BuildInfo) -> str:
+    """ "llama.cpp build: CUDA (6.1, 9.0), CPU" or "llama.cpp build: CPU only"."""
+    if "CUDA" not in build.backends and not build.gpu_offload:
+        return f"llama.cpp build: {', '.join(build.backends) or '?'} only"
+    archs = build.cuda_archs
+    cuda = f"CUDA ({', '.join(cc_name(a) for a in archs)})" if archs else "CUDA (architectures not listed)"
+    return "llama.cpp build: " + ", ".join(cuda if name == "CUDA" else name for name in build.backends)
+
+
+_CPU_ONLY_FIX: Final = (
+    "build llama-cpp-python with CUDA: EDGELLM_CUDA=1 ./dev demo (CUDA 12.x for a Pascal or Volta GPU), "
+    "or edgellm_cuda in the Ansible role (README: GPU boxes)"
+)
+
+
+def check_build(build: BuildInfo, snapshot: GpuSnapshot) -> Iterator[Check]:
+    """The llama.cpp build against each GPU's compute capability: does it have code for it?"""
+    gpus = [g for g in snapshot.devices if not g.lost] if snapshot.available else []
+    shown = describe_build(build)
+    if not gpus:
+        yield _ok("gpu build", shown)
+        return
+    if "CUDA" not in build.backends:
+        yield Check(
+            "gpu build",
+            "warn",
+            f"{len(gpus)} NVIDIA GPU(s) present, but this {shown}: every layer runs on the CPU",
+            _CPU_ONLY_FIX,
+        )
+        return
+    if build.cuda_archs is None:
+        yield Check(
+            "gpu build",
+            "warn",
+            f"{shown}: its CUDA backend does not list the architectures it was compiled for "
+            "(nvcc before 11.5?), so they cannot be checked against the GPUs",
+            "rebuild llama-cpp-python with a current CUDA toolkit: EDGELLM_CUDA=1 ./dev demo",
+        )
+        return
+    compiled = build.cuda_archs
+    listed = ", ".join(cc_name(a) for a in compiled)
+    for gpu in gpus:
+        cc = gpu.compute_capability
+        if cc is None:
+            continue
+        arch = cc[0] * 10 + cc[1]
+        who = f"GPU {gpu.index} ({gpu.name or '?'}, {cc_name(arch)})"
+        how, used = coverage(arch, compiled)
+        if how == "exact":
+            yield _ok("gpu build", f"{who}: the build has sm_{arch} code (CUDA {listed})")
+        elif how == "same_major":
+            yield Check(
+                "gpu build",
+                "warn",
+                f"{who} runs the build's sm_{used} code, not kernels of its own (CUDA {listed})",
+                rebuild_hint(arch),
+            )
+        elif how == "other_major":
+            yield Check(
+                "gpu build",
+                "fail",
+                f"{who}: the build has no sm_{arch} code (CUDA {listed}); its sm_{used} code runs there "
+                "only JIT-compiled from PTX, if the build carries PTX for it at all",
+                rebuild_hint(arch),
+            )
+        else:
+            yield Check(
+                "gpu build",
+                "fail",
+                f"{who}: the build has no sm_{arch} code nor any older (CUDA {listed}): llama.cpp has "
+                "no kernels to run on it",
+                rebuild_hint(arch),
+            )
+
+
+def check_gpu(settings: Settings | None, host: Host, build_info: Callable[[], BuildInfo]) -> Iterator[Check]:
     """GPUs, their compute capability against this llama.cpp build, and the monitor's verdicts."""
     # As the daemon's GPU monitor judges them: the model that offloads most.
     layers = largest_gpu_layers(m.gpu_layers for m in settings.models) if settings else 0
     snapshot = read_gpus(host.nvml)
-    supported = offload_supported()
+    info = build_info()
+    supported = info.gpu_offload
     build = "this llama.cpp build can offload" if supported else "this llama.cpp build is CPU-only"
     if not snapshot.available:
         level = "warn" if layers != 0 else "ok"
@@ -200,6 +279,7 @@ def check_gpu(
             "gpu",
             f"GPU {gpu.index}: {gpu.name}, compute capability {f'{cc[0]}.{cc[1]}' if cc else '?'}; {build}",
         )
+    yield from check_build(info, snapshot)
     for verdict in verdicts(snapshot, offload_supported=supported, gpu_layers=layers):
         if verdict.level == "info":
             continue
@@ -336,7 +416,7 @@ def check_unit(unit: Path | None, host: Host) -> Check:
 
 
 def run_checks(
-    config: Path | None, unit: Path | None, host: Host, offload_supported: Callable[[], bool]
+    config: Path | None, unit: Path | None, host: Host, build_info: Callable[[], BuildInfo]
 ) -> list[Check]:
     """Every check, in the order an operator reads them."""
     checks = [check_cpu_flags(host)]
@@ -347,7 +427,7 @@ def run_checks(
         checks.append(Check("cpu affinity", "fail", str(exc)))
     checks.extend(check_memory(settings))
     checks.append(check_shm(settings, host))
-    checks.extend(check_gpu(settings, host, offload_supported))
+    checks.extend(check_gpu(settings, host, build_info))
     checks.extend(check_permissions(settings, config))
     checks.append(config_check)
     checks.append(check_unit(unit, host))
@@ -366,11 +446,11 @@ def format_checks(checks: list[Check]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print every check; exit 1 when any failed."""
-    from edgellmd.engine import supports_gpu_offload  # noqa: PLC0415 - loads llama.cpp
+    from edgellmd.engine import build_info  # noqa: PLC0415 - loads llama.cpp
 
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     unit = args.unit or next((p for p in UNIT_PATHS if p.exists()), None)
-    checks = run_checks(config, unit, Host(), supports_gpu_offload)
+    checks = run_checks(config, unit, Host(), build_info)
     print(json.dumps([asdict(c) for c in checks], indent=2) if args.json else format_checks(checks))
     return 1 if any(c.level == "fail" for c in checks) else 0
 

@@ -1,4 +1,12 @@
-"""Tiny llama-architecture GGUF models, written with gguf.GGUFWriter, for tests that run the real engine."""
+"""Tiny llama-architecture GGUF models, written with gguf.GGUFWriter, for tests that run the real engine.
+
+The default shape (n_embd 64, 4 heads of 16, F32 matrices) keeps the CPU suite fast, and is
+one no real model has: llama.cpp's CUDA flash-attention kernels take head sizes 40 to 256
+(and 320, 512, 576) only, and its F32 weight matrices take kernel paths (TF32 tensor-core
+`mul_mat_f`, F32 `mul_mat_vec_f`) that quantized and F16 models never reach. Runs on a GPU
+use `GPU_SHAPED` (head size 64, F16 matrices) or `weight_type="Q8_0"`; tests/gpu/ has the
+live check that decides which shape a CUDA build cannot take (README: "GPU boxes").
+"""
 
 from __future__ import annotations
 
@@ -42,6 +50,25 @@ class TinyModelSpec:
     # Extra control tokens after the byte tokens (ids from N_VOCAB on), as a chat model's
     # turn markers are: llama.cpp parses their text into one token when told to.
     control_tokens: tuple[str, ...] = ()
+    # Type of the embedding, output and block matrices: "F32", "F16" or "Q8_0" (rows of 32s).
+    # Norms stay F32, as in real models.
+    weight_type: str = "F32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# Real models' shapes, still small (about 5 MB): head size 64 (Llama 3.2 1B, Gemma 3 270M
+# has 256), grouped-query attention 2:1, F16 matrices. For GPU runs (tests/gpu/).
+GPU_SHAPED: Final = TinyModelSpec(
+    n_embd=256, n_head=4, n_head_kv=2, n_ff=512, weight_type="F16", name="tiny-llama-gpu-shaped"
+)
+_FILE_TYPES: Final = {
+    "F32": gguf.LlamaFileType.ALL_F32,
+    "F16": gguf.LlamaFileType.MOSTLY_F16,
+    "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
 
 
 # A chat template whose markup is control tokens, as real chat models' templates are.
@@ -68,8 +95,10 @@ def _vocab(spec: TinyModelSpec) -> tuple[list[bytes], list[float], list[int]]:
 def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
     """Write a tiny random-weight llama GGUF (about 0.4 MB) to `path` and return it."""
     spec = spec or TinyModelSpec()
+    if spec.weight_type not in _FILE_TYPES:
+        raise ValueError(f"weight_type must be one of {sorted(_FILE_TYPES)}, not {spec.weight_type!r}")
     rng = np.random.default_rng(spec.seed)
-    head_dim = spec.n_embd // spec.n_head
+    head_dim = spec.head_dim
     n_embd_kv = head_dim * spec.n_head_kv
 
     def weight(*shape: int, scale: float = 0.2) -> np.ndarray:
@@ -85,7 +114,7 @@ def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
     writer.add_head_count_kv(spec.n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(_FILE_TYPES[spec.weight_type])
 
     tokens, scores, types = _vocab(spec)
     n_vocab = len(tokens)
@@ -102,21 +131,31 @@ def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
     if spec.chat_template is not None:
         writer.add_chat_template(spec.chat_template)
 
+    def matrix(name: str, data: np.ndarray) -> None:
+        """A weight matrix in spec.weight_type (F32 as given: the default files stay byte-identical)."""
+        if spec.weight_type == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        elif spec.weight_type == "Q8_0":
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, data)
+
     # NumPy shapes are ggml's dimensions reversed.
-    writer.add_tensor("token_embd.weight", weight(n_vocab, spec.n_embd, scale=1.0))
+    matrix("token_embd.weight", weight(n_vocab, spec.n_embd, scale=1.0))
     writer.add_tensor("output_norm.weight", np.ones(spec.n_embd, dtype=np.float32))
-    writer.add_tensor("output.weight", weight(n_vocab, spec.n_embd, scale=spec.output_scale))
+    matrix("output.weight", weight(n_vocab, spec.n_embd, scale=spec.output_scale))
     for i in range(spec.n_layer):
         blk = f"blk.{i}"
         writer.add_tensor(f"{blk}.attn_norm.weight", np.ones(spec.n_embd, dtype=np.float32))
-        writer.add_tensor(f"{blk}.attn_q.weight", weight(spec.n_embd, spec.n_embd))
-        writer.add_tensor(f"{blk}.attn_k.weight", weight(n_embd_kv, spec.n_embd))
-        writer.add_tensor(f"{blk}.attn_v.weight", weight(n_embd_kv, spec.n_embd))
-        writer.add_tensor(f"{blk}.attn_output.weight", weight(spec.n_embd, spec.n_embd))
+        matrix(f"{blk}.attn_q.weight", weight(spec.n_embd, spec.n_embd))
+        matrix(f"{blk}.attn_k.weight", weight(n_embd_kv, spec.n_embd))
+        matrix(f"{blk}.attn_v.weight", weight(n_embd_kv, spec.n_embd))
+        matrix(f"{blk}.attn_output.weight", weight(spec.n_embd, spec.n_embd))
         writer.add_tensor(f"{blk}.ffn_norm.weight", np.ones(spec.n_embd, dtype=np.float32))
-        writer.add_tensor(f"{blk}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd))
-        writer.add_tensor(f"{blk}.ffn_up.weight", weight(spec.n_ff, spec.n_embd))
-        writer.add_tensor(f"{blk}.ffn_down.weight", weight(spec.n_embd, spec.n_ff))
+        matrix(f"{blk}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd))
+        matrix(f"{blk}.ffn_up.weight", weight(spec.n_ff, spec.n_embd))
+        matrix(f"{blk}.ffn_down.weight", weight(spec.n_embd, spec.n_ff))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

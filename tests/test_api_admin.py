@@ -121,7 +121,7 @@ async def test_stats_without_a_gpu_monitor(admin: Admin) -> None:
     response = await admin.get("/admin/stats")
     body = await response.json()
     assert response.status == 200
-    assert set(body) == {"metrics", "host", "gpu", "models"}
+    assert set(body) == {"metrics", "host", "gpu", "build", "models"}
     assert body["gpu"] == {"available": False, "reason": "not read yet", "devices": [], "verdicts": []}
     assert body["host"]["pinning"] == {
         "cpus": format_cpu_list(frozenset(os.sched_getaffinity(0))),
@@ -131,6 +131,20 @@ async def test_stats_without_a_gpu_monitor(admin: Admin) -> None:
     }
     assert "edgellm_build_info" in body["metrics"]
     assert [m["name"] for m in body["models"]["models"]] == ["tiny"]
+
+
+async def test_stats_show_what_the_llama_cpp_build_can_do(admin: Admin) -> None:
+    # The CPU build this machine runs: no CUDA backend, no architectures, no offload.
+    response = await admin.get("/admin/stats")
+    build = (await response.json())["build"]
+    assert set(build) == {"backends", "devices", "cuda_archs", "gpu_offload", "system_info", "features"}
+    assert build["backends"] == ["CPU"]
+    assert build["cuda_archs"] == []
+    assert build["gpu_offload"] is False
+    assert [(d["name"], d["type"]) for d in build["devices"]] == [("CPU", "cpu")]
+    assert build["devices"][0]["memory_total"] > 0
+    assert build["system_info"].startswith("CPU : ")
+    assert build["features"]["CPU"]
 
 
 # body (JSON, or raw bytes with a content type) -> status, error type, code, param, message part

@@ -16,14 +16,41 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmctl import doctor
 from edgellmctl.__main__ import main as edgellmctl
-from edgellmctl.doctor import Host, check_cpu_flags, check_shm, run_checks
+from edgellmctl.doctor import Host, check_build, check_cpu_flags, check_shm, run_checks
 from edgellmctl.keys import create_key
+from edgellmd.engine import BackendDevice, BuildInfo, build_info
+from edgellmd.host.nvml import read_gpus
 from edgellmd.models.lockfile import format_time, sign
 from edgellmd.settings import load_settings
 from tests import fakenvml
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
+# What the CUDA backend of a default `EDGELLM_CUDA=1` build on CUDA 12.x lists (6.1 to 9.0).
+CUDA12_ARCHS = (61, 70, 75, 80, 86, 89, 90)
+
+
+def cpu_build() -> BuildInfo:
+    """A CPU-only llama.cpp, as this machine's answers (the real one, read from llama.cpp)."""
+    return build_info()
+
+
+def cuda_build(archs: tuple[int, ...] | None = CUDA12_ARCHS, gpu: str = "NVIDIA H200") -> BuildInfo:
+    """A CUDA build's answers: faked, since no CUDA build exists here; shaped on llama.cpp's text."""
+    listed = f"ARCHS = {','.join(str(a * 10) for a in archs)} | " if archs is not None else ""
+    text = f"CUDA : {listed}USE_GRAPHS = 1 | PEER_MAX_BATCH_SIZE = 128 | CPU : AVX2 = 1 | "
+    features = {"CUDA": {"USE_GRAPHS": "1"}, "CPU": {"AVX2": "1"}}
+    return BuildInfo(
+        backends=("CUDA", "CPU"),
+        devices=(
+            BackendDevice("CUDA0", gpu, "gpu", 140 * 2**30, 143 * 2**30),
+            BackendDevice("CPU", "AMD EPYC", "cpu", 2**37, 2**37),
+        ),
+        cuda_archs=archs,
+        gpu_offload=True,
+        system_info=text,
+        features=features,
+    )
 
 
 def cpuinfo(tmp_path: Path, flags: str) -> Host:
@@ -108,7 +135,7 @@ def levels(checks: list[doctor.Check]) -> dict[str, str]:
 
 def test_a_good_box_passes_every_file_check(tmp_path: Path) -> None:
     config = write_box(tmp_path)
-    checks = run_checks(config, None, Host(nvml=fakenvml.no_driver()), lambda: False)
+    checks = run_checks(config, None, Host(nvml=fakenvml.no_driver()), cpu_build)
     got = levels(checks)
     assert got["config"] == "ok"
     assert got["permissions"] == "ok"
@@ -129,7 +156,7 @@ def test_a_bad_box_fails_with_the_reason_and_a_fix(
     tmp_path: Path, box: dict[str, Any], name: str, fragment: str
 ) -> None:
     config = write_box(tmp_path, **box)
-    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.no_driver()), lambda: False)}
+    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.no_driver()), cpu_build)}
     assert checks[name].level == "fail"
     assert fragment in checks[name].detail
     assert checks[name].fix
@@ -138,7 +165,7 @@ def test_a_bad_box_fails_with_the_reason_and_a_fix(
 def test_an_invalid_config_is_reported_with_its_first_problem(tmp_path: Path) -> None:
     config = tmp_path / "edgellm.yaml"
     config.write_text("models: []\nlock: {allow_unsigned: true}\nserver: {port: 0}\n")
-    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.no_driver()), lambda: False)}
+    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.no_driver()), cpu_build)}
     assert checks["config"].level == "fail"
     assert "and 1 more" in checks["config"].detail
     assert checks["config"].detail.startswith(("models:", "server.port:"))
@@ -174,7 +201,8 @@ def test_gpu_checks_follow_the_verdicts(
     data = json.loads(config.read_text())
     data["models"][0]["gpu_layers"] = layers
     config.write_text(json.dumps(data))
-    got = levels(run_checks(config, None, Host(nvml=nvml()), lambda: offload))
+    build = cuda_build() if offload else cpu_build()
+    got = levels(run_checks(config, None, Host(nvml=nvml()), lambda: build))
     for name, level in expected.items():
         assert got.get(name) == level, got
 
@@ -186,8 +214,100 @@ def test_the_gpu_check_names_gpu_layers_as_configured(tmp_path: Path, layers: An
     data = json.loads(config.read_text())
     data["models"][0]["gpu_layers"] = layers
     config.write_text(json.dumps(data))
-    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.h200()), lambda: False)}
+    checks = {c.name: c for c in run_checks(config, None, Host(nvml=fakenvml.h200()), cpu_build)}
     assert checks["gpu no_offload_build"].detail.startswith(f"gpu_layers is {shown} but"), checks
+
+
+# profile, the build's CUDA architectures ("cpu": a CPU-only build) -> level, detail part, fix part
+BUILD_CASES = [
+    pytest.param(
+        fakenvml.h200, CUDA12_ARCHS, "ok", "GPU 0 (NVIDIA H200, 9.0): the build has sm_90", None, id="h200"
+    ),
+    pytest.param(
+        fakenvml.h200,
+        (61, 70, 75, 80, 86, 89),
+        "fail",
+        "the build has no sm_90 code (CUDA 6.1, 7.0, 7.5, 8.0, 8.6, 8.9); its sm_89 code",
+        "EDGELLM_CUDA_ARCHS=90",
+        id="h200-without-90",
+    ),
+    pytest.param(
+        fakenvml.p40, CUDA12_ARCHS, "ok", "GPU 0 (Tesla P40, 6.1): the build has sm_61", None, id="p40"
+    ),
+    pytest.param(
+        fakenvml.p40,
+        (75, 80, 86, 89, 90),  # what a default build with CUDA 13 has
+        "fail",
+        "GPU 0 (Tesla P40, 6.1): the build has no sm_61 code nor any older",
+        "with CUDA 12.x (CUDA 13 dropped Pascal) and EDGELLM_CUDA_ARCHS=61",
+        id="p40-cuda13",
+    ),
+    pytest.param(
+        fakenvml.p40, (60, 75), "warn", "runs the build's sm_60 code", "EDGELLM_CUDA_ARCHS=61", id="p40-sm60"
+    ),
+    pytest.param(
+        fakenvml.not_supported_fields,
+        (80, 90),
+        "warn",
+        "GPU 0 (NVIDIA GeForce RTX 3090, 8.6) runs the build's sm_80 code",
+        "EDGELLM_CUDA_ARCHS=86",
+        id="rtx3090-sm80",
+    ),
+    pytest.param(
+        fakenvml.h200, None, "warn", "does not list the architectures", "current CUDA", id="unlisted"
+    ),
+    pytest.param(
+        fakenvml.h200,
+        "cpu",
+        "warn",
+        "1 NVIDIA GPU(s) present, but this llama.cpp build: CPU only",
+        "EDGELLM_CUDA=1",
+        id="h200-cpu-build",
+    ),
+    pytest.param(fakenvml.no_driver, "cpu", "ok", "llama.cpp build: CPU only", None, id="no-gpu-cpu-build"),
+    pytest.param(
+        fakenvml.no_driver,
+        CUDA12_ARCHS,
+        "ok",
+        "llama.cpp build: CUDA (6.1, 7.0, 7.5",
+        None,
+        id="no-gpu-cuda-build",
+    ),
+]
+
+
+@pytest.mark.parametrize(("nvml", "archs", "level", "detail", "fix"), BUILD_CASES)
+def test_the_build_is_checked_against_each_gpus_compute_capability(
+    nvml: Any, archs: Any, level: str, detail: str, fix: str | None
+) -> None:
+    build = cpu_build() if archs == "cpu" else cuda_build(archs)
+    checks = list(check_build(build, read_gpus(nvml())))
+    assert [c.name for c in checks] == ["gpu build"]
+    (check,) = checks
+    assert check.level == level, check
+    assert detail in check.detail, check.detail
+    if fix is None:
+        assert level == "ok"
+    else:
+        assert check.fix is not None
+        assert fix in check.fix, check.fix
+
+
+def test_each_gpu_gets_its_own_build_line() -> None:
+    checks = list(check_build(cuda_build((61, 75)), read_gpus(fakenvml.h200(count=2))))
+    assert [(c.name, c.level) for c in checks] == [("gpu build", "fail"), ("gpu build", "fail")]
+    assert [c.detail.split(":")[0] for c in checks] == [
+        "GPU 0 (NVIDIA H200, 9.0)",
+        "GPU 1 (NVIDIA H200, 9.0)",
+    ]
+
+
+def test_a_p40_with_a_cuda13_build_fails_the_whole_doctor_run(tmp_path: Path) -> None:
+    config = write_box(tmp_path)
+    checks = run_checks(config, None, Host(nvml=fakenvml.p40()), lambda: cuda_build((75, 80, 86, 89, 90)))
+    failed = [c for c in checks if c.level == "fail"]
+    assert [c.name for c in failed] == ["gpu build"], failed
+    assert "fix: rebuild llama-cpp-python with CUDA 12.x" in doctor.format_checks(checks)
 
 
 def test_the_unit_rating(tmp_path: Path) -> None:

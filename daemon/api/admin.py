@@ -12,6 +12,7 @@ from aiohttp import web
 
 from edgellmd.api.context import CALLER, context
 from edgellmd.api.openai_schemas import read_json_object
+from edgellmd.engine import build_info
 from edgellmd.errors import InvalidRequest
 from edgellmd.host.cpu import format_cpu_list, host_stats
 from edgellmd.models.registry import Outcome
@@ -53,7 +54,7 @@ def _jsonable(value: Any) -> Any:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """GET /admin/stats: the /metrics figures as JSON, with the host, GPU and model details."""
+    """GET /admin/stats: the /metrics figures as JSON, with host, GPU, llama.cpp build and model details."""
     app = context(request)
     settings = app.settings
     metrics = await asyncio.to_thread(app.metrics.as_json)
@@ -75,7 +76,11 @@ async def stats(request: web.Request) -> web.Response:
         "pinned": pinning.pinned,
         "note": pinning.note,
     }
-    return web.json_response({"metrics": metrics, "host": host, "gpu": gpu, "models": app.registry.status()})
+    # The loaded llama.cpp's backends, devices (memory as they report it now) and CUDA architectures.
+    build = _jsonable(await asyncio.to_thread(build_info))
+    return web.json_response(
+        {"metrics": metrics, "host": host, "gpu": gpu, "build": build, "models": app.registry.status()}
+    )
 
 
 async def reload(request: web.Request) -> web.Response:
