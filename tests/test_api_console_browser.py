@@ -227,6 +227,10 @@ def test_the_overview_shows_what_admin_status_says(console: Page, box: Box) -> N
     expect(card.locator('[data-field="util"]')).to_have_text(f"{gpu['utilization_gpu']} %")
     expect(card.locator('[data-field="temperature"]')).to_have_text(f"{gpu['temperature_c']} °C")
     expect(card.locator('[data-field="throttle"]')).to_have_text(", ".join(gpu["throttle_reasons"]))
+    build = console.locator("#gpus [data-build]")
+    expect(build.locator('[data-field="backends"]')).to_have_text(", ".join(stats["build"]["backends"]))
+    expect(build.locator('[data-field="cuda-archs"]')).to_have_text("none (no CUDA backend)")  # the CPU build
+    expect(build.locator('[data-field="offload"]')).to_contain_text("not supported")
     verdicts = console.locator('#gpus [data-field="verdicts"] li')
     expect(verdicts).to_have_count(len(stats["gpu"]["verdicts"]))
     expect(console.locator('[data-chart="gpu0-temp"] .now')).to_have_text(f"{gpu['temperature_c']} °C")

@@ -234,6 +234,7 @@ async def overview(request: web.Request) -> dict[str, Any]:
         "status": _body(await admin.status(request)),
         "host": stats["host"],
         "gpu": stats["gpu"],
+        "build": stats["build"],
         "lockfile": lock,
         "reloads": list(feed.reloads),
         "sample": feed.latest(),

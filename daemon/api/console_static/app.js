@@ -230,7 +230,7 @@
     renderActions(data.status.models);
     renderLock(data.lockfile, data.status.lock);
     renderHost(data.host);
-    renderGpus(data.gpu);
+    renderGpus(data.gpu, data.build);
     renderReloads(data.reloads);
     drawCharts();
   }
@@ -298,8 +298,19 @@
     add("Daemon", `${bytes(host.process.rss_bytes)} resident, ${host.process.threads} threads`, "process");
   }
 
-  function renderGpus(gpu) {
+  function renderGpus(gpu, build) {
     const box = clear($("gpus"));
+    if (build) {
+      // What the loaded llama.cpp can run on: its backends and the CUDA architectures it has code for.
+      const dl = h("dl", {});
+      const add = (term, value, field) => dl.append(h("dt", {}, term), h("dd", { "data-field": field }, value));
+      add("Backends", build.backends.length ? build.backends.join(", ") : dash, "backends");
+      const archs = build.cuda_archs;
+      add("CUDA architectures", archs === null ? "not listed by this build" : archs.length
+        ? archs.map((a) => `sm_${a}`).join(", ") : "none (no CUDA backend)", "cuda-archs");
+      add("GPU offload", build.gpu_offload ? "supported" : "not supported: every layer runs on the CPU", "offload");
+      box.append(h("div", { class: "card", "data-build": "" }, h("h3", {}, "llama.cpp build"), dl));
+    }
     if (!gpu.available || !gpu.devices.length) {
       box.append(h("p", { class: "help", "data-field": "gpu-none" }, `No GPU in use: ${gpu.reason || "none found"}.`));
     }
