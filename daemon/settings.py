@@ -790,7 +790,14 @@ class SpeculativeSettings:
         "that repeats keys); draft needs a model of the same vocabulary (`draft_model`); the output is "
         "exactly plain decoding's (each draft token is checked with the request's own sampler)",
     )
-    max_draft: int = setting(8, "most draft tokens per sequence and step", bounds=(1, 64))
+    max_draft: int = setting(
+        8,
+        "most draft tokens per sequence and step",
+        bounds=(1, 64),
+        more="each drafted position costs a row of the output layer when checked, so long drafts pay only "
+        "where they are kept: ngram on text that copies its input pays at 24 (README: Benchmarks); the "
+        "draft length adapts, cut where a draft is rejected",
+    )
     ngram_min: int = setting(2, "shortest repeated n-gram that makes a draft", bounds=(1, 16))
     ngram_max: int = setting(4, "longest n-gram looked up first", bounds=(1, 16))
     max_sequences: int = setting(

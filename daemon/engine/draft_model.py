@@ -22,7 +22,14 @@ import llama_cpp as llama
 import numpy as np
 
 from edgellmd.engine.drafts import ModelDrafter, Speculation, common_prefix
-from edgellmd.engine.native import EngineConfig, EngineError, ModelLoadError, NativeThread
+from edgellmd.engine.native import (
+    EngineConfig,
+    EngineError,
+    ModelLoadError,
+    NativeThread,
+    decode_bos,
+    fill_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +174,7 @@ class DraftModel(NativeThread):
         self._warm_up()
 
     def _warm_up(self) -> None:
-        bos = llama.llama_vocab_bos(self._vocab)
-        self._fill([(bos if bos >= 0 else 0, 0, 0, True)])
-        if llama.llama_decode(self._ctx, self._batch) != 0:
+        if not decode_bos(self._ctx, self._batch, self._vocab):
             raise ModelLoadError(f"{self.label}: warm-up decode failed")
         llama.llama_memory_clear(self._memory, True)
 
@@ -235,7 +240,7 @@ class DraftModel(NativeThread):
 
     def _decode(self, items: Sequence[tuple[int, int, int, bool]]) -> bool:
         """Decode `items` into the draft context; False (and those sequences forgotten) if it fails."""
-        self._fill(items)
+        fill_batch(self._batch, items)
         rc = llama.llama_decode(self._ctx, self._batch)
         if rc != 0:
             log.warning("%s: llama_decode failed with status %d; no drafts this step", self.label, rc)
@@ -260,14 +265,3 @@ class DraftModel(NativeThread):
         drafter.proposed.append(best)
         if len(drafter.proposed) < n:
             heads[seq] = best
-
-    def _fill(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
-        batch = self._batch
-        token, pos, n_seq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
-        for j, (tok, p, s, out) in enumerate(items):
-            token[j] = tok
-            pos[j] = p
-            n_seq[j] = 1
-            seq[j][0] = s
-            logits[j] = out
-        batch.n_tokens = len(items)

@@ -345,6 +345,28 @@ def token_piece(vocab: Any, token: int, *, special: bool = False) -> bytes:
     return buf.raw[: max(n, 0)]
 
 
+Item = tuple[int, int, int, bool]  # a batch entry: token, position, sequence, logits wanted
+
+
+def fill_batch(batch: Any, items: Sequence[Item]) -> None:
+    """Write (token, position, sequence, logits wanted) entries into a llama_batch."""
+    token, pos, n_seq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+    for j, (tok, p, s, out) in enumerate(items):
+        token[j] = tok
+        pos[j] = p
+        n_seq[j] = 1
+        seq[j][0] = s
+        logits[j] = out
+    batch.n_tokens = len(items)
+
+
+def decode_bos(ctx: Any, batch: Any, vocab: Any) -> bool:
+    """Decode the BOS token (or token 0) alone as sequence 0: a warm-up that makes the compute buffers."""
+    bos = llama.llama_vocab_bos(vocab)
+    fill_batch(batch, [(bos if bos >= 0 else 0, 0, 0, True)])
+    return bool(llama.llama_decode(ctx, batch) == 0)
+
+
 class NativeThread(abc.ABC):
     """One model on one thread: it loads, warms up and then serves until stopped.
 

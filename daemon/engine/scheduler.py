@@ -52,6 +52,8 @@ from edgellmd.engine.native import (
     EngineError,
     ModelLoadError,
     NativeThread,
+    decode_bos,
+    fill_batch,
     model_meta,
     read_model_info,
     token_piece,
@@ -380,9 +382,7 @@ class Engine(NativeThread):
 
     def _warm_up(self) -> None:
         """Run one decode so compute buffers exist before the first real request."""
-        bos = llama.llama_vocab_bos(self._vocab)
-        self._fill_batch([(bos if bos >= 0 else 0, 0, 0, True)])
-        if llama.llama_decode(self._ctx, self._batch) != 0:
+        if not decode_bos(self._ctx, self._batch, self._vocab):
             raise ModelLoadError(f"warm-up decode failed for {self.config.path}")
         chain, _ = make_chain(SamplingParams(temperature=0.0), self.n_vocab)
         llama.llama_sampler_sample(chain, self._ctx, 0)
@@ -396,17 +396,6 @@ class Engine(NativeThread):
         if self._draft is not None:  # loaded on this thread with the model, freed with it
             self._draft.free()
             self._draft = None
-
-    def _fill_batch(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
-        batch = self._batch
-        token, pos, n_seq, seq, logits = batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
-        for j, (tok, p, s, out) in enumerate(items):
-            token[j] = tok
-            pos[j] = p
-            n_seq[j] = 1
-            seq[j][0] = s
-            logits[j] = out
-        batch.n_tokens = len(items)
 
     def _run(self) -> None:
         try:
@@ -584,7 +573,7 @@ class Engine(NativeThread):
             self.heartbeat = time.monotonic()
             return True
 
-        self._fill_batch(items)
+        fill_batch(self._batch, items)
         rc = llama.llama_decode(self._ctx, self._batch)
         if rc != 0:
             log.error("llama_decode failed with status %d on model %s", rc, self.name)

@@ -1,0 +1,435 @@
+"""Benchmark: edgellmd's speed features side by side, on the demo model, against llama.cpp's server.
+
+Run: `.venv/bin/python -m tests.bench_speed [--only SCENARIO,...] [--rounds 3] [--llama-server
+PATH]` (scenarios below; all by default). Every scenario starts each server it compares (edgellmd
+as a process of its own, llama-server when a binary built from the same llama.cpp is given),
+measures it with `edgellmctl bench`'s client and stops it, round after round, so that the
+configurations alternate on the same machine; it prints each round and the medians, then one
+JSON line. Not a test: the figures depend on the machine.
+
+- plain: 64-token streams (`ignore_eos`), 1 and 8 at once: edgellmd against llama-server.
+- speculation: rewrite a passage with one word changed (chat, temperature 0), 1 stream and 8:
+  no speculation against prompt lookup (and llama-server's `ngram-simple`).
+- prompt-cache: a shared system prompt of about 2,000 tokens, 8 users holding conversations
+  (a long question per turn) round-robin over 4 slots: time to first token with the prompt
+  cache off and on.
+- shared-prompt: the same system prompt, 16 users with short questions over 4 slots: TTFT p50
+  against a full prefill of the same request (a system prompt of its own).
+- kv: f16 against q8_0 keys and values: KV bytes per token (what the memory budget counts and
+  the daemon's resident memory), tokens/s at 1 and 8 streams.
+- two-models: one model with 4 streams, against two models in one daemon, one or both with 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgellmctl.bench import BenchConfig, BenchSummary, run_bench
+from edgellmd.models.loader import kv_cache_bytes
+from edgellmd.settings import parse_settings
+from tests.bench_structured import demo_model
+from tests.serving import free_port
+
+MODEL = "gemma3-270m"
+READY_TIMEOUT_S = 120.0
+# About 300 tokens of plain prose: the reply should copy it, one word changed.
+PASSAGE = (
+    "The harbour town wakes before the sun. Fishing boats leave the quay in a slow line, their "
+    "lamps still lit, and the gulls follow them out past the breakwater. In the square the baker "
+    "opens his shutters and the smell of bread drifts down to the water. By seven the market "
+    "stalls are up: crates of silver fish on ice, baskets of lemons, ropes and nets and tins of "
+    "paint for the hulls. Old men sit on the bench by the church and argue about the weather, "
+    "as they have every morning for forty years. The ferry from the island arrives at eight, "
+    "bringing children to the school on the hill and workers to the boatyard, where the sound "
+    "of hammers starts at half past. At noon the town grows quiet. The shops close for lunch, "
+    "the cats sleep in the shade of the fish market, and only the tide keeps moving, lifting "
+    "the small boats at their moorings and setting them down again. In the afternoon the boats "
+    "come home, low in the water, and the whole town gathers at the quay to see what the sea "
+    "has given. Then the lamps are lit again, one by one, along the harbour wall."
+)
+REWRITE = (
+    "Copy the following passage exactly, word for word, changing only the word 'harbour' to "
+    "'port' wherever it appears. Write nothing else.\n\n" + PASSAGE
+)
+# About 2,000 tokens of instructions every user's conversation starts with.
+SYSTEM_RULES = [
+    "Answer in plain English, in short sentences.",
+    "Never invent facts; say when you do not know.",
+    "Quote the user's own words when you refer to them.",
+    "Give numbers with their units.",
+    "Prefer lists when there are more than three items.",
+    "Keep every answer under one hundred words unless asked for more.",
+    "Do not repeat the question back to the user.",
+    "When a request is unclear, ask one question to make it clear.",
+]
+
+
+def system_prompt(paragraphs: int = 14) -> str:
+    """A long shared system prompt (14 paragraphs: about 2,000 tokens of the demo vocabulary)."""
+    lines = ["You are the help desk assistant of the harbour office."]
+    for n in range(paragraphs):
+        rules = " ".join(f"Rule {n}.{i}: {rule}" for i, rule in enumerate(SYSTEM_RULES))
+        lines.append(f"Part {n} of the house rules. {rules}")
+    return "\n".join(lines)
+
+
+# ---- servers --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Server:
+    """One server configuration to measure: edgellmd with these model settings, or llama-server."""
+
+    label: str
+    models: Sequence[dict[str, Any]] = ()  # edgellmd: each model's settings (file filled in)
+    llama_server: Sequence[str] | None = None  # llama-server: its arguments after -m FILE
+
+
+@dataclass
+class Running:
+    url: str
+    pid: int
+
+
+@contextlib.contextmanager
+def serve(server: Server, model: Path, workdir: Path, binary: Path | None) -> Iterator[Running]:
+    """Start `server` on a free loopback port, wait until it is ready, stop it afterwards."""
+    port = free_port()
+    if server.llama_server is not None:
+        assert binary is not None
+        argv = [str(binary), "-m", str(model), "--port", str(port), "-a", MODEL, *server.llama_server]
+        ready = "/health"
+    else:
+        config = {
+            "server": {"host": "127.0.0.1", "port": port, "max_tokens_limit": 4096},
+            "models": [{"file": str(model), **m} for m in server.models],
+            "lock": {"allow_unsigned": True},
+            "lifecycle": {"watch": False, "preload_dir": None},
+            "logging": {"level": "warning"},
+        }
+        path = workdir / f"{server.label.replace(' ', '_')}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        argv = [sys.executable, "-m", "edgellmd", "--config", str(path)]
+        ready = "/readyz"
+    log = (workdir / "server.log").open("ab")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{server.label} exited during start-up; see {workdir / 'server.log'}")
+            if _ready(url + ready):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server.label} did not become ready")
+            time.sleep(0.2)
+        yield Running(url, proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 - loopback
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of every thread of a process so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    total += int(line.split()[1])
+    return total
+
+
+def resident_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def bench(url: str, **options: Any) -> BenchSummary:
+    config = BenchConfig(base_url=url, model=options.pop("model", MODEL), **options)
+    return asyncio.run(run_bench(config))
+
+
+# ---- scenarios ------------------------------------------------------------------------------------
+
+Measure = Callable[[Running], dict[str, float]]
+
+
+def rounds(
+    servers: Sequence[tuple[Server, Measure]], args: argparse.Namespace, model: Path, workdir: Path
+) -> dict[str, dict[str, float]]:
+    """Measure every server once per round, alternating; the median of each figure."""
+    seen: dict[str, dict[str, list[float]]] = {}
+    for n in range(args.rounds):
+        for server, measure in servers:
+            with serve(server, model, workdir, args.llama_server) as running:
+                figures = measure(running)
+            print(f"  round {n + 1} {server.label}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+            for key, value in figures.items():
+                seen.setdefault(server.label, {}).setdefault(key, []).append(value)
+    return {label: {k: statistics.median(v) for k, v in fig.items()} for label, fig in seen.items()}
+
+
+def streams(c1: dict[str, Any], c8: dict[str, Any]) -> Measure:
+    """Aggregate tokens/s at one stream and at eight."""
+
+    def measure(running: Running) -> dict[str, float]:
+        one = bench(running.url, **c1)
+        eight = bench(running.url, **c8)
+        figures = {"tok_s_1": one.tokens_per_s, "tok_s_8": eight.tokens_per_s}
+        for label, summary in (("1", one), ("8", eight)):
+            if summary.drafted_tokens:
+                figures[f"accepted_{label}"] = (summary.accepted_tokens or 0) / summary.drafted_tokens
+        return figures
+
+    return measure
+
+
+PLAIN_1 = {"concurrency": 1, "requests": 6, "max_tokens": 64, "ignore_eos": True, "warmup": 2}
+PLAIN_8 = {"concurrency": 8, "requests": 48, "max_tokens": 64, "ignore_eos": True, "warmup": 2}
+EDGE_8 = {"name": MODEL, "slots": 8, "context_size": 2048, "chat_template": "gemma"}
+LLAMA_8 = ["-np", "8", "-c", "16384"]
+
+
+def plain(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd", [{**EDGE_8, "threads": args.threads}]), streams(PLAIN_1, PLAIN_8))
+    ]
+    if args.llama_server:
+        servers.append((Server("llama-server", llama_server=[*LLAMA_8, *threads]), streams(PLAIN_1, PLAIN_8)))
+    return rounds(servers, args, model, workdir)
+
+
+def speculation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    ask = {"endpoint": "chat", "prompt": REWRITE, "temperature": 0.0, "max_tokens": 400, "warmup": 1}
+    c1 = {**ask, "concurrency": 1, "requests": 2}
+    c8 = {**ask, "concurrency": 8, "requests": 8}
+    base = {**EDGE_8, "threads": args.threads}
+    # Drafts up to 24 tokens (llama-server's ngram-simple drafts up to 48 by default): on a
+    # CPU each checked position costs a row of the output layer, so long drafts pay only on
+    # text that copies its input, as here.
+    spec = {"mode": "ngram", "max_draft": 24}
+    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd plain", [base]), streams(c1, c8)),
+        (Server("edgellmd ngram", [{**base, "speculative": spec}]), streams(c1, c8)),
+        # Drafting at every batch size, to see what it costs a full batch (the default stops at 2).
+        (
+            Server("edgellmd ngram all", [{**base, "speculative": {**spec, "max_sequences": 8}}]),
+            streams(c1, c8),
+        ),
+    ]
+    if args.llama_server:
+        servers += [
+            (Server("llama-server plain", llama_server=[*LLAMA_8, *threads]), streams(c1, c8)),
+            (
+                Server(
+                    "llama-server ngram-simple",
+                    llama_server=[*LLAMA_8, *threads, "--spec-type", "ngram-simple"],  # its defaults
+                ),
+                streams(c1, c8),
+            ),
+        ]
+    return rounds(servers, args, model, workdir)
+
+
+def prompt_cache(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    system = system_prompt()
+    # Each user's conversation grows by a long question and its reply per turn: after other
+    # users took its slot, a returning one finds only the shared system prompt there (which
+    # slot reuse already skips); the rest of its history is what the prompt cache restores.
+    talk = {
+        "endpoint": "chat",
+        "system": system,
+        "prompt": f"Here is my note for the harbour office: {PASSAGE[:700]} What should I bring?",
+        "users": 8,
+        "concurrency": 4,
+        "requests": 32,
+        "max_tokens": 48,
+        "warmup": 0,
+    }
+
+    def measure(running: Running) -> dict[str, float]:
+        s = bench(running.url, **talk)
+        return {"ttft_p50": s.ttft_p50_s, "ttft_p95": s.ttft_p95_s, "tok_s": s.tokens_per_s, "ok": s.ok}
+
+    base = {
+        "name": MODEL,
+        "slots": 4,
+        "context_size": 4096,
+        "chat_template": "gemma",
+        "threads": args.threads,
+    }
+    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd cache off", [base]), measure),
+        (Server("edgellmd cache on", [{**base, "prompt_cache_mb": 2048}]), measure),
+    ]
+    if args.llama_server:
+        common = ["-np", "4", "-c", "16384", *threads]
+        servers += [
+            (Server("llama-server cache-ram 0", llama_server=[*common, "--cache-ram", "0"]), measure),
+            (Server("llama-server cache-ram 2048", llama_server=[*common, "--cache-ram", "2048"]), measure),
+        ]
+    return rounds(servers, args, model, workdir)
+
+
+def shared_prompt(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    """The issue's case: a 2,000-token system prompt, 16 users round-robin over 4 slots, short
+    questions. TTFT p50 of that, against the TTFT of the same request with nothing to reuse
+    (each with a system prompt of its own: a full prefill)."""
+    system = system_prompt()
+    talk = {
+        "endpoint": "chat",
+        "system": system,
+        "prompt": "What should I bring to the harbour office?",
+        "users": 16,
+        "concurrency": 4,
+        "requests": 64,
+        "max_tokens": 32,
+        "warmup": 0,
+    }
+
+    def measure(running: Running) -> dict[str, float]:
+        cold = [
+            bench(running.url, **{**talk, "system": f"Visitor {n}.\n{system}", "users": 0, "requests": 1})
+            for n in range(3)
+        ]
+        shared = bench(running.url, **talk)
+        full = statistics.median(c.ttft_p50_s for c in cold)
+        return {"ttft_full_prefill": full, "ttft_p50": shared.ttft_p50_s, "ratio": full / shared.ttft_p50_s}
+
+    base = {
+        "name": MODEL,
+        "slots": 4,
+        "context_size": 4096,
+        "chat_template": "gemma",
+        "threads": args.threads,
+    }
+    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd", [{**base, "prompt_cache_mb": 2048}]), measure),
+    ]
+    if args.llama_server:
+        servers.append((Server("llama-server", llama_server=["-np", "4", "-c", "16384", *threads]), measure))
+    return rounds(servers, args, model, workdir)
+
+
+def kv(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    servers: list[tuple[Server, Measure]] = []
+    for kind in ("f16", "q8_0"):
+        settings = {**EDGE_8, "threads": args.threads, "cache_type_k": kind, "cache_type_v": kind}
+        parsed = parse_settings(
+            {"models": [{"file": str(model), **settings}], "lock": {"allow_unsigned": True}}, base_dir=workdir
+        )
+        cells = settings["slots"] * settings["context_size"]
+        out[f"budget {kind}"] = {"kv_bytes_per_token": kv_cache_bytes(model, parsed.models[0]) / cells}
+        measure = streams(PLAIN_1, PLAIN_8)
+
+        def with_memory(running: Running, measure: Measure = measure) -> dict[str, float]:
+            return {"rss_mb": resident_mb(running.pid), **measure(running)}
+
+        servers.append((Server(f"edgellmd {kind}", [settings]), with_memory))
+    out.update(rounds(servers, args, model, workdir))
+    return out
+
+
+def two_models(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    half = {"slots": 4, "context_size": 2048, "chat_template": "gemma", "threads": args.threads}
+    run: dict[str, Any] = {"requests": 24, "max_tokens": 64, "ignore_eos": True, "warmup": 1}
+
+    def busy(*names: str) -> Measure:
+        """Aggregate tokens/s with 4 streams on each of `names` at once, and context switches."""
+
+        def measure(running: Running) -> dict[str, float]:
+            before = context_switches(running.pid)
+
+            async def together() -> list[BenchSummary]:
+                configs = [BenchConfig(base_url=running.url, model=n, concurrency=4, **run) for n in names]
+                return list(await asyncio.gather(*(run_bench(c) for c in configs)))
+
+            summaries = asyncio.run(together())
+            tokens = sum(s.tokens for s in summaries)
+            wall = max(s.wall_s for s in summaries)
+            switches = context_switches(running.pid) - before
+            return {"tok_s": tokens / wall, "switches_per_token": switches / max(1, tokens)}
+
+        return measure
+
+    servers: list[tuple[Server, Measure]] = [
+        (Server("one model", [{"name": "a", **half}]), busy("a")),
+        (Server("two models, one busy", [{"name": "a", **half}, {"name": "b", **half}]), busy("a")),
+        (Server("two models, both busy", [{"name": "a", **half}, {"name": "b", **half}]), busy("a", "b")),
+    ]
+    return rounds(servers, args, model, workdir)
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace, Path, Path], dict[str, Any]]] = {
+    "plain": plain,
+    "speculation": speculation,
+    "prompt-cache": prompt_cache,
+    "shared-prompt": shared_prompt,
+    "kv": kv,
+    "two-models": two_models,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--llama-server", type=Path, help="a llama-server built from the same llama.cpp")
+    args = parser.parse_args()
+    unknown = set(args.only.split(",")) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model = demo_model(workdir)
+        for name in args.only.split(","):
+            print(f"{name}:")
+            results[name] = SCENARIOS[name](args, model, workdir)
+            for label, figures in results[name].items():
+                print(f"  median {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
