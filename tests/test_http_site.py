@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.rawhttp import closed_within
 from tests.serving import RunningDaemon, running, settings_for
 
 
@@ -30,38 +31,16 @@ def guarded_socket(models_dir: Path) -> Iterator[RunningDaemon]:
         yield daemon
 
 
-def _closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> float:
-    """Send `drip` one byte every 0.2 s until the server closes the connection; time it."""
-    started = time.monotonic()
-    sock.settimeout(0.2)
-    sent = 0
-    while time.monotonic() - started < seconds:
-        try:
-            if sock.recv(1024) == b"":
-                return time.monotonic() - started
-        except TimeoutError:
-            pass
-        except ConnectionResetError:
-            return time.monotonic() - started
-        if sent < len(drip):
-            try:
-                sock.send(drip[sent : sent + 1])
-            except (BrokenPipeError, ConnectionResetError):
-                return time.monotonic() - started
-            sent += 1
-    raise AssertionError(f"still open after {seconds} s")
-
-
 def test_slow_loris_is_cut_at_the_header_deadline(guarded_socket: RunningDaemon) -> None:
     head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200 + b"\r\n\r\n"
     with socket.create_connection(("127.0.0.1", guarded_socket.port)) as sock:
-        took = _closed_within(sock, 5.0, drip=head)  # one byte every 0.2 s: 45 s for the head
+        took = closed_within(sock, 5.0, drip=head)  # one byte every 0.2 s: 45 s for the head
     assert 0.9 <= took <= 2.5
 
 
 def test_a_silent_connection_is_cut_too(guarded_socket: RunningDaemon) -> None:
     with socket.create_connection(("127.0.0.1", guarded_socket.port)) as sock:
-        assert 0.9 <= _closed_within(sock, 5.0) <= 2.5
+        assert 0.9 <= closed_within(sock, 5.0) <= 2.5
 
 
 def test_a_prompt_client_is_not_affected(guarded_socket: RunningDaemon) -> None:

@@ -27,8 +27,10 @@ from edgellmd.engine.native import (
     EngineError,
     ModelLoadError,
     NativeThread,
+    context_params,
     decode_bos,
     fill_batch,
+    keep_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -150,18 +152,8 @@ class DraftModel(NativeThread):
                 self.label,
             )
         self._n_swa = max(0, llama.llama_model_n_swa(model))
-        cparams = llama.llama_context_default_params()
-        cparams.n_ctx = config.context_size * config.slots
-        cparams.n_batch = self._batch_size
-        cparams.n_ubatch = self._batch_size
-        cparams.n_seq_max = config.slots
-        cparams.n_threads = config.threads
-        cparams.n_threads_batch = config.threads_batch
-        cparams.kv_unified = False  # one KV region per sequence, as the engine's own (faster)
-        cparams.type_k = llama.GGML_TYPE_F16
-        cparams.type_v = llama.GGML_TYPE_F16
-        cparams.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_AUTO
-        cparams.no_perf = True
+        # Its config says f16 keys and values and flash attention auto (see __init__).
+        cparams = context_params(config, self._batch_size)
         ctx = llama.llama_init_from_model(model, cparams)
         if not ctx:
             raise ModelLoadError("llama.cpp could not create a context for it")
@@ -225,16 +217,8 @@ class DraftModel(NativeThread):
         """Keep the sequence's cached prefix of `tokens` (all but the last), drop the rest; its length."""
         kv = self._kv[seq]
         keep = min(common_prefix(kv, tokens), len(tokens) - 1)
-        if keep < len(kv):
-            if keep > 0 and self._n_swa > 0:
-                # As the engine's own (_assign): sliding-window layers keep only their window,
-                # which the tokens after `keep` need whole.
-                pos_min = llama.llama_memory_seq_pos_min(self._memory, seq)
-                if pos_min < 0 or pos_min > max(0, keep - self._n_swa):
-                    keep = 0
-            if keep <= 0 or not llama.llama_memory_seq_rm(self._memory, seq, keep, -1):
-                llama.llama_memory_seq_rm(self._memory, seq, -1, -1)
-                keep = 0
+        if keep < len(kv):  # as the engine's own slots (_assign)
+            keep = keep_prefix(self._memory, seq, keep, self._n_swa)
             del kv[keep:]
         return keep
 

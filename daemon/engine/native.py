@@ -367,6 +367,58 @@ def decode_bos(ctx: Any, batch: Any, vocab: Any) -> bool:
     return bool(llama.llama_decode(ctx, batch) == 0)
 
 
+KV_TYPES: Final = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
+
+
+def flash_attention_type(config: EngineConfig) -> int:
+    """llama.cpp's flash-attention choice: quantized values need it, so `auto` turns it on for them."""
+    if config.flash_attention == "on" or (config.flash_attention == "auto" and config.cache_type_v != "f16"):
+        return int(llama.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    if config.flash_attention == "off":
+        if config.cache_type_v != "f16":
+            raise ModelLoadError(
+                "cache_type_v q8_0/q4_0 needs flash attention: set flash_attention to auto or on"
+            )
+        return int(llama.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    return int(llama.LLAMA_FLASH_ATTN_TYPE_AUTO)
+
+
+def context_params(config: EngineConfig, batch_size: int) -> Any:
+    """llama.cpp context parameters for a model's slots: one sequence per slot, its KV types."""
+    cparams = llama.llama_context_default_params()
+    cparams.n_ctx = config.context_size * config.slots
+    cparams.n_batch = batch_size
+    cparams.n_ubatch = batch_size
+    cparams.n_seq_max = config.slots
+    cparams.n_threads = config.threads
+    cparams.n_threads_batch = config.threads_batch
+    # One KV region of context_size cells per slot, as llama-server uses by default. A
+    # unified pool (kv_unified) makes every sequence's attention span the cells of all
+    # of them: measured 20% slower per token on the demo model with 8 slots on 2 cores.
+    cparams.kv_unified = False
+    cparams.type_k = KV_TYPES[config.cache_type_k]
+    cparams.type_v = KV_TYPES[config.cache_type_v]
+    cparams.flash_attn_type = flash_attention_type(config)
+    cparams.no_perf = True
+    return cparams
+
+
+def keep_prefix(memory: Any, seq: int, keep: int, n_swa: int) -> int:
+    """Drop a sequence's KV cache from position `keep` on; the length of the prefix kept.
+
+    0 (the whole sequence dropped) when llama.cpp cannot cut there, or when sliding-window
+    layers (window `n_swa`) no longer hold the window the tokens after `keep` need.
+    """
+    if keep > 0 and n_swa > 0:
+        pos_min = llama.llama_memory_seq_pos_min(memory, seq)
+        if pos_min < 0 or pos_min > max(0, keep - n_swa):
+            keep = 0
+    if keep <= 0 or not llama.llama_memory_seq_rm(memory, seq, keep, -1):
+        llama.llama_memory_seq_rm(memory, seq, -1, -1)
+        keep = 0
+    return keep
+
+
 class NativeThread(abc.ABC):
     """One model on one thread: it loads, warms up and then serves until stopped.
 

@@ -52,8 +52,11 @@ from edgellmd.engine.native import (
     EngineError,
     ModelLoadError,
     NativeThread,
+    context_params,
     decode_bos,
     fill_batch,
+    flash_attention_type,
+    keep_prefix,
     model_meta,
     read_model_info,
     token_piece,
@@ -72,7 +75,6 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S: Final = 0.5  # the idle scheduler still wakes up to report liveness
 _LOCKSTEP_WAIT_S: Final = 0.02  # longest the scheduler waits for the event loop to send a step
-_KV_TYPES: Final = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0, "q4_0": llama.GGML_TYPE_Q4_0}
 # Bytes per stored value of each KV cache type (ggml's block sizes: 34 bytes per 32 for q8_0).
 KV_BYTES_PER_VALUE: Final = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 _FLASH_NAMES: Final = {
@@ -104,19 +106,6 @@ def _check_kv_blocks(model: Any, config: EngineConfig) -> None:
                 f"cache_type_{side} {kind} stores blocks of {_KV_BLOCK} values and this model's "
                 f"attention heads have {head}: use f16 for it"
             )
-
-
-def _flash_attention(config: EngineConfig) -> int:
-    """llama.cpp's flash-attention choice: quantized values need it, so `auto` turns it on for them."""
-    if config.flash_attention == "on" or (config.flash_attention == "auto" and config.cache_type_v != "f16"):
-        return int(llama.LLAMA_FLASH_ATTN_TYPE_ENABLED)
-    if config.flash_attention == "off":
-        if config.cache_type_v != "f16":
-            raise ModelLoadError(
-                "cache_type_v q8_0/q4_0 needs flash attention: set flash_attention to auto or on"
-            )
-        return int(llama.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    return int(llama.LLAMA_FLASH_ATTN_TYPE_AUTO)
 
 
 class _Slot:
@@ -197,28 +186,14 @@ class Engine(NativeThread):
         model = self._model
         self._n_swa = max(0, llama.llama_model_n_swa(model))
 
-        cparams = llama.llama_context_default_params()
-        cparams.n_ctx = config.context_size * config.slots
-        cparams.n_batch = config.batch_size
-        cparams.n_ubatch = config.batch_size
-        cparams.n_seq_max = config.slots
-        cparams.n_threads = config.threads
-        cparams.n_threads_batch = config.threads_batch
-        # One KV region of context_size cells per slot, as llama-server uses by default. A
-        # unified pool (kv_unified) makes every sequence's attention span the cells of all
-        # of them: measured 20% slower per token on the demo model with 8 slots on 2 cores.
-        cparams.kv_unified = False
+        _check_kv_blocks(model, config)
+        cparams = context_params(config, config.batch_size)
         # Sliding-window layers keep only their window (llama-server's default too): for
         # Gemma 3 that is most of the KV cache. A prefix that slid out of the window cannot
         # be reused, which _assign detects (seq_rm fails) and answers with a full prefill.
         # A prompt cache restores a prefix of a saved sequence: that needs every position of
         # the sliding-window layers too, so they keep the full context (more memory).
         cparams.swa_full = self.prompt_cache is not None
-        _check_kv_blocks(model, config)
-        cparams.type_k = _KV_TYPES[config.cache_type_k]
-        cparams.type_v = _KV_TYPES[config.cache_type_v]
-        cparams.flash_attn_type = _flash_attention(config)
-        cparams.no_perf = True
         ctx = llama.llama_init_from_model(model, cparams)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context for {config.path}")
@@ -338,7 +313,7 @@ class Engine(NativeThread):
             "kv_cache": {
                 "type_k": config.cache_type_k,
                 "type_v": config.cache_type_v,
-                "flash_attention": _FLASH_NAMES[_flash_attention(config)],
+                "flash_attention": _FLASH_NAMES[flash_attention_type(config)],
             },
             "prompt_tokens_reused": self.prompt_tokens_reused,
             "speculative": {
@@ -439,16 +414,9 @@ class Engine(NativeThread):
         if self.prompt_cache is not None:
             best, best_len = self._restore(prompt, best, best_len)
         # The last prompt token is always decoded again: its logits start the reply.
-        reuse = min(best_len, len(prompt) - 1)
-        if reuse > 0 and self._n_swa > 0:
-            # Sliding-window layers keep only the last n_swa positions of a sequence; the new
-            # tokens need the window before `reuse`, which may have slid out already.
-            pos_min = llama.llama_memory_seq_pos_min(self._memory, best)
-            if pos_min < 0 or pos_min > max(0, reuse - self._n_swa):
-                reuse = 0
-        if reuse <= 0 or not llama.llama_memory_seq_rm(self._memory, best, reuse, -1):
-            llama.llama_memory_seq_rm(self._memory, best, -1, -1)
-            reuse = 0
+        # Sliding-window layers keep only the last n_swa positions of a sequence; the new
+        # tokens need the window before `reuse`, which may have slid out already.
+        reuse = keep_prefix(self._memory, best, min(best_len, len(prompt) - 1), self._n_swa)
         del self._kv[best][reuse:]
         grammar, gen.grammar = gen.grammar, None
         sampler = SlotSampler(
