@@ -189,17 +189,46 @@ Measure = Callable[[Running], dict[str, float]]
 
 
 def rounds(
-    servers: Sequence[tuple[Server, Measure]], args: argparse.Namespace, model: Path, workdir: Path
+    servers: Sequence[tuple[Server, Measure]],
+    args: argparse.Namespace,
+    model: Path,
+    workdir: Path,
+    *,
+    together: bool = False,
 ) -> dict[str, dict[str, float]]:
-    """Measure every server once per round, alternating; the median of each figure."""
+    """Measure every server once per round, alternating; the median of each figure.
+
+    By default each server starts afresh for its turn (what it measures may depend on what the
+    server saw before). With `together`, every server runs for the whole scenario and the
+    order flips every round (A B, B A, ...), so that the first server's figures and the
+    second's are taken seconds apart, drift of the machine and all; the first figures of the
+    other servers are then also given as per-round ratios to the first server's, and their
+    median (`ratio ...`), which is steadier than a ratio of medians.
+    """
     seen: dict[str, dict[str, list[float]]] = {}
-    for n in range(args.rounds):
-        for server, measure in servers:
-            with serve(server, model, workdir, args.llama_server) as running:
-                figures = measure(running)
-            print(f"  round {n + 1} {server.label}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
-            for key, value in figures.items():
-                seen.setdefault(server.label, {}).setdefault(key, []).append(value)
+    with contextlib.ExitStack() as stack:
+        running: dict[str, Running] = {}
+        if together:
+            for server, _ in servers:
+                running[server.label] = stack.enter_context(serve(server, model, workdir, args.llama_server))
+        for n in range(args.rounds):
+            order = list(servers) if not together or n % 2 == 0 else list(servers)[::-1]
+            this_round: dict[str, dict[str, float]] = {}
+            for server, measure in order:
+                if together:
+                    figures = measure(running[server.label])
+                else:
+                    with serve(server, model, workdir, args.llama_server) as one:
+                        figures = measure(one)
+                this_round[server.label] = figures
+                print(f"  round {n + 1} {server.label}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+            first = servers[0][0].label
+            for label, figures in this_round.items():
+                for key, value in figures.items():
+                    seen.setdefault(label, {}).setdefault(key, []).append(value)
+                    if together and label != first and this_round[first].get(key):
+                        ratio = this_round[first][key] / value
+                        seen.setdefault(f"ratio {first} / {label}", {}).setdefault(key, []).append(ratio)
     return {label: {k: statistics.median(v) for k, v in fig.items()} for label, fig in seen.items()}
 
 
@@ -231,7 +260,7 @@ def plain(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any
     ]
     if args.llama_server:
         servers.append((Server("llama-server", llama_server=[*LLAMA_8, *threads]), streams(PLAIN_1, PLAIN_8)))
-    return rounds(servers, args, model, workdir)
+    return rounds(servers, args, model, workdir, together=True)
 
 
 def speculation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:

@@ -3,11 +3,14 @@
 Run: `.venv/bin/python -m tests.bench_structured [--streams 8] [--rounds 3] [--seconds 10]`.
 Each of `--streams` clients sends request after request (closed loop), so the batch always
 holds that many sequences however early a reply ends; tokens are counted over a fixed
-window, then what is still running is cancelled. Rounds alternate unconstrained and
-json_schema (both see the same machine); it prints tokens/s per round, their medians, the
-ratio, how often the grammar rejected the sampler's first pick (resampled among the
-likeliest candidates) and how often none of those fitted (the grammar then walks the whole
-vocabulary). Not a test: figures depend on the machine.
+window, then what is still running is cancelled. Each round runs unconstrained and
+json_schema back to back, the order flipping every round (both see the same machine); it
+prints tokens/s per round with the round's ratio, the medians, their ratio and the median
+of the rounds' ratios, how often the grammar rejected the sampler's first pick (resampled
+among the likeliest candidates) and how often none of those fitted (the grammar then walks
+the whole vocabulary), and the time spent sampling per token in each mode, measured inside
+the engine (what the grammar itself costs, free of the machine's drift). Not a test:
+figures depend on the machine.
 """
 
 from __future__ import annotations
@@ -107,6 +110,17 @@ def main() -> None:
         return picked
 
     SlotSampler._resample_best = counting_resample  # type: ignore[method-assign]
+    timed = [0.0, 0]  # seconds in SlotSampler.sample, calls
+    sample = SlotSampler.sample
+
+    def timed_sample(self: SlotSampler, ctx: Any, index: int) -> int:
+        started = time.perf_counter()
+        token: int = sample(self, ctx, index)
+        timed[0] += time.perf_counter() - started
+        timed[1] += 1
+        return token
+
+    SlotSampler.sample = timed_sample  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
         path = demo_model(Path(tmp))
         threads = default_threads()
@@ -125,22 +139,40 @@ def main() -> None:
             grammar = schema_to_grammar(SCHEMA)
             plain: list[float] = []
             constrained: list[float] = []
+            ratios: list[float] = []
             counts = [0, 0, 0]
+            sampling_s = {False: 0.0, True: 0.0}  # time in SlotSampler.sample, per mode
+            sampled = {False: 0, True: 0}
             for i in range(args.rounds):
-                rate, n, done = asyncio.run(
-                    run(engine, tokens, args.streams, None, args.max_tokens, args.seconds)
-                )
+                # The order flips every round, so that drift of the machine hits both alike.
+                figures: dict[bool, tuple[float, int, int]] = {}
+                for constrained_first in (True, False) if i % 2 else (False, True):
+                    misses[:] = [0, 0]
+                    timed[:] = [0.0, 0]
+                    figures[constrained_first] = asyncio.run(
+                        run(
+                            engine,
+                            tokens,
+                            args.streams,
+                            grammar if constrained_first else None,
+                            args.max_tokens,
+                            args.seconds,
+                        )
+                    )
+                    sampling_s[constrained_first] += timed[0]
+                    sampled[constrained_first] += int(timed[1])
+                    if constrained_first:
+                        counts = [counts[0] + figures[True][1], counts[1] + misses[0], counts[2] + misses[1]]
+                        round_misses = tuple(misses)
+                (rate, n, done), (crate, cn, cdone) = figures[False], figures[True]
                 plain.append(rate)
-                misses[:] = [0, 0]
-                crate, cn, cdone = asyncio.run(
-                    run(engine, tokens, args.streams, grammar, args.max_tokens, args.seconds)
-                )
                 constrained.append(crate)
-                counts = [counts[0] + cn, counts[1] + misses[0], counts[2] + misses[1]]
+                ratios.append(crate / rate)
                 print(
                     f"round {i + 1}: unconstrained {rate:6.1f} tok/s ({n} tokens, {done} replies), "
-                    f"json_schema {crate:6.1f} tok/s ({cn} tokens, {cdone} replies, {misses[0]} grammar "
-                    f"misses, {misses[1]} resampled over the whole vocabulary)"
+                    f"json_schema {crate:6.1f} tok/s ({cn} tokens, {cdone} replies, {round_misses[0]} "
+                    f"grammar misses, {round_misses[1]} resampled over the whole vocabulary), "
+                    f"ratio {crate / rate:.3f}"
                 )
         finally:
             engine.close()
@@ -152,6 +184,13 @@ def main() -> None:
                 "unconstrained_tokens_per_s": round(p, 1),
                 "json_schema_tokens_per_s": round(c, 1),
                 "ratio": round(c / p, 3),
+                "ratio_median_of_rounds": round(statistics.median(ratios), 3),
+                # Sampling (chain, grammar check, resamples) per token, from inside the engine:
+                # steadier than tokens/s on a shared machine.
+                "sampling_ms_per_token_unconstrained": round(
+                    1e3 * sampling_s[False] / max(1, sampled[False]), 3
+                ),
+                "sampling_ms_per_token_json_schema": round(1e3 * sampling_s[True] / max(1, sampled[True]), 3),
                 "miss_share": round(counts[1] / max(1, counts[0]), 3),
                 "full_vocabulary_share": round(counts[2] / max(1, counts[0]), 3),
             }

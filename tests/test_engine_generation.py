@@ -1,10 +1,24 @@
-"""Text-side helpers of the scheduler: UTF-8-safe detokenization and stop strings."""
+"""Text-side helpers of the scheduler (UTF-8-safe detokenization, stop strings) and the event
+stream a generation hands its consumer."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
-from edgellmd.engine.generation import SamplingParams, StopMatcher, Utf8Stream
+from edgellmd.engine.generation import (
+    Event,
+    Finished,
+    Generation,
+    GenerationRequest,
+    NoProgress,
+    SamplingParams,
+    StopMatcher,
+    TextDelta,
+    Utf8Stream,
+)
 
 
 def test_utf8_stream_holds_partial_characters() -> None:
@@ -71,3 +85,128 @@ def test_sampling_params_flags() -> None:
     assert not SamplingParams().penalized
     assert SamplingParams(presence_penalty=0.5).penalized
     assert SamplingParams(repeat_penalty=1.1).penalized
+
+
+# ---- the event stream of one generation ---------------------------------------------------------
+
+
+def _request() -> GenerationRequest:
+    return GenerationRequest(prompt_tokens=[1, 2, 3], max_tokens=8)
+
+
+async def _collect(gen: Generation, idle_timeout: float | None) -> list[Event]:
+    return [event async for event in gen.events(idle_timeout)]
+
+
+async def test_events_arrive_in_order_before_and_while_waiting() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+    gen.push([TextDelta("a", 1)])  # before the consumer starts
+    consumer = asyncio.create_task(_collect(gen, 5.0))
+    await asyncio.sleep(0.01)  # the consumer now waits
+    gen.push([TextDelta("b", 2), TextDelta("c", 3)])
+    await asyncio.sleep(0.01)
+    final = Finished("stop", 3, 4, text="d")
+    gen.push([TextDelta("", 4), final])
+    events = await asyncio.wait_for(consumer, 2)
+    assert [e.text for e in events] == ["a", "b", "c", "", "d"]
+    assert events[-1] is final
+    assert gen.final is final
+
+
+async def test_events_stop_at_finished_and_leave_no_timer() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+    consumer = asyncio.create_task(_collect(gen, 30.0))
+    await asyncio.sleep(0.01)
+    timer = gen._timer  # armed while the consumer waits
+    assert timer is not None
+    gen.push([Finished("length", 3, 8)])
+    events = await asyncio.wait_for(consumer, 2)
+    assert len(events) == 1
+    assert timer.cancelled()
+    assert gen._timer is None
+    assert gen._waiter is None
+
+
+async def test_no_event_within_the_idle_timeout_raises_no_progress() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+    started = loop.time()
+    with pytest.raises(NoProgress):
+        await _collect(gen, 0.2)
+    assert 0.15 <= loop.time() - started < 2.0
+    assert gen._timer is None
+
+
+async def test_steady_events_never_time_out_though_their_total_exceeds_the_timeout() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+    consumer = asyncio.create_task(_collect(gen, 0.2))
+    for n in range(1, 9):  # 8 gaps of 0.08 s: 0.64 s in all, every gap under 0.2 s
+        await asyncio.sleep(0.08)
+        gen.push([TextDelta("x", n)])
+    gen.push([Finished("stop", 3, 8)])
+    events = await asyncio.wait_for(consumer, 2)
+    assert len(events) == 9
+
+
+async def test_a_gap_after_steady_events_still_times_out() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+    seen: list[Event] = []
+
+    async def consume() -> None:
+        async for event in gen.events(0.2):
+            seen.append(event)  # noqa: PERF401 - what came before the timeout is the point
+
+    consumer = asyncio.create_task(consume())
+    for n in range(1, 4):
+        await asyncio.sleep(0.08)
+        gen.push([TextDelta("x", n)])
+    with pytest.raises(NoProgress):
+        await asyncio.wait_for(consumer, 2)
+    assert len(seen) == 3
+
+
+async def test_cancelling_the_consumer_clears_its_wait() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+    consumer = asyncio.create_task(_collect(gen, 30.0))
+    await asyncio.sleep(0.01)
+    consumer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    assert gen._waiter is None
+    assert gen._timer is None
+    # A push after the consumer left is kept, and a new consumer gets it.
+    gen.push([Finished("cancelled", 3, 0)])
+    assert [e.reason for e in await _collect(gen, 1.0) if isinstance(e, Finished)] == ["cancelled"]
+
+
+async def test_two_consumers_at_once_are_refused() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+    first = asyncio.create_task(_collect(gen, None))
+    await asyncio.sleep(0.01)
+    with pytest.raises(RuntimeError, match="one consumer"):
+        await _collect(gen, None)
+    gen.push([Finished("stop", 3, 1)])
+    assert len(await asyncio.wait_for(first, 2)) == 1
+
+
+async def test_events_pushed_from_the_scheduler_thread() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+
+    def produce() -> None:
+        for n in range(1, 51):
+            gen.push_threadsafe([TextDelta(str(n % 10), n)])
+        gen.push_threadsafe([Finished("stop", 3, 50)])
+
+    thread = threading.Thread(target=produce)
+    consumer = asyncio.create_task(_collect(gen, 5.0))
+    thread.start()
+    events = await asyncio.wait_for(consumer, 5)
+    thread.join()
+    assert "".join(e.text for e in events) == "".join(str(n % 10) for n in range(1, 51))

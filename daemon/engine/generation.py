@@ -7,6 +7,7 @@ import codecs
 import contextlib
 import itertools
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -110,15 +111,35 @@ class Generation:
     The scheduler thread pushes events with `loop.call_soon_threadsafe`; the handler awaits
     them. `cancel()` may be called from the loop at any time and frees the slot at the next
     step boundary.
+
+    The events wait in a plain deque with one future for the (single) consumer to await, and
+    the idle timeout is one timer per generation, re-armed only when it fires early: a token
+    costs no timer and no asyncio.Queue bookkeeping, which one stream pays on every token.
     """
 
-    __slots__ = ("_cancelled", "_loop", "_queue", "final", "grammar", "id", "request")
+    __slots__ = (
+        "_cancelled",
+        "_consuming",
+        "_loop",
+        "_pending",
+        "_progress",
+        "_timer",
+        "_waiter",
+        "final",
+        "grammar",
+        "id",
+        "request",
+    )
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
         self.id: Final = next(_ids)
         self.request: Final = request
         self._loop = loop
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._pending: deque[Event] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # what the consumer awaits, when it waits
+        self._progress = loop.time()  # when the last event arrived (or the generation began)
+        self._timer: asyncio.TimerHandle | None = None  # the idle deadline, while one is armed
+        self._consuming = False  # an events() iterator is running
         self._cancelled = threading.Event()
         self.final: Finished | None = None  # the Finished event, once it arrived
         # The request's compiled grammar, owned by the engine until the sequence starts.
@@ -154,27 +175,58 @@ class Generation:
         for event in events:
             if isinstance(event, Finished):
                 self.final = event
-            self._queue.put_nowait(event)
+            self._pending.append(event)
+        self._progress = self._loop.time()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def events(self, idle_timeout: float | None = None) -> AsyncIterator[Event]:
         """Yield events until (and including) the `Finished` event.
 
         With `idle_timeout`, a gap longer than that between two events (or before the first:
-        the time spent waiting for a slot) raises NoProgress.
+        the time spent waiting for a slot) raises NoProgress. One consumer at a time.
         """
-        queue = self._queue
-        while True:
-            if not queue.empty():  # the common case under load: no timer needed
-                event = queue.get_nowait()
-            else:
-                try:
-                    async with asyncio.timeout(idle_timeout):
-                        event = await queue.get()
-                except TimeoutError:
-                    raise NoProgress from None
-            yield event
-            if isinstance(event, Finished):
-                return
+        if self._consuming:
+            raise RuntimeError("a generation's events have one consumer at a time")
+        self._consuming = True
+        pending = self._pending
+        try:
+            while True:
+                if not pending:  # under load the next event is often there already
+                    await self._next(idle_timeout)
+                event = pending.popleft()
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            self._consuming = False
+            self._waiter = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    async def _next(self, idle_timeout: float | None) -> None:
+        """Wait until an event is pending; NoProgress when none came within `idle_timeout`."""
+        waiter = self._waiter = self._loop.create_future()
+        if idle_timeout is not None and self._timer is None:
+            self._timer = self._loop.call_at(self._progress + idle_timeout, self._idle, idle_timeout)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _idle(self, idle_timeout: float) -> None:
+        """The idle timer fired: fail the waiting consumer, or re-arm for the latest event."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # the consumer is busy elsewhere; its next wait re-arms the timer
+        deadline = self._progress + idle_timeout
+        if self._loop.time() >= deadline:
+            waiter.set_exception(NoProgress())
+        else:
+            self._timer = self._loop.call_at(deadline, self._idle, idle_timeout)
 
 
 class Utf8Stream:

@@ -22,6 +22,7 @@ from edgellmd.engine.generation import SamplingParams
 from edgellmd.engine.native import EngineError
 
 RESAMPLE_TIERS: Final = (64, 4096)  # candidates of a grammar miss's resample, tier by tier
+PEAK_SPREADS: Final = (8.0, 16.0, 32.0)  # logit distances below the peak where _best looks first
 _DEFAULT_SEED: Final = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a fresh random seed per chain
 
 
@@ -103,6 +104,21 @@ def make_chain(sp: SamplingParams, n_vocab: int) -> tuple[Any, Any]:
     seed = _DEFAULT_SEED if sp.seed is None else sp.seed & 0xFFFFFFFF
     add(chain, llama.llama_sampler_init_dist(seed))
     return chain, penalties
+
+
+def _best(scores: Any, k: int) -> Any:
+    """The `k` best-scoring tokens, in no order.
+
+    Ranking a 262k vocabulary (argpartition) costs about half a millisecond; the k best of
+    a sharp distribution sit near its peak, and one comparison per token finds those. The
+    same set either way: every token above a threshold, then the k best of those.
+    """
+    peak = float(scores.max())
+    for spread in PEAK_SPREADS:
+        near = np.flatnonzero(scores >= peak - spread)
+        if len(near) >= k:
+            return near if len(near) == k else near[np.argpartition(scores[near], -k)[-k:]]
+    return np.argpartition(scores, -k)[-k:]
 
 
 class Candidates:
@@ -202,15 +218,11 @@ class SlotSampler:
             scores = logits.copy()
             ids, values = zip(*self.logit_bias, strict=True)
             scores[list(ids)] += np.asarray(values, dtype=scores.dtype)
-        tiers = [min(k, n_vocab) for k in RESAMPLE_TIERS]
-        pool = np.argpartition(scores, -tiers[-1])[-tiers[-1] :]
         tried = 0
-        for k in tiers:
+        for k in (min(k, n_vocab) for k in RESAMPLE_TIERS):
             if k <= tried:
                 continue
-            # The k likeliest of the pool (all of it for the last tier).
-            candidates = pool[np.argpartition(scores[pool], -k)[-k:]] if k < len(pool) else pool
-            token = self._draw_valid(candidates, logits)
+            token = self._draw_valid(_best(scores, k), logits)
             if token >= 0:
                 return token
             tried = k
