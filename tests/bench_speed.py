@@ -221,7 +221,10 @@ def rounds(
                     with serve(server, model, workdir, args.llama_server) as one:
                         figures = measure(one)
                 this_round[server.label] = figures
-                print(f"  round {n + 1} {server.label}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+                print(
+                    f"  round {n + 1} {server.label}: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in figures.items())
+                )
             first = servers[0][0].label
             for label, figures in this_round.items():
                 for key, value in figures.items():
