@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgellmd.engine.sampling import PEAK_SPREADS, _best
+from edgellmd.engine.sampling import THRESHOLD_SAMPLE, _best
 
 
 def _reference(scores: np.ndarray, k: int) -> set[int]:
@@ -16,10 +16,12 @@ def _reference(scores: np.ndarray, k: int) -> set[int]:
 @pytest.mark.parametrize(
     "shape",
     [
-        "sharp",  # a few tokens near the peak: the first spread rarely holds k
-        "normal",  # logits of a typical model: thousands within a few units of the peak
-        "flat",  # everything within the first spread
-        "spiked",  # one token far above all others: no spread holds k, the full partition does
+        "sharp",  # a few tokens far above the rest
+        "normal",  # logits of a typical model
+        "flat",  # every score alike
+        "clustered",  # the best tokens side by side, where a strided sample misses them
+        "spiked",  # one token far above all others
+        "sampled",  # the few best exactly where the sample looks: too few reach its threshold
     ],
 )
 def test_best_finds_the_k_best_tokens(shape: str, k: int) -> None:
@@ -33,9 +35,15 @@ def test_best_finds_the_k_best_tokens(shape: str, k: int) -> None:
         scores = rng.uniform(0.0, 1.0, n).astype(np.float32)
     else:
         scores = rng.uniform(0.0, 1.0, n).astype(np.float32)
-        scores[12345] = 10.0 + 2 * PEAK_SPREADS[-1]
-    scores = np.unique(scores)[:n]  # distinct values: the k best are one set
+    scores = np.unique(scores)  # distinct values: the k best are one set
     rng.shuffle(scores)
+    if shape == "clustered":
+        scores[5000 : 5000 + 5000] += 100.0
+    elif shape == "spiked":
+        scores[12345] = 1000.0
+    elif shape == "sampled":
+        stride = len(scores) // THRESHOLD_SAMPLE  # as _best strides
+        scores[: 8 * stride : stride] = 1000.0 + np.arange(8, dtype=np.float32)
     found = _best(scores, k)
     assert len(found) == k
     assert {int(t) for t in found} == _reference(scores, k)
