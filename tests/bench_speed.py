@@ -10,6 +10,8 @@ JSON line. Not a test: the figures depend on the machine.
 - plain: 64-token streams (`ignore_eos`), 1 and 8 at once: edgellmd against llama-server.
 - speculation: rewrite a passage with one word changed (chat, temperature 0), 1 stream and 8:
   no speculation against prompt lookup (and llama-server's `ngram-simple`).
+- draft: the same rewrite with a draft model (the demo model cut to its first 4 of 18 layers,
+  the only model of its vocabulary to be had offline), against llama-server's `-md`.
 - prompt-cache: a shared system prompt of about 2,000 tokens, 8 users holding conversations
   (a long question per turn) round-robin over 4 slots: time to first token with the prompt
   cache off and on.
@@ -250,6 +252,19 @@ def streams(c1: dict[str, Any], c8: dict[str, Any]) -> Measure:
     return measure
 
 
+def one_stream(c1: dict[str, Any]) -> Measure:
+    """Tokens/s of one stream, and the share of drafts kept when the server says."""
+
+    def measure(running: Running) -> dict[str, float]:
+        one = bench(running.url, concurrency=1, **c1)
+        figures = {"tok_s_1": one.tokens_per_s}
+        if one.drafted_tokens:
+            figures["accepted_1"] = (one.accepted_tokens or 0) / one.drafted_tokens
+        return figures
+
+    return measure
+
+
 PLAIN_1 = {"concurrency": 1, "requests": 6, "max_tokens": 64, "ignore_eos": True, "warmup": 2}
 PLAIN_8 = {"concurrency": 8, "requests": 48, "max_tokens": 64, "ignore_eos": True, "warmup": 2}
 EDGE_8 = {"name": MODEL, "slots": 8, "context_size": 2048, "chat_template": "gemma"}
@@ -297,6 +312,75 @@ def speculation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[st
             ),
         ]
     return rounds(servers, args, model, workdir)
+
+
+def truncated_model(model: Path, out: Path, layers: int) -> Path:
+    """A copy of `model` with only its first `layers` blocks: a draft model of the same vocabulary.
+
+    No smaller model of the demo model's vocabulary can be had offline; the model cut short
+    is one (its predictions are the full model's early layers read out by the same head).
+    """
+    import gguf  # noqa: PLC0415 - the benchmark's own dependency (a test extra)
+
+    reader = gguf.GGUFReader(model)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(out, arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = layers if field.name == f"{arch}.block_count" else field.contents()
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    kept = [t for t in reader.tensors if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < layers]
+    for tensor in kept:
+        writer.add_tensor_info(
+            tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in kept:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+    return out
+
+
+DRAFT_LAYERS = 4
+LLAMA_DRAFT = ["--spec-type", "draft-simple", "--spec-draft-n-max", "16"]
+
+
+def draft(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    draft_file = truncated_model(model, workdir / "draft.gguf", DRAFT_LAYERS)
+    # One stream (drafting stops above max_sequences anyway), 160 tokens: a draft that is
+    # never right slows llama-server to a few tokens a second.
+    c1 = {
+        "endpoint": "chat",
+        "prompt": REWRITE,
+        "temperature": 0.0,
+        "max_tokens": 160,
+        "warmup": 1,
+        "requests": 2,
+    }
+    base = {**EDGE_8, "threads": args.threads}
+    spec = {"mode": "draft", "draft_file": str(draft_file), "max_draft": 16}
+    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd plain", [base]), one_stream(c1)),
+        (Server("edgellmd draft", [{**base, "speculative": spec}]), one_stream(c1)),
+    ]
+    if args.llama_server:
+        servers += [
+            (Server("llama-server plain", llama_server=[*LLAMA_8, *threads]), one_stream(c1)),
+            (
+                Server(
+                    "llama-server draft",
+                    llama_server=[*LLAMA_8, *threads, "-md", str(draft_file), *LLAMA_DRAFT],
+                ),
+                one_stream(c1),
+            ),
+        ]
+    return rounds(servers, args, model, workdir, together=True)
 
 
 def prompt_cache(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
@@ -434,6 +518,7 @@ def two_models(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path, Path], dict[str, Any]]] = {
     "plain": plain,
     "speculation": speculation,
+    "draft": draft,
     "prompt-cache": prompt_cache,
     "shared-prompt": shared_prompt,
     "kv": kv,

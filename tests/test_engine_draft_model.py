@@ -166,6 +166,18 @@ async def test_a_draft_identical_to_the_model_gets_nearly_every_draft_accepted(t
     assert accepted >= 0.95 * drafted, (accepted, drafted)
 
 
+async def test_a_draft_that_is_always_wrong_soon_stops_costing(wrong: Engine, plain: Engine) -> None:
+    # Drafting whatever its confidence, the other model is nearly always rejected: each
+    # sequence backs off (pauses growing after every run of rejections), so a long reply
+    # checks a fraction of the drafts it would at one draft per step, and stays plain's.
+    drafted, accepted = wrong.drafted_tokens, wrong.accepted_tokens
+    result = await _generate(wrong, PROMPTS[1], 240)
+    drafted, accepted = wrong.drafted_tokens - drafted, wrong.accepted_tokens - accepted
+    assert result == await _generate(plain, PROMPTS[1], 240)
+    assert accepted <= 0.1 * drafted  # the premise: nearly every draft is wrong
+    assert 0 < drafted <= 60, drafted  # one per step would be about 240
+
+
 async def test_a_confident_draft_only_drafts_where_it_is_sure(models: dict[str, Path], plain: Engine) -> None:
     """With llama.cpp's default draft_p_min the mostly wrong draft drafts less, and still changes nothing."""
     sure = _engine(models["target"], _draft(models["other"], p_min=0.75))

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from edgellmd.engine import Engine, EngineConfig, ModelLoadError
-from edgellmd.engine.drafts import MIN_CACHED_TOKENS, NgramDrafter, PromptCache, Speculation
+from edgellmd.engine.drafts import (
+    FIRST_PAUSE,
+    MAX_PAUSE,
+    MIN_CACHED_TOKENS,
+    PAUSE_AFTER,
+    NgramDrafter,
+    PromptCache,
+    Speculation,
+)
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
@@ -160,6 +168,46 @@ def test_the_drafter_finds_the_longest_earlier_match() -> None:
     assert drafter.draft_len == 1
     drafter.accepted(1, 1)
     assert drafter.draft_len == 3
+
+
+def test_drafts_rejected_outright_again_and_again_pause_drafting_for_longer_each_time() -> None:
+    drafter = NgramDrafter(Speculation(mode="ngram", max_draft=4), [])
+
+    def rest_steps() -> int:
+        steps = 0
+        while drafter.resting():
+            steps += 1
+            assert steps <= MAX_PAUSE
+        return steps
+
+    for _ in range(PAUSE_AFTER - 1):
+        drafter.accepted(2, 0)
+        assert rest_steps() == 0  # not yet
+    drafter.accepted(2, 0)
+    assert rest_steps() == FIRST_PAUSE
+    for pause in (2 * FIRST_PAUSE, 4 * FIRST_PAUSE):  # each further run doubles the pause
+        for _ in range(PAUSE_AFTER):
+            drafter.accepted(1, 0)
+        assert rest_steps() == pause
+    # A draft kept even in part ends the back-off and the count of rejections.
+    drafter.accepted(3, 1)
+    for _ in range(PAUSE_AFTER - 1):
+        drafter.accepted(1, 0)
+    drafter.accepted(2, 2)
+    drafter.accepted(1, 0)
+    assert rest_steps() == 0
+    for _ in range(PAUSE_AFTER - 1):
+        drafter.accepted(1, 0)
+    assert rest_steps() == FIRST_PAUSE
+    # Steps without a draft (no match) count for nothing; the pause never passes MAX_PAUSE.
+    drafter.accepted(0, 0)
+    assert rest_steps() == 0
+    for _ in range(12 * PAUSE_AFTER):
+        drafter.accepted(1, 0)
+        rest_steps()
+    for _ in range(PAUSE_AFTER):
+        drafter.accepted(1, 0)
+    assert rest_steps() == MAX_PAUSE
 
 
 # ---- the prompt cache ------------------------------------------------------------------------

@@ -50,23 +50,54 @@ class Speculation:
         return self.mode != "none"
 
 
-class DraftLength:
-    """A sequence's adaptive draft length: longer while every draft is kept, cut where one is not."""
+PAUSE_AFTER: Final = 4  # drafts rejected outright in a row before a sequence stops drafting for a while
+FIRST_PAUSE: Final = 8  # steps of the first pause; each further one doubles, up to MAX_PAUSE
+MAX_PAUSE: Final = 256
 
-    __slots__ = ("draft_len", "max_draft")
+
+class DraftLength:
+    """A sequence's adaptive draft length: longer while every draft is kept, cut where one is not.
+
+    A draft that is rejected outright costs its checked positions and, with a draft model,
+    the draft model's own decodes, and gains nothing. After PAUSE_AFTER such drafts in a row
+    the sequence stops drafting for FIRST_PAUSE steps, then for twice as long after each
+    further run of them (up to MAX_PAUSE); a draft kept even in part ends the back-off. A
+    draft that is never right so costs a few percent instead of half the throughput.
+    """
+
+    __slots__ = ("_backoff", "_pause", "_rejected", "draft_len", "max_draft")
 
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft
         self.draft_len = max_draft
+        self._rejected = 0  # drafts rejected outright in a row
+        self._pause = 0  # steps left without drafting
+        self._backoff = FIRST_PAUSE  # the next pause's length
 
     def accepted(self, drafted: int, kept: int) -> None:
         """Adapt the draft length to how many of `drafted` tokens the sampler kept."""
         if drafted == 0:
             return
+        if kept == 0:
+            self._rejected += 1
+            if self._rejected >= PAUSE_AFTER:
+                self._rejected = 0
+                self._pause = self._backoff
+                self._backoff = min(MAX_PAUSE, 2 * self._backoff)
+        else:
+            self._rejected = 0
+            self._backoff = FIRST_PAUSE
         if kept == drafted:
             self.draft_len = min(self.max_draft, self.draft_len + 2)
         else:
             self.draft_len = max(1, kept + 1)
+
+    def resting(self) -> bool:
+        """True while a pause lasts; each call is one step of it (call once per step)."""
+        if self._pause > 0:
+            self._pause -= 1
+            return True
+        return False
 
 
 class NgramDrafter(DraftLength):

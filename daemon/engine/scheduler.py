@@ -488,7 +488,13 @@ class Engine(NativeThread):
         # Drafts only while few sequences decode: a full batch is compute-bound, drafts only cost.
         drafting = spec.enabled and len(generating) <= spec.max_sequences
         budget -= len(generating)
-        if drafting and self._draft is not None:  # one pass of the draft model drafts for them all
+        # The sequences that draft this step: not those resting after drafts that all failed.
+        drafters = (
+            {i for i, s in generating if s.drafter is not None and not s.drafter.resting()}
+            if drafting
+            else set()
+        )
+        if drafters and self._draft is not None:  # one pass of the draft model drafts for them all
             self._draft.propose(
                 [
                     (
@@ -501,7 +507,7 @@ class Engine(NativeThread):
                         ),
                     )
                     for i, s in generating
-                    if isinstance(s.drafter, ModelDrafter)
+                    if i in drafters and isinstance(s.drafter, ModelDrafter)
                 ]
             )
         for i, slot in generating:
@@ -510,7 +516,7 @@ class Engine(NativeThread):
             self._kv[i].append(slot.last)
             slot.n_past += 1
             slot.draft = []
-            if drafting and slot.drafter is not None:
+            if i in drafters and slot.drafter is not None:
                 # Room: the batch, the slot's context, and the reply's own limit.
                 room = min(
                     budget,
