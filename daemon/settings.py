@@ -796,7 +796,8 @@ class SpeculativeSettings:
         bounds=(1, 64),
         more="each drafted position costs a row of the output layer when checked, so long drafts pay only "
         "where they are kept: ngram on text that copies its input pays at 24 (README: Benchmarks); the "
-        "draft length adapts, cut where a draft is rejected",
+        "draft length adapts, cut where a draft is rejected, and a sequence whose drafts keep failing "
+        "outright pauses drafting, longer each time",
     )
     ngram_min: int = setting(2, "shortest repeated n-gram that makes a draft", bounds=(1, 16))
     ngram_max: int = setting(4, "longest n-gram looked up first", bounds=(1, 16))
