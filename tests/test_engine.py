@@ -7,12 +7,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import llama_cpp
 import pytest
 
 from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError, ModelLoadError
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
+from edgellmd.engine.scheduler import in_sequence_order
 from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -452,3 +455,61 @@ def test_close_waits_for_a_tokenize_in_progress_and_refuses_later_ones(tiny_mode
     assert len(out) > len(text) // 2  # the byte vocabulary: about a token per byte
     with pytest.raises(EngineError, match="shutting down"):
         eng.tokenize("after")
+
+
+# ---- batches in sequence order ---------------------------------------------------------------
+
+
+def test_a_batch_is_put_in_sequence_order_with_each_slots_logits_index_following() -> None:
+    # Slots 1 and 3 generate (a token each, slot 3 with a 2-token draft), slot 0 prefills
+    # its last prompt tokens after them: llama.cpp wants the ids in order.
+    slots: list[Any] = [SimpleNamespace(batch_index=-1) for _ in range(4)]
+    items = [
+        (11, 5, 1, True),
+        (31, 7, 3, True),
+        (32, 8, 3, True),
+        (33, 9, 3, True),
+        (1, 3, 0, False),
+        (2, 4, 0, True),
+    ]
+    slots[1].batch_index, slots[3].batch_index, slots[0].batch_index = 0, 1, 5
+    slots[2] = None
+    ordered = in_sequence_order(items, slots)
+    assert [it[2] for it in ordered] == [0, 0, 1, 3, 3, 3]
+    assert [it[1] for it in ordered if it[2] == 3] == [7, 8, 9]  # a sequence's tokens keep their order
+    assert ordered[slots[0].batch_index] == (2, 4, 0, True)
+    assert ordered[slots[1].batch_index] == (11, 5, 1, True)
+    assert ordered[slots[3].batch_index] == (31, 7, 3, True)  # the draft's positions follow it
+    # A batch already in order is left as it is.
+    assert in_sequence_order(ordered, slots) is ordered
+
+
+async def test_a_request_starting_in_a_low_slot_while_higher_ones_generate(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slot 0 frees first and the next request takes it while slots 1 and 2 still generate:
+    # its prompt tokens come last when the batch is built, and must be decoded in order.
+    engine = make_engine(tiny_model, slots=3)
+    seen: list[list[int]] = []
+    decode = llama_cpp.llama_decode
+
+    def spy(ctx: Any, batch: Any) -> int:
+        seen.append([batch.seq_id[k][0] for k in range(batch.n_tokens)])
+        return int(decode(ctx, batch))
+
+    try:
+        alone = {p: (await generate(engine, p, 40))[0] for p in ("Once upon", "the quick brown", "zzz yy x")}
+        monkeypatch.setattr(llama_cpp, "llama_decode", spy)
+        short = asyncio.create_task(generate(engine, "hi", 2))
+        await asyncio.sleep(0)
+        long_ones = [asyncio.create_task(generate(engine, p, 40)) for p in ("Once upon", "the quick brown")]
+        await short
+        late = await generate(engine, "zzz yy x", 40)
+        texts = [(await t)[0] for t in long_ones]
+    finally:
+        engine.close()
+    assert texts == [alone["Once upon"], alone["the quick brown"]]
+    assert late[0] == alone["zzz yy x"]
+    mixed = [ids for ids in seen if len(set(ids)) > 1]
+    assert any(ids[0] == 0 and 1 in ids for ids in mixed)  # the late request did join them
+    assert all(ids == sorted(ids) for ids in seen)
