@@ -25,6 +25,7 @@ from edgellmd.engine.drafts import ModelDrafter, Speculation, common_prefix
 from edgellmd.engine.native import (
     EngineConfig,
     EngineError,
+    Item,
     ModelLoadError,
     NativeThread,
     context_params,
@@ -185,7 +186,7 @@ class DraftModel(NativeThread):
     def propose(self, jobs: Sequence[tuple[int, ModelDrafter, int]]) -> None:
         """Draft for each (sequence, drafter, most tokens) at once, into each drafter's `proposed`."""
         wanted: dict[int, tuple[ModelDrafter, int]] = {}
-        items: list[tuple[int, int, int, bool]] = []  # (token, position, sequence, logits)
+        items: list[Item] = []  # (token, position, sequence, logits)
         for seq, drafter, limit in jobs:
             drafter.proposed = []
             tokens = drafter.tokens
@@ -222,7 +223,7 @@ class DraftModel(NativeThread):
             del kv[keep:]
         return keep
 
-    def _decode(self, items: Sequence[tuple[int, int, int, bool]]) -> bool:
+    def _decode(self, items: Sequence[Item]) -> bool:
         """Decode `items` into the draft context; False (and those sequences forgotten) if it fails."""
         fill_batch(self._batch, items)
         rc = llama.llama_decode(self._ctx, self._batch)

@@ -199,9 +199,8 @@ class Generation:
                 yield event
                 if isinstance(event, Finished):
                     return
-        finally:
+        finally:  # _next has let go of its waiter already
             self._consuming = False
-            self._waiter = None
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None

@@ -50,6 +50,7 @@ from edgellmd.engine.native import (
     ControlTokens,
     EngineConfig,
     EngineError,
+    Item,
     ModelLoadError,
     NativeThread,
     context_params,
@@ -479,7 +480,7 @@ class Engine(NativeThread):
 
         # One token for every generating sequence first, so running streams never stall
         # behind a long prompt; then prompt chunks in admission order with what is left.
-        items: list[tuple[int, int, int, bool]] = []
+        items: list[Item] = []
         budget = self.config.batch_size
         generating = [
             (i, s) for i, s in enumerate(self._slots) if s is not None and s.prefilled >= len(s.prompt)
@@ -714,9 +715,7 @@ class Engine(NativeThread):
         return [event]
 
 
-def in_sequence_order(
-    items: list[tuple[int, int, int, bool]], slots: Sequence[_Slot | None]
-) -> list[tuple[int, int, int, bool]]:
+def in_sequence_order(items: list[Item], slots: Sequence[_Slot | None]) -> list[Item]:
     """A step's batch items with their sequences in id order, each one's tokens together, in order.
 
     With one KV stream per sequence, llama.cpp splits a batch into ubatches of consecutive
