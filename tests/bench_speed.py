@@ -268,11 +268,19 @@ def one_stream(c1: dict[str, Any]) -> Measure:
 PLAIN_1 = {"concurrency": 1, "requests": 6, "max_tokens": 64, "ignore_eos": True, "warmup": 2}
 PLAIN_8 = {"concurrency": 8, "requests": 48, "max_tokens": 64, "ignore_eos": True, "warmup": 2}
 EDGE_8 = {"name": MODEL, "slots": 8, "context_size": 2048, "chat_template": "gemma"}
+EDGE_4 = {"name": MODEL, "slots": 4, "context_size": 4096, "chat_template": "gemma"}  # the long prompts
+
+
+def llama_threads(args: argparse.Namespace) -> list[str]:
+    """llama-server's thread arguments, as many as edgellmd gets."""
+    return ["-t", str(args.threads), "-tb", str(args.threads)]
+
+
 LLAMA_8 = ["-np", "8", "-c", "16384"]
 
 
 def plain(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
-    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    threads = llama_threads(args)
     servers: list[tuple[Server, Measure]] = [
         (Server("edgellmd", [{**EDGE_8, "threads": args.threads}]), streams(PLAIN_1, PLAIN_8))
     ]
@@ -290,7 +298,7 @@ def speculation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[st
     # CPU each checked position costs a row of the output layer, so long drafts pay only on
     # text that copies its input, as here.
     spec = {"mode": "ngram", "max_draft": 24}
-    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    threads = llama_threads(args)
     servers: list[tuple[Server, Measure]] = [
         (Server("edgellmd plain", [base]), streams(c1, c8)),
         (Server("edgellmd ngram", [{**base, "speculative": spec}]), streams(c1, c8)),
@@ -364,7 +372,7 @@ def draft(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any
     }
     base = {**EDGE_8, "threads": args.threads}
     spec = {"mode": "draft", "draft_file": str(draft_file), "max_draft": 16}
-    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    threads = llama_threads(args)
     servers: list[tuple[Server, Measure]] = [
         (Server("edgellmd plain", [base]), one_stream(c1)),
         (Server("edgellmd draft", [{**base, "speculative": spec}]), one_stream(c1)),
@@ -403,14 +411,8 @@ def prompt_cache(args: argparse.Namespace, model: Path, workdir: Path) -> dict[s
         s = bench(running.url, **talk)
         return {"ttft_p50": s.ttft_p50_s, "ttft_p95": s.ttft_p95_s, "tok_s": s.tokens_per_s, "ok": s.ok}
 
-    base = {
-        "name": MODEL,
-        "slots": 4,
-        "context_size": 4096,
-        "chat_template": "gemma",
-        "threads": args.threads,
-    }
-    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    base = {**EDGE_4, "threads": args.threads}
+    threads = llama_threads(args)
     servers: list[tuple[Server, Measure]] = [
         (Server("edgellmd cache off", [base]), measure),
         (Server("edgellmd cache on", [{**base, "prompt_cache_mb": 2048}]), measure),
@@ -449,14 +451,8 @@ def shared_prompt(args: argparse.Namespace, model: Path, workdir: Path) -> dict[
         full = statistics.median(c.ttft_p50_s for c in cold)
         return {"ttft_full_prefill": full, "ttft_p50": shared.ttft_p50_s, "ratio": full / shared.ttft_p50_s}
 
-    base = {
-        "name": MODEL,
-        "slots": 4,
-        "context_size": 4096,
-        "chat_template": "gemma",
-        "threads": args.threads,
-    }
-    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    base = {**EDGE_4, "threads": args.threads}
+    threads = llama_threads(args)
     servers: list[tuple[Server, Measure]] = [
         (Server("edgellmd", [{**base, "prompt_cache_mb": 2048}]), measure),
     ]
