@@ -1,9 +1,16 @@
-"""Soak: steady load for 2 minutes (10 in the full run) grows no memory, descriptors, threads or /dev/shm."""
+"""Soak: steady load for 2 minutes (10 in the full run) grows no memory, descriptors, threads or /dev/shm.
+
+Its pace is judged side by side: after the soak, the soaked daemon and a freshly started one
+take the same load in turns (soaked, fresh, fresh, soaked, ...), and each turn's tokens per
+CPU-second are compared. A daemon whose work grows with what it has served is slower than
+the fresh one in every pair; a neighbour slowing the machine down slows both turns of a pair.
+"""
 
 from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +18,7 @@ import pytest
 
 from tests.reliability.harness import (
     STEADY_SPEC,
+    Answer,
     DaemonProcess,
     Figures,
     Load,
@@ -33,6 +41,49 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 CLIENTS = 6  # four slots busy and two requests waiting, all the time
 MAX_TOKENS = 32
 SCRAPE_EVERY_S = 5.0  # /metrics and /admin/status, as Prometheus and an operator would
+RAMP_S = 1.0  # a turn's first second, while its clients connect, is not measured
+
+
+@dataclass
+class SideBySide:
+    """Tokens per CPU-second of each turn, pair by pair, and every answer the turns got."""
+
+    soaked: list[float] = field(default_factory=list)
+    fresh: list[float] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)
+
+    @property
+    def ratios(self) -> list[float]:
+        return [s / f for s, f in zip(self.soaked, self.fresh, strict=True)]
+
+
+def _turn(daemon: DaemonProcess, token: str, seconds: float) -> tuple[float, list[Answer]]:
+    """The daemon under the soak's load for one turn: tokens per CPU-second it used, and the answers."""
+    with Load(daemon.url, token, CLIENTS, _request) as load:
+        time.sleep(RAMP_S)
+        before = daemon.usage()
+        time.sleep(seconds)
+        after = daemon.usage()
+        load.stop()
+    pace = tokens_between(load.answers, before.at, after.at) / max(after.cpu_s - before.cpu_s, 1e-3)
+    return pace, load.answers
+
+
+def _side_by_side(
+    soaked: DaemonProcess, fresh: DaemonProcess, token: str, pairs: int, seconds: float
+) -> SideBySide:
+    """Turns of the soaked and the fresh daemon, in ABBA order so that a trend in the machine cancels."""
+    _turn(fresh, token, seconds)  # the fresh daemon's warm-up: first requests, first pages of the model
+    result = SideBySide()
+    for pair in range(pairs):
+        first, second = (soaked, fresh) if pair % 2 == 0 else (fresh, soaked)
+        paces: dict[int, float] = {}
+        for daemon in (first, second):
+            paces[id(daemon)], answers = _turn(daemon, token, seconds)
+            result.answers += answers
+        result.soaked.append(paces[id(soaked)])
+        result.fresh.append(paces[id(fresh)])
+    return result
 
 
 def _request(client: int, number: int) -> tuple[str, dict[str, Any]]:
@@ -51,6 +102,8 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     warm_up_s = duration(20, 60)
     window_s = duration(5, 10)
     sample_s = duration(1, 2)
+    pairs = round(duration(4, 6))
+    turn_s = duration(4, 10)
     box.publish(box.model_bytes(STEADY_SPEC))
     config = box.config(free_port(), lifecycle={"preload_dir": str(shm_root)})
     samples: list[Usage] = []
@@ -70,6 +123,11 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
         answers = load.answers
         end_usage = daemon.usage()
         after = daemon.model()
+        control = box.config(free_port(), lifecycle={"preload_dir": None, "watch": False})
+        with DaemonProcess(box, control, label="fresh") as fresh:
+            fresh.start()
+            side = _side_by_side(daemon, fresh, box.app_token, pairs, turn_s)
+            fresh_errors = fresh.errors()
         errors = daemon.errors()
 
     measured = [s for s in samples if s.at >= start + warm_up_s]
@@ -92,11 +150,14 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     pace_first, pace_last = median(paces[:third]), median(paces[-third:])
     pace_drift = pace_last / pace_first - 1
     rate_bound = 0.5
-    pace_bound = bound(0.25, 0.10)
-    # CI shares its machine with other jobs: there a pace that rises came from neighbours
-    # going quiet (one CI soak: +37% in two minutes), while a daemon whose work grows with
-    # what it has served can only slow down. So CI fails a slowdown only; the full run holds
-    # the issue's "stable within 10%" both ways.
+    # The pace is judged against the fresh daemon, turn by turn: the first third against the
+    # last measures the machine as much as the daemon (neighbours moved one CI soak's pace by
+    # -28% and another's by +37%, everything else flat). A daemon whose work grows with what
+    # it has served can only be slower than a fresh one, so the bound is one-sided.
+    pace_change = median(side.ratios) - 1
+    pace_bound = bound(0.15, 0.10)
+    # The wall-clock rate moves with other tenants' share of the cores: CI fails a slowdown
+    # only, the full run either way.
     both_ways = full_run()
     sides = "either way" if both_ways else "slowdown only"
 
@@ -128,7 +189,13 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     figures["tokens/s drift (bound)"] = f"{drift:+.1%} ({rate_bound:.0%}, {sides})"
     figures["tokens per CPU-second per window"] = [round(p) for p in paces]
     figures["tokens per CPU-second first third -> last third"] = (pace_first, pace_last)
-    figures["tokens per CPU-second drift (bound)"] = f"{pace_drift:+.1%} ({pace_bound:.0%}, {sides})"
+    figures["tokens per CPU-second drift (reported)"] = f"{pace_drift:+.1%}"
+    figures["turns: soaked tokens per CPU-second"] = [round(p) for p in side.soaked]
+    figures["turns: fresh tokens per CPU-second"] = [round(p) for p in side.fresh]
+    figures["soaked / fresh per pair"] = [round(r, 3) for r in side.ratios]
+    figures["soaked against fresh, median of pairs (bound)"] = (
+        f"{pace_change:+.1%} ({pace_bound:.0%}, slowdown only)"
+    )
     figures.show()
 
     assert bad == [], describe(bad)
@@ -139,8 +206,10 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     # The preload area holds the one copy, byte for byte the same all along.
     assert {(s.shm_bytes, s.shm_files) for s in measured} == {(len(box.model_bytes(STEADY_SPEC)), 2)}
     assert end_usage.shm_bytes == len(box.model_bytes(STEADY_SPEC))
-    assert steady(pace_drift, pace_bound), f"pace drift {pace_drift:+.1%}"
+    assert failures(side.answers) == [], describe(failures(side.answers))
+    assert pace_change >= -pace_bound, f"the soaked daemon's pace {pace_change:+.1%} against a fresh one"
     assert steady(drift, rate_bound), f"tokens/s drift {drift:+.1%}"
     assert min(rates) > 0  # never stalled for a whole window
     assert (after["slots_busy"], after["queue_depth"], after["leases"]) == (0, 0, 0)
     assert errors == []
+    assert fresh_errors == []
