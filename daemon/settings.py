@@ -915,6 +915,13 @@ class ModelSettings:
         more="a prompt that starts as an earlier one did (a shared system prompt, a conversation back "
         "after its slot was reused) restores that prefix instead of prefilling it again",
     )
+    batch_padding: bool = setting(
+        True,
+        "pad a step of generating sequences with dummy rows up to a size that decodes faster",
+        more="each step size from 1 to `slots` is timed at load (about 2 s at most) and kept current by "
+        "the steps served; a dummy row is one token in a free slot next to the busy ones, "
+        "removed after the step",
+    )
     speculative: SpeculativeSettings = setting(
         SpeculativeSettings(), "speculative decoding (drafts verified in the same batch)"
     )

@@ -8,6 +8,8 @@ configurations alternate on the same machine; it prints each round and the media
 JSON line. Not a test: the figures depend on the machine.
 
 - plain: 64-token streams (`ignore_eos`), 1 and 8 at once: edgellmd against llama-server.
+- partial: 3, 5 and 7 streams on 8 slots: edgellmd with and without `batch_padding`, and
+  llama-server.
 - speculation: rewrite a passage with one word changed (chat, temperature 0), 1 stream and 8:
   no speculation against prompt lookup (and llama-server's `ngram-simple`).
 - draft: the same rewrite with a draft model (the demo model cut to its first 4 of 18 layers,
@@ -289,6 +291,31 @@ def plain(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any
     return rounds(servers, args, model, workdir, together=True)
 
 
+def at_streams(*counts: int) -> Measure:
+    """Aggregate tokens/s of 64-token streams at each of `counts` streams at once."""
+
+    def measure(running: Running) -> dict[str, float]:
+        return {
+            f"tok_s_{n}": bench(running.url, **{**PLAIN_8, "concurrency": n, "requests": 4 * n}).tokens_per_s
+            for n in counts
+        }
+
+    return measure
+
+
+def partial(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    """A partly busy box: the step sizes a CPU's kernels compute slowly, padded or not."""
+    edge = {**EDGE_8, "threads": args.threads}
+    measure = at_streams(3, 5, 7)
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd", [edge]), measure),
+        (Server("edgellmd unpadded", [{**edge, "batch_padding": False}]), measure),
+    ]
+    if args.llama_server:
+        servers.append((Server("llama-server", llama_server=[*LLAMA_8, *llama_threads(args)]), measure))
+    return rounds(servers, args, model, workdir, together=True)
+
+
 def speculation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
     ask = {"endpoint": "chat", "prompt": REWRITE, "temperature": 0.0, "max_tokens": 400, "warmup": 1}
     c1 = {**ask, "concurrency": 1, "requests": 2}
@@ -513,6 +540,7 @@ def two_models(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str
 
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path, Path], dict[str, Any]]] = {
     "plain": plain,
+    "partial": partial,
     "speculation": speculation,
     "draft": draft,
     "prompt-cache": prompt_cache,

@@ -125,6 +125,7 @@ models:
     cache_type_v: q4_0
     flash_attention: "on"
     prompt_cache_mb: 256
+    batch_padding: false
     speculative: {mode: draft, max_draft: 12, ngram_min: 3, ngram_max: 5, max_sequences: 4,
                   draft_model: gemma3-draft, draft_file: models/draft.gguf, draft_p_min: 0.5}
     reasoning: deepseek
@@ -196,6 +197,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 cache_type_v="q4_0",
                 flash_attention="on",
                 prompt_cache_mb=256,
+                batch_padding=False,
                 speculative=SpeculativeSettings(
                     mode="draft",
                     max_draft=12,
@@ -502,6 +504,7 @@ BAD: list[tuple[str, Any, str, str]] = [
      "models[0].cache_type_v", "q8_0 values need flash attention; flash_attention is off"),
     ("flash-attention-bool", with_model(flash_attention=True), "models[0].flash_attention", "got True"),
     ("prompt-cache-negative", with_model(prompt_cache_mb=-1), "models[0].prompt_cache_mb", "got -1"),
+    ("batch-padding-string", with_model(batch_padding="yes"), "models[0].batch_padding", "got 'yes'"),
     ("prompt-cache-on-embedding", with_model(embedding=True, prompt_cache_mb=64),
      "models[0].prompt_cache_mb", "an embedding model keeps no prompt cache"),
     ("speculative-mode-unknown", with_model(speculative={"mode": "eagle"}), "models[0].speculative.mode",
@@ -553,7 +556,7 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("speculative-on-embedding", with_model(embedding=True, speculative={"mode": "ngram"}),
      "models[0].speculative.mode", "an embedding model generates no text to draft"),
     ("model-unknown-key", with_model(n_ctx=2048), "models[0].n_ctx",
-     "unknown key (expected one of batch_size, cache_type_k, cache_type_v, chat_template, "
+     "unknown key (expected one of batch_padding, batch_size, cache_type_k, cache_type_v, chat_template, "
      "chat_template_file"),
     ("model-not-mapping", {"models": ["tiny.gguf"], "lock": UL}, "models[0]",
      "must be a mapping with keys name, file, context_size"),

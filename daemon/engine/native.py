@@ -132,6 +132,7 @@ class EngineConfig:
     cache_type_v: str = "f16"
     flash_attention: str = "auto"  # auto, on, off
     prompt_cache_bytes: int = 0  # host RAM for KV states of earlier prompts; 0: none
+    batch_padding: bool = True  # dummy rows up to a step size measured faster (engine.shapes)
     speculative: Speculation = field(default_factory=Speculation)
 
 

@@ -71,6 +71,7 @@ from edgellmd.engine.sampling import (
     compile_grammar,
     make_chain,
 )
+from edgellmd.engine.shapes import StepTimes, choose_slot, measure_steps, pad_slots, runs
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ _FLASH_NAMES: Final = {
     int(llama.LLAMA_FLASH_ATTN_TYPE_AUTO): "auto",
 }
 _KV_BLOCK: Final = 32  # values per block of q8_0 and q4_0
+_KV_PAD: Final = 256  # llama.cpp rounds the KV cells an attention reads up to this
 _MIN_RESTORE_GAIN: Final = 64  # tokens a cached prefix must save over a slot's own to be restored
 
 
@@ -179,6 +181,10 @@ class Engine(NativeThread):
         # system prompt, a growing conversation) skips that part of the prefill.
         self._kv: list[list[int]] = [[] for _ in range(config.slots)]
         self._draft: DraftModel | None = None  # speculative mode draft: loaded with the model
+        # Decode step seconds by size (measured at load, kept current by the steps served).
+        self.steps = StepTimes([])
+        self._pads: list[tuple[int, int]] = []  # (slot, position) of the last step's dummy rows
+        self.padded_steps = 0
         self._start_thread(f"engine:{name}")
 
     def _load(self) -> None:
@@ -317,6 +323,12 @@ class Engine(NativeThread):
                 "flash_attention": _FLASH_NAMES[flash_attention_type(config)],
             },
             "prompt_tokens_reused": self.prompt_tokens_reused,
+            "batch_padding": {
+                "enabled": config.batch_padding,
+                "step_ms": [round(t * 1000, 2) for t in self.steps.seconds],
+                "padded": {str(n): m for n, m in self.steps.padded().items()},
+                "padded_steps": self.padded_steps,
+            },
             "speculative": {
                 "mode": config.speculative.mode,
                 **({"draft_model": config.speculative.draft_name} if self._draft is not None else {}),
@@ -364,8 +376,29 @@ class Engine(NativeThread):
         llama.llama_sampler_sample(chain, self._ctx, 0)
         llama.llama_sampler_free(chain)
         llama.llama_memory_clear(self._memory, True)
+        if self.config.batch_padding and self.config.slots > 1:
+            self._measure_steps()
         if self._draft is not None:
             self._draft.warm_up()
+
+    def _measure_steps(self) -> None:
+        """Time a decode step of each size and choose what each size is padded to (engine.shapes)."""
+
+        def decode(n: int) -> None:
+            fill_batch(self._batch, [(0, 0, seq, True) for seq in range(n)])
+            if llama.llama_decode(self._ctx, self._batch) != 0:
+                raise ModelLoadError(f"a warm-up decode of {n} rows failed for {self.config.path}")
+            for seq in range(n):
+                llama.llama_memory_seq_rm(self._memory, seq, -1, -1)
+
+        self.steps = StepTimes(measure_steps(decode, self.config.slots))
+        llama.llama_memory_clear(self._memory, True)
+        log.info(
+            "model %s: decode step ms by size %s; padded at first %s",
+            self.name,
+            [round(t * 1000, 1) for t in self.steps.seconds],
+            self.steps.padded() or "none",
+        )
 
     def _free_native(self) -> None:
         super()._free_native()
@@ -404,14 +437,13 @@ class Engine(NativeThread):
         return True
 
     def _assign(self, gen: Generation) -> None:
-        """Put `gen` in the free slot whose cached tokens share the longest prefix with its prompt."""
+        """Put `gen` in a free slot: the one that keeps the busy slots together, or one whose
+        cached tokens share a much longer prefix with its prompt (`shapes.choose_slot`)."""
         prompt = gen.request.prompt_tokens
-        best, best_len = -1, -1
-        for i, slot in enumerate(self._slots):
-            if slot is None:
-                n = common_prefix(self._kv[i], prompt)
-                if n > best_len:
-                    best, best_len = i, n
+        busy = [s is not None for s in self._slots]
+        shared = [0 if b else common_prefix(kv, prompt) for b, kv in zip(busy, self._kv, strict=True)]
+        best = choose_slot(busy, shared)  # keeping the busy slots in one run (engine.shapes)
+        best_len = shared[best]
         if self.prompt_cache is not None:
             best, best_len = self._restore(prompt, best, best_len)
         # The last prompt token is always decoded again: its logits start the reply.
@@ -441,8 +473,13 @@ class Engine(NativeThread):
                 cache.stats.misses += 1
             return best, best_len
         tokens, data, shared = found
-        # Into the free slot whose own tokens are worth least (the shortest).
-        target = min((i for i, s in enumerate(self._slots) if s is None), key=lambda i: len(self._kv[i]))
+        # Into the free slot that keeps the busy ones together, the one whose own tokens are
+        # worth least (the shortest) among those.
+        busy = [s is not None for s in self._slots]
+        target = min(
+            (i for i, b in enumerate(busy) if not b),
+            key=lambda i: (runs([b or j == i for j, b in enumerate(busy)]), len(self._kv[i]), i),
+        )
         started = time.perf_counter()
         llama.llama_memory_seq_rm(self._memory, target, -1, -1)
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
@@ -547,10 +584,19 @@ class Engine(NativeThread):
         if not items:
             self.heartbeat = time.monotonic()
             return True
+        decode_only = len(items) == len(generating)  # a token for each generating sequence, no more
+        if decode_only:
+            items += self._padding(len(items))
         items = in_sequence_order(items, self._slots)
 
         fill_batch(self._batch, items)
+        started = time.perf_counter()
         rc = llama.llama_decode(self._ctx, self._batch)
+        if decode_only:
+            self.steps.record(len(items), time.perf_counter() - started)
+        for seq, pos in self._pads:  # dummy rows leave the KV cache at once, decoded or not
+            llama.llama_memory_seq_rm(self._memory, seq, pos, -1)
+        self._pads.clear()
         if rc != 0:
             log.error("llama_decode failed with status %d on model %s", rc, self.name)
             for i, slot in enumerate(self._slots):
@@ -582,6 +628,35 @@ class Engine(NativeThread):
             _deliver(outbox)
         self.heartbeat = time.monotonic()
         return True
+
+    def _padding(self, n: int) -> list[Item]:
+        """Dummy rows that bring a step of `n` generating sequences to a faster size, or none.
+
+        Each is token 0 at the end of a free slot's cached tokens, next to the busy run (a
+        row anywhere else would split the step). A slot is usable only while its cells have
+        room, and, with sliding-window layers, only while its cached tokens are fewer than
+        the window: a later position could let llama.cpp overwrite cells of that prefix.
+        """
+        size = self.steps.target(n)
+        if size == n:
+            return []
+        busy = [s is not None for s in self._slots]
+        limit = self.config.context_size - 1
+        if self._n_swa:
+            limit = min(limit, self._n_swa - 1)
+        # Nor a slot holding more cells than the busy ones: attention spans as many cells of
+        # every stream of a ubatch as its fullest stream holds (rounded up to 256).
+        span = _cells_spanned(max(len(kv) for b, kv in zip(busy, self._kv, strict=True) if b))
+        usable = [
+            not b and len(kv) < limit and _cells_spanned(len(kv) + 1) <= span
+            for b, kv in zip(busy, self._kv, strict=True)
+        ]
+        chosen = pad_slots(busy, usable, size - n)
+        if chosen is None:
+            return []
+        self._pads = [(seq, len(self._kv[seq])) for seq in chosen]
+        self.padded_steps += 1
+        return [(0, pos, seq, True) for seq, pos in self._pads]
 
     def _verify(self, i: int, slot: _Slot) -> list[Event]:
         """Check a sequence's draft with its own sampler, position by position; keep what matches.
@@ -713,6 +788,11 @@ class Engine(NativeThread):
             slot.gen.push_threadsafe([event])
             return []
         return [event]
+
+
+def _cells_spanned(cells: int) -> int:
+    """The KV cells attention reads for a stream holding `cells` (llama.cpp pads to 256)."""
+    return -(-cells // _KV_PAD) * _KV_PAD
 
 
 def in_sequence_order(items: list[Item], slots: Sequence[_Slot | None]) -> list[Item]:

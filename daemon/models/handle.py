@@ -84,6 +84,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         cache_type_v=settings.cache_type_v,
         flash_attention=settings.flash_attention,
         prompt_cache_bytes=settings.prompt_cache_mb * MIB,
+        batch_padding=settings.batch_padding,
         speculative=Speculation(
             mode=spec.mode,
             max_draft=spec.max_draft,

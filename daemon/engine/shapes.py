@@ -1,0 +1,158 @@
+"""Batch shapes: which slots a request takes, and how many rows a decode step computes.
+
+With one KV stream per slot, llama.cpp cuts a batch into ubatches of *consecutive* sequence
+ids holding the same number of tokens each (`llama_batch_allocr::split_equal`), and every
+ubatch reads all of the model's weights again. Busy slots 0, 2, 4 and 6 decode as four
+ubatches, slots 0 to 3 as one (measured on the demo model, 2 cores: 103 against 61 ms a
+step). So a request takes the free slot that keeps the busy ones in one run, unless another
+free slot holds a much longer prefix of its prompt (`choose_slot`).
+
+The matrix kernels themselves have favourite sizes. ggml's CPU kernels for repacked weights
+multiply four rows at a time and the rest one by one, each reading the weight matrix again;
+other kernels have their own tiles. On the demo model (its 178 MB output matrix is most of
+its weights) a step of 7 sequences took 98 ms and one of 8 took 70 ms; 3 took 73 and 4 took
+54. So at load the engine times one decode step of each size from 1 to the slot count
+(`measure_steps`), and a step of generating sequences gets dummy rows, in free slots next to
+the busy run, up to the size that decodes faster (`padded_size`, `pad_slots`). The steps
+served keep those figures current (`StepTimes`). A dummy row is one token at the end of a
+free slot's cached tokens; it leaves the KV cache right after the step, so the slot's cached
+prefix stays as it was.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+# A free slot that splits the busy run must save this many more prompt tokens than the best
+# slot that does not. A split costs one more read of every weight per step for as long as it
+# lasts (about a decode step's time, 20 ms on the demo model), a prompt token about 1 ms of
+# prefill on the same box: 256 tokens buy about a dozen split steps.
+SPLIT_COST_TOKENS: Final = 256
+# A size is padded to a larger one only when that one measured at least this much faster:
+# the timings come from a few decodes on a machine that may be busy.
+PAD_MARGIN: Final = 0.9
+NEAR_BEST: Final = 1.03  # sizes within 3% of the fastest count as fast: the fewest dummy rows win
+MEASURE_ROUNDS: Final = 3  # decodes of each size; the median counts
+MEASURE_BUDGET_S: Final = 2.0  # no further round starts after this long (a big model on a CPU)
+
+
+def runs(busy: Sequence[bool]) -> int:
+    """How many runs of consecutive busy slots there are (the ubatches a decode step takes)."""
+    return sum(1 for i, b in enumerate(busy) if b and (i == 0 or not busy[i - 1]))
+
+
+def choose_slot(busy: Sequence[bool], reuse: Sequence[int]) -> int:
+    """The free slot a new sequence takes, given each slot's reusable prefix length.
+
+    The slot that keeps the fewest runs of busy slots, the longest reusable prefix among
+    those, the lowest index among equals; another slot wins only when its prefix saves more
+    than `SPLIT_COST_TOKENS` further tokens.
+    """
+    free = [i for i, b in enumerate(busy) if not b]
+    if not free:
+        raise ValueError("no free slot")
+
+    def runs_with(i: int) -> int:
+        return runs([b or j == i for j, b in enumerate(busy)])
+
+    split = {i: runs_with(i) for i in free}
+    fewest = min(split.values())
+    packed = max((i for i in free if split[i] == fewest), key=lambda i: (reuse[i], -i))
+    longest = max(free, key=lambda i: (reuse[i], -split[i], -i))
+    return longest if reuse[longest] - reuse[packed] > SPLIT_COST_TOKENS else packed
+
+
+def padded_size(step_s: Sequence[float], n: int, margin: float = PAD_MARGIN) -> int:
+    """The size to pad a step of size n to: n, or the smallest larger size whose step time
+    (index size - 1) is within `NEAR_BEST` of the least, when that is below `margin` times
+    that of n (fewer dummy rows where sizes cost about the same)."""
+    least = min(step_s[n - 1 :])
+    best = next(m for m in range(n, len(step_s) + 1) if step_s[m - 1] <= least * NEAR_BEST)
+    return best if step_s[best - 1] < margin * step_s[n - 1] else n
+
+
+def padded_sizes(step_s: Sequence[float], margin: float = PAD_MARGIN) -> list[int]:
+    """`padded_size` of every size from 1 to len(step_s)."""
+    return [padded_size(step_s, n, margin) for n in range(1, len(step_s) + 1)]
+
+
+class StepTimes:
+    """Decode step seconds by size: measured at load, then kept current by the steps served.
+
+    A load can be timed on a busy machine (another model decoding, the old version still
+    serving during a reload), so the figures it measured are only where the engine starts:
+    every decode-only step moves its size's figure (an exponential average), and every
+    `EXPLORE_EVERY`-th step of a size that is padded runs unpadded, so that the size's own
+    figure stays current too. A padded size that is not faster after all shows it in its
+    own figure within a few dozen steps, and padding to it stops.
+    """
+
+    EXPLORE_EVERY: Final = 16
+    WEIGHT: Final = 0.05  # of each new step in its size's average
+
+    def __init__(self, seconds: Sequence[float]) -> None:
+        self.seconds = list(seconds)
+        self._steps = [0] * len(self.seconds)
+
+    def target(self, n: int) -> int:
+        """The size a decode step of `n` sequences should have (n itself most of the time)."""
+        if n > len(self.seconds):
+            return n
+        self._steps[n - 1] += 1
+        size = padded_size(self.seconds, n)
+        if size != n and self._steps[n - 1] % self.EXPLORE_EVERY == 0:
+            return n
+        return size
+
+    def record(self, size: int, seconds: float) -> None:
+        """One decode-only step of `size` rows took `seconds`."""
+        if 0 < size <= len(self.seconds):
+            self.seconds[size - 1] += self.WEIGHT * (seconds - self.seconds[size - 1])
+
+    def padded(self) -> dict[int, int]:
+        """Each size that is padded now, and to what."""
+        return {n: m for n, m in enumerate(padded_sizes(self.seconds), 1) if m != n}
+
+
+def pad_slots(busy: Sequence[bool], usable: Sequence[bool], count: int) -> list[int] | None:
+    """`count` free, usable slots right after (then right before) the one run of busy slots.
+
+    None when the busy slots are not one run or there are not enough such slots next to it:
+    a dummy row anywhere else would split the step instead of filling it.
+    """
+    if runs(busy) != 1 or count <= 0:
+        return None
+    first = busy.index(True)
+    last = len(busy) - 1 - list(reversed(busy)).index(True)
+    chosen: list[int] = []
+    for i in range(last + 1, len(busy)):
+        if len(chosen) == count or not usable[i]:
+            break
+        chosen.append(i)
+    for i in range(first - 1, -1, -1):
+        if len(chosen) == count or not usable[i]:
+            break
+        chosen.append(i)
+    return sorted(chosen) if len(chosen) == count else None
+
+
+def measure_steps(
+    decode: Callable[[int], None], slots: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
+    """Seconds of one decode step of each size from 1 to `slots` (index n - 1): the median of
+    up to `MEASURE_ROUNDS` rounds, alternately up and down the sizes so a trend in the
+    machine spreads over all of them."""
+    times: list[list[float]] = [[] for _ in range(slots)]
+    started = clock()
+    for round_ in range(MEASURE_ROUNDS):
+        if round_ and clock() - started > MEASURE_BUDGET_S:
+            break
+        sizes = range(1, slots + 1) if round_ % 2 == 0 else range(slots, 0, -1)
+        for n in sizes:
+            t0 = clock()
+            decode(n)
+            times[n - 1].append(clock() - t0)
+    return [statistics.median(t) for t in times]

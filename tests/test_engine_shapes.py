@@ -1,0 +1,275 @@
+"""Batch shapes: slot choice that keeps busy slots together, and dummy rows up to faster step sizes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+
+from edgellmd.engine import Engine, EngineConfig
+from edgellmd.engine import scheduler as scheduler_module
+from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.engine.shapes import (
+    SPLIT_COST_TOKENS,
+    StepTimes,
+    choose_slot,
+    measure_steps,
+    pad_slots,
+    padded_sizes,
+    runs,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+B, F = True, False  # a busy slot, a free one
+# Decode step ms by size measured on the demo model (8 slots, 2 cores; engine.shapes).
+DEMO_STEPS = [22.1, 46.9, 73.1, 54.5, 78.5, 61.7, 98.6, 70.5]
+
+
+# ---- the pure rules ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("busy", "expected"),
+    [([], 0), ([F, F], 0), ([B], 1), ([B, B, B], 1), ([B, F, B], 2), ([F, B, F, B, B, F, B], 3)],
+)
+def test_runs_counts_the_ubatches_of_a_decode_step(busy: list[bool], expected: int) -> None:
+    assert runs(busy) == expected
+
+
+def test_a_new_sequence_fills_the_gap_or_extends_the_run() -> None:
+    zeros = [0] * 8
+    # Slots 0, 1 and 4 busy: slots 2, 3 and 5 keep two runs, 6 and 7 would make three.
+    assert choose_slot([B, B, F, F, B, F, F, F], zeros) == 2
+    assert choose_slot([B, B, B, F, F, F, F, F], zeros) == 3  # right after the run
+    assert choose_slot([F, F, F, F, F, F, F, B], zeros) == 6  # right before it
+    assert choose_slot([F] * 4, zeros[:4]) == 0  # nothing busy: the lowest slot
+    with pytest.raises(ValueError, match="no free slot"):
+        choose_slot([B, B], [0, 0])
+
+
+def test_a_longer_prefix_wins_among_slots_that_keep_the_run_and_splits_it_only_past_the_cost() -> None:
+    busy = [B, F, F, F, F, F]
+    # Slots 1 keeps one run and nothing else does: it wins unless another saves more.
+    assert choose_slot(busy, [0, 10, 0, 0, 40, 0]) == 1
+    assert choose_slot(busy, [0, 10, 0, 0, 10 + SPLIT_COST_TOKENS, 0]) == 1
+    assert choose_slot(busy, [0, 10, 0, 0, 11 + SPLIT_COST_TOKENS, 0]) == 4
+    # Nothing busy: every slot keeps one run, the longest prefix wins.
+    assert choose_slot([F, F, F], [3, 9, 4]) == 1
+    # Two slots keep the run (before and after it): the one with the longer prefix.
+    assert choose_slot([F, B, F], [2, 0, 5]) == 2
+
+
+def test_sizes_pad_to_the_fastest_larger_size_with_a_margin() -> None:
+    assert padded_sizes(DEMO_STEPS) == [1, 2, 4, 4, 6, 6, 8, 8]
+    # 5% faster is within the noise of a few decodes: not padded.
+    assert padded_sizes([10.0, 20.0, 19.0]) == [1, 2, 3]
+    assert padded_sizes([10.0, 20.0, 17.0]) == [1, 3, 3]
+    # Sizes that cost what their rows cost (a GPU, a tiny model): nothing is padded.
+    assert padded_sizes([1.0, 1.1, 1.2, 1.3]) == [1, 2, 3, 4]
+    assert padded_sizes([]) == []
+
+
+def test_dummy_rows_go_next_to_the_one_busy_run() -> None:
+    every = [True] * 8
+    assert pad_slots([B, B, B, F, F, F, F, F], every, 1) == [3]
+    assert pad_slots([F, F, F, F, F, B, B, B], every, 2) == [3, 4]
+    assert pad_slots([F, B, B, F], every, 2) == [0, 3]  # after the run, then before it
+    assert pad_slots([B, F, B, F], every, 1) is None  # two runs: a row would not fill either
+    assert pad_slots([F, F, F, F], every[:4], 1) is None  # nothing busy: nothing to pad
+    # A slot that may not take a row stops the search on its side.
+    assert pad_slots([B, B, F, F], [F, F, F, True], 1) is None
+    assert pad_slots([F, B, B, F], [True, F, F, F], 1) == [0]
+    assert pad_slots([B, B, B, F], every[:4], 2) is None  # not enough room
+
+
+def test_measure_steps_takes_medians_in_alternating_order_within_its_budget() -> None:
+    clock = [0.0]
+    calls: list[int] = []
+    cost = {1: [0.03, 0.01, 0.02], 2: [0.05, 0.09, 0.04], 3: [0.1, 0.1, 0.4]}
+
+    def decode(n: int) -> None:
+        clock[0] += cost[n][sum(c == n for c in calls)]
+        calls.append(n)
+
+    assert measure_steps(decode, 3, lambda: clock[0]) == pytest.approx([0.02, 0.05, 0.1])
+    assert calls == [1, 2, 3, 3, 2, 1, 1, 2, 3]
+
+    # Past the budget after the first round: no further round starts.
+    calls.clear()
+    slow = {1: [5.0] * 3, 2: [6.0] * 3}
+
+    def slow_decode(n: int) -> None:
+        clock[0] += slow[n][0]
+        calls.append(n)
+
+    assert measure_steps(slow_decode, 2, lambda: clock[0]) == [5.0, 6.0]
+    assert calls == [1, 2]
+
+
+def test_step_times_follow_the_steps_served_and_explore_the_unpadded_size() -> None:
+    times = StepTimes([0.020, 0.050, 0.080, 0.055])
+    assert times.padded() == {3: 4}
+    sizes = [times.target(3) for _ in range(2 * StepTimes.EXPLORE_EVERY)]
+    # Every EXPLORE_EVERY-th step of size 3 runs unpadded, the others padded to 4.
+    assert sizes.count(3) == 2
+    assert sizes.count(4) == 2 * StepTimes.EXPLORE_EVERY - 2
+    assert sizes[StepTimes.EXPLORE_EVERY - 1] == 3
+    assert [times.target(n) for n in (1, 2, 4, 9)] == [1, 2, 4, 9]  # 9: more than it measured
+    # The load measured size 4 on a busy machine: the padded steps served say otherwise.
+    for _ in range(40):
+        times.record(4, 0.100)
+    assert times.seconds[3] > 0.09
+    assert times.padded() == {}
+    assert times.target(3) == 3
+    # Size 3 turns slow in its own (explored) steps: padding comes back.
+    for _ in range(60):
+        times.record(3, 0.200)
+    assert times.padded() == {3: 4}
+    times.record(0, 1.0)  # sizes it never measured are left alone
+    times.record(5, 1.0)
+    assert len(times.seconds) == 4
+    assert StepTimes([]).target(3) == 3
+    assert StepTimes([]).padded() == {}
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+
+def make_engine(path: Path, *, slots: int, padding: bool = True, context: int = 256) -> Engine:
+    config = EngineConfig(
+        path=path,
+        slots=slots,
+        context_size=context,
+        batch_size=512,
+        threads=1,
+        threads_batch=1,
+        batch_padding=padding,
+    )
+    return Engine(config, name=path.stem)
+
+
+async def generate(engine: Engine, prompt: str, max_tokens: int) -> tuple[str, Finished]:
+    gen = engine.submit(
+        GenerationRequest(engine.tokenize(prompt), max_tokens, GREEDY, (), True), asyncio.get_running_loop()
+    )
+    parts: list[str] = []
+    async for event in gen.events():
+        parts.append(event.text)
+        if isinstance(event, Finished):
+            return "".join(parts), event
+    raise AssertionError("no Finished event")
+
+
+@pytest.fixture
+def decodes(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[list[tuple[int, int, bool]]]]:
+    """Every llama_decode batch from now on: (sequence, position, logits wanted) per row."""
+    seen: list[list[tuple[int, int, bool]]] = []
+    decode = llama_cpp.llama_decode
+
+    def spy(ctx: Any, batch: Any) -> int:
+        rows = [(batch.seq_id[k][0], batch.pos[k], bool(batch.logits[k])) for k in range(batch.n_tokens)]
+        seen.append(rows)
+        return int(decode(ctx, batch))
+
+    def start() -> list[list[tuple[int, int, bool]]]:
+        monkeypatch.setattr(llama_cpp, "llama_decode", spy)
+        return seen
+
+    return start
+
+
+PROMPTS = ("Once upon a time", "the quick brown fox", "zzz yy x", "a b c d e f")
+
+
+async def test_padded_steps_give_the_same_text_and_leave_every_cached_prefix_intact(
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    decodes: Callable[[], list[list[tuple[int, int, bool]]]],
+) -> None:
+    plain = make_engine(tiny_model, slots=4, padding=False)
+    try:
+        alone = {p: (await generate(plain, p, 24))[0] for p in PROMPTS}
+        together = await asyncio.gather(*(generate(plain, p, 24) for p in PROMPTS[:3]))
+    finally:
+        plain.close()
+    assert plain.padded_steps == 0
+    # A machine on which 4 rows decode faster than 1, 2 or 3: every step is padded to 4.
+    monkeypatch.setattr(scheduler_module, "measure_steps", lambda decode, slots: [1.0, 1.0, 1.0, 0.5])
+    engine = make_engine(tiny_model, slots=4)
+    try:
+        assert engine.steps.padded() == {1: 4, 2: 4, 3: 4}
+        # Slots 1 to 3 get a prefix each, then slot 0 generates alone beside them.
+        await asyncio.gather(*(generate(engine, p, 24) for p in PROMPTS))
+        seen = decodes()
+        solo = await generate(engine, PROMPTS[0], 24)
+        padded = [rows for rows in seen if len(rows) == 4 and {s for s, _, _ in rows} == {0, 1, 2, 3}]
+        steps = len(seen)
+        assert engine.padded_steps >= 20
+        assert len(padded) >= 20
+        # The dummy rows sit at the end of each slot's cached tokens, every step the same.
+        assert {rows[1][1] for rows in padded} == {len(engine.tokenize(PROMPTS[1])) + 23}
+        # Slot 1's prefix is still whole: the same prompt reuses all of it.
+        reused = engine.prompt_tokens_reused
+        again = await generate(engine, PROMPTS[1], 24)
+        assert engine.prompt_tokens_reused - reused == len(engine.tokenize(PROMPTS[1])) - 1
+        assert again[1].cached_tokens == len(engine.tokenize(PROMPTS[1])) - 1
+        mixed = await asyncio.gather(*(generate(engine, p, 24) for p in PROMPTS[:3]))
+    finally:
+        engine.close()
+    assert solo[0] == alone[PROMPTS[0]]
+    assert again[0] == alone[PROMPTS[1]]
+    assert [t for t, _ in mixed] == [t for t, _ in together] == [alone[p] for p in PROMPTS[:3]]
+    assert steps >= 24
+
+
+async def test_no_padding_where_it_would_split_the_step_or_outgrow_the_busy_cells(
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    decodes: Callable[[], list[list[tuple[int, int, bool]]]],
+) -> None:
+    monkeypatch.setattr(scheduler_module, "measure_steps", lambda decode, slots: [1.0, 0.5, 0.5])
+    engine = make_engine(tiny_model, slots=3, context=1024)
+    try:
+        assert engine.steps.padded() == {1: 2}
+        long_prompt = "a b c d e f g h " * 10
+        assert 300 < len(engine.tokenize(long_prompt)) < 900  # more cells than a short reply spans
+        await asyncio.gather(generate(engine, "hi", 4), generate(engine, long_prompt, 4))
+        seen = decodes()
+        before = engine.padded_steps
+        # Slot 0 alone: slot 1 holds more than 256 cells, and slot 2 is not next to slot 0.
+        await generate(engine, "the quick brown fox", 16)
+        assert all({s for s, _, _ in rows} == {0} for rows in seen)
+        assert engine.padded_steps == before
+    finally:
+        engine.close()
+
+
+async def test_a_request_takes_the_slot_that_keeps_the_busy_ones_together(
+    tiny_model: Path, decodes: Callable[[], list[list[tuple[int, int, bool]]]]
+) -> None:
+    engine = make_engine(tiny_model, slots=4, padding=False)
+    try:
+        alone = (await generate(engine, PROMPTS[3], 40))[0]
+        # Fill slots 0 to 3 (slot 3 ends with PROMPTS[3] cached), then run long replies in
+        # slots 0 and 2 around a short one in slot 1.
+        await asyncio.gather(*(generate(engine, p, 2) for p in PROMPTS))
+        seen = decodes()
+        long_0 = asyncio.create_task(generate(engine, PROMPTS[0], 60))
+        await asyncio.sleep(0)
+        short_1 = asyncio.create_task(generate(engine, PROMPTS[1] + " and", 2))
+        await asyncio.sleep(0)
+        long_2 = asyncio.create_task(generate(engine, PROMPTS[2] + " and", 60))
+        await short_1
+        # Slot 3 holds this prompt's prefix, slot 1 keeps slots 0 to 2 one run: slot 1 wins.
+        late = await generate(engine, PROMPTS[3], 40)
+        await asyncio.gather(long_0, long_2)
+    finally:
+        engine.close()
+    assert late[0] == alone
+    rows_late = [rows for rows in seen if len({s for s, _, _ in rows}) == 3]
+    assert rows_late, "the late request never decoded beside the two long ones"
+    assert all({s for s, _, _ in rows} == {0, 1, 2} for rows in rows_late)
