@@ -194,9 +194,10 @@ async def test_padded_steps_give_the_same_text_and_leave_every_cached_prefix_int
     try:
         alone = {p: (await generate(plain, p, 24))[0] for p in PROMPTS}
         together = await asyncio.gather(*(generate(plain, p, 24) for p in PROMPTS[:3]))
+        unpadded = plain.performance()["batch_padding"]
     finally:
         plain.close()
-    assert plain.padded_steps == 0
+    assert unpadded == {"enabled": False, "step_ms": [], "padded": {}, "padded_steps": 0}
     # A machine on which 4 rows decode faster than 1, 2 or 3: every step is padded to 4.
     monkeypatch.setattr(scheduler_module, "measure_steps", lambda decode, slots: [1.0, 1.0, 1.0, 0.5])
     engine = make_engine(tiny_model, slots=4)
@@ -218,8 +219,14 @@ async def test_padded_steps_give_the_same_text_and_leave_every_cached_prefix_int
         assert engine.prompt_tokens_reused - reused == len(engine.tokenize(PROMPTS[1])) - 1
         assert again[1].cached_tokens == len(engine.tokenize(PROMPTS[1])) - 1
         mixed = await asyncio.gather(*(generate(engine, p, 24) for p in PROMPTS[:3]))
+        shown = engine.performance()["batch_padding"]
     finally:
         engine.close()
+    # What /admin/status shows: the step times as they stand, what is padded, how often.
+    assert shown["enabled"] is True
+    assert len(shown["step_ms"]) == 4
+    assert shown["padded_steps"] == engine.padded_steps >= 30
+    assert "3" in shown["padded"]
     assert solo[0] == alone[PROMPTS[0]]
     assert again[0] == alone[PROMPTS[1]]
     assert [t for t, _ in mixed] == [t for t, _ in together] == [alone[p] for p in PROMPTS[:3]]

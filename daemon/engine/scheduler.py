@@ -804,7 +804,8 @@ def in_sequence_order(items: list[Item], slots: Sequence[_Slot | None]) -> list[
     to 7 made two ubatches (measured: such a step's decode took twice as long). Generating
     sequences come first and prompts after, so a request starting in a low slot broke the
     order; sorting mends it. Every slot's batch_index follows its token. (Sequences absent
-    from a step between present ones still split it: the ids are the KV streams.)
+    from a step between present ones still split it: the ids are the KV streams, which is why
+    `_assign` keeps the busy slots together.)
     """
     if all(items[k][2] <= items[k + 1][2] for k in range(len(items) - 1)):
         return items
