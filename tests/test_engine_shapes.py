@@ -20,11 +20,13 @@ from edgellmd.engine.shapes import (
     measure_steps,
     pad_slots,
     padded_sizes,
+    plan_rows,
     runs,
 )
 
 GREEDY = SamplingParams(temperature=0.0)
 B, F = True, False  # a busy slot, a free one
+T = True  # a slot that may take a dummy row
 # Decode step ms by size measured on the demo model (8 slots, 2 cores; engine.shapes).
 DEMO_STEPS = [22.1, 46.9, 73.1, 54.5, 78.5, 61.7, 98.6, 70.5]
 
@@ -81,9 +83,26 @@ def test_dummy_rows_go_next_to_the_one_busy_run() -> None:
     assert pad_slots([B, F, B, F], every, 1) is None  # two runs: a row would not fill either
     assert pad_slots([F, F, F, F], every[:4], 1) is None  # nothing busy: nothing to pad
     # A slot that may not take a row stops the search on its side.
-    assert pad_slots([B, B, F, F], [F, F, F, True], 1) is None
-    assert pad_slots([F, B, B, F], [True, F, F, F], 1) == [0]
+    assert pad_slots([B, B, F, F], [F, F, F, T], 1) is None
+    assert pad_slots([F, B, B, F], [T, F, F, F], 1) == [0]
     assert pad_slots([B, B, B, F], every[:4], 2) is None  # not enough room
+
+
+def test_holes_are_filled_when_one_ubatch_is_cheaper_than_the_runs() -> None:
+    every = [True] * 8
+    # 3 sequences around a hole: 47 + 22 ms as two ubatches, 54 as one of 4.
+    assert plan_rows([B, B, F, B, F, F, F, F], every, StepTimes(DEMO_STEPS)) == [2]
+    # 7 around a hole: 73 + 54 ms against 70 for all 8.
+    assert plan_rows([B, B, B, F, B, B, B, B], every, StepTimes(DEMO_STEPS)) == [3]
+    # Two lone sequences: 22 + 22 ms beats 54 for the 4 rows a filled step would take.
+    assert plan_rows([B, F, B, F, F, F, F, F], every, StepTimes(DEMO_STEPS)) == []
+    # One run: padded at its end as `target` says.
+    assert plan_rows([B, B, B, F, F, F, F, F], every, StepTimes(DEMO_STEPS)) == [3]
+    assert plan_rows([B, B, B, B, F, F, F, F], every, StepTimes(DEMO_STEPS)) == []
+    # A hole that may not take a row, no timings (padding off), nothing present: no rows.
+    assert plan_rows([B, B, F, B, F, F, F, F], [F, F, F, F, T, T, T, T], StepTimes(DEMO_STEPS)) == []
+    assert plan_rows([B, B, F, B], every[:4], StepTimes([])) == []
+    assert plan_rows([F] * 8, every, StepTimes(DEMO_STEPS)) == []
 
 
 def test_measure_steps_takes_medians_in_alternating_order_within_its_budget() -> None:
@@ -231,6 +250,45 @@ async def test_padded_steps_give_the_same_text_and_leave_every_cached_prefix_int
     assert again[0] == alone[PROMPTS[1]]
     assert [t for t, _ in mixed] == [t for t, _ in together] == [alone[p] for p in PROMPTS[:3]]
     assert steps >= 24
+
+
+async def test_a_hole_left_by_a_finished_reply_is_filled_and_keeps_its_prefix(
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    decodes: Callable[[], list[list[tuple[int, int, bool]]]],
+) -> None:
+    plain = make_engine(tiny_model, slots=4, padding=False)
+    try:
+        alone = {p: (await generate(plain, p, 60))[0] for p in (PROMPTS[0], PROMPTS[2] + " and")}
+    finally:
+        plain.close()
+    # Here one ubatch of 4 rows costs half of one of 1: slots 0 and 2 alone (two ubatches)
+    # cost 2, with slots 1 and 3 filled 0.5.
+    monkeypatch.setattr(scheduler_module, "measure_steps", lambda decode, slots: [1.0, 1.0, 1.0, 0.5])
+    engine = make_engine(tiny_model, slots=4)
+    try:
+        seen = decodes()
+        long_0 = asyncio.create_task(generate(engine, PROMPTS[0], 60))
+        await asyncio.sleep(0)
+        short_1 = asyncio.create_task(generate(engine, PROMPTS[1], 2))
+        await asyncio.sleep(0)
+        long_2 = asyncio.create_task(generate(engine, PROMPTS[2] + " and", 60))
+        await short_1
+        texts = [(await t)[0] for t in (long_0, long_2)]
+        reused = engine.prompt_tokens_reused
+        again = await generate(engine, PROMPTS[1], 2)
+        prompt_1 = len(engine.tokenize(PROMPTS[1]))
+    finally:
+        engine.close()
+    assert texts == [alone[PROMPTS[0]], alone[PROMPTS[2] + " and"]]
+    filled = [rows for rows in seen if [s for s, _, _ in rows] == [0, 1, 2, 3]]
+    assert not [rows for rows in seen if [s for s, _, _ in rows] == [0, 2]]  # never two ubatches
+    # Slot 1's row: its reply's second token, then the dummy row at the end of its cached
+    # prompt and reply, every step the same position (it left with each step).
+    assert {rows[1][1] for rows in filled} <= {prompt_1, prompt_1 + 1}
+    assert sum(rows[1][1] == prompt_1 + 1 for rows in filled) >= 40
+    assert engine.prompt_tokens_reused - reused == prompt_1 - 1
+    assert again[1].cached_tokens == prompt_1 - 1
 
 
 async def test_no_padding_where_it_would_split_the_step_or_outgrow_the_busy_cells(

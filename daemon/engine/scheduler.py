@@ -71,7 +71,7 @@ from edgellmd.engine.sampling import (
     compile_grammar,
     make_chain,
 )
-from edgellmd.engine.shapes import StepTimes, choose_slot, measure_steps, pad_slots, runs
+from edgellmd.engine.shapes import StepTimes, choose_slot, measure_steps, plan_rows, runs
 
 log = logging.getLogger(__name__)
 
@@ -586,13 +586,15 @@ class Engine(NativeThread):
             return True
         decode_only = len(items) == len(generating)  # a token for each generating sequence, no more
         if decode_only:
-            items += self._padding(len(items))
+            items += self._padding(items)
         items = in_sequence_order(items, self._slots)
+        # Its time counts for its size when the step is one ubatch (sequences without a gap).
+        one_ubatch = decode_only and items[-1][2] - items[0][2] == len(items) - 1
 
         fill_batch(self._batch, items)
         started = time.perf_counter()
         rc = llama.llama_decode(self._ctx, self._batch)
-        if decode_only:
+        if one_ubatch:
             self.steps.record(len(items), time.perf_counter() - started)
         for seq, pos in self._pads:  # dummy rows leave the KV cache at once, decoded or not
             llama.llama_memory_seq_rm(self._memory, seq, pos, -1)
@@ -629,30 +631,31 @@ class Engine(NativeThread):
         self.heartbeat = time.monotonic()
         return True
 
-    def _padding(self, n: int) -> list[Item]:
-        """Dummy rows that bring a step of `n` generating sequences to a faster size, or none.
+    def _padding(self, items: list[Item]) -> list[Item]:
+        """Dummy rows for a decode step (one token per generating sequence), or none.
 
-        Each is token 0 at the end of a free slot's cached tokens, next to the busy run (a
-        row anywhere else would split the step). A slot is usable only while its cells have
-        room, and, with sliding-window layers, only while its cached tokens are fewer than
-        the window: a later position could let llama.cpp overwrite cells of that prefix.
+        They fill the holes between the step's sequences (each run of consecutive ones is a
+        ubatch of its own) and bring the step to a size that decodes faster
+        (`shapes.plan_rows`). Each is token 0 at the end of a free slot's cached tokens. A
+        slot is usable only while its cells have room, and, with sliding-window layers, only
+        while its cached tokens are fewer than the window: a later position could let
+        llama.cpp overwrite cells of that prefix.
         """
-        size = self.steps.target(n)
-        if size == n:
-            return []
-        busy = [s is not None for s in self._slots]
+        present = [False] * len(self._slots)
+        for _, _, seq, _ in items:
+            present[seq] = True
         limit = self.config.context_size - 1
         if self._n_swa:
             limit = min(limit, self._n_swa - 1)
         # Nor a slot holding more cells than the busy ones: attention spans as many cells of
         # every stream of a ubatch as its fullest stream holds (rounded up to 256).
-        span = _cells_spanned(max(len(kv) for b, kv in zip(busy, self._kv, strict=True) if b))
+        span = _cells_spanned(max(len(self._kv[seq]) for _, _, seq, _ in items))
         usable = [
-            not b and len(kv) < limit and _cells_spanned(len(kv) + 1) <= span
-            for b, kv in zip(busy, self._kv, strict=True)
+            slot is None and len(kv) < limit and _cells_spanned(len(kv) + 1) <= span
+            for slot, kv in zip(self._slots, self._kv, strict=True)
         ]
-        chosen = pad_slots(busy, usable, size - n)
-        if chosen is None:
+        chosen = plan_rows(present, usable, self.steps)
+        if not chosen:
             return []
         self._pads = [(seq, len(self._kv[seq])) for seq in chosen]
         self.padded_steps += 1

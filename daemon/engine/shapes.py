@@ -14,9 +14,11 @@ its weights) a step of 7 sequences took 98 ms and one of 8 took 70 ms; 3 took 73
 54. So at load the engine times one decode step of each size from 1 to the slot count
 (`measure_steps`), and a step of generating sequences gets dummy rows, in free slots next to
 the busy run, up to the size that decodes faster (`padded_size`, `pad_slots`). The steps
-served keep those figures current (`StepTimes`). A dummy row is one token at the end of a
-free slot's cached tokens; it leaves the KV cache right after the step, so the slot's cached
-prefix stays as it was.
+served keep those figures current (`StepTimes`). A reply that ends leaves a hole between
+busy slots until the next request takes it; a dummy row fills it when one ubatch of the
+filled size is cheaper than the runs apart (`plan_rows`). A dummy row is one token at the
+end of a free slot's cached tokens; it leaves the KV cache right after the step, so the
+slot's cached prefix stays as it was.
 """
 
 from __future__ import annotations
@@ -137,6 +139,46 @@ def pad_slots(busy: Sequence[bool], usable: Sequence[bool], count: int) -> list[
             break
         chosen.append(i)
     return sorted(chosen) if len(chosen) == count else None
+
+
+def plan_rows(present: Sequence[bool], usable: Sequence[bool], times: StepTimes) -> list[int]:
+    """The free slots that get a dummy row in a decode step of the `present` sequences.
+
+    Holes between present sequences come first: filled, the step is one ubatch instead of
+    one per run, and it is filled when its size's step time is below the runs' together (two
+    lone sequences decode faster as two ubatches of one row than as one of three on some
+    machines). Then rows at the ends of the run, up to the size `times` says is faster.
+    None of it when a slot that would need a row may not take one.
+    """
+    n = sum(present)
+    if n == 0 or not times.seconds:
+        return []
+    first = present.index(True)
+    last = len(present) - 1 - list(reversed(present)).index(True)
+    holes = [i for i in range(first, last + 1) if not present[i]]
+    if not all(usable[i] for i in holes):
+        return []
+    filled = [p or i in holes for i, p in enumerate(present)]
+    size = times.target(n + len(holes))
+    extra = pad_slots(filled, usable, size - n - len(holes)) or []
+    if holes:
+        lengths = [len(run) for run in _runs_of(present)]
+        split = sum(times.seconds[k - 1] for k in lengths)
+        if times.seconds[n + len(holes) + len(extra) - 1] >= split:
+            return []
+    return sorted(holes + extra)
+
+
+def _runs_of(busy: Sequence[bool]) -> list[list[int]]:
+    """The runs of consecutive busy slots, each as its slot indices."""
+    out: list[list[int]] = []
+    for i, b in enumerate(busy):
+        if b:
+            if out and out[-1][-1] == i - 1:
+                out[-1].append(i)
+            else:
+                out.append([i])
+    return out
 
 
 def measure_steps(
