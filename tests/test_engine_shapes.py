@@ -158,12 +158,14 @@ def test_step_times_follow_the_steps_served_and_explore_the_unpadded_size() -> N
 # ---- the engine -------------------------------------------------------------------------------
 
 
-def make_engine(path: Path, *, slots: int, padding: bool = True, context: int = 256) -> Engine:
+def make_engine(
+    path: Path, *, slots: int, padding: bool = True, context: int = 256, batch: int = 512
+) -> Engine:
     config = EngineConfig(
         path=path,
         slots=slots,
         context_size=context,
-        batch_size=512,
+        batch_size=batch,
         threads=1,
         threads_batch=1,
         batch_padding=padding,
@@ -338,3 +340,15 @@ async def test_a_request_takes_the_slot_that_keeps_the_busy_ones_together(
     rows_late = [rows for rows in seen if len({s for s, _, _ in rows}) == 3]
     assert rows_late, "the late request never decoded beside the two long ones"
     assert all({s for s, _, _ in rows} == {0, 1, 2} for rows in rows_late)
+
+
+async def test_more_slots_than_batch_size_still_gives_every_slot_its_row(tiny_model: Path) -> None:
+    # batch_size 2 with 4 slots: the load times steps of 4 rows and each step holds 4.
+    small = make_engine(tiny_model, slots=4, batch=2)
+    try:
+        assert len(small.steps.seconds) == 4
+        texts = [t for t, _ in await asyncio.gather(*(generate(small, p, 16) for p in PROMPTS))]
+        alone = [(await generate(small, p, 16))[0] for p in PROMPTS]
+    finally:
+        small.close()
+    assert texts == alone

@@ -194,7 +194,10 @@ class Engine(NativeThread):
         self._n_swa = max(0, llama.llama_model_n_swa(model))
 
         _check_kv_blocks(model, config)
-        cparams = context_params(config, config.batch_size)
+        # Room for one row per slot in every decode, whatever batch_size says: each step
+        # holds a token of every generating sequence, and the load times steps of every size.
+        rows = max(config.batch_size, config.slots)
+        cparams = context_params(config, rows)
         # Sliding-window layers keep only their window (llama-server's default too): for
         # Gemma 3 that is most of the KV cache. A prefix that slid out of the window cannot
         # be reused, which _assign detects (seq_rm fails) and answers with a full prefill.
@@ -206,7 +209,7 @@ class Engine(NativeThread):
             raise ModelLoadError(f"llama.cpp could not create a context for {config.path}")
         self._ctx = ctx
         self._memory = llama.llama_get_memory(ctx)
-        self._batch = llama.llama_batch_init(config.batch_size, 0, config.slots)
+        self._batch = llama.llama_batch_init(rows, 0, config.slots)
         self.info = read_model_info(model, self._vocab, config.path)
         self.controls = ControlTokens(self._vocab, self.n_vocab)
         # Room for the whole vocabulary: the last resort of a grammar miss draws from all of it.
