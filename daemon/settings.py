@@ -855,7 +855,10 @@ class ModelSettings:
     )
     threads_batch: int | None = setting(None, "prompt threads; null: same as threads", bounds=_THREADS)
     batch_size: int = setting(
-        512, "tokens per llama_decode (n_batch, n_ubatch); also the prefill chunk", bounds=(1, 65536)
+        512,
+        "tokens per llama_decode (n_batch, n_ubatch); also the prefill chunk",
+        bounds=(1, 65536),
+        more="llama.cpp gets at least `slots` rows: every step holds a token of each generating sequence",
     )
     gpu_layers: GpuLayers = setting(
         0,
