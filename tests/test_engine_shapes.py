@@ -117,16 +117,18 @@ def test_measure_steps_takes_medians_in_alternating_order_within_its_budget() ->
     assert measure_steps(decode, 3, lambda: clock[0]) == pytest.approx([0.02, 0.05, 0.1])
     assert calls == [1, 2, 3, 3, 2, 1, 1, 2, 3]
 
-    # Past the budget after the first round: no further round starts.
+    # Past the budget: it stops where it is, with the sizes measured from 1 up.
     calls.clear()
-    slow = {1: [5.0] * 3, 2: [6.0] * 3}
 
     def slow_decode(n: int) -> None:
-        clock[0] += slow[n][0]
+        clock[0] += 0.8 * n
         calls.append(n)
 
-    assert measure_steps(slow_decode, 2, lambda: clock[0]) == [5.0, 6.0]
-    assert calls == [1, 2]
+    assert measure_steps(slow_decode, 8, lambda: clock[0]) == pytest.approx([0.8, 1.6])
+    assert calls == [1, 2]  # 2.4 s after two: the third is not started
+    calls.clear()
+    assert measure_steps(calls.append, 3, lambda: clock[0]) == [0.0, 0.0, 0.0]
+    assert len(calls) == 9  # a clock that does not move: every round of every size
 
 
 def test_step_times_follow_the_steps_served_and_explore_the_unpadded_size() -> None:

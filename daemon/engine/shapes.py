@@ -184,17 +184,29 @@ def _runs_of(busy: Sequence[bool]) -> list[list[int]]:
 def measure_steps(
     decode: Callable[[int], None], slots: int, clock: Callable[[], float] = time.perf_counter
 ) -> list[float]:
-    """Seconds of one decode step of each size from 1 to `slots` (index n - 1): the median of
-    up to `MEASURE_ROUNDS` rounds, alternately up and down the sizes so a trend in the
-    machine spreads over all of them."""
+    """Seconds of one decode step of each size from 1 (index n - 1): the median of up to
+    `MEASURE_ROUNDS` rounds, alternately up and down the sizes so that a trend in the machine
+    spreads over all of them. Past `MEASURE_BUDGET_S` it stops, with the sizes measured so far
+    from 1 up (at least 1): a big model on a CPU measures only its smaller sizes, and larger
+    steps are never padded."""
     times: list[list[float]] = [[] for _ in range(slots)]
     started = clock()
     for round_ in range(MEASURE_ROUNDS):
-        if round_ and clock() - started > MEASURE_BUDGET_S:
-            break
         sizes = range(1, slots + 1) if round_ % 2 == 0 else range(slots, 0, -1)
         for n in sizes:
+            if times[0] and clock() - started > MEASURE_BUDGET_S:
+                return _medians(times)
             t0 = clock()
             decode(n)
             times[n - 1].append(clock() - t0)
-    return [statistics.median(t) for t in times]
+    return _medians(times)
+
+
+def _medians(times: Sequence[Sequence[float]]) -> list[float]:
+    """The median of each size's timings, for the sizes from 1 up that have any."""
+    out: list[float] = []
+    for t in times:
+        if not t:
+            break
+        out.append(statistics.median(t))
+    return out
