@@ -12,7 +12,6 @@ import pytest
 
 from edgellmd.engine import Engine, EngineConfig
 from edgellmd.engine import scheduler as scheduler_module
-from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
 from edgellmd.engine.shapes import (
     SPLIT_COST_TOKENS,
     StepTimes,
@@ -23,8 +22,8 @@ from edgellmd.engine.shapes import (
     plan_rows,
     runs,
 )
+from tests.test_engine import generate  # greedy, to the end: the text and the Finished event
 
-GREEDY = SamplingParams(temperature=0.0)
 B, F = True, False  # a busy slot, a free one
 T = True  # a slot that may take a dummy row
 # Decode step ms by size measured on the demo model (8 slots, 2 cores; engine.shapes).
@@ -173,18 +172,6 @@ def make_engine(
         batch_padding=padding,
     )
     return Engine(config, name=path.stem)
-
-
-async def generate(engine: Engine, prompt: str, max_tokens: int) -> tuple[str, Finished]:
-    gen = engine.submit(
-        GenerationRequest(engine.tokenize(prompt), max_tokens, GREEDY, (), True), asyncio.get_running_loop()
-    )
-    parts: list[str] = []
-    async for event in gen.events():
-        parts.append(event.text)
-        if isinstance(event, Finished):
-            return "".join(parts), event
-    raise AssertionError("no Finished event")
 
 
 @pytest.fixture
