@@ -341,3 +341,36 @@ async def test_more_slots_than_batch_size_still_gives_every_slot_its_row(tiny_mo
     finally:
         small.close()
     assert texts == alone
+
+
+async def test_dummy_rows_follow_the_cache_after_a_failed_decode(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A decode that fails leaves tokens noted for a slot that its cache never got. Dummy rows
+    # take their positions from the cache itself, and padded steps go on serving after it.
+    plain = make_engine(tiny_model, slots=4, padding=False)
+    try:
+        alone = (await generate(plain, PROMPTS[2], 24))[0]
+    finally:
+        plain.close()
+    monkeypatch.setattr(scheduler_module, "measure_steps", lambda decode, slots: [1.0, 1.0, 1.0, 0.5])
+    engine = make_engine(tiny_model, slots=4)
+    decode = llama_cpp.llama_decode
+    calls = [0]
+
+    def fail_the_sixth(ctx: Any, batch: Any) -> int:
+        calls[0] += 1
+        return -1 if calls[0] == 6 else int(decode(ctx, batch))
+
+    try:
+        monkeypatch.setattr(llama_cpp, "llama_decode", fail_the_sixth)
+        failed = await asyncio.gather(generate(engine, PROMPTS[0], 24), generate(engine, PROMPTS[1], 24))
+        monkeypatch.setattr(llama_cpp, "llama_decode", decode)
+        before = engine.padded_steps
+        after = await generate(engine, PROMPTS[2], 24)
+    finally:
+        engine.close()
+    assert [f.reason for _, f in failed] == ["error", "error"]
+    assert after[1].reason == "length"
+    assert after[0] == alone
+    assert engine.padded_steps - before >= 20

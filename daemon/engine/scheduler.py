@@ -660,7 +660,9 @@ class Engine(NativeThread):
         chosen = plan_rows(present, usable, self.steps)
         if not chosen:
             return []
-        self._pads = [(seq, len(self._kv[seq])) for seq in chosen]
+        # Positions from llama.cpp itself: a row must follow the last one the cache holds
+        # (after a failed decode the tokens noted in _kv may not all be there).
+        self._pads = [(seq, llama.llama_memory_seq_pos_max(self._memory, seq) + 1) for seq in chosen]
         self.padded_steps += 1
         return [(0, pos, seq, True) for seq, pos in self._pads]
 
