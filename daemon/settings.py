@@ -920,7 +920,8 @@ class ModelSettings:
     )
     batch_padding: bool = setting(
         True,
-        "pad a step of generating sequences with dummy rows up to a size that decodes faster",
+        "pad a step of generating sequences with dummy rows up to a size that decodes faster, "
+        "and even out drafting steps",
         more="each step size from 1 to `slots` is timed at load (for about 2 s at most) and kept current by "
         "the steps served; a dummy row is one token in a free slot next to the busy ones, "
         "removed after the step",

@@ -12,6 +12,8 @@ JSON line. Not a test: the figures depend on the machine.
   llama-server.
 - speculation: rewrite a passage with one word changed (chat, temperature 0), 1 stream and 8:
   no speculation against prompt lookup (and llama-server's `ngram-simple`).
+- drafts-2: the same rewrite with prompt lookup, 2 streams: drafts of different lengths
+  evened into one ubatch (`batch_padding`) or not, and llama-server's `ngram-simple`.
 - draft: the same rewrite with a draft model (the demo model cut to its first 4 of 18 layers,
   the only model of its vocabulary to be had offline), against llama-server's `-md`.
 - prompt-cache: a shared system prompt of about 2,000 tokens, 8 users holding conversations
@@ -316,6 +318,35 @@ def partial(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, A
     return rounds(servers, args, model, workdir, together=True)
 
 
+def drafts_2(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    """Two sequences drafting at once: their drafts differ in length, evened rows or not."""
+    ask = {"endpoint": "chat", "prompt": REWRITE, "temperature": 0.0, "max_tokens": 400, "warmup": 1}
+    measure = streams_of(2, {**ask, "requests": 6})
+    base = {**EDGE_8, "threads": args.threads, "speculative": {"mode": "ngram", "max_draft": 24}}
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd ngram", [base]), measure),
+        (Server("edgellmd ngram unpadded", [{**base, "batch_padding": False}]), measure),
+    ]
+    if args.llama_server:
+        threads = llama_threads(args)
+        ngram = [*LLAMA_8, *threads, "--spec-type", "ngram-simple"]
+        servers.append((Server("llama-server ngram-simple", llama_server=ngram), measure))
+    return rounds(servers, args, model, workdir, together=True)
+
+
+def streams_of(n: int, ask: dict[str, Any]) -> Measure:
+    """Aggregate tokens/s of `n` streams, and the share of drafts kept."""
+
+    def measure(running: Running) -> dict[str, float]:
+        summary = bench(running.url, concurrency=n, **ask)
+        figures = {f"tok_s_{n}": summary.tokens_per_s}
+        if summary.drafted_tokens:
+            figures[f"accepted_{n}"] = (summary.accepted_tokens or 0) / summary.drafted_tokens
+        return figures
+
+    return measure
+
+
 def speculation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
     ask = {"endpoint": "chat", "prompt": REWRITE, "temperature": 0.0, "max_tokens": 400, "warmup": 1}
     c1 = {**ask, "concurrency": 1, "requests": 2}
@@ -542,6 +573,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path, Path], dict[str, Any]]]
     "plain": plain,
     "partial": partial,
     "speculation": speculation,
+    "drafts-2": drafts_2,
     "draft": draft,
     "prompt-cache": prompt_cache,
     "shared-prompt": shared_prompt,

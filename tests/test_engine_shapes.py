@@ -12,10 +12,12 @@ import pytest
 
 from edgellmd.engine import Engine, EngineConfig
 from edgellmd.engine import scheduler as scheduler_module
+from edgellmd.engine.drafts import Speculation
 from edgellmd.engine.shapes import (
     SPLIT_COST_TOKENS,
     StepTimes,
     choose_slot,
+    even_rows,
     measure_steps,
     pad_slots,
     padded_sizes,
@@ -102,6 +104,17 @@ def test_holes_are_filled_when_one_ubatch_is_cheaper_than_the_runs() -> None:
     assert plan_rows([B, B, F, B, F, F, F, F], [F, F, F, F, T, T, T, T], StepTimes(DEMO_STEPS)) == []
     assert plan_rows([B, B, F, B], every[:4], StepTimes([])) == []
     assert plan_rows([F] * 8, every, StepTimes(DEMO_STEPS)) == []
+
+
+def test_drafting_steps_are_evened_when_the_rows_cost_less_than_the_ubatches_they_save() -> None:
+    demo = StepTimes(DEMO_STEPS, row_seconds=2.4)  # ms here: a row without logits, 1-row steps 22
+    assert even_rows([9, 1], demo) == 9  # 8 rows (19 ms) save a ubatch (22 ms)
+    assert even_rows([5, 1], demo) == 5
+    assert even_rows([9, 1, 1, 1], demo) == 0  # 24 rows cost more than one ubatch
+    assert even_rows([9, 5, 1], demo) == 9  # 12 rows, two ubatches saved
+    assert even_rows([4, 4], demo) == 0  # already one ubatch
+    assert even_rows([9, 1], StepTimes(DEMO_STEPS)) == 0  # no row timing: nothing evened
+    assert even_rows([9, 1], StepTimes([])) == 0
 
 
 def test_measure_steps_takes_medians_in_alternating_order_within_its_budget() -> None:
@@ -207,7 +220,14 @@ async def test_padded_steps_give_the_same_text_and_leave_every_cached_prefix_int
         unpadded = plain.performance()["batch_padding"]
     finally:
         plain.close()
-    assert unpadded == {"enabled": False, "step_ms": [], "padded": {}, "padded_steps": 0}
+    assert unpadded == {
+        "enabled": False,
+        "step_ms": [],
+        "padded": {},
+        "padded_steps": 0,
+        "row_ms": 0.0,
+        "evened_draft_steps": 0,
+    }
     # A machine on which 4 rows decode faster than 1, 2 or 3: every step is padded to 4.
     monkeypatch.setattr(scheduler_module, "measure_steps", lambda decode, slots: [1.0, 1.0, 1.0, 0.5])
     engine = make_engine(tiny_model, slots=4)
@@ -374,3 +394,43 @@ async def test_dummy_rows_follow_the_cache_after_a_failed_decode(
     assert after[1].reason == "length"
     assert after[0] == alone
     assert engine.padded_steps - before >= 20
+
+
+async def test_evened_drafting_steps_give_plain_decodings_text(
+    tiny_model: Path, decodes: Callable[[], list[list[tuple[int, int, bool]]]]
+) -> None:
+    prompts = ["abcabcabcabc the quick brown fox jumps over the lazy dog " * 2, "0101010101010101"]
+
+    def engine(spec: Speculation) -> Engine:
+        config = EngineConfig(
+            path=tiny_model,
+            slots=2,
+            context_size=1024,
+            batch_size=512,
+            threads=1,
+            threads_batch=1,
+            speculative=spec,
+        )
+        return Engine(config, name="m")
+
+    plain = engine(Speculation())
+    try:
+        expected = [t for t, _ in await asyncio.gather(*(generate(plain, p, 48) for p in prompts))]
+    finally:
+        plain.close()
+    drafting = engine(Speculation(mode="ngram", max_draft=6, max_sequences=2))
+    # Rows without logits cheap, a 1-row step dear: every uneven drafting step is evened.
+    drafting.steps = StepTimes([1.0, 1.0], row_seconds=0.001)
+    try:
+        seen = decodes()
+        texts = [t for t, _ in await asyncio.gather(*(generate(drafting, p, 48) for p in prompts))]
+        evened = drafting.evened_steps
+        again = [(await generate(drafting, p, 48))[0] for p in prompts]
+    finally:
+        drafting.close()
+    assert texts == expected
+    assert again == expected
+    assert evened >= 1
+    # An evened step: both sequences with the same row count, the extra rows without logits.
+    even = [rows for rows in seen if {s for s, _, _ in rows} == {0, 1} and len(rows) > 2]
+    assert any(sum(s == 0 for s, _, _ in rows) == sum(s == 1 for s, _, _ in rows) for rows in even)

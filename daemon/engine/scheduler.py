@@ -71,7 +71,7 @@ from edgellmd.engine.sampling import (
     compile_grammar,
     make_chain,
 )
-from edgellmd.engine.shapes import StepTimes, choose_slot, measure_steps, plan_rows, runs
+from edgellmd.engine.shapes import StepTimes, choose_slot, even_rows, measure_steps, plan_rows, runs
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ _FLASH_NAMES: Final = {
     int(llama.LLAMA_FLASH_ATTN_TYPE_AUTO): "auto",
 }
 _KV_BLOCK: Final = 32  # values per block of q8_0 and q4_0
+_ROW_PROBE: Final = 8  # rows of the load's step that times a row without logits
 _KV_PAD: Final = 256  # llama.cpp rounds the KV cells an attention reads up to this
 _MIN_RESTORE_GAIN: Final = 64  # tokens a cached prefix must save over a slot's own to be restored
 
@@ -185,6 +186,7 @@ class Engine(NativeThread):
         self.steps = StepTimes([])
         self._pads: list[tuple[int, int]] = []  # (slot, position) of the last step's dummy rows
         self.padded_steps = 0
+        self.evened_steps = 0  # drafting steps made one ubatch by rows without logits
         self._start_thread(f"engine:{name}")
 
     def _load(self) -> None:
@@ -196,7 +198,7 @@ class Engine(NativeThread):
         _check_kv_blocks(model, config)
         # Room for one row per slot in every decode, whatever batch_size says: each step
         # holds a token of every generating sequence, and the load times steps of every size.
-        rows = max(config.batch_size, config.slots)
+        rows = self._rows = max(config.batch_size, config.slots)
         cparams = context_params(config, rows)
         # Sliding-window layers keep only their window (llama-server's default too): for
         # Gemma 3 that is most of the KV cache. A prefix that slid out of the window cannot
@@ -331,6 +333,8 @@ class Engine(NativeThread):
                 "step_ms": [round(t * 1000, 2) for t in self.steps.seconds],
                 "padded": {str(n): m for n, m in self.steps.padded().items()},
                 "padded_steps": self.padded_steps,
+                "row_ms": round(self.steps.row_seconds * 1000, 2),
+                "evened_draft_steps": self.evened_steps,
             },
             "speculative": {
                 "mode": config.speculative.mode,
@@ -394,7 +398,15 @@ class Engine(NativeThread):
             for seq in range(n):
                 llama.llama_memory_seq_rm(self._memory, seq, -1, -1)
 
-        self.steps = StepTimes(measure_steps(decode, self.config.slots))
+        seconds = measure_steps(decode, self.config.slots)
+        # A row without logits: one sequence's step of ROW_PROBE rows against one of 1.
+        probe = min(_ROW_PROBE, self._rows)
+        started = time.perf_counter()
+        fill_batch(self._batch, [(0, pos, 0, pos == probe - 1) for pos in range(probe)])
+        if llama.llama_decode(self._ctx, self._batch) != 0:
+            raise ModelLoadError(f"a warm-up decode of {probe} rows failed for {self.config.path}")
+        row = (time.perf_counter() - started - seconds[0]) / max(1, probe - 1)
+        self.steps = StepTimes(seconds, max(row, 0.0) if probe > 1 else 0.0)
         llama.llama_memory_clear(self._memory, True)
         log.info(
             "model %s: decode step ms by size %s; padded at first %s",
@@ -590,6 +602,8 @@ class Engine(NativeThread):
         decode_only = len(items) == len(generating)  # a token for each generating sequence, no more
         if decode_only:
             items += self._padding(items)
+        elif len(items) == sum(1 + len(s.draft) for _, s in generating):  # tokens and drafts only
+            items += self._even_drafts(generating, len(items))
         items = in_sequence_order(items, self._slots)
         # Its time counts for its size when the step is one ubatch (sequences without a gap).
         one_ubatch = decode_only and items[-1][2] - items[0][2] == len(items) - 1
@@ -665,6 +679,32 @@ class Engine(NativeThread):
         self._pads = [(seq, llama.llama_memory_seq_pos_max(self._memory, seq) + 1) for seq in chosen]
         self.padded_steps += 1
         return [(0, pos, seq, True) for seq, pos in self._pads]
+
+    def _even_drafts(self, generating: list[tuple[int, _Slot]], n_items: int) -> list[Item]:
+        """Rows without logits that give every sequence of a drafting step as many rows as the
+        longest draft's (`shapes.even_rows`), so that the step is one ubatch; or none.
+
+        Only for sequences in one run of slots (a gap splits the step anyway), with room in
+        the batch and in each one's context. They follow each sequence's own rows and leave
+        the KV cache right after the step, as rejected drafts do.
+        """
+        ids = [i for i, _ in generating]
+        if ids[-1] - ids[0] != len(ids) - 1:
+            return []
+        counts = [1 + len(s.draft) for _, s in generating]
+        most = even_rows(counts, self.steps)
+        if not most or n_items + sum(most - c for c in counts) > self._rows:
+            return []
+        if any(s.n_past + most > self.config.context_size - 1 for _, s in generating):
+            return []
+        rows: list[Item] = []
+        for (i, slot), count in zip(generating, counts, strict=True):
+            if count < most:
+                start = slot.n_past + len(slot.draft)
+                rows.extend((0, start + j, i, False) for j in range(most - count))
+                self._pads.append((i, start))
+        self.evened_steps += 1
+        return rows
 
     def _verify(self, i: int, slot: _Slot) -> list[Event]:
         """Check a sequence's draft with its own sampler, position by position; keep what matches.
