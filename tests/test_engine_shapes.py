@@ -173,7 +173,13 @@ def test_step_times_follow_the_steps_served_and_explore_the_unpadded_size() -> N
 
 
 def make_engine(
-    path: Path, *, slots: int, padding: bool = True, context: int = 256, batch: int = 512
+    path: Path,
+    *,
+    slots: int,
+    padding: bool = True,
+    context: int = 256,
+    batch: int = 512,
+    spec: Speculation = Speculation(),  # noqa: B008 - a frozen dataclass
 ) -> Engine:
     config = EngineConfig(
         path=path,
@@ -183,6 +189,7 @@ def make_engine(
         threads=1,
         threads_batch=1,
         batch_padding=padding,
+        speculative=spec,
     )
     return Engine(config, name=path.stem)
 
@@ -401,24 +408,13 @@ async def test_evened_drafting_steps_give_plain_decodings_text(
 ) -> None:
     prompts = ["abcabcabcabc the quick brown fox jumps over the lazy dog " * 2, "0101010101010101"]
 
-    def engine(spec: Speculation) -> Engine:
-        config = EngineConfig(
-            path=tiny_model,
-            slots=2,
-            context_size=1024,
-            batch_size=512,
-            threads=1,
-            threads_batch=1,
-            speculative=spec,
-        )
-        return Engine(config, name="m")
-
-    plain = engine(Speculation())
+    plain = make_engine(tiny_model, slots=2, context=1024)
     try:
         expected = [t for t, _ in await asyncio.gather(*(generate(plain, p, 48) for p in prompts))]
     finally:
         plain.close()
-    drafting = engine(Speculation(mode="ngram", max_draft=6, max_sequences=2))
+    ngram = Speculation(mode="ngram", max_draft=6, max_sequences=2)
+    drafting = make_engine(tiny_model, slots=2, context=1024, spec=ngram)
     # Rows without logits cheap, a 1-row step dear: every uneven drafting step is evened.
     drafting.steps = StepTimes([1.0, 1.0], row_seconds=0.001)
     try:
