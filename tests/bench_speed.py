@@ -256,14 +256,14 @@ def streams(c1: dict[str, Any], c8: dict[str, Any]) -> Measure:
     return measure
 
 
-def one_stream(c1: dict[str, Any]) -> Measure:
-    """Tokens/s of one stream, and the share of drafts kept when the server says."""
+def streams_of(n: int, ask: dict[str, Any]) -> Measure:
+    """Aggregate tokens/s of `n` streams, and the share of drafts kept."""
 
     def measure(running: Running) -> dict[str, float]:
-        one = bench(running.url, concurrency=1, **c1)
-        figures = {"tok_s_1": one.tokens_per_s}
-        if one.drafted_tokens:
-            figures["accepted_1"] = (one.accepted_tokens or 0) / one.drafted_tokens
+        summary = bench(running.url, concurrency=n, **ask)
+        figures = {f"tok_s_{n}": summary.tokens_per_s}
+        if summary.drafted_tokens:
+            figures[f"accepted_{n}"] = (summary.accepted_tokens or 0) / summary.drafted_tokens
         return figures
 
     return measure
@@ -332,19 +332,6 @@ def drafts_2(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, 
         ngram = [*LLAMA_8, *threads, "--spec-type", "ngram-simple"]
         servers.append((Server("llama-server ngram-simple", llama_server=ngram), measure))
     return rounds(servers, args, model, workdir, together=True)
-
-
-def streams_of(n: int, ask: dict[str, Any]) -> Measure:
-    """Aggregate tokens/s of `n` streams, and the share of drafts kept."""
-
-    def measure(running: Running) -> dict[str, float]:
-        summary = bench(running.url, concurrency=n, **ask)
-        figures = {f"tok_s_{n}": summary.tokens_per_s}
-        if summary.drafted_tokens:
-            figures[f"accepted_{n}"] = (summary.accepted_tokens or 0) / summary.drafted_tokens
-        return figures
-
-    return measure
 
 
 def speculation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
@@ -432,18 +419,18 @@ def draft(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any
     spec = {"mode": "draft", "draft_file": str(draft_file), "max_draft": 16}
     threads = llama_threads(args)
     servers: list[tuple[Server, Measure]] = [
-        (Server("edgellmd plain", [base]), one_stream(c1)),
-        (Server("edgellmd draft", [{**base, "speculative": spec}]), one_stream(c1)),
+        (Server("edgellmd plain", [base]), streams_of(1, c1)),
+        (Server("edgellmd draft", [{**base, "speculative": spec}]), streams_of(1, c1)),
     ]
     if args.llama_server:
         servers += [
-            (Server("llama-server plain", llama_server=[*LLAMA_8, *threads]), one_stream(c1)),
+            (Server("llama-server plain", llama_server=[*LLAMA_8, *threads]), streams_of(1, c1)),
             (
                 Server(
                     "llama-server draft",
                     llama_server=[*LLAMA_8, *threads, "-md", str(draft_file), *LLAMA_DRAFT],
                 ),
-                one_stream(c1),
+                streams_of(1, c1),
             ),
         ]
     return rounds(servers, args, model, workdir, together=True)

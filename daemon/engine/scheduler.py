@@ -391,21 +391,22 @@ class Engine(NativeThread):
     def _measure_steps(self) -> None:
         """Time a decode step of each size and choose what each size is padded to (engine.shapes)."""
 
-        def decode(n: int) -> None:
-            fill_batch(self._batch, [(0, 0, seq, True) for seq in range(n)])
+        def timed(items: list[Item]) -> float:
+            fill_batch(self._batch, items)
+            started = time.perf_counter()
             if llama.llama_decode(self._ctx, self._batch) != 0:
-                raise ModelLoadError(f"a warm-up decode of {n} rows failed for {self.config.path}")
-            for seq in range(n):
+                raise ModelLoadError(f"a warm-up decode of {len(items)} rows failed for {self.config.path}")
+            took = time.perf_counter() - started
+            for seq in {it[2] for it in items}:
                 llama.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            return took
 
-        seconds = measure_steps(decode, self.config.slots)
+        # Each step size: one row in each of the first n sequences.
+        seconds = measure_steps(lambda n: timed([(0, 0, seq, True) for seq in range(n)]), self.config.slots)
         # A row without logits: one sequence's step of ROW_PROBE rows against one of 1.
         probe = min(_ROW_PROBE, self._rows)
-        started = time.perf_counter()
-        fill_batch(self._batch, [(0, pos, 0, pos == probe - 1) for pos in range(probe)])
-        if llama.llama_decode(self._ctx, self._batch) != 0:
-            raise ModelLoadError(f"a warm-up decode of {probe} rows failed for {self.config.path}")
-        row = (time.perf_counter() - started - seconds[0]) / max(1, probe - 1)
+        took = timed([(0, pos, 0, pos == probe - 1) for pos in range(probe)])
+        row = (took - seconds[0]) / max(1, probe - 1)
         self.steps = StepTimes(seconds, max(row, 0.0) if probe > 1 else 0.0)
         llama.llama_memory_clear(self._memory, True)
         log.info(
@@ -658,6 +659,8 @@ class Engine(NativeThread):
         while its cached tokens are fewer than the window: a later position could let
         llama.cpp overwrite cells of that prefix.
         """
+        if not self.steps.seconds:  # padding off
+            return []
         present = [False] * len(self._slots)
         for _, _, seq, _ in items:
             present[seq] = True

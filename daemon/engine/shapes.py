@@ -40,12 +40,24 @@ SPLIT_COST_TOKENS: Final = 256
 PAD_MARGIN: Final = 0.9
 NEAR_BEST: Final = 1.03  # sizes within 3% of the fastest count as fast: the fewest dummy rows win
 MEASURE_ROUNDS: Final = 3  # decodes of each size; the median counts
-MEASURE_BUDGET_S: Final = 2.0  # no further round starts after this long (a big model on a CPU)
+MEASURE_BUDGET_S: Final = 2.0  # timing stops after this long, with the sizes done (a big model on a CPU)
+
+
+def busy_runs(busy: Sequence[bool]) -> list[list[int]]:
+    """The runs of consecutive busy slots, each as its slot indices (a decode step's ubatches)."""
+    out: list[list[int]] = []
+    for i, b in enumerate(busy):
+        if b:
+            if out and out[-1][-1] == i - 1:
+                out[-1].append(i)
+            else:
+                out.append([i])
+    return out
 
 
 def runs(busy: Sequence[bool]) -> int:
     """How many runs of consecutive busy slots there are (the ubatches a decode step takes)."""
-    return sum(1 for i, b in enumerate(busy) if b and (i == 0 or not busy[i - 1]))
+    return len(busy_runs(busy))
 
 
 def choose_slot(busy: Sequence[bool], reuse: Sequence[int]) -> int:
@@ -128,10 +140,10 @@ def pad_slots(busy: Sequence[bool], usable: Sequence[bool], count: int) -> list[
     None when the busy slots are not one run or there are not enough such slots next to it:
     a dummy row anywhere else would split the step instead of filling it.
     """
-    if runs(busy) != 1 or count <= 0:
+    found = busy_runs(busy)
+    if len(found) != 1 or count <= 0:
         return None
-    first = busy.index(True)
-    last = len(busy) - 1 - list(reversed(busy)).index(True)
+    first, last = found[0][0], found[0][-1]
     chosen: list[int] = []
     for i in range(last + 1, len(busy)):
         if len(chosen) == count or not usable[i]:
@@ -153,20 +165,18 @@ def plan_rows(present: Sequence[bool], usable: Sequence[bool], times: StepTimes)
     machines). Then rows at the ends of the run, up to the size `times` says is faster.
     None of it when a slot that would need a row may not take one.
     """
-    n = sum(present)
-    if n == 0 or not times.seconds:
+    found = busy_runs(present)
+    if not found or not times.seconds:
         return []
-    first = present.index(True)
-    last = len(present) - 1 - list(reversed(present)).index(True)
-    holes = [i for i in range(first, last + 1) if not present[i]]
+    n = sum(len(run) for run in found)
+    holes = [i for i in range(found[0][0], found[-1][-1] + 1) if not present[i]]
     if not all(usable[i] for i in holes):
         return []
     filled = [p or i in holes for i, p in enumerate(present)]
     size = times.target(n + len(holes))
     extra = pad_slots(filled, usable, size - n - len(holes)) or []
     if holes:
-        lengths = [len(run) for run in _runs_of(present)]
-        split = sum(times.seconds[k - 1] for k in lengths)
+        split = sum(times.seconds[len(run) - 1] for run in found)
         if times.seconds[n + len(holes) + len(extra) - 1] >= split:
             return []
     return sorted(holes + extra)
@@ -190,20 +200,8 @@ def even_rows(counts: Sequence[int], times: StepTimes) -> int:
     return most if rows * times.row_seconds < PAD_MARGIN * saved * times.seconds[0] else 0
 
 
-def _runs_of(busy: Sequence[bool]) -> list[list[int]]:
-    """The runs of consecutive busy slots, each as its slot indices."""
-    out: list[list[int]] = []
-    for i, b in enumerate(busy):
-        if b:
-            if out and out[-1][-1] == i - 1:
-                out[-1].append(i)
-            else:
-                out.append([i])
-    return out
-
-
 def measure_steps(
-    decode: Callable[[int], None], slots: int, clock: Callable[[], float] = time.perf_counter
+    decode: Callable[[int], object], slots: int, clock: Callable[[], float] = time.perf_counter
 ) -> list[float]:
     """Seconds of one decode step of each size from 1 (index n - 1): the median of up to
     `MEASURE_ROUNDS` rounds, alternately up and down the sizes so that a trend in the machine
