@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 import psutil
 
 from edgellmctl.cli import Subcommands
+from edgellmctl.cpubuild import AMX_FLAGS, Verdict, compiler, cpu_flags, probe
 from edgellmctl.cudabuild import cc_name, coverage, rebuild_hint
 from edgellmd.files import kind_of, read_regular
 from edgellmd.host.cpu import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
@@ -59,6 +60,8 @@ class Host:
     shm: Path = SHM
     systemd_analyze: str | None = shutil.which("systemd-analyze")
     nvml: Any = None  # pynvml, or a stand-in
+    # The AMX probe of ops/cpubuild.py: (CPU flags, C++ compiler) -> verdict.
+    amx_probe: Callable[[frozenset[str], str | None], Verdict] = probe
 
 
 def _ok(name: str, detail: str) -> Check:
@@ -88,6 +91,43 @@ def check_cpu_flags(host: Host) -> Check:
         "cpu flags",
         "AVX2" + (f", {', '.join(extras)}" if extras else "") if "avx2" in flags else "ARM NEON (asimd)",
     )
+
+
+_AMX_FIX: Final = (
+    "rebuild llama-cpp-python without them: ./dev demo does it, or "
+    'CMAKE_ARGS="$(python3 -m edgellmctl.cpubuild cmake-args)" pip install --force-reinstall --no-deps '
+    "--no-cache-dir --no-binary llama-cpp-python llama-cpp-python==<the installed version>"
+)
+
+
+def check_cpu_build(build: BuildInfo, host: Host) -> Check:
+    """llama.cpp's AMX kernels, where the CPU runs them: does this machine's compiler build them
+    right (ops/cpubuild.py)? GCC 12's do not, and every prompt of more than one token crashes."""
+    if build.features.get("CPU", {}).get("AMX_INT8") != "1":
+        return _ok("cpu build", "llama.cpp has no AMX kernels")
+    flags = cpu_flags(host.cpuinfo)
+    if not flags >= AMX_FLAGS:
+        return _ok("cpu build", "llama.cpp has AMX kernels; this CPU has no AMX to run them")
+    cxx = compiler()
+    verdict = host.amx_probe(flags, cxx)
+    if verdict.broken:
+        return Check(
+            "cpu build",
+            "fail",
+            f"llama.cpp has AMX kernels, and {verdict.line}: every prompt of more than one token "
+            "crashes the daemon",
+            _AMX_FIX,
+        )
+    if cxx is None:
+        return Check(
+            "cpu build",
+            "warn",
+            "llama.cpp has AMX kernels, and there is no C++ compiler to probe them with: built by "
+            "GCC 12 they crash on the first prompt of more than one token",
+            "run `python3 -m edgellmctl.cpubuild probe` with the compiler that built it, on a CPU like "
+            "this one; if it finds AMX broken, " + _AMX_FIX,
+        )
+    return _ok("cpu build", f"llama.cpp has AMX kernels; {verdict.line}")
 
 
 def check_affinity(settings: Settings | None) -> Check:
@@ -427,7 +467,9 @@ def run_checks(
         checks.append(Check("cpu affinity", "fail", str(exc)))
     checks.extend(check_memory(settings))
     checks.append(check_shm(settings, host))
-    checks.extend(check_gpu(settings, host, build_info))
+    info = build_info()  # loads llama.cpp: asked once
+    checks.append(check_cpu_build(info, host))
+    checks.extend(check_gpu(settings, host, lambda: info))
     checks.extend(check_permissions(settings, config))
     checks.append(config_check)
     checks.append(check_unit(unit, host))

@@ -1,4 +1,5 @@
-"""`./dev`'s CUDA build path: what it asks pip for with EDGELLM_CUDA=1, against fake nvcc releases."""
+"""`./dev`'s llama.cpp build paths: what it asks pip for with EDGELLM_CUDA=1, against fake nvcc
+releases, and where ops/cpubuild.py finds the compiler breaks the AMX kernels."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 REPO: Final = Path(__file__).resolve().parent.parent
 NVCC_DATA: Final = REPO / "tests" / "data" / "nvcc"
 BASE_PYTHON: Final = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-FUNCTIONS: Final = ("install_python", "install_cuda_llama")
+FUNCTIONS: Final = ("install_python", "build_llama", "install_cuda_llama")
+NO_AMX: Final = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX_ARGS: Final = f'-DCMAKE_C_FLAGS="{NO_AMX}" -DCMAKE_CXX_FLAGS="{NO_AMX}"'
 
 
 def _function(name: str) -> str:
@@ -31,13 +34,22 @@ def _executable(path: Path, text: str) -> Path:
 
 
 def run_install(
-    tmp_path: Path, *, release: str | None, env: dict[str, str], installed: bool = False, built: bool = False
+    tmp_path: Path,
+    *,
+    release: str | None,
+    env: dict[str, str],
+    installed: bool = False,
+    built: bool = False,
+    amx: str = "absent",
 ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """dev's install_python with a stand-in venv python that logs what it is asked (pip never runs).
 
     The stand-in runs ops/cudabuild.py for real, on the bare interpreter, as dev does;
     `installed`: pip show finds llama-cpp-python; `built`: cudabuild check passes from the start
-    (else it fails until pip has installed something, as on a fresh venv).
+    (else it fails until pip has installed something, as on a fresh venv). `amx`: "absent" (the
+    probe finds nothing to leave out), "broken" (it does; a build made with its flags is safe) or
+    "cached" (broken, and pip's wheel cache hands back a build with the AMX kernels for edgellm's
+    own install, so that only a rebuild of llama-cpp-python itself is safe).
     """
     log = tmp_path / "calls.log"
     bin_dir = tmp_path / "bin"
@@ -53,6 +65,14 @@ def run_install(
         f"""#!/bin/sh
 if [ "$1" = ops/cudabuild.py ]; then exec "{BASE_PYTHON}" "$@"; fi
 echo "CMAKE_ARGS=${{CMAKE_ARGS:-}} FORCE_CMAKE=${{FORCE_CMAKE:-}} $*" >> "{log}"
+case "$1 $2" in
+  "ops/cpubuild.py cmake-args") [ "{amx}" = absent ] || echo '{NO_AMX_ARGS}'; exit 0 ;;
+  "ops/cpubuild.py check")
+    [ "{amx}" = absent ] && exit 0
+    pattern=" -m pip install .*llama"
+    [ "{amx}" = cached ] || pattern=" -m pip install "
+    grep -- "-mno-amx-int8" "{log}" | grep -q -- "$pattern"; exit $? ;;
+esac
 case "$1 $2 $3" in
   "-m pip show") exit {0 if installed else 1} ;;
   "-m edgellmctl.cudabuild check")
@@ -162,3 +182,34 @@ def test_a_request_the_toolkit_cannot_build_stops_with_one_line(
 
 def test_dev_parses() -> None:
     subprocess.run(["bash", "-n", str(REPO / "dev")], check=True, timeout=30)
+
+
+def test_where_amx_breaks_the_cpu_build_leaves_it_out(tmp_path: Path) -> None:
+    result, calls = run_install(tmp_path, release=None, env={}, amx="broken")
+    assert result.returncode == 0, result.stderr
+    assert pip_installs(calls)[1:] == [f"CMAKE_ARGS={NO_AMX_ARGS} FORCE_CMAKE= -m pip install -q -e .[demo]"]
+    assert calls[-1].endswith("ops/cpubuild.py check")  # asked once, and it was safe
+
+
+def test_a_build_with_the_broken_amx_kernels_is_rebuilt_without_them(tmp_path: Path) -> None:
+    result, calls = run_install(tmp_path, release=None, env={}, amx="cached", installed=True)
+    assert result.returncode == 0, result.stderr
+    assert pip_installs(calls)[2:] == [
+        f"CMAKE_ARGS={NO_AMX_ARGS} FORCE_CMAKE=1 -m pip install -q --no-cache-dir --force-reinstall "
+        "--no-deps --no-binary llama-cpp-python llama-cpp-python>=0.3.36,<0.4"
+    ]
+    assert "rebuilding llama-cpp-python without its AMX kernels" in result.stdout
+
+
+def test_a_cuda_build_leaves_amx_out_too(tmp_path: Path) -> None:
+    result, calls = run_install(
+        tmp_path, release="12.4", env={"EDGELLM_CUDA": "1", "EDGELLM_CUDA_ARCHS": "90"}, amx="cached"
+    )
+    assert result.returncode == 0, result.stderr
+    flags = f"-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off {NO_AMX_ARGS}"
+    assert pip_installs(calls)[1] == (
+        f"CMAKE_ARGS={flags} FORCE_CMAKE=1 -m pip install -q --no-cache-dir --no-binary llama-cpp-python "
+        "llama-cpp-python>=0.3.36,<0.4"
+    )
+    # The CUDA build was made without AMX: no second build.
+    assert [c for c in pip_installs(calls) if "llama-cpp-python" in c] == [pip_installs(calls)[1]]

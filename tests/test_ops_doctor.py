@@ -16,7 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmctl import doctor
 from edgellmctl.__main__ import main as edgellmctl
-from edgellmctl.doctor import Host, check_build, check_cpu_flags, check_shm, run_checks
+from edgellmctl.cpubuild import Verdict
+from edgellmctl.doctor import Host, check_build, check_cpu_build, check_cpu_flags, check_shm, run_checks
 from edgellmctl.keys import create_key
 from edgellmd.engine import BackendDevice, BuildInfo, build_info
 from edgellmd.host.nvml import read_gpus
@@ -72,6 +73,85 @@ def test_cpu_flags(tmp_path: Path, flags: str, level: str, detail: str) -> None:
     assert check.level == level
     assert check.detail == detail if level == "ok" else detail in check.detail
     assert (check.fix is not None) == (level != "ok")
+
+
+AMX_CPU = "fpu avx2 avx512f avx512_vnni amx_tile amx_int8 amx_bf16"
+
+
+def amx_build(amx: bool) -> BuildInfo:
+    """A CPU build's answers, with or without AMX kernels, shaped on this machine's own."""
+    real = build_info()
+    cpu = {k: v for k, v in real.features.get("CPU", {}).items() if k != "AMX_INT8"}
+    if amx:
+        cpu["AMX_INT8"] = "1"
+    return BuildInfo(
+        real.backends, real.devices, real.cuda_archs, real.gpu_offload, real.system_info, {"CPU": cpu}
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "amx", "verdict", "cxx", "level", "said"),
+    [
+        (AMX_CPU, False, None, "/usr/bin/c++", "ok", "llama.cpp has no AMX kernels"),
+        ("fpu avx2 avx512f", True, None, "/usr/bin/c++", "ok", "this CPU has no AMX to run them"),
+        (
+            AMX_CPU,
+            True,
+            Verdict(False, "c++ builds working AMX code"),
+            "/usr/bin/c++",
+            "ok",
+            "working AMX code",
+        ),
+        (
+            AMX_CPU,
+            True,
+            Verdict(True, "c++ -march=native builds AMX code that dies here (SIGSEGV ...)"),
+            "/usr/bin/c++",
+            "fail",
+            "dies here (SIGSEGV ...): every prompt of more than one token crashes the daemon",
+        ),
+        (
+            AMX_CPU,
+            True,
+            Verdict(False, "no C++ compiler"),
+            None,
+            "warn",
+            "no C++ compiler to probe them with",
+        ),
+    ],
+)
+def test_the_cpu_build_check_probes_amx_kernels_where_they_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flags: str,
+    amx: bool,
+    verdict: Verdict | None,
+    cxx: str | None,
+    level: str,
+    said: str,
+) -> None:
+    asked: list[tuple[frozenset[str], str | None]] = []
+
+    def fake_probe(cpu: frozenset[str], compiler: str | None) -> Verdict:
+        asked.append((cpu, compiler))
+        assert verdict is not None, "probed where nothing needs it"
+        return verdict
+
+    monkeypatch.setattr(doctor, "compiler", lambda: cxx)
+    host = cpuinfo(tmp_path, flags)
+    check = check_cpu_build(amx_build(amx), Host(cpuinfo=host.cpuinfo, amx_probe=fake_probe))
+    assert (check.name, check.level) == ("cpu build", level)
+    assert said in check.detail
+    assert (check.fix is not None) == (level != "ok")
+    if level != "ok":
+        assert "edgellmctl.cpubuild cmake-args" in (check.fix or "")
+    assert [c for c, _ in asked] == ([frozenset(flags.split())] if verdict is not None else [])
+
+
+def test_the_cpu_build_check_passes_for_the_build_here() -> None:
+    """The real build and probe: what ./dev built must not be one the probe finds broken."""
+    check = check_cpu_build(build_info(), Host())
+    assert check.level == "ok", check.detail
 
 
 def write_box(
