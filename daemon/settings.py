@@ -992,6 +992,13 @@ class HostSettings:
         more="before any model loads (`auto`: one logical CPU per physical core of the allowed set); model "
         "`threads` default to the pinned count; a refused pinning is logged and the daemon carries on",
     )
+    huge_pages: bool = setting(
+        True,
+        "after each model load, back its resident memory with transparent huge pages",
+        more="`MADV_COLLAPSE` (Linux 6.1 on) on the daemon's large, nearly all resident anonymous "
+        "mappings: llama.cpp's weights, KV cache and compute buffers; where the kernel cannot, "
+        "one warning and the daemon carries on (`daemon/host/hugepages.py` says why)",
+    )
     gpu_poll_s: float = setting(10.0, "seconds between NVML readings")
     gpu_headroom_mb: int = setting(  # CUDA context, compute buffers and fragmentation
         1024, "VRAM that gpu_layers: auto leaves free", bounds=(0, None)

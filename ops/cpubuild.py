@@ -15,7 +15,8 @@ builds its kernels, and where the probe fails it gives the CMake flags that leav
 build is otherwise as native as before; llama.cpp falls back to its AVX-512 kernels.
 
 `./dev` runs this file with the bare interpreter before edgellm is installed, so it imports
-nothing beyond the standard library at module level; `check` alone imports llama_cpp.
+nothing beyond the standard library at module level; `check` alone imports edgellm (to ask the
+installed llama.cpp what it was built with).
 
     python3 ops/cpubuild.py cmake-args    # extra CMAKE_ARGS (often none); why, on stderr
     python3 ops/cpubuild.py probe         # what the probe found, one line
@@ -200,11 +201,9 @@ def cmake_args(verdict: Verdict) -> str:
 
 def installed_has_amx() -> bool:
     """Whether the installed llama.cpp was compiled with AMX kernels (its own system report)."""
-    import llama_cpp  # noqa: PLC0415 - only `check` needs it, and ./dev runs this file before installing
+    from edgellmd.engine import build_info  # noqa: PLC0415 - ./dev runs this file before edgellm is installed
 
-    report = llama_cpp.llama_print_system_info()
-    text = report.decode(errors="replace") if isinstance(report, bytes) else str(report)
-    return "AMX_INT8 = 1" in text
+    return build_info().features.get("CPU", {}).get("AMX_INT8") == "1"
 
 
 def main(argv: Sequence[str] | None = None, run: Runner = _run) -> int:

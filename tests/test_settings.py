@@ -150,6 +150,7 @@ lifecycle:
   memory_budget_mb: 4096
 host:
   cpus: 0-3,8
+  huge_pages: false
   gpu_poll_s: 2.5
   gpu_headroom_mb: 2048
 responses:
@@ -228,7 +229,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             watch_settle_s=0.5,
             memory_budget_mb=4096,
         ),
-        host=HostSettings(cpus="0-3,8", gpu_poll_s=2.5, gpu_headroom_mb=2048),
+        host=HostSettings(cpus="0-3,8", huge_pages=False, gpu_poll_s=2.5, gpu_headroom_mb=2048),
         responses=ResponsesSettings(store_max_responses=50, store_max_mb=8),
         source=tmp_path / "edgellm.yaml",
     )
@@ -448,6 +449,7 @@ BAD: list[tuple[str, Any, str, str]] = [
      "auth.admin_cidrs[1]", "must be a network like 10.0.0.0/8, got '10.0.0.0/33'"),
     ("metrics-public-string", {**with_model(), "auth": {"metrics_public": "yes"}}, "auth.metrics_public",
      "must be true or false, got 'yes'"),
+    ("huge-pages-string", {**with_model(), "host": {"huge_pages": "yes"}}, "host.huge_pages", "got 'yes'"),
     ("cpus-list", {**with_model(), "host": {"cpus": [0, 1]}}, "host.cpus",
      "must be a CPU list like \"0-3,8\" or \"auto\", got [0, 1]"),
     ("headroom-negative", {**with_model(), "host": {"gpu_headroom_mb": -1}}, "host.gpu_headroom_mb",

@@ -177,6 +177,7 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
             settings.lifecycle,
             gpu=lambda: monitor.latest,
             gpu_headroom_bytes=settings.host.gpu_headroom_mb * 1024 * 1024,
+            huge_pages=settings.host.huge_pages,
         )
         app[appkeys.REGISTRY] = registry
         app[appkeys.METRICS].add_state(

@@ -23,6 +23,7 @@ from edgellmd.engine import EmbeddingEngine, EngineError, supports_gpu_offload
 from edgellmd.engine.chat import TemplateError
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
 from edgellmd.engine.scheduler import KV_BYTES_PER_VALUE
+from edgellmd.host.hugepages import Collapse, collapse_resident
 from edgellmd.host.nvml import GpuSnapshot
 from edgellmd.host.offload import plan_gpu_layers
 from edgellmd.models.budget import MIB
@@ -100,13 +101,33 @@ class Loader:
         *,
         gpu: Callable[[], GpuSnapshot | None] = lambda: None,
         gpu_headroom_bytes: int = 0,
+        huge_pages: bool = False,
     ) -> None:
         self._executor = executor  # the prompt pool, handed to every handle
+        self._huge_pages = huge_pages  # host.huge_pages: collapse what each load left resident
+        self.collapsed: Collapse | None = None  # the last load's huge-page pass
         self._factory = factory
         self._lock = lock
         self._gpu = gpu  # the GPU monitor's latest snapshot, for gpu_layers: auto
         self._gpu_headroom = gpu_headroom_bytes
         self.area: PreloadArea | None = None  # set once the registry has opened it
+
+    async def _collapse(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        """Back what the load left resident with huge pages (host.hugepages); said once if not."""
+        result = await loop.run_in_executor(None, collapse_resident)
+        if result.unsupported is not None:
+            if self.collapsed is None or self.collapsed.unsupported is None:
+                log.warning("host.huge_pages: %s; model %s stays on small pages", result.unsupported, name)
+        else:
+            log.info(
+                "model %s: %d MiB in %d mappings moved to huge pages in %.2f s%s",
+                name,
+                result.bytes // (1024 * 1024),
+                result.mappings,
+                result.seconds,
+                f" ({result.failed} mappings could not be)" if result.failed else "",
+            )
+        self.collapsed = result
 
     def source(self, settings: ModelSettings, locked: LockedModel | None) -> Path:
         """The model's file in the models directory (or the configured file, unsigned)."""
@@ -198,6 +219,8 @@ class Loader:
             for opened in (verified, draft_verified):
                 if opened is not None:
                     opened.close()  # the loaded model keeps its own mapping
+        if self._huge_pages:
+            await self._collapse(loop, settings.name)
         try:
             template = None if settings.embedding else chat_template_for(settings, engine)
         except (TemplateError, EngineError, OSError) as exc:

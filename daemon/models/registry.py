@@ -121,11 +121,19 @@ class Registry:
         *,
         gpu: Callable[[], GpuSnapshot | None] = lambda: None,
         gpu_headroom_bytes: int = 0,
+        huge_pages: bool = False,
     ) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
         self._lock = lock or LockSettings(allow_unsigned=True)
         self._lifecycle = lifecycle or LifecycleSettings(preload_dir=None, watch=False)
-        self.loader = Loader(executor, factory, self._lock, gpu=gpu, gpu_headroom_bytes=gpu_headroom_bytes)
+        self.loader = Loader(
+            executor,
+            factory,
+            self._lock,
+            gpu=gpu,
+            gpu_headroom_bytes=gpu_headroom_bytes,
+            huge_pages=huge_pages,
+        )
         self._mutex = asyncio.Lock()  # one load/reload/unload at a time
         self._queued: list[_Queued] = []  # reloads waiting for the mutex
         self._disposals: set[asyncio.Task[None]] = set()

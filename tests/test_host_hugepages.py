@@ -1,0 +1,194 @@
+"""host.hugepages: which spans of the daemon's memory go to huge pages, and the kernel's answers."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from edgellmd.host.hugepages import (
+    HUGE,
+    MADV_COLLAPSE,
+    PAGE,
+    Mapping,
+    anonymous_mappings,
+    collapse_resident,
+    pagemap_resident,
+    resident_runs,
+)
+from edgellmd.models.registry import Registry
+from edgellmd.settings import ModelSettings
+from tests.ggufmodels import write_tiny_model
+
+SMAPS = """\
+55aa954e4000-55aa95e00000 rw-p 00000000 00:00 0                          [heap]
+Size:               9328 kB
+Rss:                9328 kB
+7f0000000000-7f0004000000 rw-p 00000000 00:00 0
+Size:              65536 kB
+Rss:               61440 kB
+7f0004000000-7f0004800000 r--p 00000000 08:01 1234                       /models/demo.gguf
+Size:               8192 kB
+Rss:                8192 kB
+7f0005000000-7f0005800000 rw-s 00000000 00:01 99                         /dev/shm/edgellm (deleted)
+Size:               8192 kB
+Rss:                8192 kB
+7f0006000000-7f0006800000 ---p 00000000 00:00 0
+Size:               8192 kB
+Rss:                   0 kB
+7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0                          [stack]
+Size:                132 kB
+Rss:                  16 kB
+"""
+
+
+def test_only_private_writable_anonymous_mappings_count() -> None:
+    found = anonymous_mappings(SMAPS)
+    assert found == [
+        Mapping(0x55AA954E4000, 0x55AA95E00000, 9328 * 1024),
+        Mapping(0x7F0000000000, 0x7F0004000000, 61440 * 1024),
+    ]  # not the model file, nor shared memory, nor a guard region, nor the stack
+
+
+def pages(pattern: str) -> bytes:
+    """One byte per 4 KiB page from a pattern of huge pages: F full, H 90% resident, h 89%, E empty."""
+    per = HUGE // PAGE
+    resident = {"F": per, "H": -(-per * 9 // 10), "h": per * 89 // 100, "E": 0}
+    return b"".join(b"\x01" * resident[c] + b"\x00" * (per - resident[c]) for c in pattern)
+
+
+def test_runs_are_the_aligned_huge_pages_that_are_nearly_all_resident() -> None:
+    start = 0x7F0000000000 + 4096  # not aligned: the first huge page inside begins 2 MiB on
+    mapping = Mapping(start, 0x7F0000000000 + 8 * HUGE + 4096, 0)
+    asked: list[tuple[int, int]] = []
+
+    def resident(address: int, length: int) -> bytes:
+        asked.append((address, length))
+        return pages("FFEHhFFE"[1:])  # the 7 huge pages inside: F E H h F F E
+
+    runs = resident_runs(mapping, resident)
+    base = 0x7F0000000000
+    assert asked == [(base + HUGE, 7 * HUGE)]
+    assert runs == [(base + HUGE, HUGE), (base + 3 * HUGE, HUGE), (base + 5 * HUGE, 2 * HUGE)]
+    # A mapping with no whole aligned huge page inside has none to make.
+    assert resident_runs(Mapping(base + 4096, base + HUGE + 8192, 0), resident) == []
+
+
+def fake_smaps(tmp_path: Path, size: int) -> Path:
+    path = tmp_path / "smaps"
+    path.write_text(
+        f"7f0000000000-{0x7F0000000000 + size:x} rw-p 00000000 00:00 0 \nRss: {size // 1024} kB\n"
+    )
+    return path
+
+
+def test_a_kernel_without_madv_collapse_is_told_once(tmp_path: Path) -> None:
+    calls: list[tuple[int, int, int]] = []
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        calls.append((address, length, advice))
+        return -errno.EINVAL
+
+    result = collapse_resident(fake_smaps(tmp_path, 16 * HUGE), madvise, lambda a, n: b"\x01" * (n // PAGE))
+    assert result.unsupported is not None
+    assert "MADV_COLLAPSE" in result.unsupported
+    assert calls == [(0x7F0000000000, 16 * HUGE, MADV_COLLAPSE)]  # asked once, then it stopped
+
+
+def test_spans_the_kernel_cannot_collapse_now_are_counted_and_the_rest_done(tmp_path: Path) -> None:
+    answers = iter([-errno.EAGAIN, 0])
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        return next(answers)
+
+    half = pages("FFFF") + pages("EEEE") + pages("FFFF") + pages("EEEE")
+    result = collapse_resident(fake_smaps(tmp_path, 16 * HUGE), madvise, lambda a, n: half)
+    assert (result.mappings, result.bytes, result.failed, result.unsupported) == (1, 4 * HUGE, 1, None)
+
+
+def test_small_mappings_are_left_alone(tmp_path: Path) -> None:
+    def madvise(address: int, length: int, advice: int) -> int:  # pragma: no cover - never asked
+        raise AssertionError("a small mapping was collapsed")
+
+    result = collapse_resident(fake_smaps(tmp_path, 3 * HUGE), madvise, lambda a, n: b"\x01" * (n // PAGE))
+    assert result.mappings == 0
+
+
+def test_unreadable_smaps_is_reported(tmp_path: Path) -> None:
+    result = collapse_resident(tmp_path / "missing")
+    assert result.unsupported is not None
+    assert "cannot read" in result.unsupported
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`, in kB (the kernel may
+    have merged a new mapping with its neighbours)."""
+    for block in re.split(r"^(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text(), flags=re.M):
+        low, _, rest = block.partition("-")
+        if not rest:
+            continue
+        high = rest.split(maxsplit=1)[0]
+        if int(low, 16) <= address < int(high, 16):
+            found = re.search(r"^AnonHugePages:\s+(\d+) kB", block, re.M)
+            return int(found.group(1)) if found else 0
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_resident_mapping_of_this_process_goes_to_huge_pages() -> None:
+    """The real kernel: 24 MiB written page by page, then collapsed. The mapping asks for no
+    huge pages itself, as llama.cpp's do not: MADV_COLLAPSE does not need them asked for."""
+    size = 24 * 1024 * 1024
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.write(b"\x5a" * size)
+        view = ctypes.c_char.from_buffer(area)
+        start = ctypes.addressof(view)
+        del view  # the mapping cannot close while a buffer of it is exported
+        before = _anon_huge_kb(start)
+        if before >= 20 * 1024:
+            pytest.skip("transparent huge pages are `always` here: the mapping has them already")
+        result = collapse_resident()
+        if result.unsupported is not None:
+            pytest.skip(result.unsupported)
+        assert _anon_huge_kb(start) - before >= 20 * 1024  # the aligned huge pages inside it
+        area.seek(0)
+        assert area.read(size) == b"\x5a" * size  # the data moved with them
+    finally:
+        area.close()
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+async def test_each_load_collapses_what_it_left_resident_when_asked(tmp_path: Path, huge_pages: bool) -> None:
+    """host.huge_pages reaches the loader: a pass after each load, or none."""
+    path = write_tiny_model(tmp_path / "tiny.gguf")
+    with ThreadPoolExecutor(2) as executor:
+        registry = Registry([ModelSettings(name="tiny", file=path)], executor, huge_pages=huge_pages)
+        await registry.start()
+        try:
+            collapsed = registry.loader.collapsed
+            assert (collapsed is not None) is huge_pages
+            if collapsed is not None:
+                assert collapsed.failed == 0
+        finally:
+            await registry.close()
+
+
+def test_the_pagemap_tells_which_pages_are_resident() -> None:
+    size = 4 * HUGE
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.write(b"\x01" * (size // 2))  # the first half touched, the second never
+        view = ctypes.c_char.from_buffer(area)
+        start = ctypes.addressof(view)
+        del view
+        resident = pagemap_resident()(start, size)
+        assert len(resident) == size // PAGE
+        assert resident[: size // 2 // PAGE] == b"\x01" * (size // 2 // PAGE)
+        assert resident[size // 2 // PAGE :] == b"\x00" * (size // 2 // PAGE)
+    finally:
+        area.close()
