@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import llama_cpp
 import pytest
@@ -430,3 +430,35 @@ async def test_evened_drafting_steps_give_plain_decodings_text(
     # An evened step: both sequences with the same row count, the extra rows without logits.
     even = [rows for rows in seen if {s for s, _, _ in rows} == {0, 1} and len(rows) > 2]
     assert any(sum(s == 0 for s, _, _ in rows) == sum(s == 1 for s, _, _ in rows) for rows in even)
+
+
+class Drifting(Sequence[float]):
+    """Step figures that the engine thread moves while another thread reads them: each read of
+    an element returns a figure 5% above the last one read."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @overload
+    def __getitem__(self, i: int) -> float: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[float]: ...
+    def __getitem__(self, i: int | slice) -> float | Sequence[float]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        self.reads += 1
+        return self.values[i] * 1.05**self.reads
+
+
+def test_the_padded_sizes_are_read_from_one_copy_of_figures_that_move() -> None:
+    """/admin/status asks for the padded sizes while the engine thread updates the step times:
+    a figure that rose between two reads once raised StopIteration there (an HTTP 500)."""
+    table = [22.0, 47.0, 73.0, 54.0, 79.0, 62.0, 99.0, 70.0]
+    assert padded_sizes(Drifting(table)) == padded_sizes(table)
+    times = StepTimes(table)
+    times.seconds = Drifting(table)  # type: ignore[assignment]
+    assert times.padded() == {3: 4, 5: 6, 7: 8}

@@ -85,9 +85,10 @@ def padded_size(step_s: Sequence[float], n: int, margin: float = PAD_MARGIN) -> 
     """The size to pad a step of size n to: n, or the smallest larger size whose step time
     (index size - 1) is within `NEAR_BEST` of the least, when that is below `margin` times
     that of n (fewer dummy rows where sizes cost about the same)."""
-    least = min(step_s[n - 1 :])
-    best = next(m for m in range(n, len(step_s) + 1) if step_s[m - 1] <= least * NEAR_BEST)
-    return best if step_s[best - 1] < margin * step_s[n - 1] else n
+    times = list(step_s)  # one reading: the engine thread updates the figures as it serves
+    least = min(times[n - 1 :])
+    best = next(m for m in range(n, len(times) + 1) if times[m - 1] <= least * NEAR_BEST)
+    return best if times[best - 1] < margin * times[n - 1] else n
 
 
 def padded_sizes(step_s: Sequence[float], margin: float = PAD_MARGIN) -> list[int]:
@@ -130,8 +131,9 @@ class StepTimes:
             self.seconds[size - 1] += self.WEIGHT * (seconds - self.seconds[size - 1])
 
     def padded(self) -> dict[int, int]:
-        """Each size that is padded now, and to what."""
-        return {n: m for n, m in enumerate(padded_sizes(self.seconds), 1) if m != n}
+        """Each size that is padded now, and to what (any thread: from one copy of the figures,
+        which the engine thread keeps changing)."""
+        return {n: m for n, m in enumerate(padded_sizes(list(self.seconds)), 1) if m != n}
 
 
 def pad_slots(busy: Sequence[bool], usable: Sequence[bool], count: int) -> list[int] | None:
