@@ -49,13 +49,14 @@ class Mapping:
 
 @dataclass(frozen=True, slots=True)
 class Collapse:
-    """What one pass did: mappings collapsed, their bytes, the time it took, and why it stopped."""
+    """What one pass did: spans collapsed (runs of huge pages), their bytes, the time it took,
+    and why it stopped."""
 
     mappings: int = 0
     bytes: int = 0
     seconds: float = 0.0
     unsupported: str | None = None  # set when the kernel cannot do it at all
-    failed: int = 0  # mappings the kernel could not collapse this time (EAGAIN, ENOMEM)
+    failed: int = 0  # spans the kernel could not collapse this time (EAGAIN, ENOMEM)
 
 
 def anonymous_mappings(smaps: str) -> list[Mapping]:

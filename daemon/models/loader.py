@@ -120,12 +120,12 @@ class Loader:
                 log.warning("host.huge_pages: %s; model %s stays on small pages", result.unsupported, name)
         else:
             log.info(
-                "model %s: %d MiB in %d mappings moved to huge pages in %.2f s%s",
+                "model %s: %d MiB in %d spans moved to huge pages in %.2f s%s",
                 name,
                 result.bytes // (1024 * 1024),
                 result.mappings,
                 result.seconds,
-                f" ({result.failed} mappings could not be)" if result.failed else "",
+                f" ({result.failed} spans could not be)" if result.failed else "",
             )
         self.collapsed = result
 
