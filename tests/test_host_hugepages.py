@@ -50,8 +50,8 @@ Rss:                  16 kB
 def test_only_private_writable_anonymous_mappings_count() -> None:
     found = anonymous_mappings(SMAPS)
     assert found == [
-        Mapping(0x55AA954E4000, 0x55AA95E00000, 9328 * 1024),
-        Mapping(0x7F0000000000, 0x7F0004000000, 61440 * 1024),
+        Mapping(0x55AA954E4000, 0x55AA95E00000),
+        Mapping(0x7F0000000000, 0x7F0004000000),
     ]  # not the model file, nor shared memory, nor a guard region, nor the stack
 
 
@@ -64,7 +64,7 @@ def pages(pattern: str) -> bytes:
 
 def test_runs_are_the_aligned_huge_pages_that_are_nearly_all_resident() -> None:
     start = 0x7F0000000000 + 4096  # not aligned: the first huge page inside begins 2 MiB on
-    mapping = Mapping(start, 0x7F0000000000 + 8 * HUGE + 4096, 0)
+    mapping = Mapping(start, 0x7F0000000000 + 8 * HUGE + 4096)
     asked: list[tuple[int, int]] = []
 
     def resident(address: int, length: int) -> bytes:
@@ -76,7 +76,7 @@ def test_runs_are_the_aligned_huge_pages_that_are_nearly_all_resident() -> None:
     assert asked == [(base + HUGE, 7 * HUGE)]
     assert runs == [(base + HUGE, HUGE), (base + 3 * HUGE, HUGE), (base + 5 * HUGE, 2 * HUGE)]
     # A mapping with no whole aligned huge page inside has none to make.
-    assert resident_runs(Mapping(base + 4096, base + HUGE + 8192, 0), resident) == []
+    assert resident_runs(Mapping(base + 4096, base + HUGE + 8192), resident) == []
 
 
 def fake_smaps(tmp_path: Path, size: int) -> Path:
@@ -108,7 +108,7 @@ def test_spans_the_kernel_cannot_collapse_now_are_counted_and_the_rest_done(tmp_
 
     half = pages("FFFF") + pages("EEEE") + pages("FFFF") + pages("EEEE")
     result = collapse_resident(fake_smaps(tmp_path, 16 * HUGE), madvise, lambda a, n: half)
-    assert (result.mappings, result.bytes, result.failed, result.unsupported) == (1, 4 * HUGE, 1, None)
+    assert (result.spans, result.bytes, result.failed, result.unsupported) == (1, 4 * HUGE, 1, None)
 
 
 def test_small_mappings_are_left_alone(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_small_mappings_are_left_alone(tmp_path: Path) -> None:
         raise AssertionError("a small mapping was collapsed")
 
     result = collapse_resident(fake_smaps(tmp_path, 3 * HUGE), madvise, lambda a, n: b"\x01" * (n // PAGE))
-    assert result.mappings == 0
+    assert result.spans == 0
 
 
 def test_unreadable_smaps_is_reported(tmp_path: Path) -> None:

@@ -189,7 +189,6 @@ class SlotSampler:
         "chain",
         "grammar",
         "history",
-        "logit_bias",
         "penalties",
     )
 
@@ -198,10 +197,9 @@ class SlotSampler:
     ) -> None:
         """Build the chain around the request's grammar, compiled beforehand (see Engine.submit)."""
         self._candidates = candidates
-        self.logit_bias = merged_bias(sp.logit_bias)
         self._bias: Any = None  # token ids and biases, for ranking as the chain will
-        if self.logit_bias:
-            ids, values = zip(*self.logit_bias, strict=True)
+        if sp.logit_bias:
+            ids, values = zip(*merged_bias(sp.logit_bias), strict=True)
             self._bias = (np.asarray(ids, dtype=np.intp), np.asarray(values, dtype=np.float32))
         self._fast = fast_mode(sp)
         self.grammar: Any = None

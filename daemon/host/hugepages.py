@@ -36,11 +36,10 @@ PAGE: Final = 4096
 
 @dataclass(frozen=True, slots=True)
 class Mapping:
-    """An anonymous private mapping of /proc/self/smaps: where, how big, how much is resident."""
+    """An anonymous private mapping of /proc/self/smaps."""
 
     start: int
     end: int
-    rss: int
 
     @property
     def size(self) -> int:
@@ -52,7 +51,7 @@ class Collapse:
     """What one pass did: spans collapsed (runs of huge pages), their bytes, the time it took,
     and why it stopped."""
 
-    mappings: int = 0
+    spans: int = 0
     bytes: int = 0
     seconds: float = 0.0
     unsupported: str | None = None  # set when the kernel cannot do it at all
@@ -60,28 +59,23 @@ class Collapse:
 
 
 def anonymous_mappings(smaps: str) -> list[Mapping]:
-    """The private anonymous writable mappings of an smaps text (no path, or [heap])."""
+    """The private anonymous writable mappings of an smaps (or maps) text: no path, or [heap]."""
     out: list[Mapping] = []
-    current: tuple[int, int] | None = None
     for line in smaps.splitlines():
         head = line.split(maxsplit=5)
-        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-            current = None
-            span, perms = head[0], head[1]
-            path = head[5] if len(head) > 5 else ""
-            if perms.startswith("rw") and perms[3] == "p" and path in ("", "[heap]"):
-                low, _, high = span.partition("-")
-                current = (int(low, 16), int(high, 16))
-        elif current is not None and line.startswith("Rss:"):
-            out.append(Mapping(current[0], current[1], int(line.split()[1]) * 1024))
-            current = None
+        if len(head) < 5 or head[0].endswith(":") or "-" not in head[0]:
+            continue  # a field line of the mapping above
+        perms, path = head[1], head[5] if len(head) > 5 else ""
+        if perms.startswith("rw") and perms[3] == "p" and path in ("", "[heap]"):
+            low, _, high = head[0].partition("-")
+            out.append(Mapping(int(low, 16), int(high, 16)))
     return out
 
 
 def resident_runs(mapping: Mapping, resident: Callable[[int, int], bytes]) -> list[tuple[int, int]]:
     """The runs of 2 MiB-aligned huge-page spans inside `mapping` whose small pages are nearly all
-    resident (`resident(address, length)`: one byte per 4 KiB page, bit 0 set when resident), as
-    (start, length)."""
+    resident (`resident(address, length)`: one byte per 4 KiB page, 1 when resident, else 0),
+    as (start, length)."""
     first = -(-mapping.start // HUGE) * HUGE  # the first 2 MiB boundary at or after the start
     last = mapping.end // HUGE * HUGE
     if last - first < HUGE:
@@ -93,7 +87,7 @@ def resident_runs(mapping: Mapping, resident: Callable[[int, int], bytes]) -> li
     runs: list[tuple[int, int]] = []
     for i in range((last - first) // HUGE):
         chunk = pages[i * per : (i + 1) * per]
-        if sum(b & 1 for b in chunk) < MIN_RESIDENT * per:
+        if chunk.count(1) < MIN_RESIDENT * per:
             continue
         address = first + i * HUGE
         if runs and runs[-1][0] + runs[-1][1] == address:

@@ -123,7 +123,7 @@ class Loader:
                 "model %s: %d MiB in %d spans moved to huge pages in %.2f s%s",
                 name,
                 result.bytes // (1024 * 1024),
-                result.mappings,
+                result.spans,
                 result.seconds,
                 f" ({result.failed} spans could not be)" if result.failed else "",
             )
