@@ -109,17 +109,21 @@ class Verdict:
     line: str
 
 
+def parse_flags(cpuinfo: str) -> frozenset[str]:
+    """The first processor's feature flags in /proc/cpuinfo's text (x86 `flags`, arm `Features`)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The first processor's feature flags (empty where /proc/cpuinfo cannot be read)."""
     try:
-        text = cpuinfo.read_text(errors="replace")
+        return parse_flags(cpuinfo.read_text(errors="replace"))
     except OSError:
         return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
 
 
 def compiler() -> str | None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 import psutil
 
 from edgellmctl.cli import Subcommands
-from edgellmctl.cpubuild import AMX_FLAGS, Verdict, compiler, cpu_flags, probe
+from edgellmctl.cpubuild import AMX_FLAGS, Verdict, compiler, cpu_flags, parse_flags, probe
 from edgellmctl.cudabuild import cc_name, coverage, rebuild_hint
 from edgellmd.files import kind_of, read_regular
 from edgellmd.host.cpu import AUTO, CpuListError, format_cpu_list, one_per_core, parse_cpu_list
@@ -74,11 +74,7 @@ def check_cpu_flags(host: Host) -> Check:
         text = host.cpuinfo.read_text()
     except OSError as exc:
         return Check("cpu flags", "warn", f"cannot read {host.cpuinfo}: {exc.strerror}")
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-            break
+    flags = parse_flags(text)
     if "avx2" not in flags and "asimd" not in flags:
         return Check(
             "cpu flags",
