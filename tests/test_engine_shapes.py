@@ -9,6 +9,8 @@ from typing import Any, overload
 
 import llama_cpp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgellmd.engine import Engine, EngineConfig
 from edgellmd.engine import scheduler as scheduler_module
@@ -169,6 +171,86 @@ def test_step_times_follow_the_steps_served_and_explore_the_unpadded_size() -> N
     assert StepTimes([]).padded() == {}
 
 
+def test_a_partly_measured_table_is_completed_and_the_first_step_served_replaces_an_estimate() -> None:
+    # The load ran out of time after sizes 1 and 2 of 8: the rest are estimated, each row as
+    # dear as a row of the largest measured step, so nothing pads to them.
+    times = StepTimes([0.020, 0.030], slots=8)
+    assert len(times.seconds) == 8
+    assert times.seconds[2:] == pytest.approx([0.015 * m for m in range(3, 9)])
+    assert times.measured == [True, True] + [False] * 6
+    assert times.padded() == {}
+    assert [times.target(n) for n in range(1, 9)] == list(range(1, 9))
+    assert times.at(9) == pytest.approx(0.135)  # past the table too
+    assert times.at(0) == float("inf")
+    # A real step of size 4 replaces its estimate at once, then averages as measured ones do.
+    times.record(4, 0.015)
+    assert times.seconds[3] == pytest.approx(0.015)
+    assert times.measured[3]
+    assert times.padded() == {1: 4, 2: 4, 3: 4}
+    times.record(4, 0.035)
+    assert times.seconds[3] == pytest.approx(0.015 + StepTimes.WEIGHT * 0.020)
+
+
+def test_the_planner_never_indexes_past_a_table_the_load_cut_short() -> None:
+    """The second hostile round: one size of eight measured, then busy slots split by a gap
+    (a short reply ended between long ones) crashed the scheduler with an IndexError."""
+    short = StepTimes([0.05], slots=8)
+    every = [T] * 8
+    assert plan_rows([B, F, B, B, F, F, F, F], every, short) == []  # estimates fill no hole
+    assert plan_rows([B, F, F, F, F, F, F, B], every, short) == []
+    two = StepTimes([0.05, 0.02], slots=8)
+    assert plan_rows([B, F, F, F, F, F, F, F], every, two) == [1]  # measured: pads 1 to 2
+    # An estimate is pessimistic: a hole is filled when even that beats the runs apart.
+    assert plan_rows([B, F, B, F, F, F, F, F], every, two) == [1]
+    # An older caller's bare table (no slot count) holds as well.
+    assert plan_rows([B, F, B, B, F, F, F, F], every, StepTimes([0.05])) == []
+
+
+@st.composite
+def _plans(draw: st.DrawFn) -> tuple[list[float], int, list[bool], list[bool]]:
+    slots = draw(st.integers(1, 12))
+    measured = draw(st.lists(st.floats(0.001, 1.0), min_size=1, max_size=slots))
+    present = draw(st.lists(st.booleans(), min_size=slots, max_size=slots))
+    usable = [not p and draw(st.booleans()) for p in present]
+    return measured, slots, present, usable
+
+
+@settings(max_examples=400, deadline=None)
+@given(_plans())
+def test_every_partial_table_and_gap_pattern_plans_rows_only_in_free_usable_slots(
+    plan: tuple[list[float], int, list[bool], list[bool]],
+) -> None:
+    measured, slots, present, usable = plan
+    times = StepTimes(measured, slots=slots)
+    assert len(times.seconds) == slots
+    for _ in range(StepTimes.EXPLORE_EVERY + 1):  # padded and exploring steps alike
+        rows = plan_rows(present, usable, times)
+        assert rows == sorted(set(rows))
+        assert all(usable[i] and not present[i] for i in rows)
+        if rows:
+            filled = [p or i in rows for i, p in enumerate(present)]
+            assert runs(filled) == 1  # a planned step is one ubatch
+    # Served steps of any size keep the table whole.
+    times.record(slots, 0.5)
+    times.record(slots + 1, 0.5)
+    assert len(times.seconds) == slots
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 16), st.floats(0.01, 3.0))
+def test_a_load_cut_short_at_any_point_leaves_a_whole_table(slots: int, per_row: float) -> None:
+    clock = [0.0]
+
+    def decode(n: int) -> None:
+        clock[0] += per_row * n
+
+    measured = measure_steps(decode, slots, lambda: clock[0])
+    assert 1 <= len(measured) <= slots
+    times = StepTimes(measured, slots=slots)
+    assert len(times.seconds) == slots
+    assert all(t > 0 for t in times.seconds)
+
+
 # ---- the engine -------------------------------------------------------------------------------
 
 
@@ -230,6 +312,7 @@ async def test_padded_steps_give_the_same_text_and_leave_every_cached_prefix_int
     assert unpadded == {
         "enabled": False,
         "step_ms": [],
+        "step_estimated": [],
         "padded": {},
         "padded_steps": 0,
         "row_ms": 0.0,
@@ -307,6 +390,36 @@ async def test_a_hole_left_by_a_finished_reply_is_filled_and_keeps_its_prefix(
     assert sum(rows[1][1] == prompt_1 + 1 for rows in filled) >= 40
     assert engine.prompt_tokens_reused - reused == prompt_1 - 1
     assert again[1].cached_tokens == prompt_1 - 1
+
+
+async def test_a_gap_after_a_load_that_measured_one_size_does_not_crash_the_scheduler(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second hostile round's reproduction: the load timed one step size of four, then
+    requests of 60, 2, 60 and 60 tokens left a gap between busy slots; the planner indexed a
+    size that was never measured and the scheduler died."""
+    plain = make_engine(tiny_model, slots=4, padding=False)
+    try:
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2] + " and", PROMPTS[3]]
+        alone = [(await generate(plain, p, n))[0] for p, n in zip(prompts, (60, 2, 60, 60), strict=True)]
+    finally:
+        plain.close()
+    monkeypatch.setattr(scheduler_module, "measure_steps", lambda decode, slots: [0.01])
+    engine = make_engine(tiny_model, slots=4)
+    try:
+        assert len(engine.steps.seconds) == 4
+        assert engine.performance()["batch_padding"]["step_estimated"] == [2, 3, 4]
+        tasks = []
+        for prompt, n in zip(prompts, (60, 2, 60, 60), strict=True):
+            tasks.append(asyncio.create_task(generate(engine, prompt, n)))
+            await asyncio.sleep(0)
+        done = await asyncio.gather(*tasks)
+        after = await generate(engine, PROMPTS[0], 60)
+    finally:
+        engine.close()
+    assert [f.reason for _, f in done] == ["length"] * 4
+    assert [t for t, _ in done] == alone
+    assert after[0] == alone[0]
 
 
 async def test_no_padding_where_it_would_split_the_step_or_outgrow_the_busy_cells(

@@ -331,6 +331,8 @@ class Engine(NativeThread):
             "batch_padding": {
                 "enabled": config.batch_padding,
                 "step_ms": [round(t * 1000, 2) for t in self.steps.seconds],
+                # Sizes the load had no time to measure and no step has measured since.
+                "step_estimated": [n for n, m in enumerate(list(self.steps.measured), 1) if not m],
                 "padded": {str(n): m for n, m in self.steps.padded().items()},
                 "padded_steps": self.padded_steps,
                 "row_ms": round(self.steps.row_seconds * 1000, 2),
@@ -407,12 +409,14 @@ class Engine(NativeThread):
         probe = min(_ROW_PROBE, self._rows)
         took = timed([(0, pos, 0, pos == probe - 1) for pos in range(probe)])
         row = (took - seconds[0]) / max(1, probe - 1)
-        self.steps = StepTimes(seconds, max(row, 0.0) if probe > 1 else 0.0)
+        self.steps = StepTimes(seconds, max(row, 0.0) if probe > 1 else 0.0, slots=self.config.slots)
         llama.llama_memory_clear(self._memory, True)
         log.info(
-            "model %s: decode step ms by size %s; padded at first %s",
+            "model %s: decode step ms by size %s (%d of %d measured); padded at first %s",
             self.name,
             [round(t * 1000, 1) for t in self.steps.seconds],
+            len(seconds),
+            self.config.slots,
             self.steps.padded() or "none",
         )
 

@@ -14,7 +14,11 @@ its weights) a step of 7 sequences took 98 ms and one of 8 took 70 ms; 3 took 73
 54. So at load the engine times one decode step of each size from 1 to the slot count
 (`measure_steps`), and a step of generating sequences gets dummy rows, in free slots next to
 the busy run, up to the size that decodes faster (`padded_size`, `pad_slots`). The steps
-served keep those figures current (`StepTimes`). A reply that ends leaves a hole between
+served keep those figures current (`StepTimes`). A load that ran out of time before it
+measured every size (a big model, a busy box) leaves the larger sizes estimated, as if each
+further row cost what a row of the largest measured step did: padding never targets such a
+size, and a hole is filled on its account only when even that figure beats the runs apart,
+until a step served measures it. A reply that ends leaves a hole between
 busy slots until the next request takes it; a dummy row fills it when one ubatch of the
 filled size is cheaper than the runs apart (`plan_rows`). A dummy row is one token at the
 end of a free slot's cached tokens; it leaves the KV cache right after the step, so the
@@ -25,6 +29,7 @@ counts gets rows without logits after the shorter ones' own, so that it is one u
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -99,9 +104,12 @@ def padded_sizes(step_s: Sequence[float], margin: float = PAD_MARGIN) -> list[in
 class StepTimes:
     """Decode step seconds by size: measured at load, then kept current by the steps served.
 
-    A load can be timed on a busy machine (another model decoding, the old version still
-    serving during a reload), so the figures it measured are only where the engine starts:
-    every decode-only step moves its size's figure (an exponential average), and every
+    The table is complete by construction: it holds a figure for every size from 1 to
+    `slots`, whatever the load had time to measure (`estimate`), and `at` answers for any
+    size. A load can be timed on a busy machine (another model decoding, the old version
+    still serving during a reload), so the figures it measured are only where the engine
+    starts: every decode-only step moves its size's figure (an exponential average; the
+    first step of a size that was only estimated replaces the estimate), and every
     `EXPLORE_EVERY`-th step of a size that is padded runs unpadded, so that the size's own
     figure stays current too. A padded size that is not faster after all shows it in its
     own figure within a few dozen steps, and padding to it stops.
@@ -110,14 +118,25 @@ class StepTimes:
     EXPLORE_EVERY: Final = 16
     WEIGHT: Final = 0.05  # of each new step in its size's average
 
-    def __init__(self, seconds: Sequence[float], row_seconds: float = 0.0) -> None:
-        self.seconds = list(seconds)
+    def __init__(self, measured: Sequence[float], row_seconds: float = 0.0, *, slots: int = 0) -> None:
+        given = list(measured)
+        self.seconds = estimate(given, max(slots, len(given)))
+        self.measured = [True] * len(given) + [False] * (len(self.seconds) - len(given))
         self.row_seconds = row_seconds  # one more row without logits in a step (measured at load)
         self._steps = [0] * len(self.seconds)
 
+    def at(self, size: int) -> float:
+        """The figure for a step of `size` rows (estimated past the table; inf for none)."""
+        times = self.seconds
+        if not times or size < 1:
+            return math.inf
+        if size <= len(times):
+            return times[size - 1]
+        return times[-1] * size / len(times)
+
     def target(self, n: int) -> int:
         """The size a decode step of `n` sequences should have (n itself most of the time)."""
-        if n > len(self.seconds):
+        if n > len(self.seconds) or n < 1:
             return n
         self._steps[n - 1] += 1
         size = padded_size(self.seconds, n)
@@ -128,12 +147,30 @@ class StepTimes:
     def record(self, size: int, seconds: float) -> None:
         """One decode-only step of `size` rows took `seconds`."""
         if 0 < size <= len(self.seconds):
-            self.seconds[size - 1] += self.WEIGHT * (seconds - self.seconds[size - 1])
+            if self.measured[size - 1]:
+                self.seconds[size - 1] += self.WEIGHT * (seconds - self.seconds[size - 1])
+            else:
+                self.seconds[size - 1] = seconds
+                self.measured[size - 1] = True
 
     def padded(self) -> dict[int, int]:
         """Each size that is padded now, and to what (any thread: from one copy of the figures,
         which the engine thread keeps changing)."""
         return {n: m for n, m in enumerate(padded_sizes(list(self.seconds)), 1) if m != n}
+
+
+def estimate(measured: Sequence[float], slots: int) -> list[float]:
+    """`measured` (sizes 1 to k) extended to `slots` sizes: size m > k costs m / k times size k.
+
+    That assumes batching gains nothing past what was measured: an estimated size is never
+    faster than the largest measured one, so padding never targets it.
+    """
+    out = list(measured)
+    if not out:
+        return out
+    k, last = len(out), out[-1]
+    out += [last * m / k for m in range(k + 1, slots + 1)]
+    return out
 
 
 def pad_slots(busy: Sequence[bool], usable: Sequence[bool], count: int) -> list[int] | None:
@@ -178,8 +215,8 @@ def plan_rows(present: Sequence[bool], usable: Sequence[bool], times: StepTimes)
     size = times.target(n + len(holes))
     extra = pad_slots(filled, usable, size - n - len(holes)) or []
     if holes:
-        split = sum(times.seconds[len(run) - 1] for run in found)
-        if times.seconds[n + len(holes) + len(extra) - 1] >= split:
+        split = sum(times.at(len(run)) for run in found)
+        if times.at(n + len(holes) + len(extra)) >= split:
             return []
     return sorted(holes + extra)
 
@@ -208,8 +245,8 @@ def measure_steps(
     """Seconds of one decode step of each size from 1 (index n - 1): the median of up to
     `MEASURE_ROUNDS` rounds, alternately up and down the sizes so that a trend in the machine
     spreads over all of them. Past `MEASURE_BUDGET_S` it stops, with the sizes measured so far
-    from 1 up (at least 1): a big model on a CPU measures only its smaller sizes, and larger
-    steps are never padded."""
+    from 1 up (at least 1): a big model on a CPU measures only its smaller sizes, and
+    `StepTimes` estimates the others."""
     times: list[list[float]] = [[] for _ in range(slots)]
     started = clock()
     for round_ in range(MEASURE_ROUNDS):
