@@ -129,6 +129,12 @@ class ServiceUnavailable(ApiError):
     default_code = "model_not_ready"
 
 
+class ModelRestarting(ServiceUnavailable):
+    """503: the model's engine stopped by itself and restarts; retry after Retry-After."""
+
+    default_code = "model_restarting"
+
+
 class ServerShuttingDown(ServiceUnavailable):
     """503: the server is shutting down; the request was cut (or never started)."""
 

@@ -29,6 +29,8 @@ async def readyz(request: web.Request) -> web.Response:
     states = {s for s, _ in registry.states().values()}
     if ModelState.FAILED in states:
         status = "failed"
+    elif ModelState.RESTARTING in states:
+        status = "restarting"
     elif ModelState.LOADING in states:
         status = "loading"
     else:

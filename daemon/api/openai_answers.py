@@ -22,6 +22,7 @@ from edgellmd.api.session import ChoiceEnd, Session, finish_reason, read_choices
 from edgellmd.api.sse import Write, dumps, sse
 from edgellmd.api.structured import ToolPlan
 from edgellmd.engine.generation import (
+    ENGINE_STOPPED,
     KEY_REVOKED,
     SHUTTING_DOWN,
     Event,
@@ -36,10 +37,12 @@ from edgellmd.errors import (
     GenerationTimeout,
     InternalError,
     KeyRevoked,
+    ModelRestarting,
     ServerShuttingDown,
     envelope,
 )
 from edgellmd.host.metrics import TokenTiming
+from edgellmd.models.registry import RETRY_AFTER_LOADING_S
 
 log = logging.getLogger(__name__)
 
@@ -274,11 +277,14 @@ def usage_of(finals: Sequence[Finished]) -> dict[str, Any]:
 
 
 def aborted(reason: str | None) -> ApiError | None:
-    """The client's error for a generation the server ended on purpose (shutdown, revoked key)."""
+    """The client's error for a generation the server ended on purpose (shutdown, revoked key)
+    or cut because its model's engine stopped (that model restarts: retry)."""
     if reason == SHUTTING_DOWN:
         return ServerShuttingDown(SHUTTING_DOWN)
     if reason == KEY_REVOKED:
         return KeyRevoked(KEY_REVOKED)
+    if reason == ENGINE_STOPPED:
+        return ModelRestarting(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
     return None
 
 

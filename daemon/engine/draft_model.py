@@ -174,7 +174,8 @@ class DraftModel(NativeThread):
     def _run(self) -> None:  # pragma: no cover - never started: the engine's thread runs it
         raise EngineError("a draft model has no thread of its own")
 
-    def _release(self) -> None:  # pragma: no cover - see _run
+    def _release(self, error: str) -> None:  # pragma: no cover - see _run
+        del error
         self._free_native()
 
     def free(self) -> None:

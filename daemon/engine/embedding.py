@@ -272,15 +272,18 @@ class EmbeddingEngine(NativeThread):
             vectors.append(_unit(ptr[: self.n_embd]))
         return vectors
 
-    def _release(self) -> None:
-        """On the engine thread, once it stops: fail what is left, then free the model."""
+    def _release(self, error: str) -> None:
+        """On the engine thread, once it stops: fail what is left with `error`, then free the model."""
         with self._cond:
             self._stopping = True
             leftovers = list(self._jobs)
             self._jobs.clear()
+        current, self._current = self._current, None
+        if current is not None and not current.future.done():  # the job the crash cut
+            current.future.set_exception(EngineError(error))
         for job in leftovers:
             if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(EngineError("the model was unloaded"))
+                job.future.set_exception(EngineError(error))
         self._free_native()  # once every tokenize() in progress is out
 
 

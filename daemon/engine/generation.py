@@ -22,6 +22,10 @@ DEFAULT_PENALTY_LAST_N: Final = 64
 _ids = itertools.count(1)
 SHUTTING_DOWN: Final = "the server is shutting down"  # Finished.error of generations cut by a shutdown
 KEY_REVOKED: Final = "the API key was revoked or disabled"  # Finished.error when a key stops being usable
+# Finished.error of what a model's engine held when it stopped by itself (its scheduler
+# crashed): the model restarts, so the client is told to retry (503).
+ENGINE_STOPPED: Final = "the model's engine stopped; it is restarting"
+UNLOADED: Final = "the model was unloaded"  # Finished.error of what is left when an engine closes
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -19,6 +19,7 @@ from typing import Any, Final
 import llama_cpp as llama
 
 from edgellmd.engine.drafts import Speculation
+from edgellmd.engine.generation import ENGINE_STOPPED, UNLOADED
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +425,10 @@ class NativeThread(abc.ABC):
     """One model on one thread: it loads, warms up and then serves until stopped.
 
     Everything native happens on that thread (see Engine); subclasses provide _load,
-    _warm_up, _run, _release and _free_native.
+    _warm_up, _run, _release and _free_native. A thread that stops serving while nobody
+    asked it to (its loop raised, or returned) is a fault: `fault` says why, what it held
+    ends with `ENGINE_STOPPED`, and the callbacks given to `on_exit` hear of it, so that the
+    registry takes the model out of service at once and restarts it.
     """
 
     _model: Any
@@ -447,6 +451,9 @@ class NativeThread(abc.ABC):
         self._cond = threading.Condition()  # guards the subclass's queue, _stopping and _users
         self._stopping = False
         self._users = 0  # calls into the model from other threads (tokens, grammars) in progress
+        self.fault: str | None = None  # why the thread stopped by itself; None while it serves
+        self._exited = False  # the thread is done (guarded by _cond, with _on_exit)
+        self._on_exit: list[Callable[[str | None], None]] = []
 
     @contextlib.contextmanager
     def native_use(self) -> Iterator[None]:
@@ -467,6 +474,18 @@ class NativeThread(abc.ABC):
                 self._users -= 1
                 if not self._users:
                     self._cond.notify_all()
+
+    def on_exit(self, callback: Callable[[str | None], None]) -> None:
+        """Call `callback(fault)` once the thread is done (`fault` None after `close`).
+
+        From the engine thread, or at once from this one when it is done already. It must
+        not block: it hands the news to an event loop.
+        """
+        with self._cond:
+            if not self._exited:
+                self._on_exit.append(callback)
+                return
+        callback(self.fault)
 
     def close(self) -> None:
         """Stop the thread; it fails what is left, then frees native memory (blocking; idempotent)."""
@@ -498,8 +517,22 @@ class NativeThread(abc.ABC):
         self._loaded.set()
         try:
             self._run()
+        except Exception as exc:  # a bug here must not leave clients hanging or the model "ready"
+            log.exception("scheduler of model %s crashed", self.name)
+            self.fault = f"its scheduler crashed ({type(exc).__name__})"
+        if self.fault is None and not self._stopping:
+            self.fault = "its scheduler stopped by itself"
+        try:
+            self._release(ENGINE_STOPPED if self.fault is not None else UNLOADED)
         finally:
-            self._release()
+            with self._cond:
+                self._exited = True
+                callbacks, self._on_exit = self._on_exit, []
+            for callback in callbacks:
+                try:
+                    callback(self.fault)
+                except Exception:
+                    log.exception("an exit callback of model %s failed", self.name)
 
     def _load_model(self) -> None:
         config = self.config
@@ -526,8 +559,8 @@ class NativeThread(abc.ABC):
         """Provided by each engine (runs on the engine thread)."""
 
     @abc.abstractmethod
-    def _release(self) -> None:
-        """Provided by each engine (runs on the engine thread)."""
+    def _release(self, error: str) -> None:
+        """Provided by each engine (runs on the engine thread): end what is left with `error`."""
 
     def _free_native(self) -> None:
         # Nobody may start a native call any more; the ones in progress finish first.

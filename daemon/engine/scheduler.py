@@ -359,20 +359,24 @@ class Engine(NativeThread):
         """True when nothing is running or waiting."""
         return not self._pending and self.busy_slots == 0
 
-    def _release(self) -> None:
-        """On the engine thread, once it stops: fail what is left, then free the model."""
+    def _release(self, error: str) -> None:
+        """On the engine thread, once it stops: end what is left with `error`, then free the model."""
         with self._cond:
             self._stopping = True
             leftovers = list(self._pending)
             self._pending.clear()
         for gen in leftovers:
             _free_grammar(gen)
-            gen.push_threadsafe(
-                [Finished("error", len(gen.request.prompt_tokens), 0, error="the model was unloaded")]
-            )
+            gen.push_threadsafe([Finished("error", len(gen.request.prompt_tokens), 0, error=error)])
         for i, slot in enumerate(self._slots):
-            if slot is not None:
-                self._finish(i, "error", error="the model was unloaded", deliver=True)
+            if slot is None:
+                continue
+            try:
+                self._finish(i, "error", error=error, deliver=True)
+            except Exception:  # the state that stopped the scheduler may stop this too
+                log.exception("model %s: ending the request in slot %d failed", self.name, i)
+                self._slots[i] = None
+                slot.gen.push_threadsafe([Finished("error", len(slot.prompt), slot.completion, error=error)])
         self._free_native()
 
     # ---- scheduler thread -----------------------------------------------------------------
@@ -427,14 +431,10 @@ class Engine(NativeThread):
             self._draft = None
 
     def _run(self) -> None:
-        try:
-            while self._step():
-                pass
-        except Exception:  # a bug here must not leave clients hanging forever
-            log.exception("scheduler of model %s crashed", self.name)
-            for i, slot in enumerate(self._slots):
-                if slot is not None:
-                    self._finish(i, "error", error="internal engine error", deliver=True)
+        # An exception ends the thread as a fault (NativeThread._main): its requests get
+        # ENGINE_STOPPED and the registry restarts the model.
+        while self._step():
+            pass
 
     def _admit(self) -> bool:
         """Move waiting generations into free slots; returns False when asked to stop."""

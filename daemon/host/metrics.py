@@ -27,7 +27,7 @@ REQUEST_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 TTFT_BUCKETS: Final = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 ITL_BUCKETS: Final = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
 # models.registry.ModelState's values (host sits below models: it cannot import them).
-STATES: Final = ("loading", "ready", "failed", "unloaded", "revoked")
+STATES: Final = ("loading", "ready", "restarting", "failed", "unloaded", "revoked")
 
 
 class TokenTiming:
@@ -144,6 +144,10 @@ class ModelsView(Protocol):
     def rejections(self) -> Mapping[str, int]:
         """429 server_overloaded refusals by model."""
 
+    @property
+    def engine_stops(self) -> Mapping[str, int]:
+        """Engines that stopped by themselves (a crashed scheduler), by model."""
+
 
 class _StateCollector(Collector):
     def __init__(
@@ -218,6 +222,14 @@ class _StateCollector(Collector):
         for model, n in sorted(self._registry.rejections.items()):
             rejected.add_metric([model], n)
         yield rejected
+        stops = CounterMetricFamily(
+            "edgellm_engine_stops",
+            "Engines that stopped by themselves (a crashed scheduler): restarted, or the breaker tripped",
+            labels=["model"],
+        )
+        for model, n in sorted(self._registry.engine_stops.items()):
+            stops.add_metric([model], n)
+        yield stops
 
     def _gpus(self) -> Iterator[Metric]:
         snapshot = self._gpu()

@@ -128,7 +128,8 @@ class Supervised(Protocol):
         """(model, monotonic time its scheduler last showed progress) of every serving model."""
 
     def observe(self, callback: Callable[[str, Sequence[object]], None]) -> None:
-        """Call `callback(event, outcomes)` on "reload_started" and "reload_finished"."""
+        """Call `callback(event, outcomes)` on "reload_started", "reload_finished" and
+        "model_stopped" (an engine stopped by itself)."""
 
 
 def summary(registry: Supervised) -> str:
@@ -211,6 +212,8 @@ class Supervisor:
                 self._extending = None
             if self._ready_sent or outcomes:
                 self._maybe_ready()  # after a reload; or models that failed at start came back
+        elif event == "model_stopped" and self._ready_sent:
+            self.notifier.status(summary(self.registry))  # which model stopped, and why, now
 
     async def _extend_while_reloading(self) -> None:
         while True:

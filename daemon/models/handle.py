@@ -23,9 +23,15 @@ from edgellmd.engine.chat import (
     json_keys,
 )
 from edgellmd.engine.drafts import Speculation
-from edgellmd.engine.generation import Generation, GenerationRequest
+from edgellmd.engine.generation import ENGINE_STOPPED, Generation, GenerationRequest
 from edgellmd.engine.tool_turns import tool_turns
-from edgellmd.errors import ContextLengthExceeded, InvalidRequest, ServerOverloaded, ServiceUnavailable
+from edgellmd.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelRestarting,
+    ServerOverloaded,
+    ServiceUnavailable,
+)
 from edgellmd.files import read_regular
 from edgellmd.models.budget import MIB
 from edgellmd.models.lockfile import LockedModel
@@ -412,7 +418,14 @@ class ModelHandle:
             if grammar is not None:
                 grammar.free()
             raise
-        return generator.submit(request, asyncio.get_running_loop(), grammar)
+        try:
+            return generator.submit(request, asyncio.get_running_loop(), grammar)
+        except GrammarError:
+            raise
+        except EngineError:  # it stopped meanwhile: by itself (restarting), or closed by a swap
+            if generator.fault is not None:
+                raise ModelRestarting(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
+            raise _gone(self.name) from None
 
     async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         """Embed tokenized inputs on the model's own thread (429 when it is saturated)."""
@@ -421,6 +434,8 @@ class ModelHandle:
         try:
             return await asyncio.wrap_future(embedder.submit_embed(inputs))
         except EngineError as exc:
+            if str(exc) == ENGINE_STOPPED:
+                raise ModelRestarting(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
             if "unloaded" in str(exc) or "shutting down" in str(exc):
                 raise _gone(self.name) from None
             raise

@@ -18,7 +18,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from edgellmd.engine import Engine
@@ -47,6 +47,12 @@ log = logging.getLogger(__name__)
 
 # Seconds a client is told to wait for a model that does not serve (503), and /readyz's.
 RETRY_AFTER_LOADING_S: Final = "5"
+# A model whose engine stops by itself (its scheduler crashed) is restarted after a pause
+# that grows with each stop in the last CRASH_LOOP_WINDOW_S; the CRASH_LOOP_STOPS-th stop in
+# that window trips the breaker: the model stays failed until an operator loads it.
+RESTART_BACKOFF_S: Final = (1.0, 2.0, 5.0, 15.0)
+CRASH_LOOP_STOPS: Final = 5
+CRASH_LOOP_WINDOW_S: Final = 600.0
 
 __all__ = ["ModelHandle", "ModelState", "Outcome", "Registry"]
 
@@ -56,6 +62,7 @@ class ModelState(enum.Enum):
 
     LOADING = "loading"  # first load in progress; nothing serves yet
     READY = "ready"  # serving (a reload may be running beside it)
+    RESTARTING = "restarting"  # not serving: its engine stopped by itself; it restarts soon
     FAILED = "failed"  # not serving: the last load failed
     UNLOADED = "unloaded"  # not serving: an operator unloaded it, or it was evicted
     REVOKED = "revoked"  # not serving: the accepted lockfile does not list it
@@ -98,6 +105,19 @@ class _Queued:
     done: asyncio.Future[list[Outcome]]
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStop:
+    """A model's engine stopping by itself: when, why, and what the registry did about it."""
+
+    at: float  # wall-clock time
+    fault: str
+    action: str  # "restart in N s" or "breaker tripped"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form for /admin/status."""
+        return {"at": self.at, "fault": self.fault, "action": self.action}
+
+
 @dataclass(slots=True)
 class _Entry:
     settings: ModelSettings
@@ -106,6 +126,9 @@ class _Entry:
     error: str | None = None
     reloading: bool = False
     last: Outcome | None = None
+    stops: list[float] = field(default_factory=list)  # monotonic times, within the breaker's window
+    last_stop: EngineStop | None = None
+    restart: asyncio.Task[None] | None = None  # the pending restart after a stop
 
 
 class Registry:
@@ -142,6 +165,7 @@ class Registry:
         self.lock_version: int | None = None  # of the last lockfile that verified
         self.reloads: Tally[str] = Tally()  # outcomes by result
         self.reloads_by_model: Tally[tuple[str, str]] = Tally()  # by (model, result), for metrics
+        self.engine_stops: Tally[str] = Tally()  # engines that stopped by themselves, by model
         # Per model, shared by every version of it: 429 server_overloaded refusals and the like.
         self._counters: dict[str, Tally[str]] = {m.name: Tally() for m in models}
         # Called with ("reload_started", []) and ("reload_finished", outcomes) around reloads.
@@ -176,6 +200,10 @@ class Registry:
     async def close(self) -> None:
         """Free every model and remove the preload area, off the event loop."""
         loop = asyncio.get_running_loop()
+        restarts = [e.restart for e in self._entries.values() if e.restart is not None]
+        for task in restarts:
+            task.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
         async with self._mutex:
             for entry in self._entries.values():
                 if entry.handle is not None:
@@ -234,7 +262,8 @@ class Registry:
         return [(h.name, h.engine.heartbeat) for h in self.ready_handles()]
 
     def observe(self, callback: Callable[[str, list[Outcome]], None]) -> None:
-        """Call `callback(event, outcomes)` on "reload_started" and "reload_finished"."""
+        """Call `callback(event, outcomes)` on "reload_started", "reload_finished" and
+        "model_stopped" (an engine stopped by itself; no outcomes)."""
         self.observers.append(callback)
 
     def states(self) -> dict[str, tuple[ModelState, str | None]]:
@@ -324,7 +353,11 @@ class Registry:
         return outcomes
 
     async def load(self, name: str) -> Outcome:
-        """Load a model that is unloaded, failed or revoked (an operator's request)."""
+        """Load a model that is unloaded, failed or revoked (an operator's request).
+
+        It also resets the crash-loop breaker: the operator has looked at why it tripped.
+        """
+        self._entry(name).stops.clear()
         outcome = (await self.reload([name], trigger="admin"))[0]
         entry = self._entry(name)
         if entry.state is ModelState.REVOKED and outcome.ok:
@@ -341,6 +374,7 @@ class Registry:
     def _unload(self, entry: _Entry, reason: str, trigger: str) -> Outcome:
         handle, entry.handle = entry.handle, None
         entry.state, entry.error = ModelState.UNLOADED, reason
+        self._cancel_restart(entry)
         if handle is not None:
             self._retire(handle)
         log.info("model %s unloaded: %s", entry.settings.name, reason)
@@ -355,6 +389,7 @@ class Registry:
             return self._record(entry, Outcome(name, "unchanged", reason, trigger, time.time()), log_it=False)
         handle, entry.handle = entry.handle, None
         entry.state, entry.error = ModelState.REVOKED, reason
+        self._cancel_restart(entry)
         if handle is not None:
             self._retire(handle)  # requests in flight finish on it first
         # At start as on any reload: a box restarted after a revocation comes up serving (and
@@ -421,7 +456,7 @@ class Registry:
             # The same lock entries; only a file's stat changed (touched, or rewritten
             # identically): check its bytes against the entry, and load nothing.
             return await self._reverify(entry, old, locked, trigger)
-        if old is None:
+        if old is None and entry.state is not ModelState.RESTARTING:  # a restart says so while it loads
             entry.state = ModelState.LOADING
         entry.reloading = True
         try:
@@ -441,6 +476,7 @@ class Registry:
         finally:
             entry.reloading = False
         entry.handle, entry.state, entry.error = handle, ModelState.READY, None  # the swap
+        self._supervise(entry, handle)
         if old is not None:
             self._retire(old)
         log.info(
@@ -524,6 +560,74 @@ class Registry:
             log.info("model %s: %s", outcome.model, outcome.result)
         return outcome
 
+    # ---- engines that stop by themselves ---------------------------------------------------
+
+    def _supervise(self, entry: _Entry, handle: ModelHandle) -> None:
+        """Hear of it, on the event loop, when the engine of this serving handle stops by itself."""
+        loop = asyncio.get_running_loop()
+
+        def exited(fault: str | None) -> None:  # on the engine's thread
+            if fault is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
+                    loop.call_soon_threadsafe(self._engine_stopped, entry, handle, fault)
+
+        handle.engine.on_exit(exited)
+
+    def _engine_stopped(self, entry: _Entry, handle: ModelHandle, fault: str) -> None:
+        """Take a model whose engine stopped out of service now, and restart it (or trip the breaker).
+
+        Its requests in flight were ended with ENGINE_STOPPED (a 503 that says retry); new
+        ones get 503 from `get` until the restart swaps a new engine in. Nothing else stops:
+        the other models, the admin API and the watchdog go on.
+        """
+        name = entry.settings.name
+        if entry.handle is not handle:  # replaced or unloaded meanwhile: nothing serves on it
+            log.warning("model %s: a retired engine stopped by itself: %s", name, fault)
+            return
+        now = time.monotonic()
+        entry.stops = [t for t in entry.stops if now - t < CRASH_LOOP_WINDOW_S] + [now]
+        entry.handle = None
+        self._retire(handle)  # freed once the requests that hold it have read their error
+        self.engine_stops[name] += 1
+        if len(entry.stops) >= CRASH_LOOP_STOPS:
+            action = "breaker tripped"
+            entry.state = ModelState.FAILED
+            entry.error = (
+                f"{fault}; its engine stopped {len(entry.stops)} times within "
+                f"{CRASH_LOOP_WINDOW_S:.0f} s, so it is not restarted: load it to try again"
+            )
+            log.error("model %s: %s", name, entry.error)
+        else:
+            delay = RESTART_BACKOFF_S[min(len(entry.stops), len(RESTART_BACKOFF_S)) - 1]
+            action = f"restart in {delay:g} s"
+            entry.state = ModelState.RESTARTING
+            entry.error = f"{fault}; restarting (stop {len(entry.stops)} of {CRASH_LOOP_STOPS} allowed)"
+            log.error("model %s: %s; %s", name, fault, action)
+            self._cancel_restart(entry)
+            entry.restart = asyncio.get_running_loop().create_task(
+                self._restart(entry, delay), name=f"restart:{name}"
+            )
+        entry.last_stop = EngineStop(time.time(), fault, action)
+        self._notify("model_stopped", [])
+
+    async def _restart(self, entry: _Entry, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+            if entry.state is not ModelState.RESTARTING:  # unloaded, revoked or loaded meanwhile
+                return
+            outcome = (await self.reload([entry.settings.name], force=True, trigger="restart"))[0]
+            if not outcome.ok:
+                log.error("model %s: the restart failed: %s", entry.settings.name, outcome.reason)
+        finally:
+            if entry.restart is asyncio.current_task():
+                entry.restart = None
+
+    @staticmethod
+    def _cancel_restart(entry: _Entry) -> None:
+        if entry.restart is not None and entry.restart is not asyncio.current_task():
+            entry.restart.cancel()
+            entry.restart = None
+
     # ---- building a handle ----------------------------------------------------------------
 
     def _make_room(self, settings: ModelSettings, need: int) -> None:
@@ -597,6 +701,8 @@ class Registry:
                 "queue_size": entry.settings.queue_size,
                 "evictable": entry.settings.evictable,
                 "last_reload": entry.last.as_dict() if entry.last else None,
+                "engine_stops": self.engine_stops[name],
+                "last_engine_stop": entry.last_stop.as_dict() if entry.last_stop else None,
             }
             if handle is not None:
                 prov = handle.provenance

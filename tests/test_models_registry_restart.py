@@ -1,0 +1,223 @@
+"""A scheduler that stops by itself: the model leaves service at once, tells why, and restarts.
+
+The fault is injected into the real engine's scheduler loop (an exception from one step), on
+a real daemon with a real notify socket: what its clients, /readyz, /admin/status, systemd's
+STATUS= and /metrics say, and when it serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from edgellmd.engine import scheduler as scheduler_module
+from edgellmd.host.systemd import Notifier
+from edgellmd.http import appkeys
+from edgellmd.http.app import create_app
+from edgellmd.models import registry as registry_module
+from tests.serving import settings_for
+from tests.test_host_systemd import NotifySocket
+
+MODEL = "tiny"
+
+
+class Fault:
+    """Makes the scheduler's next step raise, once per arming."""
+
+    def __init__(self) -> None:
+        self.armed = threading.Event()
+        self.fired = 0
+
+    def arm(self) -> None:
+        self.armed.set()
+
+
+@pytest.fixture
+def fault(monkeypatch: pytest.MonkeyPatch) -> Fault:
+    injected = Fault()
+    real = scheduler_module.Engine._step
+
+    def step(self: scheduler_module.Engine) -> bool:
+        if injected.armed.is_set():
+            injected.armed.clear()
+            injected.fired += 1
+            raise RuntimeError("injected scheduler fault")
+        return real(self)
+
+    monkeypatch.setattr(scheduler_module.Engine, "_step", step)
+    return injected
+
+
+@pytest.fixture
+def notify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
+    sock = NotifySocket(tmp_path / "notify.sock")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(sock.path))  # sdnotify reads it from the environment
+    yield sock
+    sock.close()
+
+
+async def _serve(aiohttp_client: Any, tiny_model: Path, notifier: Notifier | None = None) -> Any:
+    settings = settings_for(
+        [{"name": MODEL, "file": str(tiny_model), "slots": 1, "context_size": 512, "threads": 1}]
+    )
+    app: web.Application = create_app(settings, notifier=notifier)
+    client = await aiohttp_client(app)
+    await _until(client, lambda status, _: status == 200, "the first load")
+    return client
+
+
+async def _until(client: Any, test: Any, what: str, limit_s: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + limit_s
+    while True:
+        answer = await client.get("/readyz")
+        body = await answer.json()
+        if test(answer.status, body):
+            return dict(body)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {body}"
+        await asyncio.sleep(0.02)
+
+
+async def _model(client: Any) -> dict[str, Any]:
+    answer = await client.get("/admin/status")
+    body = await answer.json()
+    return dict(next(m for m in body["models"] if m["name"] == MODEL))
+
+
+async def _crash(client: Any, fault: Fault) -> None:
+    """The scheduler's next step raises: the request that wakes it is cut with a 503."""
+    fault.arm()
+    answer = await client.post("/v1/completions", json=_completion(2))
+    assert answer.status == 503
+    assert (await answer.json())["error"]["code"] == "model_restarting"
+
+
+def _completion(max_tokens: int, *, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+async def test_a_crashed_scheduler_takes_its_model_out_of_service_and_it_restarts(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, notify: NotifySocket
+) -> None:
+    client = await _serve(aiohttp_client, tiny_model, Notifier())
+    app = client.server.app
+    registry = app[appkeys.REGISTRY]
+    assert [name for name, _ in registry.heartbeats()] == [MODEL]
+    old_engine = registry.get(MODEL).engine
+
+    # One stream generating in the only slot, one request waiting for it.
+    stream = await client.post("/v1/completions", json=_completion(400, stream=True))
+    assert stream.status == 200
+    first = await stream.content.readline()
+    assert first.startswith(b"data: ")
+    waiting = asyncio.create_task(client.post("/v1/completions", json=_completion(4)))
+    deadline = time.monotonic() + 10
+    while (await _model(client)).get("queue_depth") != 1:
+        assert time.monotonic() < deadline, "the second request never queued"
+        await asyncio.sleep(0.01)
+
+    fault.arm()
+    events = [line.strip() async for line in stream.content if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]"
+    cut = json.loads(events[-2][len(b"data: ") :])
+    assert cut["error"]["code"] == "model_restarting"
+    refused = await waiting
+    assert refused.status == 503
+    assert refused.headers["Retry-After"]
+    assert (await refused.json())["error"]["code"] == "model_restarting"
+
+    # At once: not ready, with the model and the reason, everywhere an operator looks.
+    body = await _until(client, lambda status, b: status == 503, "readiness to drop")
+    assert body["status"] == "restarting"
+    assert body["models"][MODEL]["state"] == "restarting"
+    assert "RuntimeError" in body["models"][MODEL]["reason"]
+    shown = await _model(client)
+    assert shown["state"] == "restarting"
+    assert shown["engine_stops"] == 1
+    assert shown["last_engine_stop"]["fault"] == "its scheduler crashed (RuntimeError)"
+    assert shown["last_engine_stop"]["action"] == "restart in 1 s"
+    assert registry.heartbeats() == []  # the watchdog judges the models that serve
+    status_lines = [f for f in notify.fields() if f.startswith("STATUS=")]
+    assert any(f"{MODEL} restarting" in line for line in status_lines), status_lines
+    late = await client.post("/v1/completions", json=_completion(4))
+    assert late.status == 503
+    assert late.headers["Retry-After"]
+
+    # By itself, after the pause: a new engine serves, and the old one was freed.
+    body = await _until(client, lambda status, _: status == 200, "the restart")
+    assert body["models"][MODEL]["state"] == "ready"
+    assert registry.get(MODEL).engine is not old_engine
+    answer = await client.post("/v1/completions", json=_completion(4))
+    assert answer.status == 200
+    assert (await answer.json())["usage"]["completion_tokens"] == 4
+    shown = await _model(client)
+    assert shown["last_reload"]["trigger"] == "restart"
+    assert shown["last_reload"]["result"] == "loaded"
+    assert shown["engine_stops"] == 1  # the count stays for the operator
+    metrics = await (await client.get("/metrics")).text()
+    assert f'edgellm_engine_stops_total{{model="{MODEL}"}} 1.0' in metrics
+    assert f'edgellm_model_state{{model="{MODEL}",state="restarting"}} 0.0' in metrics
+    deadline = time.monotonic() + 10
+    while old_engine._thread.is_alive() or registry.status()["draining"]:
+        assert time.monotonic() < deadline, "the stopped engine was never freed"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_crash_loop_trips_the_breaker_until_an_operator_loads_the_model(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (0.05,))
+    monkeypatch.setattr(registry_module, "CRASH_LOOP_STOPS", 3)
+    client = await _serve(aiohttp_client, tiny_model)
+    for crash in range(1, 3):
+        await _crash(client, fault)
+        await _until(client, lambda status, b: b["status"] == "restarting", f"stop {crash}")
+        await _until(client, lambda status, _: status == 200, f"restart {crash}")
+    await _crash(client, fault)
+    body = await _until(client, lambda status, b: b["status"] == "failed", "the breaker")
+    assert "not restarted" in body["models"][MODEL]["reason"]
+    await asyncio.sleep(0.3)  # many backoffs' time: still failed
+    shown = await _model(client)
+    assert shown["state"] == "failed"
+    assert shown["engine_stops"] == 3
+    assert shown["last_engine_stop"]["action"] == "breaker tripped"
+    answer = await client.post("/v1/completions", json=_completion(2))
+    assert answer.status == 503
+
+    # An operator's load resets the breaker and serves again.
+    loaded = await client.post(f"/admin/models/{MODEL}/load")
+    assert loaded.status == 200, await loaded.text()
+    await _until(client, lambda status, _: status == 200, "the operator's load")
+    await _crash(client, fault)
+    body = await _until(client, lambda status, b: status == 503, "one more stop")
+    assert body["status"] == "restarting"  # one stop since the load: restarted, not tripped
+    await _until(client, lambda status, _: status == 200, "the restart after the load")
+    assert fault.fired == 4
+
+
+async def test_an_unload_during_the_pause_cancels_the_restart(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (0.5,))
+    client = await _serve(aiohttp_client, tiny_model)
+    await _crash(client, fault)
+    await _until(client, lambda status, b: b["status"] == "restarting", "the stop")
+    unloaded = await client.post(f"/admin/models/{MODEL}/unload")
+    assert unloaded.status == 200
+    await asyncio.sleep(1.0)
+    shown = await _model(client)
+    assert shown["state"] == "unloaded"
+    assert shown["reason"] == "unloaded by an operator"
