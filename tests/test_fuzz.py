@@ -144,6 +144,15 @@ def test_random_headers_methods_and_paths(
 # Every Unicode category, lone surrogates included (json.dumps writes them as \\udXXX escapes,
 # which is how a hostile client gets them into a parsed body).
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=24)
+# JSON that travels inside a string (call arguments): well-formed, any Unicode (lone
+# surrogates as escapes), nested past the body's limit, or not JSON at all.
+EMBEDDED = st.one_of(
+    st.just('{"a": 1}'),
+    st.dictionaries(ANY_TEXT, ANY_TEXT | JSON, max_size=3).map(json.dumps),
+    st.integers(1, 3000).map(lambda n: "[" * n + "]" * n),
+    st.integers(1, 3000).map(lambda n: '{"a":' * n + "1" + "}" * n),
+    ANY_TEXT,
+)
 ODD_DIGITS = st.text(st.characters(categories=["Nd", "No", "Nl"]), min_size=1, max_size=4)
 HOSTILE_FIELDS = st.fixed_dictionaries(
     {},
@@ -156,6 +165,7 @@ HOSTILE_FIELDS = st.fixed_dictionaries(
             min_size=1,
             max_size=3,
         ),
+        "tool_turn": EMBEDDED,  # becomes an assistant turn's tool call and its result
         "stop": st.lists(ANY_TEXT, max_size=3),
         "logit_bias": st.dictionaries(ODD_DIGITS | ANY_TEXT, st.integers(-100, 100), max_size=3),
         "user": ANY_TEXT,
@@ -198,6 +208,14 @@ def test_bodies_with_any_unicode_and_odd_digits(
     daemon: RunningDaemon, body: dict[str, Any], path: str
 ) -> None:
     body = {"model": "tiny", **body, "max_tokens": 2}
+    arguments = body.pop("tool_turn", None)
+    if arguments is not None:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        body["messages"] = [
+            *body.get("messages", [{"role": "user", "content": "x"}]),
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
     if path == "/v1/completions":
         body["prompt"] = next((m["content"] for m in body.pop("messages", [])), "x") or "x"
     raw = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\udXXX escapes
@@ -225,9 +243,11 @@ MESSAGES = st.fixed_dictionaries(
     },
     optional={"type": st.just("message"), "id": ANY_TEXT, "status": ANY_TEXT},
 )
-CALL_PAIRS = st.tuples(ANY_TEXT | st.just("c1"), st.sampled_from(["f", "get_weather"]) | ANY_TEXT).map(
+CALL_PAIRS = st.tuples(
+    ANY_TEXT | st.just("c1"), st.sampled_from(["f", "get_weather"]) | ANY_TEXT, EMBEDDED
+).map(
     lambda c: [
-        {"type": "function_call", "call_id": c[0], "name": c[1], "arguments": '{"a": 1}'},
+        {"type": "function_call", "call_id": c[0], "name": c[1], "arguments": c[2]},
         {"type": "function_call_output", "call_id": c[0], "output": "ok"},
     ]
 )

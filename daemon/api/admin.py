@@ -11,7 +11,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.context import CALLER, context
-from edgellmd.api.openai_schemas import read_json_object
+from edgellmd.api.jsontext import read_json_object
 from edgellmd.engine import build_info
 from edgellmd.errors import InvalidRequest
 from edgellmd.host.cpu import format_cpu_list, host_stats

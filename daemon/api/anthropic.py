@@ -19,7 +19,7 @@ from aiohttp import web
 from edgellmd.api.anthropic_answers import Reply, collect, render_error, stream
 from edgellmd.api.anthropic_schemas import CountRequest, MessagesRequest, parse_count_tokens, parse_messages
 from edgellmd.api.context import ERROR_SHAPES, ErrorShapes, context, token_limits
-from edgellmd.api.openai_schemas import read_json_object
+from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.session import chat_session
 
 MESSAGES: Final = "/v1/messages"

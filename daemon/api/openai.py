@@ -13,6 +13,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.context import TOKENS_USED, USER_TAG, context, token_limits
+from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.openai_answers import Shape, collect, stream
 from edgellmd.api.openai_schemas import (
     ChatRequest,
@@ -22,7 +23,6 @@ from edgellmd.api.openai_schemas import (
     parse_chat,
     parse_completion,
     parse_embeddings,
-    read_json_object,
 )
 from edgellmd.api.session import chat_session, generation_session, user_tag
 from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown

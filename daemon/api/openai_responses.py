@@ -17,8 +17,9 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.context import CALLER, context, token_limits
+from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.openai_answers import aborted
-from edgellmd.api.openai_schemas import ChatRequest, read_json_object
+from edgellmd.api.openai_schemas import ChatRequest
 from edgellmd.api.responses_answers import Draft
 from edgellmd.api.responses_schemas import ResponsesRequest, parse_responses
 from edgellmd.api.responses_store import ANONYMOUS, RESPONSE_ID, ResponseStore, StoredResponse

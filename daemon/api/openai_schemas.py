@@ -2,31 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from aiohttp import web
-
 from edgellmd.api.fields import Fields, number_text, reject_unknown, unsupported
+from edgellmd.api.jsontext import embedded_json
 from edgellmd.api.structured import ToolPlan, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import (
     InvalidRequest,
-    MalformedRequest,
-    UnsupportedMediaType,
     UnsupportedParameter,
     shown,
 )
 
 MAX_STOP_SEQUENCES: Final = 4  # OpenAI's limit
 MAX_STOP_LENGTH: Final = 256  # characters per stop string
-# Deeper bodies are refused before anyone walks them. OpenAI allows 10 levels of schema
-# nesting, each two JSON levels (four with an Optional's anyOf) inside a request's own few.
-MAX_JSON_DEPTH: Final = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's documented default for /v1/completions
 MAX_EMBEDDING_INPUTS: Final = 2048  # OpenAI's limit on inputs per embeddings request
 ENCODING_FORMATS: Final = ("float", "base64")
@@ -36,7 +29,6 @@ MAX_LOGIT_BIAS: Final = 1024  # entries
 MAX_TOP_LOGPROBS: Final = 20  # chat; OpenAI's limit
 MAX_COMPLETION_LOGPROBS: Final = 5  # legacy completions; OpenAI's limit
 _TOKEN_ID: Final = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() takes "²" and "٣"
-_PLAIN_NAME: Final = re.compile(r"[A-Za-z0-9_]{1,64}")
 
 # Accepted and ignored: they do not change what is generated.
 _IGNORED: Final = frozenset(
@@ -144,91 +136,6 @@ class EmbeddingRequest:
     inputs: tuple[str | tuple[int, ...], ...]  # always a tuple, even for one string
     encoding_format: str  # one of ENCODING_FORMATS
     user: str | None
-
-
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of a parsed JSON value, stopping early once past `limit`."""
-    depth, level = 0, [value]
-    while level:
-        depth += 1
-        if depth > limit:
-            return depth
-        nxt: list[Any] = []
-        for v in level:
-            if isinstance(v, dict):
-                nxt.extend(v.values())
-            elif isinstance(v, list):
-                nxt.extend(v)
-        level = nxt
-    return depth
-
-
-async def read_json_object(request: web.Request) -> dict[str, Any]:
-    """Read the body as a JSON object, refusing other media types, bad UTF-8 and deep nesting."""
-    if request.content_type != "application/json":
-        raise UnsupportedMediaType("the request body must be JSON (Content-Type: application/json)")
-    try:
-        raw = await request.read()  # bounded by client_max_size; aiohttp answers 413 beyond it
-    except web.RequestPayloadError:  # a body encoding (gzip, chunks) that does not decode
-        raise MalformedRequest("the request body could not be decoded") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidRequest("the request body is not valid UTF-8") from None
-    try:
-        data = json.loads(text)
-    except RecursionError:
-        raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc.msg} at position {exc.pos}") from None
-    except ValueError:  # e.g. an integer literal longer than Python converts
-        raise InvalidRequest("the body is not valid JSON: a number is too long") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("the JSON body must be an object")
-    if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
-    if _ESCAPED_SURROGATE.search(text):
-        where = _lone_surrogate(data)
-        if where is not None:
-            raise InvalidRequest(
-                f"the JSON body holds a lone UTF-16 surrogate escape (at {where}); "
-                "strings must be valid Unicode",
-                param=where if where != "(a key)" else None,
-            )
-    return data
-
-
-# JSON's \uD800-\uDFFF escapes are the only way a lone surrogate gets into a parsed body (the
-# bytes are valid UTF-8): one that json.loads did not pair with its partner is refused, as
-# it can be neither encoded for llama.cpp nor written back to a client.
-_ESCAPED_SURROGATE: Final = re.compile(r"\\u[dD][89abcdefABCDEF]")
-
-
-def _has_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _lone_surrogate(data: Any) -> str | None:
-    """Where the first string holding a lone surrogate is (`messages[0].content`), or None."""
-    pending: list[tuple[Any, str]] = [(data, "")]
-    while pending:
-        value, path = pending.pop()
-        if isinstance(value, str):
-            if _has_surrogate(value):
-                return path or "(the body)"
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if _has_surrogate(key):
-                    return "(a key)"
-                shown = key if _PLAIN_NAME.fullmatch(key) else "?"
-                pending.append((item, f"{path}.{shown}" if path else shown))
-        elif isinstance(value, list):
-            pending.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
-    return None
 
 
 def _stop(f: Fields) -> tuple[str, ...]:
@@ -426,6 +333,7 @@ def _tool_calls(value: Any, role: str, where: str) -> tuple[dict[str, Any], ...]
                 f"'{param}[{j}]' must be {{id, type: function, function: {{name, arguments}}}}",
                 param=f"{param}[{j}]",
             )
+        embedded_json(fn.get("arguments", ""), f"{param}[{j}].function.arguments")
     return tuple(value)
 
 

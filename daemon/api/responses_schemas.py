@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from edgellmd.api.fields import Fields, number_text, reject_unknown, unsupported
+from edgellmd.api.jsontext import embedded_json
 from edgellmd.api.openai_schemas import ChatRequest, CommonRequest, Limits
 from edgellmd.api.responses_store import RESPONSE_ID
 from edgellmd.api.structured import FUNCTION_NAME_CHARS, response_format_grammar, tool_plan
@@ -229,6 +230,8 @@ def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     call_id = f.string("call_id", required=True, nonempty=True)
     name = f.string("name", required=True, nonempty=True)
     arguments = f.string("arguments", required=True)
+    assert arguments is not None  # noqa: S101 - required
+    embedded_json(arguments, f"{where}.arguments")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

@@ -35,7 +35,7 @@ from edgellmd.api.console_sessions import (
     set_cookie,
 )
 from edgellmd.api.context import CALLER, TOKENS_USED, Caller
-from edgellmd.api.openai_schemas import read_json_object
+from edgellmd.api.jsontext import read_json_object
 from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
 from edgellmd.http.auth import authenticate, unusable

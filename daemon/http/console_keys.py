@@ -22,7 +22,7 @@ from aiohttp import web
 from edgellmd.api.console import Route
 from edgellmd.api.console_sessions import SESSIONS
 from edgellmd.api.context import CALLER
-from edgellmd.api.openai_schemas import read_json_object
+from edgellmd.api.jsontext import read_json_object
 from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.errors import InvalidRequest, NotFound, PermissionDenied, shown
 from edgellmd.http import appkeys

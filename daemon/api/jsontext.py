@@ -1,0 +1,137 @@
+"""The rules every JSON text a client sends must meet: the request body, and JSON inside a string.
+
+A body is read once (`read_json_object`): UTF-8, at most `MAX_JSON_DEPTH` levels, no lone
+UTF-16 surrogate, no number too long to convert. Some fields carry JSON as a string (a chat
+assistant turn's `tool_calls[].function.arguments`, a Responses `function_call.arguments`):
+the templates and the tool-turn rewriting parse those later, so `embedded_json` holds them
+to the same rules at decode time, with a 400 naming the parameter. Nothing past it walks a
+value nested deeper than the limit or meets a string llama.cpp cannot encode.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Final
+
+from aiohttp import web
+
+from edgellmd.errors import InvalidRequest, MalformedRequest, UnsupportedMediaType
+
+# Deeper bodies are refused before anyone walks them. OpenAI allows 10 levels of schema
+# nesting, each two JSON levels (four with an Optional's anyOf) inside a request's own few.
+MAX_JSON_DEPTH: Final = 64
+_PLAIN_NAME: Final = re.compile(r"[A-Za-z0-9_]{1,64}")
+# JSON's \uD800-\uDFFF escapes are the only way a lone surrogate gets into a parsed value (the
+# bytes are valid UTF-8): one that json.loads did not pair with its partner is refused, as
+# it can be neither encoded for llama.cpp nor written back to a client.
+_ESCAPED_SURROGATE: Final = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, stopping early once past `limit`."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        if depth > limit:
+            return depth
+        nxt: list[Any] = []
+        for v in level:
+            if isinstance(v, dict):
+                nxt.extend(v.values())
+            elif isinstance(v, list):
+                nxt.extend(v)
+        level = nxt
+    return depth
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """Where the first string holding a lone surrogate is (`messages[0].content`), or None."""
+    pending: list[tuple[Any, str]] = [(data, "")]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                return path or "(the body)"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _has_surrogate(key):
+                    return "(a key)"
+                shown = key if _PLAIN_NAME.fullmatch(key) else "?"
+                pending.append((item, f"{path}.{shown}" if path else shown))
+        elif isinstance(value, list):
+            pending.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    """Read the body as a JSON object, refusing other media types, bad UTF-8 and deep nesting."""
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType("the request body must be JSON (Content-Type: application/json)")
+    try:
+        raw = await request.read()  # bounded by client_max_size; aiohttp answers 413 beyond it
+    except web.RequestPayloadError:  # a body encoding (gzip, chunks) that does not decode
+        raise MalformedRequest("the request body could not be decoded") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("the request body is not valid UTF-8") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except ValueError:  # e.g. an integer literal longer than Python converts
+        raise InvalidRequest("the body is not valid JSON: a number is too long") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the JSON body must be an object")
+    if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if _ESCAPED_SURROGATE.search(text):
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise InvalidRequest(
+                f"the JSON body holds a lone UTF-16 surrogate escape (at {where}); "
+                "strings must be valid Unicode",
+                param=where if where != "(a key)" else None,
+            )
+    return data
+
+
+def embedded_json(text: str, param: str) -> None:
+    """Hold JSON that travels inside the string `text` (field `param`) to the body's rules.
+
+    Text that is not JSON at all stays the client's text (OpenAI takes any string there);
+    JSON that is nested too deep, holds a lone surrogate or a number too long is refused.
+    The caller checked `text` itself with the body.
+    """
+    stripped = text.lstrip()
+    if not stripped or stripped[0] not in '[{"':
+        return  # a number, a literal, or plain text: nothing nests, nothing escapes
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+        deep = True
+    except json.JSONDecodeError:
+        return
+    except ValueError:  # an integer literal longer than Python converts
+        raise InvalidRequest(f"'{param}' holds JSON with a number that is too long", param=param) from None
+    else:
+        deep = _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH
+    if deep:
+        raise InvalidRequest(f"'{param}' holds JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param)
+    if _ESCAPED_SURROGATE.search(text) and _lone_surrogate(value) is not None:
+        raise InvalidRequest(
+            f"'{param}' holds JSON with a lone UTF-16 surrogate escape; strings must be valid Unicode",
+            param=param,
+        )
