@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Final
 
+from edgellmd.redaction import redact
+
 
 class ApiError(Exception):
     """An error a client should see; subclasses fix the status, `type` and default `code`."""
@@ -185,7 +187,8 @@ def shown(value: object, *, limit: int = 64, quote: bool = False, placeholder: s
     """A client's value, fit to put in a message: itself when short and printable, else a placeholder.
 
     The one way untrusted text reaches an error message or a log line: a model name, a
-    field name, a number (a 4,000-digit integer stays out), a lockfile member.
+    field name, a number (a 4,000-digit integer stays out), a lockfile member. Anything
+    shaped like an API key has its secret taken out (a key pasted into `model`).
     """
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         return placeholder
@@ -195,6 +198,7 @@ def shown(value: object, *, limit: int = 64, quote: bool = False, placeholder: s
         return placeholder
     if len(text) > limit or not text.isprintable():
         return placeholder
+    text = redact(text)
     return repr(text) if quote and isinstance(value, str) else text
 
 

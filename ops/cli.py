@@ -16,7 +16,7 @@ from edgellmd.files import UnsuitableFile, read_regular
 Command = Callable[[argparse.Namespace], int]
 
 MAX_KEY_FILE_BYTES: Final = 4096  # a token is under 200 characters
-# The shape of an edgellm API token (keystore._TOKEN), also cut short or glued to other text.
+# The shape of an edgellm API token, also cut short or glued to other text.
 _TOKEN_LIKE: Final = re.compile(r"elk_[0-9a-f]{12}_[A-Za-z0-9_-]*")
 HIDDEN_TOKEN: Final = "elk_(hidden)"  # noqa: S105 - what a token is replaced with, not a secret
 HIDDEN_VALUE: Final = "..."

@@ -6,13 +6,18 @@ import io
 import json
 import logging
 import sys
+import asyncio
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from edgellmd.http import logs
+from edgellmd.http.app import create_app
+from tests.serving import settings_for
 
 KEY = "elk_0123456789ab_" + "S3cr3t-part_" * 3 + "abcdefg"  # 12 hex id, a 43-char secret
 SECRET = KEY.split("_", 2)[2]
@@ -44,6 +49,13 @@ def _record(name: str, msg: str, *args: object, exc: BaseException | None = None
         ),
         ("elk_short_secret stays", "elk_short_secret stays"),  # not a key's shape
         ("no key here", "no key here"),
+        # Glued to word characters: the second hostile round found these whole in the log.
+        (f"/v1/models/X{KEY}", "/v1/models/Xelk_0123456789ab_[redacted]"),
+        (f"X-Request-Id: a{KEY}", "X-Request-Id: aelk_0123456789ab_[redacted]"),
+        (f'"user": "x{KEY}"', '"user": "xelk_0123456789ab_[redacted]"'),
+        (f"9{KEY}9", "9elk_0123456789ab_[redacted]"),
+        (f"{KEY[:24]} cut short", "elk_0123456789ab_[redacted] cut short"),
+        (f"{KEY}{KEY}", "elk_0123456789ab_[redacted]"),  # one run of a secret's alphabet
     ],
 )
 def test_redact(text: str, shown: str) -> None:
@@ -122,3 +134,51 @@ def test_configure_scrubs_every_logger(fmt: str, monkeypatch: pytest.MonkeyPatch
     assert "Authorization" not in text
     assert text.count("malformed HTTP request: ") == 2
     assert "elk_0123456789ab_[redacted]" in text
+
+
+@pytest.mark.usefixtures("root_restored")
+@pytest.mark.parametrize("fmt", ["json", "text"])
+async def test_a_key_glued_to_other_text_reaches_no_log_line_and_no_answer(
+    fmt: str, monkeypatch: pytest.MonkeyPatch, aiohttp_client: Any, tiny_model: Path
+) -> None:
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    logs.configure("debug", fmt)
+    settings = settings_for([{"name": "tiny", "file": str(tiny_model), "slots": 1, "threads": 1}])
+    client = await aiohttp_client(create_app(settings))
+    while (await client.get("/readyz")).status != 200:
+        await asyncio.sleep(0.02)
+    answers: list[str] = []
+    for path in (f"/v1/models/X{KEY}", f"/v1/models/{KEY}"):
+        answer = await client.get(path)
+        assert answer.status == 404
+        answers.append(await answer.text())
+    answer = await client.post("/v1/completions", json={"model": f"X{KEY}", "prompt": "hi", "max_tokens": 1})
+    assert answer.status == 404
+    answers.append(await answer.text())
+    chat = {
+        "model": "tiny",
+        "max_tokens": 1,
+        "user": f"x{KEY}",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    answer = await client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": f"a{KEY}"})
+    assert answer.status == 200
+    assert SECRET not in answer.headers["X-Request-Id"]
+    answers.append(await answer.text())
+    messages = {
+        "model": "tiny",
+        "max_tokens": 1,
+        "metadata": {"user_id": f"x{KEY}"},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    answer = await client.post("/v1/messages", json=messages, headers={"X-Request-Id": KEY})
+    assert answer.status == 200
+    assert SECRET not in answer.headers["X-Request-Id"]
+    answers.append(await answer.text())
+    for text in answers:
+        assert SECRET not in text
+    await client.close()
+    written = out.getvalue()
+    assert SECRET not in written
+    assert written.count("elk_0123456789ab_[redacted]") >= 2  # the access lines of the 404s

@@ -26,6 +26,7 @@ RANKS: Final = {
     "host": 1,
     "errors": 0,
     "files": 0,
+    "redaction": 0,
     "": 0,  # the package itself: its version
 }
 

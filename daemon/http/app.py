@@ -40,6 +40,7 @@ from edgellmd.models.gguf import GgufError, read_gguf_facts
 from edgellmd.models.handle import EngineFactory, default_engine_factory
 from edgellmd.models.lockfile import LockError, load_lock
 from edgellmd.models.registry import Registry
+from edgellmd.redaction import holds_key
 from edgellmd.models.watch import ModelWatcher, watch_targets
 from edgellmd.settings import ServerSettings, Settings
 
@@ -58,7 +59,8 @@ _CLIENT_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Give each request an id (the client's X-Request-Id when sane) and log one access line."""
     given = request.headers.get("X-Request-Id", "")
-    rid = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    # A client's id is echoed in X-Request-Id and every log line: never one holding a key.
+    rid = given if _CLIENT_REQUEST_ID.fullmatch(given) and not holds_key(given) else uuid.uuid4().hex
     request[appkeys.REQUEST_ID] = rid
     token = logs.request_id.set(rid)
     started = time.monotonic()

@@ -20,14 +20,14 @@ from typing import Any, Final
 import yaml
 
 from edgellmd.files import UnsuitableFile, open_regular
+from edgellmd.redaction import KEY_PREFIX, KEY_TOKEN
 
 log = logging.getLogger(__name__)
 
-TOKEN_PREFIX: Final = "elk"  # noqa: S105 - a label, not a secret. "edgellm key": recognisable in configs, logs of other tools, scanners
+TOKEN_PREFIX: Final = KEY_PREFIX
 SCOPES: Final = ("inference", "admin", "metrics")
 RELOAD_INTERVAL_S: Final = 0.5  # how often the keys file's identity (inode, size, mtime) is checked
 _ID: Final = re.compile(r"[0-9a-f]{12}")
-_TOKEN: Final = re.compile(r"elk_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})")
 _HASH: Final = re.compile(r"sha256:[0-9a-f]{64}")
 _LIMIT_KEYS: Final = ("rpm", "tpm", "concurrent", "max_tokens")
 _ENTRY_KEYS: Final = ("id", "name", "hash", "scopes", "expires", "disabled", "limits", "created")
@@ -91,7 +91,7 @@ def new_token() -> tuple[str, str, str]:
 
 def parse_token(token: str) -> tuple[str, str] | None:
     """(key id, secret) of a well-formed token, else None."""
-    match = _TOKEN.fullmatch(token)
+    match = KEY_TOKEN.fullmatch(token)
     return (match.group(1), match.group(2)) if match else None
 
 

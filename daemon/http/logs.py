@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import re
 import sys
 import time
 from typing import Final
 
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
+
+from edgellmd.redaction import redact
 
 request_id: Final = contextvars.ContextVar[str]("request_id", default="-")
 
@@ -25,17 +26,8 @@ AIOHTTP_LOGGERS: Final = (
     "aiohttp.web",
     "aiohttp.websocket",
 )
-# An API key's secret part, wherever it turns up in a line. The shape mirrors keystore's token
-# (elk_<12 hex id>_<secret>); the id is kept, it is what an operator needs to find the key.
-_KEY_SECRET: Final = re.compile(r"\b(elk_[0-9a-f]{12}_)[A-Za-z0-9_-]{20,128}")
-_REDACTED: Final = r"\1[redacted]"
 _CAUSES_LOOKED_AT: Final = 16  # a chain of causes can be a cycle
 SCRUBBED_MESSAGE: Final = "malformed HTTP request: %s (request bytes not logged)"
-
-
-def redact(text: str) -> str:
-    """`text` with the secret part of every API key in it replaced."""
-    return _KEY_SECRET.sub(_REDACTED, text) if "elk_" in text else text
 
 
 def _protocol_error(exc: BaseException | None) -> BaseException | None:
