@@ -40,8 +40,8 @@ from edgellmd.models.gguf import GgufError, read_gguf_facts
 from edgellmd.models.handle import EngineFactory, default_engine_factory
 from edgellmd.models.lockfile import LockError, load_lock
 from edgellmd.models.registry import Registry
-from edgellmd.redaction import holds_key
 from edgellmd.models.watch import ModelWatcher, watch_targets
+from edgellmd.redaction import holds_key
 from edgellmd.settings import ServerSettings, Settings
 
 log = logging.getLogger(__name__)
