@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Final
 from edgellmd import __version__
 
 if TYPE_CHECKING:
+    import asyncio
+
     from aiohttp import web
 
     from edgellmd.host.cpu import Pinning
@@ -94,6 +96,7 @@ async def serve(
         task: asyncio.Task[object] = loop.create_task(app[appkeys.REGISTRY].reload(trigger="signal"))
         reloads.add(task)
         task.add_done_callback(reloads.discard)
+        task.add_done_callback(_report_reload)
 
     # Before the server starts: a SIGTERM while it starts is a stop, never a kill that
     # leaves preload copies behind.
@@ -121,6 +124,12 @@ async def serve(
             app[appkeys.NOTIFIER].close()
     finally:
         signals.detach()
+
+
+def _report_reload(task: asyncio.Task[object]) -> None:
+    """Log a SIGHUP reload that raised (its outcomes are logged by the registry otherwise)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("SIGHUP reload failed", exc_info=task.exception())
 
 
 async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) -> None:

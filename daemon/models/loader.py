@@ -8,6 +8,7 @@ registry decides when to build and swaps the result in.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -55,6 +56,21 @@ def stat_key(path: Path) -> tuple[int, int, int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def unreadable(path: Path, name: object) -> str:
+    """Why the file at `path` (shown as `name`) cannot be stat-ed: missing, a loop, a dangling link."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{name} is a symlink loop"
+        if exc.errno == errno.ENOENT and os.path.islink(path):
+            return f"{name} is a symlink to a file that does not exist"
+        if exc.errno == errno.ENOENT:
+            return f"{name} not found"
+        return f"cannot read {name}: {exc.strerror or exc}"
+    return f"{name} changed while it was looked at"
 
 
 def estimate_bytes(path: Path, settings: ModelSettings, draft: Path | None = None) -> int:
@@ -129,6 +145,13 @@ class Loader:
             )
         self.collapsed = result
 
+    def _unreadable(self, locked: LockedModel | None, source: Path) -> str:
+        """Why a model's file cannot be stat-ed, judged on the path its lock entry names
+        (before its symlinks are followed), or on `source` unsigned."""
+        if locked is None or self._lock.models_dir is None:
+            return unreadable(source, source)
+        return unreadable(self._lock.models_dir / locked.file, locked.file)
+
     def source(self, settings: ModelSettings, locked: LockedModel | None) -> Path:
         """The model's file in the models directory (or the configured file, unsigned)."""
         if locked is not None:
@@ -161,7 +184,7 @@ class Loader:
             raise LoadFailed(f"file {locked.file if locked else '?'}: {exc}") from None
         source_stat = stat_key(source)
         if source_stat is None:
-            raise LoadFailed(f"model file not found: {locked.file if locked else source}")
+            raise LoadFailed("model file " + self._unreadable(locked, source))
         draft = self.draft_source(settings, lock)
         try:
             need = await loop.run_in_executor(
@@ -278,7 +301,7 @@ class Loader:
             name = spec.draft_model or source.name
         source_stat = stat_key(source)
         if source_stat is None:
-            raise LoadFailed(f"draft model {name}: file not found: {entry.file if entry else source}")
+            raise LoadFailed(f"draft model {name}: file " + self._unreadable(entry, source))
         return DraftProvenance(name, source, source_stat, entry, None)
 
     def draft_entry(self, settings: ModelSettings, lock: Lockfile | None) -> LockedModel | None:
@@ -314,7 +337,7 @@ class Loader:
             raise LoadFailed(f"file {locked.file}: {exc}") from None
         before = stat_key(source)
         if before is None:
-            raise LoadFailed(f"model file not found: {locked.file}")
+            raise LoadFailed("model file " + self._unreadable(locked, source))
         try:
             verified = await loop.run_in_executor(None, open_verified, self._lock.models_dir, locked)
         except LockError as exc:

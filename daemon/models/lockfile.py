@@ -411,8 +411,11 @@ def resolve_model_file(models_dir: Path, file: str) -> Path:
     problem = file_problem(file)  # parse_lock refused these already; this keeps callers safe alone
     if problem is not None:
         raise LockError(f"file: {problem}")
-    root = models_dir.resolve()
-    path = (root / file).resolve()
+    try:
+        root = models_dir.resolve()
+        path = (root / file).resolve()
+    except (RuntimeError, OSError):  # a symlink loop: RuntimeError up to Python 3.12, OSError after
+        raise LockError(f"file {shown(file)} is a symlink loop") from None
     if not path.is_relative_to(root):
         raise LockError(f"file {shown(file)} resolves outside the models directory (through a symlink)")
     return path
