@@ -23,6 +23,7 @@ does.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import math
 from collections import deque
 from typing import Any, Final
@@ -40,6 +41,21 @@ THRESHOLD_SAMPLE: Final = 4096  # scores _best samples to set its threshold
 FAST_TOP_K: Final = 4096
 _GREEDY: Final = -1  # SlotSampler._fast: argmax; 0: the whole vocabulary; k > 0: top k first
 _DEFAULT_SEED: Final = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: a fresh random seed per chain
+_SEED_BYTES: Final = 16  # every seed the APIs take (-2^63 to 2^64-1, plus n's offsets) fits, signed
+
+
+def seed32(seed: int) -> int:
+    """The 32-bit llama.cpp seed of an API seed: a hash of the whole integer, never the sentinel.
+
+    llama.cpp takes 32 bits and reads 0xFFFFFFFF as "draw a random seed". Reducing the API's
+    64-bit seeds mod 2^32 made 0, 2^32 and -2^63 one seed and sent -1, 2^32-1 and 2^64-1 to
+    that sentinel (identical requests, different answers). A hash spreads every integer over
+    the 2^32 - 1 other values: the same seed, the same stream; different seeds collide only
+    as two random 32-bit numbers do.
+    """
+    data = seed.to_bytes(_SEED_BYTES, "little", signed=True)
+    value = int.from_bytes(hashlib.blake2b(data, digest_size=4, person=b"edgellm-seed").digest(), "little")
+    return value if value != _DEFAULT_SEED else 0
 
 
 class GrammarError(EngineError):
@@ -118,7 +134,7 @@ def make_chain(sp: SamplingParams, n_vocab: int) -> tuple[Any, Any]:
     if sp.min_p > 0.0:
         add(chain, llama.llama_sampler_init_min_p(sp.min_p, 1))
     add(chain, llama.llama_sampler_init_temp(sp.temperature))
-    seed = _DEFAULT_SEED if sp.seed is None else sp.seed & 0xFFFFFFFF
+    seed = _DEFAULT_SEED if sp.seed is None else seed32(sp.seed)
     add(chain, llama.llama_sampler_init_dist(seed))
     return chain, penalties
 
