@@ -108,6 +108,13 @@ class PayloadTooLarge(ApiError):
     default_code = "payload_too_large"
 
 
+class ExpectationFailed(ApiError):
+    """417: an `Expect` header other than 100-continue (the only expectation HTTP/1.1 defines)."""
+
+    status = 417
+    default_code = "expectation_failed"
+
+
 class UnsupportedMediaType(ApiError):
     """415: POST bodies must be JSON."""
 

@@ -223,7 +223,7 @@ def test_internals_the_front_door_relies_on_are_checked(monkeypatch: pytest.Monk
         raise NotImplementedError
 
     monkeypatch.setattr(web.RequestHandler, "handle_error", handle_error)
-    with pytest.raises(RuntimeError, match=r"frontdoor\.py\) relies on: RequestHandler\.handle_error"):
+    with pytest.raises(RuntimeError, match=r"site\.py\) relies on: RequestHandler\.handle_error"):
         check_internals()
 
 
@@ -232,6 +232,65 @@ def test_internals_check_names_a_missing_queue(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(web.RequestHandler, "__slots__", slots)
     with pytest.raises(RuntimeError, match="_messages is gone"):
         check_internals()
+
+
+def test_internals_check_names_a_missing_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    slots = tuple(s for s in web.RequestHandler.__slots__ if s != "_request_handler")
+    monkeypatch.setattr(web.RequestHandler, "__slots__", slots)
+    with pytest.raises(RuntimeError, match="_request_handler is gone"):
+        check_internals()
+
+
+@pytest.mark.parametrize(
+    ("path", "expect"),
+    [
+        ("/healthz", MARK),
+        ("/v1/completions", f"{MARK}-continue"),
+        ("/no/such/path", "100-continue-please"),
+        ("/v1/models", f"100-continue, {MARK}"),
+    ],
+)
+def test_an_unknown_expectation_is_a_417_envelope_that_echoes_nothing(
+    door: RunningDaemon, path: str, expect: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp answered these itself: a text/plain 417 quoting the value, before any middleware."""
+    method = "GET" if path != "/v1/completions" else "POST"
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}' if method == "POST" else b""
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nExpect: {expect}\r\nContent-Type: application/json\r\n"
+    request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with caplog.at_level("DEBUG"):
+        answer = exchange(door.port, request)
+    assert answer.status == 417, answer
+    assert answer.headers["content-type"].startswith("application/json")
+    assert answer.json()["error"] == {
+        "message": "the request's Expect header names an expectation this server cannot meet",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "expectation_failed",
+    }
+    assert answer.headers["x-request-id"]  # through the app's own middlewares: an access line too
+    assert answer.headers["server"] == "edgellm"
+    assert expect not in answer.head.decode("latin-1") + answer.body.decode()
+    assert MARK not in caplog.text
+    assert any(f"{method} {path} 417" in m for m in caplog.messages), caplog.messages
+    assert door.get("/healthz")[0] == 200
+
+
+@pytest.mark.parametrize("expect", ["100-continue", "100-Continue", " 100-CONTINUE "])
+def test_100_continue_still_gets_its_interim_answer(door: RunningDaemon, expect: str) -> None:
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}'
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: {expect}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with connect(door.port) as sock:
+        sock.sendall(head.encode())
+        interim = read_answer(sock)
+        assert interim.status == 100
+        sock.sendall(body)
+        answer = read_answer(sock)
+    assert answer.status == 200, answer
+    assert answer.json()["usage"]["completion_tokens"] == 1
 
 
 # ---- the whole log of a real daemon process, scanned for a real key ----------------------------------

@@ -35,7 +35,7 @@ from edgellmd.http.auth import setup_admin_networks, setup_auth, unusable
 from edgellmd.http.console import setup_console
 from edgellmd.http.cors import setup_cors
 from edgellmd.http.errors import Handler, error_middleware
-from edgellmd.http.site import DoorLimits, GuardedSite
+from edgellmd.http.site import DoorLimits, GuardedSite, refuse_unmet_expectations
 from edgellmd.models.gguf import GgufError, read_gguf_facts
 from edgellmd.models.handle import EngineFactory, default_engine_factory
 from edgellmd.models.lockfile import LockError, load_lock
@@ -110,7 +110,7 @@ def create_app(
     # check and authentication with its rate limits, so that a refusal is logged and
     # answered like any other error before any handler runs.
     app = web.Application(
-        middlewares=[request_context, error_middleware],
+        middlewares=[request_context, error_middleware, refuse_unmet_expectations],
         client_max_size=settings.server.max_body_bytes,
     )
     app[appkeys.SETTINGS] = settings

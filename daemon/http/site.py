@@ -14,6 +14,10 @@ Each connection is served by `FrontDoorHandler`, a small subclass of aiohttp's p
   `server.max_connections_per_client` from one client, are closed at accept. IPv4-mapped
   IPv6 peers count as their IPv4 address; other IPv6 peers by their /64, the network one
   host is given.
+- **Expectations.** aiohttp answers an `Expect` header other than `100-continue` itself, with
+  a text 417 that echoes the value, before any middleware runs. The front door takes such a
+  header off the request (`meet_expectations`) and marks it, and the app answers 417
+  `expectation_failed` in its own envelope (`refuse_unmet_expectations`), echoing nothing.
 - **Refusals.** What aiohttp's parser refuses is answered with OpenAI's error envelope, status
   400, code `malformed_request` or, past the parser's limits, `request_head_too_large` (still
   400: aiohttp does not tell a long request line, 414, from a long header, 431), with the
@@ -21,8 +25,9 @@ Each connection is served by `FrontDoorHandler`, a small subclass of aiohttp's p
   logged: one info line names the peer and the kind of refusal.
 
 aiohttp's private `RequestHandler._messages` (the parsed, unanswered requests) is read to
-learn when a head ends and where its body goes; `check_internals` fails start-up loudly if
-that or a signature overridden here has changed.
+learn when a head ends and where its body goes, and its `_request_handler` (the app's entry)
+is wrapped; `check_internals` fails start-up loudly if either or a signature overridden here
+has changed.
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ import math
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import (
     BadHttpMethod,
     BadStatusLine,
@@ -52,8 +57,9 @@ from aiohttp.http_exceptions import (
     PayloadEncodingError,
 )
 from aiohttp.http_parser import RawRequestMessage
+from multidict import CIMultiDict
 
-from edgellmd.errors import ApiError, MalformedRequest, RequestTimeout, envelope
+from edgellmd.errors import ApiError, ExpectationFailed, MalformedRequest, RequestTimeout, envelope
 from edgellmd.http import logs
 
 if TYPE_CHECKING:
@@ -162,10 +168,9 @@ class Door:
 
 def check_internals(probe: web.RequestHandler | None = None) -> None:
     """Fail loudly if aiohttp's RequestHandler (or `probe`, one made) lacks what the front door relies on."""
-    problems = []
-    if "_messages" not in getattr(web.RequestHandler, "__slots__", ()):
-        problems.append("RequestHandler._messages is gone")
-    elif probe is not None:
+    slots = getattr(web.RequestHandler, "__slots__", ())
+    problems = [f"RequestHandler.{s} is gone" for s in ("_messages", "_request_handler") if s not in slots]
+    if not problems and probe is not None:
         messages: object = probe._messages  # typed as a deque, and checked to be one
         if not isinstance(messages, deque):
             problems.append("RequestHandler._messages is no longer a deque")
@@ -177,8 +182,45 @@ def check_internals(probe: web.RequestHandler | None = None) -> None:
     if problems:
         raise RuntimeError(
             f"aiohttp {aiohttp.__version__} changed what edgellmd's front door "
-            f"(daemon/frontdoor.py) relies on: {'; '.join(problems)}"
+            f"(daemon/http/site.py) relies on: {'; '.join(problems)}"
         )
+
+
+UNMET_EXPECTATION: Final = web.RequestKey("unmet_expectation", bool)
+
+
+def meet_expectations(
+    handler: Callable[[BaseRequest], Awaitable[web.StreamResponse]],
+) -> Callable[[BaseRequest], Awaitable[web.StreamResponse]]:
+    """The app's entry, for requests whose `Expect` aiohttp would refuse itself: without the
+    header, marked UNMET_EXPECTATION (100-continue, and an empty header, pass as they are)."""
+
+    async def handle(request: BaseRequest) -> web.StreamResponse:
+        expect = request.headers.get(hdrs.EXPECT)
+        if not expect or expect.strip().lower() == "100-continue":
+            return await handler(request)
+        headers = CIMultiDict(request.headers)
+        del headers[hdrs.EXPECT]
+        unmet = request.clone(headers=headers)
+        unmet[UNMET_EXPECTATION] = True
+        response = await handler(unmet)
+        # Prepared with the clone, which the app routed: its response hooks (the request id,
+        # the security headers) run for it. aiohttp's own prepare then finds it done.
+        if not response.prepared:
+            await response.prepare(unmet)
+        return response
+
+    return handle
+
+
+@web.middleware
+async def refuse_unmet_expectations(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """417 in the error envelope for a request the front door marked (nothing of it echoed)."""
+    if request.get(UNMET_EXPECTATION):
+        raise ExpectationFailed("the request's Expect header names an expectation this server cannot meet")
+    return await handler(request)
 
 
 def _refusal(exc: HttpProcessingError, handler: web.RequestHandler) -> tuple[str, str]:
@@ -219,6 +261,8 @@ class FrontDoorHandler(web.RequestHandler):
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, loop=loop, **kwargs)
+        if self._request_handler is not None:
+            self._request_handler = meet_expectations(self._request_handler)
         self._door = door
         self._answer_headers = headers
         self._clock = loop
