@@ -1,32 +1,32 @@
 """Command-line entry point of `edgellmd`: validate a config, or serve it.
 
-The heavy modules (aiohttp, llama.cpp, the models) are imported only once the signal
-handlers are in place: a SIGTERM or SIGHUP in the first moments of start-up (systemd
-stopping a unit that is still starting, an operator's reload) is noted and honoured,
-never the default action that kills the process with status 143 or 129.
+The first thing `main` does is hold SIGTERM, SIGINT and SIGHUP (block them); it lets them
+through once its own handlers are in place, so a signal in the first moments of start-up
+(systemd stopping a unit that is still starting, an operator's reload) is noted and
+honoured, never the default action that kills the process with status 143 or 129. Nothing
+slow is imported before that: this module's imports are the standard library's lightest,
+and the package's own `__init__` reads its version only when asked. What is left is the
+interpreter's own start; a launcher that starts the daemon with these signals blocked (the
+mask survives exec) closes that too, and they are honoured once the handlers are in.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import signal
 import sys
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Final
 
-from edgellmd import __version__
-
 if TYPE_CHECKING:
+    import argparse
     import asyncio
+    import logging
+    from types import FrameType
 
     from aiohttp import web
 
     from edgellmd.host.cpu import Pinning
     from edgellmd.settings import Settings
-
-log = logging.getLogger("edgellmd")
 
 SWITCH_INTERVAL_S: Final = 0.0005
 FINAL_WRITE_S: Final = 2.0  # after the drain deadline, for cut streams to send their error event
@@ -53,8 +53,18 @@ class EarlySignals:
             self.stop = True
 
 
+def _log() -> logging.Logger:
+    import logging  # noqa: PLC0415 - see the module docstring
+
+    return logging.getLogger("edgellmd")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the daemon's argument parser."""
+    import argparse  # noqa: PLC0415 - see the module docstring
+
+    from edgellmd import __version__  # noqa: PLC0415 - importlib.metadata: slow
+
     parser = argparse.ArgumentParser(
         prog="edgellmd", description="Serve GGUF models over an OpenAI-compatible API."
     )
@@ -90,9 +100,9 @@ async def serve(
     def reload_on_signal() -> None:
         # SIGHUP (systemctl reload): re-verify the lockfile and swap changed models.
         if stop.is_set():
-            log.info("SIGHUP ignored: shutting down")
+            _log().info("SIGHUP ignored: shutting down")
             return
-        log.info("SIGHUP: reloading models")
+        _log().info("SIGHUP: reloading models")
         task: asyncio.Task[object] = loop.create_task(app[appkeys.REGISTRY].reload(trigger="signal"))
         reloads.add(task)
         task.add_done_callback(reloads.discard)
@@ -103,16 +113,16 @@ async def serve(
     signals = Signals(loop, on_stop=stop.set, on_reload=reload_on_signal)
     signals.attach()
     if early is not None and early.stop:  # asked to stop while it was starting
-        log.info("stop requested during start-up: exiting before serving")
+        _log().info("stop requested during start-up: exiting before serving")
         signals.detach()
         return
     try:
         runner = await start_server(app, settings.server.host, settings.server.port)
-        log.info("listening on %s:%d", settings.server.host, settings.server.port)
+        _log().info("listening on %s:%d", settings.server.host, settings.server.port)
         try:
             await stop.wait()
             app[appkeys.NOTIFIER].stopping()
-            log.info(
+            _log().info(
                 "shutting down: no new connections, in-flight requests get %.0f s",
                 settings.server.shutdown_timeout_s,
             )
@@ -129,7 +139,7 @@ async def serve(
 def _report_reload(task: asyncio.Task[object]) -> None:
     """Log a SIGHUP reload that raised (its outcomes are logged by the registry otherwise)."""
     if not task.cancelled() and task.exception() is not None:
-        log.error("SIGHUP reload failed", exc_info=task.exception())
+        _log().error("SIGHUP reload failed", exc_info=task.exception())
 
 
 async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) -> None:
@@ -144,31 +154,43 @@ async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) 
     running = app[appkeys.GENERATIONS]
     if await running.wait_empty(deadline_s):
         return
-    log.warning("shutdown deadline passed: ending %d running request(s) with an error", len(running))
+    _log().warning("shutdown deadline passed: ending %d running request(s) with an error", len(running))
     running.abort_all(SHUTTING_DOWN)
     await running.wait_empty(FINAL_WRITE_S)  # time for the handlers to write their last event
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the daemon and return its exit status."""
-    args = build_parser().parse_args(argv)
-    if args.check_config:
-        from edgellmd.settings import check_config  # noqa: PLC0415 - see the module docstring
-
-        problems = check_config(args.check_config)
-        for problem in problems:
-            print(problem, file=sys.stderr)
-        if not problems:
-            print(f"{args.check_config}: configuration is valid")
-        return 1 if problems else 0
-    early = EarlySignals()
-    early.install()
+    # First of all: from here until a handler is in place, stop and reload signals wait.
+    signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_SIGNALS)
+    try:
+        args = build_parser().parse_args(argv)
+        if args.check_config:
+            return _check_main(args.check_config)
+        early = EarlySignals()
+        early.install()
+    finally:
+        # Held signals arrive now (those a launcher held too): at EarlySignals' handlers when
+        # serving, otherwise (a config check, a usage error) by their default action.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, EARLY_SIGNALS)
     return _serve_main(args.config, early)
+
+
+def _check_main(config: str) -> int:
+    from edgellmd.settings import check_config  # noqa: PLC0415 - see the module docstring
+
+    problems = check_config(config)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if not problems:
+        print(f"{config}: configuration is valid")
+    return 1 if problems else 0
 
 
 def _serve_main(config: str, early: EarlySignals) -> int:
     import asyncio  # noqa: PLC0415 - imported once the early signal handlers are in place
 
+    from edgellmd import __version__  # noqa: PLC0415
     from edgellmd.host.cpu import pin_cpus  # noqa: PLC0415
     from edgellmd.http import logs  # noqa: PLC0415
     from edgellmd.settings import ConfigError, load_settings  # noqa: PLC0415
@@ -187,7 +209,7 @@ def _serve_main(config: str, early: EarlySignals) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Before any thread exists: threads inherit the affinity of the thread that starts them.
     pinning = pin_cpus(settings.host.cpus)
-    log.info(
+    _log().info(
         "edgellmd %s starting on %s:%d with %d model(s)",
         __version__,
         settings.server.host,
@@ -195,19 +217,19 @@ def _serve_main(config: str, early: EarlySignals) -> int:
         len(settings.models),
     )
     if early.stop:
-        log.info("stop requested during start-up: exiting before serving")
+        _log().info("stop requested during start-up: exiting before serving")
         return 0
     from edgellmd.http.keystore import KeysFileError  # noqa: PLC0415
 
     try:
         asyncio.run(serve(settings, pinning, early))
     except KeysFileError as exc:
-        log.error("cannot start: keys file refused: %s", exc)  # noqa: TRY400 - the reason is the message
+        _log().error("cannot start: keys file refused: %s", exc)
         return 1
     except OSError as exc:
-        log.error("cannot serve on %s:%d: %s", settings.server.host, settings.server.port, exc)  # noqa: TRY400 - the reason is the message
+        _log().error("cannot serve on %s:%d: %s", settings.server.host, settings.server.port, exc)
         return 1
-    log.info("edgellmd stopped")
+    _log().info("edgellmd stopped")
     return 0
 
 

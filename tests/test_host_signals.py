@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from edgellmd.__main__ import EARLY_SIGNALS
 from edgellmd.host.signals import RELOAD_SIGNAL, STOP_SIGNALS, Signals
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.test_host_systemd import start_daemon
+from tests.test_host_systemd import Proc, start_daemon
 
 ALL = (*STOP_SIGNALS, RELOAD_SIGNAL)
 
@@ -164,3 +166,81 @@ def test_sighup_in_the_first_moments_of_start_up_does_not_kill(tmp_path: Path) -
     finally:
         daemon.proc.send_signal(signal.SIGTERM)
         assert daemon.proc.wait(60) == 0, daemon.log.read_text()
+
+
+# The command systemd runs (the console script beside this interpreter), not `python -m`.
+COMMAND = [str(Path(sys.executable).with_name("edgellmd"))]
+
+
+def _holds(pid: int, signum: int) -> bool:
+    """Whether process `pid` blocks or catches `signum` (SigBlk, SigCgt in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    lines = [line for line in status.splitlines() if line.startswith(("SigBlk:", "SigCgt:"))]
+    masks = [int(line.split()[1], 16) for line in lines]
+    return any(mask & (1 << (signum - 1)) for mask in masks)
+
+
+def _honoured(daemon: Proc, signum: int) -> None:
+    """SIGTERM: a clean stop, nothing left behind. SIGHUP: the daemon lives on and serves."""
+    try:
+        if signum == signal.SIGTERM:
+            assert daemon.proc.wait(60) == 0, daemon.log.read_text()
+            assert not list(daemon.shm.glob("edgellmd-*/*.gguf"))
+            return
+        deadline = time.monotonic() + 60
+        while daemon.get("/readyz")[0] != 200:
+            assert daemon.proc.poll() is None, daemon.log.read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0, daemon.log.read_text()
+    assert "Traceback" not in daemon.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def early_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("early") / "early.gguf", TinyModelSpec(seed=25))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.0, 0.01, 0.05, 0.2])
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_a_signal_held_by_the_launcher_is_honoured_at_any_moment_after_exec(
+    tmp_path: Path, early_model: Path, delay_s: float, signum: int
+) -> None:
+    """Started with its stop and reload signals blocked (a launcher's mask survives exec), the
+    daemon takes a signal sent at once, 10, 50 or 200 ms after exec as its own: none is the
+    default action that killed it in the first 200 ms before."""
+    daemon = start_daemon(tmp_path, early_model, {}, command=COMMAND, held=EARLY_SIGNALS)
+    time.sleep(delay_s)
+    daemon.proc.send_signal(signum)
+    _honoured(daemon, signum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_the_command_holds_its_signals_from_its_first_line(
+    tmp_path: Path, early_model: Path, signum: int
+) -> None:
+    """Plain exec: the interpreter's own start is the only window (about 30 ms here). From the
+    moment the process holds the signal it is honoured, and 200 ms after exec it always is."""
+    daemon = start_daemon(tmp_path, early_model, {}, command=COMMAND)
+    started = time.monotonic()
+    deadline = started + 30
+    while not _holds(daemon.proc.pid, signum):
+        assert daemon.proc.poll() is None, daemon.log.read_text()
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    window = time.monotonic() - started
+    daemon.proc.send_signal(signum)  # at once: blocked, not yet caught
+    _honoured(daemon, signum)
+    (tmp_path / "late").mkdir()
+    late = start_daemon(tmp_path / "late", early_model, {}, command=COMMAND)
+    time.sleep(max(0.2, window))
+    late.proc.send_signal(signum)
+    _honoured(late, signum)

@@ -116,7 +116,16 @@ class Proc:
             return r.status, json.load(r)
 
 
-def start_daemon(tmp_path: Path, model: Path, env: dict[str, str], **server: Any) -> Proc:
+def start_daemon(
+    tmp_path: Path,
+    model: Path,
+    env: dict[str, str],
+    *,
+    command: list[str] | None = None,
+    held: tuple[signal.Signals, ...] = (),
+    **server: Any,
+) -> Proc:
+    """The daemon as a process (`command`: how it is started; `held`: signals it starts with blocked)."""
     port = free_port()
     shm = tmp_path / "shm"
     config = {
@@ -138,13 +147,19 @@ def start_daemon(tmp_path: Path, model: Path, env: dict[str, str], **server: Any
     path = tmp_path / "edgellm.yaml"
     path.write_text(json.dumps(config))
     log = tmp_path / "daemon.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "edgellmd", "--config", str(path)],
-            env={**os.environ, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    # A blocked signal stays blocked across fork and exec: the child starts with this thread's mask.
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held) if held else None
+    try:
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*(command or [sys.executable, "-m", "edgellmd"]), "--config", str(path)],
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+    finally:
+        if before is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
     return Proc(proc, port, shm, log)
 
 
