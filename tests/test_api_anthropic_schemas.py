@@ -22,7 +22,7 @@ from edgellmd.api.anthropic_schemas import (
 )
 from edgellmd.api.openai_schemas import Limits
 from edgellmd.engine.chat import ChatMessage
-from edgellmd.errors import ApiError
+from edgellmd.errors import ApiError, InvalidRequest
 from tests.serving import RunningDaemon
 
 LIMITS: Final = Limits(max_tokens_limit=512, default_max_tokens=None)
@@ -133,12 +133,64 @@ def test_consecutive_turns_of_one_role_are_combined() -> None:
     assert parsed.chat.messages == (ChatMessage("user", f"a{BLOCK_JOINER}b"),)
 
 
-def test_system_turns_in_the_conversation_are_system_turns() -> None:
-    parsed = parse_messages(
-        body(messages=[{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *HELLO]),
-        LIMITS,
-    )
-    assert parsed.chat.messages == (ChatMessage("system", "Be brief."), ChatMessage("user", "hello"))
+def test_a_system_role_inside_messages_is_refused_as_anthropic_does() -> None:
+    """The second hostile round: Messages took `role: "system"` inside `messages`; Anthropic's
+    API refuses it (the system prompt is the top-level `system`)."""
+    with pytest.raises(InvalidRequest, match="must be user or assistant") as caught:
+        parse_messages(
+            body(messages=[*HELLO, {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}]),
+            LIMITS,
+        )
+    assert caught.value.param == "messages[1].role"
+
+
+def _call(call_id: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "f", "input": {}}]}
+
+
+def _result(call_id: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "ok"}]}
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [*HELLO, _call("t1"), _result("t2")],  # answers no call
+        [_result("t1")],  # nothing before it
+        # a call answered once already, two messages back
+        [*HELLO, _call("t1"), _result("t1"), {"role": "assistant", "content": "ok"}, _result("t1")],
+        [*HELLO, _call("t1"), {"role": "user", "content": "x"}, _result("t1")],  # not the message before
+    ],
+    ids=["unknown id", "first message", "answered before", "two messages back"],
+)
+def test_a_tool_result_that_answers_no_tool_use_of_the_message_before_is_refused(
+    messages: list[dict[str, Any]],
+) -> None:
+    """The second hostile round: Messages took a tool_result whose tool_use_id matched no
+    tool_use (Responses refused the same); Anthropic's API refuses it with a 400."""
+    with pytest.raises(InvalidRequest, match="unexpected tool_use_id") as caught:
+        parse_messages(body(messages=messages), LIMITS)
+    assert caught.value.param is not None
+    assert caught.value.param.endswith(".content[0].tool_use_id")
+
+
+def test_results_that_answer_the_calls_of_the_message_before_pass() -> None:
+    two = {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "id": "a", "name": "f", "input": {}},
+            {"type": "tool_use", "id": "b", "name": "g", "input": {}},
+        ],
+    }
+    answers = {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "b", "content": "2"},
+            {"type": "tool_result", "tool_use_id": "a", "content": "1"},
+        ],
+    }
+    parsed = parse_messages(body(messages=[*HELLO, two, answers, _call("c"), _result("c")]), LIMITS)
+    assert [m.tool_call_id for m in parsed.chat.messages if m.role == "tool"] == ["b", "a", "c"]
 
 
 def test_sampling_stop_and_user() -> None:
@@ -244,13 +296,8 @@ BAD: Final[list[tuple[str, dict[str, Any], str]]] = [
     ("empty messages", body(messages=[]), "non-empty list"),
     ("messages a string", body(messages="hi"), "non-empty list"),
     ("message not an object", body(messages=["hi"]), "'messages[0]' must be an object"),
-    ("tool role", body(messages=[{"role": "tool", "content": "x"}]), "user, assistant or system"),
-    ("only a system turn", body(messages=[{"role": "system", "content": "x"}]), "at least one user"),
-    (
-        "system turn with a tool result",
-        body(messages=[{"role": "system", "content": [{"type": "tool_result"}]}, *HELLO]),
-        "'tool_result'",
-    ),
+    ("tool role", body(messages=[{"role": "tool", "content": "x"}]), "must be user or assistant"),
+    ("only a system turn", body(messages=[{"role": "system", "content": "x"}]), "must be user or assistant"),
     ("no content", body(messages=[{"role": "user"}]), "'messages[0].content' is required"),
     (
         "unknown message field",
@@ -414,6 +461,16 @@ BAD: Final[list[tuple[str, dict[str, Any], str]]] = [
     ("OpenAI's max_completion_tokens", body(max_completion_tokens=4), "max_completion_tokens"),
     ("a prompt past the context", body(messages=[{"role": "user", "content": "x" * 400}]), "context"),
     ("a model without a chat template", body(model="notemplate"), "chat template"),
+    (
+        "a system role in messages",
+        body(messages=[{"role": "system", "content": "x"}, *HELLO]),
+        "user or assistant",
+    ),
+    (
+        "a result that answers no call",
+        body(messages=[*HELLO, _call("t1"), _result("t9")]),
+        "unexpected tool_use_id",
+    ),
 ]
 
 

@@ -282,7 +282,7 @@ def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
-def _tool_result(block: dict[str, Any], where: str, names: Mapping[str, str]) -> ChatMessage:
+def _tool_result(block: dict[str, Any], where: str, names: Mapping[str, str], asked: set[str]) -> ChatMessage:
     _unknown(block, _BLOCK_FIELDS["tool_result"], where)
     call_id = _typed(block.get("tool_use_id"), str, f"{where}.tool_use_id", "a string")
     content = block.get("content")
@@ -290,13 +290,25 @@ def _tool_result(block: dict[str, Any], where: str, names: Mapping[str, str]) ->
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise _fail(f"'{where}.is_error' must be a boolean", f"{where}.is_error")
+    if call_id not in asked:  # as Anthropic's API: a result answers a call of the turn before it
+        raise _fail(
+            f"'{where}.tool_use_id': unexpected tool_use_id {shown(call_id, quote=True)}; each "
+            "tool_result block must have a corresponding tool_use block in the previous message",
+            f"{where}.tool_use_id",
+        )
     if is_error:
         text = TOOL_ERROR_PREFIX + text
     return ChatMessage("tool", text, tool_call_id=call_id, name=names.get(call_id))
 
 
-def _turns(i: int, role: str, content: Any, names: dict[str, str]) -> list[ChatMessage]:
-    """One Anthropic message as the shared model's turns (tool results are turns of their own)."""
+def _turns(i: int, role: str, content: Any, names: dict[str, str], asked: set[str]) -> list[ChatMessage]:
+    """One Anthropic message as the shared model's turns (tool results are turns of their own).
+
+    `asked` holds the tool_use ids of the message before (the calls a tool_result may answer);
+    an assistant message leaves its own there for the next one.
+    """
+    answerable = set(asked)
+    asked.clear()
     where = f"messages[{i}].content"
     if isinstance(content, str):
         return [ChatMessage(role, content)]
@@ -320,10 +332,11 @@ def _turns(i: int, role: str, content: Any, names: dict[str, str]) -> list[ChatM
         elif kind == "tool_use" and role == "assistant":
             call = _tool_use(block, at)
             names[call["id"]] = call["function"]["name"]
+            asked.add(call["id"])
             calls.append(call)
         elif kind == "tool_result" and role == "user":
             flush()
-            turns.append(_tool_result(block, at, names))
+            turns.append(_tool_result(block, at, names, answerable))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             _unknown(block, _BLOCK_FIELDS[kind], at)
         else:
@@ -359,19 +372,20 @@ def _messages(data: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         if text:
             turns.append(ChatMessage("system", text))
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for the results that answer them
+    asked: set[str] = set()  # the tool_use ids of the message before
     for i, item in enumerate(value):
         where = f"messages[{i}]"
         message = _typed(item, dict, where, "an object with 'role' and 'content'")
         _unknown(message, frozenset({"role", "content"}), where)
         role = message.get("role")
-        if role not in ("user", "assistant", "system"):
-            raise _fail(f"'{where}.role' must be user, assistant or system", f"{where}.role")
+        if role not in ("user", "assistant"):  # as Anthropic's API: a system prompt is `system`
+            raise _fail(
+                f"'{where}.role' must be user or assistant (a system prompt goes in the top-level 'system')",
+                f"{where}.role",
+            )
         if "content" not in message:
             raise _fail(f"'{where}.content' is required", f"{where}.content")
-        if role == "system":  # a system turn in the conversation: text only, as `system`
-            turns.append(ChatMessage("system", _text(message["content"], f"{where}.content")))
-        else:
-            turns.extend(_turns(i, role, message["content"], names))
+        turns.extend(_turns(i, role, message["content"], names, asked))
     merged = _merged(turns)
     if not any(turn.role != "system" for turn in merged):
         raise _fail("'messages' must hold at least one user or assistant turn with content", "messages")
