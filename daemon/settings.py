@@ -922,7 +922,8 @@ class ModelSettings:
         True,
         "pad a step of generating sequences with dummy rows up to a size that decodes faster, "
         "and even out drafting steps",
-        more="each step size from 1 to `slots` is timed at load (for about 2 s at most) and kept current by "
+        more="each step size from 1 to `slots` is timed at load (for about 2 s at most; sizes it did not "
+        "reach are estimated, never padded to, until a step measures them) and kept current by "
         "the steps served; a dummy row is one token in a free slot next to the busy ones, "
         "removed after the step",
     )
