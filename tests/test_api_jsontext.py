@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 
 from edgellmd.api.jsontext import MAX_JSON_DEPTH, embedded_json
+from edgellmd.api.reply import ToolCall, arguments_object
+from edgellmd.engine.chat import MAX_ARGUMENT_DEPTH, ChatMessage, JinjaChatTemplate
+from edgellmd.engine.tool_turns import tool_turns
 from edgellmd.errors import InvalidRequest
 from tests.serving import RunningDaemon
 
@@ -155,3 +158,28 @@ def test_messages_tool_use_input_meets_the_body_rules_in_anthropics_shape(
     assert status == 400, answer
     assert answer["type"] == "error"
     assert answer["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("depth", [60, 65, 900, 5000])
+def test_arguments_the_model_wrote_itself_render_at_any_depth(depth: int) -> None:
+    """A stored reply's calls (Responses' previous_response_id) were written by the model, which
+    logit_bias can push to nest "[" as deep as max_tokens allows: the reply's reader, the
+    template and the tool-turn rewriting take them without walking them recursively."""
+    text = "[" * depth + "]" * depth
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}
+    messages = (ChatMessage("user", "hi"), ChatMessage("assistant", "", tool_calls=(call,)))
+    template = JinjaChatTemplate(
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}",
+        bos_token="",
+        eos_token="",
+        origin="test",
+    )
+    rendered = "".join(part for part, _ in template.render_segments(messages, None))
+    turns = tool_turns(messages, None)
+    assert "assistant:" in rendered
+    assert turns[1].role == "assistant"
+    parsed = json.loads(turns[1].content)
+    shown = parsed["tool_calls"][0]["arguments"]
+    assert shown == (json.loads(text) if depth <= MAX_ARGUMENT_DEPTH else text)
+    assert arguments_object(ToolCall(0, "c1", "f", [text])) == (json.loads(text) if depth <= 900 else {})

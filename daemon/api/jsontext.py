@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from edgellmd.engine.chat import json_depth
 from edgellmd.errors import InvalidRequest, MalformedRequest, UnsupportedMediaType
 
 # Deeper bodies are refused before anyone walks them. OpenAI allows 10 levels of schema
@@ -26,23 +27,6 @@ _PLAIN_NAME: Final = re.compile(r"[A-Za-z0-9_]{1,64}")
 # bytes are valid UTF-8): one that json.loads did not pair with its partner is refused, as
 # it can be neither encoded for llama.cpp nor written back to a client.
 _ESCAPED_SURROGATE: Final = re.compile(r"\\u[dD][89abcdefABCDEF]")
-
-
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of a parsed JSON value, stopping early once past `limit`."""
-    depth, level = 0, [value]
-    while level:
-        depth += 1
-        if depth > limit:
-            return depth
-        nxt: list[Any] = []
-        for v in level:
-            if isinstance(v, dict):
-                nxt.extend(v.values())
-            elif isinstance(v, list):
-                nxt.extend(v)
-        level = nxt
-    return depth
 
 
 def _has_surrogate(text: str) -> bool:
@@ -94,7 +78,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
         raise InvalidRequest("the body is not valid JSON: a number is too long") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the JSON body must be an object")
-    if _depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+    if json_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise InvalidRequest(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
     if _ESCAPED_SURROGATE.search(text):
         where = _lone_surrogate(data)
@@ -127,7 +111,7 @@ def embedded_json(text: str, param: str) -> None:
     except ValueError:  # an integer literal longer than Python converts
         raise InvalidRequest(f"'{param}' holds JSON with a number that is too long", param=param) from None
     else:
-        deep = _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH
+        deep = json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH
     if deep:
         raise InvalidRequest(f"'{param}' holds JSON nested deeper than {MAX_JSON_DEPTH} levels", param=param)
     if _ESCAPED_SURROGATE.search(text) and _lone_surrogate(value) is not None:

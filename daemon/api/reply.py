@@ -476,5 +476,5 @@ def arguments_object(call: ToolCall) -> object:
     """A completed call's arguments as a JSON value (its text parsed; {} when it does not parse)."""
     try:
         return json.loads(call.arguments_text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model can be pushed (logit_bias) to nest past the stack
         return {}

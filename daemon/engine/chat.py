@@ -45,7 +45,7 @@ class ChatMessage:
                 "function": {
                     **call["function"],
                     "name": markers.mark(call["function"].get("name", "")),
-                    "arguments": json.dumps(markers.tree(_arguments(call["function"]))),
+                    "arguments": json.dumps(markers.tree(call_arguments(call["function"]))),
                 },
             }
             for call in self.tool_calls
@@ -64,7 +64,7 @@ class ChatMessage:
         if self.tool_calls:
             # Templates print arguments with `| tojson`: they want an object, not OpenAI's string.
             out["tool_calls"] = [
-                {**call, "function": {**call["function"], "arguments": _arguments(call["function"])}}
+                {**call, "function": {**call["function"], "arguments": call_arguments(call["function"])}}
                 for call in self.tool_calls
             ]
         if self.tool_call_id is not None:
@@ -74,11 +74,21 @@ class ChatMessage:
         return out
 
 
-def _arguments(function: Mapping[str, Any]) -> Any:
+# Arguments nested deeper than this reach a template as their text, not as a value: rendering
+# walks values recursively. The API's decoders refuse deeper ones from clients (api.jsontext);
+# a stored reply's own arguments (Responses' previous_response_id) come from the model.
+MAX_ARGUMENT_DEPTH: Final = 64
+
+
+def call_arguments(function: Mapping[str, Any]) -> Any:
+    """A tool call's arguments as a value for a template: parsed, or the text when it does not
+    parse or nests deeper than MAX_ARGUMENT_DEPTH."""
+    text = function.get("arguments") or "{}"
     try:
-        return json.loads(function.get("arguments") or "{}")
-    except ValueError:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
         return function.get("arguments")
+    return value if json_depth(value, MAX_ARGUMENT_DEPTH) <= MAX_ARGUMENT_DEPTH else text
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -125,6 +135,23 @@ class Markers:
         if isinstance(value, list | tuple):
             return [self.tree(v) for v in value]
         return value
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value (level by level, no recursion), stopping once past `limit`."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        if depth > limit:
+            return depth
+        nxt: list[Any] = []
+        for v in level:
+            if isinstance(v, Mapping):
+                nxt.extend(v.values())
+            elif isinstance(v, list | tuple):
+                nxt.extend(v)
+        level = nxt
+    return depth
 
 
 def json_keys(value: Any) -> Iterator[str]:

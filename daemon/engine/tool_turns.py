@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from edgellmd.engine.chat import ChatMessage
+from edgellmd.engine.chat import ChatMessage, call_arguments
 
 TOOLS_HEADER = "You have access to the following tools (functions):"
 RESULT_HEADER = "Result of the tool call {id} ({name}):"
@@ -37,10 +37,7 @@ def _calls_text(message: ChatMessage) -> str:
     calls = []
     for call in message.tool_calls:
         function = call.get("function", {})
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            arguments = function.get("arguments")
+        arguments = call_arguments(function)
         calls.append({"name": function.get("name"), "arguments": arguments})
     return json.dumps({"tool_calls": calls}, ensure_ascii=False)
 

@@ -68,7 +68,7 @@ def unreadable(path: Path, name: object) -> str:
         if exc.errno == errno.ENOENT and os.path.islink(path):
             return f"{name} is a symlink to a file that does not exist"
         if exc.errno == errno.ENOENT:
-            return f"{name} not found"
+            return f"not found: {name}"
         return f"cannot read {name}: {exc.strerror or exc}"
     return f"{name} changed while it was looked at"
 
