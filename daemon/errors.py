@@ -138,10 +138,10 @@ class ServiceUnavailable(ApiError):
     default_code = "model_not_ready"
 
 
-class ModelRestarting(ServiceUnavailable):
+class EngineFailed(ServiceUnavailable):
     """503: the model's engine stopped by itself and restarts; retry after Retry-After."""
 
-    default_code = "model_restarting"
+    default_code = "engine_failed"
 
 
 class ServerShuttingDown(ServiceUnavailable):

@@ -34,10 +34,10 @@ from edgellmd.engine.generation import (
 )
 from edgellmd.errors import (
     ApiError,
+    EngineFailed,
     GenerationTimeout,
     InternalError,
     KeyRevoked,
-    ModelRestarting,
     ServerShuttingDown,
     envelope,
 )
@@ -284,7 +284,7 @@ def aborted(reason: str | None) -> ApiError | None:
     if reason == KEY_REVOKED:
         return KeyRevoked(KEY_REVOKED)
     if reason == ENGINE_STOPPED:
-        return ModelRestarting(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
+        return EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
     return None
 
 

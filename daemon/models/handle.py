@@ -27,8 +27,8 @@ from edgellmd.engine.generation import ENGINE_STOPPED, Generation, GenerationReq
 from edgellmd.engine.tool_turns import tool_turns
 from edgellmd.errors import (
     ContextLengthExceeded,
+    EngineFailed,
     InvalidRequest,
-    ModelRestarting,
     ServerOverloaded,
     ServiceUnavailable,
 )
@@ -424,7 +424,7 @@ class ModelHandle:
             raise
         except EngineError:  # it stopped meanwhile: by itself (restarting), or closed by a swap
             if generator.fault is not None:
-                raise ModelRestarting(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
+                raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
             raise _gone(self.name) from None
 
     async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -435,7 +435,7 @@ class ModelHandle:
             return await asyncio.wrap_future(embedder.submit_embed(inputs))
         except EngineError as exc:
             if str(exc) == ENGINE_STOPPED:
-                raise ModelRestarting(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
+                raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
             if "unloaded" in str(exc) or "shutting down" in str(exc):
                 raise _gone(self.name) from None
             raise
