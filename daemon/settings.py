@@ -918,6 +918,18 @@ class ModelSettings:
         more="a prompt that starts as an earlier one did (a shared system prompt, a conversation back "
         "after its slot was reused) restores that prefix instead of prefilling it again",
     )
+    isolation: str = setting(
+        "thread",
+        "where the model's engine runs: thread (in the daemon) or process (a confined process of its own)",
+        choices=("thread", "process"),
+        more="with process, a crash or hang in llama.cpp costs this model's requests only; the "
+        "model restarts by itself (see the README, engine processes)",
+    )
+    hang_timeout_s: float = setting(
+        30.0,
+        "with isolation process: an engine that shows no step progress this long while work is "
+        "pending is killed and restarted",
+    )
     batch_padding: bool = setting(
         True,
         "pad a step of generating sequences with dummy rows up to a size that decodes faster, "

@@ -24,13 +24,13 @@ from aiohttp import web
 from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
 from edgellmd.api.openai_schemas import ChatRequest, CommonRequest
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
-from edgellmd.engine import CompiledGrammar
 from edgellmd.engine.generation import (
     KEY_REVOKED,
     Event,
     Finished,
     Generation,
     GenerationRequest,
+    Grammar,
     NoProgress,
     TokenLogprob,
 )
@@ -91,7 +91,7 @@ def _generation_request(
 
 
 def _submit_all(
-    handle: ModelHandle, common: CommonRequest, tokens: list[int], grammars: list[CompiledGrammar] | None
+    handle: ModelHandle, common: CommonRequest, tokens: list[int], grammars: list[Grammar] | None
 ) -> list[Generation]:
     """One generation per choice; all or none (a 429 on the third cancels the first two)."""
     gens: list[Generation] = []

@@ -8,9 +8,9 @@ import contextlib
 import itertools
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -26,6 +26,13 @@ KEY_REVOKED: Final = "the API key was revoked or disabled"  # Finished.error whe
 # crashed): the model restarts, so the client is told to retry (503).
 ENGINE_STOPPED: Final = "the model's engine stopped; it is restarting"
 UNLOADED: Final = "the model was unloaded"  # Finished.error of what is left when an engine closes
+
+
+class Grammar(Protocol):
+    """A request's compiled grammar, in this process or an engine process: freed by its holder."""
+
+    def free(self) -> None:
+        """Free it (idempotent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +132,7 @@ class Generation:
         "_cancelled",
         "_consuming",
         "_loop",
+        "_on_cancel",
         "_pending",
         "_progress",
         "_timer",
@@ -145,6 +153,7 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None  # the idle deadline, while one is armed
         self._consuming = False  # an events() iterator is running
         self._cancelled = threading.Event()
+        self._on_cancel: Callable[[Generation], None] | None = None  # an engine process is told
         self.final: Finished | None = None  # the Finished event, once it arrived
         # The request's compiled grammar, owned by the engine until the sequence starts.
         self.grammar: object | None = None
@@ -156,7 +165,15 @@ class Generation:
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this generation and free its slot."""
+        if self._cancelled.is_set():
+            return
         self._cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+
+    def on_cancel(self, callback: Callable[[Generation], None]) -> None:
+        """Call `callback(self)` when it is cancelled (an engine in another process must be told)."""
+        self._on_cancel = callback
 
     def abort(self, reason: str) -> None:
         """End it now from the loop's side (shutdown): the consumer sees an error as its last event."""

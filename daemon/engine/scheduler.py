@@ -40,6 +40,7 @@ from edgellmd.engine.generation import (
     FinishReason,
     Generation,
     GenerationRequest,
+    Grammar,
     SamplingParams,
     StopMatcher,
     TextDelta,
@@ -260,27 +261,27 @@ class Engine(NativeThread):
         self,
         request: GenerationRequest,
         loop: asyncio.AbstractEventLoop,
-        grammar: CompiledGrammar | None = None,
+        grammar: Grammar | None = None,
+        *,
+        generation: Generation | None = None,
     ) -> Generation:
         """Queue a generation; its events arrive on `loop`. Never blocks on the scheduler.
 
         A request with a grammar brings it compiled (`compile_grammar`, on the prompt pool);
         one that does not gets it compiled here, in the caller's thread (GrammarError).
-        The engine owns `grammar` from here on, whatever happens.
+        The engine owns `grammar` from here on, whatever happens. `generation`: the object
+        to deliver to (an engine process's, which forwards its events), made here otherwise.
         """
         try:
-            return self._queue(request, loop, grammar)
+            return self._queue(request, generation or Generation(request, loop), grammar)
         except BaseException:
             if grammar is not None:
                 grammar.free()
             raise
 
-    def _queue(
-        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, grammar: CompiledGrammar | None
-    ) -> Generation:
+    def _queue(self, request: GenerationRequest, gen: Generation, grammar: Grammar | None) -> Generation:
         if len(request.prompt_tokens) == 0:
             raise EngineError("empty prompt")
-        gen = Generation(request, loop)
         gen.grammar = grammar
         if request.sampling.grammar is not None and grammar is None:
             gen.grammar = self.compile_grammar(request.sampling.grammar)[0]

@@ -8,11 +8,12 @@ from collections import Counter as Tally
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
 from edgellmd import engine as engine_mod
-from edgellmd.engine import CompiledGrammar, EmbeddingEngine, Engine, EngineConfig, EngineError, GrammarError
+from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError, GrammarError
 from edgellmd.engine.chat import (
     NO_TEMPLATE_MESSAGE,
     BuiltinChatTemplate,
@@ -23,7 +24,8 @@ from edgellmd.engine.chat import (
     json_keys,
 )
 from edgellmd.engine.drafts import Speculation
-from edgellmd.engine.generation import ENGINE_STOPPED, Generation, GenerationRequest
+from edgellmd.engine.generation import ENGINE_STOPPED, Generation, GenerationRequest, Grammar
+from edgellmd.engine.remote import RemoteEngine
 from edgellmd.engine.tool_turns import tool_turns
 from edgellmd.errors import (
     ContextLengthExceeded,
@@ -37,7 +39,9 @@ from edgellmd.models.budget import MIB
 from edgellmd.models.lockfile import LockedModel
 from edgellmd.settings import ModelSettings
 
-AnyEngine = Engine | EmbeddingEngine
+AnyEngine = Engine | EmbeddingEngine | RemoteEngine
+Generator = Engine | RemoteEngine  # what serves generations: in this process or in an engine process
+Embedder = EmbeddingEngine | RemoteEngine
 # (settings, mmap): mmap is True only for a private preload copy, which nobody else can
 # truncate under the mapping (see engine_config).
 EngineFactory = Callable[[ModelSettings, bool], AnyEngine]
@@ -108,8 +112,12 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
 
 
 def default_engine_factory(settings: ModelSettings, mmap: bool = False) -> AnyEngine:
-    """Load a model with the real llama.cpp engine (blocking): a generator or an embedder."""
+    """Load a model with the real llama.cpp engine (blocking): a generator or an embedder, on a
+    thread of the daemon's or in an engine process of its own (`isolation`)."""
     config = engine_config(settings, mmap=mmap)
+    if settings.isolation == "process":
+        kind = "embedding" if settings.embedding else "generation"
+        return RemoteEngine(config, name=settings.name, kind=kind, hang_s=settings.hang_timeout_s)
     if settings.embedding:
         return EmbeddingEngine(config, name=settings.name)
     return Engine(config, name=settings.name)
@@ -127,11 +135,15 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
             text, bos_token=info.bos_text, eos_token=info.eos_text, origin=str(settings.chat_template_file)
         )
     if settings.chat_template is not None:
-        if settings.chat_template not in engine_mod.builtin_chat_templates():
+        # An engine process renders with its own llama.cpp: the daemon calls no native code.
+        remote = engine if isinstance(engine, RemoteEngine) else None
+        names = remote.builtin_templates if remote is not None else engine_mod.builtin_chat_templates()
+        if settings.chat_template not in names:
             raise TemplateError(
                 f"chat_template {settings.chat_template!r} is not a llama.cpp built-in template"
             )
-        return BuiltinChatTemplate(settings.chat_template, engine_mod.apply_builtin_template)
+        apply = remote.apply_builtin_template if remote is not None else engine_mod.apply_builtin_template
+        return BuiltinChatTemplate(settings.chat_template, apply)
     if info.chat_template:
         return JinjaChatTemplate(
             info.chat_template, bos_token=info.bos_text, eos_token=info.eos_text, origin="the model file"
@@ -212,10 +224,11 @@ class ModelHandle:
         return self.settings.name
 
     @property
-    def generator(self) -> Engine:
+    def generator(self) -> Generator:
         """The text generation engine; 400 for an embedding model."""
-        if isinstance(self.engine, Engine):
-            return self.engine
+        engine = self.engine
+        if isinstance(engine, Engine) or (isinstance(engine, RemoteEngine) and engine.kind == "generation"):
+            return engine
         raise InvalidRequest(
             f"the model {self.name!r} is an embedding model: use /v1/embeddings",
             param="model",
@@ -223,10 +236,13 @@ class ModelHandle:
         )
 
     @property
-    def embedder(self) -> EmbeddingEngine:
+    def embedder(self) -> Embedder:
         """The embedding engine; 400 for a text generation model."""
-        if isinstance(self.engine, EmbeddingEngine):
-            return self.engine
+        engine = self.engine
+        if isinstance(engine, EmbeddingEngine) or (
+            isinstance(engine, RemoteEngine) and engine.kind == "embedding"
+        ):
+            return engine
         raise InvalidRequest(
             f"the model {self.name!r} does not produce embeddings", param="model", code="model_not_supported"
         )
@@ -386,7 +402,7 @@ class ModelHandle:
                 headers={"Retry-After": RETRY_AFTER_BUSY_S},
             )
 
-    async def grammars(self, grammar: str | None, copies: int, param: str) -> list[CompiledGrammar] | None:
+    async def grammars(self, grammar: str | None, copies: int, param: str) -> list[Grammar] | None:
         """Parse a request's grammar (one copy per choice) on the prompt pool, before admission.
 
         A grammar llama.cpp refuses is the request's fault: 400, before anything is queued.
@@ -395,8 +411,10 @@ class ModelHandle:
             return None
         generator = self.generator
         loop = asyncio.get_running_loop()
+        compile_them = partial(generator.compile_grammar, grammar, copies)
+        compiled: list[Grammar] = []
         try:
-            return await loop.run_in_executor(self.executor, generator.compile_grammar, grammar, copies)
+            compiled += await loop.run_in_executor(self.executor, compile_them)
         except GrammarError:
             raise InvalidRequest(
                 "the output constraint of this request cannot be compiled into a grammar",
@@ -405,8 +423,9 @@ class ModelHandle:
             ) from None
         except EngineError:
             raise _gone(self.name) from None
+        return compiled
 
-    def submit(self, request: GenerationRequest, grammar: CompiledGrammar | None = None) -> Generation:
+    def submit(self, request: GenerationRequest, grammar: Grammar | None = None) -> Generation:
         """Start a generation, or refuse at once (429) when the slots and the queue are full.
 
         The generation owns `grammar` (compiled by `grammars`) from here on, refused or not.

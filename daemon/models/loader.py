@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Final
 
-from edgellmd.engine import EmbeddingEngine, EngineError, supports_gpu_offload
+from edgellmd.engine import EngineError, supports_gpu_offload
 from edgellmd.engine.chat import TemplateError
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
 from edgellmd.engine.scheduler import KV_BYTES_PER_VALUE
@@ -409,9 +409,11 @@ class Loader:
     async def warm_up(self, handle: ModelHandle) -> None:
         """A short generation (or one embedding) through the real request path."""
         engine = handle.engine
+        loop = asyncio.get_running_loop()
         try:
-            bos = engine.tokenize("", add_special=True) or engine.tokenize("a", add_special=False)
-            if isinstance(engine, EmbeddingEngine):
+            bos = await loop.run_in_executor(None, partial(engine.tokenize, "", add_special=True))
+            bos = bos or await loop.run_in_executor(None, partial(engine.tokenize, "a", add_special=False))
+            if handle.settings.embedding:
                 await asyncio.wait_for(handle.embed([bos]), WARM_UP_TIMEOUT_S)
                 return
             gen = handle.submit(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from edgellmd.engine import Engine
+from edgellmd.engine.remote import RemoteEngine
 from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.nvml import GpuSnapshot
 from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
@@ -723,8 +724,10 @@ class Registry:
                         "threads_batch": handle.engine.config.threads_batch,
                     }
                 )
-                if isinstance(handle.engine, Engine):
+                if isinstance(handle.engine, Engine | RemoteEngine) and not entry.settings.embedding:
                     item["performance"] = handle.engine.performance()
+                if isinstance(handle.engine, RemoteEngine):
+                    item["engine_process"] = handle.engine.process()
             models.append(item)
         budget = self._lifecycle.memory_budget_mb
         return {

@@ -1,0 +1,487 @@
+"""One model's engine in a process of its own (`models[].isolation: process`), as the daemon sees it.
+
+`RemoteEngine` answers what `Engine` and `EmbeddingEngine` answer (tokens, grammars,
+submissions, embeddings, occupancy, figures) by calls over a socket pair to an engine
+process (`engine.worker`), confined before it loads anything (`engine.confine`). A reader
+thread takes its frames: each generation's events go to their event loop as the in-process
+engine's do, each call's answer to the thread that waits for it.
+
+A fault in native code then costs that model's requests, not the daemon. When the process
+ends without being asked to (a signal: SIGSEGV, SIGABRT from a `GGML_ASSERT`, SIGKILL from
+the OOM killer; or any exit), or shows no step progress for `hang_s` while work is pending
+(the supervisor kills it), every generation it held ends with ENGINE_STOPPED (503
+`engine_failed` before the first byte, the API family's error event after), every waiting
+call fails, `fault` says what happened with the process's last log lines, and the `on_exit`
+callbacks hear of it: the registry restarts the model (models.registry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from edgellmd.engine import wire
+from edgellmd.engine.generation import ENGINE_STOPPED, UNLOADED, Finished, Generation, GenerationRequest
+from edgellmd.engine.native import EngineConfig, EngineError, ModelInfo, ModelLoadError
+from edgellmd.engine.sampling import GrammarError
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S: Final = 600.0  # a model that takes longer to load than this is broken
+CALL_TIMEOUT_S: Final = 120.0  # tokenizing or compiling a bounded prompt or grammar
+CLOSE_TIMEOUT_S: Final = 10.0  # for the process to exit once told to, before it is killed
+SUPERVISE_EVERY_S: Final = 0.1
+LOG_TAIL_LINES: Final = 20  # of the engine process's own output, kept for a fault's report
+_FD_PATH: Final = re.compile(r"/proc/self/fd/(\d+)")
+
+
+class RemoteGrammar:
+    """A grammar compiled in the engine process, by id; whoever holds it frees it or hands it on."""
+
+    __slots__ = ("_engine", "id")
+
+    def __init__(self, engine: RemoteEngine, grammar_id: int) -> None:
+        self._engine = engine
+        self.id = grammar_id
+
+    def free(self) -> None:
+        """Free it in the engine process (once; nothing when the process is gone)."""
+        if self.id:
+            self._engine.send_quietly({"op": "free_grammar", "grammar": self.id})
+            self.id = 0
+
+
+class _Controls:
+    """The model's control-token texts, for `contains_control_text` without a call."""
+
+    def __init__(self, texts: Sequence[str]) -> None:
+        ordered = sorted((t for t in texts if t), key=len, reverse=True)
+        self._pattern = re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None
+
+    def contains(self, text: str) -> bool:
+        return self._pattern is not None and self._pattern.search(text) is not None
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+class RemoteEngine:
+    """A model served by an engine process; the same surface as the in-process engines."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        name: str,
+        kind: str = "generation",
+        hang_s: float = 30.0,
+        landlock: bool = True,
+        address_space: int | None = None,
+    ) -> None:
+        """Start the process and wait for its load (blocking: call it off the event loop)."""
+        self.config = config
+        self.name: Final = name
+        self.kind = kind
+        self.hang_s = hang_s
+        self.fault: str | None = None
+        self.heartbeat = time.monotonic()  # the supervisor's: it is what the daemon's watchdog judges
+        self._progress = time.monotonic()  # the engine's own: its scheduler's last step or idle
+        self._lock = threading.Lock()  # _gens, _calls, _exited, _on_exit, _closing
+        self._send_lock = threading.Lock()
+        self._gens: dict[int, Generation] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._next = 0
+        self._closing = False
+        self._exited = False
+        self._on_exit: list[Callable[[str | None], None]] = []
+        self._status: dict[str, Any] = {}
+        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = parent
+        keep = [child.fileno()]
+        for path in (config.path, config.speculative.draft_path):
+            found = _FD_PATH.fullmatch(str(path)) if path is not None else None
+            if found:  # a verified descriptor: the process opens the same file through it
+                keep.append(int(found.group(1)))
+        try:
+            self._proc = subprocess.Popen(  # noqa: S603 - this interpreter, this package's own module
+                [sys.executable, "-m", "edgellmd.engine.worker", str(child.fileno())],
+                pass_fds=keep,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            )
+        finally:
+            child.close()
+        self.pid = self._proc.pid
+        threading.Thread(target=self._read_stderr, name=f"engine-log:{name}", daemon=True).start()
+        try:
+            wire.send(
+                parent,
+                {
+                    "config": wire.encode_config(config),
+                    "name": name,
+                    "kind": kind,
+                    "landlock": landlock,
+                    "address_space": address_space,
+                },
+            )
+            parent.settimeout(LOAD_TIMEOUT_S)
+            ready = wire.recv(parent)
+            parent.settimeout(None)
+        except (OSError, wire.ChannelClosed) as exc:
+            self._kill()
+            raise ModelLoadError(self._load_failure(str(exc))) from None
+        if ready.get("op") != "ready":
+            self._kill()
+            raise ModelLoadError(str(ready.get("message") or self._load_failure("no ready")))
+        info = dict(ready["info"])
+        info["path"] = Path(info["path"])
+        self.info = ModelInfo(**info)
+        self.n_vocab = int(ready["n_vocab"])
+        self.n_embd = int(ready.get("n_embd", 0))
+        self.confined: list[str] = list(ready.get("confined", []))
+        self.unconfined: list[str] = list(ready.get("unconfined", []))
+        self.builtin_templates: list[str] = list(ready.get("builtin_templates", []))
+        self._controls = _Controls(ready.get("controls", []))
+        self._status["performance"] = ready.get("performance", {})
+        for missing in self.unconfined:
+            log.warning("model %s: its engine process runs without %s", name, missing)
+        threading.Thread(target=self._read, name=f"engine-channel:{name}", daemon=True).start()
+        threading.Thread(target=self._supervise, name=f"engine-supervisor:{name}", daemon=True).start()
+
+    # ---- the process's output and frames ----------------------------------------------------
+
+    def _read_stderr(self) -> None:
+        stream = self._proc.stderr
+        assert stream is not None  # noqa: S101 - started with a pipe
+        with stream:
+            for raw in stream:
+                line = raw.decode("utf-8", "replace").rstrip()
+                if line:
+                    self._tail.append(line[:500])
+                    log.debug("engine %s: %s", self.name, line[:500])
+
+    def _load_failure(self, why: str) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(2)
+        code = self._proc.poll()
+        how = (
+            f"exited with {code}"
+            if code is not None and code >= 0
+            else f"was killed by {_signal_name(code or 0)}"
+        )
+        last = "; ".join(list(self._tail)[-3:])
+        return f"the engine process {how} while loading ({why})" + (f": {last}" if last else "")
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = wire.recv(self._sock)
+                op = message.get("op")
+                if op == "events":
+                    self._deliver(message.get("items", []))
+                elif op == "status":
+                    self._status = message
+                    if isinstance(message.get("heartbeat"), int | float):
+                        self._progress = float(message["heartbeat"])
+                elif "id" in message:
+                    self._answer(message)
+        except (wire.ChannelClosed, OSError, ValueError, TypeError, KeyError):
+            pass
+        self._ended()
+
+    def _deliver(self, items: list[Any]) -> None:
+        for remote_id, events in items:
+            with self._lock:
+                gen = self._gens.get(int(remote_id))
+            if gen is None:
+                continue
+            decoded = [wire.decode_event(e) for e in events]
+            if any(isinstance(e, Finished) for e in decoded):
+                with self._lock:
+                    self._gens.pop(int(remote_id), None)
+            gen.push_threadsafe(decoded)
+
+    def _answer(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            future = self._calls.pop(int(message["id"]), None)
+        if future is None:
+            return
+        error = message.get("error")
+        if isinstance(error, dict):
+            kind, text = error.get("kind"), str(error.get("message", "engine error"))
+            future.set_exception(GrammarError(text) if kind == "grammar" else EngineError(text))
+        else:
+            future.set_result(message.get("result"))
+
+    def _ended(self) -> None:
+        """The channel is gone: the process exited, was killed, or was told to close."""
+        try:
+            code = self._proc.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._kill()
+            code = self._proc.wait()
+        with self._lock:
+            closing = self._closing
+            if self.fault is None and not closing:
+                how = f"exited with status {code}" if code >= 0 else f"was killed by {_signal_name(code)}"
+                last = "; ".join(list(self._tail)[-3:])
+                self.fault = f"its engine process {how}" + (f" (last output: {last})" if last else "")
+            gens, self._gens = list(self._gens.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+            self._exited = True
+            callbacks, self._on_exit = self._on_exit, []
+        error = ENGINE_STOPPED if self.fault is not None else UNLOADED
+        for gen in gens:
+            done = gen.final.completion_tokens if gen.final is not None else 0
+            gen.push_threadsafe([Finished("error", len(gen.request.prompt_tokens), done, error=error)])
+        for call in calls:
+            if not call.done():
+                call.set_exception(EngineError(error))
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        for callback in callbacks:
+            try:
+                callback(self.fault)
+            except Exception:
+                log.exception("an exit callback of model %s failed", self.name)
+
+    def _supervise(self) -> None:
+        """Kill a process that shows no step progress for hang_s while work is pending."""
+        while True:
+            with self._lock:
+                if self._exited:
+                    return
+                pending = bool(self._gens) or bool(self._calls)
+            now = time.monotonic()
+            self.heartbeat = now
+            if pending and now - max(self._progress, self._busy_since) > self.hang_s:
+                with self._lock:
+                    if self.fault is None:
+                        self.fault = (
+                            f"its engine process showed no progress for {self.hang_s:g} s and was killed"
+                        )
+                log.error("model %s: %s", self.name, self.fault)
+                self._kill()
+                return
+            time.sleep(SUPERVISE_EVERY_S)
+
+    _busy_since = 0.0  # when work last became pending after none (the hang clock starts there)
+
+    def _kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.kill()
+
+    # ---- calls -----------------------------------------------------------------------------
+
+    def send_quietly(self, message: dict[str, Any]) -> None:
+        """Send a frame that needs no answer; nothing when the process is gone."""
+        with contextlib.suppress(OSError), self._send_lock:
+            wire.send(self._sock, message)
+
+    def _call(self, message: dict[str, Any]) -> Any:
+        with self._lock:
+            if self._exited or self._closing:
+                raise EngineError("engine is shutting down")
+            self._next += 1
+            call_id = self._next
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            self._calls[call_id] = future
+            self._note_pending()
+        try:
+            with self._send_lock:
+                wire.send(self._sock, {**message, "id": call_id})
+        except OSError:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise EngineError("engine is shutting down") from None
+        try:
+            return future.result(CALL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise EngineError("the engine did not answer in time") from None
+
+    def _note_pending(self) -> None:
+        """Under the lock, before new work is recorded: the hang clock starts with the first."""
+        if not self._gens and not self._calls:
+            self._busy_since = time.monotonic()
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text to token ids, by the engine process (any thread; blocks for the answer)."""
+        result = self._call(
+            {"op": "tokenize", "text": text, "add_special": add_special, "parse_special": parse_special}
+        )
+        return [int(t) for t in result]
+
+    def tokenize_segments(
+        self, segments: Sequence[tuple[str, bool]], *, add_special: bool = True
+    ) -> list[int]:
+        """(text, trusted) segments to token ids (control tokens parsed in trusted text only)."""
+        result = self._call(
+            {"op": "tokenize_segments", "segments": [list(s) for s in segments], "add_special": add_special}
+        )
+        return [int(t) for t in result]
+
+    def contains_control_text(self, text: str) -> bool:
+        """True when `text` holds the text of one of the vocabulary's control tokens."""
+        return self._controls.contains(text)
+
+    def compile_grammar(self, grammar: str, copies: int = 1) -> list[RemoteGrammar]:
+        """Compile a grammar in the engine process into `copies` ids (GrammarError if refused)."""
+        ids = self._call({"op": "grammar", "grammar": grammar, "copies": copies})
+        return [RemoteGrammar(self, int(i)) for i in ids]
+
+    def apply_builtin_template(self, name: str, messages: Sequence[tuple[str, str]]) -> str:
+        """Render with a llama.cpp built-in chat template, in the engine process."""
+        return str(self._call({"op": "template", "name": name, "messages": [list(m) for m in messages]}))
+
+    def probe(self, what: str, path: str = "") -> str:
+        """Tests only (answered with EDGELLM_ENGINE_TEST_HOOKS=1): try what the confinement refuses."""
+        return str(self._call({"op": "probe", "what": what, "path": path}))
+
+    def submit(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, grammar: Any | None = None
+    ) -> Generation:
+        """Queue a generation in the engine process; its events arrive on `loop`."""
+        if len(request.prompt_tokens) == 0:
+            raise EngineError("empty prompt")
+        if request.sampling.grammar is not None and grammar is None:
+            grammar = self.compile_grammar(request.sampling.grammar)[0]
+        gen = Generation(request, loop)
+        with self._lock:
+            if self._exited or self._closing:
+                if isinstance(grammar, RemoteGrammar):
+                    grammar.free()
+                raise EngineError("engine is shutting down")
+            self._note_pending()
+            self._gens[gen.id] = gen
+        gid = None
+        if isinstance(grammar, RemoteGrammar):
+            gid, grammar.id = grammar.id, 0  # the engine process owns it from here
+        gen.on_cancel(lambda g: self.send_quietly({"op": "cancel", "gen": g.id}))
+        try:
+            with self._send_lock:
+                wire.send(
+                    self._sock,
+                    {"op": "submit", "gen": gen.id, "request": wire.encode_request(request), "grammar": gid},
+                )
+        except OSError:
+            pass  # the reader ends it with ENGINE_STOPPED
+        return gen
+
+    def wake(self) -> None:
+        """Cancellations reach the engine process as they happen (`Generation.on_cancel`)."""
+
+    def submit_embed(self, inputs: Sequence[Sequence[int]]) -> concurrent.futures.Future[list[list[float]]]:
+        """Embed tokenized inputs in the engine process; resolves with unit vectors."""
+        out: concurrent.futures.Future[list[list[float]]] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                vectors = self._call({"op": "embed", "inputs": [list(i) for i in inputs]})
+                out.set_result([[float(x) for x in v] for v in vectors])
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                out.set_exception(exc)
+
+        threading.Thread(target=run, name=f"embed-call:{self.name}", daemon=True).start()
+        return out
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def occupancy(self) -> tuple[int, int]:
+        """Slots busy and generations waiting: what the daemon holds there, split by slot count."""
+        with self._lock:
+            held = len(self._gens)
+        busy = min(held, self.config.slots)
+        return busy, held - busy
+
+    @property
+    def busy_slots(self) -> int:
+        """Slots generating (by the daemon's count)."""
+        return self.occupancy()[0]
+
+    @property
+    def queue_depth(self) -> int:
+        """Generations waiting for a slot (by the daemon's count)."""
+        return self.occupancy()[1]
+
+    @property
+    def finished(self) -> collections.Counter[str]:
+        """Generations ended, by finish reason (from the last status frame)."""
+        found = self._status.get("finished")
+        counts = {str(k): int(v) for k, v in found.items()} if isinstance(found, dict) else {}
+        return collections.Counter(counts)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is running or waiting."""
+        with self._lock:
+            return not self._gens and not self._calls
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens generated since the load (from the last status frame)."""
+        return int(self._status.get("tokens_generated", 0))
+
+    def performance(self) -> dict[str, Any]:
+        """The engine's figures for /admin/status (from the last status frame)."""
+        figures = self._status.get("performance")
+        return dict(figures) if isinstance(figures, dict) else {}
+
+    def process(self) -> dict[str, Any]:
+        """The engine process for /admin/status: pid, confinement, resident memory."""
+        rss = 0
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            rss = int(Path(f"/proc/{self.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"pid": self.pid, "rss_bytes": rss, "confined": self.confined, "unconfined": self.unconfined}
+
+    def on_exit(self, callback: Callable[[str | None], None]) -> None:
+        """Call `callback(fault)` once the process is gone (`fault` None after `close`)."""
+        with self._lock:
+            if not self._exited:
+                self._on_exit.append(callback)
+                return
+        callback(self.fault)
+
+    def close(self) -> None:
+        """Tell the process to finish (its requests end with "unloaded"), wait, kill if it will not."""
+        with self._lock:
+            if self._exited:
+                return
+            self._closing = True
+        self.send_quietly({"op": "close"})
+        try:
+            self._proc.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._kill()
+            self._proc.wait()
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        while not self.exited and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    @property
+    def exited(self) -> bool:
+        """True once the process is gone and everything it held was ended."""
+        with self._lock:
+            return self._exited

@@ -1,0 +1,178 @@
+"""The channel between the daemon and an engine process: length-prefixed JSON frames, and codecs.
+
+Each frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON. JSON, not pickle:
+the engine process parses model files and client-shaped data in C++ and may be subverted, so
+the daemon reads nothing from it that could run code, and bounds what it reads
+(`MAX_FRAME_BYTES`). The codecs turn the engine's dataclasses into plain JSON values and
+back (a stream's events, a generation request, the engine's configuration, the model's facts).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Final
+
+from edgellmd.engine.drafts import Speculation
+from edgellmd.engine.generation import (
+    Event,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    TextDelta,
+    TokenLogprob,
+)
+
+MAX_FRAME_BYTES: Final = 64 * 1024 * 1024  # a prompt of 32k tokens is about 200 KB of JSON
+_LENGTH: Final = struct.Struct(">I")
+
+
+class ChannelClosed(ConnectionError):
+    """The other side closed the channel (or sent what no frame can be)."""
+
+
+def send(sock: socket.socket, message: dict[str, Any]) -> None:
+    """Write one frame (blocking; callers serialise their writes)."""
+    data = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    chunks: list[bytes] = []
+    left = size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ChannelClosed(
+                "the channel closed mid-frame" if chunks or size != 4 else "the channel closed"
+            )
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv(sock: socket.socket) -> dict[str, Any]:
+    """Read one frame (blocking); ChannelClosed at the end or on a frame that is not an object."""
+    (size,) = _LENGTH.unpack(_exactly(sock, _LENGTH.size))
+    if size > MAX_FRAME_BYTES:
+        raise ChannelClosed(f"a frame of {size} bytes is over the channel's limit")
+    try:
+        message = json.loads(_exactly(sock, size))
+    except (ValueError, RecursionError):
+        raise ChannelClosed("a frame is not JSON") from None
+    if not isinstance(message, dict):
+        raise ChannelClosed("a frame is not a JSON object")
+    return message
+
+
+# ---- codecs ------------------------------------------------------------------------------------
+
+
+def _logprob(item: TokenLogprob) -> list[Any]:
+    return [item.token, list(item.bytes), item.logprob, [[t, list(b), lp] for t, b, lp in item.top]]
+
+
+def _unlogprob(value: list[Any]) -> TokenLogprob:
+    token, raw, logprob, top = value
+    return TokenLogprob(
+        str(token),
+        tuple(int(b) for b in raw),
+        float(logprob),
+        tuple((str(t), tuple(int(x) for x in b), float(lp)) for t, b, lp in top),
+    )
+
+
+def encode_event(event: Event) -> list[Any]:
+    """One stream event as a JSON value."""
+    logprobs = [_logprob(lp) for lp in event.logprobs]
+    if isinstance(event, TextDelta):
+        return ["d", event.text, event.completion_tokens, logprobs]
+    return [
+        "f",
+        event.reason,
+        event.prompt_tokens,
+        event.completion_tokens,
+        event.text,
+        event.error,
+        event.stop_sequence,
+        logprobs,
+        event.cached_tokens,
+        event.draft_tokens,
+        event.accepted_draft_tokens,
+    ]
+
+
+def decode_event(value: list[Any]) -> Event:
+    """The event `encode_event` made (ValueError, TypeError or KeyError for anything else)."""
+    kind = value[0]
+    if kind == "d":
+        _, text, completion, logprobs = value
+        return TextDelta(str(text), int(completion), tuple(_unlogprob(lp) for lp in logprobs))
+    if kind != "f":
+        raise ValueError("not an event")
+    _, reason, prompt, completion, text, error, stop, logprobs, cached, drafted, accepted = value
+    if reason not in ("stop", "length", "cancelled", "error"):
+        raise ValueError("not a finish reason")
+    return Finished(
+        reason,
+        int(prompt),
+        int(completion),
+        text=str(text),
+        error=None if error is None else str(error),
+        stop_sequence=None if stop is None else str(stop),
+        logprobs=tuple(_unlogprob(lp) for lp in logprobs),
+        cached_tokens=int(cached),
+        draft_tokens=int(drafted),
+        accepted_draft_tokens=int(accepted),
+    )
+
+
+def encode_request(request: GenerationRequest) -> dict[str, Any]:
+    """A generation request as a JSON object (its grammar travels compiled, by id)."""
+    sampling = asdict(request.sampling)
+    sampling["logit_bias"] = [list(pair) for pair in request.sampling.logit_bias]
+    sampling["grammar"] = None
+    return {
+        "prompt_tokens": list(request.prompt_tokens),
+        "max_tokens": request.max_tokens,
+        "sampling": sampling,
+        "stop": list(request.stop),
+        "ignore_eos": request.ignore_eos,
+        "logprobs": request.logprobs,
+    }
+
+
+def decode_request(value: dict[str, Any]) -> GenerationRequest:
+    """The request `encode_request` made."""
+    sampling = dict(value["sampling"])
+    sampling["logit_bias"] = tuple((int(t), float(b)) for t, b in sampling["logit_bias"])
+    return GenerationRequest(
+        prompt_tokens=[int(t) for t in value["prompt_tokens"]],
+        max_tokens=int(value["max_tokens"]),
+        sampling=SamplingParams(**sampling),
+        stop=tuple(str(s) for s in value["stop"]),
+        ignore_eos=bool(value["ignore_eos"]),
+        logprobs=None if value["logprobs"] is None else int(value["logprobs"]),
+    )
+
+
+def encode_config(config: Any) -> dict[str, Any]:
+    """An EngineConfig as a JSON object (paths as strings)."""
+    data = asdict(config)
+    data["path"] = str(config.path)
+    spec = data["speculative"]
+    spec["draft_path"] = None if config.speculative.draft_path is None else str(config.speculative.draft_path)
+    return data
+
+
+def decode_config(value: dict[str, Any], config_type: type[Any]) -> Any:
+    """The EngineConfig `encode_config` made (`config_type`: the class, which lives beside llama.cpp)."""
+    data = dict(value)
+    data["path"] = Path(data["path"])
+    spec = dict(data["speculative"])
+    spec["draft_path"] = None if spec["draft_path"] is None else Path(spec["draft_path"])
+    data["speculative"] = Speculation(**spec)
+    return config_type(**data)

@@ -1,0 +1,314 @@
+"""An engine process: one model's llama.cpp context and scheduler, served to the daemon over a socket.
+
+`python -m edgellmd.engine.worker FD` is started by `engine.remote.RemoteEngine` with one end
+of a socket pair as FD. It reads its configuration (the first frame), confines itself
+(`engine.confine`), loads the model with the same `Engine` (or `EmbeddingEngine`) a thread
+would run, says `ready` with the model's facts, then serves the daemon's calls until the
+channel closes or it is told to close: tokenizing and grammar compiling on a small pool of its
+own, submissions and cancellations, and every generation's events, one frame per scheduler
+step. A status frame every `STATUS_EVERY_S` carries the scheduler's heartbeat, occupancy and
+figures. If the daemon goes, so does this process (`PR_SET_PDEATHSIG`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Final
+
+from edgellmd.engine import wire
+from edgellmd.engine.confine import confine
+from edgellmd.engine.embedding import EmbeddingEngine
+from edgellmd.engine.generation import Event, Finished, Generation, GenerationRequest
+from edgellmd.engine.native import EngineConfig, EngineError, builtin_chat_templates
+from edgellmd.engine.sampling import CompiledGrammar, GrammarError
+from edgellmd.engine.scheduler import Engine
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY_S: Final = 0.25
+PROMPT_THREADS: Final = 2  # as the daemon's own prompt pool: tokenizing and grammars, off the scheduler
+TEST_HOOKS_ENV: Final = "EDGELLM_ENGINE_TEST_HOOKS"  # "1": answer `probe` calls (tests of the confinement)
+
+
+class Forwarded(Generation):
+    """A generation whose events go to the daemon instead of a consumer here."""
+
+    __slots__ = ("remote_id", "worker")
+
+    def __init__(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, remote_id: int, worker: Worker
+    ) -> None:
+        super().__init__(request, loop)
+        self.remote_id = remote_id
+        self.worker = worker
+
+    def push(self, events: list[Event]) -> None:
+        """On this process's loop: hand the events to the next frame."""
+        self.worker.forward(self, events)
+
+
+class Worker:
+    """Serves one engine over the channel."""
+
+    def __init__(
+        self, sock: socket.socket, engine: Engine | EmbeddingEngine, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.sock = sock
+        self.engine = engine
+        self.loop = loop
+        self._send_lock = threading.Lock()
+        self._grammars: dict[int, CompiledGrammar] = {}
+        self._next_grammar = 0
+        self._gens: dict[int, Forwarded] = {}
+        self._outbox: list[list[Any]] = []
+        self._pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="engine-prompt")
+        self._done = asyncio.Event()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """One frame to the daemon (any thread)."""
+        with self._send_lock:
+            wire.send(self.sock, message)
+
+    def forward(self, gen: Forwarded, events: list[Event]) -> None:
+        """Queue a generation's events for the frame that ends this loop turn."""
+        if not self._outbox:
+            self.loop.call_soon(self._flush)
+        self._outbox.append([gen.remote_id, [wire.encode_event(e) for e in events]])
+        if any(isinstance(e, Finished) for e in events):
+            self._gens.pop(gen.remote_id, None)
+
+    def _flush(self) -> None:
+        items, self._outbox = self._outbox, []
+        if items:
+            self._safe_send({"op": "events", "items": items})
+
+    def _safe_send(self, message: dict[str, Any]) -> None:
+        try:
+            self.send(message)
+        except OSError:  # the daemon is gone; PR_SET_PDEATHSIG ends this process
+            self._done.set()
+
+    # ---- the daemon's calls ---------------------------------------------------------------
+
+    def read_forever(self) -> None:
+        """On a thread of its own: read frames and hand each to where it runs."""
+        try:
+            while True:
+                message = wire.recv(self.sock)
+                op = message.get("op")
+                if op == "close":
+                    break
+                if op in ("tokenize", "tokenize_segments", "grammar", "embed", "probe", "template"):
+                    self._pool.submit(self._call, message)
+                elif op == "submit":
+                    self.loop.call_soon_threadsafe(self._submit, message)
+                elif op == "cancel":
+                    self.loop.call_soon_threadsafe(self._cancel, int(message["gen"]))
+                elif op == "free_grammar":
+                    self.loop.call_soon_threadsafe(self._free_grammar, int(message["grammar"]))
+        except (wire.ChannelClosed, OSError):
+            pass
+        finally:
+            self.loop.call_soon_threadsafe(self._done.set)
+
+    def _call(self, message: dict[str, Any]) -> None:
+        call_id = message.get("id")
+        try:
+            result = self._answer(message)
+        except GrammarError as exc:
+            self._safe_send({"id": call_id, "error": {"kind": "grammar", "message": str(exc)}})
+        except EngineError as exc:
+            self._safe_send({"id": call_id, "error": {"kind": "engine", "message": str(exc)}})
+        except Exception:  # a bug: the call fails, the process serves on
+            log.exception("engine call %s failed", message.get("op"))
+            self._safe_send({"id": call_id, "error": {"kind": "engine", "message": "internal engine error"}})
+        else:
+            self._safe_send({"id": call_id, "result": result})
+
+    def _answer(self, message: dict[str, Any]) -> Any:
+        op = message["op"]
+        engine = self.engine
+        if op == "tokenize":
+            return engine.tokenize(
+                str(message["text"]),
+                add_special=bool(message["add_special"]),
+                parse_special=bool(message["parse_special"]),
+            )
+        if op == "tokenize_segments":
+            if not isinstance(engine, Engine):
+                raise EngineError("an embedding model has no chat prompts")
+            segments = [(str(text), bool(trusted)) for text, trusted in message["segments"]]
+            return engine.tokenize_segments(segments, add_special=bool(message["add_special"]))
+        if op == "grammar":
+            if not isinstance(engine, Engine):
+                raise EngineError("an embedding model has no grammars")
+            compiled = engine.compile_grammar(str(message["grammar"]), int(message["copies"]))
+            ids = []
+            for grammar in compiled:
+                self._next_grammar += 1
+                self._grammars[self._next_grammar] = grammar
+                ids.append(self._next_grammar)
+            return ids
+        if op == "embed":
+            if not isinstance(engine, EmbeddingEngine):
+                raise EngineError("a generation model has no embeddings")
+            return engine.submit_embed([[int(t) for t in item] for item in message["inputs"]]).result()
+        if op == "template":
+            from edgellmd.engine.native import apply_builtin_template  # noqa: PLC0415 - rare
+
+            pairs = [(str(role), str(content)) for role, content in message["messages"]]
+            return apply_builtin_template(str(message["name"]), pairs)
+        if op == "probe" and os.environ.get(TEST_HOOKS_ENV) == "1":
+            return probe(str(message["what"]), str(message.get("path", "")))
+        raise EngineError(f"unknown call {op!r}")
+
+    def _submit(self, message: dict[str, Any]) -> None:
+        remote_id = int(message["gen"])
+        engine = self.engine
+        gid = message.get("grammar")
+        grammar = self._grammars.pop(int(gid), None) if gid is not None else None
+        request = wire.decode_request(message["request"])
+        gen = Forwarded(request, self.loop, remote_id, self)
+        if not isinstance(engine, Engine):
+            self.forward(
+                gen, [Finished("error", len(request.prompt_tokens), 0, error="not a generation model")]
+            )
+            return
+        self._gens[remote_id] = gen
+        try:
+            engine.submit(request, self.loop, grammar, generation=gen)
+        except EngineError as exc:
+            self.forward(gen, [Finished("error", len(request.prompt_tokens), 0, error=str(exc))])
+
+    def _cancel(self, remote_id: int) -> None:
+        gen = self._gens.get(remote_id)
+        if gen is not None:
+            gen.cancel()
+            if isinstance(self.engine, Engine):
+                self.engine.wake()
+
+    def _free_grammar(self, grammar_id: int) -> None:
+        grammar = self._grammars.pop(grammar_id, None)
+        if grammar is not None:
+            grammar.free()
+
+    async def _status(self) -> None:
+        engine = self.engine
+        while not self._done.is_set():
+            busy, waiting = engine.occupancy()
+            message: dict[str, Any] = {
+                "op": "status",
+                "heartbeat": engine.heartbeat,
+                "busy": busy,
+                "waiting": waiting,
+            }
+            if isinstance(engine, Engine):
+                message["performance"] = engine.performance()
+                message["tokens_generated"] = engine.tokens_generated
+                message["finished"] = dict(engine.finished)
+            self._safe_send(message)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), STATUS_EVERY_S)
+
+    async def serve(self) -> None:
+        """Until the channel closes or the daemon says close."""
+        reader = threading.Thread(target=self.read_forever, name="engine-channel", daemon=True)
+        reader.start()
+        status = asyncio.create_task(self._status())
+        await self._done.wait()
+        status.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def probe(what: str, path: str) -> str:
+    """Try one thing the confinement must refuse (tests only): what happened, in words."""
+    try:
+        if what == "inet":
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+        elif what == "read":
+            Path(path).read_bytes()
+        elif what == "write":
+            Path(path).write_bytes(b"x")
+        else:
+            return "unknown probe"
+    except OSError as exc:
+        return f"refused: {exc.strerror or exc}"
+    return "allowed"
+
+
+def _model_files(config: EngineConfig) -> list[Path]:
+    """The files the model loads from (their real paths behind /proc/self/fd/N too)."""
+    out: list[Path] = []
+    for path in (config.path, config.speculative.draft_path):
+        if path is None:
+            continue
+        out.append(path)
+        if str(path).startswith("/proc/self/fd/"):
+            out.append(Path(os.readlink(path)))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve one engine on the socket whose descriptor is the first argument."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=os.environ.get("EDGELLM_ENGINE_LOG_LEVEL", "WARNING"),
+        format="%(levelname)s %(name)s %(message)s",
+    )
+    sock = socket.socket(fileno=int(args[0]))
+    hello = wire.recv(sock)
+    config = wire.decode_config(hello["config"], EngineConfig)
+    confined = confine(
+        _model_files(config),
+        address_space=hello.get("address_space"),
+        landlock=bool(hello.get("landlock", True)),
+    )
+    try:
+        engine: Engine | EmbeddingEngine = (
+            EmbeddingEngine(config, name=hello["name"])
+            if hello["kind"] == "embedding"
+            else Engine(config, name=hello["name"])
+        )
+    except EngineError as exc:
+        wire.send(sock, {"op": "load_error", "message": str(exc)})
+        return 1
+    info = asdict(engine.info)
+    info["path"] = str(info["path"])
+    ready: dict[str, Any] = {
+        "op": "ready",
+        "pid": os.getpid(),
+        "info": info,
+        "n_vocab": engine.n_vocab,
+        "confined": confined.done,
+        "unconfined": confined.missing,
+        "builtin_templates": builtin_chat_templates(),
+    }
+    if isinstance(engine, Engine):
+        ready["controls"] = sorted(engine.controls.by_text)
+        ready["performance"] = engine.performance()
+    else:
+        ready["n_embd"] = engine.n_embd
+    wire.send(sock, ready)
+    loop = asyncio.new_event_loop()
+    worker = Worker(sock, engine, loop)
+    try:
+        loop.run_until_complete(worker.serve())
+    finally:
+        engine.close()
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Engines in processes of their own (`isolation: process`): a native fault costs one model's requests.
+
+A real daemon serves two tiny models, each in a confined engine process. One engine is killed
+mid-stream with SIGKILL, SIGSEGV or SIGABRT (what the OOM killer, a wild pointer and a
+`GGML_ASSERT` do): its streams end with an error in their API family's shape within a second,
+the other model's streams finish intact, /readyz says which model restarts, and the model
+serves again by itself. A stopped engine (SIGSTOP) is a hang: killed and replaced. And from
+inside a real engine process, what its confinement refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgellmd.engine.confine import landlock_abi
+from edgellmd.engine.remote import RemoteEngine
+from edgellmd.engine.worker import TEST_HOOKS_ENV
+from edgellmd.http import appkeys
+from edgellmd.models import registry as registry_module
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import RunningDaemon, running, settings_for, wait_for
+
+# Slow enough (hundreds of tokens a second) that a stream is still running when its engine dies.
+SLOW = TinyModelSpec(seed=31, n_embd=256, n_head=4, n_head_kv=2, n_layer=2, n_ff=1024)
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    os.environ[TEST_HOOKS_ENV] = "1"  # the engine processes answer the confinement probes
+    root = tmp_path_factory.mktemp("isolated")
+    models = []
+    for name, seed in (("left", 31), ("right", 32)):
+        path = write_tiny_model(root / f"{name}.gguf", dataclasses.replace(SLOW, seed=seed))
+        models.append(
+            {
+                "name": name,
+                "file": str(path),
+                "slots": SLOTS,
+                "context_size": 1024,
+                "threads": 1,
+                "isolation": "process",
+                "hang_timeout_s": 2.0,
+            }
+        )
+    settings = settings_for(models, server={"max_tokens_limit": 4096})
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            # Every test here stops an engine: restart at once, and never trip the breaker.
+            patch.setattr(registry_module, "RESTART_BACKOFF_S", (0.2,))
+            patch.setattr(registry_module, "CRASH_LOOP_STOPS", 100)
+            with running(settings) as daemon:
+                yield daemon
+    finally:
+        os.environ.pop(TEST_HOOKS_ENV, None)
+
+
+def _engine(daemon: RunningDaemon, name: str) -> RemoteEngine:
+    assert daemon.app is not None
+    engine = daemon.app[appkeys.REGISTRY].get(name).engine
+    assert isinstance(engine, RemoteEngine)
+    return engine
+
+
+def _ready(daemon: RunningDaemon, name: str) -> bool:
+    _, body = daemon.get("/readyz")
+    return bool(body["models"][name]["state"] == "ready")
+
+
+def _stream(
+    daemon: RunningDaemon, model: str, max_tokens: int, out: list[list[dict[str, Any] | str]]
+) -> None:
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+    }
+    request = urllib.request.Request(  # noqa: S310 - loopback
+        daemon.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    events: list[dict[str, Any] | str] = []
+    out.append(events)
+    with urllib.request.urlopen(request, timeout=60) as answer:  # noqa: S310 - loopback
+        for raw in answer:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT], ids=["KILL", "SEGV", "ABRT"]
+)
+def test_a_killed_engine_costs_its_own_streams_only_and_comes_back(pair: RunningDaemon, signum: int) -> None:
+    wait_for(lambda: _ready(pair, "left") and _ready(pair, "right"), what="both models")
+    victim = _engine(pair, "left")
+    left: list[list[dict[str, Any] | str]] = []
+    right: list[list[dict[str, Any] | str]] = []
+    threads = [threading.Thread(target=_stream, args=(pair, "left", 3000, left)) for _ in range(SLOTS)]
+    threads += [threading.Thread(target=_stream, args=(pair, "right", 200, right)) for _ in range(SLOTS)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: len(left) == SLOTS and all(len(s) >= 3 for s in left), what="the left streams to flow")
+    os.kill(victim.pid, signum)
+    killed = time.monotonic()
+    for thread in threads[:SLOTS]:
+        thread.join(5)
+    ended = time.monotonic() - killed
+    assert ended < 1.5, f"the killed model's streams took {ended:.2f} s to end"
+    for events in left:
+        assert events[-1] == "[DONE]"
+        error = events[-2]
+        assert isinstance(error, dict)
+        assert error["error"]["code"] == "engine_failed", error
+    for thread in threads[SLOTS:]:
+        thread.join(60)
+    for events in right:  # the other model never noticed
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert not any(isinstance(e, dict) and "error" in e for e in events)
+    # Not ready while it restarts, with the reason; then a new engine process serves.
+    status, body = pair.get("/readyz")
+    if status == 503:
+        assert body["models"]["left"]["state"] in ("restarting", "loading")
+        assert body["models"]["right"]["state"] == "ready"
+    wait_for(lambda: _ready(pair, "left"), timeout=10, what="the restart")
+    assert _engine(pair, "left").pid != victim.pid
+    status, answer = pair.post(
+        "/v1/chat/completions",
+        {"model": "left", "max_tokens": 4, "messages": [{"role": "user", "content": "again"}]},
+    )
+    assert status == 200, answer
+    status, shown = pair.get("/admin/status")
+    model = next(m for m in shown["models"] if m["name"] == "left")
+    assert model["engine_stops"] >= 1
+    name = signal.Signals(signum).name
+    assert name in model["last_engine_stop"]["fault"]
+    assert model["engine_process"]["pid"] == _engine(pair, "left").pid
+    wait_for(lambda: not Path(f"/proc/{victim.pid}").exists(), timeout=5, what="the old process to be reaped")
+
+
+def test_a_request_before_its_first_byte_gets_503_engine_failed(pair: RunningDaemon) -> None:
+    wait_for(lambda: _ready(pair, "right"), what="the model")
+    victim = _engine(pair, "right")
+    answers: list[tuple[int, Any]] = []
+
+    def ask() -> None:
+        answers.append(
+            pair.post(
+                "/v1/chat/completions",
+                {
+                    "model": "right",
+                    "max_tokens": 3000,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            )
+        )
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    wait_for(lambda: victim.busy_slots == 1, what="the request to run")
+    time.sleep(0.1)
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(5)
+    status, body = answers[0]
+    assert status == 503
+    assert body["error"]["code"] == "engine_failed"
+    wait_for(lambda: _ready(pair, "right"), timeout=10, what="the restart")
+
+
+def test_a_stopped_engine_is_a_hang_that_is_killed_and_replaced(pair: RunningDaemon) -> None:
+    wait_for(lambda: _ready(pair, "left"), what="the model")
+    victim = _engine(pair, "left")
+    out: list[list[dict[str, Any] | str]] = []
+    thread = threading.Thread(target=_stream, args=(pair, "left", 3000, out))
+    thread.start()
+    wait_for(lambda: out and len(out[0]) >= 3, what="the stream to flow")
+    os.kill(victim.pid, signal.SIGSTOP)
+    thread.join(10)  # hang_timeout_s is 2 s
+    assert not thread.is_alive()
+    error = out[0][-2]
+    assert isinstance(error, dict)
+    assert error["error"]["code"] == "engine_failed"
+    wait_for(lambda: _ready(pair, "left"), timeout=10, what="the replacement")
+    _, shown = pair.get("/admin/status")
+    model = next(m for m in shown["models"] if m["name"] == "left")
+    assert "no progress" in model["last_engine_stop"]["fault"]
+
+
+def test_the_engine_process_is_confined(pair: RunningDaemon, tmp_path: Path) -> None:
+    wait_for(lambda: _ready(pair, "right"), what="the model")
+    engine = _engine(pair, "right")
+    assert "no new privileges" in engine.confined
+    assert engine.probe("inet").startswith("refused")  # seccomp: no socket but AF_UNIX
+    status = Path(f"/proc/{engine.pid}/status").read_text()
+    assert "NoNewPrivs:\t1" in status
+    assert "CapEff:\t0000000000000000" in status
+    if not landlock_abi():
+        pytest.skip("this kernel has no Landlock: the file system is not confined")
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not for the engine")
+    assert engine.probe("read", str(outside)).startswith("refused")
+    assert engine.probe("write", str(tmp_path / "dropped")).startswith("refused")
+    assert not (tmp_path / "dropped").exists()
+    assert engine.probe("read", "/etc/hostname") == "allowed"  # what it may read, it can
