@@ -24,6 +24,8 @@ JSON line. Not a test: the figures depend on the machine.
 - kv: f16 against q8_0 keys and values: KV bytes per token (what the memory budget counts and
   the daemon's resident memory), tokens/s at 1 and 8 streams.
 - two-models: one model with 4 streams, against two models in one daemon, one or both with 4.
+- isolation: plain's streams with the engine in a process of its own (`isolation: process`)
+  against on the daemon's own threads (`thread`).
 """
 
 from __future__ import annotations
@@ -556,8 +558,19 @@ def two_models(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str
     return rounds(servers, args, model, workdir)
 
 
+def isolation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    """The plain streams with the engine in a process of its own against on the daemon's threads."""
+    edge = {**EDGE_8, "threads": args.threads}
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd process", [{**edge, "isolation": "process"}]), streams(PLAIN_1, PLAIN_8)),
+        (Server("edgellmd thread", [{**edge, "isolation": "thread"}]), streams(PLAIN_1, PLAIN_8)),
+    ]
+    return rounds(servers, args, model, workdir, together=True)
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path, Path], dict[str, Any]]] = {
     "plain": plain,
+    "isolation": isolation,
     "partial": partial,
     "speculation": speculation,
     "drafts-2": drafts_2,

@@ -54,7 +54,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
                 "hang_timeout_s": 2.0,
             }
         )
-    settings = settings_for(models, server={"max_tokens_limit": 4096})
+    settings = settings_for(
+        models,
+        server={"max_tokens_limit": 4096},
+        lifecycle={"preload_dir": str(root / "shm"), "watch": False},
+    )
     try:
         with pytest.MonkeyPatch.context() as patch:
             # Every test here stops an engine: restart at once, and never trip the breaker.
@@ -153,6 +157,9 @@ def test_a_killed_engine_costs_its_own_streams_only_and_comes_back(pair: Running
     name = signal.Signals(signum).name
     assert name in model["last_engine_stop"]["fault"]
     assert model["engine_process"]["pid"] == _engine(pair, "left").pid
+    with urllib.request.urlopen(pair.url + "/metrics", timeout=10) as answer:  # noqa: S310 - loopback
+        metrics = answer.read().decode()
+    assert f'edgellm_engine_restarts_total{{model="left",reason="{name.lower()}"}}' in metrics
     wait_for(lambda: not Path(f"/proc/{victim.pid}").exists(), timeout=5, what="the old process to be reaped")
 
 
@@ -221,3 +228,77 @@ def test_the_engine_process_is_confined(pair: RunningDaemon, tmp_path: Path) -> 
     assert engine.probe("write", str(tmp_path / "dropped")).startswith("refused")
     assert not (tmp_path / "dropped").exists()
     assert engine.probe("read", "/etc/hostname") == "allowed"  # what it may read, it can
+
+
+def _raw_stream(daemon: RunningDaemon, path: str, body: dict[str, Any], out: list[list[str]]) -> None:
+    """The event names (`event:` lines) and data lines of a stream, as sent."""
+    request = urllib.request.Request(  # noqa: S310 - loopback
+        daemon.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    lines: list[str] = []
+    out.append(lines)
+    with urllib.request.urlopen(request, timeout=60) as answer:  # noqa: S310 - loopback
+        lines.extend(line for raw in answer if (line := raw.decode().strip()))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "last_event"),
+    [
+        (
+            "/v1/responses",
+            {"model": "left", "input": "Once upon a time", "max_output_tokens": 3000, "stream": True},
+            "response.failed",
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": "left",
+                "max_tokens": 3000,
+                "stream": True,
+                "messages": [{"role": "user", "content": "Once upon a time"}],
+            },
+            "error",
+        ),
+    ],
+    ids=["responses", "messages"],
+)
+def test_each_api_family_ends_a_killed_stream_with_its_own_error_event(
+    pair: RunningDaemon, path: str, body: dict[str, Any], last_event: str
+) -> None:
+    wait_for(lambda: _ready(pair, "left"), what="the model")
+    victim = _engine(pair, "left")
+    out: list[list[str]] = []
+    thread = threading.Thread(target=_raw_stream, args=(pair, path, body, out))
+    thread.start()
+    wait_for(lambda: out and sum(line.startswith("data:") for line in out[0]) >= 4, what="the stream to flow")
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(5)
+    assert not thread.is_alive()
+    events = [line[len("event: ") :] for line in out[0] if line.startswith("event: ")]
+    assert events[-1] == last_event, events[-5:]
+    assert "engine" in out[0][-1]  # the error names the engine: engine_failed, or its message
+    wait_for(lambda: _ready(pair, "left"), timeout=10, what="the restart")
+
+
+def test_a_restart_loads_the_verified_copy_again_without_hashing_it(
+    pair: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    wait_for(lambda: _ready(pair, "right"), what="the model")
+    _, shown = pair.get("/admin/status")
+    before = next(m for m in shown["models"] if m["name"] == "right")["shm_path"]
+    assert before
+    victim = _engine(pair, "right")
+    with caplog.at_level("INFO", logger="edgellmd.models.loader"):
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(
+            lambda: _ready(pair, "right") and _engine(pair, "right").pid != victim.pid,
+            timeout=10,
+            what="the restart",
+        )
+    _, shown = pair.get("/admin/status")
+    assert next(m for m in shown["models"] if m["name"] == "right")["shm_path"] == before
+    assert any("restarting from its verified copy" in r.getMessage() for r in caplog.records)
+    assert Path(before).is_file()

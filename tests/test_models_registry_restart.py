@@ -68,7 +68,17 @@ def notify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySo
 
 async def _serve(aiohttp_client: Any, tiny_model: Path, notifier: Notifier | None = None) -> Any:
     settings = settings_for(
-        [{"name": MODEL, "file": str(tiny_model), "slots": 1, "context_size": 512, "threads": 1}]
+        # The fault is injected into the scheduler in this process: the engine runs on a thread here.
+        [
+            {
+                "name": MODEL,
+                "file": str(tiny_model),
+                "slots": 1,
+                "context_size": 512,
+                "threads": 1,
+                "isolation": "thread",
+            }
+        ]
     )
     app: web.Application = create_app(settings, notifier=notifier)
     client = await aiohttp_client(app)
@@ -172,7 +182,7 @@ async def test_a_crashed_scheduler_takes_its_model_out_of_service_and_it_restart
     assert shown["last_reload"]["result"] == "loaded"
     assert shown["engine_stops"] == 1  # the count stays for the operator
     metrics = await (await client.get("/metrics")).text()
-    assert f'edgellm_engine_stops_total{{model="{MODEL}"}} 1.0' in metrics
+    assert f'edgellm_engine_restarts_total{{model="{MODEL}",reason="crash"}} 1.0' in metrics
     assert f'edgellm_model_state{{model="{MODEL}",state="restarting"}} 0.0' in metrics
     deadline = time.monotonic() + 10
     while old_engine._thread.is_alive() or registry.status()["draining"]:

@@ -452,6 +452,7 @@ class NativeThread(abc.ABC):
         self._stopping = False
         self._users = 0  # calls into the model from other threads (tokens, grammars) in progress
         self.fault: str | None = None  # why the thread stopped by itself; None while it serves
+        self.fault_kind = "crash"  # the reason label of edgellm_engine_restarts_total
         self._exited = False  # the thread is done (guarded by _cond, with _on_exit)
         self._on_exit: list[Callable[[str | None], None]] = []
 

@@ -102,6 +102,7 @@ class RemoteEngine:
         self.kind = kind
         self.hang_s = hang_s
         self.fault: str | None = None
+        self.fault_kind = "exit"  # or "hang", or the signal's name: edgellm_engine_restarts_total's reason
         self.heartbeat = time.monotonic()  # the supervisor's: it is what the daemon's watchdog judges
         self._progress = time.monotonic()  # the engine's own: its scheduler's last step or idle
         self._lock = threading.Lock()  # _gens, _calls, _exited, _on_exit, _closing
@@ -149,11 +150,13 @@ class RemoteEngine:
             ready = wire.recv(parent)
             parent.settimeout(None)
         except (OSError, wire.ChannelClosed) as exc:
-            self._kill()
-            raise ModelLoadError(self._load_failure(str(exc))) from None
+            why = self._load_failure(str(exc))
+            self._abandon()
+            raise ModelLoadError(why) from None
         if ready.get("op") != "ready":
-            self._kill()
-            raise ModelLoadError(str(ready.get("message") or self._load_failure("no ready")))
+            why = str(ready.get("message") or self._load_failure("no ready"))
+            self._abandon()
+            raise ModelLoadError(why)
         info = dict(ready["info"])
         info["path"] = Path(info["path"])
         self.info = ModelInfo(**info)
@@ -245,6 +248,7 @@ class RemoteEngine:
             closing = self._closing
             if self.fault is None and not closing:
                 how = f"exited with status {code}" if code >= 0 else f"was killed by {_signal_name(code)}"
+                self.fault_kind = "exit" if code >= 0 else _signal_name(code).lower()
                 last = "; ".join(list(self._tail)[-3:])
                 self.fault = f"its engine process {how}" + (f" (last output: {last})" if last else "")
             gens, self._gens = list(self._gens.values()), {}
@@ -281,12 +285,19 @@ class RemoteEngine:
                         self.fault = (
                             f"its engine process showed no progress for {self.hang_s:g} s and was killed"
                         )
+                        self.fault_kind = "hang"
                 log.error("model %s: %s", self.name, self.fault)
                 self._kill()
                 return
             time.sleep(SUPERVISE_EVERY_S)
 
     _busy_since = 0.0  # when work last became pending after none (the hang clock starts there)
+
+    def _abandon(self) -> None:
+        """After a failed load: the process gone, its channel closed."""
+        self._kill()
+        self._proc.wait()
+        self._sock.close()
 
     def _kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):

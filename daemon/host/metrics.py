@@ -145,8 +145,8 @@ class ModelsView(Protocol):
         """429 server_overloaded refusals by model."""
 
     @property
-    def engine_stops(self) -> Mapping[str, int]:
-        """Engines that stopped by themselves (a crashed scheduler), by model."""
+    def engine_restarts(self) -> Mapping[tuple[str, str], int]:
+        """Engines that stopped by themselves, by (model, reason: crash, hang, exit or the signal)."""
 
 
 class _StateCollector(Collector):
@@ -223,12 +223,13 @@ class _StateCollector(Collector):
             rejected.add_metric([model], n)
         yield rejected
         stops = CounterMetricFamily(
-            "edgellm_engine_stops",
-            "Engines that stopped by themselves (a crashed scheduler): restarted, or the breaker tripped",
-            labels=["model"],
+            "edgellm_engine_restarts",
+            "Engines that stopped by themselves, by reason (crash, hang, exit, or the signal that "
+            "ended an engine process): each is restarted, or trips the breaker",
+            labels=["model", "reason"],
         )
-        for model, n in sorted(self._registry.engine_stops.items()):
-            stops.add_metric([model], n)
+        for (model, reason), n in sorted(self._registry.engine_restarts.items()):
+            stops.add_metric([model, reason], n)
         yield stops
 
     def _gpus(self) -> Iterator[Metric]:

@@ -169,6 +169,7 @@ class Loader:
         counters: Tally[str],
         make_room: Callable[[ModelSettings, int], None],
         dispose: Callable[[ModelHandle], None],
+        reuse: Provenance | None = None,
     ) -> ModelHandle:
         """verify + preload → load → warm-up, all off the loop; raises LoadFailed with the reason.
 
@@ -193,7 +194,12 @@ class Loader:
         except OSError as exc:
             raise LoadFailed(f"cannot read {exc.filename or source.name}: {exc.strerror}") from None
         make_room(settings, need)
-        copy, verified = await self._prepare(settings, source, locked)
+        if reuse is not None and self.reusable(reuse, locked, source_stat, draft):
+            # A restart after an engine died: its copy was verified and nothing changed since.
+            copy, verified = reuse.copy, None
+            log.info("model %s: restarting from its verified copy %s (not hashed again)", name, copy)
+        else:
+            copy, verified = await self._prepare(settings, source, locked)
         load_path = copy or (verified.load_path if verified is not None else source)
         draft_verified: VerifiedFile | None = None
         if draft is not None:  # checked and preloaded exactly as the model's own file
@@ -276,6 +282,21 @@ class Loader:
             template.source if template else "none",
         )
         return handle
+
+    @staticmethod
+    def reusable(
+        reuse: Provenance, locked: LockedModel | None, source_stat: object, draft: DraftProvenance | None
+    ) -> bool:
+        """Whether a dead engine's preload copy may be loaded again as it is: the same lock entry,
+        the same file in the models directory, no draft model, and the copy still there."""
+        return (
+            reuse.copy is not None
+            and reuse.locked == locked
+            and reuse.source_stat == source_stat
+            and draft is None
+            and reuse.draft is None
+            and reuse.copy.is_file()
+        )
 
     def draft_source(self, settings: ModelSettings, lock: Lockfile | None) -> DraftProvenance | None:
         """Where the model's draft model comes from (speculative mode draft), not yet copied; LoadFailed."""

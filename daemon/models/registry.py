@@ -29,6 +29,7 @@ from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
 from edgellmd.models.handle import (
     EngineFactory,
     ModelHandle,
+    Provenance,
     default_engine_factory,
 )
 from edgellmd.models.loader import Loader, LoadFailed, stat_key
@@ -45,6 +46,7 @@ from edgellmd.models.preload import PreloadArea
 from edgellmd.settings import LifecycleSettings, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)
+audit = logging.getLogger("edgellmd.audit")
 
 # Seconds a client is told to wait for a model that does not serve (503), and /readyz's.
 RETRY_AFTER_LOADING_S: Final = "5"
@@ -130,6 +132,7 @@ class _Entry:
     stops: list[float] = field(default_factory=list)  # monotonic times, within the breaker's window
     last_stop: EngineStop | None = None
     restart: asyncio.Task[None] | None = None  # the pending restart after a stop
+    restart_from: Provenance | None = None  # the stopped engine's verified copy, for its restart
 
 
 class Registry:
@@ -167,6 +170,7 @@ class Registry:
         self.reloads: Tally[str] = Tally()  # outcomes by result
         self.reloads_by_model: Tally[tuple[str, str]] = Tally()  # by (model, result), for metrics
         self.engine_stops: Tally[str] = Tally()  # engines that stopped by themselves, by model
+        self.engine_restarts: Tally[tuple[str, str]] = Tally()  # the same by (model, reason), for metrics
         # Per model, shared by every version of it: 429 server_overloaded refusals and the like.
         self._counters: dict[str, Tally[str]] = {m.name: Tally() for m in models}
         # Called with ("reload_started", []) and ("reload_finished", outcomes) around reloads.
@@ -457,6 +461,11 @@ class Registry:
             # The same lock entries; only a file's stat changed (touched, or rewritten
             # identically): check its bytes against the entry, and load nothing.
             return await self._reverify(entry, old, locked, trigger)
+        # A stopped engine's checked copy: loaded again by its restart, by nothing else.
+        reuse = entry.restart_from if trigger == "restart" else None
+        if reuse is not None:
+            entry.restart_from = None
+        self._drop_restart_copy(entry)
         if old is None and entry.state is not ModelState.RESTARTING:  # a restart says so while it loads
             entry.state = ModelState.LOADING
         entry.reloading = True
@@ -471,11 +480,17 @@ class Registry:
                 counters=self._counters[name],
                 make_room=self._make_room,
                 dispose=self._dispose,
+                reuse=reuse,
             )
         except LoadFailed as exc:
+            self._discard_unused(reuse, None)
             return self._failed(entry, str(exc), trigger)
+        except BaseException:
+            self._discard_unused(reuse, None)
+            raise
         finally:
             entry.reloading = False
+        self._discard_unused(reuse, handle)
         entry.handle, entry.state, entry.error = handle, ModelState.READY, None  # the swap
         self._supervise(entry, handle)
         if old is not None:
@@ -588,8 +603,14 @@ class Registry:
         now = time.monotonic()
         entry.stops = [t for t in entry.stops if now - t < CRASH_LOOP_WINDOW_S] + [now]
         entry.handle = None
+        prov = handle.provenance
+        if prov.copy is not None and prov.draft is None:  # the restart loads the checked copy again
+            self._drop_restart_copy(entry)
+            entry.restart_from = prov
+            handle.provenance = replace(prov, copy=None)
         self._retire(handle)  # freed once the requests that hold it have read their error
         self.engine_stops[name] += 1
+        self.engine_restarts[name, getattr(handle.engine, "fault_kind", "crash")] += 1
         if len(entry.stops) >= CRASH_LOOP_STOPS:
             action = "breaker tripped"
             entry.state = ModelState.FAILED
@@ -598,17 +619,20 @@ class Registry:
                 f"{CRASH_LOOP_WINDOW_S:.0f} s, so it is not restarted: load it to try again"
             )
             log.error("model %s: %s", name, entry.error)
+            self._drop_restart_copy(entry)
         else:
             delay = RESTART_BACKOFF_S[min(len(entry.stops), len(RESTART_BACKOFF_S)) - 1]
             action = f"restart in {delay:g} s"
             entry.state = ModelState.RESTARTING
             entry.error = f"{fault}; restarting (stop {len(entry.stops)} of {CRASH_LOOP_STOPS} allowed)"
             log.error("model %s: %s; %s", name, fault, action)
-            self._cancel_restart(entry)
+            if entry.restart is not None:  # an earlier stop's restart: this one replaces it
+                entry.restart.cancel()
             entry.restart = asyncio.get_running_loop().create_task(
                 self._restart(entry, delay), name=f"restart:{name}"
             )
         entry.last_stop = EngineStop(time.time(), fault, action)
+        audit.warning("engine of model %s stopped: %s; %s", name, fault, action, extra={"model": name})
         self._notify("model_stopped", [])
 
     async def _restart(self, entry: _Entry, delay: float) -> None:
@@ -623,11 +647,22 @@ class Registry:
             if entry.restart is asyncio.current_task():
                 entry.restart = None
 
-    @staticmethod
-    def _cancel_restart(entry: _Entry) -> None:
+    def _cancel_restart(self, entry: _Entry) -> None:
         if entry.restart is not None and entry.restart is not asyncio.current_task():
             entry.restart.cancel()
             entry.restart = None
+        self._drop_restart_copy(entry)
+
+    def _discard_unused(self, reuse: Provenance | None, handle: ModelHandle | None) -> None:
+        """Remove a stopped engine's copy that its restart did not load after all."""
+        if reuse is not None and (handle is None or handle.provenance.copy != reuse.copy):
+            self.loader.discard_copy(reuse.copy)
+
+    def _drop_restart_copy(self, entry: _Entry) -> None:
+        """Remove a stopped engine's copy that no restart will load."""
+        if entry.restart_from is not None:
+            self.loader.discard_copy(entry.restart_from.copy)
+            entry.restart_from = None
 
     # ---- building a handle ----------------------------------------------------------------
 
