@@ -112,14 +112,27 @@ def test_repeated_sigterm_while_stopping_still_exits_cleanly(tmp_path: Path) -> 
     assert not list(daemon.shm.glob("edgellmd-*"))
 
 
-def _catches(pid: int, signum: int) -> bool:
-    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+def _masks(pid: int, *fields: str) -> list[int]:
+    """Process `pid`'s signal masks of these /proc status fields ("SigCgt:", "SigBlk:")."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return False
-    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(mask & (1 << (signum - 1)))
+        return []
+    return [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(fields)]
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    return any(mask & (1 << (signum - 1)) for mask in _masks(pid, "SigCgt:"))
+
+
+def _until_ready(daemon: Proc, interval: float = 0.05) -> None:
+    """Until /readyz answers 200, the process alive all along."""
+    deadline = time.monotonic() + 60
+    while daemon.get("/readyz")[0] != 200:
+        assert daemon.proc.poll() is None, daemon.log.read_text()
+        assert time.monotonic() < deadline
+        time.sleep(interval)
 
 
 @pytest.mark.slow
@@ -158,11 +171,7 @@ def test_sighup_in_the_first_moments_of_start_up_does_not_kill(tmp_path: Path) -
         for _ in range(5):
             daemon.proc.send_signal(signal.SIGHUP)
             time.sleep(0.05)
-        deadline = time.monotonic() + 60
-        while daemon.get("/readyz")[0] != 200:
-            assert daemon.proc.poll() is None, daemon.log.read_text()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        _until_ready(daemon)
     finally:
         daemon.proc.send_signal(signal.SIGTERM)
         assert daemon.proc.wait(60) == 0, daemon.log.read_text()
@@ -174,13 +183,7 @@ COMMAND = [str(Path(sys.executable).with_name("edgellmd"))]
 
 def _holds(pid: int, signum: int) -> bool:
     """Whether process `pid` blocks or catches `signum` (SigBlk, SigCgt in /proc)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    lines = [line for line in status.splitlines() if line.startswith(("SigBlk:", "SigCgt:"))]
-    masks = [int(line.split()[1], 16) for line in lines]
-    return any(mask & (1 << (signum - 1)) for mask in masks)
+    return any(mask & (1 << (signum - 1)) for mask in _masks(pid, "SigBlk:", "SigCgt:"))
 
 
 def _honoured(daemon: Proc, signum: int) -> None:
@@ -190,11 +193,7 @@ def _honoured(daemon: Proc, signum: int) -> None:
             assert daemon.proc.wait(60) == 0, daemon.log.read_text()
             assert not list(daemon.shm.glob("edgellmd-*/*.gguf"))
             return
-        deadline = time.monotonic() + 60
-        while daemon.get("/readyz")[0] != 200:
-            assert daemon.proc.poll() is None, daemon.log.read_text()
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _until_ready(daemon, 0.02)
     finally:
         if daemon.proc.poll() is None:
             daemon.proc.send_signal(signal.SIGTERM)

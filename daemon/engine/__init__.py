@@ -8,6 +8,9 @@ dependency); everything above it uses the names below.
 - `scheduler`: `Engine`, one generation model batched over its slots by one thread.
 - `sampling`: each sequence's C sampler chain and grammar (structured output).
 - `embedding`: `EmbeddingEngine`, one unit vector per input.
+- `remote`, `worker`, `wire`, `confine`: a model's engine in a confined process of its own
+  (`isolation: process`): the daemon's side, the process's, the frames between them, and
+  what the process may do.
 """
 
 from __future__ import annotations
