@@ -220,8 +220,8 @@ def test_the_engine_process_is_confined(pair: RunningDaemon, tmp_path: Path) -> 
     status = Path(f"/proc/{engine.pid}/status").read_text()
     assert "NoNewPrivs:\t1" in status
     assert "CapEff:\t0000000000000000" in status
-    if not landlock_abi():
-        pytest.skip("this kernel has no Landlock: the file system is not confined")
+    if landlock_abi() <= 0:
+        pytest.skip("no Landlock (the kernel lacks it, or a filter refuses it): the file system is open")
     outside = tmp_path / "secret.txt"
     outside.write_text("not for the engine")
     assert engine.probe("read", str(outside)).startswith("refused")

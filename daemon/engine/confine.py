@@ -87,6 +87,16 @@ def _prctl(libc: ctypes.CDLL, option: int, arg: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
+def _holds_capabilities() -> bool:
+    """Whether this process holds any capability (effective, permitted or inheritable)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return True
+    fields = ("CapInh:", "CapPrm:", "CapEff:")
+    return any(int(line.split()[1], 16) for line in status.splitlines() if line.startswith(fields))
+
+
 def _drop_capabilities(libc: ctypes.CDLL) -> None:
     """Empty the bounding set, then clear the effective, permitted and inheritable sets."""
     try:
@@ -98,6 +108,8 @@ def _drop_capabilities(libc: ctypes.CDLL) -> None:
             err = ctypes.get_errno()
             if err != errno.EPERM:  # without CAP_SETPCAP the set is already what it may be
                 raise OSError(err, os.strerror(err))
+    if not _holds_capabilities():  # started without any (the unit's empty bounding set): done
+        return
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     data = (ctypes.c_uint32 * 6)()  # two structs of (effective, permitted, inheritable): all zero
     if libc.capset(header, data) != 0:
@@ -114,12 +126,14 @@ def _no_network() -> None:
 
 
 def landlock_abi() -> int:
-    """The kernel's Landlock ABI version, or 0 without Landlock."""
+    """The kernel's Landlock ABI version; 0 without Landlock, -1 when a filter refuses the call."""
     libc = _libc()
     version = libc.syscall(
         _SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), _LANDLOCK_CREATE_RULESET_VERSION
     )
-    return max(0, int(version))
+    if version < 0:
+        return -1 if ctypes.get_errno() == errno.EPERM else 0
+    return int(version)
 
 
 def _landlock(readable: Iterable[Path], abi: int) -> None:
@@ -202,15 +216,18 @@ def confine(
     except (ImportError, OSError, RuntimeError) as exc:
         done.missing.append(f"seccomp: {exc}")
     abi = landlock_abi() if landlock else 0
-    if abi:
+    if abi > 0:
         readable = [Path(p) for p in SYSTEM_READ_PATHS] + interpreter_paths() + [Path(p) for p in model_files]
         try:
             _landlock(readable, abi)
             done.done.append(f"file system read-only to its libraries and model (Landlock ABI {abi})")
         except OSError as exc:
             done.missing.append(f"landlock: {exc.strerror}")
+    elif not landlock:
+        done.missing.append("landlock: turned off")
     else:
-        done.missing.append("landlock: " + ("turned off" if not landlock else "this kernel has no Landlock"))
+        why = "a system-call filter refuses it" if abi < 0 else "this kernel has no Landlock"
+        done.missing.append(f"landlock: {why}")
     if address_space:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         done.done.append(f"address space at most {address_space // (1024 * 1024)} MiB")
