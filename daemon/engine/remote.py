@@ -209,17 +209,25 @@ class RemoteEngine:
                         self._progress = float(message["heartbeat"])
                 elif "id" in message:
                     self._answer(message)
-        except (wire.ChannelClosed, OSError, ValueError, TypeError, KeyError):
+        except (wire.ChannelClosed, OSError):
             pass
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            # Not what a worker sends: the process is not to be trusted any more.
+            with self._lock:
+                if self.fault is None:
+                    self.fault = "its engine process sent a malformed frame and was killed"
+                    self.fault_kind = "protocol"
+            log.error("model %s: %s", self.name, self.fault)  # noqa: TRY400 - the frame is the story, not a traceback
+            self._kill()
         self._ended()
 
     def _deliver(self, items: list[Any]) -> None:
         for remote_id, events in items:
+            decoded = [wire.decode_event(e) for e in events]  # read whole, whoever it is for
             with self._lock:
                 gen = self._gens.get(int(remote_id))
             if gen is None:
                 continue
-            decoded = [wire.decode_event(e) for e in events]
             if any(isinstance(e, Finished) for e in decoded):
                 with self._lock:
                     self._gens.pop(int(remote_id), None)

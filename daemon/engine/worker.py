@@ -169,6 +169,9 @@ class Worker:
             pairs = [(str(role), str(content)) for role, content in message["messages"]]
             return apply_builtin_template(str(message["name"]), pairs)
         if op == "probe" and os.environ.get(TEST_HOOKS_ENV) == "1":
+            if message["what"] == "garbage":  # a subverted process: events the daemon cannot read
+                self.send({"op": "events", "items": [[0, [["f", "not a reason"]]]]})
+                return "sent"
             return probe(str(message["what"]), str(message.get("path", "")))
         raise EngineError(f"unknown call {op!r}")
 
