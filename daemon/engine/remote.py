@@ -105,6 +105,7 @@ class RemoteEngine:
         self.fault_kind = "exit"  # or "hang", or the signal's name: edgellm_engine_restarts_total's reason
         self.heartbeat = time.monotonic()  # the supervisor's: it is what the daemon's watchdog judges
         self._progress = time.monotonic()  # the engine's own: its scheduler's last step or idle
+        self._busy_since = 0.0  # when work last became pending after none (the hang clock starts there)
         self._lock = threading.Lock()  # _gens, _calls, _exited, _on_exit, _closing
         self._send_lock = threading.Lock()
         self._gens: dict[int, Generation] = {}
@@ -298,8 +299,6 @@ class RemoteEngine:
                 self._kill()
                 return
             time.sleep(SUPERVISE_EVERY_S)
-
-    _busy_since = 0.0  # when work last became pending after none (the hang clock starts there)
 
     def _abandon(self) -> None:
         """After a failed load: the process gone, its channel closed."""
