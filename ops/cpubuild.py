@@ -205,7 +205,7 @@ def cmake_args(verdict: Verdict) -> str:
 
 def installed_has_amx() -> bool:
     """Whether the installed llama.cpp was compiled with AMX kernels (its own system report)."""
-    from edgellmd.engine import build_info  # noqa: PLC0415 - ./dev runs this file before edgellm is installed
+    from edgellmd.engine.native import build_info  # noqa: PLC0415 - ./dev runs this file before edgellm is installed
 
     return build_info().features.get("CPU", {}).get("AMX_INT8") == "1"
 

@@ -311,7 +311,7 @@ def architectures_in(cmake: str) -> tuple[int, ...]:
 
 def check_installed(wanted: Sequence[int]) -> tuple[bool, str]:
     """Whether the installed llama-cpp-python is a CUDA build with machine code for every `wanted`."""
-    from edgellmd.engine import build_info  # noqa: PLC0415 - loads llama.cpp; this file runs without it
+    from edgellmd.engine.native import build_info  # noqa: PLC0415 - loads llama.cpp; this file runs without it
 
     build = build_info()
     if "CUDA" not in build.backends:

@@ -484,7 +484,7 @@ def format_checks(checks: list[Check]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print every check; exit 1 when any failed."""
-    from edgellmd.engine import build_info  # noqa: PLC0415 - loads llama.cpp
+    from edgellmd.engine.native import build_info  # noqa: PLC0415 - loads llama.cpp
 
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     unit = args.unit or next((p for p in UNIT_PATHS if p.exists()), None)

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from edgellmd.api.gbnf import schema_to_grammar
-from edgellmd.engine import Engine, EngineConfig, apply_builtin_template, default_threads
+from edgellmd.engine import EngineConfig, default_threads
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
+from edgellmd.engine.native import apply_builtin_template
+from edgellmd.engine.scheduler import Engine
 from tests.bench_structured import demo_model
 from tests.reliability.harness import percentile
 

@@ -359,8 +359,9 @@ async def test_prefix_reuse_on_a_sliding_window_model_keeps_answers_exact(demo_d
     slid out must be prefilled again, not reused (the answer would silently change)."""
     import asyncio  # noqa: PLC0415
 
-    from edgellmd.engine import Engine, EngineConfig  # noqa: PLC0415
+    from edgellmd.engine import EngineConfig  # noqa: PLC0415
     from edgellmd.engine.generation import GenerationRequest, SamplingParams  # noqa: PLC0415
+    from edgellmd.engine.scheduler import Engine  # noqa: PLC0415
 
     model = next((demo_dir / "models").glob("*.gguf"))
     # batch 64: the window cache holds 512 + 64 cells, so 800 tokens make it evict.

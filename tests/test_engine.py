@@ -13,9 +13,10 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError, ModelLoadError
+from edgellmd.engine import EngineConfig, EngineError, ModelLoadError
+from edgellmd.engine.embedding import EmbeddingEngine
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
-from edgellmd.engine.scheduler import in_sequence_order
+from edgellmd.engine.scheduler import Engine, in_sequence_order
 from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from edgellmd.engine import Engine, EngineConfig, ModelLoadError
+from edgellmd.engine import EngineConfig, ModelLoadError
 from edgellmd.engine.drafts import Speculation
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.engine.scheduler import Engine
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 TARGET = TinyModelSpec(seed=5)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edgellmd.engine import Engine, EngineConfig, ModelLoadError
+from edgellmd.engine import EngineConfig, ModelLoadError
 from edgellmd.engine.drafts import (
     FIRST_PAUSE,
     MAX_PAUSE,
@@ -21,6 +21,7 @@ from edgellmd.engine.drafts import (
     Speculation,
 )
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.engine.scheduler import Engine
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 NGRAM = Speculation(mode="ngram", max_draft=6, max_sequences=8)

@@ -12,7 +12,8 @@ from typing import Any
 import gguf
 import pytest
 
-from edgellmd.engine import EmbeddingEngine, EngineConfig, EngineError, ModelLoadError
+from edgellmd.engine import EngineConfig, EngineError, ModelLoadError
+from edgellmd.engine.embedding import EmbeddingEngine
 from tests.ggufmodels import BOS_ID, N_VOCAB, TinyModelSpec, write_tiny_model
 
 SLOTS = 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edgellmd.engine import build_info
-from edgellmd.engine.native import cuda_archs_of, parse_system_info
+from edgellmd.engine.config import cuda_archs_of, parse_system_info
+from edgellmd.engine.native import build_info
 
 # llama_print_system_info() of CUDA builds, as ggml-cuda's get_features writes it (ARCHS is
 # nvcc's __CUDA_ARCH_LIST__): a default EDGELLM_CUDA=1 build on CUDA 12.x, one for the local

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from edgellmd.engine import Engine, EngineConfig, ModelLoadError, native
+from edgellmd.engine import EngineConfig, ModelLoadError, native
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.engine.scheduler import Engine
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 LOGGER = "edgellmd.engine.native"

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
+from edgellmd.engine.config import EngineError
 from edgellmd.engine.confine import landlock_abi
-from edgellmd.engine.native import EngineError
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.engine.worker import TEST_HOOKS_ENV
 from edgellmd.errors import ServiceUnavailable

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgellmd.engine import Engine, EngineConfig
+from edgellmd.engine import EngineConfig
 from edgellmd.engine import scheduler as scheduler_module
 from edgellmd.engine.drafts import Speculation
+from edgellmd.engine.scheduler import Engine
 from edgellmd.engine.shapes import (
     SPLIT_COST_TOKENS,
     StepTimes,

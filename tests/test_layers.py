@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Final
 
@@ -149,3 +151,79 @@ def test_only_the_engine_package_imports_llama_cpp() -> None:
 )
 def test_the_rule_itself(importer: str, target: str, allowed: bool) -> None:
     assert (RANKS[_layer(target)] <= RANKS[_layer(importer)]) is allowed
+
+
+# The modules that load llama.cpp: the in-process engines and an engine process's own code.
+NATIVE: Final = frozenset(
+    f"edgellmd.engine.{m}" for m in ("native", "scheduler", "sampling", "embedding", "draft_model", "worker")
+)
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """edgellmd modules a file imports when it is imported: not in functions, not for types."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = _module(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            return  # runs when called, not at import
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("edgellmd"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if base.startswith("edgellmd"):
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _functions_imports(path: Path) -> set[str]:
+    return {t for _, t, _ in _imports(path)} - _module_level_imports(path)
+
+
+def test_the_daemon_imports_no_native_module_at_start() -> None:
+    """Models in engine processes: the daemon never loads llama.cpp. Only an in-process engine
+    (`isolation: thread`) imports a native module, inside the function that builds it."""
+    modules = {_module(p): p for p in SOURCES}
+    reached, todo = set(), ["edgellmd.__main__", "edgellmd.http.app"]
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in modules:
+            continue
+        reached.add(name)
+        todo += sorted(_module_level_imports(modules[name]))
+        # A package's import runs its __init__ first.
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(2, len(parts))]
+    assert len(reached) > 40, sorted(reached)  # the walk found the daemon
+    assert not reached & NATIVE, sorted(reached & NATIVE)
+
+
+def test_a_native_import_at_module_level_is_found(tmp_path: Path) -> None:
+    path = DAEMON / "models" / "handle.py"
+    assert "edgellmd.engine.scheduler" in _functions_imports(path)  # the thread engine, built lazily
+    assert "edgellmd.engine.scheduler" not in _module_level_imports(path)
+
+
+def test_importing_the_daemon_loads_no_llama_cpp() -> None:
+    """The same in a fresh interpreter, third-party imports included."""
+    code = (
+        "import sys, edgellmd.__main__, edgellmd.http.app, edgellmd.api.admin, edgellmd.engine.remote\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('llama_cpp', 'edgellmd.engine.'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded = ast.literal_eval(done.stdout.strip())
+    assert "edgellmd.engine.remote" in loaded  # it ran
+    assert not [m for m in loaded if m.startswith("llama_cpp") or m in NATIVE], loaded

@@ -13,8 +13,9 @@ import pytest
 import yaml
 from aiohttp import web
 
-from edgellmd.engine import Engine, EngineConfig
+from edgellmd.engine import EngineConfig
 from edgellmd.engine.generation import GenerationRequest, SamplingParams
+from edgellmd.engine.scheduler import Engine
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
 from edgellmd.models.handle import AnyEngine, default_engine_factory, engine_config

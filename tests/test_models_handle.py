@@ -12,7 +12,8 @@ from typing import Any, cast
 
 import pytest
 
-from edgellmd.engine import EmbeddingEngine, EngineConfig
+from edgellmd.engine import EngineConfig
+from edgellmd.engine.embedding import EmbeddingEngine
 from edgellmd.errors import ContextLengthExceeded, ServerOverloaded
 from edgellmd.models.handle import PREFIX_CHARS_PER_TOKEN, ModelHandle, Provenance
 from edgellmd.settings import ModelSettings

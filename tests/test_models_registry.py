@@ -127,9 +127,20 @@ def test_the_metrics_know_every_model_state() -> None:
 
 
 async def test_a_reloaded_model_starts_with_an_empty_prompt_cache(box: Box, aiohttp_client: Any) -> None:
-    """KV states belong to the weights that made them: a new version never restores an old one's."""
+    """KV states belong to the weights that made them: a new version never restores an old one's.
+
+    In-process engines (an engine process's cache dies with it), whose cache the test reads."""
     box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=11)))})
-    models = [{"name": MODEL, "threads": 1, "context_size": 512, "slots": 1, "prompt_cache_mb": 16}]
+    models = [
+        {
+            "name": MODEL,
+            "threads": 1,
+            "context_size": 512,
+            "slots": 1,
+            "prompt_cache_mb": 16,
+            "isolation": "thread",
+        }
+    ]
     app: web.Application = create_app(box.settings(models, watch=False), engine_factory=CountingFactory())
     client = await aiohttp_client(app)
     registry = app[appkeys.REGISTRY]

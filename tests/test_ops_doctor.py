@@ -19,7 +19,8 @@ from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.cpubuild import Verdict
 from edgellmctl.doctor import Host, check_build, check_cpu_build, check_cpu_flags, check_shm, run_checks
 from edgellmctl.keys import create_key
-from edgellmd.engine import BackendDevice, BuildInfo, build_info
+from edgellmd.engine import BackendDevice, BuildInfo
+from edgellmd.engine.native import build_info
 from edgellmd.host.nvml import read_gpus
 from edgellmd.models.lockfile import format_time, sign
 from edgellmd.settings import load_settings

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from edgellmd.api.context import CALLER, context
 from edgellmd.api.jsontext import read_json_object
-from edgellmd.engine import build_info
+from edgellmd.engine import EngineError
 from edgellmd.errors import InvalidRequest
 from edgellmd.host.cpu import format_cpu_list, host_stats
 from edgellmd.models.registry import Outcome
@@ -77,7 +77,10 @@ async def stats(request: web.Request) -> web.Response:
         "note": pinning.note,
     }
     # The loaded llama.cpp's backends, devices (memory as they report it now) and CUDA architectures.
-    build = _jsonable(await asyncio.to_thread(build_info))
+    try:
+        build = _jsonable(await asyncio.to_thread(app.registry.build_info))
+    except EngineError as exc:  # no engine process to ask, and the probe failed: say so
+        build = {"error": str(exc)}
     return web.json_response(
         {"metrics": metrics, "host": host, "gpu": gpu, "build": build, "models": app.registry.status()}
     )

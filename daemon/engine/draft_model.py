@@ -21,18 +21,9 @@ from typing import Any, Final
 import llama_cpp as llama
 import numpy as np
 
+from edgellmd.engine.config import EngineConfig, EngineError, ModelLoadError
 from edgellmd.engine.drafts import ModelDrafter, Speculation, common_prefix
-from edgellmd.engine.native import (
-    EngineConfig,
-    EngineError,
-    Item,
-    ModelLoadError,
-    NativeThread,
-    context_params,
-    decode_bos,
-    fill_batch,
-    keep_prefix,
-)
+from edgellmd.engine.native import Item, NativeThread, context_params, decode_bos, fill_batch, keep_prefix
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,8 @@ from typing import Final
 
 import llama_cpp as llama
 
-from edgellmd.engine.native import (
-    EngineConfig,
-    EngineError,
-    ModelLoadError,
-    NativeThread,
-    model_meta,
-    read_model_info,
-    tokenize_text,
-)
+from edgellmd.engine.config import EngineConfig, EngineError, ModelLoadError
+from edgellmd.engine.native import NativeThread, model_meta, read_model_info, tokenize_text
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +49,8 @@ class _EmbedJob:
 
 class EmbeddingEngine(NativeThread):
     """One embedding model: a llama_context created with embeddings on, run on its own thread."""
+
+    kind: Final = "embedding"  # as RemoteEngine.kind: what the model serves
 
     def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
         """Load the model, warm it up and start its thread (blocking: call it off the event loop).

@@ -12,13 +12,22 @@ import re
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import llama_cpp as llama
 
-from edgellmd.engine.drafts import Speculation
+from edgellmd.engine.config import (
+    DEVICE_TYPES,
+    BackendDevice,
+    BuildInfo,
+    EngineConfig,
+    EngineError,
+    ModelInfo,
+    ModelLoadError,
+    cuda_archs_of,
+    parse_system_info,
+)
 from edgellmd.engine.generation import ENGINE_STOPPED, UNLOADED
 
 log = logging.getLogger(__name__)
@@ -31,14 +40,6 @@ _GGML_LOG_LEVEL_CONT: Final = 5  # continues the previous message, at that messa
 # llama.cpp's INFO is its load report (every tensor, every parameter): debug here, as its
 # DEBUG; its warnings and errors are the daemon's.
 _PY_LEVELS: Final = {_GGML_LOG_LEVEL_ERROR: logging.ERROR, _GGML_LOG_LEVEL_WARN: logging.WARNING}
-
-
-class EngineError(Exception):
-    """A llama.cpp operation failed."""
-
-
-class ModelLoadError(EngineError):
-    """A model file could not be loaded; the message says why."""
 
 
 # llama.cpp keeps one process-wide log callback and one backend; both are set up once.
@@ -98,43 +99,6 @@ def apply_builtin_template(name: str, messages: Sequence[tuple[str, str]]) -> st
             return buf.raw[:n].decode("utf-8", "replace")
         size = n
     raise EngineError("chat template output did not fit")  # pragma: no cover - size is exact
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the GGUF file says about the model, read once at load time."""
-
-    path: Path
-    architecture: str
-    description: str
-    n_ctx_train: int
-    n_vocab: int
-    n_params: int
-    size_bytes: int
-    chat_template: str | None
-    bos_text: str
-    eos_text: str
-    add_bos: bool
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """How to load and run one model (filled from the model's settings)."""
-
-    path: Path
-    slots: int
-    context_size: int  # tokens per slot
-    batch_size: int
-    threads: int
-    threads_batch: int
-    gpu_layers: int = 0
-    mmap: bool = False  # may memory-map the file (a private preload copy only); False: read it
-    cache_type_k: str = "f16"  # KV cache types: f16, q8_0, q4_0
-    cache_type_v: str = "f16"
-    flash_attention: str = "auto"  # auto, on, off
-    prompt_cache_bytes: int = 0  # host RAM for KV states of earlier prompts; 0: none
-    batch_padding: bool = True  # dummy rows up to a step size measured faster (engine.shapes)
-    speculative: Speculation = field(default_factory=Speculation)
 
 
 def _set_load_mode(mparams: Any, *, mmap: bool) -> None:
@@ -581,11 +545,6 @@ class NativeThread(abc.ABC):
             self._model = None
 
 
-def default_threads() -> int:
-    """Threads llama.cpp should use when the config does not say: the CPUs we may run on."""
-    return max(1, len(os.sched_getaffinity(0)))
-
-
 def supports_gpu_offload() -> bool:
     """True when this llama.cpp build can offload layers to a GPU (False for a CPU-only build)."""
     init_backend()  # the backend registry lists GPU devices once the backend is set up
@@ -593,68 +552,6 @@ def supports_gpu_offload() -> bool:
 
 
 # ---- what this llama.cpp build can do -----------------------------------------------------
-
-# enum ggml_backend_dev_type (ggml-backend.h), in order. llama_cpp binds none of the
-# ggml_backend_dev_* / ggml_backend_reg_* calls; libllama links libggml, which has them.
-_DEVICE_TYPES: Final = ("cpu", "gpu", "igpu", "accel")
-
-
-@dataclass(frozen=True, slots=True)
-class BackendDevice:
-    """One device of llama.cpp's backend registry (`CUDA0`, `CPU`), memory as it reports it now."""
-
-    name: str
-    description: str  # "NVIDIA H200", the CPU's model name
-    type: str  # one of _DEVICE_TYPES, or "unknown"
-    memory_free: int  # bytes
-    memory_total: int
-
-
-@dataclass(frozen=True, slots=True)
-class BuildInfo:
-    """Which backends, devices and CUDA architectures the loaded llama.cpp has (`build_info`)."""
-
-    backends: tuple[str, ...]  # registered backends, e.g. ("CUDA", "CPU"); CUDA is there with 0 GPUs too
-    devices: tuple[BackendDevice, ...]
-    # Compute capabilities compiled into the CUDA backend, as CMake names them (61, 90, 120):
-    # () without a CUDA backend; None when it has one that does not say (nvcc before 11.5).
-    cuda_archs: tuple[int, ...] | None
-    gpu_offload: bool  # llama_supports_gpu_offload()
-    system_info: str  # llama_print_system_info(), as llama.cpp prints it
-    features: dict[str, dict[str, str]]  # the same, parsed: backend -> feature -> value
-
-
-def parse_system_info(text: str) -> dict[str, dict[str, str]]:
-    """`CUDA : ARCHS = 610,900 | USE_GRAPHS = 1 | CPU : AVX2 = 1 | ` -> {"CUDA": {"ARCHS": ...}, ...}.
-
-    llama_print_system_info() writes, per backend that lists features, "NAME : " and then
-    "KEY = VALUE | " for each; values never hold "|" (ARCHS is nvcc's comma-separated
-    __CUDA_ARCH_LIST__).
-    """
-    out: dict[str, dict[str, str]] = {}
-    current: dict[str, str] | None = None
-    for raw in text.split("|"):
-        part = raw.strip()
-        while " : " in part:  # a backend starts here (one with no features runs into the next)
-            name, _, part = part.partition(" : ")
-            current = out.setdefault(name.strip(), {})
-            part = part.strip()
-        key, sep, value = part.partition(" = ")
-        if current is not None and sep:
-            current[key.strip()] = value.strip()
-    return out
-
-
-def cuda_archs_of(features: dict[str, dict[str, str]]) -> tuple[int, ...] | None:
-    """The CUDA architectures in parsed system info: ARCHS "610,750,900" -> (61, 75, 90)."""
-    cuda = features.get("CUDA")
-    if cuda is None:
-        return ()
-    listed = cuda.get("ARCHS")
-    if listed is None:
-        return None
-    archs = {int(a) // 10 for a in re.findall(r"\d+", listed)}  # __CUDA_ARCH_LIST__: 10 x CMake's
-    return tuple(sorted(archs))
 
 
 def _ggml(name: str, restype: Any, *argtypes: Any) -> Any:
@@ -691,7 +588,7 @@ def build_info() -> BuildInfo:
             BackendDevice(
                 name=text(dev_name(dev)),
                 description=text(dev_description(dev)),
-                type=_DEVICE_TYPES[kind] if 0 <= kind < len(_DEVICE_TYPES) else "unknown",
+                type=DEVICE_TYPES[kind] if 0 <= kind < len(DEVICE_TYPES) else "unknown",
                 memory_free=free.value,
                 memory_total=total.value,
             )

@@ -34,10 +34,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from edgellmd.engine import wire
+from edgellmd.engine import build, wire
+from edgellmd.engine.config import (
+    BuildInfo,
+    EngineConfig,
+    EngineError,
+    GrammarError,
+    ModelInfo,
+    ModelLoadError,
+)
 from edgellmd.engine.generation import ENGINE_STOPPED, UNLOADED, Finished, Generation, GenerationRequest
-from edgellmd.engine.native import EngineConfig, EngineError, ModelInfo, ModelLoadError
-from edgellmd.engine.sampling import GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,7 @@ CLOSE_TIMEOUT_S: Final = 10.0  # for the process to exit once told to, before it
 SUPERVISE_EVERY_S: Final = 0.1
 LOG_TAIL_LINES: Final = 20  # of the engine process's own output, kept for a fault's report
 _FD_PATH: Final = re.compile(r"/proc/self/fd/(\d+)")
+_LOG_LINE: Final = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+ .*)")  # worker.main's format
 
 
 class RemoteGrammar:
@@ -115,6 +122,7 @@ class RemoteEngine:
         self._exited = False
         self._on_exit: list[Callable[[str | None], None]] = []
         self._status: dict[str, Any] = {}
+        self._finished: collections.Counter[str] = collections.Counter()  # by reason, as they arrive
         self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = parent
@@ -130,7 +138,12 @@ class RemoteEngine:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+                env={
+                    **os.environ,
+                    "PYTHONDONTWRITEBYTECODE": "1",
+                    # The process logs what the daemon would show: at the daemon's own level.
+                    "EDGELLM_ENGINE_LOG_LEVEL": logging.getLevelName(log.getEffectiveLevel()),
+                },
             )
         finally:
             child.close()
@@ -180,10 +193,20 @@ class RemoteEngine:
         assert stream is not None  # noqa: S101 - started with a pipe
         with stream:
             for raw in stream:
-                line = raw.decode("utf-8", "replace").rstrip()
-                if line:
-                    self._tail.append(line[:500])
-                    log.debug("engine %s: %s", self.name, line[:500])
+                line = raw.decode("utf-8", "replace").rstrip()[:500]
+                if not line:
+                    continue
+                self._tail.append(line)
+                # The worker's own records ("LEVEL logger message") at their level; anything
+                # else is native code writing to stderr (a GGML_ASSERT's message): a warning.
+                found = _LOG_LINE.match(line)
+                level = logging.getLevelName(found.group(1)) if found else logging.WARNING
+                log.log(
+                    level if isinstance(level, int) else logging.WARNING,
+                    "engine %s: %s",
+                    self.name,
+                    found.group(2) if found else line,
+                )
 
     def _load_failure(self, why: str) -> str:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -229,8 +252,10 @@ class RemoteEngine:
                 gen = self._gens.get(int(remote_id))
             if gen is None:
                 continue
-            if any(isinstance(e, Finished) for e in decoded):
-                with self._lock:
+            ends = [e for e in decoded if isinstance(e, Finished)]
+            if ends:
+                with self._lock:  # counted before the slot shows free: readers see both
+                    self._finished[ends[0].reason] += 1
                     self._gens.pop(int(remote_id), None)
             gen.push_threadsafe(decoded)
 
@@ -261,6 +286,7 @@ class RemoteEngine:
                 last = "; ".join(list(self._tail)[-3:])
                 self.fault = f"its engine process {how}" + (f" (last output: {last})" if last else "")
             gens, self._gens = list(self._gens.values()), {}
+            self._finished["error"] += len(gens)
             calls, self._calls = list(self._calls.values()), {}
             self._exited = True
             callbacks, self._on_exit = self._on_exit, []
@@ -374,6 +400,10 @@ class RemoteEngine:
         """Render with a llama.cpp built-in chat template, in the engine process."""
         return str(self._call({"op": "template", "name": name, "messages": [list(m) for m in messages]}))
 
+    def build_info(self) -> BuildInfo:
+        """What the llama.cpp build can do, as this engine process's llama.cpp says (blocking)."""
+        return build.decode(self._call({"op": "build_info"}))
+
     def probe(self, what: str, path: str = "") -> str:
         """Tests only (answered with EDGELLM_ENGINE_TEST_HOOKS=1): try what the confinement refuses."""
         return str(self._call({"op": "probe", "what": what, "path": path}))
@@ -446,10 +476,9 @@ class RemoteEngine:
 
     @property
     def finished(self) -> collections.Counter[str]:
-        """Generations ended, by finish reason (from the last status frame)."""
-        found = self._status.get("finished")
-        counts = {str(k): int(v) for k, v in found.items()} if isinstance(found, dict) else {}
-        return collections.Counter(counts)
+        """Generations ended, by finish reason (their last events, counted as they arrive)."""
+        with self._lock:
+            return collections.Counter(self._finished)
 
     @property
     def idle(self) -> bool:

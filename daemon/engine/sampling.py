@@ -31,8 +31,8 @@ from typing import Any, Final
 import llama_cpp as llama
 import numpy as np
 
+from edgellmd.engine.config import EngineError, GrammarError
 from edgellmd.engine.generation import SamplingParams
-from edgellmd.engine.native import EngineError
 
 RESAMPLE_TIERS: Final = (64, 4096)  # candidates of a grammar miss's resample, tier by tier
 THRESHOLD_SAMPLE: Final = 4096  # scores _best samples to set its threshold
@@ -56,10 +56,6 @@ def seed32(seed: int) -> int:
     data = seed.to_bytes(_SEED_BYTES, "little", signed=True)
     value = int.from_bytes(hashlib.blake2b(data, digest_size=4, person=b"edgellm-seed").digest(), "little")
     return value if value != _DEFAULT_SEED else 0
-
-
-class GrammarError(EngineError):
-    """A grammar llama.cpp cannot parse."""
 
 
 class CompiledGrammar:

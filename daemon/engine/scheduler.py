@@ -25,6 +25,7 @@ from typing import Any, Final
 import llama_cpp as llama
 import numpy as np
 
+from edgellmd.engine.config import EngineConfig, EngineError, ModelLoadError
 from edgellmd.engine.draft_model import DraftModel
 from edgellmd.engine.drafts import (
     MIN_CACHED_TOKENS,
@@ -49,10 +50,7 @@ from edgellmd.engine.generation import (
 )
 from edgellmd.engine.native import (
     ControlTokens,
-    EngineConfig,
-    EngineError,
     Item,
-    ModelLoadError,
     NativeThread,
     context_params,
     decode_bos,
@@ -78,8 +76,6 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S: Final = 0.5  # the idle scheduler still wakes up to report liveness
 _LOCKSTEP_WAIT_S: Final = 0.02  # longest the scheduler waits for the event loop to send a step
-# Bytes per stored value of each KV cache type (ggml's block sizes: 34 bytes per 32 for q8_0).
-KV_BYTES_PER_VALUE: Final = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 _FLASH_NAMES: Final = {
     int(llama.LLAMA_FLASH_ATTN_TYPE_ENABLED): "on",
     int(llama.LLAMA_FLASH_ATTN_TYPE_DISABLED): "off",
@@ -154,6 +150,8 @@ class _Slot:
 
 class Engine(NativeThread):
     """One loaded model and its scheduler thread; all public methods are thread-safe."""
+
+    kind: Final = "generation"  # as RemoteEngine.kind: what the model serves
 
     def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
         """Load the model and start its scheduler (blocking: call it off the event loop).

@@ -8,12 +8,16 @@ channel closes or it is told to close: tokenizing and grammar compiling on a sma
 own, submissions and cancellations, and every generation's events, one frame per scheduler
 step. A status frame every `STATUS_EVERY_S` carries the scheduler's heartbeat, occupancy and
 figures. If the daemon goes, so does this process (`PR_SET_PDEATHSIG`).
+
+`python -m edgellmd.engine.worker --build-info` prints what the llama.cpp build can do, as
+JSON, and exits (`engine.build`'s probe, for a daemon that loads no llama.cpp of its own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -25,18 +29,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
 
-from edgellmd.engine import wire
+from edgellmd.engine import build, wire
+from edgellmd.engine.config import EngineConfig, EngineError, GrammarError
 from edgellmd.engine.confine import confine
 from edgellmd.engine.embedding import EmbeddingEngine
 from edgellmd.engine.generation import Event, Finished, Generation, GenerationRequest
-from edgellmd.engine.native import EngineConfig, EngineError, builtin_chat_templates
-from edgellmd.engine.sampling import CompiledGrammar, GrammarError
+from edgellmd.engine.native import build_info, builtin_chat_templates
+from edgellmd.engine.sampling import CompiledGrammar
 from edgellmd.engine.scheduler import Engine
 
 log = logging.getLogger(__name__)
 
 STATUS_EVERY_S: Final = 0.25
 PROMPT_THREADS: Final = 2  # as the daemon's own prompt pool: tokenizing and grammars, off the scheduler
+# The calls answered on the pool (each frame with an id, answered by one with the same id).
+_CALLS: Final = frozenset(
+    ("tokenize", "tokenize_segments", "grammar", "embed", "probe", "template", "build_info")
+)
 TEST_HOOKS_ENV: Final = "EDGELLM_ENGINE_TEST_HOOKS"  # "1": answer `probe` calls (tests of the confinement)
 
 
@@ -71,6 +80,7 @@ class Worker:
         self._next_grammar = 0
         self._gens: dict[int, Forwarded] = {}
         self._outbox: list[list[Any]] = []
+        self._ended = False  # a generation finished in the outbox
         self._pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="engine-prompt")
         self._done = asyncio.Event()
 
@@ -86,9 +96,13 @@ class Worker:
         self._outbox.append([gen.remote_id, [wire.encode_event(e) for e in events]])
         if any(isinstance(e, Finished) for e in events):
             self._gens.pop(gen.remote_id, None)
+            self._ended = True
 
     def _flush(self) -> None:
         items, self._outbox = self._outbox, []
+        if self._ended:  # figures first: a reply the daemon sends is never ahead of its status
+            self._ended = False
+            self._safe_send(self._status_frame())
         if items:
             self._safe_send({"op": "events", "items": items})
 
@@ -108,7 +122,7 @@ class Worker:
                 op = message.get("op")
                 if op == "close":
                     break
-                if op in ("tokenize", "tokenize_segments", "grammar", "embed", "probe", "template"):
+                if op in _CALLS:
                     self._pool.submit(self._call, message)
                 elif op == "submit":
                     self.loop.call_soon_threadsafe(self._submit, message)
@@ -168,6 +182,8 @@ class Worker:
 
             pairs = [(str(role), str(content)) for role, content in message["messages"]]
             return apply_builtin_template(str(message["name"]), pairs)
+        if op == "build_info":
+            return build.encode(build_info())
         if op == "probe" and os.environ.get(TEST_HOOKS_ENV) == "1":
             if message["what"] == "garbage":  # a subverted process: events the daemon cannot read
                 self.send({"op": "events", "items": [[0, [["f", "not a reason"]]]]})
@@ -205,21 +221,24 @@ class Worker:
         if grammar is not None:
             grammar.free()
 
-    async def _status(self) -> None:
+    def _status_frame(self) -> dict[str, Any]:
         engine = self.engine
+        busy, waiting = engine.occupancy()
+        message: dict[str, Any] = {
+            "op": "status",
+            "heartbeat": engine.heartbeat,
+            "busy": busy,
+            "waiting": waiting,
+        }
+        if isinstance(engine, Engine):
+            message["performance"] = engine.performance()
+            message["tokens_generated"] = engine.tokens_generated
+        return message
+
+    async def _status(self) -> None:
+        """Every STATUS_EVERY_S, and before the events that end a generation (`_flush`)."""
         while not self._done.is_set():
-            busy, waiting = engine.occupancy()
-            message: dict[str, Any] = {
-                "op": "status",
-                "heartbeat": engine.heartbeat,
-                "busy": busy,
-                "waiting": waiting,
-            }
-            if isinstance(engine, Engine):
-                message["performance"] = engine.performance()
-                message["tokens_generated"] = engine.tokens_generated
-                message["finished"] = dict(engine.finished)
-            self._safe_send(message)
+            self._safe_send(self._status_frame())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._done.wait(), STATUS_EVERY_S)
 
@@ -264,6 +283,9 @@ def _model_files(config: EngineConfig) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve one engine on the socket whose descriptor is the first argument."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--build-info"]:  # engine.build's probe: what the build can do, as JSON
+        sys.stdout.write(json.dumps(build.encode(build_info())) + "\n")
+        return 0
     logging.basicConfig(
         stream=sys.stderr,
         level=os.environ.get("EDGELLM_ENGINE_LOG_LEVEL", "WARNING"),

@@ -23,7 +23,7 @@ from edgellmd.api.context import API_CONTEXT, ERROR_SHAPES, USER_TAG, ApiContext
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai import setup_openai
 from edgellmd.api.openai_responses import setup_responses
-from edgellmd.engine import supports_gpu_offload
+from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.generation import Running
 from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics

@@ -10,10 +10,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
-from edgellmd import engine as engine_mod
-from edgellmd.engine import EmbeddingEngine, Engine, EngineConfig, EngineError, GrammarError
+from edgellmd.engine import EngineConfig, EngineError, GrammarError, default_threads
 from edgellmd.engine.chat import (
     NO_TEMPLATE_MESSAGE,
     BuiltinChatTemplate,
@@ -39,9 +38,14 @@ from edgellmd.models.budget import MIB
 from edgellmd.models.lockfile import LockedModel
 from edgellmd.settings import ModelSettings
 
-AnyEngine = Engine | EmbeddingEngine | RemoteEngine
-Generator = Engine | RemoteEngine  # what serves generations: in this process or in an engine process
-Embedder = EmbeddingEngine | RemoteEngine
+if TYPE_CHECKING:  # the in-process engines load llama.cpp: imported where a model runs in a thread
+    from edgellmd.engine.embedding import EmbeddingEngine
+    from edgellmd.engine.scheduler import Engine
+
+AnyEngine: TypeAlias = "Engine | EmbeddingEngine | RemoteEngine"
+# What serves generations (embeddings): in this process or in an engine process.
+Generator: TypeAlias = "Engine | RemoteEngine"
+Embedder: TypeAlias = "EmbeddingEngine | RemoteEngine"
 # (settings, mmap): mmap is True only for a private preload copy, which nobody else can
 # truncate under the mapping (see engine_config).
 EngineFactory = Callable[[ModelSettings, bool], AnyEngine]
@@ -74,7 +78,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         raise EngineError(
             f"model {settings.name}: gpu_layers {gpu_layers} was not resolved to a layer count before loading"
         )
-    threads = settings.threads or engine_mod.default_threads()
+    threads = settings.threads or default_threads()
     spec = settings.speculative
     draft: Path | None = None  # speculative mode draft: the draft model's file (an embedder has none)
     if spec.mode == "draft" and not settings.embedding:
@@ -118,8 +122,13 @@ def default_engine_factory(settings: ModelSettings, mmap: bool = False) -> AnyEn
     if settings.isolation == "process":
         kind = "embedding" if settings.embedding else "generation"
         return RemoteEngine(config, name=settings.name, kind=kind, hang_s=settings.hang_timeout_s)
+    # An in-process engine: llama.cpp is loaded into the daemon from here on.
     if settings.embedding:
+        from edgellmd.engine.embedding import EmbeddingEngine  # noqa: PLC0415 - see above
+
         return EmbeddingEngine(config, name=settings.name)
+    from edgellmd.engine.scheduler import Engine  # noqa: PLC0415 - see above
+
     return Engine(config, name=settings.name)
 
 
@@ -137,12 +146,14 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
     if settings.chat_template is not None:
         # An engine process renders with its own llama.cpp: the daemon calls no native code.
         remote = engine if isinstance(engine, RemoteEngine) else None
-        names = remote.builtin_templates if remote is not None else engine_mod.builtin_chat_templates()
+        if remote is None:  # an in-process engine: llama.cpp is loaded here already
+            from edgellmd.engine import native  # noqa: PLC0415 - see default_engine_factory
+        names = remote.builtin_templates if remote is not None else native.builtin_chat_templates()
         if settings.chat_template not in names:
             raise TemplateError(
                 f"chat_template {settings.chat_template!r} is not a llama.cpp built-in template"
             )
-        apply = remote.apply_builtin_template if remote is not None else engine_mod.apply_builtin_template
+        apply = remote.apply_builtin_template if remote is not None else native.apply_builtin_template
         return BuiltinChatTemplate(settings.chat_template, apply)
     if info.chat_template:
         return JinjaChatTemplate(
@@ -227,8 +238,8 @@ class ModelHandle:
     def generator(self) -> Generator:
         """The text generation engine; 400 for an embedding model."""
         engine = self.engine
-        if isinstance(engine, Engine) or (isinstance(engine, RemoteEngine) and engine.kind == "generation"):
-            return engine
+        if engine.kind == "generation":
+            return cast("Generator", engine)
         raise InvalidRequest(
             f"the model {self.name!r} is an embedding model: use /v1/embeddings",
             param="model",
@@ -239,10 +250,8 @@ class ModelHandle:
     def embedder(self) -> Embedder:
         """The embedding engine; 400 for a text generation model."""
         engine = self.engine
-        if isinstance(engine, EmbeddingEngine) or (
-            isinstance(engine, RemoteEngine) and engine.kind == "embedding"
-        ):
-            return engine
+        if engine.kind == "embedding":
+            return cast("Embedder", engine)
         raise InvalidRequest(
             f"the model {self.name!r} does not produce embeddings", param="model", code="model_not_supported"
         )

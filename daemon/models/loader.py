@@ -20,10 +20,11 @@ from functools import partial
 from pathlib import Path
 from typing import Final
 
-from edgellmd.engine import EngineError, supports_gpu_offload
+from edgellmd.engine import EngineError
+from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.chat import TemplateError
+from edgellmd.engine.config import KV_BYTES_PER_VALUE
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
-from edgellmd.engine.scheduler import KV_BYTES_PER_VALUE
 from edgellmd.host.hugepages import Collapse, collapse_resident
 from edgellmd.host.nvml import GpuSnapshot
 from edgellmd.host.offload import plan_gpu_layers

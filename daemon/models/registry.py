@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
-from edgellmd.engine import Engine
+from edgellmd.engine import BuildInfo, EngineError, build
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.nvml import GpuSnapshot
@@ -722,6 +722,15 @@ class Registry:
 
     # ---- status ---------------------------------------------------------------------------
 
+    def build_info(self) -> BuildInfo:
+        """What the llama.cpp build can do (blocking): asked of a serving engine process where one
+        runs (it has llama.cpp loaded), else as `engine.build` finds out; EngineError if nothing can say."""
+        for handle in self.ready_handles():
+            if isinstance(handle.engine, RemoteEngine):
+                with contextlib.suppress(EngineError):  # gone meanwhile: the next one, or the probe
+                    return handle.engine.build_info()
+        return build.build_info()
+
     def status(self) -> dict[str, Any]:
         """Everything /admin/status shows: the lockfile, the preload area, each model."""
         models = []
@@ -759,8 +768,8 @@ class Registry:
                         "threads_batch": handle.engine.config.threads_batch,
                     }
                 )
-                if isinstance(handle.engine, Engine | RemoteEngine) and not entry.settings.embedding:
-                    item["performance"] = handle.engine.performance()
+                if handle.engine.kind == "generation":
+                    item["performance"] = handle.generator.performance()
                 if isinstance(handle.engine, RemoteEngine):
                     item["engine_process"] = handle.engine.process()
             models.append(item)

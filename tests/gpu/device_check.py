@@ -136,8 +136,9 @@ def write_shape(shape: Shape, directory: Path) -> Path:
 
 async def _probe(path: Path, gpu_layers: int, flash_attention: str) -> dict[str, Any]:
     """Load the model on the GPU and decode the batch shapes the daemon makes; runs in the child."""
-    from edgellmd.engine import Engine, EngineConfig  # noqa: PLC0415 - loads llama.cpp
+    from edgellmd.engine import EngineConfig  # noqa: PLC0415
     from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams  # noqa: PLC0415
+    from edgellmd.engine.scheduler import Engine  # noqa: PLC0415 - loads llama.cpp
 
     options: dict[str, Any] = {"gpu_layers": gpu_layers}
     if "flash_attention" in {f.name for f in dataclasses.fields(EngineConfig)}:

@@ -1,0 +1,137 @@
+"""What an engine is told and what it answers, in plain Python: no native code.
+
+The daemon's side of every engine (models, api, an engine process's `remote` half) reads
+these without importing `llama_cpp`: a model's `EngineConfig`, the `ModelInfo` its load
+reports, `BuildInfo` (what the llama.cpp build can do), the errors, and the KV cache's size
+per value. `native` and the engines built on it fill them in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from edgellmd.engine.drafts import Speculation
+
+# Bytes per K or V value of each KV cache type (q8_0: 34-byte blocks of 32; q4_0: 18 of 32).
+KV_BYTES_PER_VALUE: Final = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+class EngineError(Exception):
+    """A llama.cpp operation failed."""
+
+
+class ModelLoadError(EngineError):
+    """A model file could not be loaded; the message says why."""
+
+
+class GrammarError(EngineError):
+    """A grammar llama.cpp cannot parse."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the GGUF file says about the model, read once at load time."""
+
+    path: Path
+    architecture: str
+    description: str
+    n_ctx_train: int
+    n_vocab: int
+    n_params: int
+    size_bytes: int
+    chat_template: str | None
+    bos_text: str
+    eos_text: str
+    add_bos: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How to load and run one model (filled from the model's settings)."""
+
+    path: Path
+    slots: int
+    context_size: int  # tokens per slot
+    batch_size: int
+    threads: int
+    threads_batch: int
+    gpu_layers: int = 0
+    mmap: bool = False  # may memory-map the file (a private preload copy only); False: read it
+    cache_type_k: str = "f16"  # KV cache types: f16, q8_0, q4_0
+    cache_type_v: str = "f16"
+    flash_attention: str = "auto"  # auto, on, off
+    prompt_cache_bytes: int = 0  # host RAM for KV states of earlier prompts; 0: none
+    batch_padding: bool = True  # dummy rows up to a step size measured faster (engine.shapes)
+    speculative: Speculation = field(default_factory=Speculation)
+
+
+def default_threads() -> int:
+    """Threads llama.cpp should use when the config does not say: the CPUs we may run on."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+# enum ggml_backend_dev_type (ggml-backend.h), in order. llama_cpp binds none of the
+# ggml_backend_dev_* / ggml_backend_reg_* calls; libllama links libggml, which has them.
+DEVICE_TYPES: Final = ("cpu", "gpu", "igpu", "accel")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendDevice:
+    """One device of llama.cpp's backend registry (`CUDA0`, `CPU`), memory as it reports it now."""
+
+    name: str
+    description: str  # "NVIDIA H200", the CPU's model name
+    type: str  # one of DEVICE_TYPES, or "unknown"
+    memory_free: int  # bytes
+    memory_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class BuildInfo:
+    """Which backends, devices and CUDA architectures the loaded llama.cpp has (`build_info`)."""
+
+    backends: tuple[str, ...]  # registered backends, e.g. ("CUDA", "CPU"); CUDA is there with 0 GPUs too
+    devices: tuple[BackendDevice, ...]
+    # Compute capabilities compiled into the CUDA backend, as CMake names them (61, 90, 120):
+    # () without a CUDA backend; None when it has one that does not say (nvcc before 11.5).
+    cuda_archs: tuple[int, ...] | None
+    gpu_offload: bool  # llama_supports_gpu_offload()
+    system_info: str  # llama_print_system_info(), as llama.cpp prints it
+    features: dict[str, dict[str, str]]  # the same, parsed: backend -> feature -> value
+
+
+def parse_system_info(text: str) -> dict[str, dict[str, str]]:
+    """`CUDA : ARCHS = 610,900 | USE_GRAPHS = 1 | CPU : AVX2 = 1 | ` -> {"CUDA": {"ARCHS": ...}, ...}.
+
+    llama_print_system_info() writes, per backend that lists features, "NAME : " and then
+    "KEY = VALUE | " for each; values never hold "|" (ARCHS is nvcc's comma-separated
+    __CUDA_ARCH_LIST__).
+    """
+    out: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for raw in text.split("|"):
+        part = raw.strip()
+        while " : " in part:  # a backend starts here (one with no features runs into the next)
+            name, _, part = part.partition(" : ")
+            current = out.setdefault(name.strip(), {})
+            part = part.strip()
+        key, sep, value = part.partition(" = ")
+        if current is not None and sep:
+            current[key.strip()] = value.strip()
+    return out
+
+
+def cuda_archs_of(features: dict[str, dict[str, str]]) -> tuple[int, ...] | None:
+    """The CUDA architectures in parsed system info: ARCHS "610,750,900" -> (61, 75, 90)."""
+    cuda = features.get("CUDA")
+    if cuda is None:
+        return ()
+    listed = cuda.get("ARCHS")
+    if listed is None:
+        return None
+    archs = {int(a) // 10 for a in re.findall(r"\d+", listed)}  # __CUDA_ARCH_LIST__: 10 x CMake's
+    return tuple(sorted(archs))
