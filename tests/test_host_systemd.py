@@ -243,6 +243,11 @@ def test_notify_sequence_watchdog_cadence_and_stall(
         else:
             assert max(gaps) < 0.8, gaps
             assert not stalled
+            # Serving, reloaded and asked for its status, the daemon never mapped llama.cpp.
+            assert daemon.get("/admin/status")[0] == 200
+            maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+            assert "libllama" not in maps
+            assert "libggml" not in maps
     finally:
         code = stop(daemon)
     assert code == 0

@@ -125,7 +125,7 @@ models:
     cache_type_v: q4_0
     flash_attention: "on"
     prompt_cache_mb: 256
-    isolation: thread
+    isolation: process
     hang_timeout_s: 12.5
     batch_padding: false
     speculative: {mode: draft, max_draft: 12, ngram_min: 3, ngram_max: 5, max_sequences: 4,
@@ -200,7 +200,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 cache_type_v="q4_0",
                 flash_attention="on",
                 prompt_cache_mb=256,
-                isolation="thread",
+                isolation="process",
                 hang_timeout_s=12.5,
                 batch_padding=False,
                 speculative=SpeculativeSettings(
