@@ -545,12 +545,6 @@ class NativeThread(abc.ABC):
             self._model = None
 
 
-def supports_gpu_offload() -> bool:
-    """True when this llama.cpp build can offload layers to a GPU (False for a CPU-only build)."""
-    init_backend()  # the backend registry lists GPU devices once the backend is set up
-    return bool(llama.llama_supports_gpu_offload())
-
-
 # ---- what this llama.cpp build can do -----------------------------------------------------
 
 

@@ -34,14 +34,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from edgellmd.engine import build, wire
-from edgellmd.engine.config import (
+from edgellmd.engine import (
     BuildInfo,
     EngineConfig,
     EngineError,
     GrammarError,
     ModelInfo,
     ModelLoadError,
+    build,
+    wire,
 )
 from edgellmd.engine.generation import ENGINE_STOPPED, UNLOADED, Finished, Generation, GenerationRequest
 

@@ -262,7 +262,7 @@ async def _gpu_ctx(app: web.Application) -> AsyncIterator[None]:
     monitor = GpuMonitor(
         settings.host.gpu_poll_s,
         pid=os.getpid(),
-        offload_supported=supports_gpu_offload(),
+        offload_supported=await asyncio.to_thread(supports_gpu_offload),  # may start a probe process
         gpu_layers=largest_gpu_layers(m.gpu_layers for m in settings.models),
         model_file_types=_model_file_types(settings),
     )

@@ -145,15 +145,16 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
         )
     if settings.chat_template is not None:
         # An engine process renders with its own llama.cpp: the daemon calls no native code.
-        remote = engine if isinstance(engine, RemoteEngine) else None
-        if remote is None:  # an in-process engine: llama.cpp is loaded here already
+        if isinstance(engine, RemoteEngine):
+            names, apply = engine.builtin_templates, engine.apply_builtin_template
+        else:  # an in-process engine: llama.cpp is loaded here already
             from edgellmd.engine import native  # noqa: PLC0415 - see default_engine_factory
-        names = remote.builtin_templates if remote is not None else native.builtin_chat_templates()
+
+            names, apply = native.builtin_chat_templates(), native.apply_builtin_template
         if settings.chat_template not in names:
             raise TemplateError(
                 f"chat_template {settings.chat_template!r} is not a llama.cpp built-in template"
             )
-        apply = remote.apply_builtin_template if remote is not None else native.apply_builtin_template
         return BuiltinChatTemplate(settings.chat_template, apply)
     if info.chat_template:
         return JinjaChatTemplate(

@@ -222,7 +222,7 @@ class Loader:
                     plan_gpu_layers,
                     partial(gguf_layer_bytes, load_path),
                     snapshot=self._gpu(),
-                    offload_supported=supports_gpu_offload(),
+                    offload_supported=await loop.run_in_executor(None, supports_gpu_offload),
                     headroom_bytes=self._gpu_headroom,
                     kv_bytes=await loop.run_in_executor(None, kv_cache_bytes, source, settings),
                 ),
