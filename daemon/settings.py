@@ -930,6 +930,16 @@ class ModelSettings:
         "with isolation process: an engine that shows no step progress this long while work is "
         "pending is killed and restarted",
     )
+    crash_loop_stops: int = setting(
+        5,
+        "an engine that stops by itself this many times within crash_loop_window_s is not "
+        "restarted again: the model stays failed until an operator loads it",
+        bounds=(1, 1000),
+        more="before that, each restart waits longer (1, 2, 5, then 15 s)",
+    )
+    crash_loop_window_s: float = setting(
+        600.0, "the window in which crash_loop_stops engine stops trip the breaker", bounds=(1, 604_800)
+    )
     batch_padding: bool = setting(
         True,
         "pad a step of generating sequences with dummy rows up to a size that decodes faster, "

@@ -56,6 +56,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
                 "threads": 1,
                 "isolation": "process",
                 "hang_timeout_s": 2.0,
+                "crash_loop_stops": 1000,  # every test here stops an engine: never trip the breaker
             }
         )
     settings = settings_for(
@@ -65,9 +66,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     )
     try:
         with pytest.MonkeyPatch.context() as patch:
-            # Every test here stops an engine: restart at once, and never trip the breaker.
-            patch.setattr(registry_module, "RESTART_BACKOFF_S", (0.2,))
-            patch.setattr(registry_module, "CRASH_LOOP_STOPS", 100)
+            patch.setattr(registry_module, "RESTART_BACKOFF_S", (0.2,))  # restart at once
             with running(settings) as daemon:
                 yield daemon
     finally:
@@ -102,6 +101,7 @@ def _stream(
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "Once upon a time"}],
     }
     request = urllib.request.Request(  # noqa: S310 - loopback
@@ -120,37 +120,58 @@ def _stream(
                 events.append(data if data == "[DONE]" else json.loads(data))
 
 
+def _chunks(events: list[dict[str, Any] | str]) -> list[dict[str, Any]]:
+    return [e for e in events if isinstance(e, dict) and e.get("choices")]
+
+
 @pytest.mark.parametrize(
     "signum", [signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT], ids=["KILL", "SEGV", "ABRT"]
 )
 def test_a_killed_engine_costs_its_own_streams_only_and_comes_back(pair: RunningDaemon, signum: int) -> None:
+    """8 streams on each model: the killed model's running ones end with the error within a
+    second; its queued ones wait for the restarted engine and finish; the other model's all
+    finish intact; nothing of the dead process is left behind."""
     wait_for(lambda: _ready(pair, "left") and _ready(pair, "right"), what="both models")
     victim = _engine(pair, "left")
-    left: list[list[dict[str, Any] | str]] = []
+    preload = Path(pair.settings.lifecycle.preload_dir or "")
+    copies = sorted(p.name for p in preload.rglob("*.gguf"))
+    running: list[list[dict[str, Any] | str]] = []
+    queued: list[list[dict[str, Any] | str]] = []
     right: list[list[dict[str, Any] | str]] = []
-    threads = [threading.Thread(target=_stream, args=(pair, "left", 3000, left)) for _ in range(SLOTS)]
-    threads += [threading.Thread(target=_stream, args=(pair, "right", 200, right)) for _ in range(SLOTS)]
+    threads = [threading.Thread(target=_stream, args=(pair, "left", 3000, running)) for _ in range(SLOTS)]
+    threads += [threading.Thread(target=_stream, args=(pair, "right", 200, right)) for _ in range(2 * SLOTS)]
     for thread in threads:
         thread.start()
-    wait_for(lambda: len(left) == SLOTS and all(len(s) >= 3 for s in left), what="the left streams to flow")
+    wait_for(
+        lambda: len(running) == SLOTS and all(len(s) >= 3 for s in running), what="the left streams to flow"
+    )
+    waiting = [threading.Thread(target=_stream, args=(pair, "left", 40, queued)) for _ in range(SLOTS)]
+    for thread in waiting:
+        thread.start()
+    wait_for(lambda: victim.queue_depth == SLOTS, what="the queued left requests")
     os.kill(victim.pid, signum)
     killed = time.monotonic()
     for thread in threads[:SLOTS]:
         thread.join(5)
     ended = time.monotonic() - killed
     assert ended < 1.5, f"the killed model's streams took {ended:.2f} s to end"
-    for events in left:
+    for events in running:
         assert events[-1] == "[DONE]"
         error = events[-2]
         assert isinstance(error, dict)
         assert error["error"]["code"] == "engine_failed", error
-    for thread in threads[SLOTS:]:
+    for thread in threads[SLOTS:] + waiting:
         thread.join(60)
     for events in right:  # the other model never noticed
         assert events[-1] == "[DONE]"
-        chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert _chunks(events)[-1]["choices"][0]["finish_reason"] == "length"
         assert not any(isinstance(e, dict) and "error" in e for e in events)
+    for events in queued:  # waited for the restarted engine, then were served in full
+        assert events[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+        assert _chunks(events)[-1]["choices"][0]["finish_reason"] == "length"
+        usage = next(e["usage"] for e in events if isinstance(e, dict) and e.get("usage"))
+        assert usage["completion_tokens"] == 40
     # Not ready while it restarts, with the reason; then a new engine process serves.
     status, body = pair.get("/readyz")
     if status == 503:
@@ -172,7 +193,10 @@ def test_a_killed_engine_costs_its_own_streams_only_and_comes_back(pair: Running
     with urllib.request.urlopen(pair.url + "/metrics", timeout=10) as answer:  # noqa: S310 - loopback
         metrics = answer.read().decode()
     assert f'edgellm_engine_restarts_total{{model="left",reason="{name.lower()}"}}' in metrics
+    # Nothing of the dead process is left: reaped, its socket closed, no second /dev/shm copy.
     wait_for(lambda: not Path(f"/proc/{victim.pid}").exists(), timeout=5, what="the old process to be reaped")
+    assert victim._sock.fileno() == -1
+    assert sorted(p.name for p in preload.rglob("*.gguf")) == copies
 
 
 def test_a_request_before_its_first_byte_gets_503_engine_failed(pair: RunningDaemon) -> None:
@@ -232,6 +256,9 @@ def test_the_engine_process_is_confined(pair: RunningDaemon, tmp_path: Path) -> 
     status = Path(f"/proc/{engine.pid}/status").read_text()
     assert "NoNewPrivs:\t1" in status
     assert "CapEff:\t0000000000000000" in status
+    # The OOM killer picks the runaway engine, never the daemon first.
+    engine_adj = int(Path(f"/proc/{engine.pid}/oom_score_adj").read_text())
+    assert engine_adj >= 500 > int(Path("/proc/self/oom_score_adj").read_text())
     if landlock_abi() <= 0:
         pytest.skip("no Landlock (the kernel lacks it, or a filter refuses it): the file system is open")
     outside = tmp_path / "secret.txt"

@@ -298,12 +298,14 @@ def test_sigterm_drains_running_streams(
         while daemon.get("/admin/status")[1]["models"][0]["slots_busy"] < 3:
             assert time.monotonic() < wait
             time.sleep(0.02)
+        engine_pid = daemon.get("/admin/status")[1]["models"][0]["engine_process"]["pid"]
         daemon.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)
     finally:
         code = stop(daemon)
     assert code == 0
+    assert not Path(f"/proc/{engine_pid}").exists()  # the engine process drained and exited too
     assert len(results) == 3
     for events in results:
         assert events[-1] == {"done": True}

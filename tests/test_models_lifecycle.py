@@ -475,6 +475,13 @@ def test_memory_budget_evicts_the_idle_evictable_model_or_refuses(box: Box) -> N
         status, body = daemon.post("/admin/models/first/load", {})
         assert status == 200, body
         assert complete(daemon, "first")[0] == 200
+        # A reload loads the new version beside the one serving: both count, and two do not fit.
+        status, body = daemon.post("/admin/reload", {"model": "first", "force": True})
+        assert status == 409, body
+        reason = body["results"][0]["reason"]
+        assert "memory budget exceeded" in reason
+        assert model_status(daemon, "first")["state"] == "ready"  # the serving version goes on
+        assert complete(daemon, "first")[0] == 200
 
 
 def test_admin_reload_reports_each_model_and_force_reloads(box: Box) -> None:

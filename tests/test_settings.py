@@ -127,6 +127,8 @@ models:
     prompt_cache_mb: 256
     isolation: process
     hang_timeout_s: 12.5
+    crash_loop_stops: 3
+    crash_loop_window_s: 120
     batch_padding: false
     speculative: {mode: draft, max_draft: 12, ngram_min: 3, ngram_max: 5, max_sequences: 4,
                   draft_model: gemma3-draft, draft_file: models/draft.gguf, draft_p_min: 0.5}
@@ -202,6 +204,8 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 prompt_cache_mb=256,
                 isolation="process",
                 hang_timeout_s=12.5,
+                crash_loop_stops=3,
+                crash_loop_window_s=120.0,
                 batch_padding=False,
                 speculative=SpeculativeSettings(
                     mode="draft",

@@ -27,7 +27,6 @@ from edgellmd.engine.generation import (
     SHUTTING_DOWN,
     Event,
     Finished,
-    Generation,
     NoProgress,
     TextDelta,
     TokenLogprob,
@@ -314,7 +313,7 @@ async def collect(session: Session, shape: Shape) -> web.Response:
 
 async def _collect_one(session: Session, i: int) -> Choice:
     choice = Choice(i)
-    async for event in session.gens[i].events(session.idle_timeout):
+    async for event in session.events(i):
         session.timings[i].tokens(event.completion_tokens)
         choice.parts.append(event.text)
         choice.logprobs.extend(event.logprobs)
@@ -328,18 +327,18 @@ async def _collect_one(session: Session, i: int) -> Choice:
 
 async def send_events(write: Write, session: Session, shape: Shape) -> None:
     """Write every choice's chunks as they come; raises NoProgress past the idle timeout."""
-    gens, timings, idle_timeout = session.gens, session.timings, session.idle_timeout
+    gens, timings = session.gens, session.timings
     if shape.reads_parts:
         await _send_parts(write, session, shape)
         return
     if len(gens) == 1 and not shape.want_logprobs:
-        await _send_single(write, gens[0], timings[0], shape, idle_timeout)
+        await _send_single(write, session, timings[0], shape)
         return
     queue: asyncio.Queue[tuple[int, Event | NoProgress]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for event in gens[i].events(idle_timeout):
+            async for event in session.events(i):
                 timings[i].tokens(event.completion_tokens)
                 queue.put_nowait((i, event))
         except NoProgress as exc:
@@ -464,13 +463,11 @@ async def _send_parts(write: Write, session: Session, shape: Shape) -> None:
         )
 
 
-async def _send_single(
-    write: Write, gen: Generation, timing: TokenTiming, shape: Shape, idle_timeout: float
-) -> None:
+async def _send_single(write: Write, session: Session, timing: TokenTiming, shape: Shape) -> None:
     """The per-token path of a plain one-choice stream: one prepared frame, no dict per token."""
     if shape.chat:
         await _send(write, shape.chunk("", None, role=True))
-    async for event in gen.events(idle_timeout):
+    async for event in session.events(0):
         timing.tokens(event.completion_tokens)
         if isinstance(event, TextDelta):
             if event.text:

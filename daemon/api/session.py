@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
@@ -24,7 +24,9 @@ from aiohttp import web
 from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
 from edgellmd.api.openai_schemas import ChatRequest, CommonRequest
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
+from edgellmd.engine.config import EngineError
 from edgellmd.engine.generation import (
+    ENGINE_STOPPED,
     KEY_REVOKED,
     Event,
     Finished,
@@ -34,7 +36,7 @@ from edgellmd.engine.generation import (
     NoProgress,
     TokenLogprob,
 )
-from edgellmd.errors import InvalidRequest, KeyRevoked, shown
+from edgellmd.errors import ApiError, InvalidRequest, KeyRevoked, shown
 from edgellmd.host.metrics import TokenTiming
 from edgellmd.models.handle import REASONING_TAGS, ModelHandle
 
@@ -66,6 +68,29 @@ class Session:
     tools: tuple[str, ...] | None = None  # function names, when the reply is tool-call JSON
     reasoning_open: bool = False  # the prompt left the model inside its thinking tags
     stop_strings: tuple[str, ...] = field(default=())
+    # Choice i's generation again on the restarted engine, for one its engine's stop ended
+    # before any token (it was still queued): None when no restart came in time.
+    replay: Callable[[int], Awaitable[Generation | None]] | None = None
+
+    async def events(self, i: int) -> AsyncIterator[Event]:
+        """Choice `i`'s events (NoProgress past the idle timeout). One that its engine's stop
+        ended before it generated a token (it was still queued, or prefilling) is generated
+        again on the restarted engine when the model is back in time, the client none the wiser."""
+        produced = False  # a token of this choice was generated (the client may have seen it)
+        while True:
+            async for event in self.gens[i].events(self.idle_timeout):
+                if isinstance(event, Finished) and event.error == ENGINE_STOPPED and not produced:
+                    stopped = event
+                    break
+                produced = produced or bool(event.completion_tokens or event.text)
+                yield event
+                if isinstance(event, Finished):
+                    return
+            else:
+                return  # not reached: a generation's events end with Finished
+            if self.replay is None or await self.replay(i) is None:
+                yield stopped  # no restart in time: the stop's error ends the choice
+                return
 
     def reader(self) -> ReplyReader:
         """A reader for one choice's text: tool calls and reasoning as this request has them."""
@@ -149,32 +174,56 @@ async def generation_session(
     gens = _submit_all(handle, common, tokens, grammars)
     timings = [ctx.metrics.timing(handle.name) for _ in gens]
     caller = request.get(CALLER)
+    key_id = caller.key_id if caller is not None else None
     for gen in gens:
-        ctx.generations.add(gen, caller.key_id if caller is not None else None)
+        ctx.generations.add(gen, key_id)
     server = ctx.settings.server
-    try:
-        yield Session(
-            handle,
-            gens,
-            timings,
-            len(tokens),
-            server.progress_timeout_s,
-            server.stream_write_timeout_s,
-            stop_strings=common.stop,
-        )
-    finally:
-        # Normal end, client gone (write error or handler cancelled): either way the slots
-        # must be free now, not when the generations would have ended.
-        for gen in gens:
-            ctx.generations.discard(gen)
-            gen.cancel()
-        handle.generator.wake()
-        finals = [gen.final for gen in gens if gen.final is not None]
-        completion = sum(fin.completion_tokens for fin in finals)
-        request[TOKENS_USED] = len(tokens) + completion
-        if finals:
-            ctx.metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
-            ctx.metrics.completion_tokens.labels(handle.name).inc(completion)
+    handles = [handle]  # the one leased by the caller, then any restarted engine's
+    async with contextlib.AsyncExitStack() as leases:
+
+        async def replay(i: int) -> Generation | None:
+            stopped = gens[i]
+            ctx.generations.discard(stopped)
+            fresh = await ctx.registry.replacement(handles[-1], server.progress_timeout_s)
+            if fresh is None:
+                return None
+            try:
+                if fresh is not handles[-1]:
+                    await leases.enter_async_context(ctx.registry.lease(fresh.name))
+                    handles.append(fresh)
+                grammar = await fresh.grammars(common.sampling.grammar, 1, param)
+                gen = fresh.submit(stopped.request, grammar[0] if grammar else None)
+            except (ApiError, EngineError):  # stopped again, or full: the first stop's error ends the choice
+                return None
+            gens[i] = gen
+            ctx.generations.add(gen, key_id)
+            return gen
+
+        try:
+            yield Session(
+                handle,
+                gens,
+                timings,
+                len(tokens),
+                server.progress_timeout_s,
+                server.stream_write_timeout_s,
+                stop_strings=common.stop,
+                replay=replay,
+            )
+        finally:
+            # Normal end, client gone (write error or handler cancelled): either way the slots
+            # must be free now, not when the generations would have ended.
+            for gen in gens:
+                ctx.generations.discard(gen)
+                gen.cancel()
+            for leased in handles:
+                leased.generator.wake()
+            finals = [gen.final for gen in gens if gen.final is not None]
+            completion = sum(fin.completion_tokens for fin in finals)
+            request[TOKENS_USED] = len(tokens) + completion
+            if finals:
+                ctx.metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
+                ctx.metrics.completion_tokens.labels(handle.name).inc(completion)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,10 +278,9 @@ async def read_choices(session: Session) -> AsyncIterator[ChoicePart | ChoiceEnd
 
 
 async def _read_one(session: Session, i: int, reader: ReplyReader) -> AsyncIterator[ChoicePart | ChoiceEnd]:
-    gen, timing = session.gens[i], session.timings[i]
+    timing = session.timings[i]
     logprobs: list[TokenLogprob] = []
-    event: Event
-    async for event in gen.events(session.idle_timeout):
+    async for event in session.events(i):
         timing.tokens(event.completion_tokens)
         logprobs.extend(event.logprobs)
         if event.text:

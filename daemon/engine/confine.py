@@ -10,6 +10,9 @@ data in C++. Its process gets, in this order (`confine`):
 - the file system through Landlock (ABI read at run time): read access beneath the
   interpreter's and the libraries' directories and to the model's own files, write access
   nowhere; a kernel without Landlock leaves this step out, said once in the log;
+- the OOM killer's first choice: its `oom_score_adj` raised to `OOM_SCORE_ADJ`, so that a
+  runaway engine is the process the kernel kills when memory runs out, not the daemon (which
+  keeps the other models, the admin API and the watchdog) nor a neighbour;
 - an address-space limit (`RLIMIT_AS`), when the caller gives one.
 
 Each step reports what it did (`Confinement`); a step the kernel or the machine cannot do is
@@ -57,6 +60,8 @@ _READ_ONLY: Final = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
 _FILE_RIGHTS: Final = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE | _FS_IOCTL_DEV
 # Where a CPU engine reads besides the model: the interpreter, the libraries, the C runtime's
 # configuration, and the kernel's views of CPUs and memory that ggml and psutil read.
+# Raised from the daemon's own (0 unless the unit sets one); raising needs no privilege.
+OOM_SCORE_ADJ: Final = 500
 SYSTEM_READ_PATHS: Final = ("/usr", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev/null", "/dev/urandom")
 
 
@@ -203,6 +208,13 @@ def confine(
     done.done.append("dies with the daemon")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     done.done.append("no core dumps")
+    try:
+        adj = Path("/proc/self/oom_score_adj")
+        if int(adj.read_text()) < OOM_SCORE_ADJ:
+            adj.write_text(str(OOM_SCORE_ADJ))
+        done.done.append(f"the OOM killer's first choice (oom_score_adj {OOM_SCORE_ADJ})")
+    except (OSError, ValueError) as exc:
+        done.missing.append(f"oom_score_adj: {exc}")
     _prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
     done.done.append("no new privileges")
     try:

@@ -50,12 +50,11 @@ audit = logging.getLogger("edgellmd.audit")
 
 # Seconds a client is told to wait for a model that does not serve (503), and /readyz's.
 RETRY_AFTER_LOADING_S: Final = "5"
-# A model whose engine stops by itself (its scheduler crashed) is restarted after a pause
-# that grows with each stop in the last CRASH_LOOP_WINDOW_S; the CRASH_LOOP_STOPS-th stop in
-# that window trips the breaker: the model stays failed until an operator loads it.
+# A model whose engine stops by itself (its scheduler crashed, its process died) is restarted
+# after a pause that grows with each stop in the model's crash_loop_window_s; its
+# crash_loop_stops-th stop in that window trips the breaker: the model stays failed until an
+# operator loads it.
 RESTART_BACKOFF_S: Final = (1.0, 2.0, 5.0, 15.0)
-CRASH_LOOP_STOPS: Final = 5
-CRASH_LOOP_WINDOW_S: Final = 600.0
 
 __all__ = ["ModelHandle", "ModelState", "Outcome", "Registry"]
 
@@ -175,6 +174,7 @@ class Registry:
         self._counters: dict[str, Tally[str]] = {m.name: Tally() for m in models}
         # Called with ("reload_started", []) and ("reload_finished", outcomes) around reloads.
         self.observers: list[Callable[[str, list[Outcome]], None]] = []
+        self._news = asyncio.Event()  # set (and replaced) at every reload's end and engine stop
 
     # ---- start and stop -----------------------------------------------------------------
 
@@ -252,6 +252,35 @@ class Registry:
             handle.last_used = time.monotonic()
             if handle.retired and handle.leases == 0:
                 self._dispose(handle)
+
+    async def replacement(self, stopped: ModelHandle, wait_s: float) -> ModelHandle | None:
+        """The handle that serves `stopped`'s model once the restart after its engine's stop is done.
+
+        For a request that was still waiting in the stopped engine (it got no token): it waits
+        for the restarted engine rather than failing. None when no restart comes within
+        `wait_s` seconds (the request's own progress deadline), the breaker tripped, an
+        operator stopped the model meanwhile, or a different version now serves (its prompt
+        was tokenized for this one).
+        """
+        entry = self._entries.get(stopped.name)
+        if entry is None:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        # The engine's stop reaches the generations (its reader thread) before the registry
+        # (the event loop): until then the stopped handle still looks like the serving one.
+        while entry.handle is stopped or (entry.handle is None and entry.state is ModelState.RESTARTING):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._news.wait()
+        handle = entry.handle
+        same = (stopped.provenance.fingerprint, stopped.provenance.source_stat)
+        if handle is None or (handle.provenance.fingerprint, handle.provenance.source_stat) != same:
+            return None
+        return handle
 
     @property
     def rejections(self) -> dict[str, int]:
@@ -331,6 +360,8 @@ class Registry:
         return outcomes
 
     def _notify(self, event: str, outcomes: list[Outcome]) -> None:
+        self._news.set()
+        self._news = asyncio.Event()
         for observer in self.observers:
             try:
                 observer(event, outcomes)
@@ -601,7 +632,8 @@ class Registry:
             log.warning("model %s: a retired engine stopped by itself: %s", name, fault)
             return
         now = time.monotonic()
-        entry.stops = [t for t in entry.stops if now - t < CRASH_LOOP_WINDOW_S] + [now]
+        window, allowed = entry.settings.crash_loop_window_s, entry.settings.crash_loop_stops
+        entry.stops = [t for t in entry.stops if now - t < window] + [now]
         entry.handle = None
         prov = handle.provenance
         if prov.copy is not None and prov.draft is None:  # the restart loads the checked copy again
@@ -611,12 +643,12 @@ class Registry:
         self._retire(handle)  # freed once the requests that hold it have read their error
         self.engine_stops[name] += 1
         self.engine_restarts[name, getattr(handle.engine, "fault_kind", "crash")] += 1
-        if len(entry.stops) >= CRASH_LOOP_STOPS:
+        if len(entry.stops) >= allowed:
             action = "breaker tripped"
             entry.state = ModelState.FAILED
             entry.error = (
                 f"{fault}; its engine stopped {len(entry.stops)} times within "
-                f"{CRASH_LOOP_WINDOW_S:.0f} s, so it is not restarted: load it to try again"
+                f"{window:g} s, so it is not restarted: load it to try again"
             )
             log.error("model %s: %s", name, entry.error)
             self._drop_restart_copy(entry)
@@ -624,7 +656,7 @@ class Registry:
             delay = RESTART_BACKOFF_S[min(len(entry.stops), len(RESTART_BACKOFF_S)) - 1]
             action = f"restart in {delay:g} s"
             entry.state = ModelState.RESTARTING
-            entry.error = f"{fault}; restarting (stop {len(entry.stops)} of {CRASH_LOOP_STOPS} allowed)"
+            entry.error = f"{fault}; restarting (stop {len(entry.stops)} of {allowed} allowed)"
             log.error("model %s: %s; %s", name, fault, action)
             if entry.restart is not None:  # an earlier stop's restart: this one replaces it
                 entry.restart.cancel()
@@ -681,6 +713,17 @@ class Registry:
             for e in self._entries.values()
             if e.handle is not None and e.settings.name != settings.name
         ]
+        # A reload loads the new version beside the one serving now, and a retired version
+        # holds its memory until its last request ends: both count while they overlap.
+        resident += [
+            Resident(
+                f"{h.name} (version {h.provenance.fingerprint}, until it is freed)",
+                h.provenance.memory_bytes,
+                False,
+                0.0,
+            )
+            for h in self._overlapping(settings.name)
+        ]
         try:
             names = evictions(budget_mb, settings.name, need, resident)
         except OverBudget as exc:
@@ -689,6 +732,14 @@ class Registry:
             self._unload(
                 self._entries[name], f"evicted to make room for {settings.name} (memory budget)", "budget"
             )
+
+    def _overlapping(self, name: str) -> list[ModelHandle]:
+        """Versions that hold memory beside a load of `name`: its serving one, and every retired
+        one whose engine is not freed yet (an engine process that died holds nothing)."""
+        entry = self._entries.get(name)
+        serving = [entry.handle] if entry is not None and entry.handle is not None else []
+        held = [h for h in self._draining if h not in serving]
+        return [h for h in serving + held if not (isinstance(h.engine, RemoteEngine) and h.engine.exited)]
 
     # ---- freeing --------------------------------------------------------------------------
 

@@ -383,16 +383,26 @@ class DaemonProcess:
     # -- resources and logs
 
     def usage(self) -> Usage:
-        """RSS, open descriptors, threads, CPU time and preload-area bytes of the daemon now."""
+        """RSS, open descriptors, threads, CPU time and preload-area bytes of the daemon now, its
+        engine processes (with `isolation: process`) counted in: the work and what it holds are
+        theirs as much as the daemon's."""
         assert self._process is not None
-        with self._process.oneshot():
-            rss = self._process.memory_info().rss
-            fds = self._process.num_fds()
-            threads = self._process.num_threads()
-            times = self._process.cpu_times()
+        rss = fds = threads = 0
+        cpu_s = 0.0
+        for process in [self._process, *self._process.children(recursive=True)]:
+            try:
+                with process.oneshot():
+                    rss += process.memory_info().rss
+                    fds += process.num_fds()
+                    threads += process.num_threads()
+                    times = process.cpu_times()
+                    cpu_s += times.user + times.system
+            except psutil.NoSuchProcess:  # an engine (or a probe) that ended just now
+                if process is self._process:
+                    raise
         preload = self.config["lifecycle"].get("preload_dir")
         shm_bytes, shm_files = tree_size(Path(preload)) if preload else (0, 0)
-        return Usage(time.monotonic(), rss, fds, threads, shm_bytes, shm_files, times.user + times.system)
+        return Usage(time.monotonic(), rss, fds, threads, shm_bytes, shm_files, cpu_s)
 
     def records(self) -> list[dict[str, Any]]:
         """The daemon's JSON log lines so far (other lines, such as a traceback's, are skipped)."""

@@ -241,6 +241,14 @@
     return last.reason ? `${text}: ${last.reason}` : text;
   }
 
+  function engineText(m) {
+    // Where the model's llama.cpp runs: its own process (pid, resident memory) or the daemon.
+    const p = m.engine_process;
+    const stop = m.last_engine_stop ? `; last stop ${when(m.last_engine_stop.at)}: ${m.last_engine_stop.fault}` : "";
+    if (p) return `process ${p.pid}, ${bytes(p.rss_bytes)} resident${p.unconfined.length ? ` (not confined: ${p.unconfined.join(", ")})` : ""}${stop}`;
+    return m.state === "ready" ? `in the daemon${stop}` : `${dash}${stop}`;
+  }
+
   function renderModels(models) {
     const body = clear($("models-table").tBodies[0]);
     for (const m of models) {
@@ -254,6 +262,7 @@
         cell("queue", `${m.queue_depth ?? 0} / ${m.queue_size}`),
         cell("loaded_at", m.loaded_at ? when(m.loaded_at) : dash),
         cell("last_reload", lastReload(m.last_reload)),
+        cell("engine", engineText(m)),
       ));
     }
   }
@@ -300,7 +309,9 @@
 
   function renderGpus(gpu, build) {
     const box = clear($("gpus"));
-    if (build) {
+    if (build && build.error) {
+      box.append(h("p", { class: "help", "data-field": "build-error" }, `The llama.cpp build could not be read: ${build.error}`));
+    } else if (build) {
       // What the loaded llama.cpp can run on: its backends and the CUDA architectures it has code for.
       const dl = h("dl", {});
       const add = (term, value, field) => dl.append(h("dt", {}, term), h("dd", { "data-field": field }, value));
