@@ -919,7 +919,7 @@ class ModelSettings:
         "after its slot was reused) restores that prefix instead of prefilling it again",
     )
     isolation: str = setting(
-        "thread",
+        "process",
         "where the model's engine runs: thread (in the daemon) or process (a confined process of its own)",
         choices=("thread", "process"),
         more="with process, a crash or hang in llama.cpp costs this model's requests only; the "

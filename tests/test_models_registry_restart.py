@@ -29,12 +29,17 @@ from tests.test_host_systemd import NotifySocket
 MODEL = "tiny"
 
 
+WARM_UP_STEPS = 2  # a load's warm-up generation: its prefill and one more token
+
+
 class Fault:
     """Makes the scheduler's next step with a request in a slot raise, once per arming."""
 
     def __init__(self) -> None:
         self.armed = threading.Event()
         self.fired = 0
+        self.sticky = False  # fire at every such step past an engine's warm-up, not once per arming
+        self.busy_steps: dict[int, int] = {}  # by engine: steps with a request in a slot
 
     def arm(self) -> None:
         self.armed.set()
@@ -48,8 +53,12 @@ def fault(monkeypatch: pytest.MonkeyPatch) -> Fault:
     def step(self: scheduler_module.Engine) -> bool:
         # Only with a request in a slot: a step that ends a load's warm-up may still be
         # returning when the model already shows ready.
+        busy = injected.busy_steps[id(self)] = injected.busy_steps.get(id(self), 0) + int(self.busy_slots > 0)
+        if injected.sticky and busy <= WARM_UP_STEPS:  # a load's warm-up goes through
+            return real(self)
         if injected.armed.is_set() and self.busy_slots:
-            injected.armed.clear()
+            if not injected.sticky:
+                injected.armed.clear()
             injected.fired += 1
             raise RuntimeError("injected scheduler fault")
         return real(self)
@@ -171,7 +180,6 @@ async def test_a_crashed_scheduler_takes_its_model_out_of_service_and_it_restart
     assert (await late.json())["error"]["code"] == "model_not_ready"
     assert not waiting.done()  # ... the one that was queued waits for the restarted engine
 
-
     # By itself, after the pause: a new engine serves, and the old one was freed.
     body = await _until(client, lambda status, _: status == 200, "the restart")
     assert body["models"][MODEL]["state"] == "ready"
@@ -239,3 +247,33 @@ async def test_an_unload_during_the_pause_cancels_the_restart(
     shown = await _model(client)
     assert shown["state"] == "unloaded"
     assert shown["reason"] == "unloaded by an operator"
+
+
+async def test_a_request_whose_turn_kills_the_engine_again_is_not_replayed_twice(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queued request waits for the restart once; if the restarted engine dies at its turn as
+    well (it may be the poison), it fails: two stops, not a crash loop fed by one request."""
+    monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (0.05,))
+    client = await _serve(aiohttp_client, tiny_model)
+    stream = await client.post("/v1/completions", json=_completion(400, stream=True))
+    assert (await stream.content.readline()).startswith(b"data: ")
+    waiting = asyncio.create_task(client.post("/v1/completions", json=_completion(4)))
+    deadline = time.monotonic() + 10
+    while (await _model(client)).get("queue_depth") != 1:
+        assert time.monotonic() < deadline, "the second request never queued"
+        await asyncio.sleep(0.01)
+    fault.sticky = True
+    fault.arm()
+    answer = await asyncio.wait_for(waiting, 20)
+    assert answer.status == 503
+    assert (await answer.json())["error"]["code"] == "engine_failed"
+    fault.armed.clear()
+    assert fault.fired == 2  # the stream's step, then the replayed request's: no third
+    # The request hears of the stop from the engine's thread, the registry on the event loop.
+    deadline = time.monotonic() + 10
+    while (await _model(client))["engine_stops"] != 2:
+        assert time.monotonic() < deadline, "the second stop was never counted"
+        await asyncio.sleep(0.01)
+    await _until(client, lambda status, _: status == 200, "the restart after the second stop")
+    assert (await _model(client))["engine_stops"] == 2

@@ -125,7 +125,7 @@ models:
     cache_type_v: q4_0
     flash_attention: "on"
     prompt_cache_mb: 256
-    isolation: process
+    isolation: thread
     hang_timeout_s: 12.5
     crash_loop_stops: 3
     crash_loop_window_s: 120
@@ -202,7 +202,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 cache_type_v="q4_0",
                 flash_attention="on",
                 prompt_cache_mb=256,
-                isolation="process",
+                isolation="thread",
                 hang_timeout_s=12.5,
                 crash_loop_stops=3,
                 crash_loop_window_s=120.0,

@@ -75,11 +75,18 @@ class Session:
     async def events(self, i: int) -> AsyncIterator[Event]:
         """Choice `i`'s events (NoProgress past the idle timeout). One that its engine's stop
         ended before it generated a token (it was still queued, or prefilling) is generated
-        again on the restarted engine when the model is back in time, the client none the wiser."""
+        again on the restarted engine when the model is back in time, the client none the wiser.
+        Once only: a request whose prefill is what kills the engine costs two stops, not a
+        crash loop."""
         produced = False  # a token of this choice was generated (the client may have seen it)
+        replayed = False
         while True:
             async for event in self.gens[i].events(self.idle_timeout):
-                if isinstance(event, Finished) and event.error == ENGINE_STOPPED and not produced:
+                if (
+                    isinstance(event, Finished)
+                    and event.error == ENGINE_STOPPED
+                    and not (produced or replayed)
+                ):
                     stopped = event
                     break
                 produced = produced or bool(event.completion_tokens or event.text)
@@ -91,6 +98,7 @@ class Session:
             if self.replay is None or await self.replay(i) is None:
                 yield stopped  # no restart in time: the stop's error ends the choice
                 return
+            replayed = True
 
     def reader(self) -> ReplyReader:
         """A reader for one choice's text: tool calls and reasoning as this request has them."""
