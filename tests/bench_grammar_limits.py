@@ -6,7 +6,7 @@ Each probe builds a GBNF grammar that grows along one dimension (parenthesis nes
 repetition counts, rule chains, rule count, size, alternatives) and hands it to
 `llama_sampler_init_grammar` in a child process, from a `threading.Thread` with the default
 stack size, as the daemon builds grammars off the event loop. A child that dies (SIGSEGV,
-abort) only ends that probe. The figures are recorded beside the limits in `edgellmd.api.gbnf_rules`.
+abort) only ends that probe. The figures are recorded beside the limits in `edgellmd.grammar.rules`.
 
 The same machinery serves the tests (`tests/test_api_gbnf.py`): `ByteVocab` loads a tiny test
 model's vocabulary (one token per byte, ids 3 + byte) and walks a grammar over a text one
@@ -309,15 +309,15 @@ def converter_costs(probe: Probe) -> None:
 def converter_cases() -> list[tuple[str, str, bytes]]:
     """Grammars edgellm writes for schemas at its limits, and a prefix to walk before timing apply."""
     # Imported here: the llama.cpp probes above run without the daemon's code.
-    from edgellmd.api.gbnf import (  # noqa: PLC0415
+    from edgellmd.api.structured import MAX_TOOLS, tool_plan  # noqa: PLC0415
+    from edgellmd.grammar.convert import schema_to_grammar  # noqa: PLC0415
+    from edgellmd.grammar.regex import MAX_PATTERN_LENGTH  # noqa: PLC0415
+    from edgellmd.grammar.rules import MAX_GRAMMAR_CHOICES, MAX_REPETITION  # noqa: PLC0415
+    from edgellmd.grammar.schema import (  # noqa: PLC0415
         MAX_ENUM_VALUES,
         MAX_LARGE_ENUM_CHARS,
         MAX_OBJECT_PROPERTIES,
-        schema_to_grammar,
     )
-    from edgellmd.api.gbnf_rules import MAX_GRAMMAR_CHOICES, MAX_REPETITION  # noqa: PLC0415
-    from edgellmd.api.regex_gbnf import MAX_PATTERN_LENGTH  # noqa: PLC0415
-    from edgellmd.api.structured import MAX_TOOLS, tool_plan  # noqa: PLC0415
 
     n = MAX_ENUM_VALUES
     rng = random.Random(0)

@@ -20,17 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgellmd.api.gbnf import schema_to_grammar
 from edgellmd.engine import EngineConfig, default_threads
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from edgellmd.engine.native import apply_builtin_template
 from edgellmd.engine.scheduler import Engine
+from edgellmd.grammar.convert import schema_to_grammar
 from tests.bench_structured import demo_model
 from tests.reliability.harness import percentile
 
 PROMPT = "Write a short story about a lighthouse keeper."
 HOSTILE_PROMPT = "Answer with one of the allowed values."
-# The costliest shapes within the limits, by what they cost per token (see daemon/api/gbnf_rules.py).
+# The costliest shapes within the limits, by what they cost per token (see daemon/grammar/rules.py).
 HOSTILE: dict[str, dict[str, Any]] = {
     "enum of 1,000 values": {"enum": [f"value-{i:04d}" for i in range(1000)]},
     "ambiguous pattern at the state limit": {"type": "string", "pattern": "^((a|aa){0,10}){0,33}$"},

@@ -558,11 +558,31 @@ def two_models(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str
     return rounds(servers, args, model, workdir)
 
 
+def with_handoff(measure: Measure) -> Measure:
+    """`measure`, then the token hand-off's latency across the process boundary (p50, p99 in ms
+    over the engine's last frames), as `/admin/status` reports it."""
+
+    def inner(running: Running) -> dict[str, float]:
+        figures = measure(running)
+        with urllib.request.urlopen(running.url + "/admin/status", timeout=10) as answer:  # noqa: S310 - loopback
+            status = json.load(answer)
+        handoff = status["models"][0].get("engine_process", {}).get("handoff") or {}
+        if handoff.get("frames"):
+            figures["handoff_p50_ms"] = float(handoff["p50_ms"])
+            figures["handoff_p99_ms"] = float(handoff["p99_ms"])
+        return figures
+
+    return inner
+
+
 def isolation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
     """The plain streams with the engine in a process of its own against on the daemon's threads."""
     edge = {**EDGE_8, "threads": args.threads}
     servers: list[tuple[Server, Measure]] = [
-        (Server("edgellmd process", [{**edge, "isolation": "process"}]), streams(PLAIN_1, PLAIN_8)),
+        (
+            Server("edgellmd process", [{**edge, "isolation": "process"}]),
+            with_handoff(streams(PLAIN_1, PLAIN_8)),
+        ),
         (Server("edgellmd thread", [{**edge, "isolation": "thread"}]), streams(PLAIN_1, PLAIN_8)),
     ]
     return rounds(servers, args, model, workdir, together=True)

@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgellmd.api.gbnf import schema_to_grammar
 from edgellmd.engine import EngineConfig, default_threads
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from edgellmd.engine.native import apply_builtin_template
 from edgellmd.engine.sampling import SlotSampler
 from edgellmd.engine.scheduler import Engine
+from edgellmd.grammar.convert import schema_to_grammar
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -1,4 +1,4 @@
-"""JSON schemas to llama.cpp grammars (edgellmd.api.gbnf and its layers): checks, limits, and real llama.cpp.
+"""JSON schemas to llama.cpp grammars (edgellmd.grammar): checks, limits, and real llama.cpp.
 
 Every grammar accepted here is handed to llama.cpp's own parser (`llama_sampler_init_grammar`
 on a tiny test model's vocabulary, one token per byte) and driven byte by byte with
@@ -17,9 +17,12 @@ from typing import Any
 
 import pytest
 
-from edgellmd.api import gbnf, gbnf_rules, regex_gbnf
-from edgellmd.api.gbnf import SchemaError, check_schema, embedded_grammar, json_text, schema_to_grammar
-from edgellmd.api.gbnf_rules import Grammar, GrammarLimitError, Lit, Ref, Rep, gbnf_literal, json_string
+from edgellmd.grammar import regex as grammar_regex
+from edgellmd.grammar import rules as grammar_rules
+from edgellmd.grammar import schema as grammar_schema
+from edgellmd.grammar.convert import embedded_grammar, schema_to_grammar
+from edgellmd.grammar.rules import Grammar, GrammarLimitError, Lit, Ref, Rep, gbnf_literal, json_string
+from edgellmd.grammar.schema import SchemaError, check_schema, json_text
 from tests.bench_grammar_limits import ByteVocab, byte_vocab
 
 
@@ -447,7 +450,7 @@ def test_json_values_of_any_depth_need_no_recursion() -> None:
     props: Any = {"type": "null"}
     for _ in range(100_000):
         props = {"type": "object", "properties": {"a": props}}
-    assert refused(props).limit == gbnf.MAX_NESTING
+    assert refused(props).limit == grammar_schema.MAX_NESTING
 
 
 # ---- patterns ---------------------------------------------------------------------------------
@@ -805,7 +808,7 @@ def test_the_reported_attacks_are_refused_before_any_grammar(vocab: ByteVocab) -
     for schema in wrong_types:
         refused(schema)
     assert refused({"type": "string", "pattern": "(a)\\1"}).unsupported
-    assert refused({"enum": list(range(20_000))}).limit == gbnf.MAX_ENUM_VALUES
+    assert refused({"enum": list(range(20_000))}).limit == grammar_schema.MAX_ENUM_VALUES
     grammar = schema_to_grammar({"type": "array", "items": {"type": "integer"}, "maxItems": 1_000})
     assert vocab.parses(grammar)
     assert vocab.matches(grammar, "[" + ",".join(["1"] * 1_000) + "]")
@@ -852,44 +855,50 @@ LIMITS: list[tuple[str, Any, Any, str, int]] = [
         {"type": "array", "maxItems": 1_000},
         {"type": "array", "maxItems": 1_001},
         "maxItems",
-        gbnf_rules.MAX_REPETITION,
+        grammar_rules.MAX_REPETITION,
     ),
     (
         "min-items",
         {"type": "array", "minItems": 1_000},
         {"type": "array", "minItems": 1_001},
         "minItems",
-        gbnf_rules.MAX_REPETITION,
+        grammar_rules.MAX_REPETITION,
     ),
-    ("quantifier", {"pattern": "^a{1000}$"}, {"pattern": "^a{1001}$"}, "pattern", gbnf_rules.MAX_REPETITION),
+    (
+        "quantifier",
+        {"pattern": "^a{1000}$"},
+        {"pattern": "^a{1001}$"},
+        "pattern",
+        grammar_rules.MAX_REPETITION,
+    ),
     (
         "quantifier-range",
         {"pattern": "^a{0,1000}$"},
         {"pattern": "^a{0,1001}$"},
         "pattern",
-        gbnf_rules.MAX_REPETITION,
+        grammar_rules.MAX_REPETITION,
     ),
     (
         "pattern-length",
         {"pattern": "a" * 1_000},
         {"pattern": "a" * 1_001},
         "pattern",
-        regex_gbnf.MAX_PATTERN_LENGTH,
+        grammar_regex.MAX_PATTERN_LENGTH,
     ),
     (
         "pattern-nesting",
         {"pattern": _patterns(16)},
         {"pattern": _patterns(17)},
         "pattern",
-        regex_gbnf.MAX_PATTERN_NESTING,
+        grammar_regex.MAX_PATTERN_NESTING,
     ),
-    ("nesting", _nested(10), _nested(11), "properties", gbnf.MAX_NESTING),
+    ("nesting", _nested(10), _nested(11), "properties", grammar_schema.MAX_NESTING),
     (
         "properties",
         {"anyOf": [_object_of(2_500, "a"), _object_of(2_500, "b")]},
         {"anyOf": [_object_of(2_500, "a"), _object_of(2_501, "b")]},
         "properties",
-        gbnf.MAX_OBJECT_PROPERTIES,
+        grammar_schema.MAX_OBJECT_PROPERTIES,
     ),
     (
         "enum-values",
@@ -902,57 +911,57 @@ LIMITS: list[tuple[str, Any, Any, str, int]] = [
             "items": {"anyOf": [{"enum": [f"a{i}" for i in range(500)]}, {"enum": list(range(501))}]},
         },
         "enum",
-        gbnf.MAX_ENUM_VALUES,
+        grammar_schema.MAX_ENUM_VALUES,
     ),
     (
         "characters",
         {"type": "object", "properties": {"n" * 60_000: {"const": "c" * 60_000}}},
         {"type": "object", "properties": {"n" * 60_000: {"const": "c" * 60_001}}},
         "properties",
-        gbnf.MAX_SCHEMA_CHARS,
+        grammar_schema.MAX_SCHEMA_CHARS,
     ),
     (
         "large-enum",
         {"enum": [f"{i:03d}".ljust(59, "v") for i in range(251)] + ["v" * 191]},
         {"enum": [f"{i:03d}".ljust(59, "v") for i in range(251)] + ["v" * 192]},
         "enum",
-        gbnf.MAX_LARGE_ENUM_CHARS,
+        grammar_schema.MAX_LARGE_ENUM_CHARS,
     ),
     (
         "subschemas",
-        {"anyOf": [{"type": "null"}] * (gbnf.MAX_SCHEMA_NODES - 1)},
-        {"anyOf": [{"type": "null"}] * gbnf.MAX_SCHEMA_NODES},
+        {"anyOf": [{"type": "null"}] * (grammar_schema.MAX_SCHEMA_NODES - 1)},
+        {"anyOf": [{"type": "null"}] * grammar_schema.MAX_SCHEMA_NODES},
         "anyOf",
-        gbnf.MAX_SCHEMA_NODES,
+        grammar_schema.MAX_SCHEMA_NODES,
     ),
-    ("depth", _deep_any_of(64), _deep_any_of(65), "anyOf", gbnf.MAX_SCHEMA_DEPTH),
+    ("depth", _deep_any_of(64), _deep_any_of(65), "anyOf", grammar_schema.MAX_SCHEMA_DEPTH),
     (
         "choices",
         {"enum": _distinct_firsts(256)},
         {"enum": _distinct_firsts(257)},
         "enum",
-        gbnf_rules.MAX_GRAMMAR_CHOICES,
+        grammar_rules.MAX_GRAMMAR_CHOICES,
     ),
     (
         "pattern-states",
         {"pattern": "^(a|b){500}$"},
         {"pattern": "^(a|b){500}c$"},
         "pattern",
-        gbnf_rules.MAX_PATTERN_STATES,
+        grammar_rules.MAX_PATTERN_STATES,
     ),
     (
         "nested-repetitions-multiply",
         {"pattern": "^((a|aa){0,10}){0,33}$"},
         {"pattern": "^((a|aa){0,10}){0,34}$"},
         "pattern",
-        gbnf_rules.MAX_PATTERN_STATES,
+        grammar_rules.MAX_PATTERN_STATES,
     ),
     (
         "patterns-at-once",
         {"anyOf": [{"pattern": "^a{500}$"}, {"pattern": "^b{500}$"}]},
         {"anyOf": [{"pattern": "^a{500}$"}, {"pattern": "^b{501}$"}]},
         "pattern",
-        gbnf_rules.MAX_PATTERN_STATES,
+        grammar_rules.MAX_PATTERN_STATES,
     ),
 ]
 
@@ -975,13 +984,13 @@ def test_large_enums_under_the_value_count_may_be_long() -> None:
 
 def test_grammar_bytes_limit(vocab: ByteVocab) -> None:
     base = len(schema_to_grammar({"const": ""}))
-    wide, narrow = divmod(gbnf_rules.MAX_GRAMMAR_BYTES - base, 10)  # a non-BMP character is \UXXXXXXXX
+    wide, narrow = divmod(grammar_rules.MAX_GRAMMAR_BYTES - base, 10)  # a non-BMP character is \UXXXXXXXX
     text = "\U0001f600" * wide + "a" * narrow
     grammar = schema_to_grammar({"const": text})
-    assert len(grammar) == gbnf_rules.MAX_GRAMMAR_BYTES
+    assert len(grammar) == grammar_rules.MAX_GRAMMAR_BYTES
     assert vocab.parses(grammar)
     error = refused({"const": text + "a"})
-    assert (error.keyword, error.path, error.limit) == ("schema", "#", gbnf_rules.MAX_GRAMMAR_BYTES)
+    assert (error.keyword, error.path, error.limit) == ("schema", "#", grammar_rules.MAX_GRAMMAR_BYTES)
     assert "1,000,001 bytes" in error.message
 
 
@@ -992,7 +1001,7 @@ def test_grammar_rules_limit_counts_llama_cpp_s_expansion(vocab: ByteVocab) -> N
 
     assert vocab.parses(schema_to_grammar(schema(45)))
     error = refused(schema(52))
-    assert error.limit == gbnf_rules.MAX_GRAMMAR_RULES
+    assert error.limit == grammar_rules.MAX_GRAMMAR_RULES
     assert "once repetitions are expanded" in error.message
 
 
@@ -1006,7 +1015,7 @@ def test_leftmost_chains_are_bounded(vocab: ByteVocab) -> None:
     assert vocab.parses(grammar)
     assert vocab.matches(grammar, "null")
     error = refused(chain(300))
-    assert (error.keyword, error.limit) == ("$ref", gbnf_rules.MAX_GRAMMAR_DEPTH)
+    assert (error.keyword, error.limit) == ("$ref", grammar_rules.MAX_GRAMMAR_DEPTH)
 
 
 def test_grammar_elements_limit() -> None:
@@ -1017,14 +1026,14 @@ def test_grammar_elements_limit() -> None:
     refs = [many.named([(Lit(f"x{i}"),)], "item") for i in range(2_001)]
     with pytest.raises(GrammarLimitError) as caught:
         many.render([tuple(Rep(r, 1_000, 1_000) for r in refs)])
-    assert caught.value.limit == gbnf_rules.MAX_GRAMMAR_ELEMENTS
+    assert caught.value.limit == grammar_rules.MAX_GRAMMAR_ELEMENTS
     assert isinstance(refs[0], Ref)
 
 
 # ---- the tool-call wrapper: checked parts inside edgellm's own schema ------------------------
 
 
-def _wrapper(parts: list[gbnf.CheckedSchema]) -> Any:
+def _wrapper(parts: list[grammar_schema.CheckedSchema]) -> Any:
     calls = {
         "anyOf": [
             {
@@ -1056,7 +1065,7 @@ def test_parts_add_up_against_the_limits() -> None:
     parts = [check_schema(_object_of(40), f"tools[{i}].function.parameters") for i in range(128)]
     with pytest.raises(SchemaError) as caught:
         embedded_grammar(_wrapper(parts))
-    assert caught.value.limit == gbnf.MAX_OBJECT_PROPERTIES
+    assert caught.value.limit == grammar_schema.MAX_OBJECT_PROPERTIES
     assert "5,120 object properties" in caught.value.message
 
 

@@ -19,8 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgellmd.api.gbnf import SchemaError, json_text, schema_to_grammar
-from edgellmd.api.gbnf_rules import MAX_GRAMMAR_BYTES, json_string
+from edgellmd.grammar.convert import schema_to_grammar
+from edgellmd.grammar.rules import MAX_GRAMMAR_BYTES, json_string
+from edgellmd.grammar.schema import SchemaError, json_text
 from tests.bench_grammar_limits import ByteVocab, byte_vocab
 
 PROPERTY = settings(

@@ -190,6 +190,10 @@ def test_a_killed_engine_costs_its_own_streams_only_and_comes_back(pair: Running
     name = signal.Signals(signum).name
     assert name in model["last_engine_stop"]["fault"]
     assert model["engine_process"]["pid"] == _engine(pair, "left").pid
+    # The token hand-off across the boundary is measured: the other model's frames.
+    handoff = next(m for m in shown["models"] if m["name"] == "right")["engine_process"]["handoff"]
+    assert handoff["frames"] > 0
+    assert 0 <= handoff["p50_ms"] <= handoff["p99_ms"] < 1000
     with urllib.request.urlopen(pair.url + "/metrics", timeout=10) as answer:  # noqa: S310 - loopback
         metrics = answer.read().decode()
     assert f'edgellm_engine_restarts_total{{model="left",reason="{name.lower()}"}}' in metrics

@@ -1,6 +1,6 @@
 """The daemon's architecture, held: layers as folders, imports only pointing down, no private names shared.
 
-http -> api -> models -> engine, with host, settings and the leaves (errors, files) below them
+http -> api -> models -> engine, with host, settings and the leaves (grammar, errors, files) below them
 all (DESIGN.md, "The daemon"). Imports under `if TYPE_CHECKING:` and inside functions count
 too: a layer that needs another's types to be annotated depends on it.
 """
@@ -26,6 +26,7 @@ RANKS: Final = {
     "engine": 3,
     "settings": 2,  # reads host's CPU-list syntax
     "host": 1,
+    "grammar": 0,  # a leaf: the schema and regex to GBNF compiler imports nothing of edgellmd
     "errors": 0,
     "files": 0,
     "redaction": 0,
@@ -80,7 +81,52 @@ def test_every_module_belongs_to_a_known_layer() -> None:
 
 def test_the_layers_are_the_folders_of_design_md() -> None:
     folders = {p.name for p in DAEMON.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
-    assert folders == {"http", "api", "models", "engine", "host"}
+    assert folders == {"http", "api", "models", "engine", "host", "grammar"}
+
+
+def test_the_grammar_compiler_imports_nothing_outside_itself() -> None:
+    wrong = [
+        f"{path.relative_to(DAEMON.parent)}:{line}: {target}"
+        for path in sorted((DAEMON / "grammar").rglob("*.py"))
+        for line, target, _ in _imports(path)
+        if not target.startswith("edgellmd.grammar")
+    ]
+    assert not wrong, "the grammar package is a leaf:\n" + "\n".join(wrong)
+
+
+def test_every_package_is_in_the_wheel(tmp_path: Path) -> None:
+    """pyproject.toml's package list covers every package of both trees: the wheel holds them all."""
+    import tomllib  # noqa: PLC0415
+    import zipfile  # noqa: PLC0415
+
+    root = DAEMON.parent
+    expected = {
+        ".".join((name, *p.parent.relative_to(root / tree).parts))
+        for name, tree in (("edgellmd", "daemon"), ("edgellmctl", "ops"))
+        for p in (root / tree).rglob("__init__.py")
+    }
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert expected <= listed, f"packages missing from pyproject.toml: {sorted(expected - listed)}"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("edgellm*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(p for p in expected if p.replace(".", "/") + "/__init__.py" not in names)
+    assert not missing, f"packages missing from the wheel: {missing}"
 
 
 def _upward(paths: list[Path], root: Path = DAEMON) -> list[str]:

@@ -14,16 +14,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Final
 
-from edgellmd.api.gbnf import (
-    SCHEMA_KEYWORDS,
-    SCHEMA_TYPES,
-    CheckedSchema,
-    SchemaError,
-    embedded_grammar,
-    schema_to_grammar,
-)
-from edgellmd.api.gbnf import check_schema as _check
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter
+from edgellmd.grammar.convert import embedded_grammar, schema_to_grammar
+from edgellmd.grammar.schema import SCHEMA_KEYWORDS, SCHEMA_TYPES, CheckedSchema, SchemaError
+from edgellmd.grammar.schema import check_schema as _check
 
 __all__ = [
     "SCHEMA_KEYWORDS",
@@ -49,7 +43,7 @@ def _api_error(exc: SchemaError, param: str) -> ApiError:
 
 
 def check_schema(schema: Any, param: str, label: str = "") -> CheckedSchema:
-    """Check a schema in full (edgellmd.api.gbnf); a 400 naming the keyword, where it is and any limit."""
+    """Check a schema in full (grammar.schema); a 400 naming the keyword, where it is and any limit."""
     try:
         return _check(schema, label)
     except SchemaError as exc:

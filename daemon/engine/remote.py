@@ -53,6 +53,7 @@ CALL_TIMEOUT_S: Final = 120.0  # tokenizing or compiling a bounded prompt or gra
 CLOSE_TIMEOUT_S: Final = 10.0  # for the process to exit once told to, before it is killed
 SUPERVISE_EVERY_S: Final = 0.1
 LOG_TAIL_LINES: Final = 20  # of the engine process's own output, kept for a fault's report
+HANDOFF_SAMPLES: Final = 4096  # events frames whose hand-off latency /admin/status summarises
 _FD_PATH: Final = re.compile(r"/proc/self/fd/(\d+)")
 _LOG_LINE: Final = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+ .*)")  # worker.main's format
 
@@ -125,6 +126,9 @@ class RemoteEngine:
         self._status: dict[str, Any] = {}
         self._finished: collections.Counter[str] = collections.Counter()  # by reason, as they arrive
         self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        # Seconds from an events frame's oldest events leaving the engine's scheduler to the
+        # frame read here: the token hand-off that the process boundary adds.
+        self._handoff: collections.deque[float] = collections.deque(maxlen=HANDOFF_SAMPLES)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = parent
         keep = [child.fileno()]
@@ -228,6 +232,9 @@ class RemoteEngine:
                 op = message.get("op")
                 if op == "events":
                     self._deliver(message.get("items", []))
+                    made = message.get("made")
+                    if isinstance(made, float):  # the same clock: CLOCK_MONOTONIC is the machine's
+                        self._handoff.append(max(0.0, time.monotonic() - made))
                 elif op == "status":
                     self._status = message
                     if isinstance(message.get("heartbeat"), int | float):
@@ -502,7 +509,24 @@ class RemoteEngine:
         rss = 0
         with contextlib.suppress(OSError, ValueError, IndexError):
             rss = int(Path(f"/proc/{self.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return {"pid": self.pid, "rss_bytes": rss, "confined": self.confined, "unconfined": self.unconfined}
+        return {
+            "pid": self.pid,
+            "rss_bytes": rss,
+            "confined": self.confined,
+            "unconfined": self.unconfined,
+            "handoff": self.handoff(),
+        }
+
+    def handoff(self) -> dict[str, Any]:
+        """The token hand-off's latency over the last HANDOFF_SAMPLES frames: p50 and p99 in ms."""
+        samples = sorted(self._handoff.copy())  # one C call: safe beside the reader's appends
+        if not samples:
+            return {"frames": 0, "p50_ms": None, "p99_ms": None}
+
+        def at(q: float) -> float:
+            return round(samples[min(len(samples) - 1, int(q * len(samples)))] * 1000, 3)
+
+        return {"frames": len(samples), "p50_ms": at(0.5), "p99_ms": at(0.99)}
 
     def on_exit(self, callback: Callable[[str | None], None]) -> None:
         """Call `callback(fault)` once the process is gone (`fault` None after `close`)."""

@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -61,6 +62,11 @@ class Forwarded(Generation):
         self.remote_id = remote_id
         self.worker = worker
 
+    def push_threadsafe(self, events: list[Event]) -> None:
+        """From the scheduler thread: stamped now, the start of the token's hand-off."""
+        with contextlib.suppress(RuntimeError):  # loop closed: the process is ending
+            self._loop.call_soon_threadsafe(self.worker.forward, self, events, time.monotonic())
+
     def push(self, events: list[Event]) -> None:
         """On this process's loop: hand the events to the next frame."""
         self.worker.forward(self, events)
@@ -80,6 +86,7 @@ class Worker:
         self._next_grammar = 0
         self._gens: dict[int, Forwarded] = {}
         self._outbox: list[list[Any]] = []
+        self._made = 0.0  # when the outbox's oldest events left the scheduler (monotonic)
         self._ended = False  # a generation finished in the outbox
         self._pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="engine-prompt")
         self._done = asyncio.Event()
@@ -89,10 +96,12 @@ class Worker:
         with self._send_lock:
             wire.send(self.sock, message)
 
-    def forward(self, gen: Forwarded, events: list[Event]) -> None:
-        """Queue a generation's events for the frame that ends this loop turn."""
+    def forward(self, gen: Forwarded, events: list[Event], made: float | None = None) -> None:
+        """Queue a generation's events for the frame that ends this loop turn (`made`: when the
+        scheduler handed them over; the frame carries its oldest, for the hand-off's latency)."""
         if not self._outbox:
             self.loop.call_soon(self._flush)
+            self._made = time.monotonic() if made is None else made
         self._outbox.append([gen.remote_id, [wire.encode_event(e) for e in events]])
         if any(isinstance(e, Finished) for e in events):
             self._gens.pop(gen.remote_id, None)
@@ -104,7 +113,7 @@ class Worker:
             self._ended = False
             self._safe_send(self._status_frame())
         if items:
-            self._safe_send({"op": "events", "items": items})
+            self._safe_send({"op": "events", "items": items, "made": self._made})
 
     def _safe_send(self, message: dict[str, Any]) -> None:
         try:

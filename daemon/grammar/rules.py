@@ -1,6 +1,6 @@
 """GBNF rules for llama.cpp, checked against what llama.cpp can take before it sees them.
 
-Layer under `edgellmd.api.gbnf` (JSON schemas) and `edgellmd.api.regex_gbnf` (patterns).
+Layer under `grammar.schema` and `grammar.convert` (JSON schemas) and `edgellmd.grammar.regex` (patterns).
 `Grammar` collects rules made of a few atoms (literal text, one character of a set, a rule
 reference, a repetition of one of those) and renders them as GBNF only after checking what
 llama.cpp would make of them: rules and elements once it expands `x{m,n}`, bytes, the

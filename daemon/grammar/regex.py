@@ -12,7 +12,7 @@ unbalanced brackets, anchors elsewhere, a quantifier with nothing to repeat or a
 
 Limits: MAX_PATTERN_LENGTH characters, MAX_PATTERN_NESTING groups deep, quantifier bounds up
 to MAX_REPETITION, and MAX_PATTERN_STATES positions once counted repetitions are written out
-(gbnf_rules: llama.cpp keeps one stack per repetition count an ambiguous text leaves open). A
+(grammar.rules: llama.cpp keeps one stack per repetition count an ambiguous text leaves open). A
 repeated part that can match "" is repeated without its empty match ((a?)* is (a)*), which
 llama.cpp would otherwise follow along every count at once.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from edgellmd.api.gbnf_rules import (
+from edgellmd.grammar.rules import (
     MAX_CODE_POINT,
     MAX_PATTERN_STATES,
     MAX_REPETITION,

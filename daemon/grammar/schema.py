@@ -1,56 +1,22 @@
-"""JSON schemas (OpenAI's structured-output subset) checked in full, then turned into llama.cpp grammars.
+"""JSON schemas (OpenAI's structured-output subset) checked in full before any grammar exists.
 
-`check_schema` validates every keyword of a client's schema and its limits before any grammar
-exists; `schema_to_grammar` turns a checked schema into GBNF that llama.cpp parses (the rules
-go through `gbnf_rules.Grammar`, which checks the grammar's own bounds); `embedded_grammar`
-does the same for a schema edgellm builds around checked ones (tool calls). Errors are
-`SchemaError`s: a client-safe message naming the keyword, where it is and the limit.
-
-What the grammar enforces, and what it only accepts:
-- objects: properties in declared order, required ones required; `additionalProperties`
-  false, true or a schema (extra keys come after the declared ones and never repeat a
-  declared name). Without `additionalProperties`, an object with `properties` or `required`
-  gets no extra keys (OpenAI's strict mode writes false); `{"type": "object"}` alone is any object.
-- arrays: `items`, `minItems`/`maxItems` (llama.cpp's native `x{m,n}`).
-- strings: any JSON string; `pattern` (ECMA-262 regex subset, see `regex_gbnf`); `format`
-  date, time, date-time, duration, uuid, ipv4, ipv6, hostname, email, uri (conservative
-  grammars: everything written is valid; not every valid value can be written).
-- integers: `minimum`/`maximum`/`exclusiveMinimum`/`exclusiveMaximum` exactly (at most 20
-  digits; 16 on an unbounded side). numbers: any JSON number; bounds and `multipleOf` are
-  accepted and not enforced. `format` int32/int64/float/double: accepted, not enforced.
-- `enum`/`const` of any JSON value (written compactly, keys in the given order), `anyOf`,
-  `type` lists, local `$ref` (`#`, `#/$defs/name`, `#/definitions/name`; recursion allowed).
-- Without `type`, the types the keywords present imply (properties: object, items: array,
-  pattern: string, minimum: number, ...), or any value when none does.
+`check_schema` validates every keyword of a client's schema and its limits; errors are
+`SchemaError`s: a client-safe message naming the keyword, where it is and the limit. What a
+checked schema turns into is `grammar.convert`'s business.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from edgellmd.api.gbnf_rules import (
+from edgellmd.grammar.regex import PatternError, parse_pattern
+from edgellmd.grammar.rules import (
     MAX_REPETITION,
-    RAW,
-    Chars,
-    Grammar,
-    GrammarLimitError,
-    Lit,
-    Origin,
-    Ref,
-    Rep,
-    Seq,
-    chars,
-    complement,
-    escape_tails,
-    intersect,
     json_string,
-    json_unit,
-    seq,
 )
-from edgellmd.api.regex_gbnf import PatternError, parse_pattern, pattern_alternatives
 
 # OpenAI's structured-output subset: types, and the keywords it documents per type.
 SCHEMA_TYPES: Final = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
@@ -91,11 +57,11 @@ MAX_ENUM_VALUES: Final = 1_000  # `enum` values in all
 MAX_SCHEMA_CHARS: Final = 120_000  # property and definition names, enum and const values together
 LARGE_ENUM_VALUES: Final = 250  # an enum of more string values than this ...
 MAX_LARGE_ENUM_CHARS: Final = 15_000  # ... may hold at most this many characters
-# edgellm's own: bounds on the work a schema asks for (the grammar's bounds: regex_gbnf).
+# edgellm's own: bounds on the work a schema asks for (the grammar's bounds: grammar.rules and grammar.regex).
 MAX_SCHEMA_NODES: Final = 20_000  # subschemas in all
 MAX_SCHEMA_DEPTH: Final = 64  # subschemas inside subschemas, anyOf included
 MAX_INTEGER_DIGITS: Final = 20  # of a bounded integer (uint64 fits); unbounded: 16, as JSON numbers go
-_INTEGER_DIGITS: Final = 16
+INTEGER_DIGITS: Final = 16
 
 STRING_FORMATS: Final = (
     "date",
@@ -151,7 +117,7 @@ FORMAT_PATTERNS: Final[Mapping[str, str]] = {
     ),
 }
 
-_TYPE_KEYWORDS: Final = {
+TYPE_KEYWORDS: Final = {
     "object": ("properties", "required", "additionalProperties"),
     "array": ("items", "minItems", "maxItems"),
     "string": ("pattern",),
@@ -160,8 +126,8 @@ _TYPE_KEYWORDS: Final = {
 _LONE: Final = frozenset({"$ref", "anyOf"})  # combined with nothing but annotations (and root $defs)
 
 
-_SIMPLE: Final = {t: t for t in ("string", "integer", "number", "boolean", "null")}
-_TYPE_ONLY: Final = frozenset({"type"}) | ANNOTATIONS
+SIMPLE_TYPES: Final = {t: t for t in ("string", "integer", "number", "boolean", "null")}
+TYPE_ONLY: Final = frozenset({"type"}) | ANNOTATIONS
 
 
 class SchemaError(Exception):
@@ -199,7 +165,7 @@ def shown(name: str) -> str:
 Path = tuple[str | int, ...]
 
 
-def _pointer(label: str, path: Path) -> str:
+def pointer(label: str, path: Path) -> str:
     return label + "#" + "".join(f"/{shown(s) if isinstance(s, str) else s}" for s in path)
 
 
@@ -271,7 +237,7 @@ class _Raw:
     text: str
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -309,7 +275,7 @@ class _Checker:
     def error(
         self, keyword: str, path: Path, problem: str, *, limit: int | None = None, unsupported: bool = False
     ) -> SchemaError:
-        where = _pointer(self.label, path)
+        where = pointer(self.label, path)
         return SchemaError(
             f"'{keyword}' at {where} {problem}",
             keyword=keyword,
@@ -370,7 +336,7 @@ class _Checker:
         children: list[tuple[Any, Path, int, str]] = []
         for key in node:
             if key not in SCHEMA_KEYWORDS:
-                where, name = _pointer(self.label, path), shown(str(key))
+                where, name = pointer(self.label, path), shown(str(key))
                 raise SchemaError(
                     f"JSON schema keyword {name!r} (at {where}) is not supported; the "
                     "supported subset is OpenAI's structured-output subset",
@@ -408,17 +374,17 @@ class _Checker:
         """Refuse what no value can meet, where the node alone shows it."""
         if _LONE & set(node):
             return
-        kinds = _types(node)
+        kinds = schema_types(node)
         if "enum" in node or "const" in node:
             values = node["enum"] if "enum" in node else [node["const"]]
             allowed = set(kinds) | ({"integer"} if "number" in kinds else set())
-            if "type" in node and not any(_json_type(v) in allowed for v in values):
+            if "type" in node and not any(json_type(v) in allowed for v in values):
                 raise self.error(
                     "enum" if "enum" in node else "const", path, "has no value of the 'type' given"
                 )
             return
         if "integer" in kinds:
-            bounds = _integer_bounds(node)
+            bounds = integer_bounds(node)
             if bounds is not None and bounds[0] > bounds[1]:
                 raise self.error(
                     "minimum",
@@ -642,7 +608,7 @@ _KEYWORD_CHECKS: Final[Mapping[str, Callable[[_Checker, Any, Path, int, _Childre
     "properties": _check_map("properties"),
     "$defs": _check_map("$defs"),
     "definitions": _check_map("definitions"),
-    **{k: _check_number(k) for k in _TYPE_KEYWORDS["number"]},
+    **{k: _check_number(k) for k in TYPE_KEYWORDS["number"]},
     **{k: _check_count(k) for k in ("minItems", "maxItems")},
     **{k: _check_string(k) for k in ("title", "description", "$schema", "$id", "$comment")},
 }
@@ -666,268 +632,17 @@ def check_schema(schema: Any, label: str = "") -> CheckedSchema:
     return CheckedSchema(schema, label, checker.properties, checker.enum_values, checker.chars)
 
 
-# ---- the conversion ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Doc:
-    root: Any  # for $ref
-    label: str
-
-
-class _Converter:
-    """Schema nodes as grammar alternatives; definitions become rules, converted in turn (no
-    recursion through references). Recursion follows the schema's own nesting, which the
-    checks bound (MAX_SCHEMA_DEPTH)."""
-
-    def __init__(self, g: Grammar) -> None:
-        self.g = g
-        self.defs: dict[tuple[int, str], str] = {}
-        self.pending: list[tuple[str, Any, _Doc, Path]] = []
-
-    def at(self, keyword: str, doc: _Doc, path: Path) -> None:
-        self.g.origin = Origin(keyword, lambda: _pointer(doc.label, path))
-
-    def value(self, node: Any, doc: _Doc, path: Path) -> list[Seq]:
-        """Alternatives for the JSON text of the values `node` accepts ([] for none)."""
-        g = self.g
-        if isinstance(node, CheckedSchema):
-            return self.value(node.schema, _Doc(node.schema, node.label), ())
-        if node is True:
-            return [(g.builtin("value"),)]
-        if node is False:
-            return []
-        if "$ref" in node:
-            return [(self.definition(node["$ref"], doc, path),)]
-        if "anyOf" in node:
-            alts = [
-                alt
-                for i, branch in enumerate(node["anyOf"])
-                for alt in self.value(branch, doc, (*path, "anyOf", i))
-            ]
-            self.at("anyOf", doc, path)
-            return g.factor(alts, "any-of")
-        if "enum" in node or "const" in node:
-            return self.constants(node, doc, path)
-        kind = node.get("type")  # the common leaf, fast: {"type": "string"}
-        simple = _SIMPLE.get(kind) if isinstance(kind, str) else None
-        if simple is not None and node.keys() <= _TYPE_ONLY:
-            return [(g.builtin(simple),)] if simple != "boolean" else [(Lit("true"),), (Lit("false"),)]
-        kinds = _types(node)
-        if not kinds:
-            return [(g.builtin("value"),)]
-        alts = []
-        for kind in kinds:
-            alts.extend(_TYPES[kind](self, node, doc, path))
-        self.at("type", doc, path)
-        return g.factor(alts, "value")
-
-    def definition(self, ref: str, doc: _Doc, path: Path) -> Ref:
-        kind, name = ref_target(ref) or ("#", "")
-        key = (id(doc.root), ref)
-        if key not in self.defs:
-            self.at("$ref", doc, path)
-            rule = self.g.reserve("def")
-            self.defs[key] = rule
-            target = doc.root if kind == "#" else doc.root[kind][name]
-            self.pending.append((rule, target, doc, () if kind == "#" else (kind, name)))
-        return Ref(self.defs[key])
-
-    def drain(self) -> None:
-        while self.pending:
-            rule, node, doc, path = self.pending.pop()
-            self.g.define(rule, self.value(node, doc, path))
-
-    def constants(self, node: Mapping[str, Any], doc: _Doc, path: Path) -> list[Seq]:
-        values = node["enum"] if "enum" in node else [node["const"]]
-        pairs = [(json_text(v, MAX_SCHEMA_CHARS), v) for v in values]
-        if "enum" in node and "const" in node:
-            const = json_text(node["const"], MAX_SCHEMA_CHARS)
-            pairs = [(t, v) for t, v in pairs if t == const]
-        if "type" in node:
-            allowed = set(_types(node))
-            if "number" in allowed:
-                allowed.add("integer")
-            pairs = [(t, v) for t, v in pairs if _json_type(v) in allowed]
-        texts = [t for t, _ in pairs]
-        self.at("enum" if "enum" in node else "const", doc, path)
-        return self.g.factor([(Lit(t),) for t in dict.fromkeys(texts)], "enum")
-
-    def string(self, node: Mapping[str, Any], doc: _Doc, path: Path) -> list[Seq]:
-        fmt = str(node.get("format"))
-        if fmt in FORMAT_PATTERNS:
-            self.at("format", doc, path)
-            return self.g.factor(pattern_alternatives(self.g, FORMAT_PATTERNS[fmt]), "format")
-        if "pattern" in node:
-            self.at("pattern", doc, path)
-            return self.g.factor(pattern_alternatives(self.g, node["pattern"]), "pattern")
-        return [(self.g.builtin("string"),)]
-
-    def integer(self, node: Mapping[str, Any], doc: _Doc, path: Path) -> list[Seq]:
-        bounds = _integer_bounds(node)
-        if bounds is None:
-            return [(self.g.builtin("integer"),)]
-        lo, hi = bounds  # lo <= hi: checked
-        self.at("minimum", doc, path)
-        return self.g.factor(integer_range(lo, hi), "int")
-
-    def array(self, node: Mapping[str, Any], doc: _Doc, path: Path) -> list[Seq]:
-        g = self.g
-        lo = int(node.get("minItems", 0))
-        hi = None if node.get("maxItems") is None else int(node["maxItems"])
-        items = self.value(node.get("items", True), doc, (*path, "items"))
-        self.at("items", doc, path)
-        space = g.builtin("space")
-        if not items:
-            if lo > 0:
-                where = _pointer(doc.label, path)
-                raise SchemaError(
-                    f"'minItems' at {where} cannot be met: 'items' is false", keyword="minItems", path=where
-                )
-            hi = 0
-        if hi == 0:
-            return [(Lit("["), space, Lit("]"))]
-        item = g.named(items, "item")
-        more_lo, more_hi = max(lo - 1, 0), None if hi is None else hi - 1
-        tail = g.named([(Lit(","), space, item, space)], "more")
-        more: Seq = (
-            ()
-            if more_hi == 0
-            else (tail,)
-            if (more_lo, more_hi) == (1, 1)
-            else (Rep(tail, more_lo, more_hi),)
-        )
-        body = seq(item, space, more)
-        if lo == 0:
-            return [seq(Lit("["), space, Rep(g.named([body], "items"), 0, 1), Lit("]"))]
-        return [seq(Lit("["), space, body, Lit("]"))]
-
-    def object(self, node: Mapping[str, Any], doc: _Doc, path: Path) -> list[Seq]:
-        g = self.g
-        props: Mapping[str, Any] = node.get("properties", {})
-        required: list[str] = node.get("required", [])
-        extra = node.get("additionalProperties")
-        if not props and not required and extra is None:
-            return [(g.builtin("object"),)]
-        must = set(required)
-        space = g.builtin("space")
-        entries: list[tuple[str, Seq, bool]] = []
-        for name, sub in props.items():
-            alts = self.value(sub, doc, (*path, "properties", name))
-            if alts:
-                # A short value (a const) stays in line, so that anyOf branches told apart by
-                # it share their prefix up to it (tool names, discriminators).
-                short = len(alts) == 1 and len(alts[0]) <= 2
-                entries.append((name, alts[0] if short else (g.named(alts, "prop"),), name in must))
-            elif name in must:
-                where = _pointer(doc.label, path)
-                raise SchemaError(
-                    f"'required' at {where} names a property whose schema is false",
-                    keyword="required",
-                    path=where,
-                )
-        extra_alts = (
-            None
-            if extra is None or extra is False
-            else self.value(extra, doc, (*path, "additionalProperties"))
-        )
-        self.at("properties", doc, path)
-        for name in required:
-            if name in props:
-                continue
-            if extra is False or extra_alts == []:
-                where = _pointer(doc.label, path)
-                raise SchemaError(
-                    f"'required' at {where} names a property that 'properties' lacks and "
-                    "'additionalProperties' forbids",
-                    keyword="required",
-                    path=where,
-                )
-            entries.append((name, (g.named(extra_alts, "prop") if extra_alts else g.builtin("value"),), True))
-        end_after: Seq = ()
-        end_first: Seq = ()
-        if extra_alts:
-            key = self.key_excluding([name for name, _, _ in entries])
-            member = g.named([seq(key, space, Lit(":"), space, g.named(extra_alts, "extra"), space)], "extra")
-            more = g.named([(Lit(","), space, member)], "extras")
-            end_after = (Rep(more, 0, None),)
-            end_first = (Rep(g.named([(member, Rep(more, 0, None))], "extras"), 0, 1),)
-        # Right to left: `after` is what may follow once a property is written (each written
-        # one starts with a comma), `first` what may open the object.
-        after = end_after
-        first: list[Seq] = [end_first]
-        for name, ref, needed in reversed(entries):
-            # Plain tuples: no two literals meet (a space is between), and seq() costs here.
-            kv = (Lit(json_string(name)), space, Lit(":"), space, *ref, space)
-            written = (Lit(","), space, *kv, *after)
-            opening = (*kv, *after)
-            if needed:
-                first = [opening]
-                after = written if len(written) <= 32 else (g.named([written], "props"),)
-            else:
-                first.append(opening)
-                after = (g.named([written, after], "props"),)
-        opening_alts = g.factor(list(reversed(first)), "props")
-        return [seq(Lit("{"), space, g.inline(opening_alts, "props"), Lit("}"))]
-
-    def key_excluding(self, names: list[str]) -> Seq:
-        """A JSON string, canonically spelled, that is none of `names` (a trie over their spellings)."""
-        g = self.g
-        if not names:
-            return (g.builtin("string"),)
-        root = _Trie()
-        for name in names:
-            node = root
-            for c in name:
-                node = node.children.setdefault(json_unit(ord(c)), _Trie())
-            node.end = True
-        rest = g.named([(Rep(g.builtin("char"), 0, None), Lit('"'))], "key-rest")
-        order = list(_walk(root))
-        rules: dict[int, Ref] = {}
-        for node in reversed(order):
-            alts: list[Seq] = [] if node.end else [(Lit('"'),)]
-            alts.extend((Lit(unit), rules[id(child)]) for unit, child in node.children.items())
-            raw = RAW
-            taken = [unit for unit in node.children if len(unit) == 1]
-            if taken:
-                raw = intersect(raw, complement(chars("".join(taken))))
-            if raw:
-                alts.append((Chars(raw), rest))
-            escaped = [c for c in range(0x20) if json_unit(c) not in node.children]
-            escaped += [c for c in (0x22, 0x5C, 0x7F) if json_unit(c) not in node.children]
-            if escaped:
-                alts.append((Lit("\\"), g.named(escape_tails(sorted(escaped)), "esc"), rest))
-            rules[id(node)] = g.named(g.factor(alts, "key"), "key")
-        return (Lit('"'), rules[id(root)])
-
-
-class _Trie:
-    __slots__ = ("children", "end")
-
-    def __init__(self) -> None:
-        self.children: dict[str, _Trie] = {}
-        self.end = False
-
-
-def _walk(root: _Trie) -> Iterator[_Trie]:
-    pending = [root]
-    while pending:
-        node = pending.pop()
-        yield node
-        pending.extend(node.children.values())
-
-
-def _types(node: Mapping[str, Any]) -> list[str]:
+def schema_types(node: Mapping[str, Any]) -> list[str]:
     value = node.get("type")
     if value is not None:
         return [value] if isinstance(value, str) else list(value)
-    implied = [kind for kind, keys in _TYPE_KEYWORDS.items() if any(k in node for k in keys)]
+    implied = [kind for kind, keys in TYPE_KEYWORDS.items() if any(k in node for k in keys)]
     if node.get("format") in STRING_FORMATS and "string" not in implied:
         implied.append("string")
     return implied  # none: any value
 
 
-def _integer_bounds(node: Mapping[str, Any]) -> tuple[int, int] | None:
+def integer_bounds(node: Mapping[str, Any]) -> tuple[int, int] | None:
     lows = [math.ceil(node["minimum"])] if "minimum" in node else []
     if "exclusiveMinimum" in node:
         lows.append(math.floor(node["exclusiveMinimum"]) + 1)
@@ -936,7 +651,7 @@ def _integer_bounds(node: Mapping[str, Any]) -> tuple[int, int] | None:
         highs.append(math.ceil(node["exclusiveMaximum"]) - 1)
     if not lows and not highs:
         return None
-    widest, usual = 10**MAX_INTEGER_DIGITS - 1, 10**_INTEGER_DIGITS - 1
+    widest, usual = 10**MAX_INTEGER_DIGITS - 1, 10**INTEGER_DIGITS - 1
     lo = max(lows) if lows else None
     hi = min(highs) if highs else None
     if lo is None:
@@ -946,132 +661,8 @@ def _integer_bounds(node: Mapping[str, Any]) -> tuple[int, int] | None:
     return max(lo, -widest), min(hi, widest)
 
 
-def integer_range(lo: int, hi: int) -> list[Seq]:
-    """Alternatives for the JSON integers from lo to hi (no leading zeros, no -0)."""
-    out: list[Seq] = []
-    if lo < 0:
-        out.extend(seq(Lit("-"), s) for s in _magnitudes(max(1, -hi), -lo))
-    if hi >= 0:
-        out.extend(_magnitudes(max(lo, 0), hi))
-    return out
-
-
-def _magnitudes(a: int, b: int) -> list[Seq]:
-    out: list[Seq] = []
-    full: list[int] = []  # digit counts whose every number is in range, merged below
-    for digits in range(len(str(a)), len(str(b)) + 1):
-        lo, hi = max(a, 10 ** (digits - 1) if digits > 1 else 0), min(b, 10**digits - 1)
-        if lo > hi:
-            continue
-        if digits > 1 and lo == 10 ** (digits - 1) and hi == 10**digits - 1:
-            full.append(digits)
-        else:
-            out.extend(_same_length(str(lo), str(hi)))
-    if full:
-        out.append((Chars(((0x31, 0x39),)), Rep(_DIGIT, full[0] - 1, full[-1] - 1)))
-    return out
-
-
-_DIGIT: Final = Chars(((0x30, 0x39),))
-
-
-def _digits(count: int) -> Seq:
-    return () if count == 0 else (_DIGIT,) if count == 1 else (Rep(_DIGIT, count, count),)
-
-
-def _same_length(lo: str, hi: str) -> list[Seq]:
-    """Numerals of len(lo) digits from lo to hi (recursion: one level per digit, at most 20)."""
-    if lo == hi:
-        return [(Lit(lo),)] if lo else [()]
-    k = 0
-    while lo[k] == hi[k]:
-        k += 1
-    if k:
-        return [seq(Lit(lo[:k]), s) for s in _same_length(lo[k:], hi[k:])]
-    rest = len(lo) - 1
-    a, b = int(lo[0]), int(hi[0])
-    from_zero, to_nine = lo[1:] == "0" * rest, hi[1:] == "9" * rest
-    out: list[Seq] = []
-    if not from_zero:
-        out.extend(seq(Lit(lo[0]), s) for s in _same_length(lo[1:], "9" * rest))
-    start, end = (a if from_zero else a + 1), (b if to_nine else b - 1)
-    if start <= end:
-        head = Lit(str(start)) if start == end else Chars(((0x30 + start, 0x30 + end),))
-        out.append(seq(head, _digits(rest)))
-    if not to_nine:
-        out.extend(seq(Lit(hi[0]), s) for s in _same_length("0" * rest, hi[1:]))
-    return out
-
-
-_TYPES: Final[Mapping[str, Callable[[_Converter, Mapping[str, Any], _Doc, Path], list[Seq]]]] = {
-    "null": lambda c, n, d, p: [(Lit("null"),)],
-    "boolean": lambda c, n, d, p: [(Lit("true"),), (Lit("false"),)],
-    "integer": _Converter.integer,
-    "number": lambda c, n, d, p: [(c.g.builtin("number"),)],
-    "string": _Converter.string,
-    "array": _Converter.array,
-    "object": _Converter.object,
-}
-
-
-def _build(root: Any, label: str) -> str:
-    g = Grammar()
-    converter = _Converter(g)
-    alts = converter.value(root, _Doc(root, label), ())
-    converter.drain()
-    if not alts:
-        raise SchemaError(f"the JSON schema at {label}# accepts no value", keyword="schema", path=f"{label}#")
-    try:
-        return g.render([seq(g.inline(alts, "value"), g.builtin("space"))])
-    except GrammarLimitError as exc:
-        if exc.origin is None:
-            raise SchemaError(
-                f"the JSON schema's grammar: {exc.message}",
-                keyword="schema",
-                path=f"{label}#",
-                limit=exc.limit,
-            ) from None
-        keyword = exc.origin.keyword or "schema"
-        raise SchemaError(
-            f"'{keyword}' at {exc.origin.path}: {exc.message}",
-            keyword=keyword,
-            path=exc.origin.path,
-            limit=exc.limit,
-        ) from None
-
-
-def schema_to_grammar(schema: Any) -> str:
-    """GBNF (root rule `root`) for the JSON values a schema accepts; checks it first unless checked."""
-    part = schema if isinstance(schema, CheckedSchema) else check_schema(schema)
-    return _build(part.schema, part.label)
-
-
-def embedded_grammar(wrapper: Any) -> str:
-    """GBNF for a schema edgellm builds around `CheckedSchema` parts (tool calls).
-
-    The wrapper's own keywords are checked for shape but are edgellm's: its nesting and names
-    do not count toward the client's limits. The parts' counts add up against them, and the
-    grammar's bounds hold for the whole.
-    """
+def check_wrapper(wrapper: Any) -> list[CheckedSchema]:
+    """Check a schema edgellm builds around `CheckedSchema` parts (tool calls) for shape; the parts."""
     checker = _Checker("", wrapper=True)
     checker.run(wrapper)
-    parts = checker.parts
-    totals = (
-        ("properties", "object properties", sum(p.properties for p in parts), MAX_OBJECT_PROPERTIES),
-        ("enum", "enum values", sum(p.enum_values for p in parts), MAX_ENUM_VALUES),
-        (
-            "properties",
-            "characters of names, enum and const values",
-            sum(p.chars for p in parts),
-            MAX_SCHEMA_CHARS,
-        ),
-    )
-    for keyword, what, count, limit in totals:
-        if count > limit:
-            raise SchemaError(
-                f"the schemas together have {count:,} {what}; the most this server allows is {limit:,}",
-                keyword=keyword,
-                path="#",
-                limit=limit,
-            )
-    return _build(wrapper, "")
+    return checker.parts
