@@ -219,7 +219,7 @@ def _serve_main(config: str, early: EarlySignals) -> int:
     if early.stop:
         _log().info("stop requested during start-up: exiting before serving")
         return 0
-    from edgellmd.http.keystore import KeysFileError  # noqa: PLC0415
+    from edgellmd.keys import KeysFileError  # noqa: PLC0415
 
     try:
         asyncio.run(serve(settings, pinning, early))

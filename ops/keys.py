@@ -10,7 +10,7 @@ from typing import Final
 
 from edgellmctl.cli import CommandError, Subcommands, guarded, positive_int
 from edgellmctl.lock import parse_duration
-from edgellmd.http.keystore import (
+from edgellmd.keys import (
     SCOPES,
     KeysFileError,
     NoSuchKey,

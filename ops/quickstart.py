@@ -29,7 +29,7 @@ from edgellmctl.cli import (
     positive_int,
 )
 from edgellmd.files import UnsuitableFile, read_regular
-from edgellmd.http.keystore import KeysFileError, hash_secret, parse_token, read_keys_file
+from edgellmd.keys import KeysFileError, hash_secret, parse_token, read_keys_file
 from edgellmd.models.lockfile import LockError, load_lock, load_private_key, open_verified
 from edgellmd.settings import ConfigError, load_settings
 

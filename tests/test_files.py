@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmd import files
 from edgellmd.files import FileTooLarge, NotRegularFile, UnsuitableFile, open_regular, read_regular
-from edgellmd.http.keystore import KeysFileError, read_keys_file
+from edgellmd.keys import KeysFileError, read_keys_file
 from edgellmd.models.lockfile import (
     LockedModel,
     LockError,

@@ -24,7 +24,7 @@ from edgellmd.engine.generation import Running
 from edgellmd.http import appkeys
 from edgellmd.http.auth import setup_admin_networks, setup_auth
 from edgellmd.http.errors import error_middleware
-from edgellmd.http.keystore import KeysFileError
+from edgellmd.keys import KeysFileError
 from tests.bare import AuditLine, audit_lines, bare_app, error_of, everything_logged, route_all
 
 PEER: Final = "127.0.0.1"  # where the test client connects from

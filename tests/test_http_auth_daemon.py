@@ -15,7 +15,7 @@ import yaml
 
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
-from edgellmd.http.keystore import KeysFileError, parse_keys, read_keys_file
+from edgellmd.keys import KeysFileError, parse_keys, read_keys_file
 from edgellmd.settings import ConfigError, parse_settings
 from tests.serving import RunningDaemon, running
 

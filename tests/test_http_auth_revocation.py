@@ -12,7 +12,7 @@ import pytest
 
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
-from edgellmd.http.keystore import RELOAD_INTERVAL_S
+from edgellmd.keys import RELOAD_INTERVAL_S
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import running, settings_for, sse_events
 

@@ -14,7 +14,7 @@ import yaml
 
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
-from edgellmd.http.keystore import read_keys_file
+from edgellmd.keys import read_keys_file
 from tests.serving import running
 from tests.test_http_console import Box, Browser, _settings
 
@@ -125,7 +125,7 @@ def test_a_keys_file_the_daemon_may_not_write_is_said_plainly(
     def read_only(*_args: Any, **_kwargs: Any) -> Any:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr("edgellmd.http.keystore.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("edgellmd.keys.tempfile.mkstemp", read_only)
     monkeypatch.setattr("edgellmd.http.console_keys.os.statvfs", read_only)
     caplog.set_level(logging.DEBUG)
     before = box.keys.read_bytes()

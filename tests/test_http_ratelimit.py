@@ -26,8 +26,8 @@ from edgellmd.engine.generation import Running
 from edgellmd.errors import InvalidRequest
 from edgellmd.http import appkeys
 from edgellmd.http.auth import setup_auth
-from edgellmd.http.keystore import RELOAD_INTERVAL_S
 from edgellmd.http.ratelimit import setup_ratelimit
+from edgellmd.keys import RELOAD_INTERVAL_S
 from tests.bare import bare_app, error_of, who
 
 LIMITS: Final = {  # label -> scopes, limits

@@ -14,8 +14,8 @@ import pytest
 from edgellmctl.keys import create_key
 from edgellmd.errors import RateLimited
 from edgellmd.http import appkeys
-from edgellmd.http.keystore import ApiKey, KeyLimits
 from edgellmd.http.ratelimit import RateLimiter, TokenBucket
+from edgellmd.keys import ApiKey, KeyLimits
 from edgellmd.settings import parse_settings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ RANKS: Final = {
     "settings": 2,  # reads host's CPU-list syntax
     "host": 1,
     "grammar": 0,  # a leaf: the schema and regex to GBNF compiler imports nothing of edgellmd
+    "keys": 0,  # the keys file: read by the front door and written by edgellmctl, which has none
     "errors": 0,
     "files": 0,
     "redaction": 0,
@@ -94,6 +96,17 @@ def test_the_grammar_compiler_imports_nothing_outside_itself() -> None:
     assert not wrong, "the grammar package is a leaf:\n" + "\n".join(wrong)
 
 
+def test_the_operator_tool_does_not_import_the_front_door() -> None:
+    ops = DAEMON.parent / "ops"
+    wrong = [
+        f"{path.relative_to(DAEMON.parent)}:{line}: {target}"
+        for path in sorted(ops.rglob("*.py"))
+        for line, target, _ in _imports(path, ops)
+        if _layer(target) == "http"
+    ]
+    assert not wrong, "edgellmctl imports the daemon's HTTP layer:\n" + "\n".join(wrong)
+
+
 def test_every_package_is_in_the_wheel(tmp_path: Path) -> None:
     """pyproject.toml's package list covers every package of both trees: the wheel holds them all."""
     import tomllib  # noqa: PLC0415
@@ -107,22 +120,13 @@ def test_every_package_is_in_the_wheel(tmp_path: Path) -> None:
     }
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     assert expected <= listed, f"packages missing from pyproject.toml: {sorted(expected - listed)}"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(root),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    source = tmp_path / "source"  # built from a copy: the build leaves nothing in the checkout
+    for tree in ("daemon", "ops"):
+        shutil.copytree(root / tree, source / tree, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(root / name, source / name)
+    wheel_build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*wheel_build, "-w", str(tmp_path), str(source)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("edgellm*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = sorted(p for p in expected if p.replace(".", "/") + "/__init__.py" not in names)

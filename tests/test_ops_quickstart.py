@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from edgellmctl.__main__ import main
-from edgellmd.http.keystore import parse_token, read_keys_file
+from edgellmd.keys import parse_token, read_keys_file
 from edgellmd.settings import load_settings
 
 pytestmark = pytest.mark.demo

@@ -13,8 +13,8 @@ from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import GpuMonitor
 from edgellmd.host.systemd import Notifier
-from edgellmd.http.keystore import ApiKey, KeyStore
 from edgellmd.http.ratelimit import RateLimiter
+from edgellmd.keys import ApiKey, KeyStore
 from edgellmd.models.registry import Registry
 from edgellmd.settings import Settings
 

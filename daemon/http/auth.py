@@ -18,8 +18,8 @@ from edgellmd.engine.generation import KEY_REVOKED, Running
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied
 from edgellmd.http import appkeys
 from edgellmd.http.errors import Handler
-from edgellmd.http.keystore import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
 from edgellmd.http.ratelimit import setup_ratelimit
+from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
 
 log = logging.getLogger(__name__)
 audit = logging.getLogger("edgellmd.audit")

@@ -41,8 +41,8 @@ from edgellmd.http import appkeys
 from edgellmd.http.auth import authenticate, unusable
 from edgellmd.http.console_keys import KEY_ROUTES, setup_key_writes
 from edgellmd.http.errors import Handler
-from edgellmd.http.keystore import RELOAD_INTERVAL_S, ApiKey, KeyStore, parse_token
 from edgellmd.http.ratelimit import TokenBucket
+from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, parse_token
 from edgellmd.settings import Settings
 
 audit = logging.getLogger("edgellmd.audit")

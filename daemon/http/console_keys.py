@@ -1,6 +1,6 @@
 """The console's API keys: list (never secrets), create (the token shown once), disable, enable, revoke.
 
-The keys file is written by `keystore`'s helpers, the ones `edgellmctl keys` uses, off the
+The keys file is written by `edgellmd.keys`' helpers, the ones `edgellmctl keys` uses, off the
 event loop and one change at a time; the daemon then reads it back at once, so a disabled or
 revoked key stops working before the answer goes out, and its running requests and console
 sessions end. Under the hardened systemd unit the keys file is read-only for the daemon
@@ -26,7 +26,7 @@ from edgellmd.api.jsontext import read_json_object
 from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.errors import InvalidRequest, NotFound, PermissionDenied, shown
 from edgellmd.http import appkeys
-from edgellmd.http.keystore import (
+from edgellmd.keys import (
     SCOPES,
     KeysFileError,
     KeysFileNotWritable,

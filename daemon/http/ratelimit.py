@@ -14,7 +14,7 @@ from aiohttp import web
 from edgellmd.api.context import TOKENS_USED
 from edgellmd.errors import RateLimited
 from edgellmd.http.errors import Handler
-from edgellmd.http.keystore import ApiKey
+from edgellmd.keys import ApiKey
 
 MINUTE_S: Final = 60.0
 
