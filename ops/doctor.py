@@ -28,7 +28,7 @@ from edgellmd.settings import ConfigError, Settings, load_settings
 
 if TYPE_CHECKING:
     from edgellmd.engine import BuildInfo
-    from edgellmd.host.nvml import GpuSnapshot
+    from edgellmd.host.gpu import GpuSnapshot
 
 DEFAULT_CONFIG: Final = Path("/etc/edgellm/edgellm.yaml")
 UNIT_PATHS: Final = (

@@ -21,7 +21,8 @@ from typing import Any, Final
 
 import pytest
 
-from edgellmd.host.nvml import GpuReading, read_gpus
+from edgellmd.host.gpu import GpuReading
+from edgellmd.host.nvml import read_gpus
 from tests import fakenvml
 from tests.gpu import device_check, report, trim_sdist
 from tests.gpu.report import ProbeResult, compare_gpu, diagnose, mismatches, parse_smi_csv, read_offload

@@ -21,7 +21,8 @@ import pytest
 from pytest_aiohttp import AiohttpClient
 
 from edgellmd.engine import EngineError
-from edgellmd.host.nvml import CLOCK_EVENT_REASONS, GpuMonitor, GpuSnapshot, read_gpus
+from edgellmd.host.gpu import GpuSnapshot
+from edgellmd.host.nvml import CLOCK_EVENT_REASONS, GpuMonitor, read_gpus
 from edgellmd.host.offload import auto_gpu_layers, plan_gpu_layers
 from edgellmd.host.verdicts import GpuLayers, Verdict, largest_gpu_layers, verdicts
 from edgellmd.http import app as app_module

@@ -25,8 +25,7 @@ from edgellmd.api.context import TOKENS_USED
 from edgellmd.engine.generation import Running
 from edgellmd.errors import InvalidRequest
 from edgellmd.http import appkeys
-from edgellmd.http.auth import setup_auth
-from edgellmd.http.ratelimit import setup_ratelimit
+from edgellmd.http.auth import setup_auth, setup_ratelimit
 from edgellmd.keys import RELOAD_INTERVAL_S
 from tests.bare import bare_app, error_of, who
 

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from edgellmd import __version__
 from edgellmd.host.cpu import host_stats
-from edgellmd.host.nvml import GpuSnapshot
+from edgellmd.host.gpu import GpuSnapshot
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds. Requests run from milliseconds (errors, embeddings) to minutes (long streams).

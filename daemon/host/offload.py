@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from edgellmd.host.nvml import GpuSnapshot
+    from edgellmd.host.gpu import GpuSnapshot
 
 
 def auto_gpu_layers(

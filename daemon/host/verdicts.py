@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias
 
-if TYPE_CHECKING:
-    from edgellmd.host.nvml import GpuReading, GpuSnapshot
+from edgellmd.host.gpu import GpuReading, GpuSnapshot
 
 # A model's `gpu_layers`: a layer count (-1: every layer) or "auto", as many as fit in free
 # VRAM, decided at load time (`host.offload`). Declared here, below settings, which reads it.

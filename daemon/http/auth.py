@@ -13,12 +13,12 @@ from pathlib import Path
 from aiohttp import web
 
 from edgellmd.api.console import is_console_path
-from edgellmd.api.context import CALLER, Caller
+from edgellmd.api.context import CALLER, TOKENS_USED, Caller
 from edgellmd.engine.generation import KEY_REVOKED, Running
-from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied
+from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
 from edgellmd.http.errors import Handler
-from edgellmd.http.ratelimit import setup_ratelimit
+from edgellmd.http.ratelimit import RateLimiter
 from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
 
 log = logging.getLogger(__name__)
@@ -165,3 +165,36 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
     app.cleanup_ctx.append(keys_ctx)
     # Limits count only requests that proved who they are.
     setup_ratelimit(app)
+
+
+def setup_ratelimit(app: web.Application) -> None:
+    """Install per-key limits on every authenticated request (after auth has set the key)."""
+
+    @web.middleware
+    async def ratelimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = request.get(appkeys.API_KEY)
+        if key is None or not request.path.startswith("/v1/"):
+            return await handler(request)
+        limiter = request.app[appkeys.RATE_LIMITER]
+        try:
+            limiter.admit(key)
+        except RateLimited as exc:
+            exc.headers.update(limiter.headers(key))
+            raise
+        try:
+            return await handler(request)
+        finally:
+            limiter.release(key, request.get(TOKENS_USED, 0))
+
+    async def stamp(request: web.Request, response: web.StreamResponse) -> None:
+        key = request.get(appkeys.API_KEY)
+        if key is not None and request.path.startswith("/v1/"):
+            response.headers.update(request.app[appkeys.RATE_LIMITER].headers(key))
+
+    async def limiter_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[appkeys.RATE_LIMITER] = RateLimiter()
+        yield
+
+    app.middlewares.append(ratelimit_middleware)
+    app.on_response_prepare.append(stamp)
+    app.cleanup_ctx.append(limiter_ctx)

@@ -5,15 +5,11 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
-from aiohttp import web
-
-from edgellmd.api.context import TOKENS_USED
 from edgellmd.errors import RateLimited
-from edgellmd.http.errors import Handler
 from edgellmd.keys import ApiKey
 
 MINUTE_S: Final = 60.0
@@ -143,37 +139,3 @@ class RateLimiter:
             out[f"x-ratelimit-remaining-{name}"] = str(max(0, math.floor(bucket.level)))
             out[f"x-ratelimit-reset-{name}"] = _duration(bucket.reset_after(now))
         return out
-
-
-def setup_ratelimit(app: web.Application) -> None:
-    """Install per-key limits on every authenticated request (after auth has set the key)."""
-    from edgellmd.http import appkeys  # noqa: PLC0415 - appkeys names RateLimiter: import when wiring
-
-    @web.middleware
-    async def ratelimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        key = request.get(appkeys.API_KEY)
-        if key is None or not request.path.startswith("/v1/"):
-            return await handler(request)
-        limiter = request.app[appkeys.RATE_LIMITER]
-        try:
-            limiter.admit(key)
-        except RateLimited as exc:
-            exc.headers.update(limiter.headers(key))
-            raise
-        try:
-            return await handler(request)
-        finally:
-            limiter.release(key, request.get(TOKENS_USED, 0))
-
-    async def stamp(request: web.Request, response: web.StreamResponse) -> None:
-        key = request.get(appkeys.API_KEY)
-        if key is not None and request.path.startswith("/v1/"):
-            response.headers.update(request.app[appkeys.RATE_LIMITER].headers(key))
-
-    async def limiter_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[appkeys.RATE_LIMITER] = RateLimiter()
-        yield
-
-    app.middlewares.append(ratelimit_middleware)
-    app.on_response_prepare.append(stamp)
-    app.cleanup_ctx.append(limiter_ctx)

@@ -25,8 +25,8 @@ from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.chat import TemplateError
 from edgellmd.engine.config import KV_BYTES_PER_VALUE
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.host.hugepages import Collapse, collapse_resident
-from edgellmd.host.nvml import GpuSnapshot
 from edgellmd.host.offload import plan_gpu_layers
 from edgellmd.models.budget import MIB
 from edgellmd.models.gguf import GgufError, gguf_layer_bytes, read_gguf_values

@@ -24,7 +24,7 @@ from typing import Any, Final
 from edgellmd.engine import BuildInfo, EngineError, build
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
-from edgellmd.host.nvml import GpuSnapshot
+from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
 from edgellmd.models.handle import (
     EngineFactory,
