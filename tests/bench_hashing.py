@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edgellmd.models.lockfile import LockedModel, hash_fd, open_verified, read_gguf_facts
+from edgellmd.models.lockfile import LockedModel
+from edgellmd.models.verify import hash_fd, open_verified, read_gguf_facts
 
 
 def best_of(runs: int, func: Callable[[], object]) -> float:

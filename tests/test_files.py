@@ -27,10 +27,9 @@ from edgellmd.models.lockfile import (
     load_lock,
     load_private_key,
     load_public_key,
-    open_verified,
-    read_gguf_facts,
 )
 from edgellmd.models.preload import PreloadArea
+from edgellmd.models.verify import open_verified, read_gguf_facts
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
 PROMPTLY_S = 5.0  # a refusal takes microseconds; a blocked open() would take for ever

@@ -23,11 +23,11 @@ from edgellmd.models.lockfile import (
     key_id,
     load_lock,
     parse_lock,
-    read_gguf_facts,
     resolve_model_file,
     sign,
     verify_lock,
 )
+from edgellmd.models.verify import read_gguf_facts
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import running, settings_for
 

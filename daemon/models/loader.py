@@ -35,11 +35,10 @@ from edgellmd.models.lockfile import (
     LockedModel,
     LockError,
     Lockfile,
-    VerifiedFile,
-    open_verified,
     resolve_model_file,
 )
 from edgellmd.models.preload import NoRoom, PreloadArea
+from edgellmd.models.verify import VerifiedFile, open_verified
 from edgellmd.settings import GPU_LAYERS_AUTO, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Format (DESIGN.md, "Lockfile format"): a JSON object signed over its canonical f
 keys, `(",", ":")` separators, UTF-8) with the `signatures` member removed. A model is
 served only when a trusted key signed the lock, the lock has not expired, its version is
 not lower than the highest this box accepted before, and the file's size, sha256 and GGUF
-header match the lock's entry.
+header match the lock's entry (`models.verify` checks the file's bytes).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,12 +29,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from edgellmd import settings
 from edgellmd.errors import shown as show_value
-from edgellmd.files import UnsuitableFile, open_regular, read_regular
-from edgellmd.models import gguf
+from edgellmd.files import UnsuitableFile, read_regular
 
 SCHEMA: Final = 1
 ALGORITHM: Final = "ed25519"
-HASH_CHUNK: Final = 4 * 1024 * 1024  # large reads keep hashing at the speed of sha256sum
 STATE_FILE: Final = "lock-state.json"
 MAX_LOCK_BYTES: Final = 4 * 1024 * 1024
 MAX_KEY_BYTES: Final = 64 * 1024  # a PEM Ed25519 key is about 120 bytes
@@ -48,8 +46,6 @@ _PLAIN_MEMBER: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # JSON member names
 # C0 and C1 control characters and DEL: NUL cuts a path short in C, the others rewrite
 # terminals and split log lines.
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-Progress = Callable[[int], None]  # called with the number of bytes just hashed
 
 
 class LockError(Exception):
@@ -419,98 +415,3 @@ def resolve_model_file(models_dir: Path, file: str) -> Path:
     if not path.is_relative_to(root):
         raise LockError(f"file {shown(file)} resolves outside the models directory (through a symlink)")
     return path
-
-
-class VerifiedFile:
-    """A model file opened once, checked through that descriptor, and loaded through it too.
-
-    Loading `load_path` (/proc/self/fd/N) reads the inode that was hashed even if the path
-    is replaced afterwards; the /dev/shm preload copies while hashing, which also rules out
-    writes into the same inode.
-    """
-
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
-        self.fd = fd
-
-    @property
-    def load_path(self) -> Path:
-        """A path that names exactly the verified open file."""
-        return Path(f"/proc/self/fd/{self.fd}")
-
-    def close(self) -> None:
-        """Close the descriptor (a loaded model keeps its own mapping)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def hash_fd(fd: int, size: int, progress: Progress | None = None) -> str:
-    """sha256 of the first `size` bytes readable from `fd`, from its start."""
-    digest = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK)
-    view = memoryview(buf)
-    os.lseek(fd, 0, os.SEEK_SET)
-    remaining = size
-    while remaining > 0:
-        n = os.readv(fd, [view[: min(HASH_CHUNK, remaining)]])
-        if n == 0:
-            raise LockError("the file ended while it was being hashed (truncated meanwhile?)")
-        digest.update(view[:n])
-        remaining -= n
-        if progress is not None:
-            progress(n)
-    return digest.hexdigest()
-
-
-def open_verified(models_dir: Path, entry: LockedModel, progress: Progress | None = None) -> VerifiedFile:
-    """Open the entry's file, check its size, hash and GGUF header; the caller closes it."""
-    path = resolve_model_file(models_dir, entry.file)
-    try:
-        fd = open_regular(path, follow_symlinks=False)
-    except UnsuitableFile as exc:
-        raise LockError(exc.describe(entry.file)) from None
-    except OSError as exc:
-        raise LockError(f"cannot open {entry.file}: {exc.strerror}") from None
-    verified = VerifiedFile(path, fd)
-    try:
-        _check_open_file(verified, entry, progress)
-    except BaseException:
-        verified.close()
-        raise
-    return verified
-
-
-def _check_open_file(verified: VerifiedFile, entry: LockedModel, progress: Progress | None) -> None:
-    size = os.fstat(verified.fd).st_size
-    if size != entry.size:  # fail fast, before hashing gigabytes
-        raise LockError(f"{entry.file} is {size} bytes; the lockfile says {entry.size}")
-    digest = hash_fd(verified.fd, size, progress)
-    if os.fstat(verified.fd).st_size != size:
-        raise LockError(f"{entry.file} changed size while it was being hashed")
-    if digest != entry.sha256:
-        raise LockError(f"{entry.file} has sha256 {digest[:16]}...; the lockfile says {entry.sha256[:16]}...")
-    check_gguf(read_gguf_facts(verified.load_path), entry)
-
-
-def read_gguf_facts(path: Path) -> dict[str, str | int]:
-    """Architecture, file type and context length from a GGUF header; LockError when it is not one."""
-    try:
-        return gguf.read_gguf_facts(path)
-    except gguf.GgufError as exc:
-        raise LockError(str(exc)) from None
-
-
-def check_gguf(facts: Mapping[str, str | int], entry: LockedModel) -> None:
-    """Refuse a file whose GGUF header disagrees with what the lock recorded."""
-    for member, expected in entry.gguf.items():
-        actual = facts.get(member)
-        if actual != expected:
-            raise LockError(
-                f"{entry.file}: GGUF {member} is {_fact(actual)}; the lockfile says {_fact(expected)}"
-            )
-
-
-def _fact(value: object) -> str:
-    # A GGUF header is untrusted until it matches: its strings may be huge or hold anything.
-    return shown(value) if isinstance(value, str) else repr(value)

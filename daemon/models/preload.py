@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import secrets
@@ -13,14 +12,8 @@ from pathlib import Path
 from typing import Final
 
 from edgellmd.files import UnsuitableFile, open_regular
-from edgellmd.models.lockfile import (
-    HASH_CHUNK,
-    LockedModel,
-    LockError,
-    Progress,
-    check_gguf,
-    read_gguf_facts,
-)
+from edgellmd.models.lockfile import LockedModel, LockError
+from edgellmd.models.verify import Progress, check_bytes, check_size, hash_stream
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +106,8 @@ class PreloadArea:
             raise LockError(f"cannot open {label}: {exc.strerror}") from None
         try:
             size = os.fstat(src).st_size
-            if entry is not None and size != entry.size:  # before copying gigabytes
-                raise LockError(f"{entry.file} is {size} bytes; the lockfile says {entry.size}")
+            if entry is not None:
+                check_size(entry, size)  # before copying gigabytes
             room = self.room()
             if size > room:
                 raise NoRoom(f"{size} bytes needed, {room} available")
@@ -138,24 +131,9 @@ class PreloadArea:
 
 
 def _copy_hashing(src: int, dest: Path, size: int, progress: Progress | None) -> str:
-    digest = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK)
-    view = memoryview(buf)
     out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
     try:
-        remaining = size
-        while remaining > 0:
-            n = os.readv(src, [view[: min(HASH_CHUNK, remaining)]])
-            if n == 0:
-                raise LockError("the file ended while it was being copied (truncated meanwhile?)")
-            chunk = view[:n]
-            digest.update(chunk)
-            written = 0
-            while written < n:
-                written += os.write(out, chunk[written:])
-            remaining -= n
-            if progress is not None:
-                progress(n)
+        digest = hash_stream(src, size, progress, sink=out)
         if os.read(src, 1):
             raise LockError("the file grew while it was being copied (still being written?)")
     except OSError as exc:
@@ -164,14 +142,12 @@ def _copy_hashing(src: int, dest: Path, size: int, progress: Progress | None) ->
         raise
     finally:
         os.close(out)
-    return digest.hexdigest()
+    return digest
 
 
 def _check_copy(copy: Path, digest: str, entry: LockedModel) -> None:
     # The digest is of the bytes that were written: what gets loaded is what was checked.
-    if digest != entry.sha256:
-        raise LockError(f"{entry.file} has sha256 {digest[:16]}...; the lockfile says {entry.sha256[:16]}...")
-    check_gguf(read_gguf_facts(copy), entry)
+    check_bytes(entry, digest, copy)
 
 
 def remove_stale_areas(root: Path) -> int:
