@@ -464,7 +464,7 @@ class SpeculativeSettings:
         "most draft tokens per sequence and step",
         bounds=(1, 64),
         more="each drafted position costs a row of the output layer when checked, so long drafts pay only "
-        "where they are kept: ngram on text that copies its input pays at 24 (README: Benchmarks); the "
+        "where they are kept: ngram on text that copies its input pays at 24 (docs/benchmarks.md); the "
         "draft length adapts, cut where a draft is rejected, and a sequence whose drafts keep failing "
         "outright pauses drafting, longer each time",
     )
@@ -592,7 +592,7 @@ class ModelSettings:
         "where the model's engine runs: thread (in the daemon) or process (a confined process of its own)",
         choices=("thread", "process"),
         more="with process, a crash or hang in llama.cpp costs this model's requests only; the "
-        "model restarts by itself (see the README, engine processes)",
+        "model restarts by itself (docs/internals.md, engine processes)",
     )
     hang_timeout_s: float = setting(
         30.0,
