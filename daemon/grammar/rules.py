@@ -1,6 +1,6 @@
 """GBNF rules for llama.cpp, checked against what llama.cpp can take before it sees them.
 
-Layer under `grammar.schema` and `grammar.convert` (JSON schemas) and `edgellmd.grammar.regex` (patterns).
+Layer under `grammar.convert` (JSON schemas) and `grammar.regex` (patterns).
 `Grammar` collects rules made of a few atoms (literal text, one character of a set, a rule
 reference, a repetition of one of those) and renders them as GBNF only after checking what
 llama.cpp would make of them: rules and elements once it expands `x{m,n}`, bytes, the
@@ -9,38 +9,8 @@ states of patterns matched at once, the chains of leftmost references it walks r
 and left recursion, which it refuses. Strings are spelled as JSON text (`json_string`, and
 `set_atom` for one character of a set, raw or escaped as JSON requires).
 
-Measured with `.venv/bin/python -m tests.bench_grammar_limits` (llama-cpp-python 0.3.36 and
-its vendored llama.cpp, a 2-core x86-64 box; each grammar built by `llama_sampler_init_grammar`
-on a `threading.Thread` with the default 8 MiB stack, in a child process):
-
-    what grows                         llama.cpp                               edgellm's limit
-    groups nested ((...))              10,000: 21 ms; 20,000: SIGSEGV          MAX_GRAMMAR_NESTING 0
-    x{m}                               2,000: fine; 2,001: refused             MAX_REPETITION 1,000
-    x{0,n}                             n > 2,000: bound silently dropped
-    (group){0,n}                       group rules x n > 2,000: refused
-    x{0,n}, x may match ""             1,000 characters: > 120 s (hangs)       rewritten: x minus ""
-    leftmost chain r1 ::= r2 "a"       1,000: 20 ms; 10,000: 1.2 s;
-                                       50,000: 77 s; 100,000: SIGSEGV          MAX_GRAMMAR_DEPTH 256
-    rules (r1 ::= "a" r2 ...)          50,000: 44-72 ms; 1,000,000: 0.96 s     MAX_GRAMMAR_RULES 50,000
-    elements (x{1000} copies)          2,000,000: 94 ms                        MAX_GRAMMAR_ELEMENTS 2,000,000
-    bytes (one literal)                1 MB: 53 ms; 10 MB: 0.53 s              MAX_GRAMMAR_BYTES 1,000,000
-    alternatives at once (n)           init n=10,000: 0.19 s, 100,000: 20 s    MAX_GRAMMAR_CHOICES 256
-    counted repetitions, ambiguous     ^((a|aa){0,100}){0,100}$, 300
-      text (nested ones multiply)      characters: > 120 s (hangs)             MAX_PATTERN_STATES 1,000
-
-Per-token cost of n alternatives at once: one `llama_sampler_apply` on Gemma 3's 262,144-token
-vocabulary after the grammar's first character, for 1 / 64 / 4,096 / all candidates (the
-engine checks its pick, then tiers of 64 and 4,096, then everything):
-
-    n=1     2 us / 9 us / 0.5 ms / 75-90 ms
-    n=256   50 us / 0.14 ms / 4.8 ms / 0.4-1.2 s
-    n=1000  0.18 ms / 0.5 ms / 16 ms / 1.5-4.7 s
-
-The largest grammars the converter writes within these limits (tiny model, 259 tokens;
-`apply(1)`: the engine's first check, after a prefix): an enum of 1,000 random words as a trie,
-21 kB, init 1 ms, apply(1) 0.14 ms; 5,000 required properties, 289 kB, init 9 ms, apply(1)
-6 us; 248 optional properties in a row, init 1 ms, apply(1) 0.4 ms; 128 tools of 39 optional
-parameters; `((a|aa){0,10}){0,33}` after 300 a's (990 states), apply(1) 0.42 ms.
+Why each limit is where it is, measured against llama.cpp: docs/structured-output.md
+("Grammar limits, measured"; `.venv/bin/python -m tests.bench_grammar_limits`).
 """
 
 from __future__ import annotations
