@@ -25,8 +25,10 @@ from edgellmd.api.openai_schemas import (
     parse_embeddings,
 )
 from edgellmd.api.session import chat_session, generation_session, user_tag
-from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
+from edgellmd.engine.generation import ENGINE_STOPPED
+from edgellmd.errors import EngineFailed, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.models.handle import ModelHandle
+from edgellmd.models.registry import RETRY_AFTER_LOADING_S
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,21 @@ def _vector(values: list[float], encoding: str) -> list[float] | str:
     return values
 
 
+async def _embed_again(
+    request: web.Request, stopped: ModelHandle, inputs: list[list[int]]
+) -> list[list[float]]:
+    """An embedding whose engine stopped under it, asked again of the restarted engine (an
+    embedding shows nothing until it is whole, so asking again is safe); once only, so an input
+    that kills the engine costs two stops. The first stop's error when no restart comes within
+    the request's progress deadline."""
+    ctx = context(request)
+    fresh = await ctx.registry.replacement(stopped, ctx.settings.server.progress_timeout_s)
+    if fresh is None:
+        raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
+    async with ctx.registry.lease(fresh.name) as handle:
+        return await handle.embed(inputs)
+
+
 async def embeddings(request: web.Request) -> web.Response:
     """POST /v1/embeddings: one unit vector per input, from a model configured with embedding: true."""
     body: EmbeddingRequest = parse_embeddings(await read_json_object(request))
@@ -125,7 +142,10 @@ async def embeddings(request: web.Request) -> web.Response:
         handle.embedder  # noqa: B018 - refuses generation models before tokenizing
         inputs = [await handle.text_prompt(item, param="input") for item in body.inputs]
         request[TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
-        vectors = await handle.embed(inputs)
+        try:
+            vectors = await handle.embed(inputs)
+        except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
+            vectors = await _embed_again(request, handle, inputs)
         context(request).metrics.prompt_tokens.labels(handle.name).inc(n_tokens)
     return web.json_response(
         {
