@@ -19,7 +19,7 @@ import anthropic
 import pytest
 
 from edgellmctl.keys import create_key
-from edgellmd.api import anthropic_answers
+from edgellmd.api.anthropic import encode as anthropic_answers
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
 from tests.tools import TIME_NAME, TIME_PARAMETERS, WEATHER_DESCRIPTION, WEATHER_NAME, WEATHER_PARAMETERS

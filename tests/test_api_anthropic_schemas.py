@@ -14,13 +14,13 @@ from typing import Any, Final
 
 import pytest
 
-from edgellmd.api.anthropic_schemas import (
+from edgellmd.api.anthropic.decode import (
     BLOCK_JOINER,
     TOOL_ERROR_PREFIX,
     parse_count_tokens,
     parse_messages,
 )
-from edgellmd.api.openai_schemas import Limits
+from edgellmd.api.openai.decode import Limits
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.errors import ApiError, InvalidRequest
 from tests.serving import RunningDaemon

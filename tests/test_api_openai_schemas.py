@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from edgellmd.api.openai_schemas import (
+from edgellmd.api.openai.decode import (
     MAX_EMBEDDING_INPUTS,
     EmbeddingRequest,
     parse_embeddings,

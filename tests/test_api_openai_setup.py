@@ -22,7 +22,7 @@ from aiohttp.typedefs import Middleware
 from pytest_aiohttp import AiohttpClient
 
 from edgellmd.api.context import API_CONTEXT, CALLER, TOKENS_USED, ApiContext, Caller
-from edgellmd.api.openai import setup_openai
+from edgellmd.api.openai.routes import setup_openai
 from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.http.errors import Handler
 from edgellmd.settings import ServerSettings

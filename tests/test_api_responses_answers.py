@@ -10,7 +10,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from edgellmd.api.reply import ReasoningSplitter, ReplyReader
-from edgellmd.api.responses_answers import Draft
+from edgellmd.api.responses.encode import Draft
 from edgellmd.api.session import ChoiceEnd
 from edgellmd.engine.generation import Finished, FinishReason
 from edgellmd.errors import InternalError

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from edgellmd.api.openai_schemas import Limits
-from edgellmd.api.responses_schemas import ResponsesRequest, parse_responses
+from edgellmd.api.openai.decode import Limits
+from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.errors import ApiError, UnsupportedParameter
 

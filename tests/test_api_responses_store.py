@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edgellmd.api.responses_answers import new_id
-from edgellmd.api.responses_store import RESPONSE_ID, ResponseStore, StoredResponse, message_size
+from edgellmd.api.responses.encode import new_id
+from edgellmd.api.responses.store import RESPONSE_ID, ResponseStore, StoredResponse, message_size
 from edgellmd.engine.chat import ChatMessage
 
 BIG = 1 << 30

@@ -213,8 +213,8 @@ def test_only_the_engine_package_imports_llama_cpp() -> None:
 @pytest.mark.parametrize(
     ("importer", "target", "allowed"),
     [
-        ("edgellmd.http.app", "edgellmd.api.openai", True),
-        ("edgellmd.api.openai", "edgellmd.http.appkeys", False),
+        ("edgellmd.http.app", "edgellmd.api.openai.routes", True),
+        ("edgellmd.api.openai.routes", "edgellmd.http.appkeys", False),
         ("edgellmd.models.registry", "edgellmd.engine", True),
         ("edgellmd.engine.scheduler", "edgellmd.models.handle", False),
         ("edgellmd.host.metrics", "edgellmd.models.registry", False),

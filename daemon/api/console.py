@@ -18,10 +18,11 @@ from typing import Final
 
 from aiohttp import web
 
-from edgellmd.api import admin, openai
+from edgellmd.api import admin
 from edgellmd.api.console_live import FEED, events, setup_live
 from edgellmd.api.console_sessions import CONSOLE_SESSION, SESSIONS, SIGNED_OUT, set_cookie
 from edgellmd.api.context import context
+from edgellmd.api.openai import routes as openai
 from edgellmd.errors import NotFound
 from edgellmd.settings import Settings
 

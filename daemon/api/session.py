@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
-from edgellmd.api.openai_schemas import ChatRequest, CommonRequest
+from edgellmd.api.openai.decode import ChatRequest, CommonRequest
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
 from edgellmd.engine.config import EngineError
 from edgellmd.engine.generation import (

@@ -18,11 +18,11 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.admin import setup_admin
-from edgellmd.api.anthropic import setup_anthropic
+from edgellmd.api.anthropic.routes import setup_anthropic
 from edgellmd.api.context import API_CONTEXT, ERROR_SHAPES, USER_TAG, ApiContext, ErrorShapes
 from edgellmd.api.health import setup_health
-from edgellmd.api.openai import setup_openai
-from edgellmd.api.openai_responses import setup_responses
+from edgellmd.api.openai.routes import setup_openai
+from edgellmd.api.responses.routes import setup_responses
 from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.generation import Running
 from edgellmd.host.cpu import Pinning

@@ -14,8 +14,7 @@ from aiohttp import web
 
 from edgellmd.api.context import TOKENS_USED, USER_TAG, context, token_limits
 from edgellmd.api.jsontext import read_json_object
-from edgellmd.api.openai_answers import Shape, collect, stream
-from edgellmd.api.openai_schemas import (
+from edgellmd.api.openai.decode import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -24,6 +23,7 @@ from edgellmd.api.openai_schemas import (
     parse_completion,
     parse_embeddings,
 )
+from edgellmd.api.openai.encode import Shape, collect, stream
 from edgellmd.api.session import chat_session, generation_session, user_tag
 from edgellmd.engine.generation import ENGINE_STOPPED
 from edgellmd.errors import EngineFailed, ModelNotFound, ServiceUnavailable, shown

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from edgellmd.api.openai_schemas import ChatRequest, CommonRequest, Limits
+from edgellmd.api.openai.decode import ChatRequest, CommonRequest, Limits
 from edgellmd.api.structured import FUNCTION_NAME_CHARS, ToolPlan, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams

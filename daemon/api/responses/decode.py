@@ -16,8 +16,8 @@ from typing import Any, Final
 
 from edgellmd.api.fields import Fields, number_text, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
-from edgellmd.api.openai_schemas import ChatRequest, CommonRequest, Limits
-from edgellmd.api.responses_store import RESPONSE_ID
+from edgellmd.api.openai.decode import ChatRequest, CommonRequest, Limits
+from edgellmd.api.responses.store import RESPONSE_ID
 from edgellmd.api.structured import FUNCTION_NAME_CHARS, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams

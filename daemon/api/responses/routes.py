@@ -1,9 +1,9 @@
 """OpenAI's Responses API: POST /v1/responses, stored responses, GET and DELETE /v1/responses/{id}.
 
-The same request as a chat completion in another encoding (`api.responses_schemas`): one
+The same request as a chat completion in another encoding (`responses.decode`): one
 conversation, the same session (`api.session`: lease, prompt, grammar, tools on every
-model), the same reply parts, encoded as response objects and events (`api.responses_answers`).
-Finished responses are kept per API key in memory (`api.responses_store`) so that
+model), the same reply parts, encoded as response objects and events (`responses.encode`).
+Finished responses are kept per API key in memory (`responses.store`) so that
 `previous_response_id` can continue them.
 """
 
@@ -18,11 +18,11 @@ from aiohttp import web
 
 from edgellmd.api.context import CALLER, context, token_limits
 from edgellmd.api.jsontext import read_json_object
-from edgellmd.api.openai_answers import aborted
-from edgellmd.api.openai_schemas import ChatRequest
-from edgellmd.api.responses_answers import Draft
-from edgellmd.api.responses_schemas import ResponsesRequest, parse_responses
-from edgellmd.api.responses_store import ANONYMOUS, RESPONSE_ID, ResponseStore, StoredResponse
+from edgellmd.api.openai.decode import ChatRequest
+from edgellmd.api.openai.encode import aborted
+from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
+from edgellmd.api.responses.encode import Draft
+from edgellmd.api.responses.store import ANONYMOUS, RESPONSE_ID, ResponseStore, StoredResponse
 from edgellmd.api.session import ChoiceEnd, ChoicePart, Session, chat_session, read_choices
 from edgellmd.api.sse import Write, dumps, event, sse
 from edgellmd.engine.chat import ChatMessage

@@ -1,8 +1,8 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, in Anthropic's shapes.
 
-The body decodes into the shared chat request (`api.anthropic_schemas`) and runs through the
+The body decodes into the shared chat request (`anthropic.decode`) and runs through the
 same session as OpenAI chat (`api.session`); only the encoding is Anthropic's
-(`api.anthropic_answers`). Errors under /v1/messages, the front door's included
+(`anthropic.encode`). Errors under /v1/messages, the front door's included
 (authentication, rate limits, routing), are rendered in Anthropic's shape.
 `anthropic-version` and `anthropic-beta` headers are accepted and not looked at.
 """
@@ -16,8 +16,8 @@ from typing import Any, Final, TypeVar
 
 from aiohttp import web
 
-from edgellmd.api.anthropic_answers import Reply, collect, render_error, stream
-from edgellmd.api.anthropic_schemas import CountRequest, MessagesRequest, parse_count_tokens, parse_messages
+from edgellmd.api.anthropic.decode import CountRequest, MessagesRequest, parse_count_tokens, parse_messages
+from edgellmd.api.anthropic.encode import Reply, collect, render_error, stream
 from edgellmd.api.context import ERROR_SHAPES, ErrorShapes, context, token_limits
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.session import chat_session

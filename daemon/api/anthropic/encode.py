@@ -19,7 +19,7 @@ from typing import Any, Final, TypeVar
 
 from aiohttp import web
 
-from edgellmd.api.openai_answers import aborted
+from edgellmd.api.openai.encode import aborted
 from edgellmd.api.reply import (
     CallArguments,
     CallEnd,
