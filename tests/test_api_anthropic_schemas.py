@@ -20,7 +20,7 @@ from edgellmd.api.anthropic.decode import (
     parse_count_tokens,
     parse_messages,
 )
-from edgellmd.api.openai.decode import Limits
+from edgellmd.api.request import Limits
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.errors import ApiError, InvalidRequest
 from tests.serving import RunningDaemon

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from edgellmd.api.openai.decode import Limits
+from edgellmd.api.request import Limits
 from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.errors import ApiError, UnsupportedParameter

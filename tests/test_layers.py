@@ -108,6 +108,35 @@ def test_no_two_modules_import_each_other_even_by_a_detour() -> None:
     assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
+FAMILIES: Final = ("openai", "responses", "anthropic")
+
+
+def test_api_families_do_not_import_each_other() -> None:
+    """Each family decodes into api/request.py's model and encodes from api/session.py's parts:
+    a field of one family is changed in its own folder."""
+    wrong = []
+    for family in FAMILIES:
+        for path in sorted((DAEMON / "api" / family).rglob("*.py")):
+            for line, target, _ in _imports(path):
+                parts = target.split(".")
+                if len(parts) > 2 and parts[1] == "api" and parts[2] in FAMILIES and parts[2] != family:
+                    wrong.append(f"{path.relative_to(DAEMON.parent)}:{line}: {target}")
+    assert not wrong, "API families importing each other:\n" + "\n".join(wrong)
+
+
+def test_the_shared_middle_imports_no_family() -> None:
+    shared = [
+        DAEMON / "api" / name for name in ("request.py", "session.py", "context.py", "reply.py", "fields.py")
+    ]
+    wrong = [
+        f"{path.relative_to(DAEMON.parent)}:{line}: {target}"
+        for path in shared
+        for line, target, _ in _imports(path)
+        if len(target.split(".")) > 2 and target.split(".")[2] in FAMILIES
+    ]
+    assert not wrong, wrong
+
+
 def test_the_grammar_compiler_imports_nothing_outside_itself() -> None:
     wrong = [
         f"{path.relative_to(DAEMON.parent)}:{line}: {target}"

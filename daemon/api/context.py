@@ -14,7 +14,7 @@ from typing import Final
 
 from aiohttp import web
 
-from edgellmd.api.openai.decode import Limits
+from edgellmd.api.request import Limits
 from edgellmd.engine.generation import Running
 from edgellmd.errors import ApiError
 from edgellmd.host.cpu import Pinning

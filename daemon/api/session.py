@@ -22,12 +22,13 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
-from edgellmd.api.openai.decode import ChatRequest, CommonRequest
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
+from edgellmd.api.request import ChatRequest, CommonRequest
 from edgellmd.engine.config import EngineError
 from edgellmd.engine.generation import (
     ENGINE_STOPPED,
     KEY_REVOKED,
+    SHUTTING_DOWN,
     Event,
     Finished,
     Generation,
@@ -36,9 +37,10 @@ from edgellmd.engine.generation import (
     NoProgress,
     TokenLogprob,
 )
-from edgellmd.errors import ApiError, InvalidRequest, KeyRevoked, shown
+from edgellmd.errors import ApiError, EngineFailed, InvalidRequest, KeyRevoked, ServerShuttingDown, shown
 from edgellmd.host.metrics import TokenTiming
 from edgellmd.models.handle import REASONING_TAGS, ModelHandle
+from edgellmd.models.registry import RETRY_AFTER_LOADING_S
 
 
 def user_tag(value: str | None) -> str | None:
@@ -311,3 +313,15 @@ def finish_reason(final: Finished, reader: ReplyReader) -> str:
 def tool_names(body: ChatRequest) -> Sequence[str] | None:
     """The function names a reply may call, when its text is tool-call JSON."""
     return body.tools.names if body.tools is not None and body.tools.grammar is not None else None
+
+
+def aborted(reason: str | None) -> ApiError | None:
+    """The client's error for a generation the server ended on purpose (shutdown, revoked key)
+    or cut because its model's engine stopped (that model restarts: retry)."""
+    if reason == SHUTTING_DOWN:
+        return ServerShuttingDown(SHUTTING_DOWN)
+    if reason == KEY_REVOKED:
+        return KeyRevoked(KEY_REVOKED)
+    if reason == ENGINE_STOPPED:
+        return EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
+    return None

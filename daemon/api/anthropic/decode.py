@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from edgellmd.api.openai.decode import ChatRequest, CommonRequest, Limits
+from edgellmd.api.request import ChatRequest, CommonRequest, Limits, within_ceiling
 from edgellmd.api.structured import FUNCTION_NAME_CHARS, ToolPlan, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
@@ -158,13 +158,7 @@ def _max_tokens(data: Mapping[str, Any], limits: Limits) -> int:
     value = _typed(value, int, "max_tokens", "an integer")
     if value < 1:
         raise _fail("'max_tokens' must be at least 1", "max_tokens")
-    if value > limits.max_tokens_limit:
-        raise _fail(
-            f"'max_tokens' must be at most {limits.max_tokens_limit} on this server, "
-            f"got {shown(value, limit=24, placeholder='a number out of range')}",
-            "max_tokens",
-        )
-    return value
+    return within_ceiling(limits, "max_tokens", value)
 
 
 def _stop_sequences(data: Mapping[str, Any]) -> tuple[str, ...]:

@@ -19,7 +19,6 @@ from typing import Any, Final, TypeVar
 
 from aiohttp import web
 
-from edgellmd.api.openai.encode import aborted
 from edgellmd.api.reply import (
     CallArguments,
     CallEnd,
@@ -30,7 +29,7 @@ from edgellmd.api.reply import (
     ToolCall,
     arguments_object,
 )
-from edgellmd.api.session import ChoiceEnd, ChoicePart, Session, read_choices
+from edgellmd.api.session import ChoiceEnd, ChoicePart, Session, aborted, read_choices
 from edgellmd.api.sse import Write, event, sse
 from edgellmd.engine.generation import Finished, NoProgress
 from edgellmd.errors import ApiError, GenerationTimeout, InternalError, ServerOverloaded

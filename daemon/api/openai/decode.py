@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from edgellmd.api.fields import Fields, number_text, reject_unknown, unsupported
+from edgellmd.api.fields import Fields, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
-from edgellmd.api.structured import ToolPlan, response_format_grammar, tool_plan
+from edgellmd.api.request import ChatRequest, CommonRequest, Limits, token_limit, within_ceiling
+from edgellmd.api.structured import response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import (
@@ -88,39 +89,6 @@ _EMBEDDING_FIELDS: Final = frozenset({"model", "input", "encoding_format", "dime
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
-    """Server-wide bounds that validation enforces (from settings)."""
-
-    max_tokens_limit: int
-    default_max_tokens: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class CommonRequest:
-    """What chat and completion requests share."""
-
-    model: str
-    max_tokens: int | None  # None: until the slot's context is full
-    sampling: SamplingParams
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool
-    n: int = 1  # choices, each its own sequence in the batch
-    logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
-    user: str | None = None  # the client's end-user tag, logged
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
-    """A validated `POST /v1/chat/completions` body."""
-
-    common: CommonRequest
-    messages: tuple[ChatMessage, ...]
-    tools: ToolPlan | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class CompletionRequest:
     """A validated `POST /v1/completions` body; the prompt is text or token ids."""
 
@@ -162,23 +130,12 @@ def _common(
     if not model:
         raise InvalidRequest("'model' must not be empty", param="model")
 
-    max_tokens: int | None = None
-    for name in max_tokens_names:
+    asked: int | None = None
+    for name in max_tokens_names:  # max_completion_tokens, the newer name, wins
         value = f.integer(name, lo=1)
         if value is not None:
-            if value > limits.max_tokens_limit:
-                raise InvalidRequest(
-                    f"'{name}' must be at most {limits.max_tokens_limit} on this server, "
-                    f"got {number_text(value)}",
-                    param=name,
-                )
-            max_tokens = value
-    if max_tokens is None:
-        max_tokens = limits.default_max_tokens if limits.default_max_tokens else default_max_tokens
-        if max_tokens is not None:  # a default never goes past the key's or the server's ceiling
-            max_tokens = min(max_tokens, limits.max_tokens_limit)
-    if max_tokens is None:  # no limit asked for: the ceiling still applies
-        max_tokens = limits.max_tokens_limit
+            asked = within_ceiling(limits, name, value)
+    max_tokens = token_limit(limits, asked, default_max_tokens)
 
     n = f.integer("n", lo=1, hi=MAX_CHOICES) or 1
     stream = f.boolean("stream", False)

@@ -18,13 +18,10 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api.reply import CallArguments, CallStart, ReasoningPart, TextPart
-from edgellmd.api.session import ChoiceEnd, Session, finish_reason, read_choices
+from edgellmd.api.session import ChoiceEnd, Session, aborted, finish_reason, read_choices
 from edgellmd.api.sse import Write, dumps, sse
 from edgellmd.api.structured import ToolPlan
 from edgellmd.engine.generation import (
-    ENGINE_STOPPED,
-    KEY_REVOKED,
-    SHUTTING_DOWN,
     Event,
     Finished,
     NoProgress,
@@ -32,16 +29,11 @@ from edgellmd.engine.generation import (
     TokenLogprob,
 )
 from edgellmd.errors import (
-    ApiError,
-    EngineFailed,
     GenerationTimeout,
     InternalError,
-    KeyRevoked,
-    ServerShuttingDown,
     envelope,
 )
 from edgellmd.host.metrics import TokenTiming
-from edgellmd.models.registry import RETRY_AFTER_LOADING_S
 
 log = logging.getLogger(__name__)
 
@@ -273,18 +265,6 @@ def usage_of(finals: Sequence[Finished]) -> dict[str, Any]:
             "rejected_prediction_tokens": drafted - accepted,
         },
     }
-
-
-def aborted(reason: str | None) -> ApiError | None:
-    """The client's error for a generation the server ended on purpose (shutdown, revoked key)
-    or cut because its model's engine stopped (that model restarts: retry)."""
-    if reason == SHUTTING_DOWN:
-        return ServerShuttingDown(SHUTTING_DOWN)
-    if reason == KEY_REVOKED:
-        return KeyRevoked(KEY_REVOKED)
-    if reason == ENGINE_STOPPED:
-        return EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
-    return None
 
 
 def _failed(event: Finished) -> Exception:

@@ -15,15 +15,14 @@ from aiohttp import web
 from edgellmd.api.context import TOKENS_USED, USER_TAG, context, token_limits
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.openai.decode import (
-    ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
-    Limits,
     parse_chat,
     parse_completion,
     parse_embeddings,
 )
 from edgellmd.api.openai.encode import Shape, collect, stream
+from edgellmd.api.request import ChatRequest, Limits
 from edgellmd.api.session import chat_session, generation_session, user_tag
 from edgellmd.engine.generation import ENGINE_STOPPED
 from edgellmd.errors import EngineFailed, ModelNotFound, ServiceUnavailable, shown

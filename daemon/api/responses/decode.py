@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from edgellmd.api.fields import Fields, number_text, reject_unknown, unsupported
+from edgellmd.api.fields import Fields, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
-from edgellmd.api.openai.decode import ChatRequest, CommonRequest, Limits
+from edgellmd.api.request import ChatRequest, CommonRequest, Limits, token_limit, within_ceiling
 from edgellmd.api.responses.store import RESPONSE_ID
 from edgellmd.api.structured import FUNCTION_NAME_CHARS, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
@@ -505,16 +505,8 @@ def _max_output_tokens(f: Fields, limits: Limits) -> tuple[int, int | None]:
     """The generation's token limit, and what the request asked for (echoed)."""
     asked = f.integer("max_output_tokens", lo=1)
     if asked is not None:
-        if asked > limits.max_tokens_limit:
-            raise InvalidRequest(
-                f"'max_output_tokens' must be at most {limits.max_tokens_limit} on this server, "
-                f"got {number_text(asked)}",
-                param="max_output_tokens",
-            )
-        return asked, asked
-    default = limits.default_max_tokens
-    # A default never goes past the key's or the server's ceiling; no default: the ceiling.
-    return (min(default, limits.max_tokens_limit) if default else limits.max_tokens_limit), None
+        within_ceiling(limits, "max_output_tokens", asked)
+    return token_limit(limits, asked), asked
 
 
 def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest:

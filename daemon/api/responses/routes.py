@@ -18,12 +18,11 @@ from aiohttp import web
 
 from edgellmd.api.context import CALLER, context, token_limits
 from edgellmd.api.jsontext import read_json_object
-from edgellmd.api.openai.decode import ChatRequest
-from edgellmd.api.openai.encode import aborted
+from edgellmd.api.request import ChatRequest
 from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
 from edgellmd.api.responses.encode import Draft
 from edgellmd.api.responses.store import ANONYMOUS, RESPONSE_ID, ResponseStore, StoredResponse
-from edgellmd.api.session import ChoiceEnd, ChoicePart, Session, chat_session, read_choices
+from edgellmd.api.session import ChoiceEnd, ChoicePart, Session, aborted, chat_session, read_choices
 from edgellmd.api.sse import Write, dumps, event, sse
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import Finished, NoProgress
