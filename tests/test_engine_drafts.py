@@ -245,8 +245,20 @@ def test_the_cache_keeps_within_its_size_lru() -> None:
     assert cache.best([4] * 200 + [7]) is not None  # the newest stays
     assert cache.best([0] * 200) is None  # the oldest went
     cache.put([4] * 300, bytes(400))  # extends an entry: replaces it
-    assert (4,) * 200 not in cache.entries
+    assert ("", (4,) * 200) not in cache.entries
     assert cache.used_bytes <= 1000
+
+
+def test_the_prompt_cache_finds_a_state_only_for_the_scope_that_stored_it() -> None:
+    cache = PromptCache(max_bytes=10_000)
+    cache.put([3] * 200, bytes(100), "key-a")
+    assert cache.best([3] * 200 + [9], "key-a") is not None
+    assert cache.best([3] * 200 + [9], "key-b") is None  # another key's prompt is a miss
+    assert cache.best([3] * 200 + [9]) is None
+    assert cache.covers([3] * 100, "key-a")
+    assert not cache.covers([3] * 100, "key-b")
+    cache.put([3] * 300, bytes(100), "key-b")  # extends a-'s tokens, but in another scope: both stay
+    assert len(cache.entries) == 2
 
 
 # ---- a quantized KV cache ----------------------------------------------------------------------

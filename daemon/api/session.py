@@ -109,8 +109,14 @@ class Session:
         return ReplyReader(tools=self.tools, reasoning=splitter)
 
 
+def cache_scope(request: web.Request) -> str:
+    """Whose cached KV state a request may reuse: its API key's own (no key: the one open scope)."""
+    caller = request.get(CALLER)
+    return f"key:{caller.key_id}" if caller is not None else ""
+
+
 def _generation_request(
-    handle: ModelHandle, common: CommonRequest, tokens: list[int], choice: int
+    handle: ModelHandle, common: CommonRequest, tokens: list[int], choice: int, scope: str
 ) -> GenerationRequest:
     sampling = common.sampling
     if choice and sampling.seed is not None:  # seeded choices differ from each other, reproducibly
@@ -122,11 +128,16 @@ def _generation_request(
         stop=common.stop,
         ignore_eos=common.ignore_eos,
         logprobs=common.logprobs,
+        cache_scope=scope,
     )
 
 
 def _submit_all(
-    handle: ModelHandle, common: CommonRequest, tokens: list[int], grammars: list[Grammar] | None
+    handle: ModelHandle,
+    common: CommonRequest,
+    tokens: list[int],
+    grammars: list[Grammar] | None,
+    scope: str,
 ) -> list[Generation]:
     """One generation per choice; all or none (a 429 on the third cancels the first two)."""
     gens: list[Generation] = []
@@ -134,7 +145,7 @@ def _submit_all(
     try:
         for choice in range(common.n):
             grammar = pending.pop(0) if pending else None
-            gens.append(handle.submit(_generation_request(handle, common, tokens, choice), grammar))
+            gens.append(handle.submit(_generation_request(handle, common, tokens, choice, scope), grammar))
     except BaseException:
         for gen in gens:
             gen.cancel()
@@ -181,7 +192,7 @@ async def generation_session(
         for grammar in grammars or []:
             grammar.free()
         raise
-    gens = _submit_all(handle, common, tokens, grammars)
+    gens = _submit_all(handle, common, tokens, grammars, cache_scope(request))
     timings = [ctx.metrics.timing(handle.name) for _ in gens]
     caller = request.get(CALLER)
     key_id = caller.key_id if caller is not None else None

@@ -206,6 +206,11 @@ class DraftModel(NativeThread):
             for j, (_, _, seq, _) in enumerate(chunk):
                 self._take(seq, j, wanted, heads)
 
+    def forget(self, seq: int) -> None:
+        """Drop what the draft context holds of sequence `seq` (its slot now serves another scope)."""
+        llama.llama_memory_seq_rm(self._memory, seq, -1, -1)
+        self._kv[seq].clear()
+
     def _reuse(self, seq: int, tokens: Sequence[int]) -> int:
         """Keep the sequence's cached prefix of `tokens` (all but the last), drop the rest; its length."""
         kv = self._kv[seq]

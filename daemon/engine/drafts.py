@@ -198,36 +198,46 @@ class CacheStats:
 
 @dataclass(slots=True)
 class PromptCache:
-    """KV states of earlier sequences by their tokens, within `max_bytes`, LRU."""
+    """KV states of earlier sequences by their cache scope and tokens, within `max_bytes`, LRU.
+
+    A state is found again only by a prompt of the scope that stored it (`GenerationRequest.
+    cache_scope`): across scopes every lookup is a miss.
+    """
 
     max_bytes: int
-    entries: OrderedDict[tuple[int, ...], bytes] = field(default_factory=OrderedDict)
+    entries: OrderedDict[tuple[str, tuple[int, ...]], bytes] = field(default_factory=OrderedDict)
     used_bytes: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
 
-    def best(self, prompt: Sequence[int]) -> tuple[tuple[int, ...], bytes, int] | None:
-        """The entry sharing the longest start with `prompt` (at least MIN_CACHED_TOKENS), and its length."""
+    def best(self, prompt: Sequence[int], scope: str = "") -> tuple[tuple[int, ...], bytes, int] | None:
+        """The entry of `scope` sharing the longest start with `prompt` (at least MIN_CACHED_TOKENS)
+        and its length."""
         found: tuple[tuple[int, ...], bytes, int] | None = None
-        for tokens, data in self.entries.items():
+        for (owner, tokens), data in self.entries.items():
+            if owner != scope:
+                continue
             shared = common_prefix(tokens, prompt)
             if shared >= MIN_CACHED_TOKENS and (found is None or shared > found[2]):
                 found = (tokens, data, shared)
         if found is not None:
-            self.entries.move_to_end(found[0])
+            self.entries.move_to_end((scope, found[0]))
         return found
 
-    def covers(self, tokens: Sequence[int]) -> bool:
-        """True when an entry already holds `tokens` or more of the same sequence."""
-        return any(len(t) >= len(tokens) and common_prefix(t, tokens) == len(tokens) for t in self.entries)
+    def covers(self, tokens: Sequence[int], scope: str = "") -> bool:
+        """True when an entry of `scope` already holds `tokens` or more of the same sequence."""
+        return any(
+            owner == scope and len(t) >= len(tokens) and common_prefix(t, tokens) == len(tokens)
+            for owner, t in self.entries
+        )
 
-    def put(self, tokens: Sequence[int], data: bytes) -> None:
-        """Keep a sequence's state; entries it extends go, the oldest go while over the limit."""
+    def put(self, tokens: Sequence[int], data: bytes, scope: str = "") -> None:
+        """Keep a sequence's state; entries of its scope it extends go, the oldest go while over the limit."""
         if len(data) > self.max_bytes:
             return
         key = tuple(tokens)
-        for old in [t for t in self.entries if common_prefix(t, key) == len(t)]:  # prefixes of this one
+        for old in [k for k in self.entries if k[0] == scope and common_prefix(k[1], key) == len(k[1])]:
             self.used_bytes -= len(self.entries.pop(old))
-        self.entries[key] = data
+        self.entries[scope, key] = data
         self.used_bytes += len(data)
         self.stats.stored += 1
         while self.used_bytes > self.max_bytes and self.entries:

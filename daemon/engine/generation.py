@@ -72,6 +72,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's logprob and its k best alternatives
+    # KV state (a slot's cached prefix, the prompt cache) is reused only between requests of
+    # one scope: the API key's own by default, so that no key learns another's prompt from
+    # `cached_tokens` or a fast first token. "": the requests the daemon makes itself.
+    cache_scope: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,6 +180,7 @@ class Engine(NativeThread):
         # A finished sequence keeps them so that the next prompt with the same prefix (a
         # system prompt, a growing conversation) skips that part of the prefill.
         self._kv: list[list[int]] = [[] for _ in range(config.slots)]
+        self._scope: list[str] = ["" for _ in range(config.slots)]  # whose prompt each slot's KV holds
         self._draft: DraftModel | None = None  # speculative mode draft: loaded with the model
         # Decode step seconds by size (measured at load, kept current by the steps served).
         self.steps = StepTimes([])
@@ -458,13 +459,22 @@ class Engine(NativeThread):
     def _assign(self, gen: Generation) -> None:
         """Put `gen` in a free slot: the one that keeps the busy slots together, or one whose
         cached tokens share a much longer prefix with its prompt (`shapes.choose_slot`)."""
-        prompt = gen.request.prompt_tokens
+        prompt, scope = gen.request.prompt_tokens, gen.request.cache_scope
         busy = [s is not None for s in self._slots]
-        shared = [0 if b else common_prefix(kv, prompt) for b, kv in zip(busy, self._kv, strict=True)]
-        best = choose_slot(busy, shared)  # keeping the busy slots in one run (engine.shapes)
+        # Another scope's cached tokens are no prefix of this prompt (GenerationRequest.cache_scope).
+        shared = [
+            0 if b or owner != scope else common_prefix(kv, prompt)
+            for b, kv, owner in zip(busy, self._kv, self._scope, strict=True)
+        ]
+        held = [len(kv) for kv in self._kv]  # another's prefix is kept while an emptier slot is free
+        best = choose_slot(busy, shared, held)  # keeping the busy slots in one run (engine.shapes)
         best_len = shared[best]
         if self.prompt_cache is not None:
-            best, best_len = self._restore(prompt, best, best_len)
+            best, best_len = self._restore(prompt, scope, best, best_len)
+        if self._scope[best] != scope:
+            self._scope[best] = scope
+            if self._draft is not None:  # nor is its draft model's
+                self._draft.forget(best)
         # The last prompt token is always decoded again: its logits start the reply.
         # Sliding-window layers keep only the last n_swa positions of a sequence; the new
         # tokens need the window before `reuse`, which may have slid out already.
@@ -482,11 +492,11 @@ class Engine(NativeThread):
         self.prompt_tokens_reused += reuse
         self._slots[best] = slot
 
-    def _restore(self, prompt: Sequence[int], best: int, best_len: int) -> tuple[int, int]:
-        """Restore a cached prefix into a free slot when it saves more than the slots' own KV."""
+    def _restore(self, prompt: Sequence[int], scope: str, best: int, best_len: int) -> tuple[int, int]:
+        """Restore a cached prefix of `scope` into a free slot when it saves more than the slots' own KV."""
         cache = self.prompt_cache
         assert cache is not None  # noqa: S101 - called with a cache only
-        found = cache.best(prompt)
+        found = cache.best(prompt, scope)
         if found is None or found[2] < best_len + _MIN_RESTORE_GAIN:
             if best_len < MIN_CACHED_TOKENS:  # neither a slot nor the cache had this prefix
                 cache.stats.misses += 1
@@ -517,7 +527,8 @@ class Engine(NativeThread):
         """Save a finished sequence's KV state in the prompt cache (long ones, not already there)."""
         cache = self.prompt_cache
         tokens = self._kv[i]
-        if cache is None or len(tokens) < MIN_CACHED_TOKENS or cache.covers(tokens):
+        scope = self._scope[i]
+        if cache is None or len(tokens) < MIN_CACHED_TOKENS or cache.covers(tokens, scope):
             return
         size = llama.llama_state_seq_get_size(self._ctx, i)
         if size <= 0 or size > cache.max_bytes:
@@ -525,7 +536,7 @@ class Engine(NativeThread):
         buffer = (ctypes.c_uint8 * size)()
         written = llama.llama_state_seq_get_data(self._ctx, buffer, size, i)
         if written > 0:
-            cache.put(tokens, bytes(buffer[:written]))
+            cache.put(tokens, bytes(buffer[:written]), scope)
 
     def _step(self) -> bool:
         if not self._admit():

@@ -65,13 +65,15 @@ def runs(busy: Sequence[bool]) -> int:
     return len(busy_runs(busy))
 
 
-def choose_slot(busy: Sequence[bool], reuse: Sequence[int]) -> int:
+def choose_slot(busy: Sequence[bool], reuse: Sequence[int], held: Sequence[int] | None = None) -> int:
     """The free slot a new sequence takes, given each slot's reusable prefix length.
 
     The slot that keeps the fewest runs of busy slots, the longest reusable prefix among
-    those, the lowest index among equals; another slot wins only when its prefix saves more
-    than `SPLIT_COST_TOKENS` further tokens.
+    those, then the one holding the fewest cached tokens (`held`: what taking it throws
+    away, another request's prefix), the lowest index among equals; another slot wins only
+    when its prefix saves more than `SPLIT_COST_TOKENS` further tokens.
     """
+    kept = held if held is not None else [0] * len(busy)
     free = [i for i, b in enumerate(busy) if not b]
     if not free:
         raise ValueError("no free slot")
@@ -81,8 +83,8 @@ def choose_slot(busy: Sequence[bool], reuse: Sequence[int]) -> int:
 
     split = {i: runs_with(i) for i in free}
     fewest = min(split.values())
-    packed = max((i for i in free if split[i] == fewest), key=lambda i: (reuse[i], -i))
-    longest = max(free, key=lambda i: (reuse[i], -split[i], -i))
+    packed = max((i for i in free if split[i] == fewest), key=lambda i: (reuse[i], -kept[i], -i))
+    longest = max(free, key=lambda i: (reuse[i], -split[i], -kept[i], -i))
     return longest if reuse[longest] - reuse[packed] > SPLIT_COST_TOKENS else packed
 
 

@@ -142,6 +142,7 @@ def encode_request(request: GenerationRequest) -> dict[str, Any]:
         "stop": list(request.stop),
         "ignore_eos": request.ignore_eos,
         "logprobs": request.logprobs,
+        "cache_scope": request.cache_scope,
     }
 
 
@@ -156,6 +157,7 @@ def decode_request(value: dict[str, Any]) -> GenerationRequest:
         stop=tuple(str(s) for s in value["stop"]),
         ignore_eos=bool(value["ignore_eos"]),
         logprobs=None if value["logprobs"] is None else int(value["logprobs"]),
+        cache_scope=str(value["cache_scope"]),
     )
 
 
