@@ -30,7 +30,19 @@ RELOAD_INTERVAL_S: Final = 0.5  # how often the keys file's identity (inode, siz
 _ID: Final = re.compile(r"[0-9a-f]{12}")
 _HASH: Final = re.compile(r"sha256:[0-9a-f]{64}")
 _LIMIT_KEYS: Final = ("rpm", "tpm", "concurrent", "max_tokens")
-_ENTRY_KEYS: Final = ("id", "name", "hash", "scopes", "expires", "disabled", "limits", "created")
+_ENTRY_KEYS: Final = (
+    "id",
+    "name",
+    "hash",
+    "scopes",
+    "expires",
+    "disabled",
+    "limits",
+    "created",
+    "cache_group",
+)
+# A cache group: keys that share cached prompt state (one team's apps with one system prompt).
+CACHE_GROUP: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_KEYS_BYTES: Final = 4 * 1024 * 1024
 
 
@@ -67,6 +79,12 @@ class ApiKey:
     expires: datetime | None = None
     disabled: bool = False
     limits: KeyLimits = field(default_factory=KeyLimits)
+    cache_group: str | None = None  # keys of one group share cached KV state; else the key's own
+
+    @property
+    def cache_scope(self) -> str:
+        """Whose cached KV state this key's requests may reuse (`GenerationRequest.cache_scope`)."""
+        return f"group:{self.cache_group}" if self.cache_group else f"key:{self.id}"
 
     def usable(self, now: datetime) -> str | None:
         """Why this key cannot be used now, or None."""
@@ -159,6 +177,12 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
         disabled = entry.get("disabled", False)
         if not isinstance(disabled, bool):
             raise KeysFileError(f"{where}.disabled: must be true or false")
+        group = entry.get("cache_group")
+        if group is not None and not (isinstance(group, str) and CACHE_GROUP.fullmatch(group)):
+            raise KeysFileError(
+                f"{where}.cache_group: must be 1 to 64 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
         keys[key_id] = ApiKey(
             id=key_id,
             name=name,
@@ -167,6 +191,7 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
             expires=_time(entry.get("expires"), f"{where}.expires"),
             disabled=disabled,
             limits=_limits(entry.get("limits"), f"{where}.limits"),
+            cache_group=group,
         )
     return keys
 
@@ -269,6 +294,7 @@ def key_record(
     *,
     limits: dict[str, int],
     expires: datetime | None,
+    cache_group: str | None = None,
 ) -> dict[str, Any]:
     """A keys-file entry, as `edgellmctl keys create` appends it."""
     record: dict[str, Any] = {
@@ -283,6 +309,8 @@ def key_record(
         record["expires"] = expires.strftime("%Y-%m-%dT%H:%M:%SZ")
     if limits:
         record["limits"] = limits
+    if cache_group is not None:
+        record["cache_group"] = cache_group
     return record
 
 
@@ -333,11 +361,17 @@ def append_key(
     *,
     limits: dict[str, int],
     expires: datetime | None = None,
+    cache_group: str | None = None,
 ) -> tuple[str, str]:
     """Add a new key to the keys file; returns (key id, token). The token is stored nowhere."""
+    if cache_group is not None and not CACHE_GROUP.fullmatch(cache_group):
+        raise KeysFileError("a cache group is 1 to 64 letters, digits, '.', '_' or '-'")
     data = load_keys_document(path)
     key_id, token, hashed = new_token()
-    data["keys"].append(key_record(key_id, name, hashed, sorted(set(scopes)), limits=limits, expires=expires))
+    record = key_record(
+        key_id, name, hashed, sorted(set(scopes)), limits=limits, expires=expires, cache_group=cache_group
+    )
+    data["keys"].append(record)
     save_keys_document(path, data)
     return key_id, token
 

@@ -25,11 +25,17 @@ DEFAULT_KEYS: Final = Path("keys.yaml")
 
 
 def create_key(
-    path: Path, name: str, scopes: list[str], *, limits: dict[str, int], expires_in: str | None = None
+    path: Path,
+    name: str,
+    scopes: list[str],
+    *,
+    limits: dict[str, int],
+    expires_in: str | None = None,
+    cache_group: str | None = None,
 ) -> tuple[str, str]:
     """Append a new key to the keys file; returns (key id, token). The token is not stored."""
     expires = datetime.now(UTC).replace(microsecond=0) + parse_duration(expires_in) if expires_in else None
-    return append_key(path, name, scopes, limits=limits, expires=expires)
+    return append_key(path, name, scopes, limits=limits, expires=expires, cache_group=cache_group)
 
 
 def add_scopes(path: Path, key_id: str, scopes: list[str]) -> bool:
@@ -58,7 +64,9 @@ def cmd_create(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
-    key_id, token = create_key(args.file, args.name, args.scope, limits=limits, expires_in=args.expires)
+    key_id, token = create_key(
+        args.file, args.name, args.scope, limits=limits, expires_in=args.expires, cache_group=args.cache_group
+    )
     print(token)
     print(
         f"key {key_id} ({args.name}, scopes {', '.join(sorted(set(args.scope)))}) added to "
@@ -125,6 +133,10 @@ def add_parser(sub: Subcommands) -> None:
     create.add_argument("--concurrent", type=positive_int, help="requests in flight at once")
     create.add_argument("--max-tokens", type=positive_int, help="ceiling on max_tokens")
     create.add_argument("--expires", help="validity from now: 90d, 12h, 2w (default: never)")
+    create.add_argument(
+        "--cache-group",
+        help="share cached prompt state with the other keys of this group (default: the key's own)",
+    )
     create.set_defaults(func=guarded(cmd_create, KeysFileError))
     verb("list", "list keys (never secrets)").set_defaults(func=guarded(cmd_list, KeysFileError))
     revoke = verb("revoke", "disable a key")

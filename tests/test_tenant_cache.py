@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from edgellmctl.keys import create_key
+from edgellmd.keys import KeysFileError, read_keys_file
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
 
@@ -71,3 +73,30 @@ def test_another_keys_identical_prompt_is_a_cache_miss(
         assert guess["prompt_tokens_details"]["cached_tokens"] == 0, guess  # a miss, however close
         again = _ask(daemon, alice, SECRET)
         assert again["prompt_tokens_details"]["cached_tokens"] > 300, again  # her own: reused
+
+
+def test_keys_of_one_cache_group_share_their_prompts_state_and_no_one_else(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=52))
+    keys = tmp_path / "keys.yaml"
+    _, app1 = create_key(keys, "team-app-1", ["inference"], limits={}, cache_group="team")
+    _, app2 = create_key(keys, "team-app-2", ["inference"], limits={}, cache_group="team")
+    _, outsider = create_key(keys, "outsider", ["inference"], limits={})
+    model_settings = {"name": "m", "file": str(model), "threads": 1, "slots": 3, "context_size": 2048}
+    settings = settings_for([model_settings], auth={"keys_file": str(keys)})
+    with running(settings) as daemon:
+        _ask(daemon, app1, SECRET)
+        assert _ask(daemon, outsider, SECRET)["prompt_tokens_details"]["cached_tokens"] == 0
+        shared = _ask(daemon, app2, SECRET)  # the other app of the team: the team's state
+        assert shared["prompt_tokens_details"]["cached_tokens"] > 300, shared
+
+
+def test_a_cache_group_must_be_a_plain_name(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    with pytest.raises(KeysFileError):
+        create_key(keys, "odd", ["inference"], limits={}, cache_group="team/../other")
+    create_key(keys, "fine", ["inference"], limits={}, cache_group="team-1.a")
+    data = yaml.safe_load(keys.read_text())
+    data["keys"][0]["cache_group"] = "x" * 65
+    keys.write_text(yaml.safe_dump(data))
+    with pytest.raises(KeysFileError, match="cache_group"):
+        read_keys_file(keys)

@@ -30,6 +30,7 @@ class Caller:
 
     key_id: str
     max_tokens: int | None = None  # the key's own ceiling on max_tokens, when it has one
+    cache_scope: str = ""  # whose cached KV state its requests may reuse (ApiKey.cache_scope)
 
 
 @dataclass(frozen=True, slots=True)

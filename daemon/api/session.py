@@ -110,9 +110,10 @@ class Session:
 
 
 def cache_scope(request: web.Request) -> str:
-    """Whose cached KV state a request may reuse: its API key's own (no key: the one open scope)."""
+    """Whose cached KV state a request may reuse: its API key's own, or its key's cache group
+    (no key: the one open scope)."""
     caller = request.get(CALLER)
-    return f"key:{caller.key_id}" if caller is not None else ""
+    return (caller.cache_scope or f"key:{caller.key_id}") if caller is not None else ""
 
 
 def _generation_request(

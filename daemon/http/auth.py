@@ -148,7 +148,7 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
             key = request[appkeys.API_KEY] = authenticate(
                 store_holder[0], _credentials(request), scope, request.remote
             )
-            request[CALLER] = Caller(key.id, key.limits.max_tokens)
+            request[CALLER] = Caller(key.id, key.limits.max_tokens, key.cache_scope)
         return await handler(request)
 
     async def keys_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -156,7 +156,7 @@ def _middleware(store: SessionStore, scopes: RouteScopes) -> Middleware:
         if changes:
             _check_csrf(request, session)
         request[appkeys.API_KEY] = key
-        request[CALLER] = Caller(key.id, key.limits.max_tokens)
+        request[CALLER] = Caller(key.id, key.limits.max_tokens, key.cache_scope)
         if scope != "inference":
             return await handler(request)
         # The playground's requests count against the key's limits like its /v1 requests.
