@@ -40,10 +40,16 @@ _ENTRY_KEYS: Final = (
     "limits",
     "created",
     "cache_group",
+    "weight",
+    "priority",
 )
 # A cache group: keys that share cached prompt state (one team's apps with one system prompt).
 CACHE_GROUP: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_KEYS_BYTES: Final = 4 * 1024 * 1024
+# Fair share between keys (engine.fairness): a key's weight, and its class, highest first. A
+# key's class is the ceiling of its requests' (a request may ask for less, never more).
+MAX_WEIGHT: Final = 1000
+PRIORITIES: Final = {"interactive": 1, "normal": 0, "batch": -1}
 
 
 class KeysFileError(Exception):
@@ -80,6 +86,8 @@ class ApiKey:
     disabled: bool = False
     limits: KeyLimits = field(default_factory=KeyLimits)
     cache_group: str | None = None  # keys of one group share cached KV state; else the key's own
+    weight: int = 1  # its share of slots and prefill against other keys' (engine.fairness)
+    priority: str = "normal"  # its requests' highest class: a key of PRIORITIES
 
     @property
     def cache_scope(self) -> str:
@@ -183,6 +191,12 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
                 f"{where}.cache_group: must be 1 to 64 letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit"
             )
+        weight = entry.get("weight", 1)
+        if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= MAX_WEIGHT:
+            raise KeysFileError(f"{where}.weight: must be a whole number from 1 to {MAX_WEIGHT}")
+        priority = entry.get("priority", "normal")
+        if not isinstance(priority, str) or priority not in PRIORITIES:
+            raise KeysFileError(f"{where}.priority: must be one of {', '.join(PRIORITIES)}")
         keys[key_id] = ApiKey(
             id=key_id,
             name=name,
@@ -192,6 +206,8 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
             disabled=disabled,
             limits=_limits(entry.get("limits"), f"{where}.limits"),
             cache_group=group,
+            weight=weight,
+            priority=priority,
         )
     return keys
 
@@ -295,6 +311,8 @@ def key_record(
     limits: dict[str, int],
     expires: datetime | None,
     cache_group: str | None = None,
+    weight: int | None = None,
+    priority: str | None = None,
 ) -> dict[str, Any]:
     """A keys-file entry, as `edgellmctl keys create` appends it."""
     record: dict[str, Any] = {
@@ -311,6 +329,10 @@ def key_record(
         record["limits"] = limits
     if cache_group is not None:
         record["cache_group"] = cache_group
+    if weight is not None:
+        record["weight"] = weight
+    if priority is not None:
+        record["priority"] = priority
     return record
 
 
@@ -362,6 +384,8 @@ def append_key(
     limits: dict[str, int],
     expires: datetime | None = None,
     cache_group: str | None = None,
+    weight: int | None = None,
+    priority: str | None = None,
 ) -> tuple[str, str]:
     """Add a new key to the keys file; returns (key id, token). The token is stored nowhere."""
     if cache_group is not None and not CACHE_GROUP.fullmatch(cache_group):
@@ -369,7 +393,15 @@ def append_key(
     data = load_keys_document(path)
     key_id, token, hashed = new_token()
     record = key_record(
-        key_id, name, hashed, sorted(set(scopes)), limits=limits, expires=expires, cache_group=cache_group
+        key_id,
+        name,
+        hashed,
+        sorted(set(scopes)),
+        limits=limits,
+        expires=expires,
+        cache_group=cache_group,
+        weight=weight,
+        priority=priority,
     )
     data["keys"].append(record)
     save_keys_document(path, data)

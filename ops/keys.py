@@ -11,6 +11,8 @@ from typing import Final
 from edgellmctl.cli import CommandError, Subcommands, guarded, positive_int
 from edgellmctl.lock import parse_duration
 from edgellmd.keys import (
+    MAX_WEIGHT,
+    PRIORITIES,
     SCOPES,
     KeysFileError,
     NoSuchKey,
@@ -32,10 +34,21 @@ def create_key(
     limits: dict[str, int],
     expires_in: str | None = None,
     cache_group: str | None = None,
+    weight: int | None = None,
+    priority: str | None = None,
 ) -> tuple[str, str]:
     """Append a new key to the keys file; returns (key id, token). The token is not stored."""
     expires = datetime.now(UTC).replace(microsecond=0) + parse_duration(expires_in) if expires_in else None
-    return append_key(path, name, scopes, limits=limits, expires=expires, cache_group=cache_group)
+    return append_key(
+        path,
+        name,
+        scopes,
+        limits=limits,
+        expires=expires,
+        cache_group=cache_group,
+        weight=weight,
+        priority=priority,
+    )
 
 
 def add_scopes(path: Path, key_id: str, scopes: list[str]) -> bool:
@@ -65,7 +78,14 @@ def cmd_create(args: argparse.Namespace) -> int:
         if v is not None
     }
     key_id, token = create_key(
-        args.file, args.name, args.scope, limits=limits, expires_in=args.expires, cache_group=args.cache_group
+        args.file,
+        args.name,
+        args.scope,
+        limits=limits,
+        expires_in=args.expires,
+        cache_group=args.cache_group,
+        weight=args.weight,
+        priority=args.priority,
     )
     print(token)
     print(
@@ -109,6 +129,13 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _weight(value: str) -> int:
+    weight = positive_int(value)
+    if weight > MAX_WEIGHT:
+        raise argparse.ArgumentTypeError(f"at most {MAX_WEIGHT}")
+    return weight
+
+
 def add_parser(sub: Subcommands) -> None:
     """Register `keys`."""
     keys = sub.add_parser("keys", help="manage API keys")
@@ -136,6 +163,16 @@ def add_parser(sub: Subcommands) -> None:
     create.add_argument(
         "--cache-group",
         help="share cached prompt state with the other keys of this group (default: the key's own)",
+    )
+    create.add_argument(
+        "--weight",
+        type=_weight,
+        help=f"its share of slots and prefill against other keys' (1 to {MAX_WEIGHT}; default 1)",
+    )
+    create.add_argument(
+        "--priority",
+        choices=list(PRIORITIES),
+        help="its requests' highest class (default normal); interactive goes before batch",
     )
     create.set_defaults(func=guarded(cmd_create, KeysFileError))
     verb("list", "list keys (never secrets)").set_defaults(func=guarded(cmd_list, KeysFileError))

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from aiohttp import web
 
 from edgellmd.api.request import Limits
+from edgellmd.engine.fairness import Share
 from edgellmd.engine.generation import Running
 from edgellmd.errors import ApiError
 from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import GpuMonitor
+from edgellmd.keys import PRIORITIES, ApiKey
 from edgellmd.models.registry import Registry
 from edgellmd.settings import Settings
 
@@ -31,6 +33,13 @@ class Caller:
     key_id: str
     max_tokens: int | None = None  # the key's own ceiling on max_tokens, when it has one
     cache_scope: str = ""  # whose cached KV state its requests may reuse (ApiKey.cache_scope)
+    share: Share = field(default_factory=Share)  # its key, weight and class for fair share
+
+    @classmethod
+    def of(cls, key: ApiKey) -> Caller:
+        """The caller a key authenticates as."""
+        share = Share(key.id, key.weight, PRIORITIES[key.priority])
+        return cls(key.id, key.limits.max_tokens, key.cache_scope, share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,12 @@ ERROR_SHAPES: Final = web.AppKey("error_shapes", ErrorShapes)
 CALLER: Final = web.RequestKey("caller", Caller)  # set by authentication; absent without keys
 USER_TAG: Final = web.RequestKey("user_tag", str)  # the request's `user` field, logged as a tag
 TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, for tokens/minute
+# Set by the rate limiter: count this many more sequences (a request's `n` past the first)
+# against the key's concurrency, or raise (RateLimited, or InvalidRequest past the key's cap).
+# Seconds each finished choice of the request waited for a slot (Finished.queue_s): the answer's
+# `x-queue-ms` header says the longest, when it is known before the headers go (not streamed).
+QUEUE_WAITS: Final = web.RequestKey("queue_waits", list[float])
+MORE_SEQUENCES: Final = web.RequestKey[Callable[[int], None]]("more_sequences")
 
 
 def context(request: web.Request) -> ApiContext:

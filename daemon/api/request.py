@@ -9,8 +9,9 @@ token limit a request asks for is checked and defaulted here once (`within_ceili
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
-from edgellmd.api.fields import number_text
+from edgellmd.api.fields import Fields, number_text
 from edgellmd.api.structured import ToolPlan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import SamplingParams
@@ -39,6 +40,7 @@ class CommonRequest:
     n: int = 1  # choices, each its own sequence in the batch
     logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
     user: str | None = None  # the client's end-user tag, logged
+    priority: int | None = None  # the class it asks for (keys.PRIORITIES); None: its key's
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,18 @@ class ChatRequest:
     common: CommonRequest
     messages: tuple[ChatMessage, ...]
     tools: ToolPlan | None = None
+
+
+# OpenAI's `service_tier` (chat, completions, Responses) as a class of keys.PRIORITIES: "flex"
+# asks for the batch class, "priority" for interactive, the others for the key's own. A key's
+# class is the ceiling: asking above it gets the key's (session.request_share).
+SERVICE_TIERS: Final = {"auto": None, "default": None, "scale": None, "flex": -1, "priority": 1}
+
+
+def service_tier(f: Fields) -> int | None:
+    """The class a request's `service_tier` asks for (400 for a tier OpenAI does not have)."""
+    tier = f.choice("service_tier", tuple(SERVICE_TIERS))
+    return None if tier is None else SERVICE_TIERS[tier]
 
 
 def within_ceiling(limits: Limits, name: str, asked: int) -> int:

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, TOKENS_USED, USER_TAG, context
+from edgellmd.api.context import CALLER, MORE_SEQUENCES, QUEUE_WAITS, TOKENS_USED, USER_TAG, context
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
 from edgellmd.api.request import ChatRequest, CommonRequest
 from edgellmd.engine.config import EngineError
+from edgellmd.engine.fairness import Share
 from edgellmd.engine.generation import (
     ENGINE_STOPPED,
     KEY_REVOKED,
@@ -73,6 +74,7 @@ class Session:
     # Choice i's generation again on the restarted engine, for one its engine's stop ended
     # before any token (it was still queued): None when no restart came in time.
     replay: Callable[[int], Awaitable[Generation | None]] | None = None
+    queue_waits: list[float] = field(default_factory=list)  # each finished choice's wait for a slot
 
     async def events(self, i: int) -> AsyncIterator[Event]:
         """Choice `i`'s events (NoProgress past the idle timeout). One that its engine's stop
@@ -92,6 +94,8 @@ class Session:
                     stopped = event
                     break
                 produced = produced or bool(event.completion_tokens or event.text)
+                if isinstance(event, Finished):
+                    self.queue_waits.append(event.queue_s)
                 yield event
                 if isinstance(event, Finished):
                     return
@@ -116,8 +120,18 @@ def cache_scope(request: web.Request) -> str:
     return (caller.cache_scope or f"key:{caller.key_id}") if caller is not None else ""
 
 
+def request_share(request: web.Request, common: CommonRequest) -> Share:
+    """A request's place in fair share: its key, the key's weight, and the class it asks for
+    (`service_tier`) when that is below its key's, else its key's (no key: one open tenant)."""
+    caller = request.get(CALLER)
+    share = caller.share if caller is not None else Share()
+    if common.priority is not None and common.priority < share.priority:
+        share = replace(share, priority=common.priority)
+    return share
+
+
 def _generation_request(
-    handle: ModelHandle, common: CommonRequest, tokens: list[int], choice: int, scope: str
+    handle: ModelHandle, common: CommonRequest, tokens: list[int], choice: int, *, scope: str, share: Share
 ) -> GenerationRequest:
     sampling = common.sampling
     if choice and sampling.seed is not None:  # seeded choices differ from each other, reproducibly
@@ -130,6 +144,7 @@ def _generation_request(
         ignore_eos=common.ignore_eos,
         logprobs=common.logprobs,
         cache_scope=scope,
+        share=share,
     )
 
 
@@ -138,7 +153,9 @@ def _submit_all(
     common: CommonRequest,
     tokens: list[int],
     grammars: list[Grammar] | None,
+    *,
     scope: str,
+    share: Share,
 ) -> list[Generation]:
     """One generation per choice; all or none (a 429 on the third cancels the first two)."""
     gens: list[Generation] = []
@@ -146,7 +163,11 @@ def _submit_all(
     try:
         for choice in range(common.n):
             grammar = pending.pop(0) if pending else None
-            gens.append(handle.submit(_generation_request(handle, common, tokens, choice, scope), grammar))
+            gens.append(
+                handle.submit(
+                    _generation_request(handle, common, tokens, choice, scope=scope, share=share), grammar
+                )
+            )
     except BaseException:
         for gen in gens:
             gen.cancel()
@@ -180,6 +201,9 @@ async def generation_session(
 ) -> AsyncIterator[Session]:
     """Submit one generation per choice on `handle`; free every slot when the block ends."""
     ctx = context(request)
+    more = request.get(MORE_SEQUENCES)
+    if common.n > 1 and more is not None:  # every choice is a sequence: n counts toward concurrency
+        more(common.n - 1)
     tag = user_tag(common.user)
     if tag is not None:
         request[USER_TAG] = tag
@@ -193,7 +217,9 @@ async def generation_session(
         for grammar in grammars or []:
             grammar.free()
         raise
-    gens = _submit_all(handle, common, tokens, grammars, cache_scope(request))
+    gens = _submit_all(
+        handle, common, tokens, grammars, scope=cache_scope(request), share=request_share(request, common)
+    )
     timings = [ctx.metrics.timing(handle.name) for _ in gens]
     caller = request.get(CALLER)
     key_id = caller.key_id if caller is not None else None
@@ -231,6 +257,7 @@ async def generation_session(
                 server.stream_write_timeout_s,
                 stop_strings=common.stop,
                 replay=replay,
+                queue_waits=request.setdefault(QUEUE_WAITS, []),
             )
         finally:
             # Normal end, client gone (write error or handler cancelled): either way the slots

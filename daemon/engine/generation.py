@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
+from edgellmd.engine.fairness import Share
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 # llama-server's default; OpenAI has no top_k, so a request that wants the whole vocabulary
@@ -76,6 +78,8 @@ class GenerationRequest:
     # one scope: the API key's own by default, so that no key learns another's prompt from
     # `cached_tokens` or a fast first token. "": the requests the daemon makes itself.
     cache_scope: str = ""
+    # Whose it is for fair share and its class (engine.fairness): the key, its weight, priority.
+    share: Share = field(default_factory=Share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +115,9 @@ class Finished:
     cached_tokens: int = 0  # prompt tokens not prefilled: their KV was kept or restored
     draft_tokens: int = 0  # speculative draft tokens checked for this generation
     accepted_draft_tokens: int = 0  # of which the sampler picked the same
+    # How long it waited for a slot (paused time included): a measurement, not part of the
+    # reply, so two runs that answered alike compare equal.
+    queue_s: float = field(default=0.0, compare=False)
 
 
 Event = TextDelta | Finished
@@ -144,6 +151,7 @@ class Generation:
         "final",
         "grammar",
         "id",
+        "queue_s",
         "request",
     )
 
@@ -161,6 +169,7 @@ class Generation:
         self.final: Finished | None = None  # the Finished event, once it arrived
         # The request's compiled grammar, owned by the engine until the sequence starts.
         self.grammar: object | None = None
+        self.queue_s = 0.0  # seconds waited for a slot so far (the scheduler's thread writes it)
 
     @property
     def cancelled(self) -> bool:

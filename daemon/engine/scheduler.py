@@ -35,6 +35,7 @@ from edgellmd.engine.drafts import (
     common_prefix,
     make_drafter,
 )
+from edgellmd.engine.fairness import FairQueue, Running, Share, victim
 from edgellmd.engine.generation import (
     Event,
     Finished,
@@ -85,6 +86,7 @@ _KV_BLOCK: Final = 32  # values per block of q8_0 and q4_0
 _ROW_PROBE: Final = 8  # rows of the load's step that times a row without logits
 _KV_PAD: Final = 256  # llama.cpp rounds the KV cells an attention reads up to this
 _MIN_RESTORE_GAIN: Final = 64  # tokens a cached prefix must save over a slot's own to be restored
+_QUEUE_WAITS: Final = 256  # admissions whose queue waits /admin/status summarises
 
 
 def _check_kv_blocks(model: Any, config: EngineConfig) -> None:
@@ -126,6 +128,7 @@ class _Slot:
         "prefilled",
         "prompt",
         "sampler",
+        "since",
         "stops",
         "utf8",
     )
@@ -146,6 +149,7 @@ class _Slot:
         self.cached = 0  # prompt tokens whose KV came from a slot or the prompt cache
         self.drafted = 0  # draft tokens checked, and of those the ones the sampler agreed with
         self.accepted = 0
+        self.since = time.monotonic()  # when it took (or resumed in) its slot: fairness.QUANTUM_S
 
 
 class Engine(NativeThread):
@@ -163,7 +167,12 @@ class Engine(NativeThread):
         graph node and a quarter of the throughput gone.
         """
         super().__init__(config, name)
-        self._pending: deque[Generation] = deque()
+        # Waiting generations, new ones and paused ones, in fair order (engine.fairness).
+        self._pending: FairQueue[Generation] = FairQueue(_share)
+        # Paused sequences: their slot state, KV state (llama_state_seq_get_data) and tokens.
+        self._paused: dict[Generation, tuple[_Slot, bytes, list[int]]] = {}
+        self.pauses = 0  # sequences paused for a fairer tenant or a higher class
+        self.queue_waits: deque[float] = deque(maxlen=_QUEUE_WAITS)  # the last admissions' waits
         self._slots: list[_Slot | None] = [None] * config.slots
         # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
         self.heartbeat = time.monotonic()
@@ -288,6 +297,7 @@ class Engine(NativeThread):
             if self._stopping:
                 _free_grammar(gen)
                 raise EngineError("engine is shutting down")
+            gen.queue_s = -time.monotonic()  # the admission adds its own time: the wait
             self._pending.append(gen)
             self._cond.notify()
         return gen
@@ -328,6 +338,7 @@ class Engine(NativeThread):
                 "flash_attention": _FLASH_NAMES[flash_attention_type(config)],
             },
             "prompt_tokens_reused": self.prompt_tokens_reused,
+            "fairness": self._fairness(),
             "batch_padding": {
                 "enabled": config.batch_padding,
                 "step_ms": [round(t * 1000, 2) for t in self.steps.seconds],
@@ -354,6 +365,22 @@ class Engine(NativeThread):
             },
         }
 
+    def _fairness(self) -> dict[str, Any]:
+        with self._cond:
+            tenants = self._pending.tenants()
+            waits = sorted(self.queue_waits)
+            paused = len(self._paused)
+        return {
+            "tenants": tenants,
+            "paused": paused,
+            "pauses": self.pauses,
+            # The recent admissions' waits: what a request queued now can expect.
+            "queue_wait_ms": {
+                "p50": round(waits[len(waits) // 2] * 1000, 1) if waits else 0.0,
+                "p95": round(waits[min(len(waits) - 1, len(waits) * 95 // 100)] * 1000, 1) if waits else 0.0,
+            },
+        }
+
     @property
     def idle(self) -> bool:
         """True when nothing is running or waiting."""
@@ -364,10 +391,17 @@ class Engine(NativeThread):
         with self._cond:
             self._stopping = True
             leftovers = list(self._pending)
-            self._pending.clear()
+            for gen in leftovers:
+                self._pending.remove(gen)
+                self._pending.dropped(gen)
         for gen in leftovers:
             _free_grammar(gen)
-            gen.push_threadsafe([Finished("error", len(gen.request.prompt_tokens), 0, error=error)])
+            paused = self._paused.pop(gen, None)
+            done = 0
+            if paused is not None:
+                paused[0].sampler.free()
+                done = paused[0].completion
+            gen.push_threadsafe([Finished("error", len(gen.request.prompt_tokens), done, error=error)])
         for i, slot in enumerate(self._slots):
             if slot is None:
                 continue
@@ -448,13 +482,89 @@ class Engine(NativeThread):
             if any(g.cancelled for g in self._pending):
                 for gen in [g for g in self._pending if g.cancelled]:
                     self._pending.remove(gen)
+                    self._pending.dropped(gen)
                     _free_grammar(gen)
                     self.finished["cancelled"] += 1
-                    gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), 0)])
-            while self._pending and None in self._slots:
-                gen = self._pending.popleft()
-                self._assign(gen)
+                    paused = self._paused.pop(gen, None)
+                    done = 0
+                    if paused is not None:
+                        paused[0].sampler.free()
+                        done = paused[0].completion
+                    gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), done)])
+            now = time.monotonic()
+            while self._pending:
+                if None not in self._slots and not self._pause_for(now):
+                    break
+                gen = self._pending.pop()
+                self._pending.started(gen)
+                if gen in self._paused:
+                    self._resume(gen, now)
+                else:
+                    gen.queue_s += now  # it was -(when it was queued)
+                    self.queue_waits.append(gen.queue_s)
+                    self._assign(gen)
         return True
+
+    def _pause_for(self, now: float) -> bool:
+        """Every slot busy: pause one for the next waiting request if fairness asks (under the lock)."""
+        waiting = self._pending.peek()
+        if waiting is None or len(self._paused) >= len(self._slots):  # paused state is bounded
+            return False
+        running = [
+            Running(i, s.gen.request.share, now - s.since, len(self._kv[i]))
+            for i, s in enumerate(self._slots)
+            if s is not None
+        ]
+        i = victim(
+            waiting.request.share, running, self._pending.running, len(self._pending.vtime), len(self._slots)
+        )
+        return i is not None and self._pause(i)
+
+    def _pause(self, i: int) -> bool:
+        """Move slot i's sequence out: its KV state to host memory, the generation back in the queue."""
+        slot = self._slots[i]
+        assert slot is not None  # noqa: S101 - called for a busy slot
+        size = llama.llama_state_seq_get_size(self._ctx, i)
+        buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = llama.llama_state_seq_get_data(self._ctx, buffer, size, i) if size > 0 else 0
+        if written <= 0:
+            return False  # nothing to save it with: it keeps its slot
+        self._paused[slot.gen] = (slot, bytes(buffer[:written]), list(self._kv[i]))
+        llama.llama_memory_seq_rm(self._memory, i, -1, -1)
+        self._kv[i].clear()
+        self._slots[i] = None
+        slot.gen.queue_s -= time.monotonic()  # the pause counts as waiting, until it resumes
+        self._pending.stopped(slot.gen, done=False)
+        self._pending.append(slot.gen)
+        self.pauses += 1
+        return True
+
+    def _resume(self, gen: Generation, now: float) -> None:
+        """Put a paused sequence back in a free slot where it left off (under the lock)."""
+        slot, data, tokens = self._paused.pop(gen)
+        gen.queue_s += now
+        busy = [s is not None for s in self._slots]
+        target = min(
+            (i for i, b in enumerate(busy) if not b),
+            key=lambda i: (runs([b or j == i for j, b in enumerate(busy)]), len(self._kv[i]), i),
+        )
+        llama.llama_memory_seq_rm(self._memory, target, -1, -1)
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        scope = gen.request.cache_scope
+        if self._scope[target] != scope:
+            self._scope[target] = scope
+            if self._draft is not None:
+                self._draft.forget(target)
+        slot.since = now
+        slot.batch_index = -1
+        slot.draft = []
+        self._slots[target] = slot
+        if llama.llama_state_seq_set_data(self._ctx, buffer, len(data), target) != len(data):
+            llama.llama_memory_seq_rm(self._memory, target, -1, -1)
+            self._kv[target].clear()
+            self._finish(target, "error", error="could not resume the paused sequence", deliver=True)
+            return
+        self._kv[target] = tokens
 
     def _assign(self, gen: Generation) -> None:
         """Put `gen` in a free slot: the one that keeps the busy slots together, or one whose
@@ -522,6 +632,10 @@ class Engine(NativeThread):
         cache.stats.restored_tokens += shared
         cache.stats.restore_seconds += time.perf_counter() - started
         return target, shared
+
+    def _prefill_rank(self, slot: _Slot) -> tuple[int, float, int]:
+        share = slot.gen.request.share
+        return (-share.priority, self._pending.vtime.get(share.tenant, 0.0), self._pending.arrival(slot.gen))
 
     def _keep(self, i: int) -> None:
         """Save a finished sequence's KV state in the prompt cache (long ones, not already there)."""
@@ -596,11 +710,16 @@ class Engine(NativeThread):
                     items.extend((d, slot.n_past + j, i, True) for j, d in enumerate(slot.draft))
                     self._kv[i].extend(slot.draft)
                     budget -= len(slot.draft)
-        for i, slot in enumerate(self._slots):
+        # Prompt chunks in fair order: the class, then the tenant computed for least (engine.fairness).
+        prefilling = [
+            (i, s) for i, s in enumerate(self._slots) if s is not None and s.prefilled < len(s.prompt)
+        ]
+        if len(prefilling) > 1:
+            with self._cond:
+                prefilling.sort(key=lambda pair: self._prefill_rank(pair[1]))
+        for i, slot in prefilling:
             if budget <= 0:
                 break
-            if slot is None or slot.prefilled >= len(slot.prompt):
-                continue
             take = min(budget, len(slot.prompt) - slot.prefilled)
             start = slot.prefilled
             done = start + take == len(slot.prompt)
@@ -614,6 +733,12 @@ class Engine(NativeThread):
         if not items:
             self.heartbeat = time.monotonic()
             return True
+        computed = Counter(item[2] for item in items)
+        with self._cond:
+            for i, count in computed.items():
+                slot = self._slots[i]
+                if slot is not None:
+                    self._pending.charge(slot.gen.request.share, count)
         decode_only = len(items) == len(generating)  # a token for each generating sequence, no more
         if decode_only:
             items += self._padding(items)
@@ -828,6 +953,8 @@ class Engine(NativeThread):
         assert slot is not None  # noqa: S101 - scheduler invariant
         self.finished[reason] += 1  # counted before the slot shows free: readers see both
         self._slots[i] = None
+        with self._cond:
+            self._pending.stopped(slot.gen, done=True)
         if reason == "error":  # the cache may not hold what _kv says: forget it
             llama.llama_memory_seq_rm(self._memory, i, -1, -1)
             self._kv[i].clear()
@@ -848,11 +975,16 @@ class Engine(NativeThread):
             cached_tokens=slot.cached,
             draft_tokens=slot.drafted,
             accepted_draft_tokens=slot.accepted,
+            queue_s=slot.gen.queue_s,
         )
         if deliver:
             slot.gen.push_threadsafe([event])
             return []
         return [event]
+
+
+def _share(gen: Generation) -> Share:
+    return gen.request.share
 
 
 def _cells_spanned(cells: int) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from edgellmd.engine.drafts import Speculation
+from edgellmd.engine.fairness import MAX_WEIGHT, PRIORITY_NAMES, Share
 from edgellmd.engine.generation import (
     Event,
     Finished,
@@ -102,6 +103,7 @@ def encode_event(event: Event) -> list[Any]:
         event.cached_tokens,
         event.draft_tokens,
         event.accepted_draft_tokens,
+        event.queue_s,
     ]
 
 
@@ -113,7 +115,7 @@ def decode_event(value: list[Any]) -> Event:
         return TextDelta(str(text), int(completion), tuple(_unlogprob(lp) for lp in logprobs))
     if kind != "f":
         raise ValueError("not an event")
-    _, reason, prompt, completion, text, error, stop, logprobs, cached, drafted, accepted = value
+    _, reason, prompt, completion, text, error, stop, logprobs, cached, drafted, accepted, queued = value
     if reason not in ("stop", "length", "cancelled", "error"):
         raise ValueError("not a finish reason")
     return Finished(
@@ -127,6 +129,7 @@ def decode_event(value: list[Any]) -> Event:
         cached_tokens=int(cached),
         draft_tokens=int(drafted),
         accepted_draft_tokens=int(accepted),
+        queue_s=float(queued),
     )
 
 
@@ -143,6 +146,7 @@ def encode_request(request: GenerationRequest) -> dict[str, Any]:
         "ignore_eos": request.ignore_eos,
         "logprobs": request.logprobs,
         "cache_scope": request.cache_scope,
+        "share": [request.share.tenant, request.share.weight, request.share.priority],
     }
 
 
@@ -158,7 +162,17 @@ def decode_request(value: dict[str, Any]) -> GenerationRequest:
         ignore_eos=bool(value["ignore_eos"]),
         logprobs=None if value["logprobs"] is None else int(value["logprobs"]),
         cache_scope=str(value["cache_scope"]),
+        share=_share(value["share"]),
     )
+
+
+def _share(value: Any) -> Share:
+    tenant, weight, priority = value
+    if type(weight) is not int or not 1 <= weight <= MAX_WEIGHT:
+        raise ValueError("not a share")
+    if type(priority) is not int or priority not in PRIORITY_NAMES:  # True is no class
+        raise ValueError("not a share")
+    return Share(str(tenant), weight, priority)
 
 
 def encode_config(config: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from edgellmd.api.admin import setup_admin
 from edgellmd.api.anthropic.routes import setup_anthropic
-from edgellmd.api.context import API_CONTEXT, ERROR_SHAPES, USER_TAG, ApiContext, ErrorShapes
+from edgellmd.api.context import API_CONTEXT, ERROR_SHAPES, QUEUE_WAITS, USER_TAG, ApiContext, ErrorShapes
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai.routes import setup_openai
 from edgellmd.api.responses.routes import setup_responses
@@ -158,6 +158,9 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
         response.headers["X-Request-Id"] = rid
     response.headers.update(SECURITY_HEADERS)
     response.headers.setdefault("Cache-Control", "no-store")  # streams keep their no-cache
+    waits = request.get(QUEUE_WAITS)
+    if waits:  # a generation's answer, not streamed: how long it waited for a slot (engine.fairness)
+        response.headers["x-queue-ms"] = str(round(max(waits) * 1000))
 
 
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:

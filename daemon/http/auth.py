@@ -13,7 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from edgellmd.api.console import is_console_path
-from edgellmd.api.context import CALLER, TOKENS_USED, Caller
+from edgellmd.api.context import CALLER, Caller
 from edgellmd.engine.generation import KEY_REVOKED, Running
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
@@ -148,7 +148,7 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
             key = request[appkeys.API_KEY] = authenticate(
                 store_holder[0], _credentials(request), scope, request.remote
             )
-            request[CALLER] = Caller(key.id, key.limits.max_tokens, key.cache_scope)
+            request[CALLER] = Caller.of(key)
         return await handler(request)
 
     async def keys_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -181,10 +181,8 @@ def setup_ratelimit(app: web.Application) -> None:
         except RateLimited as exc:
             exc.headers.update(limiter.headers(key))
             raise
-        try:
+        with limiter.admitted(key, request):
             return await handler(request)
-        finally:
-            limiter.release(key, request.get(TOKENS_USED, 0))
 
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
         key = request.get(appkeys.API_KEY)

@@ -34,7 +34,7 @@ from edgellmd.api.console_sessions import (
     SessionStore,
     set_cookie,
 )
-from edgellmd.api.context import CALLER, TOKENS_USED, Caller
+from edgellmd.api.context import CALLER, Caller
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
@@ -156,16 +156,14 @@ def _middleware(store: SessionStore, scopes: RouteScopes) -> Middleware:
         if changes:
             _check_csrf(request, session)
         request[appkeys.API_KEY] = key
-        request[CALLER] = Caller(key.id, key.limits.max_tokens, key.cache_scope)
+        request[CALLER] = Caller.of(key)
         if scope != "inference":
             return await handler(request)
         # The playground's requests count against the key's limits like its /v1 requests.
         limiter = request.app[appkeys.RATE_LIMITER]
         limiter.admit(key)
-        try:
+        with limiter.admitted(key, request):
             return await handler(request)
-        finally:
-            limiter.release(key, request.get(TOKENS_USED, 0))
 
     return console_middleware
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
-from edgellmd.errors import RateLimited
+from aiohttp import web
+
+from edgellmd.api.context import MORE_SEQUENCES, TOKENS_USED
+from edgellmd.errors import InvalidRequest, RateLimited
 from edgellmd.keys import ApiKey
 
 MINUTE_S: Final = 60.0
@@ -119,10 +123,47 @@ class RateLimiter:
             state.requests.take(1, now)
         state.in_flight += 1
 
-    def release(self, key: ApiKey, tokens_used: int) -> None:
-        """A request of this key ended, having used `tokens_used` tokens (prompt + completion)."""
+    def more(self, key: ApiKey, extra: int) -> None:
+        """An admitted request runs `extra` sequences besides its own (`n`): each counts against
+        the key's concurrency, or RateLimited and nothing taken."""
         state = self._state(key)
-        state.in_flight = max(0, state.in_flight - 1)
+        cap = key.limits.concurrent
+        if cap is not None and extra + 1 > cap:  # never allowed: waiting would not help
+            raise InvalidRequest(
+                f"'n' must be at most {cap} with this key: it allows {cap} concurrent sequence(s)",
+                param="n",
+            )
+        if cap is not None and state.in_flight + extra > cap:
+            self.refusals["concurrency"] += 1
+            raise RateLimited(
+                f"this key allows {cap} concurrent sequence(s): 'n' of {extra + 1} with "
+                f"{state.in_flight - 1} other request(s) in flight is too many",
+                param="n",
+                headers={"Retry-After": "1"},
+            )
+        state.in_flight += extra
+
+    @contextlib.contextmanager
+    def admitted(self, key: ApiKey, request: web.Request) -> Iterator[None]:
+        """Around an admitted request's handling: its `n` may take more places (MORE_SEQUENCES);
+        at the end it gives them all back and is charged the tokens it used."""
+        held = [1]
+
+        def more(extra: int) -> None:
+            self.more(key, extra)
+            held[0] += extra
+
+        request[MORE_SEQUENCES] = more
+        try:
+            yield
+        finally:
+            self.release(key, request.get(TOKENS_USED, 0), held[0])
+
+    def release(self, key: ApiKey, tokens_used: int, held: int = 1) -> None:
+        """A request of this key ended, having used `tokens_used` tokens (prompt + completion)
+        and held `held` places of its concurrency (`more`)."""
+        state = self._state(key)
+        state.in_flight = max(0, state.in_flight - held)
         if state.tokens is not None and tokens_used > 0:
             state.tokens.take(tokens_used, self._clock())
 

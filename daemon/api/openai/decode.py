@@ -9,7 +9,14 @@ from typing import Any, Final
 
 from edgellmd.api.fields import Fields, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
-from edgellmd.api.request import ChatRequest, CommonRequest, Limits, token_limit, within_ceiling
+from edgellmd.api.request import (
+    ChatRequest,
+    CommonRequest,
+    Limits,
+    service_tier,
+    token_limit,
+    within_ceiling,
+)
 from edgellmd.api.structured import response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
@@ -37,7 +44,7 @@ _IGNORED: Final = frozenset(
         "user",
         "store",
         "metadata",
-        "service_tier",
+        "service_tier",  # read (request.service_tier): a class, never above the key's
         "parallel_tool_calls",
         "prediction",
         "reasoning_effort",
@@ -179,6 +186,7 @@ def _common(
         ignore_eos=f.boolean("ignore_eos", False),
         n=n,
         user=f.string("user"),
+        priority=service_tier(f),
     )
 
 

@@ -16,7 +16,14 @@ from typing import Any, Final
 
 from edgellmd.api.fields import Fields, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
-from edgellmd.api.request import ChatRequest, CommonRequest, Limits, token_limit, within_ceiling
+from edgellmd.api.request import (
+    ChatRequest,
+    CommonRequest,
+    Limits,
+    service_tier,
+    token_limit,
+    within_ceiling,
+)
 from edgellmd.api.responses.store import RESPONSE_ID
 from edgellmd.api.structured import FUNCTION_NAME_CHARS, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
@@ -478,7 +485,6 @@ def _refuseunsupported(f: Fields) -> None:
     if f.integer("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS):
         raise unsupported("top_logprobs")
     f.choice("truncation", ("auto", "disabled"))
-    f.string("service_tier")
     f.string("safety_identifier")
     f.string("prompt_cache_key")
     f.string("prompt_cache_retention")
@@ -568,6 +574,7 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
     )
     user = f.string("user")
     store = f.boolean("store", True)
+    priority = service_tier(f)
     common = CommonRequest(
         model=model,
         max_tokens=max_tokens,
@@ -577,6 +584,7 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
         include_usage=False,
         ignore_eos=f.boolean("ignore_eos", False),
         user=user,
+        priority=priority,
     )
     echo = {
         "instructions": instructions,

@@ -1,0 +1,312 @@
+"""Fair share between keys: the queue's order (class, then weighted virtual time, then arrival),
+whom a waiting request may pause, and the scheduler doing both on the real engine: a paused
+sequence resumes where it left off, to the token, and a flooding key cannot keep another's
+request out of the slots."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from edgellmd.engine import EngineConfig
+from edgellmd.engine.fairness import QUANTUM_S, FairQueue, Running, Share, victim
+from edgellmd.engine.generation import Finished, Generation, GenerationRequest, SamplingParams, TextDelta
+from edgellmd.engine.scheduler import Engine
+from edgellmd.engine.wire import decode_event, decode_request, encode_event, encode_request
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0)
+BATCH = Share("a", 1, -1)
+INTERACTIVE = Share("b", 1, 1)
+
+
+@dataclass(eq=False)
+class Entry:
+    name: str
+    share: Share
+
+
+def queue() -> FairQueue[Entry]:
+    return FairQueue(lambda e: e.share)
+
+
+def test_one_tenant_is_served_in_arrival_order() -> None:
+    q = queue()
+    entries = [Entry(f"a{i}", Share("a")) for i in range(4)]
+    for e in entries:
+        q.append(e)
+    assert [q.pop().name for _ in range(4)] == ["a0", "a1", "a2", "a3"]
+    assert not q
+    with pytest.raises(IndexError):
+        q.pop()
+
+
+def test_a_newcomer_goes_before_a_flooding_tenants_backlog() -> None:
+    q = queue()
+    for i in range(50):
+        q.append(Entry(f"a{i}", Share("a")))
+    first = q.pop()
+    q.started(first)
+    q.charge(first.share, 400)  # a's prompt was computed
+    q.append(Entry("b0", Share("b")))
+    assert q.pop().name == "b0"  # ahead of a's 49 others
+
+
+def test_a_tenant_holding_slots_waits_behind_one_holding_none_at_equal_virtual_time() -> None:
+    q = queue()
+    a0, a1, b0 = Entry("a0", Share("a")), Entry("a1", Share("a")), Entry("b0", Share("b"))
+    for e in (a0, a1, b0):
+        q.append(e)
+    assert q.pop() is a0
+    q.started(a0)
+    assert q.pop() is b0  # nothing charged yet: the slots held decide
+
+
+def test_weights_divide_the_virtual_time() -> None:
+    q = queue()
+    heavy, light = Share("heavy", 3), Share("light", 1)
+    for i in range(3):
+        q.append(Entry(f"h{i}", heavy))
+        q.append(Entry(f"l{i}", light))
+    order = []
+    for _ in range(6):
+        e = q.pop()
+        order.append(e.name[0])
+        q.started(e)
+        q.charge(e.share, 300)
+    # heavy's 300 tokens count as 100: it gets three turns before light's second.
+    assert order[:4] == ["h", "l", "h", "h"]
+    assert q.vtime["heavy"] == pytest.approx(300.0)
+    assert q.vtime["light"] == pytest.approx(900.0)
+
+
+def test_a_higher_class_goes_first_whatever_the_virtual_time() -> None:
+    q = queue()
+    q.append(Entry("a0", BATCH))
+    q.charge(INTERACTIVE, 10)  # b is not active yet: nothing to charge
+    q.append(Entry("b0", INTERACTIVE))
+    q.charge(INTERACTIVE, 10_000)
+    assert q.vtime["b"] == pytest.approx(10_000)
+    assert q.pop().name == "b0"
+    # Within one tenant as well: its interactive request before its earlier batch one.
+    q = queue()
+    q.append(Entry("x-batch", Share("x", 1, -1)))
+    q.append(Entry("x-now", Share("x", 1, 1)))
+    assert [q.pop().name for _ in range(2)] == ["x-now", "x-batch"]
+
+
+def test_idleness_banks_no_credit() -> None:
+    q = queue()
+    a, b = Share("a"), Share("b")
+    busy = Entry("a0", a)
+    q.append(busy)
+    q.started(q.pop())
+    q.charge(a, 5000)
+    # b arrives now: it starts at the least active virtual time, not at zero.
+    q.append(Entry("b0", b))
+    assert q.vtime["b"] == pytest.approx(5000)
+    q.started(q.pop())
+    q.stopped(busy, done=True)
+    assert "a" not in q.vtime  # a is gone: nothing waits or runs for it
+    q.charge(b, 100)
+    q.append(Entry("a1", a))
+    assert q.vtime["a"] == pytest.approx(5100)  # back at the least active: b's
+
+
+def test_a_paused_entry_keeps_its_place_among_its_tenants() -> None:
+    q = queue()
+    a0, a1 = Entry("a0", Share("a")), Entry("a1", Share("a"))
+    q.append(a0)
+    q.append(a1)
+    assert q.pop() is a0
+    q.started(a0)
+    q.stopped(a0, done=False)  # paused
+    q.append(a0)
+    assert q.arrival(a0) < q.arrival(a1)
+    assert q.pop() is a0
+
+
+def test_remove_and_dropped_forget_an_entry() -> None:
+    q = queue()
+    a0, b0 = Entry("a0", Share("a")), Entry("b0", Share("b"))
+    q.append(a0)
+    q.append(b0)
+    q.remove(a0)
+    q.dropped(a0)
+    assert len(q) == 1
+    assert "a" not in q.vtime
+    with pytest.raises(ValueError, match="does not wait"):
+        q.remove(a0)
+    assert q.tenants() == {"b": {"running": 0, "waiting": 1, "vtime": 0.0}}
+    assert list(q) == [b0]
+
+
+def _running(*spec: tuple[int, Share, float, int]) -> list[Running]:
+    return [Running(i, share, held, cells) for i, share, held, cells in spec]
+
+
+def test_a_higher_class_pauses_a_lower_one_that_ran_its_quantum() -> None:
+    old = QUANTUM_S + 0.1
+    slots = _running((0, BATCH, old, 100), (1, Share("c", 1, 0), old, 10))
+    held = Counter({"a": 1, "c": 1})
+    assert victim(INTERACTIVE, slots, held, tenants=3, n_slots=2) == 0  # the lowest class first
+    fresh = _running((0, BATCH, QUANTUM_S / 2, 100))
+    assert victim(INTERACTIVE, fresh, Counter({"a": 1}), tenants=2, n_slots=1) is None
+    # The same class and no one above its share: nobody is paused.
+    assert victim(Share("c", 1, -1), slots[:1], Counter({"a": 1}), tenants=2, n_slots=2) is None
+
+
+def test_a_tenant_below_its_share_pauses_one_above_it() -> None:
+    old = QUANTUM_S + 1
+    a = Share("a")
+    slots = _running(*((i, a, old, 100 + i) for i in range(4)))
+    held = Counter({"a": 4})
+    assert victim(Share("b"), slots, held, tenants=2, n_slots=4) == 0  # the fewest cells to copy
+    # A tenant at its share keeps its slots; a waiting request of the same tenant never pauses one.
+    assert victim(Share("b"), slots[:2], Counter({"a": 2, "b": 2}), tenants=2, n_slots=4) is None
+    assert victim(a, slots, held, tenants=1, n_slots=4) is None
+
+
+def test_share_and_queue_time_cross_the_engine_process_wire() -> None:
+    request = GenerationRequest([1, 2, 3], 8, GREEDY, share=Share("0123456789ab", 7, -1))
+    assert decode_request(encode_request(request)).share == Share("0123456789ab", 7, -1)
+    for odd in (["k", 0, 0], ["k", 1001, 0], ["k", 1, 2], ["k", True, 0], ["k", "1", 0], ["k", 1, True]):
+        encoded = encode_request(request) | {"share": odd}
+        with pytest.raises((ValueError, TypeError)):
+            decode_request(encoded)
+    fin = Finished("stop", 3, 4, queue_s=1.25)
+    decoded = decode_event(encode_event(fin))
+    assert decoded == fin
+    assert isinstance(decoded, Finished)
+    assert decoded.queue_s == 1.25
+
+
+# ---- on the real engine -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wide enough that a few hundred tokens take a second or so."""
+    path = tmp_path_factory.mktemp("fair") / "slow.gguf"
+    return write_tiny_model(
+        path, TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048)
+    )
+
+
+def make_engine(path: Path, slots: int) -> Engine:
+    config = EngineConfig(
+        path=path, slots=slots, context_size=1024 * slots, batch_size=512, threads=1, threads_batch=1
+    )
+    return Engine(config, name="fair")
+
+
+def _submit(eng: Engine, prompt: str, max_tokens: int, share: Share) -> Generation:
+    request = GenerationRequest(eng.tokenize(prompt), max_tokens, GREEDY, ignore_eos=True, share=share)
+    return eng.submit(request, asyncio.get_running_loop())
+
+
+async def _drain(gen: Generation, first: list[float] | None = None) -> tuple[str, Finished]:
+    parts = []
+    async for event in gen.events(30):
+        if first is not None and not first and isinstance(event, TextDelta) and event.text:
+            first.append(time.monotonic())
+        parts.append(event.text)
+        if isinstance(event, Finished):
+            return "".join(parts), event
+    raise AssertionError("no Finished")
+
+
+async def _tokens_seen(gen: Generation, count: int) -> list[str]:
+    """Read `count` text deltas of `gen` (its events stay readable afterwards)."""
+    parts: list[str] = []
+    events = gen.events(30)
+    while len(parts) < count:
+        event = await anext(events)
+        assert isinstance(event, TextDelta), event
+        parts.append(event.text)
+    return parts
+
+
+async def test_a_paused_sequence_resumes_where_it_left_off(slow_model: Path) -> None:
+    eng = make_engine(slow_model, slots=1)
+    try:
+        reference, ref_fin = await _drain(_submit(eng, "a long batch job", 300, BATCH))
+        assert eng.pauses == 0
+        batch = _submit(eng, "a long batch job", 300, BATCH)
+        seen = await _tokens_seen(batch, 20)
+        await asyncio.sleep(QUANTUM_S)
+        urgent = _submit(eng, "quick question", 8, INTERACTIVE)
+        _, urgent_fin = await _drain(urgent)
+        assert urgent_fin.completion_tokens == 8
+        assert eng.pauses == 1  # the batch job gave up its slot for the interactive request
+        rest, fin = await _drain(batch)
+        assert "".join(seen) + rest == reference  # greedy: the same text, token for token
+        assert fin.completion_tokens == ref_fin.completion_tokens == 300
+        assert fin.reason == "length"
+        assert fin.queue_s > 0  # the pause counts as waiting
+        assert urgent_fin.queue_s < 2
+        performance = eng.performance()["fairness"]
+        assert performance["pauses"] == 1
+        assert performance["paused"] == 0
+        assert performance["tenants"] == {}  # nothing waits or runs now
+    finally:
+        eng.close()
+
+
+async def test_a_paused_sequence_cancelled_or_closed_ends_with_what_it_generated(slow_model: Path) -> None:
+    eng = make_engine(slow_model, slots=1)
+    try:
+        batch = _submit(eng, "batch one", 800, BATCH)
+        await _tokens_seen(batch, 10)
+        await asyncio.sleep(QUANTUM_S)
+        urgent = _submit(eng, "urgent", 400, INTERACTIVE)
+        await _tokens_seen(urgent, 2)
+        assert eng.performance()["fairness"]["paused"] == 1
+        batch.cancel()
+        eng.wake()
+        _, fin = await _drain(batch)
+        assert fin.reason == "cancelled"
+        assert fin.completion_tokens >= 10
+        assert eng.performance()["fairness"]["paused"] == 0
+        # Paused again, then the engine closes: the paused one ends with an error, not silence.
+        second = _submit(eng, "batch two", 800, BATCH)
+        urgent.cancel()
+        eng.wake()
+        await _drain(urgent)
+        await _tokens_seen(second, 5)
+        await asyncio.sleep(QUANTUM_S)
+        third = _submit(eng, "urgent again", 400, INTERACTIVE)
+        await _tokens_seen(third, 2)
+        assert eng.performance()["fairness"]["paused"] == 1
+    finally:
+        eng.close()
+    _, closed = await _drain(second)
+    assert closed.reason == "error"
+    assert closed.completion_tokens >= 5
+
+
+async def test_a_flooding_key_does_not_keep_another_keys_request_out(slow_model: Path) -> None:
+    eng = make_engine(slow_model, slots=2)
+    flood = Share("flood")
+    try:
+        floods = [_submit(eng, f"long job {i}", 400, flood) for i in range(8)]
+        await _tokens_seen(floods[0], 5)
+        await asyncio.sleep(QUANTUM_S)
+        _, fin = await _drain(_submit(eng, "short", 4, Share("other")))
+        assert fin.completion_tokens == 4
+        # It took a flooder's slot (pausing it): it did not wait for a 400-token job to end.
+        assert eng.pauses >= 1
+        assert floods[0].final is None
+        assert floods[1].final is None
+        for gen in floods:
+            gen.cancel()
+        eng.wake()
+        for gen in floods:
+            await _drain(gen)
+    finally:
+        eng.close()

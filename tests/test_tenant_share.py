@@ -1,0 +1,221 @@
+"""Fair share between keys on the daemon: a key's weight and class in the keys file, the class a
+request asks for (`service_tier`, never above its key's), `n` against the key's concurrency,
+and how long an answer waited (`x-queue-ms`, /admin/status)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from edgellmctl.__main__ import main as ctl
+from edgellmctl.keys import create_key
+from edgellmd.keys import KeysFileError, read_keys_file
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import RunningDaemon, running, settings_for, wait_for
+
+SLOW = TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048)
+LONG = 500  # tokens of the batch key's job: far longer than the short requests
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("weight", 0),
+        ("weight", 1001),
+        ("weight", True),
+        ("weight", "2"),
+        ("priority", "urgent"),
+        ("priority", 1),
+    ],
+)
+def test_weight_and_priority_must_be_what_the_keys_file_documents(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    create_key(keys, "k", ["inference"], limits={})
+    data = yaml.safe_load(keys.read_text())
+    data["keys"][0][field] = value
+    keys.write_text(yaml.safe_dump(data))
+    with pytest.raises(KeysFileError, match=rf"keys\[0\]\.{field}"):
+        read_keys_file(keys)
+
+
+def test_edgellmctl_creates_a_weighted_batch_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = tmp_path / "keys.yaml"
+    assert ctl(["keys", "create", "--file", str(keys), "--name", "etl", "--scope", "inference",
+                "--weight", "5", "--priority", "batch"]) == 0  # fmt: skip
+    (key,) = read_keys_file(keys).values()
+    assert (key.weight, key.priority) == (5, "batch")
+    with pytest.raises(SystemExit):
+        ctl(
+            ["keys", "create", "--file", str(keys), "--name", "x", "--scope", "inference", "--weight", "1001"]
+        )
+    with pytest.raises(SystemExit):
+        ctl(
+            [
+                "keys",
+                "create",
+                "--file",
+                str(keys),
+                "--name",
+                "x",
+                "--scope",
+                "inference",
+                "--priority",
+                "vip",
+            ]
+        )
+    assert len(read_keys_file(keys)) == 1
+    capsys.readouterr()
+
+
+class Tenants:
+    def __init__(self, tmp_path: Path) -> None:
+        self.keys = tmp_path / "keys.yaml"
+        _, self.bulk = create_key(self.keys, "bulk", ["inference"], limits={}, priority="batch")
+        _, self.bulk2 = create_key(self.keys, "bulk2", ["inference"], limits={}, priority="batch")
+        _, self.app = create_key(self.keys, "app", ["inference"], limits={}, priority="interactive")
+        _, self.pair = create_key(self.keys, "pair", ["inference"], limits={"concurrent": 2})
+        _, self.admin = create_key(self.keys, "ops", ["admin"], limits={})
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp_path = tmp_path_factory.mktemp("share")
+    model = write_tiny_model(tmp_path / "m.gguf", SLOW)
+    tenants = Tenants(tmp_path)
+    model_settings = {"name": "m", "file": str(model), "threads": 1, "slots": 1, "context_size": 1024}
+    settings = settings_for([model_settings], auth={"keys_file": str(tenants.keys)})
+    with running(settings) as daemon:
+        yield daemon, tenants
+
+
+def _client(daemon: RunningDaemon, token: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key=token, max_retries=0, timeout=60)
+
+
+def _long_job(daemon: RunningDaemon, token: str) -> tuple[threading.Thread, threading.Event, list[float]]:
+    """A streamed batch job of LONG tokens; `started` is set at its first token, `ended` gets its end time."""
+    started = threading.Event()
+    ended: list[float] = []
+
+    def run() -> None:
+        stream = _client(daemon, token).chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "a long report"}],
+            max_tokens=LONG,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for _ in stream:
+            started.set()
+        ended.append(time.monotonic())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    time.sleep(0.3)  # past the quantum a sequence runs before it may be paused
+    return thread, started, ended
+
+
+def _short(daemon: RunningDaemon, token: str, **extra: Any) -> tuple[float, int]:
+    """A short non-streamed chat: when it ended, and its x-queue-ms."""
+    raw = _client(daemon, token).chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **extra
+    )
+    assert raw.parse().usage is not None
+    return time.monotonic(), int(raw.headers["x-queue-ms"])
+
+
+def _pauses(daemon: RunningDaemon, admin: str) -> int:
+    req = urllib.request.Request(  # noqa: S310 - loopback URL
+        daemon.url + "/admin/status", headers={"Authorization": f"Bearer {admin}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback URL
+        status = json.loads(resp.read())
+    (model,) = status["models"]
+    return int(model["performance"]["fairness"]["pauses"])
+
+
+def test_an_interactive_key_goes_before_a_batch_keys_running_job(served: Any) -> None:
+    daemon, t = served
+    before = _pauses(daemon, t.admin)
+    thread, _, ended = _long_job(daemon, t.bulk)
+    done_at, queued_ms = _short(daemon, t.app)
+    thread.join(60)
+    assert ended
+    assert done_at < ended[0]  # it did not wait for the 500-token job on the one slot
+    assert queued_ms < 5000
+    assert wait_for(lambda: _pauses(daemon, t.admin) > before, timeout=10)
+
+
+def test_a_request_may_ask_for_a_lower_class_never_a_higher_one(served: Any) -> None:
+    daemon, t = served
+    # The interactive key asks for flex: it is batch now and waits for the batch job's end.
+    thread, _, ended = _long_job(daemon, t.bulk)
+    done_at, queued_ms = _short(daemon, t.app, service_tier="flex")
+    thread.join(60)
+    assert ended
+    assert done_at > ended[0]
+    assert queued_ms > 0
+    # Another batch key asks for priority: it stays batch, behind the running job.
+    thread, _, ended = _long_job(daemon, t.bulk)
+    done_at, _ = _short(daemon, t.bulk2, service_tier="priority")
+    thread.join(60)
+    assert done_at > ended[0]
+
+
+def test_a_service_tier_openai_does_not_have_is_refused(served: Any) -> None:
+    daemon, t = served
+    status, body = daemon.post(
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "service_tier": "platinum"},
+        headers={"Authorization": f"Bearer {t.app}"},
+    )
+    assert status == 400
+    assert body["error"]["param"] == "service_tier"
+    status, body = daemon.post(
+        "/v1/responses",
+        {"model": "m", "input": "hi", "service_tier": ["flex"]},
+        headers={"Authorization": f"Bearer {t.app}"},
+    )
+    assert status == 400
+    assert body["error"]["param"] == "service_tier"
+
+
+def test_n_counts_toward_the_keys_concurrency(served: Any) -> None:
+    daemon, t = served
+    client = _client(daemon, t.pair)
+    reply = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2
+    )
+    assert len(reply.choices) == 2
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=3
+        )
+    assert too_many.value.body["param"] == "n"  # type: ignore[index]
+    # One request in flight already: n=2 would make three sequences.
+    thread, _, _ = _long_job(daemon, t.pair)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2
+        )
+    thread.join(60)
+    # The places came back: two at once work again.
+    assert (
+        len(
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2
+            ).choices
+        )
+        == 2
+    )
