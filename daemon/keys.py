@@ -276,6 +276,11 @@ class KeyStore:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def in_force(self, now: datetime) -> tuple[set[str], set[str]]:
+        """The ids of the keys usable at `now`, and the cache scopes they use."""
+        usable = [key for key in self._keys.values() if key.usable(now) is None]
+        return {key.id for key in usable}, {key.cache_scope for key in usable}
+
     def reload_if_changed(self) -> bool:
         """Re-read the file if it changed; a bad new file is logged and the last good keys stay."""
         identity = self._stat()

@@ -95,7 +95,10 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         auth={"keys_file": str(keys)},
         lifecycle={"preload_dir": str(lock.shm), "watch": False},
     )
-    settings = replace(settings, console=ConsoleSettings(enabled=True, stream_interval_s=0.5))
+    console = ConsoleSettings(
+        enabled=True, stream_interval_s=0.5, signins_per_key_per_minute=1000, max_sessions_per_key=64
+    )
+    settings = replace(settings, console=console)
     # No NVIDIA driver here: the GPU monitor reads an H200 as one answered, hot and at its power cap.
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "pynvml", fakenvml.hot())

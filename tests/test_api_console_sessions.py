@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from edgellmd.api.console_sessions import EXPIRED, KEY_NO_LONGER_VALID, REPLACED, SIGNED_OUT, SessionStore
+from edgellmd.api.console_sessions import (
+    EXPIRED,
+    KEY_NO_LONGER_VALID,
+    REPLACED,
+    REPLACED_OWN,
+    SIGNED_OUT,
+    SessionStore,
+)
 
 
 @dataclass
@@ -99,3 +106,28 @@ def test_a_new_stream_stops_the_one_before(clock: Clock) -> None:
     store.close()
     assert second.is_set()
     assert len(store) == 0
+
+
+def test_a_key_signing_in_again_and_again_replaces_its_own_sessions(clock: Clock) -> None:
+    store = SessionStore(idle_s=60.0, max_s=300.0, capacity=8, per_key=2, clock=clock)
+    admin_id, admin = store.create("admin0000000")
+    churned = []
+    for _ in range(64):
+        clock.now += 0.01
+        churned.append(store.create("inference000")[1])
+    assert store.get(admin_id) is admin  # never signed out by another key's sign-ins
+    assert admin.end_reason is None
+    assert len(store) == 3
+    assert all(s.end_reason == REPLACED_OWN for s in churned[:-2])
+    assert all(s.end_reason is None for s in churned[-2:])
+
+
+def test_a_full_store_takes_from_the_key_holding_the_most(clock: Clock) -> None:
+    store = SessionStore(idle_s=60.0, max_s=300.0, capacity=4, per_key=3, clock=clock)
+    _, a = store.create("aaaaaaaaaaaa")
+    b = [store.create("bbbbbbbbbbbb")[1] for _ in range(3)]
+    clock.now += 1
+    store.create("cccccccccccc")  # full: b holds the most, its least recently used goes, not a
+    assert a.end_reason is None
+    assert b[0].end_reason == REPLACED
+    assert [s.end_reason for s in b[1:]] == [None, None]

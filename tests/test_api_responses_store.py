@@ -70,3 +70,48 @@ def test_sizes_count_every_string_of_a_turn() -> None:
     with_call = message_size(ChatMessage("assistant", "hello", tool_calls=(call,)))
     assert with_call > plain
     assert message_size(ChatMessage("user", "é" * 10)) > message_size(ChatMessage("user", "e" * 10))
+
+
+def test_a_flooding_owner_evicts_its_own_responses_never_a_quieter_ones() -> None:
+    store = ResponseStore()
+    kept = new_id("resp_")
+    store.put(kept, _entry("a"), max_responses=10, max_bytes=BIG)
+    flood = [new_id("resp_") for _ in range(200)]
+    for rid in flood:
+        assert store.put(rid, _entry("b"), max_responses=10, max_bytes=BIG)
+    assert store.get("a", kept) is not None
+    assert store.owned("b") == flood[-9:]  # b's oldest went, b's newest stayed
+    assert len(store) == 10
+
+
+def test_the_byte_bound_takes_from_the_owner_holding_the_most_bytes() -> None:
+    store = ResponseStore()
+    small, large = _entry("a"), _entry("b", text="x" * 4000)
+    a_ids = [new_id("resp_") for _ in range(3)]
+    for rid in a_ids:
+        store.put(rid, small, max_responses=100, max_bytes=BIG)
+    limit = 3 * small.size + 2 * large.size
+    b_ids = [new_id("resp_") for _ in range(5)]
+    for rid in b_ids:
+        assert store.put(rid, large, max_responses=100, max_bytes=limit)
+    assert store.owned("a") == a_ids  # fewer bytes: untouched
+    assert store.owned("b") == b_ids[-2:]
+    assert store.bytes <= limit
+    # A new response of a's that needs room still takes it from b, which holds more bytes.
+    medium = _entry("a", text="y" * 2000)
+    assert store.put(new_id("resp_"), medium, max_responses=100, max_bytes=limit)
+    assert store.owned("a")[:3] == a_ids
+    assert store.owned("b") == b_ids[-1:]
+
+
+def test_an_owner_alone_may_use_the_whole_store_and_its_entries_drop_with_it() -> None:
+    store = ResponseStore()
+    ids = [new_id("resp_") for _ in range(5)]
+    for rid in ids:
+        store.put(rid, _entry("a"), max_responses=5, max_bytes=BIG)
+    store.put(new_id("resp_"), _entry("b"), max_responses=10, max_bytes=BIG)
+    assert store.owned("a") == ids
+    assert store.drop_owners({"a", "nobody"}) == 5
+    assert store.owners() == {"b"}
+    assert store.bytes == _entry("b").size
+    assert store.get("a", ids[0]) is None

@@ -118,6 +118,8 @@ def _settings(models_dir: Path, keys: Path, **console: Any) -> Settings:
         ],
         auth={"keys_file": str(keys)},
     )
+    # The suite signs in often with one key: its own tests of those two bounds set them low.
+    console = {"signins_per_key_per_minute": 1000, "max_sessions_per_key": 64, **console}
     return replace(settings, console=ConsoleSettings(enabled=True, stream_interval_s=0.2, **console))
 
 
@@ -257,6 +259,32 @@ def test_wrong_keys_are_rate_limited_and_audited(
     assert messages.count(("auth failed: wrong or unknown key", "127.0.0.1")) == 3
     assert ("console sign-in refused: too many wrong keys", "127.0.0.1") in messages
     assert wrong not in everything_logged(caplog)
+
+
+def test_an_inference_key_signing_in_in_a_loop_neither_signs_the_admin_out_nor_goes_unlimited(
+    models_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys, tokens = _keys(tmp_path, ("operator", ["admin"]), ("app", ["inference"]))
+    caplog.set_level(logging.INFO, logger="edgellmd.audit")
+    settings = _settings(
+        models_dir, keys, signins_per_key_per_minute=5, max_sessions_per_key=2, max_sessions=4
+    )
+    with running(settings) as daemon:
+        admin = Browser(daemon.port)
+        assert admin.sign_in(tokens["operator"]).status == 200
+        answers = [Browser(daemon.port).sign_in(tokens["app"]) for _ in range(8)]
+        assert [a.status for a in answers] == [200] * 5 + [429] * 3
+        assert all(int(a.headers["Retry-After"]) >= 1 for a in answers[5:])
+        assert answers[-1].code == "rate_limit_exceeded"
+        assert admin.request("GET", "/ui/api/keys").status == 200  # still signed in
+        assert Browser(daemon.port).sign_in(tokens["operator"]).status == 200  # another key: its own budget
+    messages = [(line.message, line.key_id) for line in audit_lines(caplog)]
+    assert (
+        messages.count(
+            ("console sign-in refused: too many sign-ins with this key", answers[0].json()["key_id"])
+        )
+        == 3
+    )
 
 
 @contextmanager

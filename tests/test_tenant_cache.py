@@ -8,6 +8,10 @@ threads.
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +104,70 @@ def test_a_cache_group_must_be_a_plain_name(tmp_path: Path) -> None:
     keys.write_text(yaml.safe_dump(data))
     with pytest.raises(KeysFileError, match="cache_group"):
         read_keys_file(keys)
+
+
+def _set_disabled(keys: Path, key_id: str, disabled: bool) -> None:
+    data = yaml.safe_load(keys.read_text())
+    for entry in data["keys"]:
+        if entry["id"] == key_id:
+            entry["disabled"] = disabled
+    keys.write_text(yaml.safe_dump(data))
+
+
+def _until(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_disabled_keys_cached_state_and_stored_responses_are_dropped(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=53))
+    keys = tmp_path / "keys.yaml"
+    alice_id, alice = create_key(keys, "alice", ["inference"], limits={})
+    team_id, team1 = create_key(keys, "team-1", ["inference"], limits={}, cache_group="team")
+    _, team2 = create_key(keys, "team-2", ["inference"], limits={}, cache_group="team")
+    model_settings = {
+        "name": "m",
+        "file": str(model),
+        "threads": 1,
+        "slots": 2,
+        "context_size": 2048,
+        "prompt_cache_mb": 64,
+    }
+    settings = settings_for([model_settings], auth={"keys_file": str(keys)})
+    auth = {"Authorization": f"Bearer {alice}"}
+    with running(settings) as daemon:
+        _ask(daemon, alice, SECRET)
+        _ask(daemon, team1, "Team notes: " + SECRET)
+        for filler in range(2):  # both slots now hold other prompts: alice's lives in the cache too
+            _ask(daemon, alice, f"something else entirely, number {filler} " * 20)
+        _ask(daemon, alice, SECRET)  # and in a slot again
+        status, stored = daemon.post(
+            "/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 2}, headers=auth
+        )
+        assert status == 200, stored
+        assert _get(daemon, f"/v1/responses/{stored['id']}", alice)[0] == 200
+
+        _set_disabled(keys, alice_id, True)
+        _set_disabled(keys, team_id, True)
+        _until(lambda: _get(daemon, "/v1/models", alice)[0] == 401)
+        time.sleep(1.5)  # the keys watch's next pass has dropped what was kept for them
+        _set_disabled(keys, alice_id, False)
+        _until(lambda: _get(daemon, "/v1/models", alice)[0] == 200)
+
+        again = _ask(daemon, alice, SECRET)
+        assert again["prompt_tokens_details"]["cached_tokens"] == 0, again  # neither slot nor cache
+        assert _get(daemon, f"/v1/responses/{stored['id']}", alice)[0] == 404
+        # team-2 is still in force: the team's shared state stays.
+        shared = _ask(daemon, team2, "Team notes: " + SECRET)
+        assert shared["prompt_tokens_details"]["cached_tokens"] > 300, shared
+
+
+def _get(daemon: RunningDaemon, path: str, token: str) -> tuple[int, Any]:
+    request = urllib.request.Request(daemon.url + path, headers={"Authorization": f"Bearer {token}"})  # noqa: S310
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - loopback URL
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

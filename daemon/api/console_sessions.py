@@ -29,6 +29,7 @@ SIGNED_OUT: Final = "signed out"
 EXPIRED: Final = "session expired"
 KEY_NO_LONGER_VALID: Final = "the API key of this session is no longer valid"
 REPLACED: Final = "too many console sessions: this one was the least recently used"
+REPLACED_OWN: Final = "too many console sessions of this API key: this one was its least recently used"
 SHUTTING_DOWN: Final = "the daemon is shutting down"
 
 
@@ -74,14 +75,26 @@ def _digest(session_id: str) -> bytes:
 
 
 class SessionStore:
-    """At most `capacity` sessions; one unused for `idle_s`, or older than `max_s`, is gone."""
+    """At most `capacity` sessions and `per_key` of one key's; one unused for `idle_s`, or older
+    than `max_s`, is gone.
+
+    A sign-in past a bound ends a session of the key holding the most (its least recently
+    used): a key signing in over and over replaces its own sessions, never another key's.
+    """
 
     def __init__(
-        self, *, idle_s: float, max_s: float, capacity: int, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        idle_s: float,
+        max_s: float,
+        capacity: int,
+        per_key: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.idle_s = idle_s
         self.max_s = max_s
         self.capacity = capacity
+        self.per_key = capacity if per_key is None else per_key
         self._clock = clock
         self._sessions: dict[bytes, ConsoleSession] = {}  # least recently used first
 
@@ -91,9 +104,16 @@ class SessionStore:
     def create(self, key_id: str) -> tuple[str, ConsoleSession]:
         """A new session for `key_id`: (the id for the cookie, the session)."""
         self.prune()
+        while (own := [s for s in self._sessions.values() if s.key_id == key_id]) and len(
+            own
+        ) >= self.per_key:
+            self.end(own[0], REPLACED_OWN)
         while len(self._sessions) >= self.capacity:
-            _, oldest = next(iter(self._sessions.items()))
-            self.end(oldest, REPLACED)
+            held: dict[str, list[ConsoleSession]] = {}
+            for session in self._sessions.values():  # least recently used first
+                held.setdefault(session.key_id, []).append(session)
+            most = max(held.values(), key=len)
+            self.end(most[0], REPLACED_OWN if most[0].key_id == key_id else REPLACED)
         session_id = secrets.token_urlsafe(32)
         now = self._clock()
         session = ConsoleSession(key_id=key_id, csrf=secrets.token_urlsafe(32), started=now, seen=now)

@@ -42,6 +42,11 @@ class Caller:
         return cls(key.id, key.limits.max_tokens, key.cache_scope, share)
 
 
+# Called with the ids of keys that stopped working (revoked, disabled, expired), so that state
+# kept for them (stored responses) goes; the front door's keys watch calls each one.
+KEYS_GONE: Final = web.AppKey("keys_gone", list[Callable[[set[str]], object]])
+
+
 @dataclass(frozen=True, slots=True)
 class ApiContext:
     """The application's parts that the adapters use."""

@@ -19,7 +19,7 @@ model version is never used with another.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -229,6 +229,13 @@ class PromptCache:
             owner == scope and len(t) >= len(tokens) and common_prefix(t, tokens) == len(tokens)
             for owner, t in self.entries
         )
+
+    def drop_scopes(self, scopes: Collection[str]) -> int:
+        """Forget every entry of these scopes (their keys are gone); how many went."""
+        gone = [k for k in self.entries if k[0] in scopes]
+        for key in gone:
+            self.used_bytes -= len(self.entries.pop(key))
+        return len(gone)
 
     def put(self, tokens: Sequence[int], data: bytes, scope: str = "") -> None:
         """Keep a sequence's state; entries of its scope it extends go, the oldest go while over the limit."""

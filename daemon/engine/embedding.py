@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from typing import Final
 
@@ -169,6 +169,9 @@ class EmbeddingEngine(NativeThread):
             self._jobs.append(job)
             self._cond.notify()
         return job.future
+
+    def forget_scopes(self, scopes: Collection[str]) -> None:
+        """Nothing: an embedding model keeps no KV state between requests."""
 
     @property
     def busy_slots(self) -> int:

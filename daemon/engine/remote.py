@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -448,6 +448,11 @@ class RemoteEngine:
 
     def wake(self) -> None:
         """Cancellations reach the engine process as they happen (`Generation.on_cancel`)."""
+
+    def forget_scopes(self, scopes: Collection[str]) -> None:
+        """Drop the cached KV state of these cache scopes in the engine process (`Engine.forget_scopes`)."""
+        if self.kind == "generation":
+            self.send_quietly({"op": "forget", "scopes": sorted(scopes)})
 
     def submit_embed(self, inputs: Sequence[Sequence[int]]) -> concurrent.futures.Future[list[list[float]]]:
         """Embed tokenized inputs in the engine process; resolves with unit vectors."""

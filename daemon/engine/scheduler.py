@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict
 from typing import Any, Final
 
@@ -190,6 +190,7 @@ class Engine(NativeThread):
         # system prompt, a growing conversation) skips that part of the prefill.
         self._kv: list[list[int]] = [[] for _ in range(config.slots)]
         self._scope: list[str] = ["" for _ in range(config.slots)]  # whose prompt each slot's KV holds
+        self._forget: set[str] = set()  # scopes whose cached state goes (forget_scopes), under _cond
         self._draft: DraftModel | None = None  # speculative mode draft: loaded with the model
         # Decode step seconds by size (measured at load, kept current by the steps served).
         self.steps = StepTimes([])
@@ -306,6 +307,35 @@ class Engine(NativeThread):
         """Wake the scheduler (after a cancellation) so the slot is freed at once."""
         with self._cond:
             self._cond.notify()
+
+    def forget_scopes(self, scopes: Collection[str]) -> None:
+        """Drop the cached KV state of these cache scopes (their keys were revoked, disabled or expired).
+
+        Free slots holding their prompts are cleared and the prompt cache's entries go at the
+        scheduler's next pass; a slot still running one of their requests (ended by the keys
+        watch within a second) is cleared once it finishes.
+        """
+        with self._cond:
+            self._forget.update(s for s in scopes if s)
+            self._cond.notify()
+
+    def _drop_forgotten(self) -> None:
+        """Under the lock: clear free slots and cache entries of the scopes being forgotten."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.drop_scopes(self._forget)
+        running: set[str] = set()
+        for i, slot in enumerate(self._slots):
+            if self._scope[i] not in self._forget:
+                continue
+            if slot is not None:
+                running.add(self._scope[i])
+                continue
+            llama.llama_memory_seq_rm(self._memory, i, -1, -1)
+            self._kv[i].clear()
+            self._scope[i] = ""
+            if self._draft is not None:
+                self._draft.forget(i)
+        self._forget &= running
 
     @property
     def busy_slots(self) -> int:
@@ -473,11 +503,13 @@ class Engine(NativeThread):
     def _admit(self) -> bool:
         """Move waiting generations into free slots; returns False when asked to stop."""
         with self._cond:
-            while not self._stopping and not self._pending and self.busy_slots == 0:
+            while not self._stopping and not self._pending and self.busy_slots == 0 and not self._forget:
                 self.heartbeat = time.monotonic()
                 self._cond.wait(_IDLE_WAIT_S)
             if self._stopping:
                 return False
+            if self._forget:
+                self._drop_forgotten()
             # Waiting clients that gave up leave the queue now, not when a slot frees up.
             if any(g.cancelled for g in self._pending):
                 for gen in [g for g in self._pending if g.cancelled]:

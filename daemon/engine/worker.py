@@ -137,6 +137,9 @@ class Worker:
                     self.loop.call_soon_threadsafe(self._submit, message)
                 elif op == "cancel":
                     self.loop.call_soon_threadsafe(self._cancel, int(message["gen"]))
+                elif op == "forget" and isinstance(self.engine, Engine):
+                    scopes = [str(scope) for scope in message["scopes"]]
+                    self.loop.call_soon_threadsafe(self.engine.forget_scopes, scopes)
                 elif op == "free_grammar":
                     self.loop.call_soon_threadsafe(self._free_grammar, int(message["grammar"]))
         except (wire.ChannelClosed, OSError):

@@ -13,8 +13,8 @@ from pathlib import Path
 from aiohttp import web
 
 from edgellmd.api.console import is_console_path
-from edgellmd.api.context import CALLER, Caller
-from edgellmd.engine.generation import KEY_REVOKED, Running
+from edgellmd.api.context import CALLER, KEYS_GONE, Caller
+from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
 from edgellmd.http.errors import Handler
@@ -107,12 +107,17 @@ def unusable(store: KeyStore, key_ids: set[str], now: datetime | None = None) ->
     return {k for k in key_ids if (key := store.get(k)) is None or key.usable(moment) is not None}
 
 
-async def watch_keys(store: KeyStore, running: Running) -> None:
-    """Reload the keys file when it changes; end the running requests of keys that stopped working.
+async def watch_keys(app: web.Application, store: KeyStore) -> None:
+    """Reload the keys file when it changes; end the running requests of keys that stopped working
+    and drop what is kept for them.
 
     Revocation bites within one check interval: a revoked, disabled or expired key's
-    streams end with an `invalid_api_key` error event, its waiting requests leave the queue.
+    streams end with an `invalid_api_key` error event, its waiting requests leave the queue,
+    the KV state cached for its scope (unless another key in force shares its `cache_group`)
+    is cleared in every engine, and its stored responses go.
     """
+    running = app[appkeys.GENERATIONS]
+    ids, scopes = store.in_force(datetime.now(UTC))
     while True:
         await asyncio.sleep(RELOAD_INTERVAL_S)
         store.reload_if_changed()
@@ -125,6 +130,17 @@ async def watch_keys(store: KeyStore, running: Running) -> None:
                     extra={"peer": None, "key_id": key_id},
                 )
             log.info("ended %d request(s) of %d key(s) that are no longer valid", ended, len(gone))
+        now_ids, now_scopes = store.in_force(datetime.now(UTC))
+        forget_ids, forget_scopes = ids - now_ids, scopes - now_scopes
+        ids, scopes = now_ids, now_scopes
+        if forget_scopes:
+            registry = app.get(appkeys.REGISTRY)
+            for handle in registry.ready_handles() if registry is not None else ():
+                handle.engine.forget_scopes(forget_scopes)
+        if forget_ids:
+            for drop in app.get(KEYS_GONE, []):
+                drop(forget_ids)
+            log.info("dropped the cached state of %d key(s) no longer in force", len(forget_ids))
 
 
 def _credentials(request: web.Request) -> str | None:
@@ -156,7 +172,7 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
         store_holder.append(store)
         app[appkeys.KEY_STORE] = store
         log.info("API keys: %d key(s) from %s", len(store), keys_file)
-        task = asyncio.create_task(watch_keys(store, app[appkeys.GENERATIONS]), name="keys-watch")
+        task = asyncio.create_task(watch_keys(app, store), name="keys-watch")
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -60,38 +60,59 @@ CONSOLE_HEADERS: Final = {
 
 
 class SignInLimiter:
-    """Wrong keys at sign-in per client address: `per_minute` of them, refilled evenly, then 429."""
+    """Sign-ins limited twice: wrong keys per client address (`per_minute` of them, refilled
+    evenly, then 429) and successful sign-ins per key (`per_key_per_minute`), so that a valid
+    key signing in in a loop can neither churn the session store nor hide in many addresses."""
 
-    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, per_minute: int, per_key_per_minute: int = 10, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._per_minute = per_minute
+        self._per_key = per_key_per_minute
         self._clock = clock
         self._buckets: dict[str, TokenBucket] = {}
+        self._keys: dict[str, TokenBucket] = {}
 
-    def _bucket(self, peer: str) -> TokenBucket:
-        bucket = self._buckets.pop(peer, None)
+    @staticmethod
+    def _bucket(buckets: dict[str, TokenBucket], name: str, capacity: int) -> TokenBucket:
+        bucket = buckets.pop(name, None)
         if bucket is None:
-            bucket = TokenBucket(float(self._per_minute))
-            while len(self._buckets) >= MAX_TRACKED_PEERS:
-                del self._buckets[next(iter(self._buckets))]
-        self._buckets[peer] = bucket  # most recent last
+            bucket = TokenBucket(float(capacity))
+            while len(buckets) >= MAX_TRACKED_PEERS:
+                del buckets[next(iter(buckets))]
+        buckets[name] = bucket  # most recent last
         return bucket
 
     def check(self, peer: str) -> None:
         """Raise RateLimited (with Retry-After) when this address used up its wrong keys."""
-        wait = self._bucket(peer).wait_for(1, self._clock())
+        wait = self._bucket(self._buckets, peer, self._per_minute).wait_for(1, self._clock())
         if wait > 0:
-            seconds = max(1, round(wait + 0.5))
             audit.warning(
                 "console sign-in refused: too many wrong keys", extra={"peer": peer, "key_id": None}
             )
-            raise RateLimited(
-                f"too many wrong API keys from this address; retry in {seconds} s",
-                headers={"Retry-After": str(seconds)},
-            )
+            raise _limited("too many wrong API keys from this address", wait)
 
     def failed(self, peer: str) -> None:
         """Count one wrong key from this address."""
-        self._bucket(peer).take(1, self._clock())
+        self._bucket(self._buckets, peer, self._per_minute).take(1, self._clock())
+
+    def signed_in(self, key_id: str, peer: str) -> None:
+        """Count one sign-in of this key; raise RateLimited when it signed in too often."""
+        bucket = self._bucket(self._keys, key_id, self._per_key)
+        now = self._clock()
+        wait = bucket.wait_for(1, now)
+        if wait > 0:
+            audit.warning(
+                "console sign-in refused: too many sign-ins with this key",
+                extra={"peer": peer, "key_id": key_id},
+            )
+            raise _limited("too many console sign-ins with this API key", wait)
+        bucket.take(1, now)
+
+
+def _limited(why: str, wait: float) -> RateLimited:
+    seconds = max(1, round(wait + 0.5))
+    return RateLimited(f"{why}; retry in {seconds} s", headers={"Retry-After": str(seconds)})
 
 
 def _same_origin(request: web.Request) -> None:
@@ -190,6 +211,7 @@ def _sign_in(store: SessionStore, limiter: SignInLimiter, settings: Settings) ->
         except AuthenticationFailed:
             limiter.failed(peer)
             raise
+        limiter.signed_in(key.id, peer)
         earlier = store.get(request.cookies.get(COOKIE))
         if earlier is not None:  # a fresh id at every sign-in: no session fixation
             store.end(earlier, SIGNED_OUT)
@@ -253,12 +275,15 @@ def setup_console(app: web.Application, settings: Settings) -> None:
     if not console.enabled:
         return
     store = SessionStore(
-        idle_s=console.session_idle_s, max_s=console.session_max_s, capacity=console.max_sessions
+        idle_s=console.session_idle_s,
+        max_s=console.session_max_s,
+        capacity=console.max_sessions,
+        per_key=console.max_sessions_per_key,
     )
     app[SESSIONS] = store
     setup_key_writes(app)
     scopes = add_console_routes(app, settings)
-    limiter = SignInLimiter(console.signin_failures_per_minute)
+    limiter = SignInLimiter(console.signin_failures_per_minute, console.signins_per_key_per_minute)
     scopes.add(app, [("POST", "/ui/api/session", _sign_in(store, limiter, settings), None), *KEY_ROUTES])
     app.middlewares.append(_middleware(store, scopes))
     app.on_response_prepare.append(_stamp)

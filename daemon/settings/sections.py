@@ -636,7 +636,7 @@ class ResponsesSettings:
 
     store_max_responses: int = setting(
         1000,
-        "responses kept in memory (oldest evicted first); 0: nothing is stored",
+        "responses kept in memory (the most-holding key's oldest evicted first); 0: nothing is stored",
         bounds=(0, 1_000_000),
         more="per daemon, each visible only to the API key that made it; never written to disk",
     )
@@ -713,7 +713,13 @@ class ConsoleSettings:
         64,
         "console sessions held in memory",
         bounds=(1, 10_000),
-        more="a sign-in beyond it ends the least recently used session",
+        more="a sign-in beyond it ends the least recently used session of the key holding the most",
+    )
+    max_sessions_per_key: int = setting(
+        4,
+        "console sessions one API key may hold",
+        bounds=(1, 10_000),
+        more="a sign-in beyond it ends that key's least recently used session, never another key's",
     )
     stream_interval_s: float = setting(
         2.0, "seconds between two updates of the live overview", more="(one event stream per session)"
@@ -726,6 +732,12 @@ class ConsoleSettings:
         "wrong keys allowed per client address and minute at sign-in",
         bounds=(1, 10_000),
         more="then 429 `rate_limit_exceeded` with `Retry-After`, like the API's limits",
+    )
+    signins_per_key_per_minute: int = setting(
+        10,
+        "successful sign-ins allowed per API key and minute",
+        bounds=(1, 10_000),
+        more="then 429 `rate_limit_exceeded` with `Retry-After`, whatever the address",
     )
 
 

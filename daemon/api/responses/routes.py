@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, context, token_limits
+from edgellmd.api.context import CALLER, KEYS_GONE, context, token_limits
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.request import ChatRequest
 from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
@@ -218,7 +218,8 @@ async def delete_response(request: web.Request) -> web.Response:
 
 def setup_responses(app: web.Application) -> None:
     """Install the Responses API routes and their store."""
-    app[RESPONSES_STORE] = ResponseStore()
+    store = app[RESPONSES_STORE] = ResponseStore()
+    app.setdefault(KEYS_GONE, []).append(store.drop_owners)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

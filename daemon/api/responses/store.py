@@ -4,8 +4,10 @@
 can show it and `previous_response_id` can continue its conversation. Nothing is written to
 disk: a restart forgets everything. Each response belongs to the key that made it (one
 anonymous owner when auth is off); another key's id looks exactly like an unknown one. The
-store is bounded by count and by bytes (`responses.store_max_responses`, `store_max_mb`),
-oldest first out.
+store is bounded by count and by bytes (`responses.store_max_responses`, `store_max_mb`). When it
+is full, room is made from the owner that holds the most (entries for the count bound, bytes for
+the byte bound), that owner's oldest first: one key's flood of cheap calls evicts its own
+responses, never a quieter key's, while a key alone on the box may still use the whole store.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ def message_size(message: ChatMessage) -> int:
 
 
 class ResponseStore:
-    """Stored responses by id, oldest first; every lookup names its owner."""
+    """Stored responses by id, per owner oldest first; every lookup names its owner."""
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: dict[str, StoredResponse] = {}
+        self._owners: dict[str, OrderedDict[str, None]] = {}  # each owner's ids, oldest first
+        self._owner_bytes: dict[str, int] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -72,15 +76,31 @@ class ResponseStore:
         size = entry.size
         if max_responses <= 0 or size > max_bytes:
             return False
-        previous = self._entries.pop(response_id, None)
+        previous = self._entries.get(response_id)
         if previous is not None:  # ids are random: only a retried put meets its own
-            self._bytes -= previous.size
-        while self._entries and (len(self._entries) >= max_responses or self._bytes + size > max_bytes):
-            _, oldest = self._entries.popitem(last=False)
-            self._bytes -= oldest.size
+            self._remove(response_id, previous)
+        while self._entries and len(self._entries) >= max_responses:
+            self._evict_from(max(self._owners, key=lambda o: (len(self._owners[o]), o == entry.owner)))
+        while self._entries and self._bytes + size > max_bytes:
+            self._evict_from(max(self._owner_bytes, key=lambda o: (self._owner_bytes[o], o == entry.owner)))
         self._entries[response_id] = entry
+        self._owners.setdefault(entry.owner, OrderedDict())[response_id] = None
+        self._owner_bytes[entry.owner] = self._owner_bytes.get(entry.owner, 0) + size
         self._bytes += size
         return True
+
+    def _evict_from(self, owner: str) -> None:
+        oldest = next(iter(self._owners[owner]))
+        self._remove(oldest, self._entries[oldest])
+
+    def _remove(self, response_id: str, entry: StoredResponse) -> None:
+        del self._entries[response_id]
+        ids = self._owners[entry.owner]
+        del ids[response_id]
+        self._owner_bytes[entry.owner] -= entry.size
+        if not ids:
+            del self._owners[entry.owner], self._owner_bytes[entry.owner]
+        self._bytes -= entry.size
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
         """The entry, when it exists and belongs to `owner`."""
@@ -92,10 +112,20 @@ class ResponseStore:
         entry = self.get(owner, response_id)
         if entry is None:
             return False
-        del self._entries[response_id]
-        self._bytes -= entry.size
+        self._remove(response_id, entry)
         return True
+
+    def drop_owners(self, owners: set[str]) -> int:
+        """Forget everything these owners stored (their keys were revoked or disabled); how many entries."""
+        gone = [(rid, self._entries[rid]) for owner in owners for rid in self._owners.get(owner, ())]
+        for response_id, entry in gone:
+            self._remove(response_id, entry)
+        return len(gone)
+
+    def owners(self) -> set[str]:
+        """The owners that have entries now."""
+        return set(self._owners)
 
     def owned(self, owner: str) -> Sequence[str]:
         """The ids `owner` has stored, oldest first (for tests and diagnostics)."""
-        return [rid for rid, entry in self._entries.items() if entry.owner == owner]
+        return list(self._owners.get(owner, ()))
