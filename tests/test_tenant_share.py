@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -219,3 +220,65 @@ def test_n_counts_toward_the_keys_concurrency(served: Any) -> None:
         )
         == 2
     )
+
+
+def _heavy_tool(i: int) -> dict[str, Any]:
+    properties = {
+        f"p{j}": {"type": "string", "pattern": f"^[a-z]{{1,8}}-{j}[0-9]{{2,4}}(x|y|z)+$"} for j in range(30)
+    }
+    return {"name": f"t{i}", "input_schema": {"type": "object", "properties": properties}}
+
+
+def test_one_keys_costly_bodies_queue_behind_each_other_not_in_front_of_another_key(tmp_path: Path) -> None:
+    """Key A sends eight /v1/messages bodies whose schemas cost the prompt pool a while each (and
+    that its context then refuses); key B's one-token chat, sent just after, is answered sooner
+    than one of A's requests takes alone: A's work takes one pool thread at a time, B gets the
+    other (a pool first come, first served makes B wait for A's first four)."""
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=54))
+    keys = tmp_path / "keys.yaml"
+    _, alice = create_key(keys, "alice", ["inference"], limits={})
+    _, bob = create_key(keys, "bob", ["inference"], limits={})
+    settings = settings_for(
+        [{"name": "m", "file": str(model), "threads": 1, "slots": 2, "context_size": 512}],
+        auth={"keys_file": str(keys)},
+    )
+    hi = [{"role": "user", "content": "hi"}]
+    heavy = json.dumps(
+        {"model": "m", "max_tokens": 4, "messages": hi, "tools": [_heavy_tool(i) for i in range(64)]}
+    )
+    light = json.dumps({"model": "m", "max_tokens": 1, "messages": hi})
+    with running(settings) as daemon:
+
+        def send(token: str, data: str, path: str) -> tuple[int, float]:
+            request = urllib.request.Request(  # noqa: S310 - loopback URL
+                daemon.url + path,
+                data=data.encode(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+            )
+            started = time.monotonic()
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310
+                    status = response.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            return status, time.monotonic() - started
+
+        assert send(bob, light, "/v1/chat/completions")[0] == 200  # warm
+        alone = min(send(alice, heavy, "/v1/messages")[1] for _ in range(2))
+        answers: dict[str, tuple[int, float]] = {}
+
+        def record(name: str, token: str, data: str, path: str) -> None:
+            answers[name] = send(token, data, path)
+
+        flood = [
+            threading.Thread(target=record, args=(f"a{i}", alice, heavy, "/v1/messages")) for i in range(8)
+        ]
+        for thread in flood:
+            thread.start()
+        time.sleep(0.1)  # A's bodies are on the pool
+        record("b", bob, light, "/v1/chat/completions")
+        for thread in flood:
+            thread.join(120)
+    assert answers["b"][0] == 200
+    assert sorted(status for name, (status, _) in answers.items() if name != "b") == [400] * 8  # too long
+    assert answers["b"][1] < alone, (answers, alone)

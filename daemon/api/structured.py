@@ -135,8 +135,12 @@ def max_calls(parallel: bool | None, functions: int) -> int:
     return max(1, min(functions, MAX_PARALLEL_CALLS))
 
 
-def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
-    """Check `tools`/`tool_choice`/`parallel_tool_calls` and build the reply's grammar."""
+def tool_plan(tools: Any, tool_choice: Any, parallel: Any, *, grammar: bool = True) -> ToolPlan | None:
+    """Check `tools`/`tool_choice`/`parallel_tool_calls` and build the reply's grammar.
+
+    `grammar=False` (counting a prompt's tokens): every schema is still checked in full, the
+    instructions are those a reply would get, but no grammar is built (the costly part).
+    """
     if tools is None:
         if tool_choice not in (None, "none"):
             raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
@@ -204,8 +208,10 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan | None:
             ]
         }
         answer = ', or, to answer without tools, {"response": <your answer>}'
-    try:
-        grammar = embedded_grammar(schema)
-    except SchemaError as exc:
-        raise _api_error(exc, "tools") from None
-    return ToolPlan(tuple(tools), mode, grammar, TOOL_INSTRUCTIONS.format(answer=answer), names)
+    built = None
+    if grammar:
+        try:
+            built = embedded_grammar(schema)
+        except SchemaError as exc:
+            raise _api_error(exc, "tools") from None
+    return ToolPlan(tuple(tools), mode, built, TOOL_INSTRUCTIONS.format(answer=answer), names)

@@ -11,7 +11,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
@@ -22,6 +21,7 @@ from edgellmd.api.anthropic.routes import setup_anthropic
 from edgellmd.api.context import API_CONTEXT, ERROR_SHAPES, QUEUE_WAITS, USER_TAG, ApiContext, ErrorShapes
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai.routes import setup_openai
+from edgellmd.api.pool import FairPool
 from edgellmd.api.responses.routes import setup_responses
 from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.generation import Running
@@ -164,7 +164,7 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
 
 
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
-    executor = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="prompt")
+    executor = FairPool(PROMPT_THREADS, name="prompt")  # one key's work queues behind its own (api.pool)
     app[appkeys.EXECUTOR] = executor
     yield
     executor.shutdown(wait=True, cancel_futures=True)

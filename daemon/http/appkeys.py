@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from aiohttp import web
 
+from edgellmd.api.pool import FairPool
 from edgellmd.engine.generation import Running
 from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
@@ -20,7 +20,7 @@ from edgellmd.settings import Settings
 
 SETTINGS: Final = web.AppKey("settings", Settings)
 REGISTRY: Final = web.AppKey("registry", Registry)
-EXECUTOR: Final = web.AppKey("executor", ThreadPoolExecutor)
+EXECUTOR: Final = web.AppKey("executor", FairPool)
 KEY_STORE: Final = web.AppKey("key_store", KeyStore)
 GENERATIONS: Final = web.AppKey("generations", Running)  # running, for the shutdown drain
 METRICS: Final = web.AppKey("metrics", Metrics)

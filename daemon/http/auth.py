@@ -14,6 +14,7 @@ from aiohttp import web
 
 from edgellmd.api.console import is_console_path
 from edgellmd.api.context import CALLER, KEYS_GONE, Caller
+from edgellmd.api.pool import POOL_TENANT
 from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
@@ -165,6 +166,11 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
                 store_holder[0], _credentials(request), scope, request.remote
             )
             request[CALLER] = Caller.of(key)
+            tenant = POOL_TENANT.set(key.id)  # this request's prompt-pool work is the key's (api.pool)
+            try:
+                return await handler(request)
+            finally:
+                POOL_TENANT.reset(tenant)
         return await handler(request)
 
     async def keys_ctx(app: web.Application) -> AsyncIterator[None]:

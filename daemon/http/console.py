@@ -36,6 +36,7 @@ from edgellmd.api.console_sessions import (
 )
 from edgellmd.api.context import CALLER, Caller
 from edgellmd.api.jsontext import read_json_object
+from edgellmd.api.pool import POOL_TENANT
 from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
 from edgellmd.http.auth import authenticate, unusable
@@ -178,13 +179,17 @@ def _middleware(store: SessionStore, scopes: RouteScopes) -> Middleware:
             _check_csrf(request, session)
         request[appkeys.API_KEY] = key
         request[CALLER] = Caller.of(key)
-        if scope != "inference":
-            return await handler(request)
-        # The playground's requests count against the key's limits like its /v1 requests.
-        limiter = request.app[appkeys.RATE_LIMITER]
-        limiter.admit(key)
-        with limiter.admitted(key, request):
-            return await handler(request)
+        tenant = POOL_TENANT.set(key.id)  # as the front door's: the pool work is the key's
+        try:
+            if scope != "inference":
+                return await handler(request)
+            # The playground's requests count against the key's limits like its /v1 requests.
+            limiter = request.app[appkeys.RATE_LIMITER]
+            limiter.admit(key)
+            with limiter.admitted(key, request):
+                return await handler(request)
+        finally:
+            POOL_TENANT.reset(tenant)
 
     return console_middleware
 

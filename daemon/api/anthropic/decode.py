@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from edgellmd.api.request import ChatRequest, CommonRequest, Limits, within_ceiling
-from edgellmd.api.structured import FUNCTION_NAME_CHARS, ToolPlan, response_format_grammar, tool_plan
+from edgellmd.api.structured import (
+    FUNCTION_NAME_CHARS,
+    ToolPlan,
+    check_schema,
+    response_format_grammar,
+    tool_plan,
+)
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter, shown
@@ -480,7 +486,7 @@ def _tool_choice(value: Any, names: set[str]) -> tuple[Any, bool | None]:
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
 
-def _tools(data: Mapping[str, Any]) -> ToolPlan | None:
+def _tools(data: Mapping[str, Any], *, grammar: bool = True) -> ToolPlan | None:
     tools = data.get("tools")
     choice = data.get("tool_choice")
     if tools == []:  # Anthropic takes an empty list for no tools
@@ -493,10 +499,10 @@ def _tools(data: Mapping[str, Any]) -> ToolPlan | None:
         raise _fail("'tools' must be a list of tools", "tools")
     converted = [_tool(t, i) for i, t in enumerate(tools)]
     mode, parallel = _tool_choice(choice, {t["function"]["name"] for t in converted})
-    return _in_our_names(lambda: tool_plan(converted, mode, parallel))
+    return _in_our_names(lambda: tool_plan(converted, mode, parallel, grammar=grammar))
 
 
-def _format_grammar(data: Mapping[str, Any]) -> str | None:
+def _format_grammar(data: Mapping[str, Any], *, build: bool = True) -> str | None:
     value = data.get("output_config")
     if value is None:
         return None
@@ -512,6 +518,9 @@ def _format_grammar(data: Mapping[str, Any]) -> str | None:
     schema = spec.get("schema")
     if schema is None:
         raise _fail("'output_config.format.schema' is required", "output_config.format.schema")
+    if not build:  # counting tokens: the schema is checked, no grammar is made
+        _in_our_names(lambda: check_schema(schema, "response_format.json_schema.schema"))
+        return None
     fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     return _in_our_names(lambda: response_format_grammar(fmt))
 
@@ -584,6 +593,8 @@ def parse_count_tokens(data: Mapping[str, Any]) -> CountRequest:
     _show_thinking(data, None)
     _ignored(data)
     messages = _messages(data)
-    tools = _tools(data)
-    _grammar(data, tools)
+    # What the prompt renders is checked as /v1/messages checks it, but no grammar is built:
+    # nothing is generated, so none is needed (and building one is the costly part).
+    tools = _tools(data, grammar=False)
+    _format_grammar(data, build=False)
     return CountRequest(model, messages, tools)
