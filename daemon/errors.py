@@ -75,6 +75,12 @@ class RateLimited(ApiError):
     default_code = "rate_limit_exceeded"
 
 
+class QuotaExceeded(RateLimited):
+    """429: the key spent a day or month budget; Retry-After and x-quota-reset say when it refills."""
+
+    default_code = "quota_exceeded"
+
+
 class ContextLengthExceeded(ApiError):
     """400: the prompt does not fit in a slot's context."""
 

@@ -30,6 +30,7 @@ RELOAD_INTERVAL_S: Final = 0.5  # how often the keys file's identity (inode, siz
 _ID: Final = re.compile(r"[0-9a-f]{12}")
 _HASH: Final = re.compile(r"sha256:[0-9a-f]{64}")
 _LIMIT_KEYS: Final = ("rpm", "tpm", "concurrent", "max_tokens")
+QUOTA_KEYS: Final = ("requests_per_day", "requests_per_month", "tokens_per_day", "tokens_per_month")
 _ENTRY_KEYS: Final = (
     "id",
     "name",
@@ -42,6 +43,7 @@ _ENTRY_KEYS: Final = (
     "cache_group",
     "weight",
     "priority",
+    "quota",
 )
 # A cache group: keys that share cached prompt state (one team's apps with one system prompt).
 CACHE_GROUP: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -75,6 +77,17 @@ class KeyLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyQuota:
+    """Per-key budgets per calendar day and month in the box's time zone (`ledger.time_zone`);
+    None means none. Enforced at admission from the ledger's persistent usage."""
+
+    requests_per_day: int | None = None
+    requests_per_month: int | None = None
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ApiKey:
     """One key as stored: never the secret, only its hash."""
 
@@ -88,6 +101,7 @@ class ApiKey:
     cache_group: str | None = None  # keys of one group share cached KV state; else the key's own
     weight: int = 1  # its share of slots and prefill against other keys' (engine.fairness)
     priority: str = "normal"  # its requests' highest class: a key of PRIORITIES
+    quota: KeyQuota = field(default_factory=KeyQuota)  # day and month budgets (ledger)
 
     @property
     def cache_scope(self) -> str:
@@ -153,6 +167,25 @@ def _limits(value: object, where: str) -> KeyLimits:
     return KeyLimits(**out)
 
 
+def _quota(value: object, where: str) -> KeyQuota:
+    if value is None:
+        return KeyQuota()
+    if not isinstance(value, dict):
+        raise KeysFileError(f"{where}: must be a mapping of {', '.join(QUOTA_KEYS)}")
+    unknown = sorted(set(value) - set(QUOTA_KEYS))
+    if unknown:
+        raise KeysFileError(f"{where}.{str(unknown[0])[:40]}: unknown budget")
+    out: dict[str, int | None] = {}
+    for key in QUOTA_KEYS:
+        item = value.get(key)
+        if item is not None and (
+            isinstance(item, bool) or not isinstance(item, int) or not 1 <= item < 2**53
+        ):
+            raise KeysFileError(f"{where}.{key}: must be a whole number >= 1 or null")
+        out[key] = item
+    return KeyQuota(**out)
+
+
 def parse_keys(data: object) -> dict[str, ApiKey]:
     """Validate the keys file's YAML into keys by id; errors name the entry and field."""
     if data is None:
@@ -208,6 +241,7 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
             cache_group=group,
             weight=weight,
             priority=priority,
+            quota=_quota(entry.get("quota"), f"{where}.quota"),
         )
     return keys
 
@@ -276,6 +310,10 @@ class KeyStore:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def ids(self) -> set[str]:
+        """The ids of every key in the file, usable or not."""
+        return set(self._keys)
+
     def in_force(self, now: datetime) -> tuple[set[str], set[str]]:
         """The ids of the keys usable at `now`, and the cache scopes they use."""
         usable = [key for key in self._keys.values() if key.usable(now) is None]
@@ -318,6 +356,7 @@ def key_record(
     cache_group: str | None = None,
     weight: int | None = None,
     priority: str | None = None,
+    quota: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """A keys-file entry, as `edgellmctl keys create` appends it."""
     record: dict[str, Any] = {
@@ -338,6 +377,8 @@ def key_record(
         record["weight"] = weight
     if priority is not None:
         record["priority"] = priority
+    if quota:
+        record["quota"] = quota
     return record
 
 
@@ -391,6 +432,7 @@ def append_key(
     cache_group: str | None = None,
     weight: int | None = None,
     priority: str | None = None,
+    quota: dict[str, int] | None = None,
 ) -> tuple[str, str]:
     """Add a new key to the keys file; returns (key id, token). The token is stored nowhere."""
     if cache_group is not None and not CACHE_GROUP.fullmatch(cache_group):
@@ -407,6 +449,7 @@ def append_key(
         cache_group=cache_group,
         weight=weight,
         priority=priority,
+        quota=quota,
     )
     data["keys"].append(record)
     save_keys_document(path, data)

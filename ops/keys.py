@@ -1,4 +1,4 @@
-"""`edgellmctl keys create|list|revoke`: API keys in the daemon's keys file (hashed, mode 0600)."""
+"""`edgellmctl keys create|list|revoke|quota`: API keys in the daemon's keys file (hashed, mode 0600)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from edgellmctl.lock import parse_duration
 from edgellmd.keys import (
     MAX_WEIGHT,
     PRIORITIES,
+    QUOTA_KEYS,
     SCOPES,
     KeysFileError,
     NoSuchKey,
@@ -36,6 +37,7 @@ def create_key(
     cache_group: str | None = None,
     weight: int | None = None,
     priority: str | None = None,
+    quota: dict[str, int] | None = None,
 ) -> tuple[str, str]:
     """Append a new key to the keys file; returns (key id, token). The token is not stored."""
     expires = datetime.now(UTC).replace(microsecond=0) + parse_duration(expires_in) if expires_in else None
@@ -48,7 +50,40 @@ def create_key(
         cache_group=cache_group,
         weight=weight,
         priority=priority,
+        quota=quota,
     )
+
+
+def _budget(value: str) -> tuple[str, int | None]:
+    """BUDGET=N for --quota and `keys quota` (N: a whole number, or none to remove the budget)."""
+    name, _, amount = value.partition("=")
+    if name not in QUOTA_KEYS or not amount:
+        raise argparse.ArgumentTypeError(f"write BUDGET=N with BUDGET one of {', '.join(QUOTA_KEYS)}")
+    if amount.lower() == "none":
+        return name, None
+    return name, positive_int(amount)
+
+
+def cmd_quota(args: argparse.Namespace) -> int:
+    """Set or remove a key's day and month budgets; the daemon applies them at its next poll."""
+    data = load_keys_document(args.file)
+    for entry in data["keys"]:
+        if entry.get("id") == args.id:
+            quota = dict(entry.get("quota") or {})
+            for name, amount in args.budget:
+                if amount is None:
+                    quota.pop(name, None)
+                else:
+                    quota[name] = amount
+            if quota:
+                entry["quota"] = quota
+            else:
+                entry.pop("quota", None)
+            save_keys_document(args.file, data)
+            shown = " ".join(f"{k}={v}" for k, v in sorted(quota.items())) or "none"
+            print(f"key {args.id} ({entry.get('name')}): quota {shown}")
+            return 0
+    raise CommandError(f"no key with id {args.id!r} in {args.file}")
 
 
 def add_scopes(path: Path, key_id: str, scopes: list[str]) -> bool:
@@ -86,6 +121,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         cache_group=args.cache_group,
         weight=args.weight,
         priority=args.priority,
+        quota={name: amount for name, amount in args.quota or [] if amount is not None} or None,
     )
     print(token)
     print(
@@ -174,11 +210,24 @@ def add_parser(sub: Subcommands) -> None:
         choices=list(PRIORITIES),
         help="its requests' highest class (default normal); interactive goes before batch",
     )
+    create.add_argument(
+        "--quota",
+        action="append",
+        type=_budget,
+        metavar="BUDGET=N",
+        help=f"a day or month budget, repeatable: {', '.join(QUOTA_KEYS)} (calendar, ledger.time_zone)",
+    )
     create.set_defaults(func=guarded(cmd_create, KeysFileError))
     verb("list", "list keys (never secrets)").set_defaults(func=guarded(cmd_list, KeysFileError))
     revoke = verb("revoke", "disable a key")
     revoke.add_argument("id", help="the key id (the 12 hex digits after elk_)")
     revoke.set_defaults(func=guarded(cmd_revoke, KeysFileError))
+    quota = verb("quota", "set or remove a key's day and month budgets")
+    quota.add_argument("id", help="the key id")
+    quota.add_argument(
+        "budget", nargs="+", type=_budget, metavar="BUDGET=N", help="N, or none to remove that budget"
+    )
+    quota.set_defaults(func=guarded(cmd_quota, KeysFileError))
 
 
 __all__ = ["add_parser", "add_scopes", "create_key"]

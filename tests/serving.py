@@ -224,6 +224,7 @@ def settings_for(
     lock: dict[str, Any] | None = None,
     lifecycle: dict[str, Any] | None = None,
     auth: dict[str, Any] | None = None,
+    ledger: dict[str, Any] | None = None,
 ) -> Settings:
     """Settings from plain dicts, as a YAML file would give them (the test server picks its own port)."""
     data: dict[str, Any] = {
@@ -233,6 +234,7 @@ def settings_for(
         "lock": lock or {"allow_unsigned": True},
         "lifecycle": lifecycle,
         "auth": auth,
+        "ledger": ledger,
     }
     return parse_settings(data, base_dir=base_dir or Path.cwd())
 

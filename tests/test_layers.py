@@ -29,6 +29,7 @@ RANKS: Final = {
     "host": 1,
     "grammar": 0,  # a leaf: the schema and regex to GBNF compiler imports nothing of edgellmd
     "keys": 0,  # the keys file: read by the front door and written by edgellmctl, which has none
+    "ledger": 0,  # usage, quotas and the audit chain in SQLite: written by the daemon, verified by edgellmctl
     "errors": 0,
     "files": 0,
     "redaction": 0,

@@ -10,8 +10,9 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, context
+from edgellmd.api.context import CALLER, LEDGER, context
 from edgellmd.api.jsontext import read_json_object
+from edgellmd.api.ledger import setup_ledger_routes
 from edgellmd.engine import EngineError
 from edgellmd.errors import InvalidRequest
 from edgellmd.host.cpu import format_cpu_list, host_stats
@@ -39,8 +40,12 @@ def _answer(request: web.Request, action: str, outcomes: Sequence[Outcome]) -> w
 
 
 async def status(request: web.Request) -> web.Response:
-    """GET /admin/status: the lockfile, the preload area and every model's state."""
-    return web.json_response(context(request).registry.status())
+    """GET /admin/status: the lockfile, the preload area, every model's state and the ledger's."""
+    answer = context(request).registry.status()
+    ledger = request.app.get(LEDGER)
+    if ledger is not None:
+        answer["ledger"] = ledger.status()
+    return web.json_response(answer)
 
 
 def _jsonable(value: Any) -> Any:
@@ -126,3 +131,4 @@ def setup_admin(app: web.Application) -> None:
     app.router.add_post("/admin/reload", reload)
     app.router.add_post("/admin/models/{name}/load", load)
     app.router.add_post("/admin/models/{name}/unload", unload)
+    setup_ledger_routes(app)

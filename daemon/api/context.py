@@ -22,6 +22,7 @@ from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import GpuMonitor
 from edgellmd.keys import PRIORITIES, ApiKey
+from edgellmd.ledger.store import Ledger
 from edgellmd.models.registry import Registry
 from edgellmd.settings import Settings
 
@@ -86,6 +87,10 @@ ERROR_SHAPES: Final = web.AppKey("error_shapes", ErrorShapes)
 CALLER: Final = web.RequestKey("caller", Caller)  # set by authentication; absent without keys
 USER_TAG: Final = web.RequestKey("user_tag", str)  # the request's `user` field, logged as a tag
 TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, for tokens/minute
+LEDGER: Final = web.AppKey("ledger", Ledger)  # usage, quotas and the audit chain (edgellmd.ledger)
+# The id a request's usage is recorded under: its X-Request-Id when the server made it, a fresh
+# one when the client chose it (a client must not get two requests counted as one).
+USAGE_ID: Final = web.RequestKey("usage_id", str)
 # Set by the rate limiter: count this many more sequences (a request's `n` past the first)
 # against the key's concurrency, or raise (RateLimited, or InvalidRequest past the key's cap).
 # Seconds each finished choice of the request waited for a slot (Finished.queue_s): the answer's

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, MORE_SEQUENCES, QUEUE_WAITS, TOKENS_USED, USER_TAG, context
+from edgellmd.api.context import CALLER, MORE_SEQUENCES, QUEUE_WAITS, USER_TAG, context
+from edgellmd.api.ledger import account
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
 from edgellmd.api.request import ChatRequest, CommonRequest
 from edgellmd.engine.config import EngineError
@@ -75,6 +76,9 @@ class Session:
     # before any token (it was still queued): None when no restart came in time.
     replay: Callable[[int], Awaitable[Generation | None]] | None = None
     queue_waits: list[float] = field(default_factory=list)  # each finished choice's wait for a slot
+    # Records the request's usage in the ledger and waits for the commit (api.usage.account):
+    # called once every choice has ended, before the answer tells the client its usage.
+    settle: Callable[[], Awaitable[None]] | None = None
 
     async def events(self, i: int) -> AsyncIterator[Event]:
         """Choice `i`'s events (NoProgress past the idle timeout). One that its engine's stop
@@ -227,6 +231,21 @@ async def generation_session(
         ctx.generations.add(gen, key_id)
     server = ctx.settings.server
     handles = [handle]  # the one leased by the caller, then any restarted engine's
+    settled = False
+
+    async def settle() -> None:
+        """Count the request's tokens (rate limit, metrics, the ledger) once, from what finished."""
+        nonlocal settled
+        if settled:
+            return
+        settled = True
+        finals = [gen.final for gen in gens if gen.final is not None]
+        completion = sum(fin.completion_tokens for fin in finals)
+        if finals:
+            ctx.metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
+            ctx.metrics.completion_tokens.labels(handle.name).inc(completion)
+        await account(request, handle.name, len(tokens), completion)
+
     async with contextlib.AsyncExitStack() as leases:
 
         async def replay(i: int) -> Generation | None:
@@ -258,6 +277,7 @@ async def generation_session(
                 stop_strings=common.stop,
                 replay=replay,
                 queue_waits=request.setdefault(QUEUE_WAITS, []),
+                settle=settle,
             )
         finally:
             # Normal end, client gone (write error or handler cancelled): either way the slots
@@ -267,12 +287,7 @@ async def generation_session(
                 gen.cancel()
             for leased in handles:
                 leased.generator.wake()
-            finals = [gen.final for gen in gens if gen.final is not None]
-            completion = sum(fin.completion_tokens for fin in finals)
-            request[TOKENS_USED] = len(tokens) + completion
-            if finals:
-                ctx.metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
-                ctx.metrics.completion_tokens.labels(handle.name).inc(completion)
+            await settle()  # when the answer did not (an error, a client gone): counted all the same
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +314,8 @@ async def read_choices(session: Session) -> AsyncIterator[ChoicePart | ChoiceEnd
     readers = [session.reader() for _ in gens]
     if len(gens) == 1:
         async for item in _read_one(session, 0, readers[0]):
+            if isinstance(item, ChoiceEnd) and session.settle is not None:
+                await session.settle()
             yield item
         return
     queue: asyncio.Queue[ChoicePart | ChoiceEnd | NoProgress] = asyncio.Queue()
@@ -319,6 +336,8 @@ async def read_choices(session: Session) -> AsyncIterator[ChoicePart | ChoiceEnd
                 raise got
             if isinstance(got, ChoiceEnd):
                 remaining -= 1
+                if not remaining and session.settle is not None:
+                    await session.settle()
             yield got
     finally:
         for task in pumps:

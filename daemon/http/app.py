@@ -18,7 +18,15 @@ from aiohttp import web
 
 from edgellmd.api.admin import setup_admin
 from edgellmd.api.anthropic.routes import setup_anthropic
-from edgellmd.api.context import API_CONTEXT, ERROR_SHAPES, QUEUE_WAITS, USER_TAG, ApiContext, ErrorShapes
+from edgellmd.api.context import (
+    API_CONTEXT,
+    ERROR_SHAPES,
+    QUEUE_WAITS,
+    USAGE_ID,
+    USER_TAG,
+    ApiContext,
+    ErrorShapes,
+)
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai.routes import setup_openai
 from edgellmd.api.pool import FairPool
@@ -35,6 +43,7 @@ from edgellmd.http.auth import setup_admin_networks, setup_auth, unusable
 from edgellmd.http.console import setup_console
 from edgellmd.http.cors import setup_cors
 from edgellmd.http.errors import Handler, error_middleware
+from edgellmd.http.ledger import setup_ledger
 from edgellmd.http.site import DoorLimits, GuardedSite, refuse_unmet_expectations
 from edgellmd.models.gguf import GgufError, read_gguf_facts
 from edgellmd.models.handle import EngineFactory, default_engine_factory
@@ -60,8 +69,10 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     """Give each request an id (the client's X-Request-Id when sane) and log one access line."""
     given = request.headers.get("X-Request-Id", "")
     # A client's id is echoed in X-Request-Id and every log line: never one holding a key.
-    rid = given if _CLIENT_REQUEST_ID.fullmatch(given) and not holds_key(given) else uuid.uuid4().hex
+    made = uuid.uuid4().hex
+    rid = given if _CLIENT_REQUEST_ID.fullmatch(given) and not holds_key(given) else made
     request[appkeys.REQUEST_ID] = rid
+    request[USAGE_ID] = made  # the ledger's id is always the server's: unique whatever the client sends
     token = logs.request_id.set(rid)
     started = time.monotonic()
     status = 499  # nginx's "client closed request", kept if the handler is cancelled
@@ -120,6 +131,7 @@ def create_app(
     app[appkeys.METRICS] = Metrics()
     app[appkeys.PINNING] = pinning or Pinning(frozenset(os.sched_getaffinity(0)), None, pinned=False)
     app.on_response_prepare.append(_stamp_headers)
+    setup_ledger(app, settings)  # first to open, last to close: everything below may audit
     setup_cors(app, settings.server.cors_origins)
     setup_admin_networks(app, settings.auth.admin_cidrs)
     setup_auth(app, settings.auth.keys_file, metrics_public=settings.auth.metrics_public)

@@ -19,6 +19,7 @@ from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
 from edgellmd.http.errors import Handler
+from edgellmd.http.ledger import check_quota
 from edgellmd.http.ratelimit import RateLimiter
 from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
 
@@ -121,7 +122,16 @@ async def watch_keys(app: web.Application, store: KeyStore) -> None:
     ids, scopes = store.in_force(datetime.now(UTC))
     while True:
         await asyncio.sleep(RELOAD_INTERVAL_S)
-        store.reload_if_changed()
+        before = store.ids()
+        if store.reload_if_changed():
+            after = store.ids()
+            audit.info(
+                "keys file changed: %d key(s), %d added, %d removed",
+                len(after),
+                len(after - before),
+                len(before - after),
+                extra={"peer": None, "key_id": None},
+            )
         gone = unusable(store, running.key_ids())
         if gone:
             ended = running.abort_keys(gone, KEY_REVOKED)
@@ -133,11 +143,18 @@ async def watch_keys(app: web.Application, store: KeyStore) -> None:
             log.info("ended %d request(s) of %d key(s) that are no longer valid", ended, len(gone))
         now_ids, now_scopes = store.in_force(datetime.now(UTC))
         forget_ids, forget_scopes = ids - now_ids, scopes - now_scopes
-        ids, scopes = now_ids, now_scopes
+        ids_before, ids, scopes = ids, now_ids, now_scopes
         if forget_scopes:
             registry = app.get(appkeys.REGISTRY)
             for handle in registry.ready_handles() if registry is not None else ():
                 handle.engine.forget_scopes(forget_scopes)
+        for key_id in sorted(forget_ids):
+            audit.info(
+                "key no longer in force: revoked, disabled, expired or removed",
+                extra={"peer": None, "key_id": key_id},
+            )
+        for key_id in sorted(now_ids - ids_before):
+            audit.info("key in force", extra={"peer": None, "key_id": key_id})
         if forget_ids:
             for drop in app.get(KEYS_GONE, []):
                 drop(forget_ids)
@@ -198,6 +215,7 @@ def setup_ratelimit(app: web.Application) -> None:
         if key is None or not request.path.startswith("/v1/"):
             return await handler(request)
         limiter = request.app[appkeys.RATE_LIMITER]
+        check_quota(request, key)  # a spent day or month budget, before a minute's is taken
         try:
             limiter.admit(key)
         except RateLimited as exc:

@@ -42,6 +42,7 @@ from edgellmd.http import appkeys
 from edgellmd.http.auth import authenticate, unusable
 from edgellmd.http.console_keys import KEY_ROUTES, setup_key_writes
 from edgellmd.http.errors import Handler
+from edgellmd.http.ledger import check_quota
 from edgellmd.http.ratelimit import TokenBucket
 from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, parse_token
 from edgellmd.settings import Settings
@@ -185,6 +186,7 @@ def _middleware(store: SessionStore, scopes: RouteScopes) -> Middleware:
                 return await handler(request)
             # The playground's requests count against the key's limits like its /v1 requests.
             limiter = request.app[appkeys.RATE_LIMITER]
+            check_quota(request, key)
             limiter.admit(key)
             with limiter.admitted(key, request):
                 return await handler(request)

@@ -349,6 +349,13 @@ class Registry:
                     self._notify("reload_started", [])
                 outcomes = await self._reload(entries, names, force=force, trigger=trigger)
                 self._notify("reload_finished", outcomes)
+                if trigger not in ("admin", "start"):  # the admin API audits its own, with who asked
+                    audit.info(
+                        "reload (%s): %s",
+                        trigger,
+                        ", ".join(f"{o.model} {o.result}" for o in outcomes) or "nothing",
+                        extra={"peer": None, "key_id": None, "trigger": trigger},
+                    )
         except BaseException as exc:
             if queued in self._queued:
                 self._queued.remove(queued)

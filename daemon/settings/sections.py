@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from edgellmd.host import verdicts
 from edgellmd.host.cpu import AUTO as AUTO_CPUS
@@ -96,6 +97,19 @@ def _chat_template_file(f: Field) -> Any:
             join_path(f.section, "chat_template"), f"cannot be combined with {f.path}; set only one of them"
         )
     return path
+
+
+def _time_zone(f: Field) -> Any:
+    zone = f.value if f.given else f.default
+    if not isinstance(zone, str) or not zone or len(zone) > 64:
+        f.problem(f"must be an IANA time zone name like UTC or Europe/Berlin, got {show(zone)}")
+        return f.default
+    try:
+        ZoneInfo(zone)
+    except (ZoneInfoNotFoundError, ValueError):
+        f.problem(f"is not a time zone this box knows (IANA names like Europe/Berlin), got {show(zone)}")
+        return f.default
+    return zone
 
 
 def _cpus(f: Field) -> Any:
@@ -646,6 +660,36 @@ class ResponsesSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class LedgerSettings:
+    """Usage, quotas and the audit log, kept in one SQLite database that survives restarts."""
+
+    database: Path | None = setting(
+        None,
+        "the SQLite file of usage, quotas and the hash-chained audit log; null: in memory, forgotten at exit",
+        more="WAL mode, created with mode 0600; under systemd put it in the state directory "
+        "(`/var/lib/edgellm/ledger.sqlite3`)",
+    )
+    time_zone: str = setting(
+        "UTC",
+        "the time zone whose calendar days and months quotas and usage reports count",
+        read=_time_zone,
+        accepts="an IANA time zone name",
+    )
+    usage_detail_hours: int = setting(
+        48,
+        "hours a row per request (its id and tokens) is kept beside the hourly totals; 0: none",
+        bounds=(0, 8760),
+    )
+    usage_retention_days: int = setting(400, "days hourly usage totals are kept", bounds=(1, 36_500))
+    audit_retention_days: int = setting(
+        400,
+        "days audit records are kept",
+        bounds=(1, 36_500),
+        more="older records go at the hourly rotation; the last one gone stays as the chain's anchor",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class LifecycleSettings:
     """Where models are preloaded, how file changes are watched, and the memory they may use."""
 
@@ -756,6 +800,7 @@ class Settings:
     host: HostSettings = setting(HostSettings(), "how the daemon uses its hardware")
     responses: ResponsesSettings = setting(ResponsesSettings(), "the Responses API's store")
     console: ConsoleSettings = setting(ConsoleSettings(), "the web console at /ui", read=_console)
+    ledger: LedgerSettings = setting(LedgerSettings(), "usage, quotas and the audit log")
     source: Path | None = None  # the file it was read from; no setting
 
 

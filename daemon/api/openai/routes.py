@@ -14,6 +14,7 @@ from aiohttp import web
 
 from edgellmd.api.context import TOKENS_USED, USER_TAG, context, token_limits
 from edgellmd.api.jsontext import read_json_object
+from edgellmd.api.ledger import account
 from edgellmd.api.openai.decode import (
     CompletionRequest,
     EmbeddingRequest,
@@ -146,6 +147,7 @@ async def embeddings(request: web.Request) -> web.Response:
         except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
             vectors = await _embed_again(request, handle, inputs)
         context(request).metrics.prompt_tokens.labels(handle.name).inc(n_tokens)
+        await account(request, handle.name, n_tokens, 0)
     return web.json_response(
         {
             "object": "list",

@@ -1,0 +1,235 @@
+"""A finished request's usage, counted and written to the ledger; the admin's view of the ledger.
+
+`account` is called once per request, when its last choice ends and before the answer tells
+the client how many tokens it used (the final usage chunk or event, the JSON body): the
+ledger's commit is awaited (at most LEDGER_WAIT_S; a slow or failing disk delays no answer
+longer than that, and the record stays queued), so that what a client was told is on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import logging
+import re
+import sqlite3
+import time
+import uuid
+from datetime import date, datetime, timedelta
+from typing import Any, Final
+from zoneinfo import ZoneInfo
+
+from aiohttp import web
+
+from edgellmd.api.context import CALLER, LEDGER, TOKENS_USED, USAGE_ID
+from edgellmd.errors import InvalidRequest, ServiceUnavailable, shown
+from edgellmd.ledger.audit import select as audit_select
+from edgellmd.ledger.audit import verify
+from edgellmd.ledger.store import Ledger, utc_now_text
+from edgellmd.ledger.usage import GROUPS, UsageQuery, UsageRecord
+from edgellmd.ledger.usage import select as usage_rows
+
+log = logging.getLogger(__name__)
+LEDGER_WAIT_S: Final = 2.0  # the longest an answer waits for its usage's commit
+
+
+async def account(request: web.Request, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+    """Count a finished request's tokens (once) and wait for the ledger to hold them."""
+    request[TOKENS_USED] = prompt_tokens + completion_tokens
+    ledger = request.app.get(LEDGER)
+    if ledger is None:
+        return
+    caller = request.get(CALLER)
+    record = UsageRecord(
+        request_id=request.get(USAGE_ID) or uuid.uuid4().hex,
+        key_id=caller.key_id if caller is not None else "",
+        model=model,
+        endpoint=request.path,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        at=time.time(),
+    )
+    committed = asyncio.wrap_future(ledger.record(record))
+    committed.add_done_callback(_retrieved)
+    try:
+        await asyncio.wait_for(asyncio.shield(committed), LEDGER_WAIT_S)
+    except TimeoutError:
+        log.warning(
+            "usage of request %s not yet committed after %.0f s; it stays queued",
+            record.request_id,
+            LEDGER_WAIT_S,
+        )
+    except OSError:
+        pass  # logged by the ledger, kept for its next commit
+
+
+def _retrieved(future: asyncio.Future[bool]) -> None:
+    if not future.cancelled():
+        future.exception()  # a failed commit is the ledger's to log, not asyncio's
+
+
+# ---- /admin/usage and /admin/audit ---------------------------------------------------------------
+
+MAX_USAGE_ROWS: Final = 100_000  # an answer past it asks for a narrower range or a coarser grouping
+MAX_AUDIT_ROWS: Final = 10_000
+_KEY_ID: Final = re.compile(r"[0-9a-f]{12}")
+_NAME: Final = re.compile(r"[A-Za-z0-9._/{}:-]{1,128}")
+_USAGE_PARAMS: Final = frozenset({"since", "until", "key", "model", "endpoint", "group", "format"})
+_AUDIT_PARAMS: Final = frozenset({"since", "until", "key", "action", "limit"})
+CSV_COLUMNS: Final = (
+    "period",
+    "key_id",
+    "model",
+    "endpoint",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+)
+
+
+def _ledger(request: web.Request) -> Ledger:
+    ledger = request.app.get(LEDGER)
+    if ledger is None:
+        raise ServiceUnavailable("the ledger is not open yet")
+    return ledger
+
+
+def _params(request: web.Request, allowed: frozenset[str]) -> dict[str, str]:
+    query = request.rel_url.query
+    for name in query:
+        if name not in allowed:
+            raise InvalidRequest(
+                f"unknown parameter {shown(name[:40])!r} (expected {', '.join(sorted(allowed))})",
+                param=shown(name[:40]),
+            )
+        if len(query.getall(name)) > 1:
+            raise InvalidRequest(f"'{name}' given more than once", param=name)
+    return {name: query[name] for name in query}
+
+
+def _date(params: dict[str, str], name: str) -> date | None:
+    text = params.get(name)
+    if text is None:
+        return None
+    try:
+        day = date.fromisoformat(text) if len(text) == 10 else None
+    except ValueError:
+        day = None
+    if day is None:
+        raise InvalidRequest(f"'{name}' must be a date like 2026-12-01", param=name)
+    return day
+
+
+def _key_param(params: dict[str, str]) -> str | None:
+    key = params.get("key")
+    if key is not None and not _KEY_ID.fullmatch(key):
+        raise InvalidRequest("'key' must be a key id (12 lowercase hex digits)", param="key")
+    return key
+
+
+def _name_param(params: dict[str, str], name: str) -> str | None:
+    value = params.get(name)
+    if value is not None and not _NAME.fullmatch(value):
+        raise InvalidRequest(f"'{name}' must be 1 to 128 letters, digits or ._/{{}}:-", param=name)
+    return value
+
+
+def usage_query(params: dict[str, str]) -> UsageQuery:
+    """The checked filters of a usage request (`/admin/usage`'s query string)."""
+    since, until = _date(params, "since"), _date(params, "until")
+    if since is not None and until is not None and until < since:
+        raise InvalidRequest("'until' is before 'since'", param="until")
+    group = params.get("group", "day")
+    if group not in GROUPS:
+        raise InvalidRequest(f"'group' must be one of {', '.join(GROUPS)}", param="group")
+    return UsageQuery(
+        since=since,
+        until=until,
+        key_id=_key_param(params),
+        model=_name_param(params, "model"),
+        endpoint=_name_param(params, "endpoint"),
+        group=group,
+    )
+
+
+async def admin_usage(request: web.Request) -> web.StreamResponse:
+    """GET /admin/usage: tokens and requests per period, key, model and endpoint (JSON or CSV)."""
+    params = _params(request, _USAGE_PARAMS)
+    query = usage_query(params)
+    form = params.get("format", "json")
+    if form not in ("json", "csv"):
+        raise InvalidRequest("'format' must be json or csv", param="format")
+    ledger = _ledger(request)
+    rows = await asyncio.wrap_future(ledger.query(lambda conn: usage_rows(conn, query, ledger.zone)))
+    if len(rows) > MAX_USAGE_ROWS:
+        raise InvalidRequest(
+            f"more than {MAX_USAGE_ROWS} rows: narrow since/until or group by day or month", param="group"
+        )
+    if form == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, CSV_COLUMNS, lineterminator="\r\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return web.Response(text=out.getvalue(), content_type="text/csv", charset="utf-8")
+    totals = {
+        name: sum(int(row[name]) for row in rows)
+        for name in ("requests", "prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    return web.json_response(
+        {
+            "object": "usage",
+            "time_zone": ledger.zone.key,
+            "group": query.group,
+            "since": query.since.isoformat() if query.since else None,
+            "until": query.until.isoformat() if query.until else None,
+            "data": rows,
+            "totals": totals,
+        }
+    )
+
+
+async def admin_audit(request: web.Request) -> web.Response:
+    """GET /admin/audit: audit records in time order, filtered by time, key and action, newest `limit`."""
+    params = _params(request, _AUDIT_PARAMS)
+    since, until = _date(params, "since"), _date(params, "until")
+    key_id = _key_param(params)
+    action = params.get("action")
+    if action is not None and not 1 <= len(action) <= 64:
+        raise InvalidRequest("'action' must be 1 to 64 characters", param="action")
+    given = params.get("limit", "1000")
+    limit = int(given) if given.isascii() and given.isdigit() and len(given) <= 6 else 0
+    if not 1 <= limit <= MAX_AUDIT_ROWS:
+        raise InvalidRequest(f"'limit' must be a whole number from 1 to {MAX_AUDIT_ROWS}", param="limit")
+    ledger = _ledger(request)
+
+    def read(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        found = audit_select(
+            conn,
+            since=_day_start(since, ledger.zone) if since else None,
+            until=_day_start(until + timedelta(days=1), ledger.zone) if until else None,
+            key_id=key_id,
+            action=action,
+            limit=limit,
+        )
+        verdict = verify(conn)
+        return [r.as_dict() for r in found], {
+            "ok": verdict.ok,
+            "checked": verdict.checked,
+            "problem": verdict.problem,
+        }
+
+    records, chain = await asyncio.wrap_future(ledger.query(read))
+    return web.json_response({"object": "list", "data": records, "chain": chain})
+
+
+def _day_start(day: date, zone: ZoneInfo) -> str:
+    start = datetime(day.year, day.month, day.day, tzinfo=zone).timestamp()
+    return utc_now_text(start)
+
+
+def setup_ledger_routes(app: web.Application) -> None:
+    """Install /admin/usage and /admin/audit (the admin scope, as every /admin path)."""
+    app.router.add_get("/admin/usage", admin_usage)
+    app.router.add_get("/admin/audit", admin_audit)

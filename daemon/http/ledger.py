@@ -1,0 +1,102 @@
+"""The front door's side of the ledger: open it first and close it last, chain the audit logger's
+records into it, enforce quotas at admission, and keep it tidy (summaries, retention).
+
+Every record of the `edgellmd.audit` logger (admin actions, key changes, reloads, engine
+deaths, quota breaches) becomes a record of the hash chain; failed sign-ins are summed into
+one record per minute. The logger still writes its lines to the journal as before, and the
+ledger adds one line per chained record with its seq and hash (`edgellmd.ledger`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Final
+
+from aiohttp import web
+
+from edgellmd.api.context import LEDGER
+from edgellmd.errors import QuotaExceeded
+from edgellmd.keys import ApiKey
+from edgellmd.ledger.store import AuditHandler, Ledger, Quota
+from edgellmd.settings import Settings
+
+audit = logging.getLogger("edgellmd.audit")
+log = logging.getLogger(__name__)
+SUMMARY_INTERVAL_S: Final = 60.0  # failed sign-ins are summed this long into one audit record
+MAINTAIN_INTERVAL_S: Final = 3600.0  # retention and rotation
+_HANDLER: Final = web.AppKey("audit_handler", AuditHandler)
+_BREACHES: Final = web.AppKey("quota_breaches", set[tuple[str, str, str]])
+
+
+def check_quota(request: web.Request, key: ApiKey) -> None:
+    """Refuse (429 quota_exceeded, Retry-After and x-quota-reset) a key that spent a budget."""
+    ledger = request.app.get(LEDGER)
+    if ledger is None:
+        return
+    breach = ledger.check(key.id, Quota(**asdict(key.quota)))
+    if breach is None:
+        return
+    reset = breach.resets.isoformat()
+    seen = request.app[_BREACHES]
+    if (key.id, breach.budget, reset) not in seen:  # once per budget and period, not per refusal
+        if len(seen) > 10_000:
+            seen.clear()
+        seen.add((key.id, breach.budget, reset))
+        audit.warning(
+            "quota exceeded: %s (%d of %d)",
+            breach.budget,
+            breach.used,
+            breach.limit,
+            extra={"peer": request.remote, "key_id": key.id, "budget": breach.budget},
+        )
+    wait = max(1, math.ceil(breach.resets.timestamp() - time.time()))
+    raise QuotaExceeded(breach.message(), headers={"Retry-After": str(wait), "x-quota-reset": reset})
+
+
+async def _tend(ledger: Ledger, handler: AuditHandler) -> None:
+    last_maintained = time.monotonic()
+    while True:
+        await asyncio.sleep(SUMMARY_INTERVAL_S)
+        handler.flush_summary()
+        if time.monotonic() - last_maintained >= MAINTAIN_INTERVAL_S:
+            last_maintained = time.monotonic()
+            await asyncio.wrap_future(ledger.maintain())
+
+
+def setup_ledger(app: web.Application, settings: Settings) -> None:
+    """Open the ledger when the app starts (its first context: the last to close)."""
+    config = settings.ledger
+
+    async def ledger_ctx(app: web.Application) -> AsyncIterator[None]:
+        ledger = await asyncio.to_thread(
+            Ledger,
+            config.database,
+            time_zone=config.time_zone,
+            detail_hours=config.usage_detail_hours,
+            retention_days=config.usage_retention_days,
+            audit_retention_days=config.audit_retention_days,
+        )
+        await asyncio.wrap_future(ledger.maintain())
+        app[LEDGER] = ledger
+        handler = app[_HANDLER] = AuditHandler(ledger)
+        audit.addHandler(handler)
+        if audit.getEffectiveLevel() > logging.INFO:
+            audit.setLevel(logging.INFO)  # the chain takes every audit record, whatever the log level
+        log.info(
+            "ledger: %s (time zone %s)", config.database or "in memory, forgotten at exit", config.time_zone
+        )
+        task = asyncio.create_task(_tend(ledger, handler), name="ledger")
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        handler.flush_summary()
+        audit.removeHandler(handler)
+        await asyncio.to_thread(ledger.close)
+
+    app[_BREACHES] = set()
+    app.cleanup_ctx.append(ledger_ctx)

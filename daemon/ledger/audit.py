@@ -1,0 +1,223 @@
+"""The audit log as a hash chain: each record carries the hash of the one before.
+
+A record is (seq, at, level, action, key_id, peer, detail). Its hash is SHA-256 over the
+previous record's hash and the record's fields as canonical JSON, so that editing a record
+changes its hash, removing one leaves a gap in `seq` and a `prev` that names a hash no record
+has, and moving one breaks both. `verify` walks the chain from its anchor and says where it
+breaks first. Records older than the retention go at rotation; the last one that went stays
+as the anchor (its seq and hash), so that what is left still verifies.
+
+What a chain cannot show on its own: someone who can write the database may rewrite every
+record after the one they edit, hashes included. Every record is mirrored to the journal
+with its hash (`edgellmd.audit.chain`), where such a rewrite shows against the database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+GENESIS: Final = "0" * 64  # the `prev` of the first record ever
+SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY,
+    at TEXT NOT NULL,
+    level TEXT NOT NULL,
+    action TEXT NOT NULL,
+    key_id TEXT,
+    peer TEXT,
+    detail TEXT NOT NULL,
+    prev TEXT NOT NULL,
+    hash TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_at ON audit (at);
+CREATE TABLE IF NOT EXISTS audit_anchor (
+    one INTEGER PRIMARY KEY CHECK (one = 1),
+    seq INTEGER NOT NULL,
+    hash TEXT NOT NULL
+);
+"""
+MAX_TEXT: Final = 512  # characters of an action or a detail value kept (log lines are short)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """What happened, before it has a place in the chain."""
+
+    at: str  # UTC, ISO 8601 with milliseconds
+    level: str  # INFO, WARNING, ERROR
+    action: str
+    key_id: str | None = None
+    peer: str | None = None
+    detail: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    """A record of the chain, as stored."""
+
+    seq: int
+    at: str
+    level: str
+    action: str
+    key_id: str | None
+    peer: str | None
+    detail: dict[str, Any]
+    prev: str
+    hash: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as JSON answers and `edgellmctl audit show --json` print it."""
+        return {
+            "seq": self.seq,
+            "at": self.at,
+            "level": self.level,
+            "action": self.action,
+            "key_id": self.key_id,
+            "peer": self.peer,
+            "detail": self.detail,
+            "hash": self.hash,
+        }
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def record_hash(prev: str, fields: tuple[int, str, str, str, str | None, str | None, str]) -> str:
+    """The hash a record must carry: over the one before's and its own fields (seq, at, level,
+    action, key_id, peer, detail as stored)."""
+    body = _canonical(list(fields))
+    return hashlib.sha256(f"{prev}\n{body}".encode()).hexdigest()
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 1] + "…"
+
+
+def head(conn: sqlite3.Connection) -> tuple[int, str]:
+    """(seq, hash) of the last record, or of the anchor when every record went, or the genesis."""
+    row = conn.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+    if row is None:
+        row = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
+    return (int(row[0]), str(row[1])) if row is not None else (0, GENESIS)
+
+
+def append(conn: sqlite3.Connection, entry: AuditEntry, last: tuple[int, str]) -> tuple[int, str]:
+    """Write `entry` after `last` (inside the caller's transaction); the new (seq, hash)."""
+    seq = last[0] + 1
+    detail = _canonical(
+        {k: _clip(str(v)) if isinstance(v, str) else v for k, v in (entry.detail or {}).items()}
+    )
+    action = _clip(entry.action)
+    digest = record_hash(last[1], (seq, entry.at, entry.level, action, entry.key_id, entry.peer, detail))
+    conn.execute(
+        "INSERT INTO audit (seq, at, level, action, key_id, peer, detail, prev, hash)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (seq, entry.at, entry.level, action, entry.key_id, entry.peer, detail, last[1], digest),
+    )
+    return seq, digest
+
+
+def rotate(conn: sqlite3.Connection, before: str) -> int:
+    """Remove the records older than `before` (an ISO time), keeping the last as the anchor; how many."""
+    row = conn.execute(
+        "SELECT seq, hash FROM audit WHERE at < ? ORDER BY seq DESC LIMIT 1", (before,)
+    ).fetchone()
+    if row is None:
+        return 0
+    keep_head = conn.execute("SELECT MAX(seq) FROM audit").fetchone()[0]
+    if row[0] == keep_head:  # never the newest: the chain's head stays in the table
+        row = conn.execute(
+            "SELECT seq, hash FROM audit WHERE seq < ? ORDER BY seq DESC LIMIT 1", (row[0],)
+        ).fetchone()
+        if row is None:
+            return 0
+    gone = conn.execute("DELETE FROM audit WHERE seq <= ?", (row[0],)).rowcount
+    conn.execute("INSERT OR REPLACE INTO audit_anchor (one, seq, hash) VALUES (1, ?, ?)", (row[0], row[1]))
+    return int(gone)
+
+
+def _records(conn: sqlite3.Connection, where: str = "", args: tuple[Any, ...] = ()) -> Iterator[AuditRecord]:
+    query = f"SELECT seq, at, level, action, key_id, peer, detail, prev, hash FROM audit {where} ORDER BY seq"  # noqa: S608 - fixed clauses
+    for seq, at, level, action, key_id, peer, detail, prev, digest in conn.execute(query, args):
+        try:
+            parsed = json.loads(detail)
+        except (TypeError, ValueError):
+            parsed = {"unreadable": str(detail)[:80]}
+        yield AuditRecord(
+            seq, at, level, action, key_id, peer, parsed if isinstance(parsed, dict) else {}, prev, digest
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What `verify` found: how many records it checked and the first break, if any."""
+
+    checked: int
+    first: int | None  # seq of the first record checked
+    last: int | None
+    problem: str | None = None  # where and how the chain breaks first
+    at_seq: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the chain is whole."""
+        return self.problem is None
+
+
+def verify(conn: sqlite3.Connection) -> Verdict:
+    """Walk the chain from its anchor; the first record that was edited, removed or moved."""
+    anchor = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
+    prev_seq, prev_hash = (int(anchor[0]), str(anchor[1])) if anchor is not None else (0, GENESIS)
+    prev_at = ""
+    checked, first = 0, None
+    query = "SELECT seq, at, level, action, key_id, peer, detail, prev, hash FROM audit ORDER BY seq"
+    for seq, at, level, action, key_id, peer, detail, prev, digest in conn.execute(query):
+        first = seq if first is None else first
+        problem = None
+        if seq != prev_seq + 1:
+            problem = f"record {prev_seq + 1} is missing (removed) before record {seq}"
+        elif prev != prev_hash:
+            problem = f"record {seq} does not follow record {prev_seq}: removed, reordered or rewritten"
+        elif digest != record_hash(prev, (seq, at, level, action, key_id, peer, detail)):
+            problem = f"record {seq} was edited: its hash does not match its contents"
+        elif str(at) < prev_at:
+            problem = f"record {seq} is older than record {prev_seq}: reordered"
+        if problem is not None:
+            return Verdict(checked, first, seq, problem, seq)
+        checked += 1
+        prev_seq, prev_hash, prev_at = seq, digest, str(at)
+    return Verdict(checked, first, prev_seq if checked else None)
+
+
+def select(
+    conn: sqlite3.Connection,
+    *,
+    since: str | None = None,
+    until: str | None = None,
+    key_id: str | None = None,
+    action: str | None = None,
+    limit: int = 1000,
+) -> list[AuditRecord]:
+    """Records in time order, filtered by time (ISO), key and a word of the action; the newest `limit`."""
+    clauses, args = [], []
+    if since is not None:
+        clauses.append("at >= ?")
+        args.append(since)
+    if until is not None:
+        clauses.append("at < ?")
+        args.append(until)
+    if key_id is not None:
+        clauses.append("key_id = ?")
+        args.append(key_id)
+    if action is not None:
+        clauses.append("instr(lower(action), lower(?)) > 0")
+        args.append(action)
+    where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+    found = list(_records(conn, where, tuple(args)))
+    return found[-limit:] if limit > 0 else found

@@ -1,0 +1,390 @@
+"""The ledger's database: one SQLite file (WAL, synchronous=FULL), one writer thread, group commits.
+
+Writes come from the event loop (a request's usage, as it ends) and from any thread (audit
+records, through the logging handler); each is queued and the writer thread commits all that
+is queued in one transaction, then resolves their futures. A request's usage is committed
+before its answer says how many tokens it used (api.session awaits the commit), so what a
+client was told is on disk even if the daemon is killed the next instant; a request cut by
+the kill may be counted although its client never heard (its tokens were computed).
+
+Quotas read totals kept in memory (loaded for the current day and month at start, added to
+as records are queued), never the database on the request path. A write that fails (a full
+disk) is kept and tried again at the next commit or maintenance pass; `error` says what
+failed until a commit succeeds, and `/admin/status` shows it.
+
+Without a database file the ledger is an in-memory database: the same code, forgotten at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final, TypeVar
+from zoneinfo import ZoneInfo
+
+from edgellmd.ledger import audit, usage
+from edgellmd.ledger.audit import AuditEntry
+from edgellmd.ledger.usage import UsageRecord
+
+T = TypeVar("T")
+log = logging.getLogger("edgellmd.ledger")
+SCHEMA_VERSION: Final = 1
+BUSY_TIMEOUT_MS: Final = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A key's budgets per local day and month (None: no budget)."""
+
+    requests_per_day: int | None = None
+    requests_per_month: int | None = None
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+
+    def __bool__(self) -> bool:
+        return any(
+            v is not None
+            for v in (
+                self.requests_per_day,
+                self.requests_per_month,
+                self.tokens_per_day,
+                self.tokens_per_month,
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Breach:
+    """A budget that is spent: which, its limit, what was used and when it is full again."""
+
+    budget: str  # e.g. "tokens_per_month"
+    limit: int
+    used: int
+    resets: datetime  # local time
+
+    def message(self) -> str:
+        """What the 429 says."""
+        what, per = self.budget.split("_per_")
+        return (
+            f"quota exceeded: this key used {self.used} of its {self.limit} {what} per {per}; "
+            f"it resets at {self.resets.isoformat()}"
+        )
+
+
+def open_database(path: Path | None) -> sqlite3.Connection:
+    """Open (creating, mode 0600) the ledger's database and its tables; ":memory:" without a path."""
+    if path is None:
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if not os.path.samestat(os.fstat(fd), os.stat(path)) or not _regular(fd):
+                raise sqlite3.OperationalError(f"{path} is not a regular file")
+        finally:
+            os.close(fd)
+        conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        conn.close()
+        raise sqlite3.OperationalError(f"the ledger {path} is of a newer edgellm (schema {version})")
+    conn.executescript(usage.SCHEMA + audit.SCHEMA)
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    return conn
+
+
+def _regular(fd: int) -> bool:
+    import stat  # noqa: PLC0415 - only here
+
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+def utc_now_text(at: float) -> str:
+    """An audit record's time: UTC, ISO 8601 with milliseconds."""
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(at * 1000) % 1000:03d}Z"
+
+
+class Ledger:
+    """Usage, quotas and the audit chain over one database and its writer thread."""
+
+    def __init__(
+        self,
+        path: Path | None,
+        *,
+        time_zone: str = "UTC",
+        detail_hours: int = 48,
+        retention_days: int = 400,
+        audit_retention_days: int = 400,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = path
+        self.zone = ZoneInfo(time_zone)
+        self.detail_hours = detail_hours
+        self.retention_days = retention_days
+        self.audit_retention_days = audit_retention_days
+        self._clock = clock
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger")
+        self._conn = self._writer.submit(open_database, path).result()
+        self._lock = threading.Lock()
+        self._usage: list[tuple[UsageRecord, Future[bool]]] = []
+        self._audit: list[tuple[AuditEntry, Future[int]]] = []
+        self._retry_usage: list[UsageRecord] = []
+        self._retry_audit: list[AuditEntry] = []
+        self._scheduled = False
+        self._closed = False
+        self._head = self._run(audit.head)
+        self._current = usage.periods(clock(), self.zone)
+        self._periods = self._run(lambda conn: usage.load_periods(conn, self._current))
+        self.error: str | None = None  # the last failed commit, until one succeeds
+        self.commits = 0
+        self.records = 0
+
+    def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return self._writer.submit(fn, self._conn).result()
+
+    def query(self, fn: Callable[[sqlite3.Connection], T]) -> Future[T]:
+        """Run a read on the writer thread (the connection is its own): a future of its result."""
+        return self._writer.submit(fn, self._conn)
+
+    # ---- usage and quotas ------------------------------------------------------------------
+
+    def _roll(self, now: float) -> tuple[str, str]:
+        """Under the lock: the current (day, month); totals of past periods are let go."""
+        current = usage.periods(now, self.zone)
+        if current != self._current:
+            self._current = current
+            self._periods = {k: v for k, v in self._periods.items() if k[1] in current}
+        return current
+
+    def record(self, record: UsageRecord) -> Future[bool]:
+        """Count a finished request now (quotas see it at once) and queue its commit.
+
+        The future is True once it is on disk, False when its id was counted already; it
+        fails when the commit did (the record is kept and tried again).
+        """
+        future: Future[bool] = Future()
+        with self._lock:
+            for period in self._roll(record.at):
+                totals = self._periods.setdefault((record.key_id, period), [0, 0])
+                totals[0] += 1
+                totals[1] += record.tokens
+            self._usage.append((record, future))
+            self._schedule()
+        return future
+
+    def used(self, key_id: str, now: float | None = None) -> dict[str, int]:
+        """What a key used in the current local day and month."""
+        with self._lock:
+            day, month = self._roll(self._clock() if now is None else now)
+            d = self._periods.get((key_id, day), [0, 0])
+            m = self._periods.get((key_id, month), [0, 0])
+        return {"requests_day": d[0], "tokens_day": d[1], "requests_month": m[0], "tokens_month": m[1]}
+
+    def check(self, key_id: str, quota: Quota, now: float | None = None) -> Breach | None:
+        """The first budget of `quota` that `key_id` has spent, or None."""
+        if not quota:
+            return None
+        moment = self._clock() if now is None else now
+        spent = self.used(key_id, moment)
+        for budget, limit, used, resets in (
+            ("requests_per_day", quota.requests_per_day, spent["requests_day"], usage.next_day),
+            ("tokens_per_day", quota.tokens_per_day, spent["tokens_day"], usage.next_day),
+            ("requests_per_month", quota.requests_per_month, spent["requests_month"], usage.next_month),
+            ("tokens_per_month", quota.tokens_per_month, spent["tokens_month"], usage.next_month),
+        ):
+            if limit is not None and used >= limit:
+                return Breach(budget, limit, used, resets(moment, self.zone))
+        return None
+
+    # ---- audit -----------------------------------------------------------------------------
+
+    def audit(self, entry: AuditEntry) -> Future[int]:
+        """Queue an audit record (from any thread); the future is its seq once committed."""
+        future: Future[int] = Future()
+        with self._lock:
+            if self._closed:
+                future.set_exception(RuntimeError("the ledger is closed"))
+                return future
+            self._audit.append((entry, future))
+            self._schedule()
+        return future
+
+    # ---- the writer ------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        """Under the lock: make sure a commit runs soon for what is queued."""
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self._writer.submit(self._commit)
+
+    def _commit(self) -> None:
+        with self._lock:
+            self._scheduled = False
+            pending_usage, self._usage = self._usage, []
+            pending_audit, self._audit = self._audit, []
+            retry_usage, self._retry_usage = self._retry_usage, []
+            retry_audit, self._retry_audit = self._retry_audit, []
+        if not (pending_usage or pending_audit or retry_usage or retry_audit):
+            return
+        conn = self._conn
+        head = self._head
+        written: list[tuple[int, str, AuditEntry]] = []
+        fresh: list[bool] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for record in retry_usage:
+                usage.write(conn, record, self.zone, detail=self.detail_hours > 0)
+            fresh = [usage.write(conn, r, self.zone, detail=self.detail_hours > 0) for r, _ in pending_usage]
+            for entry in [*retry_audit, *(e for e, _ in pending_audit)]:
+                head = audit.append(conn, entry, head)
+                written.append((head[0], head[1], entry))
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error(  # noqa: TRY400 - the cause is in the message; no traceback wanted
+                "ledger commit failed, %d record(s) kept for the next try: %s",
+                len(pending_usage) + len(pending_audit) + len(retry_usage) + len(retry_audit),
+                self.error,
+            )
+            with self._lock:
+                self._retry_usage = [*retry_usage, *(r for r, _ in pending_usage), *self._retry_usage]
+                self._retry_audit = [*retry_audit, *(e for e, _ in pending_audit), *self._retry_audit]
+            failure = OSError(self.error)
+            for _, future in pending_usage:
+                future.set_exception(failure)
+            for _, audit_future in pending_audit:
+                audit_future.set_exception(failure)
+            return
+        self._head = head
+        self.error = None
+        self.commits += 1
+        self.records += len(pending_usage) + len(retry_usage)
+        for (_, future), new in zip(pending_usage, fresh, strict=True):
+            future.set_result(new)
+        seqs = iter(written[len(retry_audit) :])
+        for _, audit_future in pending_audit:
+            audit_future.set_result(next(seqs)[0])
+        for seq, digest, entry in written:  # the journal's copy of the chain
+            log.info("audit record %d %s: %s", seq, digest, entry.action, extra={"key_id": entry.key_id})
+
+    def maintain(self) -> Future[None]:
+        """Retry what failed, prune usage past its retention, rotate the audit log (on the writer)."""
+
+        def run(conn: sqlite3.Connection) -> None:
+            self._commit()
+            now = self._clock()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                usage.prune(conn, now, detail_hours=self.detail_hours, retention_days=self.retention_days)
+                before = utc_now_text(now - self.audit_retention_days * 86_400)
+                audit.rotate(conn, before)
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.error("ledger maintenance failed: %s", self.error)  # noqa: TRY400
+
+        return self._writer.submit(run, self._conn)
+
+    def status(self) -> dict[str, Any]:
+        """For /admin/status: where the ledger is, what it wrote and whether its last commit failed."""
+        with self._lock:
+            waiting = len(self._usage) + len(self._audit) + len(self._retry_usage) + len(self._retry_audit)
+        return {
+            "database": str(self.path) if self.path is not None else None,
+            "time_zone": self.zone.key,
+            "commits": self.commits,
+            "usage_records": self.records,
+            "audit_head": self._head[0],
+            "waiting": waiting,
+            "error": self.error,
+        }
+
+    def close(self) -> None:
+        """Commit what is queued and close the database."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._writer.submit(self._commit).result()
+        self._writer.submit(self._conn.close).result()
+        self._writer.shutdown(wait=True)
+
+
+# ---- the audit logger's records, into the chain -------------------------------------------------
+
+# Refused credentials come in floods: they are summed per minute into one record, not one each.
+FAILED_SIGN_INS: Final = ("auth failed", "console sign-in refused")
+_EXTRA: Final = ("model", "action", "outcome", "trigger", "budget")
+
+
+class AuditHandler(logging.Handler):
+    """A logging handler on the `edgellmd.audit` logger: every record goes into the chain,
+    failed sign-ins as a per-minute summary (`flush_summary`)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(logging.INFO)
+        self.ledger = ledger
+        self._failed: dict[str, int] = {}
+        self._peers: dict[str, int] = {}
+        self._failed_lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            peer = getattr(record, "peer", None)
+            if message.startswith(FAILED_SIGN_INS):
+                with self._failed_lock:
+                    self._failed[message] = self._failed.get(message, 0) + 1
+                    if peer:
+                        self._peers[str(peer)] = self._peers.get(str(peer), 0) + 1
+                return
+            detail = {
+                k: getattr(record, k) for k in _EXTRA if isinstance(getattr(record, k, None), str | int)
+            }
+            key_id = getattr(record, "key_id", None)
+            self.ledger.audit(
+                AuditEntry(
+                    utc_now_text(record.created),
+                    record.levelname,
+                    message,
+                    key_id=str(key_id) if key_id else None,
+                    peer=str(peer) if peer else None,
+                    detail=detail,
+                )
+            )
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+    def flush_summary(self, now: float | None = None) -> Future[int] | None:
+        """One record of the failed sign-ins since the last summary (none when there were none)."""
+        with self._failed_lock:
+            failed, self._failed = self._failed, {}
+            peers, self._peers = self._peers, {}
+        if not failed:
+            return None
+        top = dict(sorted(peers.items(), key=lambda kv: (-kv[1], kv[0]))[:10])
+        detail: Mapping[str, Any] = {"count": sum(failed.values()), "reasons": failed, "peers": top}
+        at = time.time() if now is None else now
+        return self.ledger.audit(
+            AuditEntry(
+                utc_now_text(at),
+                "WARNING",
+                f"failed sign-ins in the last minute: {sum(failed.values())}",
+                detail=detail,
+            )
+        )

@@ -1,0 +1,239 @@
+"""Usage by key, model, endpoint and hour; the day and month periods quotas count against.
+
+Every finished request is one record: who (the key id, "" without API keys), which model and
+endpoint, its prompt and completion tokens, when it ended. One transaction writes its request
+row (kept `detail_hours`, so that a request id is counted once and can be looked up), adds it
+to its UTC hour's row, and to its key's day and month in the box's time zone: a period quotas
+read and `/admin/usage` sums are never half written.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any, Final
+from zoneinfo import ZoneInfo
+
+SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS usage_requests (
+    request_id TEXT PRIMARY KEY,
+    at REAL NOT NULL,
+    key_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS usage_requests_at ON usage_requests (at);
+CREATE TABLE IF NOT EXISTS usage_hours (
+    hour INTEGER NOT NULL,
+    key_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    PRIMARY KEY (hour, key_id, model, endpoint)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS usage_periods (
+    key_id TEXT NOT NULL,
+    period TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    PRIMARY KEY (key_id, period)
+) WITHOUT ROWID;
+"""
+GROUPS: Final = ("hour", "day", "month")
+HOUR_S: Final = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One finished request's usage."""
+
+    request_id: str
+    key_id: str
+    model: str
+    endpoint: str
+    prompt_tokens: int
+    completion_tokens: int
+    at: float  # when it ended, seconds since the epoch
+
+    @property
+    def tokens(self) -> int:
+        """Prompt and completion together: what quotas count."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+def day_period(moment: datetime) -> str:
+    """The day a local time falls in, as usage_periods names it."""
+    return f"day:{moment.date().isoformat()}"
+
+
+def month_period(moment: datetime) -> str:
+    """The month a local time falls in."""
+    return f"month:{moment:%Y-%m}"
+
+
+def periods(at: float, zone: ZoneInfo) -> tuple[str, str]:
+    """(day, month) of a moment in the box's time zone."""
+    local = datetime.fromtimestamp(at, zone)
+    return day_period(local), month_period(local)
+
+
+def next_day(at: float, zone: ZoneInfo) -> datetime:
+    """The start of the next local day (when a daily budget is full again)."""
+    local = datetime.fromtimestamp(at, zone).date() + timedelta(days=1)
+    return datetime(local.year, local.month, local.day, tzinfo=zone)
+
+
+def next_month(at: float, zone: ZoneInfo) -> datetime:
+    """The start of the next local month."""
+    local = datetime.fromtimestamp(at, zone).date()
+    year, month = (local.year + 1, 1) if local.month == 12 else (local.year, local.month + 1)
+    return datetime(year, month, 1, tzinfo=zone)
+
+
+def write(conn: sqlite3.Connection, record: UsageRecord, zone: ZoneInfo, *, detail: bool) -> bool:
+    """Add one request (inside the caller's transaction); False when its id was counted already."""
+    if detail and record.request_id:
+        cursor = conn.execute(
+            "INSERT OR IGNORE INTO usage_requests VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                record.request_id,
+                record.at,
+                record.key_id,
+                record.model,
+                record.endpoint,
+                record.prompt_tokens,
+                record.completion_tokens,
+            ),
+        )
+        if cursor.rowcount == 0:
+            return False
+    hour = int(record.at // HOUR_S) * HOUR_S
+    conn.execute(
+        "INSERT INTO usage_hours VALUES (?, ?, ?, ?, 1, ?, ?) ON CONFLICT DO UPDATE SET"
+        " requests = requests + 1, prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+        " completion_tokens = completion_tokens + excluded.completion_tokens",
+        (hour, record.key_id, record.model, record.endpoint, record.prompt_tokens, record.completion_tokens),
+    )
+    for period in periods(record.at, zone):
+        conn.execute(
+            "INSERT INTO usage_periods VALUES (?, ?, 1, ?) ON CONFLICT DO UPDATE SET"
+            " requests = requests + 1, tokens = tokens + excluded.tokens",
+            (record.key_id, period, record.tokens),
+        )
+    return True
+
+
+def load_periods(conn: sqlite3.Connection, names: Iterable[str]) -> dict[tuple[str, str], list[int]]:
+    """{(key id, period): [requests, tokens]} for these periods (the current day and month)."""
+    wanted = list(names)
+    marks = ",".join("?" for _ in wanted)
+    rows = conn.execute(
+        f"SELECT key_id, period, requests, tokens FROM usage_periods WHERE period IN ({marks})",  # noqa: S608
+        wanted,
+    )
+    return {(key_id, period): [int(requests), int(tokens)] for key_id, period, requests, tokens in rows}
+
+
+def prune(conn: sqlite3.Connection, now: float, *, detail_hours: int, retention_days: int) -> None:
+    """Drop request rows older than `detail_hours` and hour rows older than `retention_days`."""
+    conn.execute("DELETE FROM usage_requests WHERE at < ?", (now - detail_hours * HOUR_S,))
+    cutoff = now - retention_days * 86_400
+    conn.execute("DELETE FROM usage_hours WHERE hour < ?", (cutoff,))
+    oldest = datetime.fromtimestamp(cutoff, UTC).date()
+    conn.execute(
+        "DELETE FROM usage_periods WHERE (period LIKE 'day:%' AND substr(period, 5) < ?)"
+        " OR (period LIKE 'month:%' AND substr(period, 7) < ?)",
+        (oldest.isoformat(), f"{oldest:%Y-%m}"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UsageQuery:
+    """What `/admin/usage` asks for: a time range (local dates, inclusive), filters and a grouping."""
+
+    since: date | None = None
+    until: date | None = None
+    key_id: str | None = None
+    model: str | None = None
+    endpoint: str | None = None
+    group: str = "day"  # hour, day or month (local)
+
+
+def select(conn: sqlite3.Connection, query: UsageQuery, zone: ZoneInfo) -> list[dict[str, Any]]:
+    """Rows of usage per period (as `query.group` in the local zone), key, model and endpoint."""
+    clauses: list[str] = []
+    args: list[Any] = []
+    if query.since is not None:
+        clauses.append("hour >= ?")
+        args.append(_local_start(query.since, zone) - HOUR_S)  # an hour row may straddle a local day
+    if query.until is not None:
+        clauses.append("hour < ?")
+        args.append(_local_start(query.until + timedelta(days=1), zone))
+    for column, value in (("key_id", query.key_id), ("model", query.model), ("endpoint", query.endpoint)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            args.append(value)
+    where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+    rows = conn.execute(
+        "SELECT hour, key_id, model, endpoint, requests, prompt_tokens, completion_tokens"  # noqa: S608
+        f" FROM usage_hours {where} ORDER BY hour",
+        args,
+    )
+    totals: dict[tuple[str, str, str, str], list[int]] = {}
+    for hour, key_id, model, endpoint, requests, prompt, completion in rows:
+        local = datetime.fromtimestamp(hour, zone)
+        if (query.since is not None and local.date() < query.since) or (
+            query.until is not None and local.date() > query.until
+        ):
+            continue
+        label = _label(local, query.group)
+        sums = totals.setdefault((label, key_id, model, endpoint), [0, 0, 0])
+        sums[0] += requests
+        sums[1] += prompt
+        sums[2] += completion
+    return [
+        {
+            "period": label,
+            "key_id": key_id,
+            "model": model,
+            "endpoint": endpoint,
+            "requests": requests,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        for (label, key_id, model, endpoint), (requests, prompt, completion) in sorted(totals.items())
+    ]
+
+
+def _local_start(day: date, zone: ZoneInfo) -> float:
+    return datetime(day.year, day.month, day.day, tzinfo=zone).timestamp()
+
+
+def _label(local: datetime, group: str) -> str:
+    if group == "hour":
+        return local.strftime("%Y-%m-%dT%H:00%z")
+    if group == "month":
+        return local.strftime("%Y-%m")
+    return local.date().isoformat()
+
+
+def request_rows(conn: sqlite3.Connection, ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """{request id: (prompt, completion)} of the request rows still kept, for these ids."""
+    out: dict[str, tuple[int, int]] = {}
+    for start in range(0, len(ids), 500):
+        chunk = list(ids[start : start + 500])
+        marks = ",".join("?" for _ in chunk)
+        for rid, prompt, completion in conn.execute(
+            "SELECT request_id, prompt_tokens, completion_tokens FROM usage_requests"  # noqa: S608
+            f" WHERE request_id IN ({marks})",
+            chunk,
+        ):
+            out[str(rid)] = (int(prompt), int(completion))
+    return out
