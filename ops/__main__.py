@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from edgellmctl import __version__, admin, bench, doctor, keys, lock, quickstart
+from edgellmctl import __version__, admin, bench, doctor, keys, ledger, lock, quickstart
 from edgellmctl.cli import Parser
 
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_parser(sub)
     bench.add_parser(sub)
     admin.add_parsers(sub)
+    ledger.add_parsers(sub)
     doctor.add_parser(sub)
     return parser
 

@@ -27,7 +27,7 @@ MAX_REASON: Final = 200
 MAX_CACERT_BYTES: Final = 1024 * 1024
 
 
-class _Client:
+class AdminClient:
     """A small JSON client for /admin/* that never prints the key."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -260,14 +260,14 @@ def format_stats(stats: dict[str, Any]) -> str:
 
 def run_stats(args: argparse.Namespace) -> int:
     """Print the daemon's figures."""
-    _, answer = _Client(args).call("GET", "/admin/stats")
+    _, answer = AdminClient(args).call("GET", "/admin/stats")
     print(json.dumps(answer, indent=2) if args.json else format_stats(answer))
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
     """Print the daemon's model status."""
-    _, answer = _Client(args).call("GET", "/admin/status")
+    _, answer = AdminClient(args).call("GET", "/admin/status")
     print(json.dumps(answer, indent=2) if args.json else format_status(answer))
     return 0
 
@@ -277,21 +277,21 @@ def run_reload(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"force": args.force}
     if args.name:
         body["model"] = args.name
-    code, answer = _Client(args).call("POST", "/admin/reload", body)
+    code, answer = AdminClient(args).call("POST", "/admin/reload", body)
     print(json.dumps(answer, indent=2) if args.json else format_results(answer))
     return 0 if code == 200 else 1
 
 
 def _model_action(action: str) -> Any:
     def run(args: argparse.Namespace) -> int:
-        code, answer = _Client(args).call("POST", f"/admin/models/{quote(args.name, safe='')}/{action}")
+        code, answer = AdminClient(args).call("POST", f"/admin/models/{quote(args.name, safe='')}/{action}")
         print(json.dumps(answer, indent=2) if args.json else format_results(answer))
         return 0 if code == 200 else 1
 
     return run
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--url",
         type=http_url,
@@ -306,10 +306,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_parsers(sub: Subcommands) -> None:
     """Register `status`, `stats`, `reload`, `load` and `unload`."""
     p = sub.add_parser("status", help="show each model's state, version and last reload")
-    _common(p)
+    add_daemon_options(p)
     p.set_defaults(func=guarded(run_status))
     p = sub.add_parser("stats", help="show request, model, host and GPU figures")
-    _common(p)
+    add_daemon_options(p)
     p.set_defaults(func=guarded(run_stats))
     p = sub.add_parser(
         "reload",
@@ -321,10 +321,10 @@ def add_parsers(sub: Subcommands) -> None:
     )
     p.add_argument("name", nargs="?", help="only this model (default: all)")
     p.add_argument("--force", action="store_true", help="reload even models that look unchanged")
-    _common(p)
+    add_daemon_options(p)
     p.set_defaults(func=guarded(run_reload))
     for action, text in (("load", "load an unloaded model"), ("unload", "stop serving a model")):
         p = sub.add_parser(action, help=text)
         p.add_argument("name", help="model name")
-        _common(p)
+        add_daemon_options(p)
         p.set_defaults(func=guarded(_model_action(action)))

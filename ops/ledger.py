@@ -1,0 +1,219 @@
+"""`edgellmctl usage` (the daemon's /admin/usage) and `edgellmctl audit verify|show` (the ledger file).
+
+`usage` asks the running daemon, like `status`. `audit` reads the ledger's SQLite file itself,
+read-only and without the daemon: a verification must not take the word of the process whose
+records it checks, and it works while the daemon is down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sqlite3
+import sys
+from datetime import date
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlencode
+
+from edgellmctl.admin import AdminClient, add_daemon_options
+from edgellmctl.cli import CommandError, Subcommands, guarded
+from edgellmd.ledger import audit
+
+DEFAULT_DATABASE: Final = Path("/var/lib/edgellm/ledger.sqlite3")
+COLUMNS: Final = (
+    "period",
+    "key_id",
+    "model",
+    "endpoint",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+)
+
+
+def _day(value: str) -> str:
+    try:
+        day = date.fromisoformat(value) if len(value) == 10 else None
+    except ValueError:
+        day = None
+    if day is None:
+        raise argparse.ArgumentTypeError("a date like 2026-12-01")
+    return day.isoformat()
+
+
+def run_usage(args: argparse.Namespace) -> int:
+    """Print usage per period, key, model and endpoint: a table, JSON or CSV."""
+    query = {
+        name: value
+        for name, value in (
+            ("since", args.since),
+            ("until", args.until),
+            ("key", args.key_id),
+            ("model", args.model),
+            ("endpoint", args.endpoint),
+            ("group", args.group),
+        )
+        if value is not None
+    }
+    _, answer = AdminClient(args).call("GET", "/admin/usage?" + urlencode(query))
+    rows: list[dict[str, Any]] = answer.get("data", []) if isinstance(answer, dict) else []
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    elif args.csv:
+        writer = csv.DictWriter(sys.stdout, COLUMNS, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    else:
+        print(format_usage(answer))
+    return 0
+
+
+def format_usage(answer: dict[str, Any]) -> str:
+    """The usage answer as a table with a total line."""
+    rows = answer.get("data", [])
+    table = [("PERIOD", "KEY", "MODEL", "ENDPOINT", "REQUESTS", "PROMPT", "COMPLETION", "TOTAL")]
+    table += [
+        (
+            str(r["period"]),
+            str(r["key_id"]) or "-",
+            str(r["model"]),
+            str(r["endpoint"]),
+            str(r["requests"]),
+            str(r["prompt_tokens"]),
+            str(r["completion_tokens"]),
+            str(r["total_tokens"]),
+        )
+        for r in rows
+    ]
+    totals = answer.get("totals", {})
+    table.append(
+        (
+            "total",
+            "",
+            "",
+            "",
+            str(totals.get("requests", 0)),
+            str(totals.get("prompt_tokens", 0)),
+            str(totals.get("completion_tokens", 0)),
+            str(totals.get("total_tokens", 0)),
+        )
+    )
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i < 4 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in table
+    ]
+    zone = answer.get("time_zone", "UTC")
+    return "\n".join([*lines, f"(periods in {zone}, grouped by {answer.get('group', 'day')})"])
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    """The ledger file, read-only; never created."""
+    if not path.is_file():
+        raise CommandError(f"no ledger at {path} (set ledger.database, or pass --database)")
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        conn.execute("SELECT 1 FROM audit LIMIT 1")
+    except sqlite3.Error as exc:
+        raise CommandError(f"cannot read the ledger {path}: {exc}") from None
+    return conn
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Walk the audit chain; 0 when it is whole, 1 with where it breaks first."""
+    conn = _open(args.database)
+    try:
+        verdict = audit.verify(conn)
+    finally:
+        conn.close()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "ok": verdict.ok,
+                    "checked": verdict.checked,
+                    "first": verdict.first,
+                    "last": verdict.last,
+                    "problem": verdict.problem,
+                    "at_seq": verdict.at_seq,
+                }
+            )
+        )
+    elif verdict.ok:
+        span = f"records {verdict.first} to {verdict.last}" if verdict.checked else "no records"
+        print(f"audit chain intact: {verdict.checked} record(s) checked ({span})")
+    else:
+        print(f"audit chain BROKEN after {verdict.checked} good record(s): {verdict.problem}")
+    return 0 if verdict.ok else 1
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """Print audit records in time order, filtered by time, key and action."""
+    conn = _open(args.database)
+    try:
+        records = audit.select(
+            conn,
+            since=args.since,
+            until=args.until,
+            key_id=args.key_id,
+            action=args.action,
+            limit=args.limit,
+        )
+    finally:
+        conn.close()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in records], indent=2, ensure_ascii=False))
+        return 0
+    for r in records:
+        detail = f" {json.dumps(r.detail, ensure_ascii=False)}" if r.detail else ""
+        who = " ".join(
+            part
+            for part in (f"key={r.key_id}" if r.key_id else "", f"peer={r.peer}" if r.peer else "")
+            if part
+        )
+        print(f"{r.seq:>6}  {r.at}  {r.level:<7}  {r.action}{'  ' + who if who else ''}{detail}")
+    return 0
+
+
+def add_parsers(sub: Subcommands) -> None:
+    """Register `usage` and `audit`."""
+    p = sub.add_parser("usage", help="tokens and requests per key, model, endpoint and period")
+    p.add_argument("--since", type=_day, help="first day, local to the box (YYYY-MM-DD)")
+    p.add_argument("--until", type=_day, help="last day, included (YYYY-MM-DD)")
+    p.add_argument("--key-id", help="only this key id")
+    p.add_argument("--model", help="only this model")
+    p.add_argument("--endpoint", help="only this endpoint, e.g. /v1/chat/completions")
+    p.add_argument("--group", choices=("hour", "day", "month"), help="periods (default: day)")
+    add_daemon_options(p)
+    p.add_argument("--csv", action="store_true", help="print CSV")
+    p.set_defaults(func=guarded(run_usage))
+
+    a = sub.add_parser("audit", help="verify or show the hash-chained audit log")
+    verbs = a.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, help_: str) -> argparse.ArgumentParser:
+        v = verbs.add_parser(name, help=help_)
+        v.add_argument(
+            "--database",
+            type=Path,
+            default=DEFAULT_DATABASE,
+            help=f"the ledger file (default: {DEFAULT_DATABASE})",
+        )
+        v.add_argument("--json", action="store_true", help="print JSON")
+        return v
+
+    v = verb("verify", "check every record's hash and order; exit 1 at the first break")
+    v.set_defaults(func=guarded(run_verify))
+    s = verb("show", "print audit records")
+    s.add_argument("--since", help="from this UTC time or date (ISO 8601)")
+    s.add_argument("--until", help="before this UTC time or date (ISO 8601)")
+    s.add_argument("--key-id", help="only this key id")
+    s.add_argument("--action", help="only records whose action holds this text")
+    s.add_argument("--limit", type=int, default=1000, help="the newest N (default 1000; 0: all)")
+    s.set_defaults(func=guarded(run_show))

@@ -1,0 +1,233 @@
+"""The ledger on its own: usage rows, quota periods in the box's time zone, persistence, retries,
+and the audit chain's verification of edited, removed and reordered records."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from edgellmd.ledger import audit, usage
+from edgellmd.ledger.audit import AuditEntry
+from edgellmd.ledger.store import AuditHandler, Ledger, Quota, utc_now_text
+from edgellmd.ledger.usage import UsageQuery, UsageRecord
+
+
+class Clock:
+    def __init__(self, when: datetime) -> None:
+        self.now = when.timestamp()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _at(text: str) -> float:
+    return datetime.fromisoformat(text).timestamp()
+
+
+def _record(
+    rid: str, at: float, *, key: str = "aaaaaaaaaaaa", prompt: int = 10, completion: int = 5
+) -> UsageRecord:
+    return UsageRecord(rid, key, "m", "/v1/chat/completions", prompt, completion, at)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    opened = Ledger(
+        tmp_path / "ledger.sqlite3", time_zone="Europe/Berlin", clock=Clock(datetime(2026, 12, 3, tzinfo=UTC))
+    )
+    yield opened
+    opened.close()
+
+
+def _rows(ledger: Ledger, query: UsageQuery) -> list[dict[str, object]]:
+    return ledger.query(lambda conn: usage.select(conn, query, ledger.zone)).result()
+
+
+def test_usage_is_summed_per_local_day_and_hour_and_a_request_id_counts_once(ledger: Ledger) -> None:
+    # 23:30 UTC on 3 December is 00:30 on the 4th in Berlin: another local day.
+    assert ledger.record(_record("r1", _at("2026-12-03T10:15:00+00:00"))).result(5) is True
+    assert ledger.record(_record("r2", _at("2026-12-03T10:45:00+00:00"), completion=7)).result(5) is True
+    assert ledger.record(_record("r3", _at("2026-12-03T23:30:00+00:00"))).result(5) is True
+    assert ledger.record(_record("r1", _at("2026-12-03T10:50:00+00:00"))).result(5) is False  # seen already
+    days = _rows(ledger, UsageQuery(group="day"))
+    assert [(r["period"], r["requests"], r["total_tokens"]) for r in days] == [
+        ("2026-12-03", 2, 32),
+        ("2026-12-04", 1, 15),
+    ]
+    hours = _rows(ledger, UsageQuery(group="hour"))
+    assert [r["period"] for r in hours] == ["2026-12-03T11:00+0100", "2026-12-04T00:00+0100"]
+    only_4th = _rows(ledger, UsageQuery(since=datetime(2026, 12, 4).date(), group="month"))
+    assert [(r["period"], r["requests"]) for r in only_4th] == [("2026-12", 1)]
+    assert _rows(ledger, UsageQuery(key_id="bbbbbbbbbbbb")) == []
+
+
+def test_a_quota_counts_the_local_calendar_and_says_when_it_resets(tmp_path: Path) -> None:
+    clock = Clock(datetime(2026, 12, 31, 22, 0, tzinfo=UTC))  # 23:00 in Berlin, the last day of the year
+    ledger = Ledger(tmp_path / "l.sqlite3", time_zone="Europe/Berlin", clock=clock)
+    quota = Quota(tokens_per_day=40, tokens_per_month=100)
+    try:
+        assert ledger.check("aaaaaaaaaaaa", quota) is None
+        ledger.record(_record("r1", clock.now, prompt=30, completion=15)).result(5)
+        breach = ledger.check("aaaaaaaaaaaa", quota)
+        assert breach is not None
+        assert (breach.budget, breach.limit, breach.used) == ("tokens_per_day", 40, 45)
+        assert breach.resets.isoformat() == "2027-01-01T00:00:00+01:00"
+        assert "45 of its 40 tokens per day" in breach.message()
+        assert ledger.check("bbbbbbbbbbbb", quota) is None  # another key's budget is its own
+        clock.now += 3600  # past local midnight: a new day and a new month
+        assert ledger.check("aaaaaaaaaaaa", quota) is None
+        assert ledger.used("aaaaaaaaaaaa") == {
+            "requests_day": 0,
+            "tokens_day": 0,
+            "requests_month": 0,
+            "tokens_month": 0,
+        }
+    finally:
+        ledger.close()
+
+
+def test_usage_and_quotas_survive_a_restart(tmp_path: Path) -> None:
+    clock = Clock(datetime(2026, 12, 3, 12, tzinfo=UTC))
+    path = tmp_path / "l.sqlite3"
+    first = Ledger(path, clock=clock)
+    for i in range(3):
+        first.record(_record(f"r{i}", clock.now, prompt=100, completion=0)).result(5)
+    first.close()
+    again = Ledger(path, clock=clock)
+    try:
+        assert again.used("aaaaaaaaaaaa")["tokens_month"] == 300
+        breach = again.check("aaaaaaaaaaaa", Quota(requests_per_month=3))
+        assert breach is not None
+        assert breach.resets.isoformat() == "2027-01-01T00:00:00+00:00"
+    finally:
+        again.close()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_failed_commit_is_kept_and_written_once_later(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = usage.write
+    calls = {"n": 0}
+
+    def flaky(conn: sqlite3.Connection, record: UsageRecord, zone: object, *, detail: bool) -> bool:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(conn, record, zone, detail=detail)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(usage, "write", flaky)
+    with pytest.raises(OSError, match="disk is full"):
+        ledger.record(_record("r1", _at("2026-12-03T10:00:00+00:00"))).result(5)
+    assert ledger.error is not None
+    assert ledger.status()["waiting"] == 1
+    ledger.record(_record("r2", _at("2026-12-03T10:01:00+00:00"))).result(5)
+    assert ledger.status()["error"] is None
+    days = _rows(ledger, UsageQuery())
+    assert [(r["requests"], r["total_tokens"]) for r in days] == [(2, 30)]  # both, each once
+
+
+def _chain(conn: sqlite3.Connection, n: int) -> None:
+    head = audit.head(conn)
+    conn.execute("BEGIN")
+    for _ in range(n):
+        seq = head[0] + 1
+        head = audit.append(
+            conn, AuditEntry(utc_now_text(1_796_000_000 + seq), "INFO", f"action {seq}"), head
+        )
+    conn.execute("COMMIT")
+
+
+@pytest.fixture
+def chain(tmp_path: Path) -> Iterator[sqlite3.Connection]:
+    ledger = Ledger(tmp_path / "chain.sqlite3")
+    ledger.close()
+    conn = sqlite3.connect(tmp_path / "chain.sqlite3", isolation_level=None)
+    _chain(conn, 6)
+    yield conn
+    conn.close()
+
+
+def test_an_intact_chain_verifies(chain: sqlite3.Connection) -> None:
+    verdict = audit.verify(chain)
+    assert (verdict.ok, verdict.checked, verdict.first, verdict.last) == (True, 6, 1, 6)
+
+
+def test_an_edited_record_is_found(chain: sqlite3.Connection) -> None:
+    chain.execute("UPDATE audit SET action = 'nothing happened' WHERE seq = 4")
+    verdict = audit.verify(chain)
+    assert not verdict.ok
+    assert verdict.at_seq == 4
+    assert "record 4 was edited" in str(verdict.problem)
+
+
+def test_an_edit_with_a_recomputed_hash_breaks_the_next_link(chain: sqlite3.Connection) -> None:
+    row = chain.execute(
+        "SELECT seq, at, level, action, key_id, peer, detail, prev FROM audit WHERE seq = 3"
+    ).fetchone()
+    forged = audit.record_hash(row[7], (row[0], row[1], row[2], "forged", row[4], row[5], row[6]))
+    chain.execute("UPDATE audit SET action = 'forged', hash = ? WHERE seq = 3", (forged,))
+    verdict = audit.verify(chain)
+    assert verdict.at_seq == 4
+    assert "does not follow record 3" in str(verdict.problem)
+
+
+def test_a_removed_record_is_found(chain: sqlite3.Connection) -> None:
+    chain.execute("DELETE FROM audit WHERE seq = 2")
+    verdict = audit.verify(chain)
+    assert verdict.at_seq == 3
+    assert "record 2 is missing" in str(verdict.problem)
+
+
+def test_reordered_records_are_found(chain: sqlite3.Connection) -> None:
+    chain.execute("UPDATE audit SET seq = -5 WHERE seq = 5")
+    chain.execute("UPDATE audit SET seq = 5 WHERE seq = 2")
+    chain.execute("UPDATE audit SET seq = 2 WHERE seq = -5")
+    verdict = audit.verify(chain)
+    assert verdict.at_seq == 2
+    assert not verdict.ok
+
+
+def test_rotation_keeps_the_rest_verifiable_and_removals_still_show(chain: sqlite3.Connection) -> None:
+    chain.execute("BEGIN")
+    assert audit.rotate(chain, utc_now_text(1_796_000_004)) == 3  # records 1 to 3 went
+    chain.execute("COMMIT")
+    verdict = audit.verify(chain)
+    assert (verdict.ok, verdict.checked, verdict.first) == (True, 3, 4)
+    _chain(chain, 1)  # the chain goes on from its head
+    assert audit.verify(chain).checked == 4
+    chain.execute("DELETE FROM audit WHERE seq = 4")  # the oldest left: the anchor shows it
+    assert "record 4 is missing" in str(audit.verify(chain).problem)
+
+
+def test_the_audit_logger_feeds_the_chain_and_failed_sign_ins_come_summed(ledger: Ledger) -> None:
+    logger = logging.getLogger("edgellmd.audit.test")
+    handler = AuditHandler(ledger)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        logger.info("admin reload: m loaded", extra={"peer": "127.0.0.1", "key_id": "aaaaaaaaaaaa"})
+        for _ in range(50):
+            logger.warning("auth failed: wrong or unknown key", extra={"peer": "10.0.0.9", "key_id": None})
+        logger.warning("auth failed: no bearer token", extra={"peer": "10.0.0.8", "key_id": None})
+        summary = handler.flush_summary()
+        assert summary is not None
+        summary.result(5)
+        assert handler.flush_summary() is None  # nothing since
+    finally:
+        logger.removeHandler(handler)
+    records = ledger.query(audit.select).result()
+    assert [r.action for r in records] == ["admin reload: m loaded", "failed sign-ins in the last minute: 51"]
+    assert records[0].key_id == "aaaaaaaaaaaa"
+    assert records[1].detail["reasons"] == {
+        "auth failed: wrong or unknown key": 50,
+        "auth failed: no bearer token": 1,
+    }
+    assert records[1].detail["peers"] == {"10.0.0.9": 50, "10.0.0.8": 1}
+    assert ledger.query(audit.verify).result().ok

@@ -1,0 +1,342 @@
+"""Usage, quotas and the audit log on the daemon: what clients were told is what the ledger holds,
+a spent budget refuses the next request with its reset time, and the audit chain shows edits.
+The kill -9 test runs the daemon as a process of its own and kills it under traffic."""
+
+from __future__ import annotations
+
+import csv
+import http.client
+import io
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from edgellmctl.__main__ import main as ctl
+from edgellmctl.keys import create_key
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import RunningDaemon, free_port, running, settings_for, wait_for
+
+HI: Any = [{"role": "user", "content": "hi"}]
+
+
+def _call(url: str, token: str, method: str = "GET", body: Any = None) -> tuple[int, Any, dict[str, str]]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method)  # noqa: S310 - loopback URL
+    request.add_header("Authorization", f"Bearer {token}")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
+            raw = response.read()
+            kind = response.headers.get("Content-Type", "")
+            return (
+                response.status,
+                json.loads(raw) if "json" in kind else raw.decode(),
+                dict(response.headers),
+            )
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+class Box:
+    def __init__(
+        self, daemon: RunningDaemon, tokens: dict[str, str], ids: dict[str, str], database: Path
+    ) -> None:
+        self.daemon, self.tokens, self.ids, self.database = daemon, tokens, ids, database
+
+    def admin(self, path: str) -> tuple[int, Any, dict[str, str]]:
+        return _call(self.daemon.url + path, self.tokens["admin"])
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
+    root = tmp_path_factory.mktemp("usage")
+    model = write_tiny_model(root / "m.gguf", TinyModelSpec(seed=61))
+    keys = root / "keys.yaml"
+    tokens, ids = {}, {}
+    for name, scopes, quota in (
+        ("admin", ["admin"], None),
+        ("alice", ["inference"], None),
+        ("bob", ["inference"], None),
+        ("capped", ["inference"], {"tokens_per_month": 60}),
+    ):
+        ids[name], tokens[name] = create_key(keys, name, scopes, limits={}, quota=quota)
+    database = root / "ledger.sqlite3"
+    settings = settings_for(
+        [{"name": "m", "file": str(model), "threads": 1, "slots": 2, "context_size": 512}],
+        auth={"keys_file": str(keys)},
+        ledger={"database": str(database), "time_zone": "Europe/Berlin"},
+    )
+    with running(settings) as daemon:
+        yield Box(daemon, tokens, ids, database)
+
+
+def test_a_monthly_quota_runs_out_mid_stream_the_stream_finishes_the_next_request_is_refused(
+    box: Box,
+) -> None:
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.tokens["capped"], max_retries=0)
+    stream = client.chat.completions.create(
+        model="m",
+        messages=HI,
+        max_tokens=50,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.total_tokens > 60  # past the budget, and still answered whole
+    assert chunks[-2].choices[0].finish_reason == "length"
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model="m", messages=HI, max_tokens=1)
+    error = refused.value
+    assert error.code == "quota_exceeded"
+    reset = datetime.fromisoformat(error.response.headers["x-quota-reset"])
+    now = datetime.now(reset.tzinfo)
+    assert (reset.day, reset.hour, reset.minute) == (1, 0, 0)  # the first of next month, Berlin time
+    assert reset > now
+    assert str(reset.utcoffset()) in ("1:00:00", "2:00:00")
+    assert int(error.response.headers["Retry-After"]) == pytest.approx((reset - now).total_seconds(), abs=5)
+    assert "resets at" in str(error.message)
+    # Anthropic's clients are refused alike, in their shape.
+    messages = anthropic.Anthropic(base_url=box.daemon.url, api_key=box.tokens["capped"], max_retries=0)
+    with pytest.raises(anthropic.RateLimitError):
+        messages.messages.create(model="m", max_tokens=1, messages=HI)
+    # Another key is not touched by this one's budget.
+    other = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.tokens["bob"], max_retries=0)
+    assert other.chat.completions.create(model="m", messages=HI, max_tokens=1).usage is not None
+    status, records, _ = box.admin(f"/admin/audit?key={box.ids['capped']}&action=quota")
+    assert status == 200
+    assert [r["action"] for r in records["data"]].count(
+        f"quota exceeded: tokens_per_month ({usage.total_tokens} of 60)"
+    ) == 1  # once per budget and period, however many refusals
+
+
+def test_usage_answers_what_clients_were_told_as_json_csv_and_in_edgellmctl(
+    box: Box, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.tokens["alice"], max_retries=0)
+    told = [client.chat.completions.create(model="m", messages=HI, max_tokens=3 + i).usage for i in range(3)]
+    stream = client.chat.completions.create(
+        model="m",
+        messages=HI,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    told.append(list(stream)[-1].usage)
+    messages = anthropic.Anthropic(base_url=box.daemon.url, api_key=box.tokens["alice"], max_retries=0)
+    reply = messages.messages.create(model="m", max_tokens=2, messages=HI)
+    # Anthropic's input_tokens leaves out what was read from the cache: the prompt is both.
+    read = reply.usage.cache_read_input_tokens or 0
+    prompt = sum(u.prompt_tokens for u in told if u) + reply.usage.input_tokens + read
+    completion = sum(u.completion_tokens for u in told if u) + reply.usage.output_tokens
+
+    status, answer, _ = box.admin(f"/admin/usage?key={box.ids['alice']}&group=month")
+    assert status == 200
+    rows = {row["endpoint"]: row for row in answer["data"]}
+    assert rows["/v1/chat/completions"]["requests"] == 4
+    assert rows["/v1/messages"]["requests"] == 1
+    assert answer["totals"]["prompt_tokens"] == prompt
+    assert answer["totals"]["completion_tokens"] == completion
+    assert answer["time_zone"] == "Europe/Berlin"
+    assert {row["period"] for row in answer["data"]} == {datetime.now().astimezone().strftime("%Y-%m")}
+
+    status, text, headers = box.admin(f"/admin/usage?key={box.ids['alice']}&format=csv")
+    assert headers["Content-Type"].startswith("text/csv")
+    parsed = list(csv.DictReader(io.StringIO(text)))
+    assert sum(int(r["total_tokens"]) for r in parsed) == prompt + completion
+
+    monkeypatch.setenv("EDGELLM_ADMIN_KEY", box.tokens["admin"])  # never on the command line
+    common = ["--url", box.daemon.url]
+    assert ctl(["usage", "--key-id", box.ids["alice"], "--group", "month", *common]) == 0
+    table = capsys.readouterr().out
+    assert "/v1/messages" in table
+    assert f"{prompt + completion}" in table.splitlines()[-2]  # the total line
+    assert ctl(["usage", "--key-id", box.ids["alice"], "--csv", *common]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("period,key_id,model,endpoint")
+    assert ctl(["usage", "--key-id", box.ids["alice"], "--json", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["totals"]["total_tokens"] == prompt + completion
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("since=2026-13-01", "since"),
+        ("since=12/01/2026", "since"),
+        ("since=2026-12-05&until=2026-12-01", "until"),
+        ("group=week", "group"),
+        ("format=xml", "format"),
+        ("key=ELK", "key"),
+        ("model=" + "x" * 200, "model"),
+        ("model=%00", "model"),
+        ("colour=blue", "colour"),
+        ("group=day&group=hour", "group"),
+    ],
+)
+def test_bad_usage_queries_are_400s_that_name_the_parameter(box: Box, query: str, param: str) -> None:
+    status, answer, _ = box.admin(f"/admin/usage?{query}")
+    assert status == 400, answer
+    assert answer["error"]["param"] == param
+
+
+@pytest.mark.parametrize("query", ["limit=0", "limit=%C2%B2", "limit=99999999", "action=", "since=yesterday"])
+def test_bad_audit_queries_are_400s(box: Box, query: str) -> None:
+    assert box.admin(f"/admin/audit?{query}")[0] == 400
+
+
+def test_usage_and_audit_need_the_admin_scope(box: Box) -> None:
+    assert _call(box.daemon.url + "/admin/usage", box.tokens["alice"])[0] == 403
+    assert _call(box.daemon.url + "/admin/audit", box.tokens["alice"])[0] == 403
+
+
+def test_admin_actions_are_chained_and_a_hand_edit_is_found(
+    box: Box, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, _ = _call(box.daemon.url + "/admin/reload", box.tokens["admin"], "POST", {})
+    assert status == 200
+    wait_for(
+        lambda: any("admin reload" in r["action"] for r in box.admin("/admin/audit")[1]["data"]),
+        what="the reload's audit record",
+    )
+    status, answer, _ = box.admin("/admin/audit?action=reload")
+    record = answer["data"][-1]
+    assert record["key_id"] == box.ids["admin"]
+    assert answer["chain"]["ok"] is True
+    assert ctl(["audit", "verify", "--database", str(box.database)]) == 0
+    assert "intact" in capsys.readouterr().out
+    assert ctl(["audit", "show", "--database", str(box.database), "--action", "admin reload", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown[-1]["hash"] == record["hash"]
+
+    copy = tmp_path / "edited.sqlite3"
+    source = sqlite3.connect(box.database)
+    target = sqlite3.connect(copy)
+    source.backup(target)
+    source.close()
+    target.execute("UPDATE audit SET action = 'admin reload: nothing' WHERE seq = ?", (record["seq"],))
+    target.commit()
+    target.close()
+    assert ctl(["audit", "verify", "--database", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert f"record {record['seq']} was edited" in out
+    assert ctl(["audit", "verify", "--database", str(tmp_path / "none.sqlite3")]) == 1
+    assert "no ledger" in capsys.readouterr().err
+
+
+# ---- kill -9 under traffic -------------------------------------------------------------------------
+
+
+def test_after_kill_9_under_traffic_the_ledger_holds_what_every_client_was_told(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=62))
+    keys = tmp_path / "keys.yaml"
+    tokens = [create_key(keys, f"app{i}", ["inference"], limits={})[1] for i in range(3)]
+    database = tmp_path / "ledger.sqlite3"
+    port = free_port()
+    config = {
+        "server": {"port": port},
+        "models": [{"name": "m", "file": str(model), "threads": 1, "slots": 4, "context_size": 512}],
+        "lock": {"allow_unsigned": True},
+        "lifecycle": {"watch": False, "preload_dir": None},
+        "auth": {"keys_file": str(keys)},
+        "ledger": {"database": str(database)},
+    }
+    config_path = tmp_path / "edgellm.yaml"
+    config_path.write_text(json.dumps(config))
+    log = (tmp_path / "daemon.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgellmd", "--config", str(config_path)], stdout=log, stderr=log
+    )
+    url = f"http://127.0.0.1:{port}"
+    told: dict[str, tuple[int, int]] = {}  # request id -> (prompt, completion), as the client read them
+    sent = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(token: str, stream: bool) -> None:
+        while not stop.is_set():
+            body: dict[str, Any] = {"model": "m", "messages": HI, "max_tokens": 8}
+            if stream:
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+            request = urllib.request.Request(  # noqa: S310 - loopback URL
+                url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            )
+            with lock:
+                sent[0] += 1
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
+                    rid = response.headers["X-Request-Id"]
+                    raw = response.read()
+            except (OSError, ValueError, http.client.HTTPException):
+                return  # the kill: this request was never told
+            if stream:
+                events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: {")]
+                usage = json.loads(events[-1])["usage"] if events else None
+            else:
+                usage = json.loads(raw)["usage"]
+            if usage is None:
+                return  # cut before its usage arrived
+            with lock:
+                told[rid] = (usage["prompt_tokens"], usage["completion_tokens"])
+
+    try:
+        wait_for(lambda: _ready(url), timeout=60, what="the daemon")
+        threads = [threading.Thread(target=client, args=(t, i % 2 == 1)) for i, t in enumerate(tokens * 2)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(told) >= 40, timeout=120, what="40 answered requests")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    conn = sqlite3.connect(database)
+    try:
+        rows = {
+            rid: (prompt, completion)
+            for rid, prompt, completion in conn.execute(
+                "SELECT request_id, prompt_tokens, completion_tokens FROM usage_requests"
+            )
+        }
+        hours = conn.execute(
+            "SELECT SUM(requests), SUM(prompt_tokens), SUM(completion_tokens) FROM usage_hours"
+        ).fetchone()
+        periods = conn.execute(
+            "SELECT SUM(tokens), SUM(requests) FROM usage_periods WHERE period LIKE 'month:%'"
+        ).fetchone()
+    finally:
+        conn.close()
+    for rid, usage in told.items():
+        assert rows.get(rid) == usage, rid  # every answer's usage, to the token
+    cut = set(rows) - set(told)
+    assert len(cut) <= len(tokens) * 2  # beyond those: only requests in flight at the kill
+    # The totals are the requests' own sums: nothing counted twice, nothing half written.
+    assert hours == (len(rows), sum(p for p, _ in rows.values()), sum(c for _, c in rows.values()))
+    assert periods == (sum(p + c for p, c in rows.values()), len(rows))
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=2) as response:  # noqa: S310 - loopback URL
+            return bool(response.status == 200)
+    except OSError:
+        return False
