@@ -330,3 +330,35 @@ def test_the_overview_charts_what_was_served(console: Page, box: Box) -> None:
     assert "highest" in label
     assert "highest 0.0" not in label
     _screenshot(console, "console-overview.png")
+
+
+def test_the_usage_page_charts_tokens_per_key_and_day_as_the_ledger_has_them(console: Page, box: Box) -> None:
+    other_id, other = create_key(box.keys, "tenant-b", ["inference"], limits={})
+    hello: Any = [{"role": "user", "content": "hello"}]
+    operator = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.token, max_retries=0)
+    operator.chat.completions.create(model=MODEL, messages=hello, max_tokens=4)
+    tenant = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=other, max_retries=0)
+    for _ in range(5):  # the keys file is re-read within a second: until then, 401
+        try:
+            tenant.chat.completions.create(model=MODEL, messages=hello, max_tokens=8)
+            break
+        except openai.AuthenticationError:
+            console.wait_for_timeout(400)
+    usage = box.admin_get("/admin/usage?group=day")
+    per_key: dict[str, int] = {}
+    for row in usage["data"]:
+        per_key[row["key_id"]] = per_key.get(row["key_id"], 0) + row["total_tokens"]
+    assert per_key.get(other_id, 0) > 0
+
+    console.goto(box.daemon.url + "/ui/#usage")
+    console.get_by_label("Days", exact=True).select_option("7")
+    console.get_by_role("button", name="Show").click()
+    legend = console.locator(f'#usage-legend li[data-key="{other_id}"]')
+    expect(legend).to_contain_text(f"tenant-b ({other_id}): {per_key[other_id]}")
+    bars = console.locator(f'#usage-svg rect[data-key="{other_id}"]')
+    expect(bars).to_have_count(1)  # one day so far
+    assert int(bars.get_attribute("data-total") or "0") == per_key[other_id]
+    row = console.locator(f'#usage-table tr[data-key="{other_id}"]')
+    expect(row.locator("td").last).to_have_text(str(per_key[other_id]))
+    expect(console.locator("#usage-caption")).to_contain_text(f"{usage['totals']['total_tokens']} in all")
+    _screenshot(console, "console-usage.png")

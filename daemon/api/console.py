@@ -18,7 +18,7 @@ from typing import Final
 
 from aiohttp import web
 
-from edgellmd.api import admin
+from edgellmd.api import admin, ledger
 from edgellmd.api.console_live import FEED, events, setup_live
 from edgellmd.api.console_sessions import CONSOLE_SESSION, SESSIONS, SIGNED_OUT, set_cookie
 from edgellmd.api.context import context
@@ -155,6 +155,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     ("POST", PREFIX + "/api/reload", _after_action(admin.reload), "admin"),
     ("POST", PREFIX + "/api/models/{name}/load", _after_action(admin.load), "admin"),
     ("POST", PREFIX + "/api/models/{name}/unload", _after_action(admin.unload), "admin"),
+    ("GET", PREFIX + "/api/usage", ledger.admin_usage, "admin"),  # the Usage page, as /admin/usage
     ("GET", PREFIX + "/api/models", models, "inference"),
     ("POST", PREFIX + "/api/chat", chat, "inference"),
 )

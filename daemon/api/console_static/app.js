@@ -14,7 +14,7 @@
     abort: null,
     keys: null,
   };
-  const VIEWS = ["overview", "actions", "keys", "playground"];
+  const VIEWS = ["overview", "actions", "keys", "usage", "playground"];
   const $ = (id) => document.getElementById(id);
 
   function h(tag, attrs, ...children) {
@@ -124,6 +124,7 @@
     $("nav").hidden = !signedIn;
     $("who").hidden = !signedIn;
     if (view === "keys") loadKeys();
+    if (view === "usage") loadUsage();
     if (view === "playground") loadModels();
     if (view === "signin") $("signin-key").focus();
   }
@@ -498,6 +499,84 @@
     }
   }
 
+  // ---- usage ------------------------------------------------------------------------------
+  const USAGE_COLOURS = 8; // .k0 to .k7 in app.css, then they repeat
+
+  function isoDay(date) {
+    return `${date.getFullYear()}-${String(date.getMonth() + 1).padStart(2, "0")}-${String(date.getDate()).padStart(2, "0")}`;
+  }
+
+  async function loadUsage() {
+    if (!can("admin")) return;
+    const days = Number.parseInt($("usage-days").value, 10) || 30;
+    const since = new Date(Date.now() - (days - 1) * 86400000);
+    try {
+      const [usage, keys] = await Promise.all([
+        api("GET", `/ui/api/usage?group=day&since=${isoDay(since)}`),
+        api("GET", "/ui/api/keys").catch(() => ({ keys: [] })), // names, as the keys file has them now
+      ]);
+      renderUsage(usage, keys.keys || [], days);
+      clear($("usage-outcome"));
+    } catch (err) {
+      clear($("usage-outcome")).append(h("p", { class: "bad" }, `Usage: ${err.message}`));
+    }
+  }
+
+  function renderUsage(usage, keys, days) {
+    const names = new Map(keys.map((k) => [k.id, k.name]));
+    const label = (id) => (id ? `${names.get(id) || "removed key"} (${id})` : "no key (auth off)");
+    // Per day and key: the rows come per model and endpoint too.
+    const perDay = new Map();
+    const perKey = new Map();
+    for (const r of usage.data) {
+      const day = perDay.get(r.period) || new Map();
+      const cell = day.get(r.key_id) || { requests: 0, prompt: 0, completion: 0, total: 0 };
+      cell.requests += r.requests; cell.prompt += r.prompt_tokens; cell.completion += r.completion_tokens; cell.total += r.total_tokens;
+      day.set(r.key_id, cell);
+      perDay.set(r.period, day);
+      perKey.set(r.key_id, (perKey.get(r.key_id) || 0) + r.total_tokens);
+    }
+    const order = [...perKey.keys()].sort((a, b) => perKey.get(b) - perKey.get(a) || a.localeCompare(b));
+    const colour = new Map(order.map((id, i) => [id, `k${i % USAGE_COLOURS}`]));
+    const dayList = [];
+    const start = new Date(Date.now() - (days - 1) * 86400000);
+    for (let i = 0; i < days; i += 1) dayList.push(isoDay(new Date(start.getTime() + i * 86400000)));
+    const svg = clear($("usage-svg"));
+    const max = Math.max(1, ...dayList.map((d) => [...(perDay.get(d) || new Map()).values()].reduce((a, c) => a + c.total, 0)));
+    const width = 600 / dayList.length;
+    svg.append(s("line", { class: "base", x1: 0, y1: 199, x2: 600, y2: 199 }));
+    dayList.forEach((d, i) => {
+      let y = 199;
+      for (const id of order) {
+        const cell = (perDay.get(d) || new Map()).get(id);
+        if (!cell || !cell.total) continue;
+        const height = (cell.total / max) * 190;
+        y -= height;
+        const bar = s("rect", { class: `bar ${colour.get(id)}`, x: (i * width + width * 0.1).toFixed(2), y: y.toFixed(2), width: (width * 0.8).toFixed(2), height: height.toFixed(2), "data-day": d, "data-key": id, "data-total": cell.total });
+        const title = s("title", {});
+        title.textContent = `${d}, ${label(id)}: ${cell.total} tokens in ${cell.requests} requests`;
+        bar.append(title);
+        svg.append(bar);
+      }
+    });
+    const total = usage.totals.total_tokens;
+    svg.setAttribute("aria-label", `Tokens per key and day over the last ${days} days: ${total} in all, at most ${max === 1 && !total ? 0 : max} in one day`);
+    $("usage-caption").textContent = `Tokens per day, last ${days} days (${usage.time_zone}): ${total} in all`;
+    const legend = clear($("usage-legend"));
+    for (const id of order) legend.append(h("li", { "data-key": id }, h("span", { class: `swatch ${colour.get(id)}` }), `${label(id)}: ${perKey.get(id)}`));
+    if (!order.length) legend.append(h("li", {}, "No usage in this period."));
+    const body = clear($("usage-table").tBodies[0]);
+    for (const d of [...perDay.keys()].sort().reverse()) {
+      for (const id of order) {
+        const cell = perDay.get(d).get(id);
+        if (!cell) continue;
+        body.append(h("tr", { "data-day": d, "data-key": id },
+          h("td", {}, d), h("th", { scope: "row" }, label(id)), h("td", {}, cell.requests),
+          h("td", {}, cell.prompt), h("td", {}, cell.completion), h("td", {}, cell.total)));
+      }
+    }
+  }
+
   async function keyAction(key, verb) {
     const own = state.session && key.id === state.session.key_id ? " This is the key of your own session: you will be signed out." : "";
     const texts = {
@@ -667,6 +746,7 @@
     $("reload-force").addEventListener("click", () => act("Force reload", "/ui/api/reload", { force: true },
       "Load every model again from its file, changed or not? Requests in flight finish on the running copies.", "Force reload"));
     $("key-form").addEventListener("submit", createKey);
+    $("usage-form").addEventListener("submit", (event) => { event.preventDefault(); loadUsage(); });
     $("new-key-done").addEventListener("click", () => { $("new-key-token").value = ""; $("new-key").hidden = true; });
     $("chat-form").addEventListener("submit", send);
     $("chat-stop").addEventListener("click", () => state.abort && state.abort.abort());
