@@ -220,11 +220,15 @@ def _serve_main(config: str, early: EarlySignals) -> int:
         _log().info("stop requested during start-up: exiting before serving")
         return 0
     from edgellmd.keys import KeysFileError  # noqa: PLC0415
+    from edgellmd.ledger.store import LedgerError  # noqa: PLC0415
 
     try:
         asyncio.run(serve(settings, pinning, early))
     except KeysFileError as exc:
         _log().error("cannot start: keys file refused: %s", exc)
+        return 1
+    except LedgerError as exc:
+        _log().error("cannot start: %s", exc)
         return 1
     except OSError as exc:
         _log().error("cannot serve on %s:%d: %s", settings.server.host, settings.server.port, exc)

@@ -13,7 +13,7 @@ import pytest
 
 from edgellmd.ledger import audit, usage
 from edgellmd.ledger.audit import AuditEntry
-from edgellmd.ledger.store import AuditHandler, Ledger, Quota, utc_now_text
+from edgellmd.ledger.store import AuditHandler, Ledger, LedgerError, Quota, utc_now_text
 from edgellmd.ledger.usage import UsageQuery, UsageRecord
 
 
@@ -231,3 +231,17 @@ def test_the_audit_logger_feeds_the_chain_and_failed_sign_ins_come_summed(ledger
     }
     assert records[1].detail["peers"] == {"10.0.0.9": 50, "10.0.0.8": 1}
     assert ledger.query(audit.verify).result().ok
+
+
+@pytest.mark.parametrize("kind", ["symlink", "not-a-database", "no-directory"])
+def test_a_database_that_cannot_be_used_is_refused_by_name(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    if kind == "symlink":
+        (tmp_path / "elsewhere").write_bytes(b"")
+        path.symlink_to(tmp_path / "elsewhere")
+    elif kind == "not-a-database":
+        path.write_text("just text, not SQLite\n" * 100)
+    else:
+        path = tmp_path / "missing" / "ledger.sqlite3"
+    with pytest.raises(LedgerError, match=f"ledger.database {path}"):
+        Ledger(path)

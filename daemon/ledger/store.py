@@ -80,8 +80,24 @@ class Breach:
         )
 
 
+class LedgerError(Exception):
+    """The ledger's database cannot be opened (the daemon does not start without it)."""
+
+
 def open_database(path: Path | None) -> sqlite3.Connection:
-    """Open (creating, mode 0600) the ledger's database and its tables; ":memory:" without a path."""
+    """Open (creating, mode 0600) the ledger's database and its tables; ":memory:" without a path.
+
+    LedgerError, naming the file, for one that cannot be: a missing directory, a symlink, not
+    a regular file, not a database, a newer schema.
+    """
+    try:
+        return _open_database(path)
+    except (OSError, sqlite3.Error) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise LedgerError(f"ledger.database {path}: {why}") from None
+
+
+def _open_database(path: Path | None) -> sqlite3.Connection:
     if path is None:
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     else:
@@ -135,7 +151,11 @@ class Ledger:
         self.audit_retention_days = audit_retention_days
         self._clock = clock
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ledger")
-        self._conn = self._writer.submit(open_database, path).result()
+        try:
+            self._conn = self._writer.submit(open_database, path).result()
+        except BaseException:
+            self._writer.shutdown(wait=False)
+            raise
         self._lock = threading.Lock()
         self._usage: list[tuple[UsageRecord, Future[bool]]] = []
         self._audit: list[tuple[AuditEntry, Future[int]]] = []
@@ -250,7 +270,7 @@ class Ledger:
                 head = audit.append(conn, entry, head)
                 written.append((head[0], head[1], entry))
             conn.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except Exception as exc:  # noqa: BLE001 - a full disk or a bug: kept, tried again, reported
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
             self.error = f"{type(exc).__name__}: {exc}"
