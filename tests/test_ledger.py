@@ -223,7 +223,10 @@ def test_the_audit_logger_feeds_the_chain_and_failed_sign_ins_come_summed(ledger
     finally:
         logger.removeHandler(handler)
     records = ledger.query(audit.select).result()
-    assert [r.action for r in records] == ["admin reload: m loaded", "failed sign-ins in the last minute: 51"]
+    assert [r.action for r in records] == [
+        "admin reload: m loaded",
+        "failed sign-ins and refusals in the last minute: 51",
+    ]
     assert records[0].key_id == "aaaaaaaaaaaa"
     assert records[1].detail["reasons"] == {
         "auth failed: wrong or unknown key": 50,

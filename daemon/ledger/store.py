@@ -347,8 +347,10 @@ class Ledger:
 
 # ---- the audit logger's records, into the chain -------------------------------------------------
 
-# Refused credentials come in floods: they are summed per minute into one record, not one each.
-FAILED_SIGN_INS: Final = ("auth failed", "console sign-in refused")
+# What any client can cause at will (wrong credentials, refused addresses, cross-site or
+# CSRF-less console calls) comes in floods: summed per minute into one record, not one each.
+FAILED_SIGN_INS: Final = ("auth failed", "console sign-in refused", "console refused", "admin refused")
+SUMMARY: Final = "failed sign-ins and refusals in the last minute: {count}"
 _EXTRA: Final = ("model", "action", "outcome", "trigger", "budget")
 
 
@@ -404,7 +406,7 @@ class AuditHandler(logging.Handler):
             AuditEntry(
                 utc_now_text(at),
                 "WARNING",
-                f"failed sign-ins in the last minute: {sum(failed.values())}",
+                SUMMARY.format(count=sum(failed.values())),
                 detail=detail,
             )
         )
