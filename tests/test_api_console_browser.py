@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -215,6 +216,9 @@ def test_the_overview_shows_what_admin_status_says(console: Page, box: Box) -> N
     for name, text in expected.items():
         expect(row.locator(f'[data-field="{name}"]')).to_have_text(text)
     expect(row.locator('[data-field="last_reload"]')).to_contain_text(model["last_reload"]["result"])
+    fairness = model["performance"]["fairness"]
+    expect(row.locator('[data-field="waits"]')).to_have_text(re.compile(r"^\d+ / \d+ ms$"))
+    expect(row.locator('[data-field="tenants"]')).to_have_text("\u2013" if not fairness["tenants"] else "")
     lock = console.locator("#lockfile")
     expect(lock.locator('[data-field="version"]')).to_have_text(str(status["lock"]["version"]))
     expect(lock.locator('[data-field="signers"]')).to_contain_text("verified")

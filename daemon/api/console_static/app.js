@@ -261,11 +261,28 @@
         cell("sha256", shortHash(m.sha256), "mono"),
         cell("slots", `${m.slots_busy ?? 0} / ${m.slots_total}`),
         cell("queue", `${m.queue_depth ?? 0} / ${m.queue_size}`),
+        cell("waits", waitsText(m)),
+        cell("tenants", tenantsText(m)),
         cell("loaded_at", m.loaded_at ? when(m.loaded_at) : dash),
         cell("last_reload", lastReload(m.last_reload)),
         cell("engine", engineText(m)),
       ));
     }
+  }
+
+  // Fair share (engine.fairness): the recent waits for a slot, and who has work now.
+  function waitsText(m) {
+    const f = m.performance && m.performance.fairness;
+    if (!f) return dash;
+    const paused = f.paused ? `, ${f.paused} paused` : "";
+    return `${num(f.queue_wait_ms.p50, 0)} / ${num(f.queue_wait_ms.p95, 0)} ms${paused}`;
+  }
+
+  function tenantsText(m) {
+    const f = m.performance && m.performance.fairness;
+    const tenants = f ? Object.entries(f.tenants) : [];
+    if (!tenants.length) return dash;
+    return tenants.map(([id, t]) => `${id || "open"}: ${t.running} running, ${t.waiting} waiting`).join("; ");
   }
 
   function renderLock(lock, status) {

@@ -1,0 +1,278 @@
+"""Benchmark: fair share between keys, on the demo model: one key floods, another asks once.
+
+Run: `.venv/bin/python -m tests.bench_fairness [--rounds 3] [--flood 64] [--slots 8]
+[--batch-size 512]`. One
+edgellmd (a process of its own, API keys on) serves the demo model with `--slots` slots. Each
+round measures, side by side on the same daemon:
+
+- idle: key B's short streamed request on an idle box (time to its first token);
+- one tenant: key A floods `--flood` long requests (a ~300-token passage, 128 tokens each,
+  `ignore_eos`) and B's probes go out under A's key, so they queue behind the flood in arrival
+  order: what every request met before fair share (one tenant is first come, first served);
+- fair share: the same flood from A, B's probes under B's own key.
+
+B sends one probe at a time, a second apart, while the flood lasts; the figures are B's time
+to first token, p50 and p95 over every probe of every round, and p95 as a multiple of idle.
+Then `weights`: A (weight 1) and C (weight 3) flood together; when half of all their requests
+have finished, each key's share of the tokens finished so far (from `/admin/usage`). Prints
+each round, then one JSON line. Not a test: the figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgellmctl.keys import create_key
+from tests.bench_speed import MODEL, PASSAGE, READY_TIMEOUT_S
+from tests.bench_structured import demo_model
+from tests.serving import free_port
+
+LONG_TOKENS = 128
+PROBE_GAP_S = 1.0
+
+
+@contextmanager
+def daemon(model: Path, workdir: Path, keys: Path, slots: int, batch_size: int) -> Iterator[str]:
+    port = free_port()
+    config = {
+        "server": {"host": "127.0.0.1", "port": port, "max_tokens_limit": 4096},
+        "models": [
+            {
+                "name": MODEL,
+                "file": str(model),
+                "slots": slots,
+                "queue_size": 256,
+                "context_size": 2048,
+                "batch_size": batch_size,
+                "chat_template": "gemma",
+            }
+        ],
+        "lock": {"allow_unsigned": True},
+        "lifecycle": {"watch": False, "preload_dir": None},
+        "logging": {"level": "warning"},
+        "auth": {"keys_file": str(keys)},
+    }
+    path = workdir / "fairness.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (workdir / "server.log").open("ab")
+    proc = subprocess.Popen([sys.executable, "-m", "edgellmd", "--config", str(path)], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _ready(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"edgellmd did not start; see {workdir / 'server.log'}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=2) as answer:  # noqa: S310 - loopback
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def _post(url: str, token: str, body: dict[str, Any], *, first_token: bool = False) -> float:
+    """Send one chat request; seconds to its first streamed token (or to its end)."""
+    request = urllib.request.Request(  # noqa: S310 - loopback
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    started = time.perf_counter()
+    try:
+        answer = urllib.request.urlopen(request, timeout=600)  # noqa: S310 - loopback
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
+    with answer:
+        if not first_token:
+            answer.read()
+            return time.perf_counter() - started
+        for line in answer:  # the first chunk carries the role only: the first token's text is the mark
+            if line.startswith(b"data: {") and _text_of(line[6:]):
+                took = time.perf_counter() - started
+                answer.read()
+                return took
+    return time.perf_counter() - started
+
+
+def _text_of(data: bytes) -> str:
+    choices = json.loads(data).get("choices") or [{}]
+    return str((choices[0].get("delta") or {}).get("content") or "")
+
+
+def _long(n: int) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Request {n}. Summarise this passage:\n\n{PASSAGE}"}],
+        "max_tokens": LONG_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+
+
+PROBE: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 4,
+    "stream": True,
+    "temperature": 0,
+}
+
+
+def flood(url: str, token: str, count: int, offset: int = 0) -> list[threading.Thread]:
+    threads = [
+        threading.Thread(target=_post, args=(url, token, _long(offset + i)), daemon=True)
+        for i in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def probes_during(url: str, token: str, threads: list[threading.Thread]) -> list[float]:
+    time.sleep(1.0)  # the flood is queued and running
+    out = []
+    while any(t.is_alive() for t in threads):
+        out.append(_post(url, token, PROBE, first_token=True))
+        time.sleep(PROBE_GAP_S)
+    return out
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
+
+
+def _usage(url: str, admin: str, key_id: str) -> tuple[int, int]:
+    """(requests, tokens) the ledger holds for a key so far."""
+    request = urllib.request.Request(  # noqa: S310 - loopback
+        url + f"/admin/usage?group=month&key={key_id}", headers={"Authorization": f"Bearer {admin}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:  # noqa: S310 - loopback
+        totals = json.loads(answer.read())["totals"]
+    return int(totals["requests"]), int(totals["total_tokens"])
+
+
+def _computed(url: str, admin: str) -> dict[str, float]:
+    """Tokens the scheduler computed per key with work now: virtual time times weight."""
+    request = urllib.request.Request(  # noqa: S310 - loopback
+        url + "/admin/status", headers={"Authorization": f"Bearer {admin}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:  # noqa: S310 - loopback
+        model = json.loads(answer.read())["models"][0]
+    tenants = model["performance"]["fairness"]["tenants"]
+    return {key: float(t["vtime"]) for key, t in tenants.items()}
+
+
+def shares(
+    url: str, admin: str, ids: dict[str, str], token_of: dict[str, str], count: int
+) -> dict[str, float]:
+    """Keys a (weight 1) and c (weight 3) flood `count` requests each at once: each one's share of
+    the tokens the scheduler computed (prefill and generation) while both had work, read half-way
+    through, and each one's share of the tokens of the requests finished by then (the ledger)."""
+    before = {k: _usage(url, admin, ids[k]) for k in ("a", "c")}
+    threads = flood(url, token_of["a"], count) + flood(url, token_of["c"], count, offset=1000)
+    weight = {"a": 1, "c": 3}
+    computed = {"a": 0.0, "c": 0.0}
+    finished = {"a": 0, "c": 0}
+    while any(t.is_alive() for t in threads):
+        vtimes = _computed(url, admin)
+        if ids["a"] in vtimes and ids["c"] in vtimes:  # both still have work
+            computed = {k: vtimes[ids[k]] * weight[k] for k in weight}
+        now = {k: _usage(url, admin, ids[k]) for k in ("a", "c")}
+        finished = {k: now[k][1] - before[k][1] for k in now}
+        if sum(now[k][0] - before[k][0] for k in now) >= count:
+            break
+        time.sleep(0.5)
+    for thread in threads:
+        thread.join()
+    out: dict[str, float] = {}
+    for name, figures in (("computed", computed), ("finished", finished)):
+        total = sum(figures.values()) or 1
+        out |= {f"{name}_share_{k}": figures[k] / total for k in figures}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flood", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument(
+        "--batch-size", type=int, default=512, help="models[].batch_size: the prefill a step may take"
+    )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="edgellm-bench-fairness-") as tmp:
+        workdir = Path(tmp)
+        model = demo_model(workdir)
+        keys = workdir / "keys.yaml"
+        ids, tokens = {}, {}
+        for name, scopes, weight in (
+            ("admin", ["admin"], None),
+            ("a", ["inference"], 1),
+            ("b", ["inference"], 1),
+            ("c", ["inference"], 3),
+        ):
+            ids[name], tokens[name] = create_key(keys, name, scopes, limits={}, weight=weight)
+        figures: dict[str, list[float]] = {"idle": [], "one tenant": [], "fair share": []}
+        with daemon(model, workdir, keys, args.slots, args.batch_size) as url:
+            _post(url, tokens["b"], PROBE, first_token=True)  # warm
+            for n in range(args.rounds):
+                idle = [_post(url, tokens["b"], PROBE, first_token=True) for _ in range(5)]
+                before = probes_during(url, tokens["a"], flood(url, tokens["a"], args.flood))
+                after = probes_during(url, tokens["b"], flood(url, tokens["a"], args.flood))
+                for label, values in (("idle", idle), ("one tenant", before), ("fair share", after)):
+                    figures[label] += values
+                    print(
+                        f"  round {n + 1} {label}: TTFT p50 {_p(values, 0.5):.3f} s, "
+                        f"p95 {_p(values, 0.95):.3f} s ({len(values)} probes)"
+                    )
+            weights = shares(url, tokens["admin"], ids, tokens, args.flood // 2)
+            print(
+                f"  weights 3:1: c computed {weights['computed_share_c']:.2f} of the tokens "
+                f"(finished {weights['finished_share_c']:.2f}), a {weights['computed_share_a']:.2f} "
+                f"({weights['finished_share_a']:.2f})"
+            )
+    idle95 = _p(figures["idle"], 0.95)
+    result: dict[str, Any] = {
+        "slots": args.slots,
+        "flood": args.flood,
+        "rounds": args.rounds,
+        "batch_size": args.batch_size,
+    }
+    for label, values in figures.items():
+        result[label] = {
+            "ttft_p50_s": round(_p(values, 0.5), 3),
+            "ttft_p95_s": round(_p(values, 0.95), 3),
+            "p95_over_idle": round(_p(values, 0.95) / idle95, 2),
+            "probes": len(values),
+            "median_s": round(statistics.median(values), 3) if values else None,
+        }
+    result["weights_3_to_1"] = {k: round(v, 3) for k, v in weights.items()}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
