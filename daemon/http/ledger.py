@@ -77,7 +77,8 @@ def setup_ledger(app: web.Application, settings: Settings) -> None:
             Ledger,
             config.database,
             time_zone=config.time_zone,
-            detail_hours=config.usage_detail_hours,
+            # In memory, a row per request would grow with the traffic: hourly totals only.
+            detail_hours=config.usage_detail_hours if config.database is not None else 0,
             retention_days=config.usage_retention_days,
             audit_retention_days=config.audit_retention_days,
         )

@@ -679,6 +679,7 @@ class LedgerSettings:
         48,
         "hours a row per request (its id and tokens) is kept beside the hourly totals; 0: none",
         bounds=(0, 8760),
+        more="none without `database` (in memory they would grow with the traffic)",
     )
     usage_retention_days: int = setting(400, "days hourly usage totals are kept", bounds=(1, 36_500))
     audit_retention_days: int = setting(
