@@ -248,3 +248,22 @@ def test_a_database_that_cannot_be_used_is_refused_by_name(tmp_path: Path, kind:
         path = tmp_path / "missing" / "ledger.sqlite3"
     with pytest.raises(LedgerError, match=f"ledger.database {path}"):
         Ledger(path)
+
+
+def test_while_commits_keep_failing_what_is_kept_for_a_retry_is_bounded(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edgellmd.ledger import store  # noqa: PLC0415 - patched here only
+
+    def full(*_: object, **__: object) -> bool:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(usage, "write", full)
+    monkeypatch.setattr(store, "MAX_KEPT", 3)
+    for i in range(5):
+        with pytest.raises(OSError, match="disk is full"):
+            ledger.record(_record(f"r{i}", _at("2026-12-03T10:00:00+00:00"))).result(5)
+    status = ledger.status()
+    assert (status["waiting"], status["dropped"]) == (3, 2)
+    assert "disk is full" in str(status["error"])
+    assert ledger.used("aaaaaaaaaaaa")["requests_day"] == 5  # the quota still counts every one

@@ -39,6 +39,7 @@ T = TypeVar("T")
 log = logging.getLogger("edgellmd.ledger")
 SCHEMA_VERSION: Final = 1
 BUSY_TIMEOUT_MS: Final = 5000
+MAX_KEPT: Final = 100_000  # records of each kind kept for a retry while commits fail; then the oldest go
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,7 @@ class Ledger:
         self.error: str | None = None  # the last failed commit, until one succeeds
         self.commits = 0
         self.records = 0
+        self.dropped = 0  # records given up after commits failed for longer than MAX_KEPT allows
 
     def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return self._writer.submit(fn, self._conn).result()
@@ -282,6 +284,12 @@ class Ledger:
             with self._lock:
                 self._retry_usage = [*retry_usage, *(r for r, _ in pending_usage), *self._retry_usage]
                 self._retry_audit = [*retry_audit, *(e for e, _ in pending_audit), *self._retry_audit]
+                # A disk full for hours must not fill the memory too: past the bound the oldest go.
+                for name in ("_retry_usage", "_retry_audit"):
+                    kept: list[Any] = getattr(self, name)
+                    if len(kept) > MAX_KEPT:
+                        self.dropped += len(kept) - MAX_KEPT
+                        setattr(self, name, kept[-MAX_KEPT:])
             failure = OSError(self.error)
             for _, future in pending_usage:
                 future.set_exception(failure)
@@ -331,6 +339,7 @@ class Ledger:
             "usage_records": self.records,
             "audit_head": self._head[0],
             "waiting": waiting,
+            "dropped": self.dropped,
             "error": self.error,
         }
 
