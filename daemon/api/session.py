@@ -76,8 +76,8 @@ class Session:
     # before any token (it was still queued): None when no restart came in time.
     replay: Callable[[int], Awaitable[Generation | None]] | None = None
     queue_waits: list[float] = field(default_factory=list)  # each finished choice's wait for a slot
-    # Records the request's usage in the ledger and waits for the commit (api.usage.account):
-    # called once every choice has ended, before the answer tells the client its usage.
+    # Records the request's usage in the ledger and waits for the commit (api.ledger.account):
+    # `events` calls it when the last choice ends, before that end reaches any encoder.
     settle: Callable[[], Awaitable[None]] | None = None
 
     async def events(self, i: int) -> AsyncIterator[Event]:
@@ -100,6 +100,9 @@ class Session:
                 produced = produced or bool(event.completion_tokens or event.text)
                 if isinstance(event, Finished):
                     self.queue_waits.append(event.queue_s)
+                    # The last choice to end: its usage is on disk before any family tells it.
+                    if self.settle is not None and all(g.final is not None for g in self.gens):
+                        await self.settle()
                 yield event
                 if isinstance(event, Finished):
                     return
@@ -314,8 +317,6 @@ async def read_choices(session: Session) -> AsyncIterator[ChoicePart | ChoiceEnd
     readers = [session.reader() for _ in gens]
     if len(gens) == 1:
         async for item in _read_one(session, 0, readers[0]):
-            if isinstance(item, ChoiceEnd) and session.settle is not None:
-                await session.settle()
             yield item
         return
     queue: asyncio.Queue[ChoicePart | ChoiceEnd | NoProgress] = asyncio.Queue()
@@ -336,8 +337,6 @@ async def read_choices(session: Session) -> AsyncIterator[ChoicePart | ChoiceEnd
                 raise got
             if isinstance(got, ChoiceEnd):
                 remaining -= 1
-                if not remaining and session.settle is not None:
-                    await session.settle()
             yield got
     finally:
         for task in pumps:
