@@ -20,18 +20,9 @@ from urllib.parse import urlencode
 from edgellmctl.admin import AdminClient, add_daemon_options
 from edgellmctl.cli import CommandError, Subcommands, guarded
 from edgellmd.ledger import audit
+from edgellmd.ledger.usage import COLUMNS
 
 DEFAULT_DATABASE: Final = Path("/var/lib/edgellm/ledger.sqlite3")
-COLUMNS: Final = (
-    "period",
-    "key_id",
-    "model",
-    "endpoint",
-    "requests",
-    "prompt_tokens",
-    "completion_tokens",
-    "total_tokens",
-)
 
 
 def _day(value: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from edgellmd.ledger import audit, usage
 from edgellmd.ledger.audit import AuditEntry
-from edgellmd.ledger.store import AuditHandler, Ledger, LedgerError, Quota, utc_now_text
+from edgellmd.ledger.store import AuditHandler, Ledger, LedgerError, Quota, utc_text
 from edgellmd.ledger.usage import UsageQuery, UsageRecord
 
 
@@ -137,9 +137,7 @@ def _chain(conn: sqlite3.Connection, n: int) -> None:
     conn.execute("BEGIN")
     for _ in range(n):
         seq = head[0] + 1
-        head = audit.append(
-            conn, AuditEntry(utc_now_text(1_796_000_000 + seq), "INFO", f"action {seq}"), head
-        )
+        head = audit.append(conn, AuditEntry(utc_text(1_796_000_000 + seq), "INFO", f"action {seq}"), head)
     conn.execute("COMMIT")
 
 
@@ -195,7 +193,7 @@ def test_reordered_records_are_found(chain: sqlite3.Connection) -> None:
 
 def test_rotation_keeps_the_rest_verifiable_and_removals_still_show(chain: sqlite3.Connection) -> None:
     chain.execute("BEGIN")
-    assert audit.rotate(chain, utc_now_text(1_796_000_004)) == 3  # records 1 to 3 went
+    assert audit.rotate(chain, utc_text(1_796_000_004)) == 3  # records 1 to 3 went
     chain.execute("COMMIT")
     verdict = audit.verify(chain)
     assert (verdict.ok, verdict.checked, verdict.first) == (True, 3, 4)
@@ -267,3 +265,11 @@ def test_while_commits_keep_failing_what_is_kept_for_a_retry_is_bounded(
     assert (status["waiting"], status["dropped"]) == (3, 2)
     assert "disk is full" in str(status["error"])
     assert ledger.used("aaaaaaaaaaaa")["requests_day"] == 5  # the quota still counts every one
+
+
+def test_select_gives_the_newest_records_in_time_order_within_the_filters(chain: sqlite3.Connection) -> None:
+    assert [r.seq for r in audit.select(chain, limit=2)] == [5, 6]
+    assert [r.seq for r in audit.select(chain, limit=0)] == [1, 2, 3, 4, 5, 6]
+    assert [r.seq for r in audit.select(chain, action="action 1", limit=5)] == [1]
+    assert [r.seq for r in audit.select(chain, since=utc_text(1_796_000_003), limit=10)] == [3, 4, 5, 6]
+    assert audit.select(chain, key_id="nobody") == []

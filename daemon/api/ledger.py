@@ -16,7 +16,7 @@ import re
 import sqlite3
 import time
 import uuid
-from datetime import date, datetime, timedelta
+from datetime import date, timedelta
 from typing import Any, Final
 from zoneinfo import ZoneInfo
 
@@ -26,8 +26,8 @@ from edgellmd.api.context import CALLER, LEDGER, TOKENS_USED, USAGE_ID
 from edgellmd.errors import InvalidRequest, ServiceUnavailable, shown
 from edgellmd.ledger.audit import select as audit_select
 from edgellmd.ledger.audit import verify
-from edgellmd.ledger.store import Ledger, utc_now_text
-from edgellmd.ledger.usage import GROUPS, UsageQuery, UsageRecord
+from edgellmd.ledger.store import Ledger, utc_text
+from edgellmd.ledger.usage import COLUMNS, GROUPS, UsageQuery, UsageRecord, local_start
 from edgellmd.ledger.usage import select as usage_rows
 
 log = logging.getLogger(__name__)
@@ -77,16 +77,6 @@ _KEY_ID: Final = re.compile(r"[0-9a-f]{12}")
 _NAME: Final = re.compile(r"[A-Za-z0-9._/{}:-]{1,128}")
 _USAGE_PARAMS: Final = frozenset({"since", "until", "key", "model", "endpoint", "group", "format"})
 _AUDIT_PARAMS: Final = frozenset({"since", "until", "key", "action", "limit"})
-CSV_COLUMNS: Final = (
-    "period",
-    "key_id",
-    "model",
-    "endpoint",
-    "requests",
-    "prompt_tokens",
-    "completion_tokens",
-    "total_tokens",
-)
 
 
 def _ledger(request: web.Request) -> Ledger:
@@ -169,7 +159,7 @@ async def admin_usage(request: web.Request) -> web.StreamResponse:
         )
     if form == "csv":
         out = io.StringIO()
-        writer = csv.DictWriter(out, CSV_COLUMNS, lineterminator="\r\n")
+        writer = csv.DictWriter(out, COLUMNS, lineterminator="\r\n")
         writer.writeheader()
         writer.writerows(rows)
         return web.Response(text=out.getvalue(), content_type="text/csv", charset="utf-8")
@@ -225,8 +215,7 @@ async def admin_audit(request: web.Request) -> web.Response:
 
 
 def _day_start(day: date, zone: ZoneInfo) -> str:
-    start = datetime(day.year, day.month, day.day, tzinfo=zone).timestamp()
-    return utc_now_text(start)
+    return utc_text(local_start(day, zone))
 
 
 def setup_ledger_routes(app: web.Application) -> None:

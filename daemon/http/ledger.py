@@ -14,7 +14,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Final
 
 from aiohttp import web
@@ -22,7 +21,7 @@ from aiohttp import web
 from edgellmd.api.context import LEDGER
 from edgellmd.errors import QuotaExceeded
 from edgellmd.keys import ApiKey
-from edgellmd.ledger.store import AuditHandler, Ledger, Quota
+from edgellmd.ledger.store import AuditHandler, Ledger
 from edgellmd.settings import Settings
 
 audit = logging.getLogger("edgellmd.audit")
@@ -38,7 +37,7 @@ def check_quota(request: web.Request, key: ApiKey) -> None:
     ledger = request.app.get(LEDGER)
     if ledger is None:
         return
-    breach = ledger.check(key.id, Quota(**asdict(key.quota)))
+    breach = ledger.check(key.id, key.quota)
     if breach is None:
         return
     reset = breach.resets.isoformat()

@@ -219,5 +219,12 @@ def select(
         clauses.append("instr(lower(action), lower(?)) > 0")
         args.append(action)
     where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
-    found = list(_records(conn, where, tuple(args)))
-    return found[-limit:] if limit > 0 else found
+    if limit > 0:  # the newest `limit`, read as such, not the whole table
+        newest = conn.execute(
+            f"SELECT seq FROM audit {where} ORDER BY seq DESC LIMIT 1 OFFSET ?",  # noqa: S608 - fixed clauses
+            (*args, limit - 1),
+        ).fetchone()
+        if newest is not None:
+            where = "WHERE " + " AND ".join([*clauses, "seq >= ?"])
+            args.append(newest[0])
+    return list(_records(conn, where, tuple(args)))

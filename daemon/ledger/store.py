@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 from zoneinfo import ZoneInfo
 
 from edgellmd.ledger import audit, usage
@@ -42,6 +43,20 @@ BUSY_TIMEOUT_MS: Final = 5000
 MAX_KEPT: Final = 100_000  # records of each kind kept for a retry while commits fail; then the oldest go
 
 
+class Budgets(Protocol):
+    """What a quota check reads: a key's budgets per local day and month (None: no budget).
+    The keys file's `KeyQuota` is one; `Quota` is the ledger's own."""
+
+    @property
+    def requests_per_day(self) -> int | None: ...
+    @property
+    def requests_per_month(self) -> int | None: ...
+    @property
+    def tokens_per_day(self) -> int | None: ...
+    @property
+    def tokens_per_month(self) -> int | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Quota:
     """A key's budgets per local day and month (None: no budget)."""
@@ -50,17 +65,6 @@ class Quota:
     requests_per_month: int | None = None
     tokens_per_day: int | None = None
     tokens_per_month: int | None = None
-
-    def __bool__(self) -> bool:
-        return any(
-            v is not None
-            for v in (
-                self.requests_per_day,
-                self.requests_per_month,
-                self.tokens_per_day,
-                self.tokens_per_month,
-            )
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +106,10 @@ def _open_database(path: Path | None) -> sqlite3.Connection:
     if path is None:
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     else:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # Created 0600 before SQLite opens it; a symlink (O_NOFOLLOW) or a FIFO or device is refused.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         try:
-            if not os.path.samestat(os.fstat(fd), os.stat(path)) or not _regular(fd):
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise sqlite3.OperationalError(f"{path} is not a regular file")
         finally:
             os.close(fd)
@@ -121,13 +126,7 @@ def _open_database(path: Path | None) -> sqlite3.Connection:
     return conn
 
 
-def _regular(fd: int) -> bool:
-    import stat  # noqa: PLC0415 - only here
-
-    return stat.S_ISREG(os.fstat(fd).st_mode)
-
-
-def utc_now_text(at: float) -> str:
+def utc_text(at: float) -> str:
     """An audit record's time: UTC, ISO 8601 with milliseconds."""
     return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(at * 1000) % 1000:03d}Z"
 
@@ -213,10 +212,15 @@ class Ledger:
             m = self._periods.get((key_id, month), [0, 0])
         return {"requests_day": d[0], "tokens_day": d[1], "requests_month": m[0], "tokens_month": m[1]}
 
-    def check(self, key_id: str, quota: Quota, now: float | None = None) -> Breach | None:
+    def check(self, key_id: str, quota: Budgets, now: float | None = None) -> Breach | None:
         """The first budget of `quota` that `key_id` has spent, or None."""
-        if not quota:
-            return None
+        if (
+            quota.requests_per_day is None
+            and quota.requests_per_month is None
+            and quota.tokens_per_day is None
+            and quota.tokens_per_month is None
+        ):
+            return None  # most keys: no lock taken, nothing read
         moment = self._clock() if now is None else now
         spent = self.used(key_id, moment)
         for budget, limit, used, resets in (
@@ -317,7 +321,7 @@ class Ledger:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 usage.prune(conn, now, detail_hours=self.detail_hours, retention_days=self.retention_days)
-                before = utc_now_text(now - self.audit_retention_days * 86_400)
+                before = utc_text(now - self.audit_retention_days * 86_400)
                 audit.rotate(conn, before)
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
@@ -390,7 +394,7 @@ class AuditHandler(logging.Handler):
             key_id = getattr(record, "key_id", None)
             self.ledger.audit(
                 AuditEntry(
-                    utc_now_text(record.created),
+                    utc_text(record.created),
                     record.levelname,
                     message,
                     key_id=str(key_id) if key_id else None,
@@ -413,7 +417,7 @@ class AuditHandler(logging.Handler):
         at = time.time() if now is None else now
         return self.ledger.audit(
             AuditEntry(
-                utc_now_text(at),
+                utc_text(at),
                 "WARNING",
                 SUMMARY.format(count=sum(failed.values())),
                 detail=detail,

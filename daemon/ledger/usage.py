@@ -46,6 +46,17 @@ CREATE TABLE IF NOT EXISTS usage_periods (
 ) WITHOUT ROWID;
 """
 GROUPS: Final = ("hour", "day", "month")
+# A usage row's fields, in the order CSV answers (`/admin/usage`, `edgellmctl usage --csv`) give them.
+COLUMNS: Final = (
+    "period",
+    "key_id",
+    "model",
+    "endpoint",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+)
 HOUR_S: Final = 3600
 
 
@@ -171,10 +182,10 @@ def select(conn: sqlite3.Connection, query: UsageQuery, zone: ZoneInfo) -> list[
     args: list[Any] = []
     if query.since is not None:
         clauses.append("hour >= ?")
-        args.append(_local_start(query.since, zone) - HOUR_S)  # an hour row may straddle a local day
+        args.append(local_start(query.since, zone) - HOUR_S)  # an hour row may straddle a local day
     if query.until is not None:
         clauses.append("hour < ?")
-        args.append(_local_start(query.until + timedelta(days=1), zone))
+        args.append(local_start(query.until + timedelta(days=1), zone))
     for column, value in (("key_id", query.key_id), ("model", query.model), ("endpoint", query.endpoint)):
         if value is not None:
             clauses.append(f"{column} = ?")
@@ -212,7 +223,8 @@ def select(conn: sqlite3.Connection, query: UsageQuery, zone: ZoneInfo) -> list[
     ]
 
 
-def _local_start(day: date, zone: ZoneInfo) -> float:
+def local_start(day: date, zone: ZoneInfo) -> float:
+    """When a local day begins, in seconds since the epoch."""
     return datetime(day.year, day.month, day.day, tzinfo=zone).timestamp()
 
 
