@@ -47,7 +47,9 @@ PROBE_GAP_S = 1.0
 
 
 @contextmanager
-def daemon(model: Path, workdir: Path, keys: Path, slots: int, batch_size: int) -> Iterator[str]:
+def daemon(
+    model: Path, workdir: Path, keys: Path, slots: int, batch_size: int, prefill_chunk: int | None
+) -> Iterator[str]:
     port = free_port()
     config = {
         "server": {"host": "127.0.0.1", "port": port, "max_tokens_limit": 4096},
@@ -59,6 +61,7 @@ def daemon(model: Path, workdir: Path, keys: Path, slots: int, batch_size: int) 
                 "queue_size": 256,
                 "context_size": 2048,
                 "batch_size": batch_size,
+                "prefill_chunk": prefill_chunk,
                 "chat_template": "gemma",
             }
         ],
@@ -151,13 +154,17 @@ def flood(url: str, token: str, count: int, offset: int = 0) -> list[threading.T
     return threads
 
 
-def probes_during(url: str, token: str, threads: list[threading.Thread]) -> list[float]:
+def probes_during(url: str, token: str, threads: list[threading.Thread]) -> tuple[list[float], float]:
+    """B's probes while the flood lasts, and how long the flood took from here."""
+    started = time.perf_counter()
     time.sleep(1.0)  # the flood is queued and running
     out = []
     while any(t.is_alive() for t in threads):
         out.append(_post(url, token, PROBE, first_token=True))
         time.sleep(PROBE_GAP_S)
-    return out
+    for thread in threads:
+        thread.join()
+    return out, time.perf_counter() - started
 
 
 def _p(values: list[float], q: float) -> float:
@@ -223,6 +230,12 @@ def main() -> None:
     parser.add_argument(
         "--batch-size", type=int, default=512, help="models[].batch_size: the prefill a step may take"
     )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="models[].prefill_chunk: the prefill a step takes while others generate (default: the daemon's)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="edgellm-bench-fairness-") as tmp:
         workdir = Path(tmp)
@@ -237,18 +250,24 @@ def main() -> None:
         ):
             ids[name], tokens[name] = create_key(keys, name, scopes, limits={}, weight=weight)
         figures: dict[str, list[float]] = {"idle": [], "one tenant": [], "fair share": []}
-        with daemon(model, workdir, keys, args.slots, args.batch_size) as url:
+        floods: dict[str, list[float]] = {"one tenant": [], "fair share": []}
+        with daemon(model, workdir, keys, args.slots, args.batch_size, args.prefill_chunk) as url:
             _post(url, tokens["b"], PROBE, first_token=True)  # warm
             for n in range(args.rounds):
                 idle = [_post(url, tokens["b"], PROBE, first_token=True) for _ in range(5)]
-                before = probes_during(url, tokens["a"], flood(url, tokens["a"], args.flood))
-                after = probes_during(url, tokens["b"], flood(url, tokens["a"], args.flood))
+                before, took_before = probes_during(url, tokens["a"], flood(url, tokens["a"], args.flood))
+                after, took_after = probes_during(url, tokens["b"], flood(url, tokens["a"], args.flood))
+                floods["one tenant"].append(took_before)
+                floods["fair share"].append(took_after)
                 for label, values in (("idle", idle), ("one tenant", before), ("fair share", after)):
                     figures[label] += values
                     print(
                         f"  round {n + 1} {label}: TTFT p50 {_p(values, 0.5):.3f} s, "
                         f"p95 {_p(values, 0.95):.3f} s ({len(values)} probes)"
                     )
+                print(
+                    f"  round {n + 1} A's flood took {took_before:.1f} s, {took_after:.1f} s under fair share"
+                )
             weights = shares(url, tokens["admin"], ids, tokens, args.flood // 2)
             print(
                 f"  weights 3:1: c computed {weights['computed_share_c']:.2f} of the tokens "
@@ -261,6 +280,8 @@ def main() -> None:
         "flood": args.flood,
         "rounds": args.rounds,
         "batch_size": args.batch_size,
+        "prefill_chunk": args.prefill_chunk,
+        "flood_s": {label: round(statistics.median(v), 1) for label, v in floods.items()},
     }
     for label, values in figures.items():
         result[label] = {

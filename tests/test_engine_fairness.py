@@ -184,6 +184,13 @@ def test_share_and_queue_time_cross_the_engine_process_wire() -> None:
     assert decoded == fin
     assert isinstance(decoded, Finished)
     assert decoded.queue_s == 1.25
+    first = decode_event(encode_event(TextDelta("Hi", 1, queue_s=0.5)))
+    assert isinstance(first, TextDelta)
+    assert first.queue_s == 0.5  # a stream's first token tells its wait (x-queue-ms)
+    assert decode_event(encode_event(TextDelta("there", 2))) == TextDelta("there", 2)
+    for odd_delta in (["d", "x", 1, [], 0.5, 1], ["d", "x", 1, [], "soon"], ["d", "x", 1]):
+        with pytest.raises((ValueError, TypeError)):
+            decode_event(odd_delta)
 
 
 # ---- on the real engine -----------------------------------------------------------------------
@@ -308,5 +315,91 @@ async def test_a_flooding_key_does_not_keep_another_keys_request_out(slow_model:
         eng.wake()
         for gen in floods:
             await _drain(gen)
+    finally:
+        eng.close()
+
+
+def _batch_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every llama_decode the engines run from here (the step's size, as llama.cpp sees it)."""
+    import llama_cpp  # noqa: PLC0415 - patched for this test only
+
+    sizes: list[int] = []
+    real = llama_cpp.llama_decode
+
+    def counted(ctx: object, batch: object) -> int:
+        sizes.append(int(batch.n_tokens))  # type: ignore[attr-defined]
+        return int(real(ctx, batch))
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    return sizes
+
+
+async def test_a_short_prompt_takes_a_step_of_its_own_and_the_decodes_lose_no_token(
+    slow_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short prompt's chunk goes alone ahead of the decodes (its first token one short step
+    later), never twice in a row: under a stream of short prompts the running one still gets a
+    token every other step, and its text is what it is alone."""
+    eng = make_engine(slow_model, slots=4)
+    other = Share("b")
+    try:
+        reference, _ = await _drain(_submit(eng, "a long job", 120, BATCH))
+        sizes = _batch_sizes(monkeypatch)
+        long = _submit(eng, "a long job", 120, BATCH)
+        seen = await _tokens_seen(long, 3)
+        before = len(sizes)
+        shorts = [_submit(eng, f"short question number {i}", 1, other) for i in range(12)]
+        for gen in shorts:
+            _, fin = await _drain(gen)
+            assert fin.completion_tokens == 1
+        during = len(sizes) - before
+        rest, fin = await _drain(long)
+        assert "".join(seen) + rest == reference  # greedy: the steps it waited changed nothing
+        assert fin.completion_tokens == 120
+        # The shorts admitted together (three free slots: four rounds or more) took a step of their
+        # own, their prompts' rows only, but never two back to back: a step between holds the
+        # running sequence's token, so at least every other round went alone.
+        alone = eng.first_token_steps
+        assert 2 <= alone <= 12
+        assert during >= 2 * alone - 1
+        assert eng.performance()["fairness"]["first_token_steps"] == alone
+    finally:
+        eng.close()
+
+
+async def test_prefill_chunk_bounds_a_step_while_others_generate(
+    slow_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a sequence generating, a step takes at most `prefill_chunk` prompt tokens besides its
+    token; alone, a prompt takes `batch_size` per step. The chunked prompt's reply is the same."""
+    config = EngineConfig(
+        path=slow_model,
+        slots=2,
+        context_size=2048,
+        batch_size=512,
+        threads=1,
+        threads_batch=1,
+        prefill_chunk=16,
+    )
+    eng = Engine(config, name="chunks")
+    prompt = " ".join(f"word{i}" for i in range(150))
+    try:
+        alone_text, _ = await _drain(_submit(eng, prompt, 6, BATCH))
+        sizes = _batch_sizes(monkeypatch)
+        long = _submit(eng, "a long job", 400, BATCH)
+        await _tokens_seen(long, 3)
+        mark = len(sizes)
+        text, fin = await _drain(_submit(eng, prompt, 6, Share("b")))
+        assert text == alone_text
+        assert fin.completion_tokens == 6
+        chunked = sizes[mark:]
+        assert max(chunked) <= 1 + 16  # the running one's token and a chunk of 16
+        assert len(chunked) >= len(eng.tokenize(prompt)) // 16
+        long.cancel()
+        eng.wake()
+        await _drain(long)
+        mark = len(sizes)
+        await _drain(_submit(eng, " ".join(f"other{i}" for i in range(150)), 2, BATCH))  # no prefix cached
+        assert max(sizes[mark:]) > 100  # nobody generating: the whole prompt in one step
     finally:
         eng.close()

@@ -29,7 +29,7 @@ from edgellmd.http import app as app_module
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
 from edgellmd.models.gguf import GGML_BLOCKS, gguf_layer_bytes
-from edgellmd.models.handle import AnyEngine, engine_config
+from edgellmd.models.handle import CPU_PREFILL_CHUNK, AnyEngine, engine_config
 from edgellmd.settings import ModelSettings, Settings, parse_settings
 from tests import fakenvml
 from tests.fakenvml import FakeNvml
@@ -797,6 +797,14 @@ def test_engine_config_refuses_an_unresolved_auto(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="gpu_layers auto was not resolved"):
         engine_config(settings)
     assert engine_config(replace(settings, gpu_layers=-1)).gpu_layers == -1
+
+
+def test_prefill_chunk_is_short_on_the_cpu_and_the_batch_on_a_gpu(tmp_path: Path) -> None:
+    settings = ModelSettings(name="m", file=tmp_path / "m.gguf", batch_size=1024)
+    assert engine_config(settings).prefill_chunk == CPU_PREFILL_CHUNK < 1024
+    assert engine_config(replace(settings, gpu_layers=-1)).prefill_chunk == 1024
+    assert engine_config(replace(settings, gpu_layers=12, prefill_chunk=200)).prefill_chunk == 200
+    assert engine_config(replace(settings, prefill_chunk=300)).prefill_chunk == 300
 
 
 # ---- what the daemon's monitor judges: the models' file types and their largest gpu_layers --------

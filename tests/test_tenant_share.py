@@ -174,6 +174,33 @@ def test_a_request_may_ask_for_a_lower_class_never_a_higher_one(served: Any) -> 
     assert done_at > ended[0]
 
 
+def test_a_streams_headers_say_how_long_it_queued(served: Any) -> None:
+    """A stream's headers wait for its first token (up to sse.STREAM_HEADERS_WAIT_S), so they carry
+    `x-queue-ms` like a whole answer's: small on a free slot, the batch job's rest behind one."""
+    daemon, t = served
+
+    def streamed(**extra: Any) -> tuple[int, str, float]:
+        client = _client(daemon, t.app)
+        sent = time.monotonic()
+        with client.chat.completions.with_streaming_response.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, **extra
+        ) as raw:
+            queued = int(raw.headers["x-queue-ms"])
+            text = "".join(raw.iter_lines())
+        return queued, text, time.monotonic() - sent
+
+    queued, text, _ = streamed()
+    assert queued < 2000
+    assert text.endswith("data: [DONE]")
+    thread, _, ended = _long_job(daemon, t.bulk)
+    queued, text, took = streamed(service_tier="flex")  # batch now: it waits for the job's end
+    thread.join(60)
+    assert ended
+    assert text.endswith("data: [DONE]")
+    assert 0 < queued <= took * 1000
+    assert queued >= 100  # it waited for a 500-token job's rest, not for nothing
+
+
 def test_a_service_tier_openai_does_not_have_is_refused(served: Any) -> None:
     daemon, t = served
     status, body = daemon.post(

@@ -94,7 +94,7 @@ USAGE_ID: Final = web.RequestKey("usage_id", str)
 # Set by the rate limiter: count this many more sequences (a request's `n` past the first)
 # against the key's concurrency, or raise (RateLimited, or InvalidRequest past the key's cap).
 # Seconds each finished choice of the request waited for a slot (Finished.queue_s): the answer's
-# `x-queue-ms` header says the longest, when it is known before the headers go (not streamed).
+# `x-queue-ms` header says the longest (a stream's headers take it from the first tokens: api.sse).
 QUEUE_WAITS: Final = web.RequestKey("queue_waits", list[float])
 MORE_SEQUENCES: Final = web.RequestKey[Callable[[int], None]]("more_sequences")
 

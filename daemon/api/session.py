@@ -113,6 +113,19 @@ class Session:
                 return
             replayed = True
 
+    async def queue_wait(self, limit: float) -> float | None:
+        """Seconds the longest-waiting choice waited for its slot, once every choice has its first
+        event (a token's carries the wait, `TextDelta.queue_s`), or None past `limit` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        waits = []
+        for gen in self.gens:
+            first = await gen.started(max(0.0, deadline - loop.time()))
+            if first is None:
+                return None
+            waits.append(first.queue_s)
+        return max(waits, default=None)
+
     def reader(self) -> ReplyReader:
         """A reader for one choice's text: tool calls and reasoning as this request has them."""
         tags = REASONING_TAGS.get(self.handle.settings.reasoning)

@@ -21,6 +21,9 @@ SSE_HEADERS: Final = {
     "X-Accel-Buffering": "no",  # tell reverse proxies not to buffer the stream
 }
 Write = Callable[[bytes], Awaitable[None]]
+# A stream's headers wait this long at most for every choice's first token, so that they can
+# say how long it queued (`x-queue-ms`, as a whole answer's do); past it they go without.
+STREAM_HEADERS_WAIT_S: Final = 10.0
 
 
 def dumps(obj: Any) -> bytes:
@@ -49,6 +52,9 @@ async def sse(
     `on_no_progress`; `done` (OpenAI's `[DONE]`) ends every stream that was not cut.
     """
     response = web.StreamResponse(headers=headers)
+    waited = await session.queue_wait(STREAM_HEADERS_WAIT_S)
+    if waited is not None:
+        response.headers["x-queue-ms"] = str(round(waited * 1000))
     await response.prepare(request)
     write_timeout = session.write_timeout
 

@@ -66,6 +66,7 @@ class EngineConfig:
     flash_attention: str = "auto"  # auto, on, off
     prompt_cache_bytes: int = 0  # host RAM for KV states of earlier prompts; 0: none
     batch_padding: bool = True  # dummy rows up to a step size measured faster (engine.shapes)
+    prefill_chunk: int = 0  # prompt tokens a step takes while others generate; 0: batch_size
     speculative: Speculation = field(default_factory=Speculation)
 
 

@@ -99,6 +99,9 @@ class TextDelta:
     text: str
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) this delta accounts for
+    # On a generation's first delta: how long it waited for a slot before it ran (the stream's
+    # `x-queue-ms`); a measurement, not part of the reply.
+    queue_s: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +217,18 @@ class Generation:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def peek(self) -> Event | None:
+        """The next event the consumer will get, when one has arrived (it stays pending)."""
+        return self._pending[0] if self._pending else None
+
+    async def started(self, limit: float) -> Event | None:
+        """Wait at most `limit` seconds for the first event, before anyone consumes; `peek()`."""
+        if not self._pending and not self._consuming:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(limit):
+                    await self._next(None)
+        return self.peek()
 
     async def events(self, idle_timeout: float | None = None) -> AsyncIterator[Event]:
         """Yield events until (and including) the `Finished` event.

@@ -87,6 +87,9 @@ _ROW_PROBE: Final = 8  # rows of the load's step that times a row without logits
 _KV_PAD: Final = 256  # llama.cpp rounds the KV cells an attention reads up to this
 _MIN_RESTORE_GAIN: Final = 64  # tokens a cached prefix must save over a slot's own to be restored
 _QUEUE_WAITS: Final = 256  # admissions whose queue waits /admin/status summarises
+# A prompt with at most this many tokens left to compute takes a step of its own for its
+# first token, ahead of the decodes (`Engine._step`).
+FIRST_TOKEN_ALONE: Final = 64
 
 
 def _check_kv_blocks(model: Any, config: EngineConfig) -> None:
@@ -172,6 +175,8 @@ class Engine(NativeThread):
         # Paused sequences: their slot state, KV state (llama_state_seq_get_data) and tokens.
         self._paused: dict[Generation, tuple[_Slot, bytes, list[int]]] = {}
         self.pauses = 0  # sequences paused for a fairer tenant or a higher class
+        self.first_token_steps = 0  # steps a short prompt's last chunk took alone (FIRST_TOKEN_ALONE)
+        self._alone = False  # the last step was one of those: this one decodes
         self.queue_waits: deque[float] = deque(maxlen=_QUEUE_WAITS)  # the last admissions' waits
         self._slots: list[_Slot | None] = [None] * config.slots
         # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
@@ -404,6 +409,7 @@ class Engine(NativeThread):
             "tenants": tenants,
             "paused": paused,
             "pauses": self.pauses,
+            "first_token_steps": self.first_token_steps,
             # The recent admissions' waits: what a request queued now can expect.
             "queue_wait_ms": {
                 "p50": round(waits[len(waits) // 2] * 1000, 1) if waits else 0.0,
@@ -561,7 +567,7 @@ class Engine(NativeThread):
         written = llama.llama_state_seq_get_data(self._ctx, buffer, size, i) if size > 0 else 0
         if written <= 0:
             return False  # nothing to save it with: it keeps its slot
-        self._paused[slot.gen] = (slot, bytes(buffer[:written]), list(self._kv[i]))
+        self._paused[slot.gen] = (slot, ctypes.string_at(buffer, written), list(self._kv[i]))
         llama.llama_memory_seq_rm(self._memory, i, -1, -1)
         self._kv[i].clear()
         self._slots[i] = None
@@ -665,9 +671,17 @@ class Engine(NativeThread):
         cache.stats.restore_seconds += time.perf_counter() - started
         return target, shared
 
-    def _prefill_rank(self, slot: _Slot) -> tuple[int, float, int]:
+    def _prefill_rank(self, slot: _Slot) -> tuple[int, float, int, int]:
+        """Whose prompt chunk goes first: the class, the tenant computed for least, the one holding
+        fewer slots (a newcomer starts at the least virtual time: it wins the tie), arrival."""
         share = slot.gen.request.share
-        return (-share.priority, self._pending.vtime.get(share.tenant, 0.0), self._pending.arrival(slot.gen))
+        queue = self._pending
+        return (
+            -share.priority,
+            queue.vtime.get(share.tenant, 0.0),
+            queue.running[share.tenant],
+            queue.arrival(slot.gen),
+        )
 
     def _keep(self, i: int) -> None:
         """Save a finished sequence's KV state in the prompt cache (long ones, not already there)."""
@@ -682,7 +696,7 @@ class Engine(NativeThread):
         buffer = (ctypes.c_uint8 * size)()
         written = llama.llama_state_seq_get_data(self._ctx, buffer, size, i)
         if written > 0:
-            cache.put(tokens, bytes(buffer[:written]), scope)
+            cache.put(tokens, ctypes.string_at(buffer, written), scope)
 
     def _step(self) -> bool:
         if not self._admit():
@@ -692,12 +706,32 @@ class Engine(NativeThread):
                 self._finish(i, "cancelled", deliver=True)
 
         # One token for every generating sequence first, so running streams never stall
-        # behind a long prompt; then prompt chunks in admission order with what is left.
+        # behind a long prompt; then prompt chunks in fair order with what is left, at most
+        # `prefill_chunk` while sequences generate (stall-free batching: a step stays short).
         items: list[Item] = []
         budget = self.config.batch_size
         generating = [
             (i, s) for i, s in enumerate(self._slots) if s is not None and s.prefilled >= len(s.prompt)
         ]
+        # Prompt chunks in fair order: the class, then the tenant computed for least (engine.fairness).
+        prefilling = [
+            (i, s) for i, s in enumerate(self._slots) if s is not None and s.prefilled < len(s.prompt)
+        ]
+        if len(prefilling) > 1:
+            with self._cond:
+                prefilling.sort(key=lambda pair: self._prefill_rank(pair[1]))
+        # Short prompts' last chunks go alone, ahead of the decodes: their first tokens come one
+        # short step later, not after a step of every sequence. With one KV stream per slot
+        # llama.cpp splits a mixed step by sequence anyway, so the decodes lose next to nothing;
+        # never twice in a row, so that a run of short prompts cannot stall them.
+        chunk = self.config.prefill_chunk or budget
+        first = _short_prompts(prefilling, min(FIRST_TOKEN_ALONE, chunk))
+        self._alone = bool(generating and first and not self._alone)
+        if self._alone:
+            generating, prefilling = [], first
+            self.first_token_steps += 1
+        elif generating:
+            budget = min(budget, len(generating) + chunk)
         spec = self.config.speculative
         # Drafts only while few sequences decode: a full batch is compute-bound, drafts only cost.
         drafting = spec.enabled and len(generating) <= spec.max_sequences
@@ -742,13 +776,6 @@ class Engine(NativeThread):
                     items.extend((d, slot.n_past + j, i, True) for j, d in enumerate(slot.draft))
                     self._kv[i].extend(slot.draft)
                     budget -= len(slot.draft)
-        # Prompt chunks in fair order: the class, then the tenant computed for least (engine.fairness).
-        prefilling = [
-            (i, s) for i, s in enumerate(self._slots) if s is not None and s.prefilled < len(s.prompt)
-        ]
-        if len(prefilling) > 1:
-            with self._cond:
-                prefilling.sort(key=lambda pair: self._prefill_rank(pair[1]))
         for i, slot in prefilling:
             if budget <= 0:
                 break
@@ -965,7 +992,12 @@ class Engine(NativeThread):
         if slot.drafter is not None:
             slot.drafter.append(token)
         text, hit = slot.stops.feed(slot.utf8.feed(self._cached_piece(token)))
-        delta = TextDelta(text, slot.completion, (logprob,) if logprob is not None else ())
+        delta = TextDelta(
+            text,
+            slot.completion,
+            (logprob,) if logprob is not None else (),
+            queue_s=slot.gen.queue_s if slot.completion == 1 else 0.0,
+        )
         if hit:
             return [delta, *self._finish(i, "stop", flushed=True)]
         if slot.completion >= req.max_tokens or slot.n_past + 1 >= self.config.context_size:
@@ -1013,6 +1045,19 @@ class Engine(NativeThread):
             slot.gen.push_threadsafe([event])
             return []
         return [event]
+
+
+def _short_prompts(prefilling: list[tuple[int, _Slot]], limit: int) -> list[tuple[int, _Slot]]:
+    """The first prompts, in fair order, whose remaining tokens come to at most `limit` in all."""
+    out: list[tuple[int, _Slot]] = []
+    left = limit
+    for i, slot in prefilling:
+        need = len(slot.prompt) - slot.prefilled
+        if need > left:
+            break
+        out.append((i, slot))
+        left -= need
+    return out
 
 
 def _share(gen: Generation) -> Share:

@@ -90,6 +90,8 @@ def encode_event(event: Event) -> list[Any]:
     """One stream event as a JSON value."""
     logprobs = [_logprob(lp) for lp in event.logprobs]
     if isinstance(event, TextDelta):
+        if event.queue_s:
+            return ["d", event.text, event.completion_tokens, logprobs, event.queue_s]
         return ["d", event.text, event.completion_tokens, logprobs]
     return [
         "f",
@@ -111,8 +113,15 @@ def decode_event(value: list[Any]) -> Event:
     """The event `encode_event` made (ValueError, TypeError or KeyError for anything else)."""
     kind = value[0]
     if kind == "d":
-        _, text, completion, logprobs = value
-        return TextDelta(str(text), int(completion), tuple(_unlogprob(lp) for lp in logprobs))
+        _, text, completion, logprobs, *queued = value
+        if len(queued) > 1:
+            raise ValueError("not an event")
+        return TextDelta(
+            str(text),
+            int(completion),
+            tuple(_unlogprob(lp) for lp in logprobs),
+            queue_s=float(queued[0]) if queued else 0.0,
+        )
     if kind != "f":
         raise ValueError("not an event")
     _, reason, prompt, completion, text, error, stop, logprobs, cached, drafted, accepted, queued = value

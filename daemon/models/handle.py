@@ -54,6 +54,10 @@ MAX_TEMPLATE_BYTES = 1024 * 1024  # a chat template file is a few kilobytes
 # Seconds a refused request is told to wait (429 at capacity; 503 when its model version was
 # swapped or unloaded under it): a slot frees, or the next version serves, within about that.
 RETRY_AFTER_BUSY_S: Final = "1"
+# models[].prefill_chunk when unset and nothing is offloaded. On 2 CPU cores (docs/benchmarks.md,
+# fair share) a step of 8 decodes took 50 ms, and each prompt token about 1.6 ms more: 64
+# tokens keep a step near 150 ms; 512 made steps of 700 ms, and 32 cost a tenth of the throughput.
+CPU_PREFILL_CHUNK: Final = 64
 # A prompt longer than this many characters per token of the context is first tokenized in
 # prefixes (see ModelHandle._tokenize_bounded). Real text averages 3 to 5 characters a token.
 PREFIX_CHARS_PER_TOKEN = 8
@@ -99,6 +103,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         flash_attention=settings.flash_attention,
         prompt_cache_bytes=settings.prompt_cache_mb * MIB,
         batch_padding=settings.batch_padding,
+        prefill_chunk=settings.prefill_chunk or (settings.batch_size if gpu_layers else CPU_PREFILL_CHUNK),
         speculative=Speculation(
             mode=spec.mode,
             max_draft=spec.max_draft,

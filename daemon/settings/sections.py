@@ -539,9 +539,18 @@ class ModelSettings:
     threads_batch: int | None = setting(None, "prompt threads; null: same as threads", bounds=THREADS)
     batch_size: int = setting(
         512,
-        "tokens per llama_decode (n_batch, n_ubatch); also the prefill chunk",
+        "tokens per llama_decode (n_batch, n_ubatch); the prefill chunk while nothing generates",
         bounds=(1, 65536),
         more="llama.cpp gets at least `slots` rows: every step holds a token of each generating sequence",
+    )
+    prefill_chunk: int | None = setting(
+        None,
+        "prompt tokens a step takes while other sequences generate; null: 64 on the CPU, batch_size with "
+        "layers on a GPU",
+        bounds=(1, 65536),
+        more="a step holds every generating sequence's next token and prompt chunks up to this many tokens, "
+        "so their time between tokens (and a newcomer's wait for its first step) stays near one short "
+        "step (stall-free batching); a prompt with nobody generating takes batch_size per step",
     )
     gpu_layers: GpuLayers = setting(
         0,
