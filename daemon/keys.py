@@ -44,6 +44,7 @@ _ENTRY_KEYS: Final = (
     "weight",
     "priority",
     "quota",
+    "max_tokens_over_limit",
 )
 # A cache group: keys that share cached prompt state (one team's apps with one system prompt).
 CACHE_GROUP: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -52,6 +53,8 @@ MAX_KEYS_BYTES: Final = 4 * 1024 * 1024
 # key's class is the ceiling of its requests' (a request may ask for less, never more).
 MAX_WEIGHT: Final = 1000
 PRIORITIES: Final = {"interactive": 1, "normal": 0, "batch": -1}
+# What a max_tokens past the ceiling gets: a 400, or the ceiling (agent CLIs ask for 32,000).
+OVER_LIMIT_POLICIES: Final = ("refuse", "clamp")
 
 
 class KeysFileError(Exception):
@@ -102,6 +105,8 @@ class ApiKey:
     weight: int = 1  # its share of slots and prefill against other keys' (engine.fairness)
     priority: str = "normal"  # its requests' highest class: a key of PRIORITIES
     quota: KeyQuota = field(default_factory=KeyQuota)  # day and month budgets (ledger)
+    # A max_tokens past the ceiling: refused (400) or cut to it; None: server.max_tokens_over_limit.
+    max_tokens_over_limit: str | None = None
 
     @property
     def cache_scope(self) -> str:
@@ -230,6 +235,11 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
         priority = entry.get("priority", "normal")
         if not isinstance(priority, str) or priority not in PRIORITIES:
             raise KeysFileError(f"{where}.priority: must be one of {', '.join(PRIORITIES)}")
+        over = entry.get("max_tokens_over_limit")
+        if over is not None and over not in OVER_LIMIT_POLICIES:
+            raise KeysFileError(
+                f"{where}.max_tokens_over_limit: must be one of {', '.join(OVER_LIMIT_POLICIES)}"
+            )
         keys[key_id] = ApiKey(
             id=key_id,
             name=name,
@@ -242,6 +252,7 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
             weight=weight,
             priority=priority,
             quota=_quota(entry.get("quota"), f"{where}.quota"),
+            max_tokens_over_limit=over,
         )
     return keys
 
@@ -357,6 +368,7 @@ def key_record(
     weight: int | None = None,
     priority: str | None = None,
     quota: dict[str, int] | None = None,
+    max_tokens_over_limit: str | None = None,
 ) -> dict[str, Any]:
     """A keys-file entry, as `edgellmctl keys create` appends it."""
     record: dict[str, Any] = {
@@ -379,6 +391,8 @@ def key_record(
         record["priority"] = priority
     if quota:
         record["quota"] = quota
+    if max_tokens_over_limit is not None:
+        record["max_tokens_over_limit"] = max_tokens_over_limit
     return record
 
 
@@ -433,6 +447,7 @@ def append_key(
     weight: int | None = None,
     priority: str | None = None,
     quota: dict[str, int] | None = None,
+    max_tokens_over_limit: str | None = None,
 ) -> tuple[str, str]:
     """Add a new key to the keys file; returns (key id, token). The token is stored nowhere."""
     if cache_group is not None and not CACHE_GROUP.fullmatch(cache_group):
@@ -450,6 +465,7 @@ def append_key(
         weight=weight,
         priority=priority,
         quota=quota,
+        max_tokens_over_limit=max_tokens_over_limit,
     )
     data["keys"].append(record)
     save_keys_document(path, data)

@@ -12,6 +12,7 @@ from edgellmctl.cli import CommandError, Subcommands, guarded, positive_int
 from edgellmctl.lock import parse_duration
 from edgellmd.keys import (
     MAX_WEIGHT,
+    OVER_LIMIT_POLICIES,
     PRIORITIES,
     QUOTA_KEYS,
     SCOPES,
@@ -38,6 +39,7 @@ def create_key(
     weight: int | None = None,
     priority: str | None = None,
     quota: dict[str, int] | None = None,
+    max_tokens_over_limit: str | None = None,
 ) -> tuple[str, str]:
     """Append a new key to the keys file; returns (key id, token). The token is not stored."""
     expires = datetime.now(UTC).replace(microsecond=0) + parse_duration(expires_in) if expires_in else None
@@ -51,6 +53,7 @@ def create_key(
         weight=weight,
         priority=priority,
         quota=quota,
+        max_tokens_over_limit=max_tokens_over_limit,
     )
 
 
@@ -122,6 +125,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         weight=args.weight,
         priority=args.priority,
         quota={name: amount for name, amount in args.quota or [] if amount is not None} or None,
+        max_tokens_over_limit=args.max_tokens_over_limit,
     )
     print(token)
     print(
@@ -195,6 +199,11 @@ def add_parser(sub: Subcommands) -> None:
     create.add_argument("--tpm", type=positive_int, help="tokens (prompt + completion) per minute")
     create.add_argument("--concurrent", type=positive_int, help="requests in flight at once")
     create.add_argument("--max-tokens", type=positive_int, help="ceiling on max_tokens")
+    create.add_argument(
+        "--max-tokens-over-limit",
+        choices=list(OVER_LIMIT_POLICIES),
+        help="a max_tokens past the ceiling: refuse (400) or clamp it (default: the server's policy)",
+    )
     create.add_argument("--expires", help="validity from now: 90d, 12h, 2w (default: never)")
     create.add_argument(
         "--cache-group",

@@ -200,28 +200,35 @@ def test_system_prompt_as_string_and_blocks_counts_the_same(client: anthropic.An
 
 
 def test_the_raw_stream_has_anthropics_events_in_order(served: Served) -> None:
-    body = {"model": "plain", "max_tokens": 8, "messages": HELLO, "stream": True, "temperature": 0}
-    status, headers, payload = raw_post(served, "/v1/messages", body, {"x-api-key": served.tokens["app"]})
-    assert status == 200
-    assert headers["Content-Type"].startswith("text/event-stream")
-    got = events(payload)
-    names = [name for name, _ in got]
-    assert names[:2] == ["message_start", "ping"]
-    assert names[-2:] == ["message_delta", "message_stop"]
-    assert all(data["type"] == name for name, data in got)
-    start = got[0][1]["message"]
-    assert start["content"] == []
-    assert start["stop_reason"] is None
-    delta = got[-2][1]
-    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert delta["usage"]["output_tokens"] == 8
-    # message_start counts the whole prompt; the end splits it into prefilled and cached.
-    end = delta["usage"]
-    assert end["input_tokens"] + end["cache_read_input_tokens"] == start["usage"]["input_tokens"]
-    blocks = [name for name in names if name.startswith("content_block")]
-    assert blocks[0] == "content_block_start"
-    assert blocks[-1] == "content_block_stop"
-    assert b"[DONE]" not in payload
+    said = [{"role": "user", "content": "events, in order"}]  # this test's own prompt
+    body = {"model": "plain", "max_tokens": 8, "messages": said, "stream": True, "temperature": 0}
+    cache_reads = []
+    for _ in range(2):  # the second time the slot kept the prompt: more of it is a cache read
+        status, headers, payload = raw_post(served, "/v1/messages", body, {"x-api-key": served.tokens["app"]})
+        assert status == 200
+        assert int(headers["x-queue-ms"]) >= 0  # the headers waited for the first token
+        assert headers["Content-Type"].startswith("text/event-stream")
+        got = events(payload)
+        names = [name for name, _ in got]
+        assert names[:2] == ["message_start", "ping"]
+        assert names[-2:] == ["message_delta", "message_stop"]
+        assert all(data["type"] == name for name, data in got)
+        start = got[0][1]["message"]
+        assert start["content"] == []
+        assert start["stop_reason"] is None
+        delta = got[-2][1]
+        assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+        assert delta["usage"]["output_tokens"] == 8
+        # message_start splits the prompt into prefilled and cached as the end does.
+        end = delta["usage"]
+        for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+            assert start["usage"][name] == end[name], name
+        cache_reads.append(end["cache_read_input_tokens"])
+        blocks = [name for name in names if name.startswith("content_block")]
+        assert blocks[0] == "content_block_start"
+        assert blocks[-1] == "content_block_stop"
+        assert b"[DONE]" not in payload
+    assert cache_reads[1] > cache_reads[0]
 
 
 def test_pings_keep_a_quiet_stream_alive(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -532,7 +532,13 @@ BAD: Final = [
     ),
     _bad("instructions-number", {"instructions": 5}, 400, "instructions"),
     *(
-        _bad(f"tool-{kind}", {"tools": [{"type": kind}]}, 400, "tools[0].type", "unsupported_parameter")
+        _bad(
+            f"tool-{kind}-required",
+            {"tools": [{"type": kind}], "tool_choice": "required"},  # forced: nothing here can run it
+            400,
+            "tool_choice",
+            "unsupported_parameter",
+        )
         for kind in (
             "web_search",
             "file_search",

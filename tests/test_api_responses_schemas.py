@@ -159,3 +159,85 @@ def test_schema_refusals_name_this_apis_params(body: dict[str, Any], param: str)
     assert caught.value.param == param
     assert "function." not in caught.value.message
     assert "response_format" not in caught.value.message
+
+
+# ---- what Codex CLI sends: namespace tools, hosted tools ----------------------------------------
+
+NAMESPACE: dict[str, Any] = {
+    "type": "namespace",
+    "name": "crm",
+    "description": "The customer database",
+    "tools": [
+        {**WEATHER, "name": "lookup", "defer_loading": False, "allowed_callers": ["direct"]},
+        {"type": "function", "name": "note", "parameters": None, "strict": False},
+        {"type": "custom", "name": "freeform"},
+    ],
+}
+
+
+def test_a_namespace_becomes_its_function_tools_and_hosted_tools_are_left_out() -> None:
+    body = _parse(input="hi", tools=[WEATHER, NAMESPACE, {"type": "web_search"}])
+    plan = body.chat.tools
+    assert plan is not None
+    assert plan.names == ("get_weather", "crm__lookup", "crm__note")
+    assert body.namespaces == {"crm__lookup": ("crm", "lookup"), "crm__note": ("crm", "note")}
+    echoed = body.echo["tools"]
+    assert [t["type"] for t in echoed] == ["function", "namespace"]
+    assert [t["name"] for t in echoed[1]["tools"]] == ["lookup", "note"]
+    note = body.echo["metadata"]["edgellm_tools_left_out"]
+    assert note == "tools this server cannot run were left out: crm.custom, web_search"
+
+
+def test_only_hosted_tools_is_a_plain_answer_unless_a_call_is_forced() -> None:
+    body = _parse(
+        input="hi", tools=[{"type": "web_search"}, {"type": "code_interpreter"}], metadata={"a": "b"}
+    )
+    assert body.chat.tools is None
+    assert body.echo["metadata"] == {
+        "a": "b",
+        "edgellm_tools_left_out": "tools this server cannot run were left out: code_interpreter, web_search",
+    }
+    with pytest.raises(UnsupportedParameter) as caught:
+        _parse(input="hi", tools=[{"type": "web_search"}], tool_choice="required")
+    assert caught.value.param == "tool_choice"
+    with pytest.raises(UnsupportedParameter):
+        _parse(input="hi", tools=[WEATHER, {"type": "web_search"}], tool_choice={"type": "web_search"})
+
+
+@pytest.mark.parametrize(
+    ("tools", "param"),
+    [
+        ([{**NAMESPACE, "name": "bad name"}], "tools[0].name"),
+        ([{**NAMESPACE, "tools": []}], "tools[0].tools"),
+        ([{**NAMESPACE, "tools": "lookup"}], "tools[0].tools"),
+        ([{**NAMESPACE, "extra": 1}], "tools[0].extra"),
+        ([{**NAMESPACE, "name": "n" * 60}], "tools[0].tools[0].name"),  # 60 + 2 + 6 characters: over 64
+        ([{**NAMESPACE, "tools": [WEATHER, WEATHER]}], "tools[0].tools[1].name"),
+        ([{**NAMESPACE, "tools": [{"type": "web_search"}]}], "tools[0].tools[0].type"),
+        ([{**NAMESPACE, "tools": [5]}], "tools[0].tools[0]"),
+    ],
+)
+def test_a_bad_namespace_is_a_400_naming_the_field(tools: list[Any], param: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        _parse(input="hi", tools=tools)
+    assert caught.value.status == 400
+    assert caught.value.param == param
+
+
+def test_a_namespaced_call_sent_back_is_the_name_the_model_saw() -> None:
+    body = _parse(
+        tools=[NAMESPACE],
+        input=[
+            {"role": "user", "content": "look it up"},
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "lookup",
+                "namespace": "crm",
+                "arguments": "{}",
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ],
+    )
+    (call,) = body.chat.messages[1].tool_calls
+    assert call["function"]["name"] == "crm__lookup"

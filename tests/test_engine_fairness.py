@@ -184,11 +184,18 @@ def test_share_and_queue_time_cross_the_engine_process_wire() -> None:
     assert decoded == fin
     assert isinstance(decoded, Finished)
     assert decoded.queue_s == 1.25
-    first = decode_event(encode_event(TextDelta("Hi", 1, queue_s=0.5)))
+    first = decode_event(encode_event(TextDelta("Hi", 1, queue_s=0.5, cached_tokens=12)))
     assert isinstance(first, TextDelta)
     assert first.queue_s == 0.5  # a stream's first token tells its wait (x-queue-ms)
+    assert first.cached_tokens == 12  # and its cached prompt tokens (Anthropic's message_start)
     assert decode_event(encode_event(TextDelta("there", 2))) == TextDelta("there", 2)
-    for odd_delta in (["d", "x", 1, [], 0.5, 1], ["d", "x", 1, [], "soon"], ["d", "x", 1]):
+    odd_deltas = (
+        ["d", "x", 1, [], 0.5],
+        ["d", "x", 1, [], 0.5, 1, 2],
+        ["d", "x", 1, [], "soon", 0],
+        ["d", "x", 1],
+    )
+    for odd_delta in odd_deltas:
         with pytest.raises((ValueError, TypeError)):
             decode_event(odd_delta)
 

@@ -97,6 +97,7 @@ server:
   port: 9000
   max_body_bytes: 65536
   max_tokens_limit: 2048
+  max_tokens_over_limit: clamp
   default_max_tokens: 256
   shutdown_timeout_s: 5.5
   stream_write_timeout_s: 2.5
@@ -117,6 +118,7 @@ models:
     threads: 6
     threads_batch: 12
     batch_size: 256
+    prefill_chunk: 96
     gpu_layers: -1
     chat_template: gemma
     queue_size: 4
@@ -172,6 +174,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
             port=9000,
             max_body_bytes=65536,
             max_tokens_limit=2048,
+            max_tokens_over_limit="clamp",
             default_max_tokens=256,
             shutdown_timeout_s=5.5,
             stream_write_timeout_s=2.5,
@@ -194,6 +197,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 threads=6,
                 threads_batch=12,
                 batch_size=256,
+                prefill_chunk=96,
                 gpu_layers=-1,
                 chat_template="gemma",
                 queue_size=4,
@@ -408,7 +412,7 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("server-unknown-key", {**with_model(), "server": {"colour": "red"}}, "server.colour",
      "unknown key (expected one of body_timeout_s, cors_origins, default_max_tokens, "
      "header_timeout_s, host, keepalive_timeout_s, max_body_bytes, max_connections, "
-     "max_connections_per_client, max_tokens_limit, port, progress_timeout_s, "
+     "max_connections_per_client, max_tokens_limit, max_tokens_over_limit, port, progress_timeout_s, "
      "shutdown_timeout_s, stream_write_timeout_s, tls_cert, tls_key)"),
     ("server-not-mapping", {**with_model(), "server": [8080]}, "server",
      "must be a mapping with keys host, port"),
@@ -662,7 +666,7 @@ lock:
     expected = [
         "server.colour: unknown key (expected one of body_timeout_s, cors_origins, "
         "default_max_tokens, header_timeout_s, host, keepalive_timeout_s, max_body_bytes, "
-        "max_connections, max_connections_per_client, max_tokens_limit, port, "
+        "max_connections, max_connections_per_client, max_tokens_limit, max_tokens_over_limit, port, "
         "progress_timeout_s, shutdown_timeout_s, stream_write_timeout_s, tls_cert, tls_key)",
         "server.port: must be an integer from 1 to 65535, got True",
         "models[0].slots: must be an integer from 1 to 256, got 0",

@@ -33,6 +33,7 @@ class Caller:
 
     key_id: str
     max_tokens: int | None = None  # the key's own ceiling on max_tokens, when it has one
+    max_tokens_over_limit: str | None = None  # refuse or clamp past the ceiling; None: the server's
     cache_scope: str = ""  # whose cached KV state its requests may reuse (ApiKey.cache_scope)
     share: Share = field(default_factory=Share)  # its key, weight and class for fair share
 
@@ -40,7 +41,7 @@ class Caller:
     def of(cls, key: ApiKey) -> Caller:
         """The caller a key authenticates as."""
         share = Share(key.id, key.weight, PRIORITIES[key.priority])
-        return cls(key.id, key.limits.max_tokens, key.cache_scope, share)
+        return cls(key.id, key.limits.max_tokens, key.max_tokens_over_limit, key.cache_scope, share)
 
 
 # Called with the ids of keys that stopped working (revoked, disabled, expired), so that state
@@ -97,6 +98,9 @@ USAGE_ID: Final = web.RequestKey("usage_id", str)
 # `x-queue-ms` header says the longest (a stream's headers take it from the first tokens: api.sse).
 QUEUE_WAITS: Final = web.RequestKey("queue_waits", list[float])
 MORE_SEQUENCES: Final = web.RequestKey[Callable[[int], None]]("more_sequences")
+# The request's max_tokens bounds (token_limits): a max_tokens the policy cut to the ceiling
+# shows in the answer's `x-max-tokens-clamped` header (the ceiling it got).
+LIMITS: Final = web.RequestKey("limits", Limits)
 
 
 def context(request: web.Request) -> ApiContext:
@@ -115,6 +119,10 @@ def token_limits(request: web.Request) -> Limits:
     if caller is not None and caller.max_tokens is not None:
         ceiling = min(ceiling, caller.max_tokens)
     default = server.default_max_tokens
-    return Limits(
-        max_tokens_limit=ceiling, default_max_tokens=min(default, ceiling) if default is not None else None
+    policy = caller.max_tokens_over_limit if caller is not None else None
+    limits = request[LIMITS] = Limits(
+        max_tokens_limit=ceiling,
+        default_max_tokens=min(default, ceiling) if default is not None else None,
+        clamp=(policy or server.max_tokens_over_limit) == "clamp",
     )
+    return limits

@@ -7,11 +7,21 @@ echoed at length (`shown`).
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from edgellmd.errors import InvalidRequest, UnsupportedParameter, shown
+
+log = logging.getLogger(__name__)
+
+
+def note_ignored(data: Mapping[str, Any], names: Iterable[str]) -> None:
+    """A debug line naming the accepted-and-ignored fields a body set (their values stay out)."""
+    present = sorted(name for name in names if data.get(name) is not None)
+    if present:
+        log.debug("accepted and ignored: %s", ", ".join(present))
 
 
 def number_text(value: float) -> str:

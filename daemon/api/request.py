@@ -8,7 +8,7 @@ token limit a request asks for is checked and defaulted here once (`within_ceili
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from edgellmd.api.fields import Fields, number_text
@@ -24,6 +24,8 @@ class Limits:
 
     max_tokens_limit: int
     default_max_tokens: int | None
+    clamp: bool = False  # a max_tokens past the ceiling is cut to it (server/key max_tokens_over_limit)
+    clamped: list[int] = field(default_factory=list)  # what was asked past it, when it was cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +67,11 @@ def service_tier(f: Fields) -> int | None:
 
 
 def within_ceiling(limits: Limits, name: str, asked: int) -> int:
-    """`asked` (the field `name`, already a positive integer): 400 past the server's or the key's ceiling."""
+    """`asked` (the field `name`, already a positive integer): 400 past the server's or the key's
+    ceiling, or the ceiling itself when the policy clamps (noted in `limits.clamped`)."""
+    if asked > limits.max_tokens_limit and limits.clamp:
+        limits.clamped.append(asked)
+        return limits.max_tokens_limit
     if asked > limits.max_tokens_limit:
         raise InvalidRequest(
             f"'{name}' must be at most {limits.max_tokens_limit} on this server, got {number_text(asked)}",

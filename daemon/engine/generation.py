@@ -99,9 +99,11 @@ class TextDelta:
     text: str
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) this delta accounts for
-    # On a generation's first delta: how long it waited for a slot before it ran (the stream's
-    # `x-queue-ms`); a measurement, not part of the reply.
+    # On a generation's first delta, what a stream tells before its first token: how long it
+    # waited for a slot (`x-queue-ms`), and its prompt tokens not prefilled (Finished's
+    # cached_tokens, for Anthropic's message_start). Measurements, not part of the reply.
     queue_s: float = field(default=0.0, compare=False)
+    cached_tokens: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

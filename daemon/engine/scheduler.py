@@ -997,6 +997,7 @@ class Engine(NativeThread):
             slot.completion,
             (logprob,) if logprob is not None else (),
             queue_s=slot.gen.queue_s if slot.completion == 1 else 0.0,
+            cached_tokens=slot.cached if slot.completion == 1 else 0,
         )
         if hit:
             return [delta, *self._finish(i, "stop", flushed=True)]

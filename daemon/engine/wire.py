@@ -90,8 +90,8 @@ def encode_event(event: Event) -> list[Any]:
     """One stream event as a JSON value."""
     logprobs = [_logprob(lp) for lp in event.logprobs]
     if isinstance(event, TextDelta):
-        if event.queue_s:
-            return ["d", event.text, event.completion_tokens, logprobs, event.queue_s]
+        if event.queue_s or event.cached_tokens:  # a first delta
+            return ["d", event.text, event.completion_tokens, logprobs, event.queue_s, event.cached_tokens]
         return ["d", event.text, event.completion_tokens, logprobs]
     return [
         "f",
@@ -113,14 +113,16 @@ def decode_event(value: list[Any]) -> Event:
     """The event `encode_event` made (ValueError, TypeError or KeyError for anything else)."""
     kind = value[0]
     if kind == "d":
-        _, text, completion, logprobs, *queued = value
-        if len(queued) > 1:
+        _, text, completion, logprobs, *first = value
+        if len(first) not in (0, 2):
             raise ValueError("not an event")
+        queued, cached = first or (0.0, 0)
         return TextDelta(
             str(text),
             int(completion),
             tuple(_unlogprob(lp) for lp in logprobs),
-            queue_s=float(queued[0]) if queued else 0.0,
+            queue_s=float(queued),
+            cached_tokens=int(cached),
         )
     if kind != "f":
         raise ValueError("not an event")

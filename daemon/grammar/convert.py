@@ -395,7 +395,9 @@ def _build(root: Any, label: str) -> str:
     if not alts:
         raise SchemaError(f"the JSON schema at {label}# accepts no value", keyword="schema", path=f"{label}#")
     try:
-        return g.render([seq(g.inline(alts, "value"), g.builtin("space"))])
+        # The reply ends at the value's last character: no whitespace after it, so a complete
+        # object never runs on into `length` on spaces and newlines.
+        return g.render([seq(g.inline(alts, "value"))])
     except GrammarLimitError as exc:
         if exc.origin is None:
             raise SchemaError(

@@ -21,6 +21,7 @@ from edgellmd.api.anthropic.routes import setup_anthropic
 from edgellmd.api.context import (
     API_CONTEXT,
     ERROR_SHAPES,
+    LIMITS,
     QUEUE_WAITS,
     USAGE_ID,
     USER_TAG,
@@ -173,6 +174,9 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
     waits = request.get(QUEUE_WAITS)
     if waits:  # a generation's answer, not streamed: how long it waited for a slot (engine.fairness)
         response.headers["x-queue-ms"] = str(round(max(waits) * 1000))
+    limits = request.get(LIMITS)
+    if limits is not None and limits.clamped:  # max_tokens_over_limit: clamp cut what was asked
+        response.headers["x-max-tokens-clamped"] = str(limits.max_tokens_limit)
 
 
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -333,6 +333,13 @@ class ServerSettings:
     max_tokens_limit: int = setting(
         4096, "ceiling on any request's max_tokens (400 above it)", bounds=(1, None)
     )
+    max_tokens_over_limit: str = setting(
+        "refuse",
+        "a max_tokens past the ceiling: refuse (400) or clamp (cut to the ceiling)",
+        choices=("refuse", "clamp"),
+        more="a clamped answer says so in its `x-max-tokens-clamped` header (the ceiling it got); a key's "
+        "own `max_tokens_over_limit` in the keys file overrides this for its requests",
+    )
     default_max_tokens: int | None = setting(
         None,
         "max_tokens when a request gives none; null: until EOS or a full context",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
+from edgellmd.api.fields import note_ignored
 from edgellmd.api.request import ChatRequest, CommonRequest, Limits, within_ceiling
 from edgellmd.api.structured import (
     FUNCTION_NAME_CHARS,
@@ -34,8 +35,22 @@ MAX_STOP_LENGTH: Final = 256  # characters per stop sequence, as chat's `stop`
 MAX_TOP_K: Final = 1_000_000
 MIN_THINKING_BUDGET: Final = 1024  # Anthropic's own lower bound on budget_tokens
 MAX_USER_ID: Final = 256  # Anthropic's limit on metadata.user_id
+MAX_CONTEXT_EDITS: Final = 16  # context_management.edits: there are two kinds at Anthropic
 BLOCK_JOINER: Final = "\n\n"  # between text blocks of one turn, and turns that merge
 
+# Accepted and ignored (checked for Anthropic's types): they change nothing this server makes.
+IGNORED_FIELDS: Final = frozenset(
+    {
+        "service_tier",  # one tier here
+        "cache_control",  # the daemon reuses a slot's prompt prefix by itself
+        "speed",  # standard or fast: one speed here
+        "inference_geo",  # the box is where it is
+        "diagnostics",  # previous_message_id, for cache-miss reasons this server does not give
+        "user_profile_id",
+        "workspace_id",
+    }
+)
+CONTEXT_EDIT_PREFIX: Final = "clear_thinking_"  # the context_management edits accepted
 _MESSAGE_FIELDS: Final = frozenset(
     {
         "model",
@@ -52,15 +67,16 @@ _MESSAGE_FIELDS: Final = frozenset(
         "tool_choice",
         "thinking",
         "output_config",
-        "service_tier",  # accepted and ignored: one tier here
-        "cache_control",  # accepted and ignored: the daemon reuses a slot's prompt prefix by itself
+        "context_management",  # edits that clear earlier thinking only: it never reaches the prompt
     }
+    | IGNORED_FIELDS
 )
-_COUNT_FIELDS: Final = frozenset(
-    {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control"}
+_COUNT_FIELDS: Final = (
+    frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"})
+    | IGNORED_FIELDS
 )
 # Known to Anthropic, not done here: refused by name rather than as unknown fields.
-_UNSUPPORTED_FIELDS: Final = frozenset({"container", "mcp_servers", "context_management"})
+_UNSUPPORTED_FIELDS: Final = frozenset({"container", "mcp_servers"})
 _UNSUPPORTED_BLOCKS: Final = frozenset(
     {
         "image",
@@ -550,6 +566,54 @@ def _ignored(data: Mapping[str, Any]) -> None:
     cache = data.get("cache_control")
     if cache is not None and not isinstance(cache, dict):
         raise _fail("'cache_control' must be an object", "cache_control")
+    speed = data.get("speed")
+    if speed is not None and speed not in ("standard", "fast"):
+        raise _fail("'speed' must be standard or fast", "speed")
+    for name in ("inference_geo", "user_profile_id", "workspace_id"):
+        value = data.get(name)
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_ID):
+            raise _fail(f"'{name}' must be a string of up to {MAX_USER_ID} characters", name)
+    diagnostics = data.get("diagnostics")
+    if diagnostics is not None:
+        if not isinstance(diagnostics, dict):
+            raise _fail("'diagnostics' must be an object", "diagnostics")
+        _unknown(diagnostics, frozenset({"previous_message_id"}), "diagnostics")
+        previous = diagnostics.get("previous_message_id")
+        if previous is not None and (not isinstance(previous, str) or len(previous) > MAX_USER_ID):
+            raise _fail(
+                "'diagnostics.previous_message_id' must be a message id", "diagnostics.previous_message_id"
+            )
+    _context_management(data.get("context_management"))
+    note_ignored(data, IGNORED_FIELDS | {"context_management"})
+
+
+def _context_management(value: Any) -> None:
+    """Edits that clear earlier turns' thinking are what this server does anyway (a chat template
+    leaves earlier thinking out of the prompt): accepted. Any other edit changes the prompt: 400."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _fail("'context_management' must be an object", "context_management")
+    _unknown(value, frozenset({"edits"}), "context_management")
+    edits = value.get("edits")
+    if edits is None:
+        return
+    if not isinstance(edits, list) or len(edits) > MAX_CONTEXT_EDITS:
+        raise _fail(
+            f"'context_management.edits' must be a list of up to {MAX_CONTEXT_EDITS}",
+            "context_management.edits",
+        )
+    for i, edit in enumerate(edits):
+        where = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not isinstance(kind, str):
+            raise _fail(f"'{where}' must be an object with a type", where)
+        if not kind.startswith(CONTEXT_EDIT_PREFIX):
+            raise UnsupportedParameter(
+                f"'{where}': only {CONTEXT_EDIT_PREFIX}* edits are supported by this server (earlier "
+                f"thinking is left out of the prompt); {shown(kind, quote=True)} is not",
+                param="context_management",
+            )
 
 
 def parse_messages(data: Mapping[str, Any], limits: Limits) -> MessagesRequest:

@@ -120,8 +120,9 @@ class Reply:
             return "stop_sequence"
         return "tool_use" if reader.calls else "end_turn"
 
-    def head(self, input_tokens: int) -> dict[str, Any]:
-        """The message before any content, as `message_start` carries it."""
+    def head(self, prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """The message before any content, as `message_start` carries it: its usage split as
+        `message_delta`'s will be (the first token tells the cached part: TextDelta.cached_tokens)."""
         return {
             "id": self.id,
             "type": "message",
@@ -130,7 +131,12 @@ class Reply:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+            "usage": {
+                "input_tokens": prompt_tokens - cached_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached_tokens,
+                "output_tokens": 0,
+            },
         }
 
     def message(self, end: ChoiceEnd) -> dict[str, Any]:
@@ -263,8 +269,12 @@ async def _send_part(blocks: _Blocks, item: ChoicePart, reply: Reply) -> None:
 
 async def send_events(write: Write, session: Session, reply: Reply) -> None:
     """Write the message's events as the reply is generated; raises NoProgress past the idle timeout."""
+    first = session.gens[0].peek()  # there by now, unless it took longer than sse waits
+    cached = first.cached_tokens if first is not None else 0
     await write(
-        event("message_start", {"type": "message_start", "message": reply.head(session.prompt_tokens)})
+        event(
+            "message_start", {"type": "message_start", "message": reply.head(session.prompt_tokens, cached)}
+        )
     )
     await write(PING)  # as Anthropic sends one straight after message_start
     blocks = _Blocks(write)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from edgellmd.api.fields import Fields, reject_unknown, unsupported
+from edgellmd.api.fields import Fields, note_ignored, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
 from edgellmd.api.request import (
     ChatRequest,
@@ -50,6 +50,8 @@ _IGNORED: Final = frozenset(
         "reasoning_effort",
         "safety_identifier",
         "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
         "verbosity",
     }
 )
@@ -89,6 +91,7 @@ _CHAT_FIELDS: Final = (
         "modalities",
         "audio",
         "web_search_options",
+        "moderation",
     }
 )
 _COMPLETION_FIELDS: Final = _SAMPLING | _IGNORED | {"prompt", "echo", "suffix", "best_of"}
@@ -306,9 +309,14 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     """Validate a chat completion body."""
     reject_unknown(data, _CHAT_FIELDS)
     f = Fields(data)
-    for name in ("functions", "function_call", "audio", "web_search_options"):
+    for name in ("functions", "function_call", "audio", "web_search_options", "moderation"):
         if f.present(name):
             raise unsupported(name)
+    f.string("prompt_cache_retention")
+    options = data.get("prompt_cache_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("'prompt_cache_options' must be an object", param="prompt_cache_options")
+    note_ignored(data, _IGNORED - {"user", "metadata", "service_tier"})
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from edgellmd.api.fields import Fields, reject_unknown, unsupported
+from edgellmd.api.fields import Fields, note_ignored, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
 from edgellmd.api.request import (
     ChatRequest,
@@ -55,6 +55,7 @@ _IGNORED: Final = frozenset(
         "reasoning",  # effort and summary: a local model thinks as its template says
         "truncation",  # `auto` as `disabled`: a conversation that does not fit is refused, never cut
         "stream_options",  # include_obfuscation: streams here carry no padding
+        "client_metadata",  # a client's own turn ids (Codex CLI sends them on every request)
     }
 )
 # Refused when given (not null): they would change the answer and are not implemented.
@@ -157,8 +158,31 @@ KNOWN_TOOL_TYPES: Final = frozenset(
     }
 )
 KNOWN_TOOL_CHOICES: Final = KNOWN_TOOL_TYPES | {"allowed_tools"}
+# Tools OpenAI runs itself (search, code, a computer...): this box cannot. Given among others
+# they are left out, and the response's metadata says so (DROPPED_TOOLS_KEY); asked for by
+# tool_choice, or all there was with tool_choice required, they are a 400.
+HOSTED_TOOL_TYPES: Final = KNOWN_TOOL_TYPES - {"namespace"}
+DROPPED_TOOLS_KEY: Final = "edgellm_tools_left_out"
+# A namespace's function `f` in `crm` is the model's `crm__f`; its calls come back as `f`
+# with `namespace: crm`, as OpenAI's do.
+NAMESPACE_JOINER: Final = "__"
 _UNSUPPORTED_PARTS: Final = frozenset({"input_image", "input_file", "input_audio"})
-_FUNCTION_TOOL_KEYS: Final = frozenset({"type", "name", "description", "parameters", "strict"})
+_FUNCTION_TOOL_KEYS: Final = frozenset(
+    # allowed_callers, defer_loading, output_schema, async: accepted, ignored (every tool is
+    # loaded, called directly, and its output read as text)
+    {
+        "type",
+        "name",
+        "description",
+        "parameters",
+        "strict",
+        "allowed_callers",
+        "defer_loading",
+        "output_schema",
+        "async",
+    }
+)
+_NAMESPACE_KEYS: Final = frozenset({"type", "name", "description", "tools"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +194,7 @@ class ResponsesRequest:
     previous_response_id: str | None
     store: bool
     echo: Mapping[str, Any] = field(default_factory=dict)  # the fields the response object repeats
+    namespaces: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # Tools.namespaces
 
 
 def _renamed(exc: ApiError, old: str, new: str) -> ApiError:
@@ -236,6 +261,9 @@ def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     f = Fields(item, f"{where}.")
     call_id = f.string("call_id", required=True, nonempty=True)
     name = f.string("name", required=True, nonempty=True)
+    namespace = f.string("namespace")
+    if namespace:
+        name = f"{namespace}{NAMESPACE_JOINER}{name}"  # as the model saw the tool
     arguments = f.string("arguments", required=True)
     assert arguments is not None  # noqa: S101 - required
     embedded_json(arguments, f"{where}.arguments")
@@ -305,9 +333,65 @@ def input_turns(value: Any) -> tuple[ChatMessage, ...]:
 # ---- tools, tool_choice, text.format ----------------------------------------------------------
 
 
-def _function_tool(tool: Any, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+@dataclass(frozen=True, slots=True)
+class Tools:
+    """`tools` as chat's function tools (namespaces flattened), with what the reply needs back."""
+
+    functions: list[dict[str, Any]]  # chat's shape: each function the model may call
+    echoes: list[dict[str, Any]]  # what the response object repeats
+    namespaces: dict[str, tuple[str, str]]  # the model's name -> (namespace, name)
+    left_out: list[str]  # hosted tool types given and not served
+
+
+def _tools(raw: Any) -> Tools:
+    if raw is not None and not isinstance(raw, list):
+        raise InvalidRequest("'tools' must be a list of tools", param="tools")
+    out = Tools([], [], {}, [])
+    for i, tool in enumerate(raw or []):
+        where = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in HOSTED_TOOL_TYPES:
+            out.left_out.append(str(kind))
+        elif kind == "namespace":
+            _namespace(tool, where, out)
+        else:
+            function, echo = _function_tool(tool, where)
+            out.functions.append(function)
+            out.echoes.append(echo)
+    return out
+
+
+def _namespace(tool: dict[str, Any], where: str, out: Tools) -> None:
+    """A namespace's function tools, each a tool of its own for the model; echoed as the namespace."""
+    f = Fields(tool, f"{where}.")
+    f.only(_NAMESPACE_KEYS, where)
+    name = f.string("name", required=True)
+    if not name or len(name) > 64 or set(name) - FUNCTION_NAME_CHARS:
+        raise InvalidRequest(f"'{where}.name' must be 1 to 64 of a-z A-Z 0-9 _ -", param=f"{where}.name")
+    description = f.string("description")
+    inner = tool.get("tools")
+    if not isinstance(inner, list) or not inner:
+        raise InvalidRequest(f"'{where}.tools' must be a list of function tools", param=f"{where}.tools")
+    echoes = []
+    for j, member in enumerate(inner):
+        at = f"{where}.tools[{j}]"
+        if isinstance(member, dict) and member.get("type") == "custom":
+            out.left_out.append(f"{name}.custom")
+            continue
+        function, echo = _function_tool(member, at, namespace=name)
+        seen = function["function"]["name"]
+        if seen in out.namespaces:
+            raise InvalidRequest(f"'{at}.name' repeats a tool of namespace {name}", param=f"{at}.name")
+        out.namespaces[seen] = (name, echo["name"])
+        out.functions.append(function)
+        echoes.append(echo)
+    out.echoes.append({"type": "namespace", "name": name, "description": description, "tools": echoes})
+
+
+def _function_tool(
+    tool: Any, where: str, namespace: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """One function tool: chat's shape (for tool_plan and the template) and its echo."""
-    where = f"tools[{i}]"
     if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
         raise InvalidRequest(f"'{where}' must be a tool object with a 'type'", param=where)
     kind = tool["type"]
@@ -332,8 +416,17 @@ def _function_tool(tool: Any, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
         raise InvalidRequest(
             f"'{where}.parameters' must be a JSON schema object", param=f"{where}.parameters"
         )
+    seen = name
+    if namespace is not None:
+        seen = f"{namespace}{NAMESPACE_JOINER}{name}"
+        if len(seen) > 64:
+            raise InvalidRequest(
+                f"'{where}.name' and its namespace's name come to {len(seen)} characters with "
+                f"'{NAMESPACE_JOINER}' between them; at most 64",
+                param=f"{where}.name",
+            )
     function: dict[str, Any] = {
-        "name": name,
+        "name": seen,
         "parameters": parameters or {"type": "object", "properties": {}},
     }
     if description is not None:
@@ -489,9 +582,11 @@ def _refuseunsupported(f: Fields) -> None:
     f.string("prompt_cache_key")
     f.string("prompt_cache_retention")
     f.integer("max_tool_calls", lo=1)
-    options = f.data.get("prompt_cache_options")
-    if options is not None and not isinstance(options, dict):
-        raise InvalidRequest("'prompt_cache_options' must be an object", param="prompt_cache_options")
+    for name in ("prompt_cache_options", "client_metadata"):
+        value = f.data.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise InvalidRequest(f"'{name}' must be an object", param=name)
+    note_ignored(f.data, _IGNORED - {"user", "metadata", "service_tier"})
 
 
 def _stream_options(f: Fields, stream: bool) -> None:
@@ -511,7 +606,7 @@ def _max_output_tokens(f: Fields, limits: Limits) -> tuple[int, int | None]:
     """The generation's token limit, and what the request asked for (echoed)."""
     asked = f.integer("max_output_tokens", lo=1)
     if asked is not None:
-        within_ceiling(limits, "max_output_tokens", asked)
+        asked = within_ceiling(limits, "max_output_tokens", asked)
     return token_limit(limits, asked), asked
 
 
@@ -540,16 +635,22 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
     _stream_options(f, stream)
     grammar, text = _text(data.get("text"))
 
-    raw_tools = data.get("tools")
-    if raw_tools is not None and not isinstance(raw_tools, list):
-        raise InvalidRequest("'tools' must be a list of tools", param="tools")
-    converted = [_function_tool(t, i) for i, t in enumerate(raw_tools or [])]
+    given = _tools(data.get("tools"))
+    functions = given.functions
     choice, choice_echo = _tool_choice(data.get("tool_choice"))
-    if not converted and choice == "auto":
+    if given.left_out and not functions and choice == "required":
+        raise UnsupportedParameter(
+            f"tool_choice required, and every tool given is one this server cannot run "
+            f"({', '.join(sorted(set(given.left_out)))}): function tools only",
+            param="tool_choice",
+        )
+    if not functions and choice in ("auto", "none") and given.left_out:
+        choice = None  # only hosted tools, left out: a plain answer
+    if not functions and choice == "auto":
         choice = None  # auto with nothing to call is no tools at all
     parallel = f.boolean("parallel_tool_calls", True)
     try:
-        tools = tool_plan([c for c, _ in converted] or None, choice, parallel)
+        tools = tool_plan(functions or None, choice, parallel)
     except ApiError as exc:
         raise _renamed(exc, ".function.", ".") from None
     if tools is not None and tools.grammar is not None:
@@ -590,7 +691,7 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
         "instructions": instructions,
         "max_output_tokens": asked,
         "max_tool_calls": data.get("max_tool_calls"),
-        "metadata": _metadata(data.get("metadata")),
+        "metadata": _left_out(_metadata(data.get("metadata")), given.left_out),
         "parallel_tool_calls": parallel,
         "previous_response_id": previous,
         "reasoning": _reasoning(data.get("reasoning")),
@@ -599,7 +700,7 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
         "temperature": temperature,
         "text": text,
         "tool_choice": choice_echo,
-        "tools": [e for _, e in converted],
+        "tools": given.echoes,
         "top_logprobs": 0,
         "top_p": top_p,
         "truncation": data.get("truncation") or "disabled",
@@ -613,4 +714,13 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
         previous_response_id=previous,
         store=store,
         echo=echo,
+        namespaces=given.namespaces,
     )
+
+
+def _left_out(metadata: dict[str, str], left_out: list[str]) -> dict[str, str]:
+    """The response's metadata, with a note of the hosted tools given and not served."""
+    if not left_out:
+        return metadata
+    note = "tools this server cannot run were left out: " + ", ".join(sorted(set(left_out)))
+    return {**metadata, DROPPED_TOOLS_KEY: note[:MAX_METADATA_VALUE_CHARS]}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from edgellmd.api.reply import CallArguments, CallEnd, CallStart, Part, ReasoningPart, TextPart
+from edgellmd.api.responses.decode import NAMESPACE_JOINER
 from edgellmd.api.session import ChoiceEnd
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.errors import ApiError
@@ -62,10 +63,13 @@ def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, An
 class Draft:
     """One response as it is generated: its events, its output items, and the object around them."""
 
-    def __init__(self, model: str, echo: Mapping[str, Any]) -> None:
+    def __init__(
+        self, model: str, echo: Mapping[str, Any], namespaces: Mapping[str, tuple[str, str]] | None = None
+    ) -> None:
         self.id = new_id("resp_")
         self.model = model
         self.echo = echo
+        self.namespaces = namespaces or {}  # the model's tool name -> (namespace, name): decode.Tools
         self.created_at = int(time.time())
         self.completed_at: int | None = None
         self.status = "in_progress"
@@ -127,6 +131,8 @@ class Draft:
             "arguments": "",
             "status": "in_progress",
         }
+        if part.name in self.namespaces:  # a namespace's function: its own name, and the namespace
+            item["namespace"], item["name"] = self.namespaces[part.name]
         self._items.append(item)
         self._calls[part.index] = index
         events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
@@ -265,7 +271,12 @@ class Draft:
                     {
                         "id": item["call_id"],
                         "type": "function",
-                        "function": {"name": item["name"], "arguments": item["arguments"]},
+                        "function": {
+                            "name": f"{item['namespace']}{NAMESPACE_JOINER}{item['name']}"
+                            if item.get("namespace")
+                            else item["name"],
+                            "arguments": item["arguments"],
+                        },
                     }
                 )
         return (ChatMessage("assistant", "".join(text), tool_calls=tuple(calls)),)

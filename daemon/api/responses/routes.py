@@ -122,7 +122,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             if exc.param == "messages":  # the prompt's errors (too long, unrenderable) are the input's
                 exc.param = "input"
             raise
-        draft = Draft(session.handle.name, body.echo)
+        draft = Draft(session.handle.name, body.echo, body.namespaces)
         if body.chat.common.stream:
             return await _stream(request, session, body, conversation, draft)
         return await _collect(request, session, body, conversation, draft)
