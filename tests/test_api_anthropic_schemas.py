@@ -383,6 +383,7 @@ BAD: Final[list[tuple[str, dict[str, Any], str]]] = [
             tools=[
                 {
                     **WEATHER,
+                    "strict": True,  # held to the exact subset (a tool that is not strict is relaxed)
                     "input_schema": {
                         "type": "object",
                         "properties": {"a": {"type": "string", "format": "bogus-format"}},
@@ -444,13 +445,9 @@ BAD: Final[list[tuple[str, dict[str, Any], str]]] = [
     ("thinking unknown type", body(thinking={"type": "always"}), "enabled, adaptive or disabled"),
     ("output format unknown", body(output_config={"format": {"type": "yaml"}}), "json_schema"),
     (
-        "output format and tools",
-        body(
-            tools=[WEATHER],
-            tool_choice={"type": "any"},
-            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}},
-        ),
-        "cannot be combined",
+        "output format beside tools, still checked",
+        body(tools=[WEATHER], tool_choice={"type": "any"}, output_config={"format": {"type": "json_schema"}}),
+        "output_config.format.schema",
     ),
     ("unknown output_config field", body(output_config={"foo": 1}), "output_config.foo"),
     ("service tier unknown", body(service_tier="priority"), "auto or standard_only"),

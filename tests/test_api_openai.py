@@ -499,7 +499,12 @@ BAD_INPUTS: Final = [
                 tools=[
                     {
                         "type": "function",
-                        "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {}}},
+                        # strict: held to the exact subset (a tool that is not strict is relaxed)
+                        "function": {
+                            "name": "f",
+                            "strict": True,
+                            "parameters": {"type": "object", "patternProperties": {}},
+                        },
                     }
                 ]
             )
@@ -544,10 +549,10 @@ BAD_INPUTS: Final = [
         UNSUPPORTED,
     ),
     bad(
-        "response-format-with-tools",
-        Req(body=chat_body(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"})),
+        "response-format-with-tools-still-checked",
+        Req(body=chat_body(tools=[TOOL], tool_choice="required", response_format={"type": "yaml"})),
         400,
-        "response_format",
+        "response_format.type",
     ),
     bad("logit-bias-not-a-token", Req(body=chat_body(logit_bias={"a": 5})), 400, "logit_bias"),
     bad("logit-bias-too-big", Req(body=chat_body(logit_bias={"1": 500})), 400, "logit_bias"),

@@ -565,6 +565,7 @@ BAD: Final = [
             "tools": [
                 {
                     **FUNCTION,
+                    "strict": True,  # the exact subset: not relaxed (grammar.relax)
                     "parameters": {"type": "object", "properties": {"a": {"type": "string", "minLength": 2}}},
                 }
             ]
@@ -617,10 +618,10 @@ BAD: Final = [
         "unsupported_parameter",
     ),
     _bad(
-        "format-with-tool-calls",
-        {"tools": [FUNCTION], "text": {"format": {"type": "json_object"}}},
+        "format-with-tool-calls-still-checked",
+        {"tools": [FUNCTION], "text": {"format": {"type": "json_object", "name": "x"}}},
         400,
-        "text.format",
+        "text.format.name",
     ),
     _bad("metadata-string", {"metadata": "x"}, 400, "metadata"),
     _bad("metadata-17-keys", {"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import agents
 import openai
@@ -104,3 +104,60 @@ def test_langchain_streams_and_the_text_adds_up(daemon: RunningDaemon, token: tu
     streamed = "".join(c.text for c in chunks)
     assert streamed == whole.text
     assert streamed
+
+
+# ---- what Codex CLI sends: a namespace of tools, a hosted tool, client_metadata -----------------
+
+CODEX_TOOLS: Any = [  # Any: the SDK's TypedDict unions, spelled as JSON
+    {
+        "type": "namespace",
+        "name": "files",
+        "description": "The workspace's files",
+        "tools": [
+            {
+                "type": "function",
+                "name": "read",
+                "description": "Read a file",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string", "maxLength": 12}},  # enforced: not strict
+                    "required": ["path"],
+                },
+                "strict": False,
+            }
+        ],
+    },
+    {"type": "web_search"},
+]
+
+
+async def test_a_codex_shaped_request_calls_a_namespaced_tool(client: openai.AsyncOpenAI) -> None:
+    """Codex CLI's shape, whole and streamed: the call comes back as the namespace's own name,
+    the hosted tool is left out with a note, and the call sent back continues the conversation."""
+    metadata = {"turn_id": "019a-turn", "session_id": "019a-session"}
+    asked = {
+        "model": "plain",
+        "input": "Read README.md",
+        "tools": CODEX_TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 600,
+        "extra_body": {"client_metadata": metadata},
+    }
+    response = await client.responses.create(**asked)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert (call.name, call.namespace) == ("read", "files")
+    assert response.metadata == {
+        "edgellm_tools_left_out": "tools this server cannot run were left out: web_search"
+    }
+    stream = await client.responses.create(**asked, stream=True)
+    added = [e.item async for e in stream if e.type == "response.output_item.done"]
+    assert [(i.name, i.namespace) for i in added if i.type == "function_call"] == [("read", "files")]
+    followed = await client.responses.create(
+        model="plain",
+        previous_response_id=response.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "# edgellm"}],
+        tools=CODEX_TOOLS,
+        max_output_tokens=8,
+    )
+    assert followed.status in ("completed", "incomplete")

@@ -133,6 +133,7 @@ def test_limits_and_echo() -> None:
                 "tools": [
                     {
                         **WEATHER,
+                        "strict": True,  # the exact subset: not relaxed (grammar.relax)
                         "parameters": {
                             "type": "object",
                             "properties": {"a": {"type": "string", "minLength": 1}},

@@ -201,7 +201,8 @@ class ToolReplyReader:
     """Reads edgellm's tool-call JSON as it streams: answer text, calls and their arguments.
 
     The grammar guarantees the shape (`{"tool_calls": [{"name": ..., "arguments": ...}, ...]}`
-    or `{"response": "..."}`, JSON whitespace anywhere between tokens, `name` before
+    or `{"response": "..."}`, or `{"response": {...}}` whose JSON text is the answer when a
+    format is asked for with tools, JSON whitespace anywhere between tokens, `name` before
     `arguments`); anything else that arrives anyway (no grammar in force) is taken as plain
     answer text from the first unexpected character on.
     """
@@ -213,6 +214,7 @@ class ToolReplyReader:
         self._key = _JsonString()
         self._string = _JsonString()
         self._value = _JsonValue()
+        self._answer = _JsonValue()  # a structured answer's JSON (`response` holding an object)
         self._keytext = ""  # the key being read
         self._name = ""  # the function name being read
         self.calls: list[ToolCall] = []
@@ -269,7 +271,19 @@ class ToolReplyReader:
                 return self._expect(buf, i, ":", "calls_open", parts)
             return self._go_raw(buf, i, parts)
         if state == "response_open":
+            while i < len(buf) and buf[i] in WHITESPACE:
+                i += 1
+            if i < len(buf) and buf[i] != '"':  # structured output with tools: the JSON is the answer
+                self._state = "response_value"
+                return i
             return self._expect(buf, i, '"', "response", parts)
+        if state == "response_value":
+            j = self._answer.feed(buf, i)
+            if j > i:
+                parts.append(TextPart(buf[i:j]))
+            if self._answer.done:
+                self._state = "end"
+            return j
         if state == "response":
             text, j = self._string.feed(buf, i)
             if text:

@@ -9,6 +9,7 @@ is turned back into OpenAI's `tool_calls`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -16,8 +17,16 @@ from typing import Any, Final
 
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter
 from edgellmd.grammar.convert import embedded_grammar, schema_to_grammar
+from edgellmd.grammar.relax import relax
 from edgellmd.grammar.schema import SCHEMA_KEYWORDS, SCHEMA_TYPES, CheckedSchema, SchemaError
 from edgellmd.grammar.schema import check_schema as _check
+
+log = logging.getLogger(__name__)
+# How TOOL_INSTRUCTIONS asks for an answer without tools (tool_choice auto).
+TEXT_ANSWER: Final = ', or, to answer without tools, {"response": <your answer>}'
+STRUCTURED_ANSWER: Final = (
+    ', or, to answer without tools, {"response": <your answer, JSON of the requested format>}'
+)
 
 __all__ = [
     "SCHEMA_KEYWORDS",
@@ -64,6 +73,14 @@ def _json_object_grammar() -> str:
 
 def response_format_grammar(value: Any) -> str | None:
     """The grammar a `response_format` asks for; None for plain text."""
+    if isinstance(value, dict) and value.get("type") == "json_object":
+        return _json_object_grammar()
+    checked = response_format_schema(value)
+    return None if checked is None else _grammar(checked, "response_format.json_schema.schema")
+
+
+def response_format_schema(value: Any) -> CheckedSchema | None:
+    """The checked schema a `response_format` asks for (json_object: any object); None for text."""
     param = "response_format"
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise InvalidRequest("'response_format' must be an object with a 'type'", param=param)
@@ -71,7 +88,7 @@ def response_format_grammar(value: Any) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _json_object_grammar()
+        return check_schema({"type": "object"}, param)
     if kind != "json_schema":
         raise InvalidRequest(
             "'response_format.type' must be text, json_object or json_schema", param="response_format.type"
@@ -89,7 +106,7 @@ def response_format_grammar(value: Any) -> str | None:
             param="response_format.json_schema",
         )
     param = "response_format.json_schema.schema"
-    return _grammar(check_schema(spec.get("schema", {"type": "object"}), param), param)
+    return check_schema(spec.get("schema", {"type": "object"}), param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +135,15 @@ def _function(tool: Any, i: int) -> tuple[str, CheckedSchema]:
             f"'{where}.function.name' must be 1 to 64 of a-z A-Z 0-9 _ -", param=f"{where}.function.name"
         )
     params = fn.get("parameters", {"type": "object", "properties": {}})
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest(
+            f"'{where}.function.strict' must be true or false", param=f"{where}.function.strict"
+        )
+    if strict is not True:  # any JSON Schema, as OpenAI and Anthropic take for such tools
+        params, left_out = relax(params)
+        if left_out:
+            log.debug("tool %s: schema keywords not enforced: %s", name, ", ".join(left_out))
     return name, check_schema(params, f"{where}.function.parameters", f"{where}.function.parameters")
 
 
@@ -135,11 +161,16 @@ def max_calls(parallel: bool | None, functions: int) -> int:
     return max(1, min(functions, MAX_PARALLEL_CALLS))
 
 
-def tool_plan(tools: Any, tool_choice: Any, parallel: Any, *, grammar: bool = True) -> ToolPlan | None:
+def tool_plan(
+    tools: Any, tool_choice: Any, parallel: Any, *, grammar: bool = True, answer_format: Any = None
+) -> ToolPlan | None:
     """Check `tools`/`tool_choice`/`parallel_tool_calls` and build the reply's grammar.
 
     `grammar=False` (counting a prompt's tokens): every schema is still checked in full, the
     instructions are those a reply would get, but no grammar is built (the costly part).
+    `answer_format` (a `response_format`, chat's shape): with tool_choice auto, an answer
+    without tools is that schema's JSON, not text (`{"response": {...}}`); a call required or
+    named leaves it out, as nothing but a call may come.
     """
     if tools is None:
         if tool_choice not in (None, "none"):
@@ -166,6 +197,8 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any, *, grammar: bool = Tr
         raise InvalidRequest(
             "'tool_choice' must be none, auto, required or a named function", param="tool_choice"
         )
+    # Checked whatever the mode: with a call required the format is not used, and still the client's.
+    structured = response_format_schema(answer_format) if answer_format is not None else None
     if mode == "none":
         return ToolPlan(tuple(tools), "none", None, names=names)
     # edgellm's wrapper around the checked parameter schemas: its own nesting and names do not
@@ -201,13 +234,13 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: Any, *, grammar: bool = Tr
                 with_calls,
                 {
                     "type": "object",
-                    "properties": {"response": {"type": "string"}},
+                    "properties": {"response": structured or {"type": "string"}},
                     "required": ["response"],
                     "additionalProperties": False,
                 },
             ]
         }
-        answer = ', or, to answer without tools, {"response": <your answer>}'
+        answer = TEXT_ANSWER if structured is None else STRUCTURED_ANSWER
     built = None
     if grammar:
         try:

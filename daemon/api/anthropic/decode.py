@@ -468,6 +468,9 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     function: dict[str, Any] = {"name": name, "parameters": schema}
     if description is not None:
         function["description"] = description
+    strict = tool.get("strict")
+    if strict is not None:
+        function["strict"] = _typed(strict, bool, f"{where}.strict", "true or false")
     return {"type": "function", "function": function}
 
 
@@ -515,10 +518,17 @@ def _tools(data: Mapping[str, Any], *, grammar: bool = True) -> ToolPlan | None:
         raise _fail("'tools' must be a list of tools", "tools")
     converted = [_tool(t, i) for i, t in enumerate(tools)]
     mode, parallel = _tool_choice(choice, {t["function"]["name"] for t in converted})
-    return _in_our_names(lambda: tool_plan(converted, mode, parallel, grammar=grammar))
+    answer = _output_format(data)
+    fmt = (
+        None
+        if answer is None
+        else {"type": "json_schema", "json_schema": {"name": "output", "schema": answer}}
+    )
+    return _in_our_names(lambda: tool_plan(converted, mode, parallel, grammar=grammar, answer_format=fmt))
 
 
-def _format_grammar(data: Mapping[str, Any], *, build: bool = True) -> str | None:
+def _output_format(data: Mapping[str, Any]) -> Any:
+    """`output_config.format.schema` when there is one (its shape checked; the schema by the caller)."""
     value = data.get("output_config")
     if value is None:
         return None
@@ -534,6 +544,13 @@ def _format_grammar(data: Mapping[str, Any], *, build: bool = True) -> str | Non
     schema = spec.get("schema")
     if schema is None:
         raise _fail("'output_config.format.schema' is required", "output_config.format.schema")
+    return schema
+
+
+def _format_grammar(data: Mapping[str, Any], *, build: bool = True) -> str | None:
+    schema = _output_format(data)
+    if schema is None:
+        return None
     if not build:  # counting tokens: the schema is checked, no grammar is made
         _in_our_names(lambda: check_schema(schema, "response_format.json_schema.schema"))
         return None
@@ -542,15 +559,9 @@ def _format_grammar(data: Mapping[str, Any], *, build: bool = True) -> str | Non
 
 
 def _grammar(data: Mapping[str, Any], tools: ToolPlan | None) -> str | None:
-    grammar = _format_grammar(data)
     if tools is not None and tools.grammar is not None:
-        if grammar is not None:
-            raise _fail(
-                "'output_config.format' cannot be combined with tool use; set tool_choice to none",
-                "output_config.format",
-            )
-        return tools.grammar
-    return grammar
+        return tools.grammar  # a call, or (auto) an answer of output_config's format
+    return _format_grammar(data)
 
 
 def _stream(data: Mapping[str, Any]) -> bool:

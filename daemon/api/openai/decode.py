@@ -321,15 +321,18 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     top = f.integer("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    grammar = response_format_grammar(data["response_format"]) if f.present("response_format") else None
-    tools = tool_plan(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+    answer_format = data["response_format"] if f.present("response_format") else None
+    tools = tool_plan(
+        data.get("tools"),
+        data.get("tool_choice"),
+        data.get("parallel_tool_calls"),
+        answer_format=answer_format,
+    )
+    grammar: str | None = None
     if tools is not None and tools.grammar is not None:
-        if grammar is not None:
-            raise InvalidRequest(
-                "'response_format' cannot be combined with tool calls; set tool_choice: none",
-                param="response_format",
-            )
-        grammar = tools.grammar
+        grammar = tools.grammar  # a call, or (auto) an answer of the format
+    else:
+        grammar = response_format_grammar(answer_format) if answer_format is not None else None
     modalities = data.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise unsupported("modalities", "other than ['text']")

@@ -429,6 +429,8 @@ def _function_tool(
         "name": seen,
         "parameters": parameters or {"type": "object", "properties": {}},
     }
+    if tool.get("strict") is not None:  # strict: the exact subset; otherwise relaxed (grammar.relax)
+        function["strict"] = strict
     if description is not None:
         function["description"] = description
     echo = {
@@ -504,6 +506,13 @@ def _format(value: Any) -> tuple[str | None, dict[str, Any]]:
         "description": description,
     }
     return grammar, echo
+
+
+def _as_response_format(fmt: Mapping[str, Any]) -> dict[str, Any] | None:
+    """`text.format` (checked, as echoed) in chat's `response_format` shape; None for text."""
+    if fmt["type"] == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt["schema"]}}
+    return None if fmt["type"] == "text" else {"type": fmt["type"]}
 
 
 def _text(value: Any) -> tuple[str | None, dict[str, Any]]:
@@ -650,15 +659,13 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
         choice = None  # auto with nothing to call is no tools at all
     parallel = f.boolean("parallel_tool_calls", True)
     try:
-        tools = tool_plan(functions or None, choice, parallel)
+        tools = tool_plan(
+            functions or None, choice, parallel, answer_format=_as_response_format(text["format"])
+        )
     except ApiError as exc:
         raise _renamed(exc, ".function.", ".") from None
     if tools is not None and tools.grammar is not None:
-        if grammar is not None:
-            raise InvalidRequest(
-                "'text.format' cannot be combined with tool calls; set tool_choice: none", param="text.format"
-            )
-        grammar = tools.grammar
+        grammar = tools.grammar  # a call, or (auto) an answer of the format
 
     max_tokens, asked = _max_output_tokens(f, limits)
     temperature = f.number("temperature", 1.0, lo=0.0, hi=2.0)
