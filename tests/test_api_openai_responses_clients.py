@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import agents
 import openai
+import pydantic
 import pytest
 from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
@@ -28,7 +29,7 @@ def token(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def daemon(tmp_path_factory: pytest.TempPathFactory, token: tuple[Path, str]) -> Iterator[RunningDaemon]:
     model = write_tiny_model(tmp_path_factory.mktemp("clients") / "plain.gguf", TinyModelSpec(seed=31))
     settings = settings_for(
-        [{"name": "plain", "file": str(model), "slots": 2, "context_size": 2048, "threads": 1}],
+        [{"name": "plain", "file": str(model), "slots": 2, "context_size": 8192, "threads": 1}],
         server={"max_tokens_limit": 1024},
         lifecycle={"watch": False},
         auth={"keys_file": str(token[0])},
@@ -85,6 +86,48 @@ async def test_agents_sdk_streamed(client: openai.AsyncOpenAI) -> None:
     assert "raw_response_event" in kinds
     assert len(called) == 1
     assert result.final_output == f"sunny in {called[0]}"
+
+
+class Forecast(pydantic.BaseModel):
+    """The agent's output_type: a pydantic model, sent as a strict text.format / response_format."""
+
+    city: Literal["Paris", "Oslo", "Lima"]
+    warm: bool
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+async def test_agents_sdk_with_tools_and_an_output_type_finishes(
+    client: openai.AsyncOpenAI, api: str
+) -> None:
+    """openai-agents' standard Agent: tools and an output_type in one request (refused before),
+    answered with the output_type's JSON."""
+    called: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
+        """The current weather in a city."""
+        called.append(city)
+        return f"sunny in {city}"
+
+    model: agents.Model = (
+        agents.OpenAIResponsesModel(model="plain", openai_client=client)
+        if api == "responses"
+        else agents.OpenAIChatCompletionsModel(model="plain", openai_client=client)
+    )
+    agent = agents.Agent(
+        name="forecaster",
+        instructions="Use the tool, then answer.",
+        model=model,
+        tools=[get_weather],
+        output_type=Forecast,
+        # The tiny random model calls a tool whenever it may (tests/test_api_structured_tools.py
+        # holds auto's call-or-answer grammar to both): here the tools ride along unused.
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=1000, tool_choice="none"),
+    )
+    result = await agents.Runner.run(agent, "Is it warm in Oslo?", max_turns=2)
+    assert isinstance(result.final_output, Forecast)
+    assert called == []
+    assert len(result.raw_responses) == 1
 
 
 def test_langchain_streams_and_the_text_adds_up(daemon: RunningDaemon, token: tuple[Path, str]) -> None:
