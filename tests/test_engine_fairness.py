@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,9 +213,9 @@ def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def make_engine(path: Path, slots: int) -> Engine:
+def make_engine(path: Path, slots: int, **more: Any) -> Engine:
     config = EngineConfig(
-        path=path, slots=slots, context_size=1024 * slots, batch_size=512, threads=1, threads_batch=1
+        path=path, slots=slots, context_size=1024 * slots, batch_size=512, threads=1, threads_batch=1, **more
     )
     return Engine(config, name="fair")
 
@@ -379,16 +380,7 @@ async def test_prefill_chunk_bounds_a_step_while_others_generate(
 ) -> None:
     """With a sequence generating, a step takes at most `prefill_chunk` prompt tokens besides its
     token; alone, a prompt takes `batch_size` per step. The chunked prompt's reply is the same."""
-    config = EngineConfig(
-        path=slow_model,
-        slots=2,
-        context_size=2048,
-        batch_size=512,
-        threads=1,
-        threads_batch=1,
-        prefill_chunk=16,
-    )
-    eng = Engine(config, name="chunks")
+    eng = make_engine(slow_model, slots=2, prefill_chunk=16)
     prompt = " ".join(f"word{i}" for i in range(150))
     try:
         alone_text, _ = await _drain(_submit(eng, prompt, 6, BATCH))

@@ -361,14 +361,19 @@ def _tools(raw: Any) -> Tools:
     return out
 
 
-def _namespace(tool: dict[str, Any], where: str, out: Tools) -> None:
-    """A namespace's function tools, each a tool of its own for the model; echoed as the namespace."""
+def _named(tool: dict[str, Any], where: str, keys: frozenset[str]) -> tuple[Fields, str, str | None]:
+    """A tool's fields (only `keys`), its name (a function name's characters) and description."""
     f = Fields(tool, f"{where}.")
-    f.only(_NAMESPACE_KEYS, where)
+    f.only(keys, where)
     name = f.string("name", required=True)
     if not name or len(name) > 64 or set(name) - FUNCTION_NAME_CHARS:
         raise InvalidRequest(f"'{where}.name' must be 1 to 64 of a-z A-Z 0-9 _ -", param=f"{where}.name")
-    description = f.string("description")
+    return f, name, f.string("description")
+
+
+def _namespace(tool: dict[str, Any], where: str, out: Tools) -> None:
+    """A namespace's function tools, each a tool of its own for the model; echoed as the namespace."""
+    _, name, description = _named(tool, where, _NAMESPACE_KEYS)
     inner = tool.get("tools")
     if not isinstance(inner, list) or not inner:
         raise InvalidRequest(f"'{where}.tools' must be a list of function tools", param=f"{where}.tools")
@@ -404,12 +409,7 @@ def _function_tool(
         raise InvalidRequest(
             f"'{where}.type' {shown(kind, quote=True)} is not a tool type", param=f"{where}.type"
         )
-    f = Fields(tool, f"{where}.")
-    f.only(_FUNCTION_TOOL_KEYS, where)
-    name = f.string("name", required=True)
-    if not name or len(name) > 64 or set(name) - FUNCTION_NAME_CHARS:
-        raise InvalidRequest(f"'{where}.name' must be 1 to 64 of a-z A-Z 0-9 _ -", param=f"{where}.name")
-    description = f.string("description")
+    f, name, description = _named(tool, where, _FUNCTION_TOOL_KEYS)
     strict = f.boolean("strict", True)  # the grammar holds every reply to the schema: strict, always
     parameters = tool.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
