@@ -133,15 +133,34 @@ def test_consecutive_turns_of_one_role_are_combined() -> None:
     assert parsed.chat.messages == (ChatMessage("user", f"a{BLOCK_JOINER}b"),)
 
 
-def test_a_system_role_inside_messages_is_refused_as_anthropic_does() -> None:
-    """The second hostile round: Messages took `role: "system"` inside `messages`; Anthropic's
-    API refuses it (the system prompt is the top-level `system`)."""
-    with pytest.raises(InvalidRequest, match="must be user or assistant") as caught:
-        parse_messages(
-            body(messages=[*HELLO, {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}]),
-            LIMITS,
-        )
+def test_a_system_message_inside_messages_joins_the_system_prompt() -> None:
+    """Anthropic's mid-conversation system messages (Claude Code 2.1 sends one, with the
+    `mid-conversation-system-2026-04-07` beta): chat templates take a system turn first only, so
+    each joins the system prompt in order; any other role is still a 400."""
+    parsed = parse_messages(
+        body(
+            system="Be kind.",
+            messages=[
+                *HELLO,
+                {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "system", "content": "Agents: claude."},
+                {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": "again"},
+            ],
+        ),
+        LIMITS,
+    )
+    roles = [m.role for m in parsed.chat.messages]
+    assert roles == ["system", "user", "assistant", "user"]
+    assert parsed.chat.messages[0].content == "Be kind.\n\nBe brief.\n\nAgents: claude."
+    only = parse_messages(body(messages=[{"role": "system", "content": "Rules."}, *HELLO]), LIMITS)
+    assert (only.chat.messages[0].role, only.chat.messages[0].content) == ("system", "Rules.")
+    with pytest.raises(InvalidRequest, match="must be user, assistant or system") as caught:
+        parse_messages(body(messages=[*HELLO, {"role": "tool", "content": "x"}]), LIMITS)
     assert caught.value.param == "messages[1].role"
+    with pytest.raises(InvalidRequest) as caught:
+        parse_messages(body(messages=[{"role": "system", "content": "only rules"}]), LIMITS)
+    assert caught.value.param == "messages"  # no user or assistant turn
 
 
 def _call(call_id: str) -> dict[str, Any]:
@@ -296,8 +315,12 @@ BAD: Final[list[tuple[str, dict[str, Any], str]]] = [
     ("empty messages", body(messages=[]), "non-empty list"),
     ("messages a string", body(messages="hi"), "non-empty list"),
     ("message not an object", body(messages=["hi"]), "'messages[0]' must be an object"),
-    ("tool role", body(messages=[{"role": "tool", "content": "x"}]), "must be user or assistant"),
-    ("only a system turn", body(messages=[{"role": "system", "content": "x"}]), "must be user or assistant"),
+    ("tool role", body(messages=[{"role": "tool", "content": "x"}]), "must be user, assistant or system"),
+    (
+        "only a system turn",
+        body(messages=[{"role": "system", "content": "x"}]),
+        "at least one user or assistant",
+    ),
     ("no content", body(messages=[{"role": "user"}]), "'messages[0].content' is required"),
     (
         "unknown message field",
@@ -458,11 +481,6 @@ BAD: Final[list[tuple[str, dict[str, Any], str]]] = [
     ("OpenAI's max_completion_tokens", body(max_completion_tokens=4), "max_completion_tokens"),
     ("a prompt past the context", body(messages=[{"role": "user", "content": "x" * 400}]), "context"),
     ("a model without a chat template", body(model="notemplate"), "chat template"),
-    (
-        "a system role in messages",
-        body(messages=[{"role": "system", "content": "x"}, *HELLO]),
-        "user or assistant",
-    ),
     (
         "a result that answers no call",
         body(messages=[*HELLO, _call("t1"), _result("t9")]),

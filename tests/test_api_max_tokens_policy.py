@@ -4,7 +4,7 @@ told in the `x-max-tokens-clamped` header; the real clients of every family, rea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +44,36 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDa
         yield daemon, tokens
 
 
-def _openai(daemon: RunningDaemon, token: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.url + "/v1", api_key=token, max_retries=0, timeout=60)
+@pytest.fixture
+def clients(served: Any) -> Iterator[Callable[[str], openai.OpenAI]]:
+    """An OpenAI client per key asked for, every one closed (its sockets) when the test ends."""
+    daemon, _ = served
+    made: list[openai.OpenAI] = []
+
+    def client(token: str) -> openai.OpenAI:
+        made.append(openai.OpenAI(base_url=daemon.url + "/v1", api_key=token, max_retries=0, timeout=60))
+        return made[-1]
+
+    yield client
+    for each in made:
+        each.close()
 
 
-def test_past_the_ceiling_is_refused_by_default(served: Any) -> None:
-    daemon, tokens = served
+def test_past_the_ceiling_is_refused_by_default(served: Any, clients: Callable[[str], openai.OpenAI]) -> None:
+    _, tokens = served
     with pytest.raises(openai.BadRequestError) as caught:
-        _openai(daemon, tokens["strict"]).chat.completions.create(
+        clients(tokens["strict"]).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=AGENT_ASKS
         )
     assert caught.value.body is not None
     assert f"at most {CEILING}" in str(caught.value.body)
 
 
-def test_a_clamping_key_gets_the_ceiling_and_is_told_so_on_every_family(served: Any) -> None:
+def test_a_clamping_key_gets_the_ceiling_and_is_told_so_on_every_family(
+    served: Any, clients: Callable[[str], openai.OpenAI]
+) -> None:
     daemon, tokens = served
-    client = _openai(daemon, tokens["agent"])
+    client = clients(tokens["agent"])
     raw = client.chat.completions.with_raw_response.create(
         model="m",
         messages=[{"role": "user", "content": "hi"}],
@@ -74,10 +87,12 @@ def test_a_clamping_key_gets_the_ceiling_and_is_told_so_on_every_family(served: 
     responses = client.responses.with_raw_response.create(model="m", input="hi", max_output_tokens=AGENT_ASKS)
     assert responses.headers["x-max-tokens-clamped"] == str(CEILING)
     assert responses.parse().max_output_tokens == CEILING  # the response says what it ran with
-    messages = anthropic.Anthropic(base_url=daemon.url, api_key=tokens["agent"], max_retries=0)
-    with messages.messages.with_streaming_response.create(
-        model="m", max_tokens=AGENT_ASKS, messages=[{"role": "user", "content": "hi"}], stream=True
-    ) as streamed:
+    with (
+        anthropic.Anthropic(base_url=daemon.url, api_key=tokens["agent"], max_retries=0) as messages,
+        messages.messages.with_streaming_response.create(
+            model="m", max_tokens=AGENT_ASKS, messages=[{"role": "user", "content": "hi"}], stream=True
+        ) as streamed,
+    ):
         assert streamed.headers["x-max-tokens-clamped"] == str(CEILING)
         assert "event: message_stop" in "\n".join(streamed.iter_lines())
     # Within the ceiling nothing is cut, and nothing is said.
@@ -87,9 +102,11 @@ def test_a_clamping_key_gets_the_ceiling_and_is_told_so_on_every_family(served: 
     assert "x-max-tokens-clamped" not in fine.headers
 
 
-def test_a_keys_own_lower_ceiling_is_what_it_is_clamped_to(served: Any) -> None:
-    daemon, tokens = served
-    raw = _openai(daemon, tokens["small"]).completions.with_raw_response.create(
+def test_a_keys_own_lower_ceiling_is_what_it_is_clamped_to(
+    served: Any, clients: Callable[[str], openai.OpenAI]
+) -> None:
+    _, tokens = served
+    raw = clients(tokens["small"]).completions.with_raw_response.create(
         model="m", prompt="hi", max_tokens=CEILING, extra_body={"ignore_eos": True}
     )
     assert raw.headers["x-max-tokens-clamped"] == "8"

@@ -159,9 +159,12 @@ def _valid(text: str) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_chat_and_responses_answer_with_a_call_or_the_formats_json(served: Any, seed: int) -> None:
+def test_chat_and_responses_answer_with_a_call_or_the_formats_json(
+    served: Any, seed: int, request: pytest.FixtureRequest
+) -> None:
     daemon, token = served
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=token, max_retries=0, timeout=60)
+    request.addfinalizer(client.close)  # its sockets go with the test
     tools: Any = [WEATHER]
     fmt: Any = FORMAT
     chat = client.chat.completions.create(
@@ -195,9 +198,12 @@ def test_chat_and_responses_answer_with_a_call_or_the_formats_json(served: Any, 
         _valid(response.output_text)
 
 
-def test_messages_answer_with_a_tool_use_or_the_formats_json(served: Any) -> None:
+def test_messages_answer_with_a_tool_use_or_the_formats_json(
+    served: Any, request: pytest.FixtureRequest
+) -> None:
     daemon, token = served
     client = anthropic.Anthropic(base_url=daemon.url, api_key=token, max_retries=0)
+    request.addfinalizer(client.close)
     seen = set()
     for temperature in (0.0, 0.5, 1.0):
         message = client.messages.create(

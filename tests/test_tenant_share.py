@@ -180,11 +180,13 @@ def test_a_streams_headers_say_how_long_it_queued(served: Any) -> None:
     daemon, t = served
 
     def streamed(**extra: Any) -> tuple[int, str, float]:
-        client = _client(daemon, t.app)
         sent = time.monotonic()
-        with client.chat.completions.with_streaming_response.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, **extra
-        ) as raw:
+        with (
+            _client(daemon, t.app) as client,
+            client.chat.completions.with_streaming_response.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, **extra
+            ) as raw,
+        ):
             queued = int(raw.headers["x-queue-ms"])
             text = "".join(raw.iter_lines())
         return queued, text, time.monotonic() - sent

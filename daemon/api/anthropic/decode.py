@@ -389,19 +389,29 @@ def _messages(data: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
             turns.append(ChatMessage("system", text))
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for the results that answer them
     asked: set[str] = set()  # the tool_use ids of the message before
+    later: list[str] = []  # system messages among the turns
     for i, item in enumerate(value):
         where = f"messages[{i}]"
         message = _typed(item, dict, where, "an object with 'role' and 'content'")
         _unknown(message, frozenset({"role", "content"}), where)
         role = message.get("role")
-        if role not in ("user", "assistant"):  # as Anthropic's API: a system prompt is `system`
-            raise _fail(
-                f"'{where}.role' must be user or assistant (a system prompt goes in the top-level 'system')",
-                f"{where}.role",
-            )
+        if role not in ("user", "assistant", "system"):
+            raise _fail(f"'{where}.role' must be user, assistant or system", f"{where}.role")
         if "content" not in message:
             raise _fail(f"'{where}.content' is required", f"{where}.content")
+        if role == "system":
+            # Anthropic's mid-conversation system messages (Claude Code sends one): chat templates
+            # take a system turn first only, so the text joins the system prompt, in order.
+            text = _text(message["content"], f"{where}.content")
+            if text:
+                later.append(text)
+            continue
         turns.extend(_turns(i, role, message["content"], names, asked))
+    if later:
+        if turns and turns[0].role == "system":
+            turns[0] = ChatMessage("system", "\n\n".join([turns[0].content, *later]))
+        else:
+            turns.insert(0, ChatMessage("system", "\n\n".join(later)))
     merged = _merged(turns)
     if not any(turn.role != "system" for turn in merged):
         raise _fail("'messages' must hold at least one user or assistant turn with content", "messages")
