@@ -216,6 +216,15 @@ def test_only_hosted_tools_is_a_plain_answer_unless_a_call_is_forced() -> None:
         ([{**NAMESPACE, "tools": [WEATHER, WEATHER]}], "tools[0].tools[1].name"),
         ([{**NAMESPACE, "tools": [{"type": "web_search"}]}], "tools[0].tools[0].type"),
         ([{**NAMESPACE, "tools": [5]}], "tools[0].tools[0]"),
+        ([{**NAMESPACE, "tools": [WEATHER] * 129}], "tools[0].tools"),  # bounded before any is read
+        (  # two namespaces of 100 functions: 200 in all
+            [
+                {**NAMESPACE, "name": f"n{i}", "tools": [{**WEATHER, "name": f"f{j}"} for j in range(100)]}
+                for i in range(2)
+            ],
+            "tools",
+        ),
+        ([{"type": "web_search"}] * 129, "tools"),
     ],
 )
 def test_a_bad_namespace_is_a_400_naming_the_field(tools: list[Any], param: str) -> None:

@@ -25,7 +25,7 @@ from edgellmd.api.request import (
     within_ceiling,
 )
 from edgellmd.api.responses.store import RESPONSE_ID
-from edgellmd.api.structured import FUNCTION_NAME_CHARS, response_format_grammar, tool_plan
+from edgellmd.api.structured import FUNCTION_NAME_CHARS, MAX_TOOLS, response_format_grammar, tool_plan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter, shown
@@ -344,8 +344,8 @@ class Tools:
 
 
 def _tools(raw: Any) -> Tools:
-    if raw is not None and not isinstance(raw, list):
-        raise InvalidRequest("'tools' must be a list of tools", param="tools")
+    if raw is not None and (not isinstance(raw, list) or len(raw) > MAX_TOOLS):
+        raise InvalidRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
     out = Tools([], [], {}, [])
     for i, tool in enumerate(raw or []):
         where = f"tools[{i}]"
@@ -375,8 +375,10 @@ def _namespace(tool: dict[str, Any], where: str, out: Tools) -> None:
     """A namespace's function tools, each a tool of its own for the model; echoed as the namespace."""
     _, name, description = _named(tool, where, _NAMESPACE_KEYS)
     inner = tool.get("tools")
-    if not isinstance(inner, list) or not inner:
-        raise InvalidRequest(f"'{where}.tools' must be a list of function tools", param=f"{where}.tools")
+    if not isinstance(inner, list) or not inner or len(inner) > MAX_TOOLS:  # all of them: tool_plan
+        raise InvalidRequest(
+            f"'{where}.tools' must be a list of 1 to {MAX_TOOLS} function tools", param=f"{where}.tools"
+        )
     echoes = []
     for j, member in enumerate(inner):
         at = f"{where}.tools[{j}]"
@@ -389,6 +391,8 @@ def _namespace(tool: dict[str, Any], where: str, out: Tools) -> None:
             raise InvalidRequest(f"'{at}.name' repeats a tool of namespace {name}", param=f"{at}.name")
         out.namespaces[seen] = (name, echo["name"])
         out.functions.append(function)
+        if len(out.functions) > MAX_TOOLS:  # namespaces together: checked as they are read
+            raise InvalidRequest(f"'tools' hold more than {MAX_TOOLS} function tools in all", param="tools")
         echoes.append(echo)
     out.echoes.append({"type": "namespace", "name": name, "description": description, "tools": echoes})
 
