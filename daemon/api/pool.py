@@ -27,13 +27,23 @@ T = TypeVar("T")
 POOL_TENANT: Final[contextvars.ContextVar[str]] = contextvars.ContextVar("pool_tenant", default="")
 
 
+def started(pool: ThreadPoolExecutor, workers: int) -> ThreadPoolExecutor:
+    """`pool` with all its `workers` threads running now: a ThreadPoolExecutor starts one only
+    when a job finds none idle, so a second thread could appear hours in, at the first two jobs
+    that overlap (a soak sees the daemon's threads grow)."""
+    barrier = threading.Barrier(workers)
+    for future in [pool.submit(barrier.wait) for _ in range(workers)]:
+        future.result()
+    return pool
+
+
 class FairPool(Executor):
     """A thread pool whose jobs run at most `per_key` at a time per tenant, tenants round robin."""
 
     def __init__(self, workers: int, *, per_key: int | None = None, name: str = "prompt") -> None:
         self.workers = workers
         self.per_key = max(1, workers - 1) if per_key is None else per_key
-        self._inner = ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self._inner = started(ThreadPoolExecutor(workers, thread_name_prefix=name), workers)
         self._lock = threading.Condition()
         # Tenants with waiting jobs, in the order they get their next turn.
         self._waiting: OrderedDict[str, deque[tuple[Future[Any], Callable[[], Any]]]] = OrderedDict()
