@@ -10,9 +10,9 @@ and what is left is echoed on the response object, as OpenAI's clients expect it
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from edgellmd.api.fields import Fields, note_ignored, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
@@ -25,10 +25,18 @@ from edgellmd.api.request import (
     within_ceiling,
 )
 from edgellmd.api.responses.store import RESPONSE_ID
-from edgellmd.api.structured import FUNCTION_NAME_CHARS, MAX_TOOLS, response_format_grammar, tool_plan
+from edgellmd.api.structured import (
+    FUNCTION_NAME_CHARS,
+    MAX_TOOLS,
+    response_format_grammar,
+    response_format_schema,
+    tool_plan,
+)
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter, shown
+
+T = TypeVar("T")
 
 MAX_METADATA_KEYS: Final = 16  # OpenAI's limits on `metadata`
 MAX_METADATA_KEY_CHARS: Final = 64
@@ -468,8 +476,9 @@ def _tool_choice(value: Any) -> tuple[Any, Any]:
     )
 
 
-def _format(value: Any) -> tuple[str | None, dict[str, Any]]:
-    """`text.format`: the grammar it asks for (None for text) and its echo."""
+def _format(value: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """`text.format`, checked: as chat's `response_format` (None for text) and its echo. The
+    grammar is built later, once: only when no tool grammar takes the reply over."""
     if value is None:
         return None, {"type": "text"}
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
@@ -478,7 +487,7 @@ def _format(value: Any) -> tuple[str | None, dict[str, Any]]:
     f = Fields(value, "text.format.")
     if kind in ("text", "json_object"):
         f.only(frozenset({"type"}), "text.format")
-        return response_format_grammar({"type": kind}), {"type": kind}
+        return (None if kind == "text" else {"type": kind}), {"type": kind}
     if kind != "json_schema":
         raise InvalidRequest(
             "'text.format.type' must be text, json_object or json_schema", param="text.format.type"
@@ -496,12 +505,8 @@ def _format(value: Any) -> tuple[str | None, dict[str, Any]]:
     strict = value.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise InvalidRequest("'text.format.strict' must be a boolean", param="text.format.strict")
-    try:
-        grammar = response_format_grammar(
-            {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
-        )
-    except ApiError as exc:
-        raise _renamed(exc, "response_format.json_schema.", "text.format.") from None
+    asked = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+    _in_format_names(lambda: response_format_schema(asked))
     echo = {
         "type": "json_schema",
         "name": name,
@@ -509,17 +514,18 @@ def _format(value: Any) -> tuple[str | None, dict[str, Any]]:
         "strict": strict,
         "description": description,
     }
-    return grammar, echo
+    return asked, echo
 
 
-def _as_response_format(fmt: Mapping[str, Any]) -> dict[str, Any] | None:
-    """`text.format` (checked, as echoed) in chat's `response_format` shape; None for text."""
-    if fmt["type"] == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt["schema"]}}
-    return None if fmt["type"] == "text" else {"type": fmt["type"]}
+def _in_format_names(check: Callable[[], T]) -> T:
+    """`check()`, its refusal naming `text.format.` where chat's code says `response_format.json_schema.`."""
+    try:
+        return check()
+    except ApiError as exc:
+        raise _renamed(exc, "response_format.json_schema.", "text.format.") from None
 
 
-def _text(value: Any) -> tuple[str | None, dict[str, Any]]:
+def _text(value: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     if value is None:
         return None, {"format": {"type": "text"}, "verbosity": "medium"}
     if not isinstance(value, dict):
@@ -527,8 +533,8 @@ def _text(value: Any) -> tuple[str | None, dict[str, Any]]:
     f = Fields(value, "text.")
     f.only(frozenset({"format", "verbosity"}), "text")
     verbosity = f.choice("verbosity", VERBOSITIES) or "medium"  # accepted and ignored
-    grammar, fmt = _format(value.get("format"))
-    return grammar, {"format": fmt, "verbosity": verbosity}
+    asked, fmt = _format(value.get("format"))
+    return asked, {"format": fmt, "verbosity": verbosity}
 
 
 # ---- the rest ---------------------------------------------------------------------------------
@@ -646,7 +652,7 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
     instructions = f.string("instructions")
     stream = f.boolean("stream", False)
     _stream_options(f, stream)
-    grammar, text = _text(data.get("text"))
+    answer_format, text = _text(data.get("text"))
 
     given = _tools(data.get("tools"))
     functions = given.functions
@@ -663,13 +669,14 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
         choice = None  # auto with nothing to call is no tools at all
     parallel = f.boolean("parallel_tool_calls", True)
     try:
-        tools = tool_plan(
-            functions or None, choice, parallel, answer_format=_as_response_format(text["format"])
-        )
+        tools = tool_plan(functions or None, choice, parallel, answer_format=answer_format)
     except ApiError as exc:
         raise _renamed(exc, ".function.", ".") from None
+    grammar: str | None = None
     if tools is not None and tools.grammar is not None:
         grammar = tools.grammar  # a call, or (auto) an answer of the format
+    elif answer_format is not None:
+        grammar = _in_format_names(lambda: response_format_grammar(answer_format))
 
     max_tokens, asked = _max_output_tokens(f, limits)
     temperature = f.number("temperature", 1.0, lo=0.0, hi=2.0)
