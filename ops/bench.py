@@ -17,15 +17,34 @@ from typing import Any, Final
 
 import aiohttp
 
+from edgellmctl import workload
 from edgellmctl.cli import (
     CommandError,
     Subcommands,
     add_key_options,
     http_url,
     int_at_least,
+    int_between,
     positive_int,
     read_key,
     redact,
+)
+from edgellmctl.streams import (
+    BAD_STREAM,
+    CONNECT_TIMEOUT_S,
+    CONNECTION,
+    ENDPOINT_PATHS,
+    READ_TIMEOUT_S,
+    TRUNCATED,
+    BenchError,
+    Speed,
+    StreamTally,
+    api_base,
+    error_label,
+    first_model,
+    headers,
+    percentile,
+    read_stream,
 )
 from edgellmd.files import UnsuitableFile, read_regular
 
@@ -34,19 +53,8 @@ KEY_ENV: Final = "EDGELLM_API_KEY"
 KEY_FILE_ENV: Final = "EDGELLM_API_KEY_FILE"
 MAX_SCHEMA_BYTES: Final = 1024 * 1024
 MAX_PROMPT_BYTES: Final = 4 * 1024 * 1024
-CONNECT_TIMEOUT_S: Final = 10.0
-# A stream that sends nothing for this long is counted as a connection error; long
-# generations are fine as long as tokens keep coming.
-READ_TIMEOUT_S: Final = 300.0
-ENDPOINT_PATHS: Final = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-CONNECTION: Final = "connection"
-TRUNCATED: Final = "truncated"
-BAD_STREAM: Final = "bad stream"
-DONE: Final = b"[DONE]"
-
-
-class BenchError(Exception):
-    """The benchmark cannot run at all (server unreachable, no model to use)."""
+WORKLOAD_REQUESTS: Final = 100  # per rate: enough for a p90, a p99 that says something
+MAX_RATE: Final = 10_000.0  # requests/s one client offers
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,45 +75,6 @@ class BenchConfig:
     temperature: float = 0.8
     system: str | None = None  # a system prompt every request starts with (chat: a system message)
     users: int = 0  # closed-loop users holding conversations; 0: every request is a fresh prompt
-
-
-@dataclass(frozen=True, slots=True)
-class Speed:
-    """A reply's own account of speculation and prompt reuse, in whichever form the server gives it.
-
-    edgellmd and OpenAI: `usage.completion_tokens_details.accepted_prediction_tokens` and
-    `rejected_prediction_tokens`, `usage.prompt_tokens_details.cached_tokens`. llama-server:
-    `timings.draft_n`, `draft_n_accepted` and `cache_n`.
-    """
-
-    drafted: int
-    accepted: int
-    cached: int
-
-
-def speed_of(chunk: Any) -> Speed | None:
-    """The Speed a chunk (or a whole answer) reports, or None when it reports none."""
-    if not isinstance(chunk, dict):
-        return None
-    usage, timings = chunk.get("usage"), chunk.get("timings")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens_details"), dict):
-        details = usage["completion_tokens_details"]
-        prompt = usage.get("prompt_tokens_details")
-        accepted = _count(details.get("accepted_prediction_tokens"))
-        rejected = _count(details.get("rejected_prediction_tokens"))
-        cached = _count(prompt.get("cached_tokens")) if isinstance(prompt, dict) else 0
-        return Speed(accepted + rejected, accepted, cached)
-    if isinstance(timings, dict):
-        return Speed(
-            _count(timings.get("draft_n")),
-            _count(timings.get("draft_n_accepted")),
-            _count(timings.get("cache_n")),
-        )
-    return None
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,25 +108,6 @@ class BenchSummary:
     drafted_tokens: int | None = None  # None: the server reported no speculation figures
     accepted_tokens: int | None = None
     cached_prompt_tokens: int | None = None
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between closest ranks.
-
-    This is numpy's default ("linear"): with the values sorted, the percentile sits at
-    position (len - 1) * q / 100 and is interpolated between its two neighbours; q=0 is the
-    minimum, q=100 the maximum, q=50 of an even count the mean of the middle two.
-    No values give NaN; q outside 0..100 raises ValueError.
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be within 0..100, got {q}")
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> BenchSummary:
@@ -194,99 +144,6 @@ def summarize(results: list[RequestResult], wall_s: float) -> BenchSummary:
         accepted_tokens=sum(s.accepted for s in speeds) if speeds else None,
         cached_prompt_tokens=sum(s.cached for s in speeds) if speeds else None,
     )
-
-
-def api_base(url: str) -> str:
-    """The server base without a trailing `/` or `/v1`: `http://h:8080/v1/` -> `http://h:8080`."""
-    base = url.rstrip("/")
-    return base.removesuffix("/v1")
-
-
-def _headers(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-async def _error_label(response: aiohttp.ClientResponse) -> str:
-    """`429 rate_limit_error` from an OpenAI error envelope, else just the status code."""
-    label = str(response.status)
-    try:
-        body = await response.json(content_type=None)
-    except (ValueError, aiohttp.ClientError, TimeoutError):
-        return label
-    error = body.get("error") if isinstance(body, dict) else None
-    kind = error.get("type") if isinstance(error, dict) else None
-    # The type is server-chosen text; keep it short and printable before it reaches a report.
-    if isinstance(kind, str) and kind.isprintable() and 0 < len(kind) <= 64:
-        return f"{label} {kind}"
-    return label
-
-
-def chunk_text(chunk: Any) -> str:
-    """The generated text a stream chunk carries: `choices[0].text` or `choices[0].delta.content`."""
-    choices = chunk.get("choices") if isinstance(chunk, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return ""
-    first = choices[0]
-    text = first.get("text")
-    if text is None and isinstance(first.get("delta"), dict):
-        text = first["delta"].get("content")
-    return text if isinstance(text, str) else ""
-
-
-@dataclass(slots=True)
-class StreamTally:
-    """Running account of one SSE stream, fed one event's data at a time."""
-
-    started: float
-    ttft_s: float | None = None
-    text_chunks: int = 0
-    usage_tokens: int | None = None
-    done: bool = False
-    parts: list[str] = field(default_factory=list)
-    speed: Speed | None = None
-
-    def feed(self, data: bytes, now: float) -> None:
-        """Account for one event's data; raises ValueError for data that is not JSON."""
-        if data.strip() == DONE:
-            self.done = True
-            return
-        chunk = json.loads(data)
-        usage = chunk.get("usage") if isinstance(chunk, dict) else None
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.usage_tokens = usage["completion_tokens"]
-        self.speed = speed_of(chunk) or self.speed
-        text = chunk_text(chunk)
-        if text:
-            self.parts.append(text)
-            self.text_chunks += 1
-            if self.ttft_s is None:
-                self.ttft_s = now - self.started
-
-    @property
-    def tokens(self) -> int:
-        """Completion tokens: the server's usage figure when it sent one, else text chunks."""
-        return self.text_chunks if self.usage_tokens is None else self.usage_tokens
-
-
-async def _read_stream(response: aiohttp.ClientResponse, tally: StreamTally) -> None:
-    """Parse SSE until `data: [DONE]` or the end of the body (events end at a blank line)."""
-    data: list[bytes] = []
-    async for raw in response.content:
-        line = raw.rstrip(b"\r\n")
-        if not line:
-            if data:
-                tally.feed(b"\n".join(data), time.perf_counter())
-                data.clear()
-                if tally.done:
-                    return
-            continue
-        name, _, value = line.partition(b":")
-        if name == b"data":  # comments (":...") and other fields (event, id, retry) carry no text
-            data.append(value.removeprefix(b" "))
-    # Be lenient with a final `data: [DONE]` that lacks its blank line; any other partial event
-    # at the end of the body is what a cut stream looks like and is left unparsed.
-    if data and b"\n".join(data).strip() == DONE:
-        tally.done = True
 
 
 def request_body(
@@ -335,12 +192,12 @@ async def one_request(
     streaming = False
     try:
         async with session.post(
-            url, json=request_body(config, model, index, history), headers=_headers(config.key)
+            url, json=request_body(config, model, index, history), headers=headers(config.key)
         ) as response:
             if not 200 <= response.status < 300:
-                return RequestResult(None, time.perf_counter() - started, 0, await _error_label(response))
+                return RequestResult(None, time.perf_counter() - started, 0, await error_label(response))
             streaming = True
-            await _read_stream(response, tally)
+            await read_stream(response, tally)
     except (TimeoutError, aiohttp.ClientError, OSError):
         # A connection lost once the stream had begun is a cut stream, like one that ends
         # without [DONE]; before that, the server was not reached or answered nothing.
@@ -354,28 +211,6 @@ async def one_request(
     return RequestResult(tally.ttft_s, latency, tally.tokens, text="".join(tally.parts), speed=tally.speed)
 
 
-async def first_model(session: aiohttp.ClientSession, config: BenchConfig) -> str:
-    """The first model id that `GET /v1/models` lists."""
-    try:
-        async with session.get(
-            api_base(config.base_url) + "/v1/models", headers=_headers(config.key)
-        ) as response:
-            if response.status != 200:
-                raise BenchError(f"GET /v1/models answered {await _error_label(response)}")
-            body = await response.json(content_type=None)
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise BenchError(f"cannot reach {api_base(config.base_url)}: {exc}") from None
-    except ValueError:
-        raise BenchError("GET /v1/models answered something that is not JSON") from None
-    models = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(models, list) or not models:
-        raise BenchError("the server lists no models; name one with --model")
-    model_id = models[0].get("id") if isinstance(models[0], dict) else None
-    if not isinstance(model_id, str) or not model_id:
-        raise BenchError("the first model GET /v1/models lists has no id; name one with --model")
-    return model_id
-
-
 async def run_bench(config: BenchConfig) -> BenchSummary:
     """Warm up sequentially, then run `requests` streamed requests over `concurrency` workers."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
@@ -384,7 +219,7 @@ async def run_bench(config: BenchConfig) -> BenchSummary:
     # On a LAN the connect costs well under a millisecond of each TTFT.
     connector = aiohttp.TCPConnector(force_close=True, limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        model = config.model or await first_model(session, config)
+        model = config.model or await first_model(session, config.base_url, config.key)
         for i in range(config.warmup):
             # Seeds after the measured ones, so every request of a run has its own.
             warm = await one_request(session, config, model, config.requests + i)
@@ -497,18 +332,23 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument(
         "--url",
         required=True,
+        action="append",
         type=http_url,
-        help="server base URL, with or without /v1, e.g. http://127.0.0.1:8080",
+        help="server base URL, with or without /v1, e.g. http://127.0.0.1:8080; with --workload, "
+        "once per server to compare, measured in turn at every rate",
     )
     add_key_options(
         p, what="API key, sent as a bearer token and never printed", file_env=KEY_FILE_ENV, env=KEY_ENV
     )
     p.add_argument("--model", help="model id (default: the first one GET /v1/models lists)")
-    p.add_argument("-c", "--concurrency", type=positive_int, default=1, help="concurrent streams (default 1)")
-    p.add_argument("-n", "--requests", type=positive_int, default=8, help="measured requests (default 8)")
+    p.add_argument("-c", "--concurrency", type=positive_int, help="concurrent streams (default 1)")
     p.add_argument(
-        "-m", "--max-tokens", type=positive_int, default=64, help="max_tokens per request (default 64)"
+        "-n",
+        "--requests",
+        type=int_between(1, workload.MAX_REQUESTS),
+        help=f"measured requests (default 8; with --workload, per rate: default {WORKLOAD_REQUESTS})",
     )
+    p.add_argument("-m", "--max-tokens", type=positive_int, help="max_tokens per request (default 64)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     prompt.add_argument("--prompt-file", type=Path, metavar="FILE", help="read the prompt text from FILE")
@@ -557,7 +397,98 @@ def add_parser(sub: Subcommands) -> None:
         "(response_format json_schema) to measure constrained decoding",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_workload_options(p)
     p.set_defaults(func=run)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    """`0.5,1,2`: offered rates in requests/s, each finite and above 0, rising."""
+    parse = float_in(0.0, MAX_RATE)
+    rates = tuple(parse(part.strip()) for part in text.split(",") if part.strip())
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"must be rates above 0, comma-separated, got {text!r}")
+    if list(rates) != sorted(set(rates)):
+        raise argparse.ArgumentTypeError(f"rates must rise without repeats, got {text!r}")
+    return rates
+
+
+def _label(text: str) -> str:
+    if not 0 < len(text) <= 40 or not text.isprintable():
+        raise argparse.ArgumentTypeError("must be 1 to 40 printable characters")
+    return text
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "serving benchmark (--workload)",
+        "open-loop arrivals, ShareGPT-like lengths, goodput under an SLO; any other option "
+        "above that shapes closed-loop requests (-c, --users, --prompt ...) is refused with it",
+    )
+    g.add_argument(
+        "--workload",
+        choices=workload.ARRIVALS,
+        help="arrivals: poisson (exponential gaps at each --rate), constant (evenly spaced), or burst "
+        "(every request at once)",
+    )
+    g.add_argument(
+        "--rate",
+        type=_rates,
+        help="offered requests/s, comma-separated for a sweep, e.g. 0.25,0.5,1,2 (poisson, constant)",
+    )
+    g.add_argument("--label", action="append", type=_label, help="a --url's name in reports, once per --url")
+    g.add_argument(
+        "--lengths",
+        choices=("sharegpt", "fixed"),
+        default="sharegpt",
+        help="sharegpt (default): log-normal draws with ShareGPT's means (161 prompt, 338 output "
+        "tokens); fixed: every request at --max-prompt-tokens and --max-output-tokens",
+    )
+    g.add_argument(
+        "--length-scale",
+        type=float_in(0.001, 100.0),
+        default=1.0,
+        help="multiply the sharegpt means, e.g. 0.25 for a small model on a CPU (default 1)",
+    )
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int_between(workload.MIN_PROMPT_TOKENS, workload.MAX_TOKENS_LIMIT),
+        default=1024,
+        help="longest prompt drawn (default 1024)",
+    )
+    g.add_argument(
+        "--max-output-tokens",
+        type=int_between(1, workload.MAX_TOKENS_LIMIT),
+        default=1024,
+        help="longest output drawn (default 1024)",
+    )
+    g.add_argument(
+        "--seed", type=int_between(0, 2**31 - 1), default=0, help="seed of lengths and arrivals (default 0)"
+    )
+    g.add_argument(
+        "--slo-ttft",
+        type=float_in(0.001, 86_400.0),
+        default=2.0,
+        help="SLO: seconds to first token (default 2)",
+    )
+    g.add_argument(
+        "--slo-tokens-per-s",
+        type=float_in(0.0, 1e6),
+        default=5.0,
+        help="SLO: tokens/s after the first, per request (default 5)",
+    )
+    g.add_argument(
+        "--slo-attainment",
+        type=float_in(0.01, 1.0),
+        default=0.9,
+        help="SLO: share of requests that must meet it for a rate to hold (default 0.9)",
+    )
+    g.add_argument(
+        "--until-saturated",
+        action="store_true",
+        help="stop a server's sweep at the first rate where it misses the SLO",
+    )
+    g.add_argument("--svg", type=Path, metavar="FILE", help="write goodput and TTFT p90 against rate as SVG")
+    g.add_argument("--save", type=Path, metavar="FILE", help="also write the JSON report to FILE")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -566,6 +497,20 @@ def run(args: argparse.Namespace) -> int:
         key = read_key(args.key_file, what="API key", file_env=KEY_FILE_ENV, env=KEY_ENV)
     except CommandError as exc:
         print(redact(f"edgellmctl bench: {exc}"), file=sys.stderr)
+        return 2
+    if args.workload is not None:
+        return run_workload_command(args, key)
+    for option, value in (
+        ("--rate", args.rate),
+        ("--label", args.label),
+        ("--svg", args.svg),
+        ("--save", args.save),
+    ):
+        if value is not None:
+            print(f"edgellmctl bench: {option} needs --workload", file=sys.stderr)
+            return 2
+    if len(args.url) > 1:
+        print("edgellmctl bench: one --url, unless --workload compares servers", file=sys.stderr)
         return 2
     response_format = None
     if args.json_schema is not None:
@@ -594,11 +539,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"edgellmctl bench: {exc}", file=sys.stderr)
         return 2
     config = BenchConfig(
-        base_url=args.url,
+        base_url=args.url[0],
         model=args.model,
-        concurrency=args.concurrency,
-        requests=args.requests,
-        max_tokens=args.max_tokens,
+        concurrency=args.concurrency or 1,
+        requests=args.requests or 8,
+        max_tokens=args.max_tokens or 64,
         prompt=prompt,
         endpoint=args.endpoint,
         key=key,
@@ -617,5 +562,73 @@ def run(args: argparse.Namespace) -> int:
     print(format_json(summary) if args.json else format_text(summary, config))
     if summary.ok == 0:
         print(f"edgellmctl bench: every request to {api_base(config.base_url)} failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_workload_command(args: argparse.Namespace, key: str | None) -> int:
+    """`--workload`: the serving benchmark; 1 when it cannot run or no request of it succeeded."""
+    closed_loop = {
+        "-c/--concurrency": args.concurrency is not None,
+        "-m/--max-tokens": args.max_tokens is not None,  # outputs are drawn: --max-output-tokens
+        "--users": args.users != 0,
+        "--prompt/--prompt-file": args.prompt != DEFAULT_PROMPT or args.prompt_file is not None,
+        "--system-file": args.system_file is not None,
+        "--json-schema": args.json_schema is not None,
+        "--ignore-eos": args.ignore_eos,  # always sent: outputs are their drawn length
+    }
+    refused = [option for option, given in closed_loop.items() if given]
+    problem = None
+    if refused:
+        problem = f"{', '.join(refused)} shape closed-loop requests: not with --workload"
+    elif args.workload == "burst" and args.rate is not None:
+        problem = "a burst sends every request at once: --rate is for poisson and constant"
+    elif args.workload != "burst" and args.rate is None:
+        problem = f"--workload {args.workload} needs --rate"
+    elif args.label is not None and len(args.label) != len(args.url):
+        problem = f"{len(args.label)} --label for {len(args.url)} --url: give one per --url, or none"
+    labels = args.label or [
+        f"server {i + 1}" if len(args.url) > 1 else "server" for i in range(len(args.url))
+    ]
+    if problem is None and len(set(labels)) != len(labels):
+        problem = "each --label must differ"
+    if problem is not None:
+        print(f"edgellmctl bench: {problem}", file=sys.stderr)
+        return 2
+    config = workload.WorkloadConfig(
+        targets=tuple(
+            workload.Target(label, url, args.model) for label, url in zip(labels, args.url, strict=True)
+        ),
+        arrivals=args.workload,
+        rates=args.rate or (),
+        requests=args.requests or WORKLOAD_REQUESTS,
+        lengths=workload.Lengths(
+            args.lengths, args.length_scale, args.max_prompt_tokens, args.max_output_tokens
+        ),
+        slo=workload.Slo(args.slo_ttft, args.slo_tokens_per_s, args.slo_attainment),
+        seed=args.seed,
+        endpoint=args.endpoint,
+        key=key,
+        warmup=args.warmup,
+        temperature=args.temperature,
+        until_saturated=args.until_saturated,
+    )
+    try:
+        report = asyncio.run(workload.run_workload(config, workload.live_progress(sys.stderr)))
+    except BenchError as exc:
+        print(redact(f"edgellmctl bench: {exc}"), file=sys.stderr)
+        return 1
+    document = json.dumps(workload.as_json(report), allow_nan=False)
+    for path, text in ((args.save, document + "\n"), (args.svg, None)):
+        if path is None:
+            continue
+        try:
+            path.write_text(workload.chart(report) if text is None else text, encoding="utf-8")
+        except OSError as exc:
+            print(f"edgellmctl bench: cannot write {path}: {exc.strerror}", file=sys.stderr)
+            return 1
+    print(document if args.json else workload.format_table(report))
+    if not any(stage.ok for stage in report.stages):
+        print("edgellmctl bench: no request of the workload succeeded", file=sys.stderr)
         return 1
     return 0

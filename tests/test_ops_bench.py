@@ -20,10 +20,11 @@ import pytest
 from aiohttp import web
 from pytest_aiohttp import AiohttpServer
 
-from edgellmctl import bench
+from edgellmctl import bench, streams
 from edgellmctl.__main__ import main
-from edgellmctl.bench import BenchConfig, RequestResult, percentile, request_body, run_bench, summarize
+from edgellmctl.bench import BenchConfig, RequestResult, request_body, run_bench, summarize
 from edgellmctl.cli import Parser
+from edgellmctl.streams import percentile
 from tests.serving import RunningDaemon
 
 KEY: Final = "sk-bench-secret-4711"
@@ -323,7 +324,7 @@ def test_summary_of_nothing_but_failures_prints_dashes_and_nulls() -> None:
     ],
 )
 def test_api_base(url: str, base: str) -> None:
-    assert bench.api_base(url) == base
+    assert streams.api_base(url) == base
 
 
 @pytest.mark.parametrize(
@@ -341,7 +342,7 @@ def test_api_base(url: str, base: str) -> None:
     ],
 )
 def test_chunk_text(chunk: Any, text: str) -> None:
-    assert bench.chunk_text(chunk) == text
+    assert streams.chunk_text(chunk) == text
 
 
 # --- run_bench against a scripted server ------------------------------------------------------------
