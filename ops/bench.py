@@ -401,7 +401,7 @@ def add_parser(sub: Subcommands) -> None:
     p.set_defaults(func=run)
 
 
-def _rates(text: str) -> tuple[float, ...]:
+def rate_list(text: str) -> tuple[float, ...]:
     """`0.5,1,2`: offered rates in requests/s, each finite and above 0, rising."""
     parse = float_in(0.0, MAX_RATE)
     rates = tuple(parse(part.strip()) for part in text.split(",") if part.strip())
@@ -432,7 +432,7 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--rate",
-        type=_rates,
+        type=rate_list,
         help="offered requests/s, comma-separated for a sweep, e.g. 0.25,0.5,1,2 (poisson, constant)",
     )
     g.add_argument("--label", action="append", type=_label, help="a --url's name in reports, once per --url")

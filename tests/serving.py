@@ -225,6 +225,7 @@ def settings_for(
     lifecycle: dict[str, Any] | None = None,
     auth: dict[str, Any] | None = None,
     ledger: dict[str, Any] | None = None,
+    telemetry: dict[str, Any] | None = None,
 ) -> Settings:
     """Settings from plain dicts, as a YAML file would give them (the test server picks its own port)."""
     data: dict[str, Any] = {
@@ -235,6 +236,7 @@ def settings_for(
         "lifecycle": lifecycle,
         "auth": auth,
         "ledger": ledger,
+        "telemetry": telemetry,
     }
     return parse_settings(data, base_dir=base_dir or Path.cwd())
 

@@ -245,7 +245,7 @@ def timings(daemon: RunningDaemon) -> str:
     """Prompt tokens and mean time to first token, from the daemon's own metrics."""
     assert daemon.app is not None
     registry = daemon.app[appkeys.METRICS].registry
-    labels = {"model": MODEL}
+    labels = {"model": MODEL, "model_name": MODEL}
     prompt = registry.get_sample_value("edgellm_prompt_tokens_total", labels) or 0.0
     count = registry.get_sample_value("edgellm_time_to_first_token_seconds_count", labels) or 0.0
     total = registry.get_sample_value("edgellm_time_to_first_token_seconds_sum", labels) or 0.0

@@ -123,7 +123,7 @@ async def test_metrics_renders_the_applications_metrics(
     aiohttp_client: AiohttpClient, tiny_model: Path
 ) -> None:
     async with api_context([model_settings("tiny", tiny_model)], start=False) as context:
-        context.metrics.prompt_tokens.labels("tiny").inc(3)
+        context.metrics.prompt_tokens.labels("tiny", "tiny").inc(3)
         app = bare_app()
         app[API_CONTEXT] = context
         setup_health(app)
@@ -132,5 +132,5 @@ async def test_metrics_renders_the_applications_metrics(
         text = await response.text()
     assert response.status == 200
     assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-    assert 'edgellm_prompt_tokens_total{model="tiny"} 3.0' in text.splitlines()
+    assert 'edgellm_prompt_tokens_total{model="tiny",model_name="tiny"} 3.0' in text.splitlines()
     assert "edgellm_build_info{" in text

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
-from edgellmd.host.metrics import Metrics
+from edgellmd.host.metrics import ChoiceFigures, Metrics, Slo
 from edgellmd.host.nvml import read_gpus
 from edgellmd.models.registry import Registry
 from tests import fakenvml
@@ -86,10 +86,24 @@ def test_counters_and_histograms_move_with_requests(daemon: RunningDaemon) -> No
     assert delta("edgellm_requests_total", endpoint="unmatched", status="404", key_id="") == 1
     assert not any("12345" in str(labels) for _, labels in after)  # raw paths never become labels
     assert delta("edgellm_request_duration_seconds_count", endpoint="/v1/completions") == 4
-    assert delta("edgellm_completion_tokens_total", model="tiny") == 15
-    assert delta("edgellm_prompt_tokens_total", model="tiny") >= 3
-    assert delta("edgellm_time_to_first_token_seconds_count", model="tiny") == 3
-    assert delta("edgellm_inter_token_latency_seconds_count", model="tiny") == 12  # 4 gaps x 3
+    assert delta("edgellm_completion_tokens_total", model="tiny", model_name="tiny") == 15
+    assert delta("edgellm_prompt_tokens_total", model="tiny", model_name="tiny") >= 3
+    tiny = {"model": "tiny", "model_name": "tiny"}
+    per_request = {**tiny, "api": "completions"}
+    assert delta("edgellm_time_to_first_token_seconds_count", **tiny) == 3
+    assert delta("edgellm_time_to_first_token_from_admission_seconds_count", model="tiny") == 3
+    assert delta("edgellm_inter_token_latency_seconds_count", **tiny) == 12  # 4 gaps x 3
+    for histogram in ("queue_time_seconds", "prefill_time_seconds", "decode_time_seconds", "prompt_tokens"):
+        assert delta(f"edgellm_request_{histogram}_count", **per_request) == 3
+    assert delta("edgellm_e2e_request_latency_seconds_count", **per_request) == 3
+    assert delta("edgellm_request_generation_tokens_sum", **per_request) == 15
+    # Five tokens each: all land in the bucket of 8 and above, none at 4 or below.
+    assert delta("edgellm_request_generation_tokens_bucket", **per_request, le="4.0") == 0
+    assert delta("edgellm_request_generation_tokens_bucket", **per_request, le="8.0") == 3
+    assert delta("edgellm_request_success_total", **per_request, finished_reason="length") == 3
+    assert delta("edgellm_request_slo_total", **per_request, result="met") == 3  # a tiny model, idle
+    assert delta("edgellm_request_slo_total", **per_request, result="missed") == 0
+    assert value(after, "edgellm_num_requests_running", **tiny) == 0
     assert value(after, "edgellm_slots_total", model="tiny") == 1
     assert value(after, "edgellm_queue_size", model="tiny") == 0
     assert value(after, "edgellm_model_state", model="tiny", state="ready") == 1
@@ -169,11 +183,16 @@ def test_every_contract_name_is_exported_with_a_gpu(tmp_path: Path) -> None:
     snapshot = read_gpus(fakenvml.hot())
     metrics.add_state(registry, refusals=Counter, gpu=lambda: snapshot, shm=tmp_path, models_dir=tmp_path)
     metrics.requests.labels("/v1/completions", "200", "").inc()
-    metrics.ttft.labels("m").observe(0.1)
-    metrics.itl.labels("m").observe(0.01)
+    timing = metrics.timing("m")
+    timing.tokens(1)
+    timing.tokens(2)
+    metrics.request_done(
+        "m", "chat", arrived=0.0, admitted=0.0, prompt_tokens=3,
+        choices=[ChoiceFigures(0.0, 2, "stop", timing.first_at)], slo=Slo(),
+    )  # fmt: skip
     metrics.request_duration.labels("/v1/completions").observe(0.2)
-    metrics.prompt_tokens.labels("m").inc()
-    metrics.completion_tokens.labels("m").inc()
+    metrics.prompt_tokens.labels("m", "m").inc()
+    metrics.completion_tokens.labels("m", "m").inc()
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     exported = set()
     for family in families.values():
@@ -194,9 +213,15 @@ def test_every_contract_name_is_exported_with_a_gpu(tmp_path: Path) -> None:
         "edgellm_model_state",
         "edgellm_reloads_total",
         "edgellm_queue_rejections_total",
+        "edgellm_num_requests_running",
+        "edgellm_num_requests_waiting",
         *(name for name in CONTRACT if "draft" in name or "prompt_cache" in name),
     }  # need a configured model: covered above
     assert wanted - exported - model_series == set()
+    # And the other way round: every name the daemon exports is in the contract (a new metric
+    # is declared there, where the dashboard's and the rules' checks read it).
+    created = {name for name in exported if name.endswith("_created")}  # the client's own timestamps
+    assert {name for name in exported - created if name.startswith("edgellm_")} - wanted == set()
     samples = parse(metrics.render().decode())
     assert value(samples, "edgellm_gpu_up", gpu="0", name="NVIDIA H200") == 1
     assert value(samples, "edgellm_gpu_memory_total_bytes", gpu="0") == 150754820096
@@ -282,3 +307,89 @@ def test_speculation_and_prompt_cache_reach_status_and_metrics(tmp_path: Path) -
         == perf["speculative"]["drafted_tokens"]
     )
     assert value(samples, "edgellm_prompt_cache_bytes", model="fast") == cache["used_bytes"]
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def bucket(samples: Samples, metric: str, le: str, **labels: str) -> float:
+    return value(samples, f"{metric}_bucket", **labels, le=le)
+
+
+@pytest.mark.parametrize(("slo_tokens_per_s", "met"), [(4.9, True), (5.1, False)])
+def test_a_request_of_known_timing_lands_in_the_right_buckets(
+    monkeypatch: pytest.MonkeyPatch, slo_tokens_per_s: float, met: bool
+) -> None:
+    clock = Clock(100.3)  # admitted 0.3 s after its arrival at 100.0
+    monkeypatch.setattr("edgellmd.host.metrics.time.monotonic", clock)
+    metrics = Metrics()
+    timing = metrics.timing("m", arrived=100.0)
+    clock.now = 100.8  # first token: 0.8 s from arrival, 0.5 s from admission
+    timing.tokens(1)
+    clock.now = 103.0  # 11 more tokens in 2.2 s: 5 tokens/s
+    timing.tokens(12)
+    choice = ChoiceFigures(queue_s=0.2, completion_tokens=12, finish_reason="stop", first_at=timing.first_at)
+    slo = Slo(ttft_s=1.0, tokens_per_s=slo_tokens_per_s)
+    done = metrics.request_done(
+        "m", "messages", arrived=100.0, admitted=100.3, prompt_tokens=40, choices=[choice], slo=slo
+    )
+    assert done is met
+    samples = parse(metrics.render().decode())
+    labels = {"model": "m", "model_name": "m"}
+    request = {**labels, "api": "messages"}
+    for metric, series, below, at in (
+        ("edgellm_time_to_first_token_seconds", labels, "0.5", "1.0"),  # 0.8
+        ("edgellm_request_queue_time_seconds", request, "0.1", "0.25"),  # 0.2
+        ("edgellm_request_prefill_time_seconds", request, "0.25", "0.5"),  # 0.8 - 0.3 - 0.2 = 0.3
+        ("edgellm_request_decode_time_seconds", request, "1.0", "2.5"),  # 2.2
+        ("edgellm_e2e_request_latency_seconds", request, "2.5", "5.0"),  # 3.0
+        ("edgellm_request_prompt_tokens", request, "32.0", "64.0"),  # 40
+        ("edgellm_request_generation_tokens", request, "8.0", "16.0"),  # 12
+    ):
+        assert bucket(samples, metric, below, **series) == 0, metric
+        assert bucket(samples, metric, at, **series) == 1, metric
+    assert bucket(samples, "edgellm_time_to_first_token_from_admission_seconds", "0.5", model="m") == 1
+    assert bucket(samples, "edgellm_time_to_first_token_from_admission_seconds", "0.25", model="m") == 0
+    # 2.2 s spread over the 11 tokens one event carried: 0.2 s each.
+    assert bucket(samples, "edgellm_inter_token_latency_seconds", "0.5", **labels) == 11
+    assert bucket(samples, "edgellm_inter_token_latency_seconds", "0.1", **labels) == 0
+    assert value(samples, "edgellm_request_success_total", **request, finished_reason="stop") == 1
+    result = "met" if met else "missed"
+    assert value(samples, "edgellm_request_slo_total", **request, result=result) == 1
+
+
+@pytest.mark.parametrize(
+    ("choice", "met"),
+    [
+        (ChoiceFigures(0.0, 1, "stop", 101.0), True),  # one token: its first decides
+        (ChoiceFigures(0.0, 5, "stop", 101.01), False),  # the first token a shade late
+        (ChoiceFigures(0.0, 0, "error", None), False),  # never started
+    ],
+)
+def test_slo_of_one_choice(choice: ChoiceFigures, met: bool) -> None:
+    assert Slo(ttft_s=1.0, tokens_per_s=5.0).met(100.0, 101.5, choice) is met
+
+
+def test_the_configured_slo_decides_what_is_counted_met(models_dir: Path) -> None:
+    model = {
+        "name": "tiny",
+        "file": str(models_dir / "tiny.gguf"),
+        "slots": 1,
+        "context_size": 256,
+        "threads": 1,
+    }
+    settings = settings_for([model], lifecycle={"watch": False}, telemetry={"slo_ttft_s": 0.000001})
+    with running(settings) as daemon:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        assert daemon.post("/v1/chat/completions", body)[0] == 200
+        samples = scrape(daemon)
+    request = {"model": "tiny", "model_name": "tiny", "api": "chat"}
+    assert value(samples, "edgellm_request_slo_total", **request, result="missed") == 1  # no box is that fast
+    assert value(samples, "edgellm_request_slo_total", **request, result="met") == 0

@@ -30,10 +30,22 @@ CONTRACT: Final[dict[str, frozenset[str]]] = {
         "edgellm_build_info": "version",
         "edgellm_requests_total": "endpoint status key_id",
         "edgellm_request_duration_seconds": "endpoint",
-        "edgellm_time_to_first_token_seconds": "model",
-        "edgellm_inter_token_latency_seconds": "model",
-        "edgellm_prompt_tokens_total": "model",
-        "edgellm_completion_tokens_total": "model",
+        "edgellm_time_to_first_token_seconds": "model model_name",
+        "edgellm_time_to_first_token_from_admission_seconds": "model",
+        "edgellm_inter_token_latency_seconds": "model model_name",
+        "edgellm_request_queue_time_seconds": "model model_name api",
+        "edgellm_request_prefill_time_seconds": "model model_name api",
+        "edgellm_request_decode_time_seconds": "model model_name api",
+        "edgellm_e2e_request_latency_seconds": "model model_name api",
+        "edgellm_request_prompt_tokens": "model model_name api",
+        "edgellm_request_generation_tokens": "model model_name api",
+        "edgellm_request_success_total": "model model_name api finished_reason",
+        "edgellm_request_slo_total": "model model_name api result",
+        "edgellm_num_requests_running": "model model_name",
+        "edgellm_num_requests_waiting": "model model_name",
+        "edgellm_trace_exports_total": "result",
+        "edgellm_prompt_tokens_total": "model model_name",
+        "edgellm_completion_tokens_total": "model model_name",
         "edgellm_slots_busy": "model",
         "edgellm_slots_total": "model",
         "edgellm_queue_depth": "model",
@@ -75,7 +87,14 @@ HISTOGRAMS: Final = frozenset(
     {
         "edgellm_request_duration_seconds",
         "edgellm_time_to_first_token_seconds",
+        "edgellm_time_to_first_token_from_admission_seconds",
         "edgellm_inter_token_latency_seconds",
+        "edgellm_request_queue_time_seconds",
+        "edgellm_request_prefill_time_seconds",
+        "edgellm_request_decode_time_seconds",
+        "edgellm_e2e_request_latency_seconds",
+        "edgellm_request_prompt_tokens",
+        "edgellm_request_generation_tokens",
     }
 )
 TARGET_LABELS: Final = frozenset({"job", "instance"})  # added by Prometheus at scrape time
@@ -135,7 +154,7 @@ SUBJECT_LABELS: Final[dict[str, tuple[str, ...]]] = {
 }
 SEVERITIES: Final = frozenset({"warning", "critical"})
 DATASOURCE_REF: Final = {"type": "prometheus", "uid": "${datasource}"}
-ROWS: Final = ["Traffic", "Models", "Limits", "GPU", "Host"]
+ROWS: Final = ["Traffic", "Serving", "Models", "Limits", "GPU", "Host"]
 # Grafana variables in dashboard queries, replaced by values promtool can parse.
 GRAFANA_VARIABLES: Final = {"$__rate_interval": "5m", "$instance": ".*", "$model": ".*"}
 

@@ -595,11 +595,11 @@ BAD: list[tuple[str, Any, str, str]] = [
     # top level and file
     ("top-unknown-key", {**with_model(), "servers": {}}, "servers",
      "unknown key (expected one of auth, console, host, ledger, lifecycle, lock, logging, models, "
-     "responses, server)"),
+     "responses, server, telemetry)"),
     ("top-non-string-key", "1: one\n" + MINIMAL, "1", "unknown key"),
     ("top-level-list", "- name: tiny\n  file: tiny.gguf\n", "(top level)",
      "must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, responses, "
-     "console, ledger, got [{"),
+     "console, ledger, telemetry, got [{"),
     ("top-level-string", "just text\n", "(top level)", "got 'just text'"),
     ("empty-file", "", "{file}", "config file is empty"),
     ("comments-only", "# nothing yet\n", "{file}", "config file is empty"),
@@ -760,7 +760,7 @@ def test_parse_settings_rejects_non_mapping_data(tmp_path: Path) -> None:
 
     assert caught.value.problems == [
         "(top level): must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, "
-        "responses, console, ledger, got None"
+        "responses, console, ledger, telemetry, got None"
     ]
 
 

@@ -21,6 +21,7 @@ from edgellmd.errors import ApiError
 from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import GpuMonitor
+from edgellmd.host.traces import RequestTrace
 from edgellmd.keys import PRIORITIES, ApiKey
 from edgellmd.ledger.store import Ledger
 from edgellmd.models.registry import Registry
@@ -97,6 +98,11 @@ USAGE_ID: Final = web.RequestKey("usage_id", str)
 # Seconds each finished choice of the request waited for a slot (Finished.queue_s): the answer's
 # `x-queue-ms` header says the longest (a stream's headers take it from the first tokens: api.sse).
 QUEUE_WAITS: Final = web.RequestKey("queue_waits", list[float])
+# time.monotonic() when the request's handling began (the front door's middleware): time to
+# first token and end-to-end latency count from here.
+ARRIVED: Final = web.RequestKey("arrived", float)
+# The request's trace, when it is traced (host.traces): each layer notes its phases on it.
+TRACE: Final = web.RequestKey("trace", RequestTrace)
 MORE_SEQUENCES: Final = web.RequestKey[Callable[[int], None]]("more_sequences")
 # The request's max_tokens bounds (token_limits): a max_tokens the policy cut to the ceiling
 # shows in the answer's `x-max-tokens-clamped` header (the ceiling it got).

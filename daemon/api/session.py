@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, MORE_SEQUENCES, QUEUE_WAITS, USER_TAG, context
+from edgellmd.api.context import ARRIVED, CALLER, MORE_SEQUENCES, QUEUE_WAITS, TRACE, USER_TAG, context
 from edgellmd.api.ledger import account
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
 from edgellmd.api.request import ChatRequest, CommonRequest
@@ -40,9 +42,23 @@ from edgellmd.engine.generation import (
     TokenLogprob,
 )
 from edgellmd.errors import ApiError, EngineFailed, InvalidRequest, KeyRevoked, ServerShuttingDown, shown
-from edgellmd.host.metrics import TokenTiming
+from edgellmd.host.metrics import ChoiceFigures, Slo, TokenTiming
+from edgellmd.host.traces import RequestTrace, now_ns
 from edgellmd.models.handle import REASONING_TAGS, ModelHandle
 from edgellmd.models.registry import RETRY_AFTER_LOADING_S
+
+# The API family a generation request came by, for the per-request histograms' `api` label.
+API_FAMILIES: Final = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
+
+
+def api_family(request: web.Request) -> str:
+    """`chat`, `completions`, `responses` or `messages`; `other` for any other path (the console's)."""
+    return API_FAMILIES.get(request.path, "other")
 
 
 def user_tag(value: str | None) -> str | None:
@@ -79,6 +95,7 @@ class Session:
     # Records the request's usage in the ledger and waits for the commit (api.ledger.account):
     # `events` calls it when the last choice ends, before that end reaches any encoder.
     settle: Callable[[], Awaitable[None]] | None = None
+    trace: RequestTrace | None = None  # the request's, when it is traced
 
     async def events(self, i: int) -> AsyncIterator[Event]:
         """Choice `i`'s events (NoProgress past the idle timeout). One that its engine's stop
@@ -98,6 +115,8 @@ class Session:
                     stopped = event
                     break
                 produced = produced or bool(event.completion_tokens or event.text)
+                if self.trace is not None:
+                    self.trace.output(i, event.text)
                 if isinstance(event, Finished):
                     self.queue_waits.append(event.queue_s)
                     # The last choice to end: its usage is on disk before any family tells it.
@@ -197,6 +216,28 @@ def _submit_all(
     return gens
 
 
+def _trace_choices(trace: RequestTrace, admitted: float, choices: Sequence[ChoiceFigures]) -> None:
+    """Each choice's queue, prefill and decode, from its timings (monotonic) to the trace's clock."""
+    end = trace.epoch_ns(time.monotonic())
+    for i, c in enumerate(choices):
+        attributes = {"edgellm.choice": i} if len(choices) > 1 else {}
+        slot = trace.epoch_ns(admitted + c.queue_s)
+        trace.phase("queue", trace.epoch_ns(admitted), slot, **attributes)
+        if c.first_at is None:
+            continue
+        first = trace.epoch_ns(c.first_at)
+        trace.phase("prefill", slot, first, **attributes)
+        trace.phase("decode", first, end, **attributes, **{"gen_ai.usage.output_tokens": c.completion_tokens})
+
+
+def _finish_label(final: Finished | None) -> str:
+    """A choice's finish for `edgellm_request_success`: its reason, `error` when one ended it,
+    `abort` when it never finished (the client left, the request failed elsewhere)."""
+    if final is None:
+        return "abort"
+    return "error" if final.error is not None else str(final.reason)
+
+
 @contextlib.asynccontextmanager
 async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator[Session]:
     """Run a chat request's generations for the `async with` block, then free them."""
@@ -204,9 +245,14 @@ async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
         handle.check_capacity()  # a request that will be refused costs no tokenizing
         tools = body.tools.tools if body.tools else None
+        began = now_ns()
         prompt = await handle.chat_prompt(
             body.messages, tools, instructions=body.tools.instructions if body.tools else ""
         )
+        trace = request.get(TRACE)
+        if trace is not None:
+            trace.phase("prompt", began, **{"gen_ai.usage.input_tokens": len(prompt.tokens)})
+            trace.text("gen_ai.prompt", "\n".join(f"{m.role}: {m.content}" for m in body.messages))
         param = "tools" if body.tools is not None and body.tools.grammar is not None else "response_format"
         names = body.tools.names if body.tools is not None and body.tools.grammar is not None else None
         async with generation_session(request, handle, body.common, prompt.tokens, param=param) as session:
@@ -230,7 +276,11 @@ async def generation_session(
     n_vocab = handle.engine.n_vocab
     if any(token >= n_vocab for token, _ in common.sampling.logit_bias):
         raise InvalidRequest(f"'logit_bias' token ids must be below {n_vocab}", param="logit_bias")
+    trace = request.get(TRACE)
+    began = now_ns()
     grammars = await handle.grammars(common.sampling.grammar, common.n, param)
+    if trace is not None and grammars:
+        trace.phase("grammar", began, **{"edgellm.grammars": len(grammars)})
     try:
         check_key_still_valid(request)  # tokenizing and compiling took a while: revoked since?
     except BaseException:
@@ -240,7 +290,9 @@ async def generation_session(
     gens = _submit_all(
         handle, common, tokens, grammars, scope=cache_scope(request), share=request_share(request, common)
     )
-    timings = [ctx.metrics.timing(handle.name) for _ in gens]
+    admitted = time.monotonic()
+    arrived = request.get(ARRIVED, admitted)
+    timings = [ctx.metrics.timing(handle.name, arrived) for _ in gens]
     caller = request.get(CALLER)
     key_id = caller.key_id if caller is not None else None
     for gen in gens:
@@ -258,8 +310,38 @@ async def generation_session(
         finals = [gen.final for gen in gens if gen.final is not None]
         completion = sum(fin.completion_tokens for fin in finals)
         if finals:
-            ctx.metrics.prompt_tokens.labels(handle.name).inc(finals[0].prompt_tokens)
-            ctx.metrics.completion_tokens.labels(handle.name).inc(completion)
+            ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(finals[0].prompt_tokens)
+            ctx.metrics.completion_tokens.labels(handle.name, handle.name).inc(completion)
+        telemetry = ctx.settings.telemetry
+        choices = [
+            ChoiceFigures(
+                queue_s=gen.final.queue_s if gen.final is not None else 0.0,
+                completion_tokens=gen.final.completion_tokens if gen.final is not None else 0,
+                finish_reason=_finish_label(gen.final),
+                first_at=timing.first_at,
+            )
+            for gen, timing in zip(gens, timings, strict=True)
+        ]
+        met = ctx.metrics.request_done(
+            handle.name,
+            api_family(request),
+            arrived=arrived,
+            admitted=admitted,
+            prompt_tokens=len(tokens),
+            choices=choices,
+            slo=Slo(telemetry.slo_ttft_s, telemetry.slo_tokens_per_s),
+        )
+        if trace is not None:
+            _trace_choices(trace, admitted, choices)
+            trace.attributes.update(
+                {
+                    "gen_ai.operation.name": api_family(request),
+                    "gen_ai.request.model": handle.name,
+                    "gen_ai.usage.input_tokens": len(tokens),
+                    "gen_ai.usage.output_tokens": completion,
+                    "edgellm.slo_met": met,
+                }
+            )
         await account(request, handle.name, len(tokens), completion)
 
     async with contextlib.AsyncExitStack() as leases:
@@ -294,6 +376,7 @@ async def generation_session(
                 replay=replay,
                 queue_waits=request.setdefault(QUEUE_WAITS, []),
                 settle=settle,
+                trace=trace,
             )
         finally:
             # Normal end, client gone (write error or handler cancelled): either way the slots

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -24,22 +25,48 @@ from edgellmd.host.gpu import GpuSnapshot
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds. Requests run from milliseconds (errors, embeddings) to minutes (long streams).
 REQUEST_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-TTFT_BUCKETS: Final = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
-ITL_BUCKETS: Final = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
+# A GPU box answers its first token in tens of milliseconds, a CPU box under load in seconds.
+TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+ITL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
+QUEUE_BUCKETS: Final = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Tokens per request, prompt or generated: powers of two up to the longest context served.
+TOKEN_BUCKETS: Final = tuple(float(2**i) for i in range(18))
 # models.registry.ModelState's values (host sits below models: it cannot import them).
 STATES: Final = ("loading", "ready", "restarting", "failed", "unloaded", "revoked")
+# vLLM names its model label `model_name`; the families a vLLM dashboard reads carry it beside
+# `model` (the same value), so that such a dashboard needs only the prefix changed.
+MODEL_LABELS: Final = ("model", "model_name")
+REQUEST_LABELS: Final = (*MODEL_LABELS, "api")
 
 
 class TokenTiming:
-    """Time to first token and inter-token gaps of one generation (a few float ops per event)."""
+    """Time to first token and inter-token gaps of one generation (a few float ops per event).
 
-    __slots__ = ("_first", "_itl", "_last", "_start", "_tokens", "_ttft")
+    Times are `time.monotonic()`: the timing starts at admission (the generation's submission
+    to its engine, after tokenizing and grammar compilation, before any wait for a slot);
+    `arrived` is when the request's first byte was read, for the time to first token the
+    client sees.
+    """
 
-    def __init__(self, ttft: Any, itl: Any) -> None:
-        self._ttft, self._itl = ttft, itl
+    __slots__ = (
+        "_arrived",
+        "_first",
+        "_itl",
+        "_last",
+        "_start",
+        "_tokens",
+        "_ttft",
+        "_ttft_arrival",
+        "first_at",
+    )
+
+    def __init__(self, ttft: Any, ttft_arrival: Any, itl: Any, arrived: float | None = None) -> None:
+        self._ttft, self._ttft_arrival, self._itl = ttft, ttft_arrival, itl
         self._start = self._last = time.monotonic()
+        self._arrived = arrived
         self._tokens = 0
         self._first = True
+        self.first_at: float | None = None  # when the first token came
 
     def tokens(self, total: int) -> None:
         """The generation has produced `total` tokens so far."""
@@ -48,13 +75,42 @@ class TokenTiming:
         now = time.monotonic()
         if self._first:
             self._ttft.observe(now - self._start)
+            self._ttft_arrival.observe(now - (self._start if self._arrived is None else self._arrived))
             self._first = False
+            self.first_at = now
         else:
             # Events can carry several tokens (a busy loop catching up): spread the gap.
             gap = (now - self._last) / (total - self._tokens)
             for _ in range(total - self._tokens):
                 self._itl.observe(gap)
         self._tokens, self._last = total, now
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceFigures:
+    """How one choice of a finished request went, for the per-request histograms."""
+
+    queue_s: float  # waited for a slot
+    completion_tokens: int
+    finish_reason: str
+    first_at: float | None  # monotonic: its first token (None: it produced none)
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """The service level goodput counts against (settings `telemetry.slo_*`)."""
+
+    ttft_s: float = 2.0
+    tokens_per_s: float = 5.0
+
+    def met(self, arrived: float, ended: float, choice: ChoiceFigures) -> bool:
+        """First token within `ttft_s` of the arrival, and the rest at `tokens_per_s` or faster
+        until the request `ended` (a choice's own last token is not timed apart from its end)."""
+        if choice.first_at is None or choice.first_at - arrived > self.ttft_s:
+            return False
+        after_first = choice.completion_tokens - 1
+        decode = ended - choice.first_at
+        return after_first <= 0 or decode <= 0 or after_first / decode >= self.tokens_per_s
 
 
 class Metrics:
@@ -76,32 +132,136 @@ class Metrics:
             buckets=REQUEST_BUCKETS,
             registry=r,
         )
+        self.ttft_admission = Histogram(
+            "edgellm_time_to_first_token_from_admission_seconds",
+            "Time from admission (submission to the engine, after tokenizing and grammar "
+            "compilation) to the first generated token: slot wait and prefill",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
             "edgellm_time_to_first_token_seconds",
-            "Time from admission to the first generated token",
-            ["model"],
+            "Time from the request's arrival to its first generated token: all it waited included",
+            MODEL_LABELS,
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "edgellm_inter_token_latency_seconds",
             "Time between generated tokens",
-            ["model"],
+            MODEL_LABELS,
             buckets=ITL_BUCKETS,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "edgellm_request_queue_time_seconds",
+            "Time a request waited for a slot (its longest-waiting choice)",
+            REQUEST_LABELS,
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "edgellm_request_prefill_time_seconds",
+            "Time from a request's slot to its first token (its last choice to start)",
+            REQUEST_LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "edgellm_request_decode_time_seconds",
+            "Time from a request's first token to its last",
+            REQUEST_LABELS,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "edgellm_e2e_request_latency_seconds",
+            "Time from a generation request's arrival to its last token",
+            REQUEST_LABELS,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "edgellm_request_prompt_tokens",
+            "Prompt tokens per generation request",
+            REQUEST_LABELS,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "edgellm_request_generation_tokens",
+            "Tokens generated per request, every choice counted",
+            REQUEST_LABELS,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_success = Counter(
+            "edgellm_request_success",
+            "Choices finished, by finish reason (stop, length, tool_calls, error ...)",
+            [*REQUEST_LABELS, "finished_reason"],
+            registry=r,
+        )
+        self.slo_requests = Counter(
+            "edgellm_request_slo",
+            "Generation requests by whether each of their choices met the SLO (telemetry.slo_ttft_s "
+            "from arrival to first token, telemetry.slo_tokens_per_s after it): the rate of "
+            'result="met" is goodput',
+            [*REQUEST_LABELS, "result"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
-            "edgellm_prompt_tokens", "Prompt tokens processed", ["model"], registry=r
+            "edgellm_prompt_tokens", "Prompt tokens processed", MODEL_LABELS, registry=r
         )
         self.completion_tokens = Counter(
-            "edgellm_completion_tokens", "Tokens generated", ["model"], registry=r
+            "edgellm_completion_tokens", "Tokens generated", MODEL_LABELS, registry=r
         )
         build = Gauge("edgellm_build_info", "The daemon's version", ["version"], registry=r)
         build.labels(__version__).set(1)
+        # Trace exports by result (host.traces), read at scrape time; none while tracing is off.
+        self.trace_exports: Callable[[], Mapping[str, int]] = dict
+        r.register(_TraceExports(self))
 
-    def timing(self, model: str) -> TokenTiming:
+    def timing(self, model: str, arrived: float | None = None) -> TokenTiming:
         """A per-generation timer feeding the TTFT and inter-token histograms of `model`."""
-        return TokenTiming(self.ttft.labels(model), self.itl.labels(model))
+        return TokenTiming(
+            self.ttft_admission.labels(model),
+            self.ttft.labels(model, model),
+            self.itl.labels(model, model),
+            arrived,
+        )
+
+    def request_done(
+        self,
+        model: str,
+        api: str,
+        *,
+        arrived: float,
+        admitted: float,
+        prompt_tokens: int,
+        choices: Sequence[ChoiceFigures],
+        slo: Slo,
+    ) -> bool:
+        """Observe a generation request that just ended (every choice finished, or it failed, or
+        its client left); True when it met the SLO."""
+        labels = (model, model, api)
+        now = time.monotonic()
+        self.e2e.labels(*labels).observe(now - arrived)
+        self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(sum(c.completion_tokens for c in choices))
+        if choices:
+            self.queue_time.labels(*labels).observe(max(c.queue_s for c in choices))
+        started = [c for c in choices if c.first_at is not None]
+        if started:
+            last = max(started, key=lambda c: c.first_at or 0.0)
+            first_at = last.first_at or 0.0
+            self.prefill_time.labels(*labels).observe(max(0.0, first_at - admitted - last.queue_s))
+            self.decode_time.labels(*labels).observe(max(0.0, now - first_at))
+        for c in choices:
+            self.request_success.labels(*labels, c.finish_reason).inc()
+        met = bool(choices) and all(slo.met(arrived, now, c) for c in choices)
+        self.slo_requests.labels(*labels, "met" if met else "missed").inc()
+        return met
 
     def add_state(
         self,
@@ -149,6 +309,22 @@ class ModelsView(Protocol):
         """Engines that stopped by themselves, by (model, reason: crash, hang, exit or the signal)."""
 
 
+class _TraceExports(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "edgellm_trace_exports",
+            "OTLP trace exports by result (success, failure); failed batches are dropped",
+            labels=["result"],
+        )
+        counts = self._metrics.trace_exports()
+        for result in ("success", "failure"):
+            family.add_metric([result], counts.get(result, 0))
+        yield family
+
+
 class _StateCollector(Collector):
     def __init__(
         self,
@@ -193,8 +369,17 @@ class _StateCollector(Collector):
         state = GaugeMetricFamily(
             "edgellm_model_state", "1 for the model's current state", labels=["model", "state"]
         )
+        # vLLM's names for the same two figures, with its label beside ours.
+        running = GaugeMetricFamily(
+            "edgellm_num_requests_running", "Sequences generating now (slots_busy)", labels=MODEL_LABELS
+        )
+        waiting = GaugeMetricFamily(
+            "edgellm_num_requests_waiting", "Sequences waiting for a slot (queue_depth)", labels=MODEL_LABELS
+        )
         for m in status["models"]:
             name = m["name"]
+            running.add_metric([name, name], m.get("slots_busy", 0))
+            waiting.add_metric([name, name], m.get("queue_depth", 0))
             gauges["slots_total"].add_metric([name], m["slots_total"])
             gauges["queue_size"].add_metric([name], m["queue_size"])
             gauges["slots_busy"].add_metric([name], m.get("slots_busy", 0))
@@ -205,6 +390,8 @@ class _StateCollector(Collector):
                 version = "" if m.get("version") is None else str(m["version"])
                 info.add_metric([name, version, (m.get("sha256") or "")[:12]], 1)
         yield from gauges.values()
+        yield running
+        yield waiting
         yield info
         yield state
         yield from _performance(status["models"])

@@ -16,13 +16,16 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from edgellmd import __version__
 from edgellmd.api.admin import setup_admin
 from edgellmd.api.anthropic.routes import setup_anthropic
 from edgellmd.api.context import (
     API_CONTEXT,
+    ARRIVED,
     ERROR_SHAPES,
     LIMITS,
     QUEUE_WAITS,
+    TRACE,
     USAGE_ID,
     USER_TAG,
     ApiContext,
@@ -38,6 +41,7 @@ from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import GpuMonitor
 from edgellmd.host.systemd import Notifier, Supervisor
+from edgellmd.host.traces import RequestTrace, Tracer, TraceSettings
 from edgellmd.host.verdicts import largest_gpu_layers
 from edgellmd.http import appkeys, logs
 from edgellmd.http.auth import setup_admin_networks, setup_auth, unusable
@@ -75,8 +79,9 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     request[appkeys.REQUEST_ID] = rid
     request[USAGE_ID] = made  # the ledger's id is always the server's: unique whatever the client sends
     token = logs.request_id.set(rid)
-    started = time.monotonic()
+    started = request[ARRIVED] = time.monotonic()
     status = 499  # nginx's "client closed request", kept if the handler is cancelled
+    trace = _start_trace(request, rid)
     try:
         response = await handler(request)
         status = response.status
@@ -86,6 +91,10 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     else:
         return response
     finally:
+        if trace is not None:
+            request.app[appkeys.TRACER].finish(
+                trace, {"http.response.status_code": status}, error=status >= 500
+            )
         _count(request, status, time.monotonic() - started)
         access_log.info(
             "%s %s %d %.3fs",
@@ -96,6 +105,20 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             extra={"peer": request.remote, "status": status, "user": request.get(USER_TAG)},
         )
         logs.request_id.reset(token)
+
+
+def _start_trace(request: web.Request, rid: str) -> RequestTrace | None:
+    """The request's span, for API calls while tracing is on (probes and scrapes go untraced)."""
+    tracer = request.app.get(appkeys.TRACER)
+    if tracer is None or not tracer.enabled or not request.path.startswith("/v1/"):
+        return None
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    attributes = {"http.request.method": request.method, "http.route": route, "edgellm.request_id": rid}
+    trace = tracer.start(f"{request.method} {route}", request.headers, attributes)
+    if trace is not None:
+        request[TRACE] = trace
+    return trace
 
 
 def _count(request: web.Request, status: int, seconds: float) -> None:
@@ -144,6 +167,7 @@ def create_app(
     # The web console last: its middleware runs after auth (it reads the keys file auth loads,
     # and the rate limiter), and its CSP stamp after _stamp_headers, which it overrides on /ui.
     setup_console(app, settings)
+    app.cleanup_ctx.append(_tracer_ctx)
     app.cleanup_ctx.append(_executor_ctx)
     app.cleanup_ctx.append(_gpu_ctx)  # before the registry: gpu_layers: auto reads its snapshot
     app.cleanup_ctx.append(_registry_ctx(engine_factory))
@@ -177,6 +201,26 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
     limits = request.get(LIMITS)
     if limits is not None and limits.clamped:  # max_tokens_over_limit: clamp cut what was asked
         response.headers["x-max-tokens-clamped"] = str(limits.max_tokens_limit)
+
+
+async def _tracer_ctx(app: web.Application) -> AsyncIterator[None]:
+    telemetry = app[appkeys.SETTINGS].telemetry
+    tracer = Tracer(
+        TraceSettings(
+            telemetry.traces_endpoint,
+            telemetry.traces_sample_ratio,
+            telemetry.traces_include_text,
+            telemetry.service_name,
+            __version__,
+        )
+    )
+    app[appkeys.TRACER] = tracer
+    app[appkeys.METRICS].trace_exports = lambda: tracer.exports
+    if tracer.enabled:
+        log.info("tracing requests to %s", telemetry.traces_endpoint)
+    yield
+    # Off the loop: the last export may take up to its timeout.
+    await asyncio.get_running_loop().run_in_executor(None, tracer.shutdown)
 
 
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:

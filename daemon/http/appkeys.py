@@ -13,6 +13,7 @@ from edgellmd.host.cpu import Pinning
 from edgellmd.host.metrics import Metrics
 from edgellmd.host.nvml import GpuMonitor
 from edgellmd.host.systemd import Notifier
+from edgellmd.host.traces import Tracer
 from edgellmd.http.ratelimit import RateLimiter
 from edgellmd.keys import ApiKey, KeyStore
 from edgellmd.models.registry import Registry
@@ -29,6 +30,7 @@ PINNING: Final = web.AppKey("pinning", Pinning)  # the CPUs the process was pinn
 NOTIFIER: Final = web.AppKey("notifier", Notifier)
 LOAD_TASK: Final = web.AppKey("load_task", asyncio.Task[None])  # the first load of every model
 RATE_LIMITER: Final = web.AppKey("rate_limiter", RateLimiter)
+TRACER: Final = web.AppKey("tracer", Tracer)  # request spans over OTLP (host.traces); off by default
 
 # Per-request state (request[...]).
 REQUEST_ID: Final = web.RequestKey("request_id", str)

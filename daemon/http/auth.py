@@ -13,10 +13,11 @@ from pathlib import Path
 from aiohttp import web
 
 from edgellmd.api.console import is_console_path
-from edgellmd.api.context import CALLER, KEYS_GONE, Caller
+from edgellmd.api.context import CALLER, KEYS_GONE, TRACE, Caller
 from edgellmd.api.pool import POOL_TENANT
 from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
+from edgellmd.host.traces import now_ns
 from edgellmd.http import appkeys
 from edgellmd.http.errors import Handler
 from edgellmd.http.ledger import check_quota
@@ -179,9 +180,17 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         scope = scope_for(request.path, metrics_public=metrics_public)
         if scope is not None:
-            key = request[appkeys.API_KEY] = authenticate(
-                store_holder[0], _credentials(request), scope, request.remote
-            )
+            started = now_ns()
+            trace = request.get(TRACE)
+            try:
+                key = request[appkeys.API_KEY] = authenticate(
+                    store_holder[0], _credentials(request), scope, request.remote
+                )
+            finally:
+                if trace is not None:
+                    trace.phase("auth", started)
+            if trace is not None:
+                trace.attributes["edgellm.key_id"] = key.id  # the id, never the key
             request[CALLER] = Caller.of(key)
             tenant = POOL_TENANT.set(key.id)  # this request's prompt-pool work is the key's (api.pool)
             try:

@@ -49,6 +49,7 @@ from edgellmd.settings.sections import (
     ServerSettings,
     Settings,
     SpeculativeSettings,
+    TelemetrySettings,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "ServerSettings",
     "Settings",
     "SpeculativeSettings",
+    "TelemetrySettings",
     "about",
     "check_config",
     "load_settings",

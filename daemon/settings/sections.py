@@ -44,6 +44,9 @@ MEGABYTES: Final[Bounds] = (1, None)
 _TEMPLATE_NAME: Final = re.compile(r"[a-z0-9_.-]{1,64}")
 _ORIGIN: Final = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
 _CIDR: Final = re.compile(r"[0-9A-Fa-f.:]+(/[0-9]{1,3})?")
+# An OTLP/HTTP endpoint: scheme, host (name, IPv4 or [IPv6]) and port, and a plain path.
+_OTLP_URL: Final = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]{1,255}(/[A-Za-z0-9._~/-]{0,255})?")
+_SERVICE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 # ---- the settings with rules of their own ----------------------------------------------------
@@ -110,6 +113,14 @@ def _time_zone(f: Field) -> Any:
         f.problem(f"is not a time zone this box knows (IANA names like Europe/Berlin), got {show(zone)}")
         return f.default
     return zone
+
+
+def _ratio(f: Field) -> Any:
+    value = f.value if f.given else f.default
+    if (is_int(value) or isinstance(value, float)) and 0 <= value <= 1:
+        return float(value)
+    f.problem(f"must be a number from 0 to 1, got {show(value)}")
+    return f.default
 
 
 def _cpus(f: Field) -> Any:
@@ -803,6 +814,45 @@ class ConsoleSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TelemetrySettings:
+    """The service level /metrics counts goodput against, and OpenTelemetry traces (off by default)."""
+
+    slo_ttft_s: float = setting(
+        2.0,
+        "goodput: a request meets the SLO when its first token comes within this many seconds of its arrival",
+        more='counted in `edgellm_request_slo_total{result="met"}` '
+        "(see [Observability](docs/observability.md#metrics))",
+    )
+    slo_tokens_per_s: float = setting(
+        5.0, "goodput: and its tokens after the first come at least this fast (per choice)"
+    )
+    traces_endpoint: str | None = setting(
+        None,
+        "OTLP/HTTP endpoint spans are exported to, e.g. `http://collector:4318/v1/traces`; null: no traces",
+        pattern=_OTLP_URL,
+        wanted="an http(s) URL with a plain path",
+        more="a span per request with children for auth, queue, grammar, prefill and decode; "
+        "a request's `traceparent` header continues the caller's trace "
+        "(see [Observability](docs/observability.md#traces))",
+    )
+    traces_sample_ratio: float = setting(
+        1.0,
+        "share of requests traced that arrive without a sampled `traceparent`",
+        read=_ratio,
+        accepts="a number from 0 to 1",
+        more="a caller's sampling decision in `traceparent` is followed",
+    )
+    traces_include_text: bool = setting(
+        False,
+        "put prompts and outputs in the spans",
+        more="off: spans carry timings, token counts and ids, never text",
+    )
+    service_name: str = setting(
+        "edgellmd", "`service.name` of the exported spans", pattern=_SERVICE_NAME, wanted="a short name"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """The whole daemon configuration."""
 
@@ -818,6 +868,9 @@ class Settings:
     responses: ResponsesSettings = setting(ResponsesSettings(), "the Responses API's store")
     console: ConsoleSettings = setting(ConsoleSettings(), "the web console at /ui", read=_console)
     ledger: LedgerSettings = setting(LedgerSettings(), "usage, quotas and the audit log")
+    telemetry: TelemetrySettings = setting(
+        TelemetrySettings(), "the SLO goodput is counted against, and OpenTelemetry traces"
+    )
     source: Path | None = None  # the file it was read from; no setting
 
 

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.context import TOKENS_USED, USER_TAG, context, token_limits
+from edgellmd.api.context import TOKENS_USED, TRACE, USER_TAG, context, token_limits
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.ledger import account
 from edgellmd.api.openai.decode import (
@@ -27,6 +27,7 @@ from edgellmd.api.request import ChatRequest, Limits
 from edgellmd.api.session import chat_session, generation_session, user_tag
 from edgellmd.engine.generation import ENGINE_STOPPED
 from edgellmd.errors import EngineFailed, ModelNotFound, ServiceUnavailable, shown
+from edgellmd.host.traces import now_ns
 from edgellmd.models.handle import ModelHandle
 from edgellmd.models.registry import RETRY_AFTER_LOADING_S
 
@@ -99,7 +100,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with context(request).registry.lease(common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
         handle.check_capacity()  # a request that will be refused costs no tokenizing
+        began = now_ns()
         tokens = await handle.text_prompt(body.prompt)
+        trace = request.get(TRACE)
+        if trace is not None:
+            trace.phase("prompt", began, **{"gen_ai.usage.input_tokens": len(tokens)})
+            if isinstance(body.prompt, str):
+                trace.text("gen_ai.prompt", body.prompt)
         shape = Shape(
             chat=False,
             model=handle.name,
@@ -146,7 +153,7 @@ async def embeddings(request: web.Request) -> web.Response:
             vectors = await handle.embed(inputs)
         except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
             vectors = await _embed_again(request, handle, inputs)
-        context(request).metrics.prompt_tokens.labels(handle.name).inc(n_tokens)
+        context(request).metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)
         await account(request, handle.name, n_tokens, 0)
     return web.json_response(
         {
