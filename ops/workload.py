@@ -590,10 +590,10 @@ def format_table(report: WorkloadReport) -> str:
             else f"knee {h.knee_rate:g}/s, goodput {h.knee_goodput:.2f}/s there"
         )
         lines.append(f"{label}: {knee}")
-    if len(labels) >= 2:
-        c = comparison(report, labels[0], labels[1])
+    for label in labels[:-1]:  # each against the last: the baseline
+        c = comparison(report, label, labels[-1])
         lines.append(
-            f"{labels[0]} against {labels[1]}: goodput at the knee {_ratio(c['goodput_ratio'])}, "
+            f"{label} against {labels[-1]}: goodput at the knee {_ratio(c['goodput_ratio'])}, "
             f"TTFT p99 at {_s(c['common_rate'], 2)}/s {_ratio(c['ttft_p99_ratio'])}"
         )
     return "\n".join(lines)
@@ -604,19 +604,17 @@ def _ratio(value: float | None) -> str:
 
 
 def as_json(report: WorkloadReport) -> dict[str, Any]:
-    """The whole run as one JSON-ready object; comparisons when there are two targets or more."""
+    """The whole run as one JSON-ready object, with each target compared to the last (none with one)."""
     labels = list(dict.fromkeys(s.target for s in report.stages))
     out: dict[str, Any] = {
         "config": report.config,
         "stages": [asdict(s) for s in report.stages],
         "headlines": [asdict(headline(report, label)) for label in labels],
     }
-    if len(labels) >= 2:
-        out["comparison"] = {
-            "first": labels[0],
-            "second": labels[1],
-            **comparison(report, labels[0], labels[1]),
-        }
+    out["comparisons"] = [
+        {"first": label, "second": labels[-1], **comparison(report, label, labels[-1])}
+        for label in labels[:-1]
+    ]
     return out
 
 

@@ -22,14 +22,15 @@ from pathlib import Path
 
 from edgellmctl import workload
 from edgellmctl.bench import rate_list
-from tests.bench_speed import MODEL, Server, demo_model, serve
+from tests.bench_speed import MODEL, Server, serve
+from tests.bench_structured import demo_model
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-server", type=Path, help="a llama-server binary to compare with")
-    p.add_argument("--rates", type=rate_list, default=(0.5, 1.0, 1.5, 2.0, 2.5))
-    p.add_argument("--requests", type=int, default=40, help="per rate and server (default 40)")
+    p.add_argument("--rates", type=rate_list, default=(0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0))
+    p.add_argument("--requests", type=int, default=48, help="per rate and server (default 48)")
     p.add_argument("--length-scale", type=float, default=0.25, help="of ShareGPT's means (default 0.25)")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--max-output-tokens", type=int, default=256)
@@ -39,10 +40,14 @@ def main() -> int:
     p.add_argument("--context-size", type=int, default=2048)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--prefill-chunk", type=int, help="edgellmd's models[].prefill_chunk (default: its own)")
+    p.add_argument(
+        "--shed",
+        type=float,
+        help="also measure edgellmd with models[].queue_timeout_s at this many seconds (shedding)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write OUT.json and OUT.svg")
     args = p.parse_args()
-    model = demo_model()
     edge = {
         "name": MODEL,
         "slots": args.slots,
@@ -52,12 +57,17 @@ def main() -> int:
     }
     if args.prefill_chunk is not None:
         edge["prefill_chunk"] = args.prefill_chunk
-    servers = [Server("edgellmd", [edge])]
+    servers = [Server("edgellmd", [edge])]  # the last one is the baseline the others are compared to
+    if args.shed is not None:
+        servers.append(
+            Server(f"edgellmd, shedding at {args.shed:g} s", [{**edge, "queue_timeout_s": args.shed}])
+        )
     if args.llama_server is not None:
         threads = ["-t", str(args.threads), "-tb", str(args.threads)]
         llama = ["-np", str(args.slots), "-c", str(args.slots * args.context_size), *threads]
         servers.append(Server("llama-server", llama_server=llama))
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp, contextlib.ExitStack() as stack:
+        model = demo_model(Path(tmp))
         running = {
             s.label: stack.enter_context(serve(s, model, Path(tmp), args.llama_server)) for s in servers
         }
@@ -83,6 +93,7 @@ def main() -> int:
             "context_size": args.context_size,
             "threads": args.threads,
             "prefill_chunk": args.prefill_chunk,
+            "queue_timeout_s": args.shed,
         }
         args.out.with_suffix(".json").write_text(json.dumps(document, indent=1) + "\n")
         args.out.with_suffix(".svg").write_text(workload.chart(report))

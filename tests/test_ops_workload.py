@@ -331,6 +331,7 @@ def test_the_command_prints_a_table_and_writes_json_and_svg(
     assert [s["offered_rate"] for s in document["stages"]] == [20.0, 40.0]
     assert document["config"]["targets"] == [{"label": "fake <one>", "url": url, "model": "fake-model"}]
     assert document["config"]["slo"] == {"ttft_s": 2.0, "tokens_per_s": 5.0, "attainment": 0.9}
+    assert document["comparisons"] == []  # one server: nothing to compare
     assert parse_svg(svg.read_text()).findall(f".//{SVG}polyline")
     bodies = [seen.body for seen in fake.seen]
     assert all(b["ignore_eos"] is True and b["stream"] is True for b in bodies)

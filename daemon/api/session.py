@@ -32,6 +32,7 @@ from edgellmd.engine.fairness import Share
 from edgellmd.engine.generation import (
     ENGINE_STOPPED,
     KEY_REVOKED,
+    QUEUE_TIMEOUT,
     SHUTTING_DOWN,
     Event,
     Finished,
@@ -41,10 +42,18 @@ from edgellmd.engine.generation import (
     NoProgress,
     TokenLogprob,
 )
-from edgellmd.errors import ApiError, EngineFailed, InvalidRequest, KeyRevoked, ServerShuttingDown, shown
+from edgellmd.errors import (
+    ApiError,
+    EngineFailed,
+    InvalidRequest,
+    KeyRevoked,
+    ServerOverloaded,
+    ServerShuttingDown,
+    shown,
+)
 from edgellmd.host.metrics import ChoiceFigures, Slo, TokenTiming
 from edgellmd.host.traces import RequestTrace, now_ns
-from edgellmd.models.handle import REASONING_TAGS, ModelHandle
+from edgellmd.models.handle import REASONING_TAGS, RETRY_AFTER_BUSY_S, ModelHandle
 from edgellmd.models.registry import RETRY_AFTER_LOADING_S
 
 # The API family a generation request came by, for the per-request histograms' `api` label.
@@ -145,6 +154,15 @@ class Session:
             waits.append(first.queue_s)
         return max(waits, default=None)
 
+    def refused(self) -> ApiError | None:
+        """The error to answer instead of a stream when a choice was refused before it started
+        (QUEUE_TIMEOUT): its first event, seen already (`queue_wait`), is its end."""
+        for gen in self.gens:
+            first = gen.peek()
+            if isinstance(first, Finished) and first.error == QUEUE_TIMEOUT and not first.completion_tokens:
+                return aborted(first.error)
+        return None
+
     def reader(self) -> ReplyReader:
         """A reader for one choice's text: tool calls and reasoning as this request has them."""
         tags = REASONING_TAGS.get(self.handle.settings.reasoning)
@@ -235,6 +253,8 @@ def _finish_label(final: Finished | None) -> str:
     `abort` when it never finished (the client left, the request failed elsewhere)."""
     if final is None:
         return "abort"
+    if final.error == QUEUE_TIMEOUT:
+        return "shed"
     return "error" if final.error is not None else str(final.reason)
 
 
@@ -477,4 +497,6 @@ def aborted(reason: str | None) -> ApiError | None:
         return KeyRevoked(KEY_REVOKED)
     if reason == ENGINE_STOPPED:
         return EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
+    if reason == QUEUE_TIMEOUT:
+        return ServerOverloaded(QUEUE_TIMEOUT, headers={"Retry-After": RETRY_AFTER_BUSY_S})
     return None

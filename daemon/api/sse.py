@@ -53,6 +53,9 @@ async def sse(
     """
     response = web.StreamResponse(headers=headers)
     waited = await session.queue_wait(STREAM_HEADERS_WAIT_S)
+    refused = session.refused()  # shed before it started: a 429, not a stream
+    if refused is not None:
+        raise refused
     if waited is not None:
         response.headers["x-queue-ms"] = str(round(waited * 1000))
     await response.prepare(request)

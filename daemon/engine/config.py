@@ -67,6 +67,9 @@ class EngineConfig:
     prompt_cache_bytes: int = 0  # host RAM for KV states of earlier prompts; 0: none
     batch_padding: bool = True  # dummy rows up to a step size measured faster (engine.shapes)
     prefill_chunk: int = 0  # prompt tokens a step takes while others generate; 0: batch_size
+    # A generation still waiting for its first slot this long is refused (QUEUE_TIMEOUT): one
+    # that cannot meet its deadline leaves room for those that can. 0: it waits its turn.
+    queue_timeout_s: float = 0.0
     speculative: Speculation = field(default_factory=Speculation)
 
 

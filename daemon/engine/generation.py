@@ -27,6 +27,8 @@ KEY_REVOKED: Final = "the API key was revoked or disabled"  # Finished.error whe
 # Finished.error of what a model's engine held when it stopped by itself (its scheduler
 # crashed): the model restarts, so the client is told to retry (503).
 ENGINE_STOPPED: Final = "the model's engine stopped; it is restarting"
+# Finished.error of a generation that waited longer than the model's queue_timeout_s for a slot.
+QUEUE_TIMEOUT: Final = "every slot stayed busy past the model's queue timeout; retry shortly or elsewhere"
 UNLOADED: Final = "the model was unloaded"  # Finished.error of what is left when an engine closes
 
 

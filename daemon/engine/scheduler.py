@@ -37,6 +37,7 @@ from edgellmd.engine.drafts import (
 )
 from edgellmd.engine.fairness import FairQueue, Running, Share, victim
 from edgellmd.engine.generation import (
+    QUEUE_TIMEOUT,
     Event,
     Finished,
     FinishReason,
@@ -530,6 +531,8 @@ class Engine(NativeThread):
                         done = paused[0].completion
                     gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), done)])
             now = time.monotonic()
+            if self.config.queue_timeout_s > 0 and self._pending:
+                self._shed_late(now, self.config.queue_timeout_s)
             while self._pending:
                 if None not in self._slots and not self._pause_for(now):
                     break
@@ -542,6 +545,20 @@ class Engine(NativeThread):
                     self.queue_waits.append(gen.queue_s)
                     self._assign(gen)
         return True
+
+    def _shed_late(self, now: float, limit: float) -> None:
+        """Refuse the waiting generations that have not had a slot for `limit` seconds (under the
+        lock). Only those that never started: a paused one has tokens out already."""
+        late = [g for g in self._pending if g not in self._paused and now + g.queue_s > limit]
+        for gen in late:
+            self._pending.remove(gen)
+            self._pending.dropped(gen)
+            _free_grammar(gen)
+            self.finished["shed"] += 1
+            gen.queue_s += now  # it was -(when it was queued)
+            self.queue_waits.append(gen.queue_s)
+            prompt = len(gen.request.prompt_tokens)
+            gen.push_threadsafe([Finished("error", prompt, 0, error=QUEUE_TIMEOUT, queue_s=gen.queue_s)])
 
     def _pause_for(self, now: float) -> bool:
         """Every slot busy: pause one for the next waiting request if fairness asks (under the lock)."""

@@ -104,6 +104,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         prompt_cache_bytes=settings.prompt_cache_mb * MIB,
         batch_padding=settings.batch_padding,
         prefill_chunk=settings.prefill_chunk or (settings.batch_size if gpu_layers else CPU_PREFILL_CHUNK),
+        queue_timeout_s=settings.queue_timeout_s or 0.0,
         speculative=Speculation(
             mode=spec.mode,
             max_draft=spec.max_draft,

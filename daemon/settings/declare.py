@@ -267,6 +267,8 @@ class Field:
 
     def number(self) -> Any:
         value = self.value
+        if value is None and self.spec.nullable:
+            return None
         if is_int(value) or isinstance(value, float):
             try:
                 number = float(value)
@@ -274,7 +276,8 @@ class Field:
                 number = math.inf
             if math.isfinite(number) and number > 0:
                 return number
-        self.problem(f"must be a finite number > 0, got {show(value)}")
+        wanted = "null or a finite number > 0" if self.spec.nullable else "a finite number > 0"
+        self.problem(f"must be {wanted}, got {show(value)}")
         return self.default
 
     def boolean(self) -> Any:

@@ -596,6 +596,15 @@ class ModelSettings:
         bounds=(0, 100_000),
         more="(`server_overloaded`)",
     )
+    queue_timeout_s: float | None = setting(
+        None,
+        "a request still waiting for a slot this long is refused: 429 `server_overloaded` with "
+        "`Retry-After`; null: it waits its turn",
+        more="shedding for goodput: a request that has waited past its deadline (say the SLO's "
+        "`telemetry.slo_ttft_s`) would be served late anyway, and its slot time goes to those that "
+        "can still be on time (see [Benchmarks](docs/benchmarks.md#serving-benchmark-goodput-under-an-slo)); "
+        "a stream is refused before its headers when this is under 10 s, else ended with an error event",
+    )
     embedding: bool = setting(
         False,
         "an embedding model, served by /v1/embeddings only",
