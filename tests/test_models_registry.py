@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,3 +176,38 @@ async def test_a_reloaded_model_starts_with_an_empty_prompt_cache(box: Box, aioh
     await complete(second)
     assert await complete(first) == after  # now restored from the new version's own cache
     assert cache_of(new).stats.hits == 1
+
+
+class HeldFactory(CountingFactory):
+    """Builds engines, but holds the ones after the first until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, settings: ModelSettings, mmap: bool) -> AnyEngine:
+        if self.built:
+            self.entered.set()
+            self.release.wait(30)
+        return super().__call__(settings, mmap)
+
+
+async def test_a_load_cancelled_half_way_leaves_a_failed_model_that_loads_again(
+    box: Box, aiohttp_client: Any
+) -> None:
+    box.publish({MODEL: ("tiny.gguf", box.model_bytes(TinyModelSpec(seed=11)))})
+    factory = HeldFactory()
+    _, registry, _ = await _serve(box, aiohttp_client, factory, watch=False)
+    await registry.unload(MODEL)
+    task = asyncio.create_task(registry.load(MODEL))
+    await _until(factory.entered.is_set, "the second build to start")
+    assert registry.status()["models"][0]["state"] == "loading"
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    model = registry.status()["models"][0]
+    assert (model["state"], model["reason"]) == ("failed", "the load was cancelled before it finished")
+    factory.release.set()
+    assert (await registry.load(MODEL)).result == "loaded"
+    assert registry.status()["models"][0]["state"] == "ready"

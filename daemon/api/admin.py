@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any, Final
 
 from aiohttp import web
@@ -24,16 +24,27 @@ _RELOAD_KEYS: Final = frozenset({"model", "force"})
 CONFLICT: Final = 409  # an operation that failed leaves the model as it was
 
 
-def _answer(request: web.Request, action: str, outcomes: Sequence[Outcome]) -> web.Response:
-    """200 when every operation succeeded (or had nothing to do), else 409; the body says which."""
-    ok = all(o.ok for o in outcomes)
+async def _run(
+    request: web.Request, action: str, operation: Coroutine[Any, Any, list[Outcome]]
+) -> web.Response:
+    """Run an operator's action apart from the request (a client that goes away does not stop a
+    load half-way), audit it when it ends, and answer: 200 when every operation succeeded (or had
+    nothing to do), else 409; the body says which."""
     caller = request.get(CALLER)
-    audit.info(
-        "admin %s: %s",
-        action,
-        ", ".join(f"{o.model} {o.result}" for o in outcomes) or "nothing",
-        extra={"peer": request.remote, "key_id": caller.key_id if caller else None},
-    )
+    peer, key_id = request.remote, caller.key_id if caller else None
+
+    async def run() -> list[Outcome]:
+        outcomes = await operation
+        audit.info(
+            "admin %s: %s",
+            action,
+            ", ".join(f"{o.model} {o.result}" for o in outcomes) or "nothing",
+            extra={"peer": peer, "key_id": key_id},
+        )
+        return outcomes
+
+    outcomes = await asyncio.shield(context(request).registry.detached(run()))
+    ok = all(o.ok for o in outcomes)
     return web.json_response(
         {"ok": ok, "results": [o.as_dict() for o in outcomes]}, status=200 if ok else CONFLICT
     )
@@ -108,20 +119,27 @@ async def reload(request: web.Request) -> web.Response:
     if not isinstance(force, bool):
         raise InvalidRequest("'force' must be true or false", param="force")
     registry = context(request).registry
-    outcomes = await registry.reload([model] if model is not None else None, force=force, trigger="admin")
-    return _answer(request, "reload", outcomes)
+    return await _run(
+        request,
+        "reload",
+        registry.reload([model] if model is not None else None, force=force, trigger="admin"),
+    )
 
 
 async def load(request: web.Request) -> web.Response:
     """POST /admin/models/{name}/load: load (verify, preload, warm up) an unloaded model."""
     registry = context(request).registry
-    return _answer(request, "load", [await registry.load(request.match_info["name"])])
+    return await _run(request, "load", _one(registry.load(request.match_info["name"])))
 
 
 async def unload(request: web.Request) -> web.Response:
     """POST /admin/models/{name}/unload: stop serving a model once its requests end."""
     registry = context(request).registry
-    return _answer(request, "unload", [await registry.unload(request.match_info["name"])])
+    return await _run(request, "unload", _one(registry.unload(request.match_info["name"])))
+
+
+async def _one(operation: Awaitable[Outcome]) -> list[Outcome]:
+    return [await operation]
 
 
 def setup_admin(app: web.Application) -> None:

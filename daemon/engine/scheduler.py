@@ -554,7 +554,7 @@ class Engine(NativeThread):
             self._pending.remove(gen)
             self._pending.dropped(gen)
             _free_grammar(gen)
-            self.finished["shed"] += 1
+            self.finished["error"] += 1  # by Finished.reason, as an engine process counts it
             gen.queue_s += now  # it was -(when it was queued)
             self.queue_waits.append(gen.queue_s)
             prompt = len(gen.request.prompt_tokens)

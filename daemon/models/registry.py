@@ -16,14 +16,14 @@ import enum
 import logging
 import time
 from collections import Counter as Tally
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from edgellmd.engine import BuildInfo, EngineError, build
 from edgellmd.engine.remote import RemoteEngine
-from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
+from edgellmd.errors import ApiError, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
 from edgellmd.models.handle import (
@@ -55,6 +55,7 @@ RETRY_AFTER_LOADING_S: Final = "5"
 # crash_loop_stops-th stop in that window trips the breaker: the model stays failed until an
 # operator loads it.
 RESTART_BACKOFF_S: Final = (1.0, 2.0, 5.0, 15.0)
+T = TypeVar("T")
 
 __all__ = ["ModelHandle", "ModelState", "Outcome", "Registry"]
 
@@ -162,6 +163,7 @@ class Registry:
         )
         self._mutex = asyncio.Lock()  # one load/reload/unload at a time
         self._queued: list[_Queued] = []  # reloads waiting for the mutex
+        self._detached: set[asyncio.Task[Any]] = set()  # operators' actions running (detached)
         self._disposals: set[asyncio.Task[None]] = set()
         self._freeing: dict[str, set[asyncio.Task[None]]] = {}  # by model: copies being freed
         self._draining: set[ModelHandle] = set()  # retired, waiting for their last request
@@ -206,9 +208,9 @@ class Registry:
         """Free every model and remove the preload area, off the event loop."""
         loop = asyncio.get_running_loop()
         restarts = [e.restart for e in self._entries.values() if e.restart is not None]
-        for task in restarts:
+        for task in [*restarts, *self._detached]:
             task.cancel()
-        await asyncio.gather(*restarts, return_exceptions=True)
+        await asyncio.gather(*restarts, *self._detached, return_exceptions=True)
         async with self._mutex:
             for entry in self._entries.values():
                 if entry.handle is not None:
@@ -219,6 +221,22 @@ class Registry:
             if self.area is not None:
                 await loop.run_in_executor(None, self.area.close)
                 self.loader.area = None
+
+    def detached(self, action: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run an operator's action (load, unload, reload) to its end whatever becomes of the
+        request that asked: a client that goes away must not cancel a load half-way. `close()`
+        cancels the ones still running; a failure is logged when nobody was left to hear it."""
+        task = asyncio.get_running_loop().create_task(action)
+        self._detached.add(task)
+
+        def done(finished: asyncio.Task[T]) -> None:
+            self._detached.discard(finished)
+            error = None if finished.cancelled() else finished.exception()
+            if error is not None and not isinstance(error, ApiError):  # a client's mistake is its answer
+                log.error("operator action failed", exc_info=error)
+
+        task.add_done_callback(done)
+        return task
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -525,6 +543,10 @@ class Registry:
             return self._failed(entry, str(exc), trigger)
         except BaseException:
             self._discard_unused(reuse, None)
+            if entry.handle is None and entry.state is ModelState.LOADING:
+                # Cancelled half-way (the daemon stops): nothing serves and nothing loads, so it
+                # must not stay `loading`; failed, it can be loaded again.
+                entry.state, entry.error = ModelState.FAILED, "the load was cancelled before it finished"
             raise
         finally:
             entry.reloading = False
