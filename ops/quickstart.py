@@ -42,9 +42,11 @@ CONFIG_NAME: Final = "edgellm.yaml"
 # use llama.cpp's built-in `gemma` template (the turn format Gemma models are trained on).
 DEMO_TEMPLATE: Final = "gemma"
 # The API keys quickstart makes: DIR/<role>.key holds the token of a key with these scopes.
-# The admin key reads /metrics too, so that the README's metrics example works from a quick start.
+# The admin key reads /metrics too, so that the README's metrics example works from a quick start,
+# and may infer, so that the console's playground is there for whoever signs in with it.
 # Any change here must be reflected in the README's Quick start section.
-API_KEYS: Final = {"inference": ("inference",), "admin": ("admin", "metrics")}
+API_KEYS: Final = {"inference": ("inference",), "admin": ("admin", "metrics", "inference")}
+
 MIN_CONTEXT: Final = 64  # the daemon's least models[].context_size
 MAX_TOKEN_FILE_BYTES: Final = 4096
 MODEL_MODE: Final = 0o644  # the daemon may run as another user (systemd's DynamicUser)
@@ -55,6 +57,9 @@ CONFIG_TEMPLATE: Final = """\
 # Every key and its default is listed in the README's Configuration section.
 auth:
   keys_file: keys.yaml          # hashed API keys; tokens in inference.key and admin.key
+  admin_cidrs: ["127.0.0.0/8", "::1/128"]   # /admin/* and the console: this machine only
+console:
+  enabled: true                 # the web console at /ui: sign in with admin.key's token
 lock:
   file: models.lock             # signed by keys/signing.pem (made for this directory)
   trusted_keys: [keys/signing.pub]
@@ -378,16 +383,19 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("start the daemon:")
     print(f"  edgellmd --config {config}")
-    print("then ask it something:")
     cacert = f" --cacert {directory / 'tls' / 'cert.pem'}" if args.tls else ""
     url = f"{scheme}://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # IPv6 in brackets
-    print(f"  curl -s{cacert} {url}/v1/chat/completions \\")
+    # The demo model is a base model: it continues text well and follows questions poorly.
+    print("then let it continue a text (a base model: it completes, it does not converse):")
+    print(f"  curl -s{cacert} {url}/v1/completions \\")
     print(f'    -H "Authorization: Bearer $(cat {directory / "inference.key"})" \\')
     print("    -H 'Content-Type: application/json' \\")
     print(
-        f'    -d \'{{"model": "{DEMO_MODEL_NAME}", "messages": '
-        '[{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 64}\''
+        f'    -d \'{{"model": "{DEMO_MODEL_NAME}", "prompt": "The capital of France is the city of", '
+        '"max_tokens": 8, "temperature": 0}\''
     )
+    print(f"open the console (this machine only) and sign in with the token in {directory / 'admin.key'}:")
+    print(f"  {url}/ui/")
     print("and read its metrics (admin.key has the metrics scope):")
     print(f'  curl -s{cacert} {url}/metrics -H "Authorization: Bearer $(cat {directory / "admin.key"})"')
     return 0

@@ -268,8 +268,12 @@ def test_the_admin_key_reads_metrics_and_the_inference_key_only_infers(fresh: Pa
         parsed = parse_token((fresh / f"{name}.key").read_text().strip())
         assert parsed is not None
         scopes[name] = keys[parsed[0]].scopes
-    assert scopes == {"inference": {"inference"}, "admin": {"admin", "metrics"}}
-    assert load_settings(fresh / "edgellm.yaml").auth.metrics_public is False  # the key is needed
+    assert scopes == {"inference": {"inference"}, "admin": {"admin", "metrics", "inference"}}
+    settings = load_settings(fresh / "edgellm.yaml")
+    assert settings.auth.metrics_public is False  # the key is needed
+    # The console is on, for this machine only, and the admin key can use its playground.
+    assert settings.console.enabled is True
+    assert settings.auth.admin_cidrs == ("127.0.0.0/8", "::1/128")
 
 
 def test_a_second_run_keeps_good_tokens_and_replaces_broken_ones(
@@ -283,11 +287,11 @@ def test_a_second_run_keeps_good_tokens_and_replaces_broken_ones(
     parsed = parse_token((fresh / "admin.key").read_text().strip())
     assert parsed is not None
     keys = read_keys_file(fresh / "keys.yaml")
-    assert keys[parsed[0]].scopes == {"admin", "metrics"}
+    assert keys[parsed[0]].scopes == {"admin", "metrics", "inference"}
     assert (fresh / "admin.key").stat().st_mode & 0o777 == 0o600
 
 
-def test_an_admin_key_from_an_older_quickstart_gains_the_metrics_scope(
+def test_an_admin_key_from_an_older_quickstart_gains_the_metrics_and_inference_scopes(
     fresh: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert run(capsys, "quickstart", "--dir", fresh).status == 0
@@ -295,11 +299,11 @@ def test_an_admin_key_from_an_older_quickstart_gains_the_metrics_scope(
     parsed = parse_token(token.strip())
     assert parsed is not None
     text = (fresh / "keys.yaml").read_text()
-    (fresh / "keys.yaml").write_text(text.replace("  - admin\n  - metrics\n", "  - admin\n"))
+    (fresh / "keys.yaml").write_text(text.replace("  - admin\n  - inference\n  - metrics\n", "  - admin\n"))
     assert read_keys_file(fresh / "keys.yaml")[parsed[0]].scopes == {"admin"}
     assert run(capsys, "quickstart", "--dir", fresh, "--force").status == 0
-    assert (fresh / "admin.key").read_text() == token  # the same key, now with the scope
-    assert read_keys_file(fresh / "keys.yaml")[parsed[0]].scopes == {"admin", "metrics"}
+    assert (fresh / "admin.key").read_text() == token  # the same key, now with the scopes
+    assert read_keys_file(fresh / "keys.yaml")[parsed[0]].scopes == {"admin", "metrics", "inference"}
 
 
 # ---- lock verify --config -------------------------------------------------------------------
