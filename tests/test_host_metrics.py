@@ -393,3 +393,24 @@ def test_the_configured_slo_decides_what_is_counted_met(models_dir: Path) -> Non
     request = {"model": "tiny", "model_name": "tiny", "api": "chat"}
     assert value(samples, "edgellm_request_slo_total", **request, result="missed") == 1  # no box is that fast
     assert value(samples, "edgellm_request_slo_total", **request, result="met") == 0
+
+
+def test_generated_tokens_are_counted_as_they_stream_and_once() -> None:
+    metrics = Metrics()
+    timing = metrics.timing("m")
+
+    def counted() -> float:
+        return value(
+            parse(metrics.render().decode()), "edgellm_completion_tokens_total", model="m", model_name="m"
+        )
+
+    timing.tokens(3)
+    assert counted() == 3  # before the request ends: a live chart moves with the stream
+    timing.tokens(3)  # the same total again counts nothing
+    timing.tokens(7)
+    assert counted() == 7
+    timing.settle(9)  # the end: two tokens no event showed yet
+    assert counted() == 9
+    timing.tokens(9)  # the last event, read after the end was counted
+    timing.settle(9)
+    assert counted() == 9

@@ -331,7 +331,8 @@ async def generation_session(
         completion = sum(fin.completion_tokens for fin in finals)
         if finals:
             ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(finals[0].prompt_tokens)
-            ctx.metrics.completion_tokens.labels(handle.name, handle.name).inc(completion)
+        for gen, timing in zip(gens, timings, strict=True):  # tokens were counted as they streamed
+            timing.settle(gen.final.completion_tokens if gen.final is not None else 0)
         telemetry = ctx.settings.telemetry
         choices = [
             ChoiceFigures(

@@ -50,6 +50,7 @@ class TokenTiming:
 
     __slots__ = (
         "_arrived",
+        "_counter",
         "_first",
         "_itl",
         "_last",
@@ -60,18 +61,30 @@ class TokenTiming:
         "first_at",
     )
 
-    def __init__(self, ttft: Any, ttft_arrival: Any, itl: Any, arrived: float | None = None) -> None:
+    def __init__(
+        self, ttft: Any, ttft_arrival: Any, itl: Any, arrived: float | None = None, counter: Any = None
+    ) -> None:
         self._ttft, self._ttft_arrival, self._itl = ttft, ttft_arrival, itl
+        self._counter = counter  # generated tokens, counted as they stream (not when the request ends)
         self._start = self._last = time.monotonic()
         self._arrived = arrived
         self._tokens = 0
         self._first = True
         self.first_at: float | None = None  # when the first token came
 
+    def settle(self, total: int) -> None:
+        """The generation ended with `total` tokens: count those no event has shown yet (the
+        last event's, read after this; a client gone before the end), and no more after."""
+        if self._counter is not None and total > self._tokens:
+            self._counter.inc(total - self._tokens)
+        self._counter = None
+
     def tokens(self, total: int) -> None:
         """The generation has produced `total` tokens so far."""
         if total <= self._tokens:
             return
+        if self._counter is not None:
+            self._counter.inc(total - self._tokens)
         now = time.monotonic()
         if self._first:
             self._ttft.observe(now - self._start)
@@ -223,12 +236,14 @@ class Metrics:
         r.register(_TraceExports(self))
 
     def timing(self, model: str, arrived: float | None = None) -> TokenTiming:
-        """A per-generation timer feeding the TTFT and inter-token histograms of `model`."""
+        """A per-generation timer feeding the TTFT and inter-token histograms of `model`, and
+        its generated-tokens counter as the tokens stream (`settle` adds what no event showed)."""
         return TokenTiming(
             self.ttft_admission.labels(model),
             self.ttft.labels(model, model),
             self.itl.labels(model, model),
             arrived,
+            self.completion_tokens.labels(model, model),
         )
 
     def request_done(
