@@ -366,3 +366,46 @@ def test_the_usage_page_charts_tokens_per_key_and_day_as_the_ledger_has_them(con
     expect(row.locator("td").last).to_have_text(str(per_key[other_id]))
     expect(console.locator("#usage-caption")).to_contain_text(f"{usage['totals']['total_tokens']} in all")
     _screenshot(console, "console-usage.png")
+
+
+def test_sign_out_forgets_what_was_shown_and_views_follow_the_new_keys_scopes(
+    browser: Browser, box: Box
+) -> None:
+    _, inference_only = create_key(box.keys, "app-only", ["inference"], limits={})
+    watched = _watched(browser)
+    page = watched.page
+    try:
+        _sign_in(watched, box)
+        page.goto(box.daemon.url + "/ui/#keys")
+        expect(page.locator("#keys-table tbody tr").first).to_be_visible()
+        page.goto(box.daemon.url + "/ui/#overview")
+        expect(page.locator("#models-table tbody tr").first).to_be_visible()
+        page.get_by_role("button", name="Sign out").click()
+        expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+        # Nothing of the admin's is left in the page, shown or hidden.
+        for table in ("keys-table", "models-table", "actions-table", "reload-history"):
+            expect(page.locator(f"#{table} tbody tr")).to_have_count(0)
+        assert page.locator("#who-name").text_content() == ""
+        # An inference key, in the same tab: no admin view, whatever the address asks for.
+        page.get_by_label("API key", exact=True).fill(inference_only)
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.locator("#who-name")).to_contain_text("app-only")
+        expect(page.get_by_role("heading", name="Playground")).to_be_visible()
+        expect(page.locator("#ready-badge")).not_to_have_text("signed out")
+        page.goto(box.daemon.url + "/ui/#keys")
+        expect(page.get_by_role("heading", name="Playground")).to_be_visible()
+        assert page.locator("#view-keys").is_hidden()
+        assert page.locator("#key-form").is_hidden()
+        expect(page.locator("#nav a[data-view='keys']")).to_be_hidden()
+        expect(page.locator("#keys-table tbody tr")).to_have_count(0)
+        assert watched.problems() == []
+    finally:
+        page.context.close()
+
+
+def test_a_chart_says_when_its_last_figure_is_old(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#overview")
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.token, max_retries=0)
+    client.completions.create(model=MODEL, prompt="tick", max_tokens=4)
+    # Samples every 0.5 s: within a few, the latest has no first token in it.
+    expect(console.locator('[data-chart="ttft"] .now')).to_contain_text("s ago")

@@ -110,16 +110,18 @@
   // ---- sign-in and views ------------------------------------------------------------------
   const can = (scope) => Boolean(state.session && state.session.scopes.includes(scope));
 
+  // The scope each view needs: a key without it never sees the view, whatever the address says.
+  const needsScope = (view) => (view === "playground" ? "inference" : "admin");
+
   function show(view) {
     const signedIn = Boolean(state.session);
     if (!signedIn) view = "signin";
-    else if (!VIEWS.includes(view)) view = can("admin") ? "overview" : "playground";
+    else if (!VIEWS.includes(view) || !can(needsScope(view))) view = can("admin") ? "overview" : "playground";
     for (const name of ["signin", ...VIEWS]) $(`view-${name}`).hidden = name !== view;
     for (const link of document.querySelectorAll("#nav a")) {
       if (link.dataset.view === view) link.setAttribute("aria-current", "page");
       else link.removeAttribute("aria-current");
-      const needs = link.dataset.view === "playground" ? "inference" : "admin";
-      link.parentElement.hidden = !can(needs);
+      link.parentElement.hidden = !can(needsScope(link.dataset.view));
     }
     $("nav").hidden = !signedIn;
     $("who").hidden = !signedIn;
@@ -139,16 +141,32 @@
     $("chat-form").hidden = !can("inference");
     notice("");
     if (can("admin")) connect();
+    else setBadge("signed in: no overview for this key", "");
     route();
+  }
+
+  // Everything a signed-in key was shown: gone with its session, before anyone else signs in.
+  const SHOWN = ["models-table", "reload-history", "actions-table", "keys-table", "usage-table"];
+  const FILLED = ["lockfile", "host", "gpus", "action-outcome", "keys-outcome", "usage-outcome", "usage-svg",
+    "usage-legend", "transcript", "charts"];
+
+  function forget() {
+    for (const id of SHOWN) clear($(id).tBodies[0]);
+    for (const id of FILLED) clear($(id));
+    state.overview = null;
+    state.samples = [];
+    state.keys = null;
+    state.conversation = [];
+    $("who-name").textContent = "";
+    $("chat-figures").textContent = "";
+    drawCharts();
   }
 
   function signedOut(reason) {
     if (state.source) { state.source.close(); state.source = null; }
     if (state.abort) state.abort.abort();
     state.session = null;
-    state.keys = null;
-    state.conversation = [];
-    clear($("transcript"));
+    forget();
     $("new-key").hidden = true;
     $("new-key-token").value = "";
     setBadge("signed out", "");
@@ -411,7 +429,17 @@
       const known = values.filter((v) => v !== null && v !== undefined);
       const last = known.length ? known[known.length - 1] : null;
       const max = Math.max(1e-9, ...known);
-      fig.querySelector(".now").textContent = last === null ? dash : `${num(last, sr.digits)}${sr.unit}`;
+      // "Now" is the latest sample's value: an interval without one (no request started) says
+      // so, with the last value and its age, instead of showing an old figure as current.
+      const latest = values.length ? values[values.length - 1] : null;
+      let now = latest === null || latest === undefined ? dash : `${num(latest, sr.digits)}${sr.unit}`;
+      if ((latest === null || latest === undefined) && last !== null) {
+        let at = values.length - 1;
+        while (at >= 0 && (values[at] === null || values[at] === undefined)) at -= 1;
+        const ago = Math.round((values.length - 1 - at) * state.interval);
+        now = `${dash} (${num(last, sr.digits)}${sr.unit} ${ago} s ago)`;
+      }
+      fig.querySelector(".now").textContent = now;
       const svg = fig.querySelector("svg");
       svg.setAttribute("aria-label", `${sr.title} over the last ${minutes} min: now ${last === null ? "no data" : num(last, sr.digits) + sr.unit}, highest ${known.length ? num(max, sr.digits) + sr.unit : "none"}`);
       while (svg.firstChild) svg.firstChild.remove();
