@@ -409,3 +409,27 @@ def test_a_chart_says_when_its_last_figure_is_old(console: Page, box: Box) -> No
     client.completions.create(model=MODEL, prompt="tick", max_tokens=4)
     # Samples every 0.5 s: within a few, the latest has no first token in it.
     expect(console.locator('[data-chart="ttft"] .now')).to_contain_text("s ago")
+
+
+def test_action_buttons_wait_for_the_action_that_runs_and_name_their_model(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#actions")
+    reload_row = console.get_by_role("button", name=f"Reload {MODEL}", exact=True)
+    expect(reload_row).to_be_enabled()
+    held: list[Any] = []
+
+    def hold(route: Any) -> None:  # the answer waits until the test lets it go
+        held.append(route)
+
+    console.route("**/ui/api/reload", hold)
+    try:
+        console.get_by_role("button", name="Reload changed models").click()
+        expect(console.get_by_role("button", name="Reload changed models")).to_be_disabled()
+        expect(reload_row).to_be_disabled()
+        expect(console.get_by_role("button", name=f"Force reload {MODEL}", exact=True)).to_be_disabled()
+        assert len(held) == 1
+        held[0].continue_()
+    finally:
+        console.unroute("**/ui/api/reload", hold)
+    expect(console.locator("#action-outcome")).not_to_contain_text("running")
+    expect(console.get_by_role("button", name="Reload changed models")).to_be_enabled()
+    expect(reload_row).to_be_enabled()

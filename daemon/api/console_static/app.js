@@ -472,8 +472,19 @@
     box.append(list);
   }
 
+  // One action at a time: every action button is disabled while one runs (a second click would
+  // start another, and its answer would replace the first's).
+  const ACTION_BUTTONS = "#actions-table button, #reload-all, #reload-force";
+
+  function setActing(on) {
+    state.acting = on;
+    for (const button of document.querySelectorAll(ACTION_BUTTONS)) button.disabled = on;
+  }
+
   async function act(title, path, body, confirmText, okLabel) {
+    if (state.acting) return;
     if (confirmText && !(await confirmAction(confirmText, okLabel))) return;
+    setActing(true);
     const box = clear($("action-outcome"));
     box.append(h("p", {}, `${title}: running…`));
     try {
@@ -481,6 +492,8 @@
     } catch (err) {
       if (err.data && err.data.results) showOutcome(title, err.data);
       else clear(box).append(h("p", { class: "bad" }, `${title}: ${err.message}`));
+    } finally {
+      setActing(false);
     }
   }
 
@@ -498,6 +511,10 @@
       }
       const focused = document.activeElement;
       const wasHere = focused && focused.closest && focused.closest(`#actions-table tr[data-model="${CSS.escape(name)}"]`);
+      for (const button of buttons) {
+        button.setAttribute("aria-label", `${button.textContent} ${name}`); // the row's model, for a screen reader
+        button.disabled = Boolean(state.acting);
+      }
       const row = h("tr", { "data-model": name }, h("th", { scope: "row" }, name), h("td", { class: `state-${m.state}` }, m.state), h("td", {}, buttons));
       body.append(row);
       if (wasHere) {
