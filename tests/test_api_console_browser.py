@@ -433,3 +433,23 @@ def test_action_buttons_wait_for_the_action_that_runs_and_name_their_model(conso
     expect(console.locator("#action-outcome")).not_to_contain_text("running")
     expect(console.get_by_role("button", name="Reload changed models")).to_be_enabled()
     expect(reload_row).to_be_enabled()
+
+
+def test_the_live_refresh_leaves_focus_and_unchanged_cells_alone(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#actions")
+    button = console.get_by_role("button", name=f"Reload {MODEL}", exact=True)
+    button.focus()
+    # Mark the very elements: a rebuilt row would bring new ones without the mark.
+    console.evaluate(
+        """() => {
+        document.activeElement.__kept = true;
+        document.querySelector('#models-table td[data-field="sha256"]').__kept = true;
+    }"""
+    )
+    console.wait_for_timeout(2000)  # four refreshes at 0.5 s
+    assert console.evaluate("() => document.activeElement.__kept === true")
+    assert console.evaluate(
+        """() => document.querySelector('#models-table td[data-field="sha256"]').__kept === true"""
+    )
+    button.click()  # still the live button: the reload runs
+    expect(console.locator("#action-outcome")).to_contain_text(MODEL)

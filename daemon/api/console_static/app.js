@@ -268,11 +268,37 @@
     return m.state === "ready" ? `in the daemon${stop}` : `${dash}${stop}`;
   }
 
+  // A table body brought up to date in place: rows by their model, a cell replaced only when its
+  // markup changed, so that keyboard focus, a click half-way and a text selection survive the
+  // refresh every few seconds (a rebuilt row loses all three).
+  function patchRows(body, rows) {
+    const old = new Map([...body.rows].map((r) => [r.dataset.model, r]));
+    let at = 0;
+    for (const row of rows) {
+      let tr = old.get(row.dataset.model);
+      if (tr === undefined) tr = row;
+      else {
+        old.delete(row.dataset.model);
+        const cells = [...row.cells];
+        cells.forEach((cell, i) => {
+          const mine = tr.cells[i];
+          if (!mine) tr.append(cell);
+          else if (mine.outerHTML !== cell.outerHTML) mine.replaceWith(cell);
+        });
+        while (tr.cells.length > cells.length) tr.cells[tr.cells.length - 1].remove();
+      }
+      if (body.rows[at] !== tr) body.insertBefore(tr, body.rows[at] || null);
+      at += 1;
+    }
+    for (const tr of old.values()) tr.remove();
+  }
+
   function renderModels(models) {
-    const body = clear($("models-table").tBodies[0]);
+    const body = $("models-table").tBodies[0];
+    const rows = [];
     for (const m of models) {
       const cell = (field, text, cls) => h("td", { "data-field": field, class: cls }, text);
-      body.append(h("tr", { "data-model": m.name },
+      rows.push(h("tr", { "data-model": m.name },
         h("th", { scope: "row", "data-field": "name" }, m.name),
         cell("state", m.reason && m.state !== "ready" ? `${m.state}: ${m.reason}` : m.state + (m.reloading ? " (reloading)" : ""), `state-${m.state}`),
         cell("version", m.version === undefined || m.version === null ? dash : m.version),
@@ -286,6 +312,7 @@
         cell("engine", engineText(m)),
       ));
     }
+    patchRows(body, rows);
   }
 
   // Fair share (engine.fairness): the recent waits for a slot, and who has work now.
@@ -498,7 +525,8 @@
   }
 
   function renderActions(models) {
-    const body = clear($("actions-table").tBodies[0]);
+    const body = $("actions-table").tBodies[0];
+    const rows = [];
     for (const m of models) {
       const name = m.name;
       const buttons = [];
@@ -509,19 +537,13 @@
       } else if (m.state !== "loading") {
         buttons.push(h("button", { type: "button", "data-action": "load", on: { click: () => act(`Load ${name}`, `/ui/api/models/${encodeURIComponent(name)}/load`, {}) } }, "Load"));
       }
-      const focused = document.activeElement;
-      const wasHere = focused && focused.closest && focused.closest(`#actions-table tr[data-model="${CSS.escape(name)}"]`);
       for (const button of buttons) {
         button.setAttribute("aria-label", `${button.textContent} ${name}`); // the row's model, for a screen reader
         button.disabled = Boolean(state.acting);
       }
-      const row = h("tr", { "data-model": name }, h("th", { scope: "row" }, name), h("td", { class: `state-${m.state}` }, m.state), h("td", {}, buttons));
-      body.append(row);
-      if (wasHere) {
-        const again = row.querySelector(`[data-action="${focused.dataset.action}"]`);
-        if (again) again.focus();
-      }
+      rows.push(h("tr", { "data-model": name }, h("th", { scope: "row" }, name), h("td", { class: `state-${m.state}` }, m.state), h("td", {}, buttons)));
     }
+    patchRows(body, rows);
   }
 
   // ---- keys -------------------------------------------------------------------------------
