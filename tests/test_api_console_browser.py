@@ -453,3 +453,43 @@ def test_the_live_refresh_leaves_focus_and_unchanged_cells_alone(console: Page, 
     )
     button.click()  # still the live button: the reload runs
     expect(console.locator("#action-outcome")).to_contain_text(MODEL)
+
+
+def test_a_lost_connection_is_shown_over_the_figures_and_a_restart_asks_for_sign_in(
+    browser: Browser, box: Box
+) -> None:
+    watched = _watched(browser)
+    page = watched.page
+
+    def cut(route: Any) -> None:  # a stream that ends at once: the daemon went away
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=": gone\n\n")
+
+    try:
+        _sign_in(watched, box)
+        expect(page.locator("#readiness")).to_have_attribute("data-status", "ready")
+        page.route("**/ui/api/events", cut)
+        page.reload()
+        expect(page.locator("#notice")).to_contain_text("Lost the connection to the daemon")
+        expect(page.locator("#overview-body")).to_have_class("stale")
+        expect(page.locator("#readiness")).to_contain_text("the figures below are from then")
+        page.unroute("**/ui/api/events", cut)  # back: the stream resumes, the warning goes
+        expect(page.locator("#notice")).to_be_hidden(timeout=20_000)
+        expect(page.locator("#overview-body")).not_to_have_class("stale")
+        expect(page.locator("#readiness")).to_have_attribute("data-status", "ready")
+        # A restarted daemon knows no session: its stream refuses, and the page asks for a sign-in.
+        asked: list[int] = []
+
+        def restarted(route: Any) -> None:  # the page's first look is before the "restart"
+            asked.append(1)
+            if len(asked) == 1:
+                route.continue_()
+            else:
+                route.fulfill(status=200, content_type="application/json", body='{"signed_in": false}')
+
+        page.route("**/ui/api/session", restarted)
+        page.route("**/ui/api/events", lambda route: route.fulfill(status=401, body="{}"))
+        page.reload()
+        expect(page.get_by_role("heading", name="Sign in")).to_be_visible(timeout=20_000)
+        expect(page.locator("#signin-error")).to_contain_text("sign in again")
+    finally:
+        page.context.close()

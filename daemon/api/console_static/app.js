@@ -166,6 +166,8 @@
     if (state.source) { state.source.close(); state.source = null; }
     if (state.abort) state.abort.abort();
     state.session = null;
+    state.lostAt = null;
+    $("overview-body").classList.remove("stale");
     forget();
     $("new-key").hidden = true;
     $("new-key-token").value = "";
@@ -206,6 +208,7 @@
       drawCharts();
     });
     source.addEventListener("overview", (e) => {
+      found();
       const data = JSON.parse(e.data);
       state.overview = data;
       if (data.sample && (!state.samples.length || state.samples[state.samples.length - 1].t < data.sample.t)) {
@@ -223,9 +226,51 @@
       signedOut(`Your session ended: ${reason}.`);
     });
     source.addEventListener("error", () => {
-      if (source.readyState === EventSource.CLOSED) setBadge("disconnected", "bad");
-      else setBadge("reconnecting…", "warn");
+      if (state.source !== source) return;
+      lost();
+      if (source.readyState === EventSource.CLOSED) {
+        // Refused on reconnecting (the daemon restarted: sessions live in its memory), or gone.
+        setBadge("disconnected", "bad");
+        source.close();
+        state.source = null;
+        setTimeout(recover, RECOVER_MS);
+      } else setBadge("reconnecting…", "warn");
     });
+  }
+
+  const RECOVER_MS = 2000;
+
+  // The figures on screen are as they were when the stream broke: say so, over them.
+  function lost() {
+    if (state.lostAt) return;
+    state.lostAt = new Date();
+    $("overview-body").classList.add("stale");
+    $("readiness").className = "readiness bad";
+    $("readiness").textContent = `Lost the connection to the daemon at ${state.lostAt.toLocaleTimeString()}: the figures below are from then.`;
+    notice(`Lost the connection to the daemon at ${state.lostAt.toLocaleTimeString()}; trying again.`);
+  }
+
+  function found() {
+    if (!state.lostAt) return;
+    state.lostAt = null;
+    $("overview-body").classList.remove("stale");
+    notice("");
+  }
+
+  // After a refused stream: signed in still (connect again), signed out (the daemon restarted,
+  // or the session ended: ask for a sign-in), or unreachable (try again in a moment).
+  async function recover() {
+    if (!state.session || state.source) return;
+    try {
+      const session = await api("GET", "/ui/api/session");
+      if (!session.signed_in) {
+        signedOut("The daemon restarted or your session ended: sign in again.");
+        return;
+      }
+      connect();
+    } catch (_) {
+      setTimeout(recover, RECOVER_MS);
+    }
   }
 
   function setBadge(text, kind) {
