@@ -502,3 +502,25 @@ def test_an_open_event_stream_ends_when_the_daemon_stops(models_dir: Path, tmp_p
     finally:
         if not stopping.is_alive():
             daemon.stop()
+
+
+def test_a_watched_overview_keeps_its_session_until_its_absolute_end(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    keys, tokens = _keys(tmp_path, ("wall", ["admin"]))
+    settings = _settings(models_dir, keys, session_idle_s=1.0, session_max_s=4.0)
+    with running(settings) as daemon:
+        idle = Browser(daemon.port)
+        idle.sign_in(tokens["wall"])
+        wall = Browser(daemon.port)
+        wall.sign_in(tokens["wall"])
+        with _events(wall) as stream:
+            started = time.monotonic()
+            while time.monotonic() - started < 2.5:  # past the idle time, reading the overview
+                _read_until(stream, "overview")
+            # The wall display is still signed in; the session nobody used is not.
+            assert wall.request("GET", "/ui/api/session").json()["signed_in"] is True
+            assert idle.request("GET", "/ui/api/session").json()["signed_in"] is False
+            # Watching never carries a session past session_max_s.
+            assert _read_until(stream, "end", timeout=10)["reason"] == "session expired"
+        assert time.monotonic() - started < 8

@@ -28,7 +28,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.api import admin, health
-from edgellmd.api.console_sessions import CONSOLE_SESSION
+from edgellmd.api.console_sessions import CONSOLE_SESSION, SESSIONS
 from edgellmd.api.context import API_CONTEXT, ApiContext, context
 from edgellmd.api.sse import SSE_HEADERS, dumps, event
 from edgellmd.models.lockfile import LockError, format_time, key_id, load_lock, load_public_key, verify_lock
@@ -248,6 +248,7 @@ async def _first(*waits: asyncio.Future[Any]) -> None:
 async def events(request: web.Request) -> web.StreamResponse:
     """GET /ui/api/events: the history once, then the overview at every tick, until the session ends."""
     session = request[CONSOLE_SESSION]
+    sessions = request.app[SESSIONS]
     feed = request.app[FEED]
     ctx = context(request)
     stop = session.claim_stream()
@@ -269,6 +270,7 @@ async def events(request: web.Request) -> web.StreamResponse:
                 reason = "the API key of this session is no longer valid"
                 break
             await write(event("overview", await overview(request)))
+            sessions.watched(session)  # written: somebody reads it (kiosk: it keeps the session)
             tick = asyncio.ensure_future(feed.next_tick())
             try:
                 await _first(tick, ended, stopped)

@@ -135,6 +135,12 @@ class SessionStore:
         self._sessions[digest] = self._sessions.pop(digest)  # most recently used last
         return session
 
+    def watched(self, session: ConsoleSession) -> None:
+        """A page is reading the session's live overview: it counts as use (a wall display stays
+        signed in while it shows the overview, never past `max_s`)."""
+        if not self._expired(session, self._clock()):
+            session.seen = self._clock()
+
     def expires_in(self, session: ConsoleSession) -> float:
         """Seconds until the session ends unless it is used: the nearer of its idle and absolute ends."""
         now = self._clock()

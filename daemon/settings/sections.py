@@ -788,7 +788,11 @@ class ConsoleSettings:
         more="sign-in with an API key; `auth.admin_cidrs` applies to it as to /admin/* "
         "(see [Console](#console))",
     )
-    session_idle_s: float = setting(900.0, "a console session unused this long ends")
+    session_idle_s: float = setting(
+        900.0,
+        "a console session unused this long ends",
+        more="an open overview reading its live stream counts as use (a wall display stays signed in)",
+    )
     session_max_s: float = setting(28800.0, "a console session ends this long after its sign-in, used or not")
     max_sessions: int = setting(
         64,
