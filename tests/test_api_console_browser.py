@@ -493,3 +493,19 @@ def test_a_lost_connection_is_shown_over_the_figures_and_a_restart_asks_for_sign
         expect(page.locator("#signin-error")).to_contain_text("sign in again")
     finally:
         page.context.close()
+
+
+def test_the_banner_shows_the_worst_problem_not_readiness_alone(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#overview")
+    readiness = console.locator("#readiness")
+    expect(readiness).to_have_attribute("data-status", "ready")
+    signed = box.lock.lock.read_bytes()
+    try:
+        box.lock.lock.write_bytes(signed.replace(b"version", b"versoin", 1))  # tampered on disk
+        expect(readiness).to_have_attribute("data-worst", "bad")
+        expect(readiness).to_contain_text("lockfile")
+        expect(console.locator("#ready-badge")).to_contain_text("problem")
+        expect(console.locator("#ready-badge")).to_have_class("badge bad")
+    finally:
+        box.lock.lock.write_bytes(signed)
+    expect(readiness).not_to_have_attribute("data-worst", "bad")

@@ -285,11 +285,18 @@
       .filter(([, m]) => m.state !== "ready")
       .map(([name, m]) => `${name} is ${m.state}${m.reason ? `: ${m.reason}` : ""}`);
     const isReady = ready.status === "ready";
-    setBadge(isReady ? "ready" : `not ready: ${ready.status}`, isReady ? "ok" : "bad");
+    // The banner and the badge show the worst of what is wrong now, not readiness alone.
+    const found = problems(data);
+    const worst = !isReady || found.some((p) => p.level === "bad") ? "bad" : found.length ? "warn" : "ok";
+    const told = found.map((p) => p.text).join("; ");
+    setBadge(!isReady ? `not ready: ${ready.status}` : worst === "ok" ? "ready" : `ready, ${found.length} problem${found.length > 1 ? "s" : ""}`,
+      worst === "warn" ? "warn" : worst);
     const readiness = $("readiness");
-    readiness.textContent = isReady ? "Ready: every model is loaded and warmed." : `Not ready (${ready.status}). ${reasons.join("; ")}`;
-    readiness.className = `readiness ${isReady ? "ok" : "bad"}`;
+    readiness.textContent = !isReady ? `Not ready (${ready.status}). ${[...reasons, ...found.map((p) => p.text)].join("; ")}`
+      : worst === "ok" ? "Ready: every model is loaded and warmed." : `Ready, but: ${told}.`;
+    readiness.className = `readiness ${worst}`;
     readiness.dataset.status = ready.status;
+    readiness.dataset.worst = worst;
     renderModels(data.status.models);
     renderActions(data.status.models);
     renderLock(data.lockfile, data.status.lock);
@@ -297,6 +304,30 @@
     renderGpus(data.gpu, data.build);
     renderReloads(data.reloads);
     drawCharts();
+  }
+
+  const RECENT_STOP_S = 600; // an engine stop this recent is still news
+
+  // What is wrong besides readiness: the lockfile, a failed reload, GPU verdicts, engine stops.
+  function problems(data) {
+    const out = [];
+    const lock = data.lockfile || {};
+    if (lock.problem) out.push({ level: "bad", text: `lockfile: ${lock.problem}` });
+    else if (lock.expires_in_s !== undefined && lock.expires_in_s <= 0) out.push({ level: "bad", text: "the lockfile has expired" });
+    else if (lock.expiry_warning) out.push({ level: "warn", text: "the lockfile expires soon" });
+    for (const m of data.status.models) {
+      if (m.last_reload && m.last_reload.result === "failed" && m.state === "ready") {
+        out.push({ level: "warn", text: `the last reload of ${m.name} failed (the previous version serves)` });
+      }
+      const stop = m.last_engine_stop;
+      if (stop && Date.now() / 1000 - stop.at < RECENT_STOP_S) {
+        out.push({ level: "warn", text: `${m.name}'s engine stopped at ${when(stop.at)} (${stop.fault})` });
+      }
+    }
+    for (const v of (data.gpu && data.gpu.verdicts) || []) {
+      if (v.level === "error" || v.level === "warning") out.push({ level: v.level === "error" ? "bad" : "warn", text: v.message });
+    }
+    return out;
   }
 
   function lastReload(last) {
