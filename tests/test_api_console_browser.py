@@ -509,3 +509,57 @@ def test_the_banner_shows_the_worst_problem_not_readiness_alone(console: Page, b
     finally:
         box.lock.lock.write_bytes(signed)
     expect(readiness).not_to_have_attribute("data-worst", "bad")
+
+
+def test_the_playground_sends_on_enter_with_a_system_prompt_and_keeps_a_failed_message(
+    browser: Browser, box: Box
+) -> None:
+    watched = _watched(browser)
+    console = watched.page
+    _sign_in(watched, box)
+    console.goto(box.daemon.url + "/ui/#playground")
+    console.get_by_role("button", name="New conversation").click()
+    expect(console.get_by_label("Model", exact=True)).to_have_value(MODEL)
+    console.get_by_label("Max tokens", exact=True).fill("4")
+    console.get_by_label("System prompt (optional)", exact=True).fill("You are terse.")
+    message = console.get_by_label("Message", exact=True)
+    sent: list[Any] = []
+
+    def watch(route: Any) -> None:
+        sent.append(route.request.post_data_json)
+        route.continue_()
+
+    console.route("**/ui/api/chat", watch)
+    try:
+        message.fill("first line")
+        message.press("Shift+Enter")  # a new line, not a send
+        message.type("second line")
+        assert sent == []
+        message.press("Enter")
+        expect(console.locator('#transcript [data-role="assistant"]')).to_have_count(1)
+        expect(console.locator("#transcript")).to_have_attribute("aria-busy", "false")
+    finally:
+        console.unroute("**/ui/api/chat", watch)
+    assert sent[0]["messages"][0] == {"role": "system", "content": "You are terse."}
+    assert sent[0]["messages"][-1] == {"role": "user", "content": "first line\nsecond line"}
+
+    def refuse(route: Any) -> None:
+        route.fulfill(
+            status=503,
+            content_type="application/json",
+            body=json.dumps({"error": {"message": "the model is loading", "type": "x", "code": "y"}}),
+        )
+
+    console.route("**/ui/api/chat", refuse)
+    try:
+        message.fill("try again later")
+        message.press("Enter")
+        expect(console.locator("#chat-figures")).to_contain_text("the model is loading")
+    finally:
+        console.unroute("**/ui/api/chat", refuse)
+    expect(console.locator('#transcript [data-role="assistant"]')).to_have_count(1)  # no empty bubble
+    expect(message).to_have_value("try again later")  # the message is still there to send
+    refused = [p for p in watched.problems() if "503" in p]
+    assert len(refused) == 1  # the browser's own note of the refused request
+    assert [p for p in watched.problems() if p not in refused] == []
+    console.context.close()

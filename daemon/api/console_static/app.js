@@ -803,9 +803,10 @@
     const figures = $("chat-figures");
     const message = $("chat-message").value;
     if (!message.trim()) return;
+    const system = $("chat-system").value.trim();
     const body = {
       model: $("chat-model").value,
-      messages: [...state.conversation, { role: "user", content: message }],
+      messages: [...(system ? [{ role: "system", content: system }] : []), ...state.conversation, { role: "user", content: message }],
       stream: true,
       stream_options: { include_usage: true },
     };
@@ -825,7 +826,7 @@
     }
     figures.className = "figures";
     figures.textContent = "Generating…";
-    turn("user", message);
+    const asked = turn("user", message);
     $("chat-message").value = "";
     const out = turn("assistant", "");
     const transcript = $("transcript");
@@ -837,6 +838,7 @@
     let first = null;
     let usage = null;
     let text = "";
+    let pieces = 0; // streamed deltas: about one token each, for the figures when no usage comes
     let failure = null;
     try {
       const res = await fetch("/ui/api/chat", {
@@ -872,7 +874,9 @@
               if (piece) {
                 if (first === null) first = performance.now();
                 text += piece;
+                pieces += 1;
                 out.textContent = text;
+                out.parentElement.scrollIntoView({ block: "nearest" }); // the view follows the reply
               }
             }
           }
@@ -888,10 +892,18 @@
     }
     const end = performance.now();
     const ttft = first === null ? null : (first - started) / 1000;
-    const tokens = usage ? usage.completion_tokens : null;
+    // Stopped or cut before the usage chunk: the deltas seen stand in for the token count.
+    const tokens = usage ? usage.completion_tokens : pieces || null;
+    const about = usage ? "" : "≈";
     const rate = tokens && first !== null && end > first ? tokens / ((end - first) / 1000) : null;
     if (text) state.conversation.push({ role: "user", content: message }, { role: "assistant", content: text });
-    const parts = [`TTFT ${ttft === null ? dash : `${ttft.toFixed(3)} s`}`, `${rate === null ? dash : rate.toFixed(1)} tokens/s`, `${tokens ?? dash} tokens`];
+    else if (failure && failure !== "stopped") {
+      // Nothing came back: no empty bubble, and the message is there to send again.
+      asked.parentElement.remove();
+      out.parentElement.remove();
+      if (!$("chat-message").value) $("chat-message").value = message;
+    }
+    const parts = [`TTFT ${ttft === null ? dash : `${ttft.toFixed(3)} s`}`, `${rate === null ? dash : about + rate.toFixed(1)} tokens/s`, `${tokens === null ? dash : about + tokens} tokens`];
     figures.dataset.ttft = ttft === null ? "" : String(ttft);
     figures.dataset.tokens = tokens === null ? "" : String(tokens);
     figures.textContent = failure ? `${parts.join(" · ")} · ended: ${failure}` : parts.join(" · ");
@@ -909,6 +921,12 @@
     $("usage-form").addEventListener("submit", (event) => { event.preventDefault(); loadUsage(); });
     $("new-key-done").addEventListener("click", () => { $("new-key-token").value = ""; $("new-key").hidden = true; });
     $("chat-form").addEventListener("submit", send);
+    $("chat-message").addEventListener("keydown", (event) => {
+      // Enter sends, as in chat apps; Shift+Enter (or an input method composing) types on.
+      if (event.key !== "Enter" || event.shiftKey || event.isComposing) return;
+      event.preventDefault();
+      if (!$("chat-send").disabled) $("chat-form").requestSubmit();
+    });
     $("chat-stop").addEventListener("click", () => state.abort && state.abort.abort());
     $("chat-clear").addEventListener("click", () => { state.conversation = []; clear($("transcript")); $("chat-figures").textContent = ""; });
     window.addEventListener("hashchange", route);
