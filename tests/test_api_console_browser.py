@@ -563,3 +563,19 @@ def test_the_playground_sends_on_enter_with_a_system_prompt_and_keeps_a_failed_m
     assert len(refused) == 1  # the browser's own note of the refused request
     assert [p for p in watched.problems() if p not in refused] == []
     console.context.close()
+
+
+def test_completion_mode_lets_a_base_model_continue_a_text(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#playground")
+    console.get_by_role("button", name="New conversation").click()
+    expect(console.get_by_label("Model", exact=True)).to_have_value(MODEL)
+    console.get_by_label("Mode", exact=True).select_option("completion")
+    console.get_by_label("Max tokens", exact=True).fill("5")
+    console.get_by_label("JSON schema of the reply (optional)", exact=True).fill("")
+    with console.expect_request("**/ui/api/complete") as asked:
+        console.get_by_label("Message", exact=True).fill("The capital of France is")
+        console.get_by_label("Message", exact=True).press("Enter")
+    assert (asked.value.post_data_json or {}).get("prompt") == "The capital of France is"
+    expect(console.locator("#chat-figures")).to_have_attribute("data-tokens", "5")
+    expect(console.locator('#transcript [data-role="assistant"] .text').last).not_to_have_text("")
+    console.get_by_label("Mode", exact=True).select_option("chat")

@@ -212,7 +212,12 @@ def test_routes_need_a_session_and_their_scope(box: Box) -> None:
     nobody = box.browser()
     assert nobody.request("GET", "/ui/").status == 200  # the page itself is public: it shows the sign-in
     assert nobody.request("GET", "/ui/api/session").json() == {"signed_in": False}
-    for method, path in (("GET", "/ui/api/events"), ("GET", "/ui/api/keys"), ("POST", "/ui/api/chat")):
+    for method, path in (
+        ("GET", "/ui/api/events"),
+        ("GET", "/ui/api/keys"),
+        ("POST", "/ui/api/chat"),
+        ("POST", "/ui/api/complete"),
+    ):
         answer = nobody.request(method, path, {})
         assert (answer.status, answer.code) == (401, "session_required"), path
     app = box.browser()
@@ -238,6 +243,15 @@ def test_the_playground_runs_the_chat_handler_under_the_sessions_key(box: Box) -
     assert streamed.body.rstrip().endswith(b"data: [DONE]")
     refused = app.request("POST", "/ui/api/chat", {**body, "max_tokens": 10**6})
     assert (refused.status, refused.json()["error"]["param"]) == (400, "max_tokens")
+    # Completion mode, for base models: the completions handler, with the same checks.
+    text = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "ignore_eos": True}
+    completed = app.request("POST", "/ui/api/complete", text)
+    assert completed.status == 200
+    assert completed.json()["object"] == "text_completion"
+    assert completed.json()["usage"]["completion_tokens"] == 3
+    assert app.request("POST", "/ui/api/complete", text, csrf=False).status == 403  # no CSRF token: refused
+    bad = app.request("POST", "/ui/api/complete", {**text, "prompt": 7})
+    assert (bad.status, bad.json()["error"]["param"]) == (400, "prompt")
 
 
 def test_wrong_keys_are_rate_limited_and_audited(

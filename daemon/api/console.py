@@ -145,6 +145,12 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return await openai.chat_completions(request)
 
 
+async def complete(request: web.Request) -> web.StreamResponse:
+    """POST /ui/api/complete: a text completion body (a base model continues the prompt), served
+    by the OpenAI completions handler itself."""
+    return await openai.completions(request)
+
+
 ROUTES: Final[tuple[Route, ...]] = (
     ("GET", PREFIX, redirect, None),
     ("GET", PREFIX + "/", page, None),
@@ -158,6 +164,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     ("GET", PREFIX + "/api/usage", ledger.admin_usage, "admin"),  # the Usage page, as /admin/usage
     ("GET", PREFIX + "/api/models", models, "inference"),
     ("POST", PREFIX + "/api/chat", chat, "inference"),
+    ("POST", PREFIX + "/api/complete", complete, "inference"),
 )
 
 

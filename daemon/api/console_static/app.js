@@ -804,12 +804,15 @@
     const message = $("chat-message").value;
     if (!message.trim()) return;
     const system = $("chat-system").value.trim();
-    const body = {
-      model: $("chat-model").value,
-      messages: [...(system ? [{ role: "system", content: system }] : []), ...state.conversation, { role: "user", content: message }],
-      stream: true,
-      stream_options: { include_usage: true },
-    };
+    const completion = $("chat-mode").value === "completion"; // a base model continues the text itself
+    const body = completion
+      ? { model: $("chat-model").value, prompt: message, stream: true, stream_options: { include_usage: true } }
+      : {
+        model: $("chat-model").value,
+        messages: [...(system ? [{ role: "system", content: system }] : []), ...state.conversation, { role: "user", content: message }],
+        stream: true,
+        stream_options: { include_usage: true },
+      };
     const temperature = $("chat-temperature").value.trim();
     if (temperature) body.temperature = Number(temperature);
     const maxTokens = $("chat-max-tokens").value.trim();
@@ -841,7 +844,7 @@
     let pieces = 0; // streamed deltas: about one token each, for the figures when no usage comes
     let failure = null;
     try {
-      const res = await fetch("/ui/api/chat", {
+      const res = await fetch(completion ? "/ui/api/complete" : "/ui/api/chat", {
         method: "POST", credentials: "same-origin", signal: state.abort.signal,
         headers: { "Content-Type": "application/json", Accept: "text/event-stream", "X-CSRF-Token": state.session.csrf },
         body: JSON.stringify(body),
@@ -870,7 +873,7 @@
             if (data.error) { failure = data.error.message; continue; }
             if (data.usage) usage = data.usage;
             for (const choice of data.choices || []) {
-              const piece = choice.delta && choice.delta.content;
+              const piece = completion ? choice.text : choice.delta && choice.delta.content;
               if (piece) {
                 if (first === null) first = performance.now();
                 text += piece;
@@ -896,7 +899,7 @@
     const tokens = usage ? usage.completion_tokens : pieces || null;
     const about = usage ? "" : "≈";
     const rate = tokens && first !== null && end > first ? tokens / ((end - first) / 1000) : null;
-    if (text) state.conversation.push({ role: "user", content: message }, { role: "assistant", content: text });
+    if (text && !completion) state.conversation.push({ role: "user", content: message }, { role: "assistant", content: text });
     else if (failure && failure !== "stopped") {
       // Nothing came back: no empty bubble, and the message is there to send again.
       asked.parentElement.remove();
