@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from edgellmctl.keys import create_key
+from edgellmd import __version__
 from edgellmd.settings import ConsoleSettings
 from tests import fakenvml
 from tests.ggufmodels import TinyModelSpec
@@ -203,6 +204,9 @@ def test_the_overview_shows_what_admin_status_says(console: Page, box: Box) -> N
     row = console.locator(f'#models-table tr[data-model="{MODEL}"]')
     expect(row.locator('[data-field="state"]')).to_have_text("ready")
     expect(console.locator("#readiness")).to_have_attribute("data-status", "ready")
+    expect(console.locator("#daemon-info")).to_contain_text(
+        f"edgellmd {__version__} on 127.0.0.1:{box.daemon.port}, up"
+    )
     status = box.admin_get("/admin/status")
     model = next(m for m in status["models"] if m["name"] == MODEL)
     expected = {

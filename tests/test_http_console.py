@@ -24,6 +24,7 @@ import pytest
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
 from edgellmctl.quickstart import write_self_signed
+from edgellmd import __version__
 from edgellmd.api.console import CSP
 from edgellmd.settings import ConsoleSettings, Settings
 from tests.bare import audit_lines, everything_logged
@@ -353,6 +354,11 @@ def test_the_event_stream_shows_the_admin_figures_and_ends_with_its_session(box:
         assert [m["name"] for m in overview["status"]["models"]] == [MODEL]
         assert overview["lockfile"] == {"unsigned": True}
         assert {"cpu_count", "load1", "pinning", "shm"} <= set(overview["host"])
+        daemon = overview["daemon"]
+        assert daemon["version"] == __version__
+        assert daemon["address"] == f"127.0.0.1:{box.daemon.port}"
+        assert daemon["uptime_s"] >= 0
+        assert abs(daemon["started_at"] + daemon["uptime_s"] - time.time()) < 60
         with _events(browser) as again:  # the same session opens a second stream: the first one ends
             assert _read_until(stream, "end")["reason"].startswith("replaced")
             _read_until(again, "overview")

@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from edgellmd import __version__
 from edgellmd.api import admin, health
 from edgellmd.api.console_sessions import CONSOLE_SESSION, SESSIONS
 from edgellmd.api.context import API_CONTEXT, ApiContext, context
@@ -75,6 +76,7 @@ class Feed:
         self._seen: set[tuple[str, float]] = set()  # (model, at) of outcomes already in `reloads`
         self._tick = asyncio.Event()
         self._last: tuple[float, float, float, float] | None = None  # clock, tokens, ttft sum, count
+        self.started, self.started_at = time.monotonic(), time.time()  # with the app: the daemon's start
 
     def _sample(self, ctx: ApiContext) -> Sample:
         now = time.monotonic()
@@ -223,6 +225,16 @@ def _body(response: web.StreamResponse) -> Any:
     return json.loads(body)
 
 
+def _local_address(request: web.Request) -> str:
+    """The address this page reached the daemon at (host:port; IPv6 in brackets)."""
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    if not isinstance(sockname, tuple) or len(sockname) < 2:
+        return request.host
+    host, port = sockname[0], sockname[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
 async def overview(request: web.Request) -> dict[str, Any]:
     """What the overview shows, built by the handlers of /readyz, /admin/status and /admin/stats."""
     feed = request.app[FEED]
@@ -238,6 +250,12 @@ async def overview(request: web.Request) -> dict[str, Any]:
         "lockfile": lock,
         "reloads": list(feed.reloads),
         "sample": feed.latest(),
+        "daemon": {
+            "version": __version__,
+            "started_at": feed.started_at,
+            "uptime_s": round(time.monotonic() - feed.started, 1),
+            "address": _local_address(request),
+        },
     }
 
 

@@ -48,6 +48,14 @@
     while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
     return `${n.toFixed(i === 0 ? 0 : 1)} ${units[i]}`;
   }
+  function duration(seconds) {
+    const s = Math.max(0, Math.floor(seconds));
+    if (s < 120) return `${s} s`;
+    if (s < 7200) return `${Math.floor(s / 60)} min`;
+    if (s < 172800) return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+    return `${Math.floor(s / 86400)} days`;
+  }
+
   function when(seconds) {
     if (seconds === null || seconds === undefined) return dash;
     const d = new Date(seconds * 1000);
@@ -158,6 +166,7 @@
     state.keys = null;
     state.conversation = [];
     $("who-name").textContent = "";
+    $("daemon-info").textContent = "";
     $("chat-figures").textContent = "";
     drawCharts();
   }
@@ -297,6 +306,8 @@
     readiness.className = `readiness ${worst}`;
     readiness.dataset.status = ready.status;
     readiness.dataset.worst = worst;
+    const d = data.daemon;
+    if (d) $("daemon-info").textContent = `edgellmd ${d.version} on ${d.address}, up ${duration(d.uptime_s)} (since ${when(d.started_at)})`;
     renderModels(data.status.models);
     renderActions(data.status.models);
     renderLock(data.lockfile, data.status.lock);
