@@ -122,6 +122,7 @@ models:
     gpu_layers: -1
     chat_template: gemma
     queue_size: 4
+    queue_timeout_s: 1.5
     evictable: true
     cache_type_k: q8_0
     cache_type_v: q4_0
@@ -201,6 +202,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 gpu_layers=-1,
                 chat_template="gemma",
                 queue_size=4,
+                queue_timeout_s=1.5,
                 evictable=True,
                 cache_type_k="q8_0",
                 cache_type_v="q4_0",
