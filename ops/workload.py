@@ -55,6 +55,8 @@ from edgellmctl.streams import (
     read_stream,
 )
 from edgellmctl.svgchart import Panel, Series, line_chart
+from edgellmd.host.metrics import ChoiceFigures
+from edgellmd.host.metrics import Slo as DaemonSlo
 
 ARRIVALS: Final = ("poisson", "constant", "burst")
 # ShareGPT's published means (tokens) and the log-normal spread this module gives them.
@@ -188,11 +190,12 @@ class Served:
 
 
 def met(r: Served, slo: Slo) -> bool:
-    """Whether `r` met the SLO: succeeded, its first token in time, and decoded fast enough."""
-    if r.error is not None or r.ttft_s is None or r.ttft_s > slo.ttft_s:
+    """Whether `r` met the SLO: succeeded, its first token in time, and decoded fast enough (the
+    daemon's own arithmetic for `edgellm_request_slo_total`, on the client's clock)."""
+    if r.error is not None:
         return False
-    tpot = r.tpot_s
-    return tpot is None or tpot <= 0 or 1 / tpot >= slo.tokens_per_s
+    seen = ChoiceFigures(queue_s=0.0, completion_tokens=r.output_tokens, finish_reason="", first_at=r.ttft_s)
+    return DaemonSlo(slo.ttft_s, slo.tokens_per_s).met(0.0, r.e2e_s, seen)
 
 
 def _quantiles(values: Sequence[float]) -> dict[str, float | None]:

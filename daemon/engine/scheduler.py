@@ -87,6 +87,7 @@ _KV_BLOCK: Final = 32  # values per block of q8_0 and q4_0
 _ROW_PROBE: Final = 8  # rows of the load's step that times a row without logits
 _KV_PAD: Final = 256  # llama.cpp rounds the KV cells an attention reads up to this
 _MIN_RESTORE_GAIN: Final = 64  # tokens a cached prefix must save over a slot's own to be restored
+_SHED_EVERY_S: Final = 0.02  # how often the waiting queue is scanned for queue_timeout_s
 _QUEUE_WAITS: Final = 256  # admissions whose queue waits /admin/status summarises
 # A prompt with at most this many tokens left to compute takes a step of its own for its
 # first token, ahead of the decodes (`Engine._step`).
@@ -179,6 +180,7 @@ class Engine(NativeThread):
         self.first_token_steps = 0  # steps a short prompt's last chunk took alone (FIRST_TOKEN_ALONE)
         self._alone = False  # the last step was one of those: this one decodes
         self.queue_waits: deque[float] = deque(maxlen=_QUEUE_WAITS)  # the last admissions' waits
+        self._shed_at = 0.0  # when the waiting queue is next scanned for late generations
         self._slots: list[_Slot | None] = [None] * config.slots
         # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
         self.heartbeat = time.monotonic()
@@ -531,7 +533,9 @@ class Engine(NativeThread):
                         done = paused[0].completion
                     gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), done)])
             now = time.monotonic()
-            if self.config.queue_timeout_s > 0 and self._pending:
+            if self.config.queue_timeout_s > 0 and self._pending and now >= self._shed_at:
+                # Not at every step: a scan of the queue is O(waiting), a step a few milliseconds.
+                self._shed_at = now + _SHED_EVERY_S
                 self._shed_late(now, self.config.queue_timeout_s)
             while self._pending:
                 if None not in self._slots and not self._pause_for(now):
