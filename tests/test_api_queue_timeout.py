@@ -18,7 +18,7 @@ from edgellmd.settings import ConfigError
 from tests.serving import RunningDaemon, running, settings_for
 from tests.test_host_metrics import scrape, value
 
-LONG = {"model": "tiny", "prompt": "x", "max_tokens": 240, "ignore_eos": True}
+LONG = {"model": "tiny", "prompt": "x", "max_tokens": 1500, "ignore_eos": True}  # seconds long
 
 
 def tiny(models_dir: Path, **extra: Any) -> dict[str, Any]:
@@ -27,7 +27,7 @@ def tiny(models_dir: Path, **extra: Any) -> dict[str, Any]:
         "file": str(models_dir / "tiny.gguf"),
         "slots": 1,
         "queue_size": 8,
-        "context_size": 256,
+        "context_size": 2048,
         "threads": 1,
         **extra,
     }
