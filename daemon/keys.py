@@ -306,6 +306,7 @@ class KeyStore:
         self.path = path
         self._keys: Mapping[str, ApiKey] = read_keys_file(path)
         self._identity = self._stat()
+        self._seen: tuple[int, int, int, int] | None = None  # a change in place, not yet settled
 
     def _stat(self) -> tuple[int, int, int, int] | None:
         try:
@@ -331,10 +332,22 @@ class KeyStore:
         return {key.id for key in usable}, {key.cache_scope for key in usable}
 
     def reload_if_changed(self) -> bool:
-        """Re-read the file if it changed; a bad new file is logged and the last good keys stay."""
+        """Re-read the file if it changed; a bad new file is logged and the last good keys stay.
+
+        A file renamed into place (a new inode: how `edgellmctl` and most editors write) is
+        complete, and read at once. One written in place may be half-written when it is looked
+        at (truncated, not yet refilled: an empty file would read as no keys at all, revoking
+        every one), so it is read once it has kept the same size and mtime for one check.
+        """
         identity = self._stat()
         if identity == self._identity:
+            self._seen = None
             return False
+        in_place = identity is not None and self._identity is not None and identity[0] == self._identity[0]
+        if in_place and identity != self._seen:
+            self._seen = identity  # the next check reads it if it is still the same
+            return False
+        self._seen = None
         self._identity = identity
         try:
             keys = read_keys_file(self.path)

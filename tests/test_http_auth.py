@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -24,7 +25,7 @@ from edgellmd.engine.generation import Running
 from edgellmd.http import appkeys
 from edgellmd.http.auth import setup_admin_networks, setup_auth
 from edgellmd.http.errors import error_middleware
-from edgellmd.keys import KeysFileError
+from edgellmd.keys import KeysFileError, KeyStore
 from tests.bare import AuditLine, audit_lines, bare_app, error_of, everything_logged, route_all
 
 PEER: Final = "127.0.0.1"  # where the test client connects from
@@ -451,3 +452,42 @@ async def test_without_networks_admin_is_reachable_from_anywhere(aiohttp_client:
     assert list(app.middlewares) == before
     client = await aiohttp_client(app)
     assert (await client.get("/admin/status")).status == 200
+
+
+def test_a_keys_file_caught_half_written_in_place_revokes_nothing(tmp_path: Path) -> None:
+    """An editor or script that truncates the file and writes it again (not a rename) can be
+    caught between the two: the empty file must not read as "no keys", which would end every
+    running request and drop every tenant's cached state."""
+    path = tmp_path / "keys.yaml"
+    first_id, _ = create_key(path, "first", ["inference"], limits={})
+    second_id, _ = create_key(path, "second", ["inference"], limits={})
+    store = KeyStore(path)
+    full = path.read_bytes()
+    inode = path.stat().st_ino
+
+    with path.open("r+b") as fh:  # truncated in place: the writer has not written yet
+        fh.truncate(0)
+    assert path.stat().st_ino == inode
+    assert not store.reload_if_changed()
+    assert store.ids() == {first_id, second_id}
+
+    disabled = yaml.safe_load(full)
+    disabled["keys"][0]["disabled"] = True
+    with path.open("r+b") as fh:  # the writer finishes, still in place
+        fh.write(yaml.safe_dump(disabled).encode())
+    assert not store.reload_if_changed()  # changed since the last look: it may still be growing
+    assert _in_force(store) == {first_id, second_id}
+    assert store.reload_if_changed()  # the same at the next look: settled, read
+    assert store.ids() == {first_id, second_id}
+    assert _in_force(store) == {second_id}
+
+    tmp = tmp_path / "keys.new"  # a file renamed into place is complete: read at the first look
+    tmp.write_bytes(full)
+    tmp.chmod(0o600)
+    tmp.rename(path)
+    assert store.reload_if_changed()
+    assert _in_force(store) == {first_id, second_id}
+
+
+def _in_force(store: KeyStore) -> set[str]:
+    return store.in_force(datetime.now(UTC))[0]
