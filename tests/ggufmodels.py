@@ -162,3 +162,122 @@ def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# The prompt a reranking model's GGUF may carry (`tokenizer.chat_template.rerank`), as Qwen3's
+# rerankers do; the server puts the query and the document in place of the markers.
+TINY_RERANK_TEMPLATE: Final = "<s>query: {query}\ndocument: {document}"
+
+
+@dataclass(frozen=True, slots=True)
+class TinyReranker:
+    """A tiny Qwen3-architecture reranker whose score can be computed by hand (`score`).
+
+    Its query projections are zero, so every position attends to all before it equally, and its
+    feed-forward blocks add nothing: the last token's state is its own embedding plus the mean
+    of every token's value, through the output projection. The rank head (`cls.output`, two
+    labels) reads that state after the output norm; llama.cpp takes the softmax of the two and
+    the score is the first label's probability, as for Qwen3-Reranker.
+    """
+
+    embeddings: np.ndarray  # (n_vocab, n_embd)
+    values: list[np.ndarray]  # per layer (n_embd_kv, n_embd)
+    outputs: list[np.ndarray]  # per layer (n_embd, n_embd)
+    head: np.ndarray  # (2, n_embd)
+    n_head: int
+    n_head_kv: int
+    eps: float
+
+    def score(self, tokens: list[int]) -> float:
+        """The model's score of one token sequence, as llama.cpp computes it (float64 here)."""
+        h = self.embeddings[tokens].astype(np.float64)
+        for wv, wo in zip(self.values, self.outputs, strict=True):
+            v = _rms(h, self.eps) @ wv.T  # (T, n_embd_kv)
+            mean = np.cumsum(v, axis=0) / np.arange(1, len(tokens) + 1)[:, None]  # causal, uniform
+            group = self.n_head // self.n_head_kv
+            head_dim = v.shape[1] // self.n_head_kv
+            heads = [
+                mean[:, (i // group) * head_dim : (i // group + 1) * head_dim] for i in range(self.n_head)
+            ]
+            h = h + np.concatenate(heads, axis=1) @ wo.T
+        logits = self.head @ _rms(h[-1], self.eps)
+        odds = np.exp(logits - logits.max())
+        return float(odds[0] / odds.sum())
+
+
+def _rms(x: np.ndarray, eps: float) -> np.ndarray:
+    scaled: np.ndarray = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return scaled
+
+
+def write_tiny_reranker(
+    path: Path, seed: int = 0, template: str | None = TINY_RERANK_TEMPLATE
+) -> TinyReranker:
+    """Write a tiny reranking GGUF (Qwen3 architecture, rank pooling) and return its weights."""
+    spec = TinyModelSpec(seed=seed, chat_template=None, name="tiny-reranker")
+    rng = np.random.default_rng(seed)
+    head_dim = spec.head_dim
+    n_embd_kv = head_dim * spec.n_head_kv
+    eps = 1e-6
+
+    def weight(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_name(spec.name)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.n_embd)
+    writer.add_block_count(spec.n_layer)
+    writer.add_feed_forward_length(spec.n_ff)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(spec.n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_pooling_type(gguf.PoolingType.RANK)
+    writer.add_classifier_output_labels(["yes", "no"])
+    tokens, scores, types = _vocab(spec)
+    n_vocab = len(tokens)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    if template is not None:
+        writer.add_chat_template([{"name": "rerank", "template": template}])
+
+    embeddings = weight(n_vocab, spec.n_embd, scale=1.0)
+    head = weight(2, spec.n_embd, scale=0.3)  # scores spread over (0, 1), not saturated
+    writer.add_tensor("token_embd.weight", embeddings)
+    writer.add_tensor("output_norm.weight", np.ones(spec.n_embd, dtype=np.float32))
+    writer.add_tensor("cls.output.weight", head)
+    values, outputs = [], []
+    for i in range(spec.n_layer):
+        blk = f"blk.{i}"
+        wv, wo = weight(n_embd_kv, spec.n_embd), weight(spec.n_embd, spec.n_embd)
+        values.append(wv)
+        outputs.append(wo)
+        writer.add_tensor(f"{blk}.attn_norm.weight", np.ones(spec.n_embd, dtype=np.float32))
+        writer.add_tensor(f"{blk}.attn_q.weight", np.zeros((spec.n_embd, spec.n_embd), dtype=np.float32))
+        writer.add_tensor(f"{blk}.attn_k.weight", weight(n_embd_kv, spec.n_embd))
+        writer.add_tensor(f"{blk}.attn_v.weight", wv)
+        writer.add_tensor(f"{blk}.attn_output.weight", wo)
+        writer.add_tensor(f"{blk}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(f"{blk}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(f"{blk}.ffn_norm.weight", np.ones(spec.n_embd, dtype=np.float32))
+        writer.add_tensor(f"{blk}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd))
+        writer.add_tensor(f"{blk}.ffn_up.weight", weight(spec.n_ff, spec.n_embd))
+        writer.add_tensor(f"{blk}.ffn_down.weight", np.zeros((spec.n_embd, spec.n_ff), dtype=np.float32))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return TinyReranker(embeddings, values, outputs, head, spec.n_head, spec.n_head_kv, eps)

@@ -140,6 +140,9 @@ models:
     file: /srv/models/tiny.gguf
     chat_template_file: templates/tiny.jinja
     embedding: true
+  - name: ranker
+    file: /srv/models/rank.gguf
+    kind: rerank
 logging:
   level: DEBUG
   format: text
@@ -231,6 +234,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 chat_template_file=tmp_path / "templates" / "tiny.jinja",
                 embedding=True,
             ),
+            ModelSettings(name="ranker", file=Path("/srv/models/rank.gguf"), kind="rerank"),
         ),
         logging=LoggingSettings(level="debug", format="text"),
         auth=AuthSettings(

@@ -137,7 +137,7 @@ def _after_action(handler: Handler) -> Handler:
 async def models(request: web.Request) -> web.StreamResponse:
     """GET /ui/api/models: the models the playground can chat with now."""
     handles = context(request).registry.ready_handles()
-    return web.json_response({"models": [h.name for h in handles if not h.settings.embedding]})
+    return web.json_response({"models": [h.name for h in handles if not h.settings.pooled]})
 
 
 async def chat(request: web.Request) -> web.StreamResponse:

@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final
+from typing import Final, TypeVar
 
 from aiohttp import web
 
@@ -63,6 +63,9 @@ API_FAMILIES: Final = {
     "/v1/responses": "responses",
     "/v1/messages": "messages",
 }
+
+
+T = TypeVar("T")
 
 
 def api_family(request: web.Request) -> str:
@@ -501,3 +504,18 @@ def aborted(reason: str | None) -> ApiError | None:
     if reason == QUEUE_TIMEOUT:
         return ServerOverloaded(QUEUE_TIMEOUT, headers={"Retry-After": RETRY_AFTER_BUSY_S})
     return None
+
+
+async def on_restarted(
+    request: web.Request, stopped: ModelHandle, work: Callable[[ModelHandle], Awaitable[T]]
+) -> T:
+    """A pooled request (embeddings, reranking) whose engine stopped under it, asked again of
+    the restarted engine: it shows nothing until it is whole, so asking again is safe. Once
+    only, so an input that kills the engine costs two stops; the first stop's error when no
+    restart comes within the request's progress deadline."""
+    ctx = context(request)
+    fresh = await ctx.registry.replacement(stopped, ctx.settings.server.progress_timeout_s)
+    if fresh is None:
+        raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
+    async with ctx.registry.lease(fresh.name) as handle:
+        return await work(handle)

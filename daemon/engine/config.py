@@ -47,6 +47,12 @@ class ModelInfo:
     bos_text: str
     eos_text: str
     add_bos: bool
+    # A reranking model's prompt for a query and a document (`tokenizer.chat_template.rerank`,
+    # with `{query}` and `{document}` markers), when its GGUF carries one.
+    rerank_template: str | None = None
+    # Else the tokens around them, as the vocabulary's flags say (llama-server's pair format):
+    # before the query, between the two, after the document.
+    pair_tokens: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] = ((), (), ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,8 @@ class EngineConfig:
     # A generation still waiting for its first slot this long is refused (QUEUE_TIMEOUT): one
     # that cannot meet its deadline leaves room for those that can. 0: it waits its turn.
     queue_timeout_s: float = 0.0
+    # A reranking model (rank pooling): one relevance score per input, not a vector.
+    rank: bool = False
     speculative: Speculation = field(default_factory=Speculation)
 
 

@@ -34,6 +34,7 @@ _POOLING_NAMES: Final = {
     llama.LLAMA_POOLING_TYPE_MEAN: "mean",
     llama.LLAMA_POOLING_TYPE_CLS: "cls",
     llama.LLAMA_POOLING_TYPE_LAST: "last",
+    llama.LLAMA_POOLING_TYPE_RANK: "rank",
 }
 
 
@@ -48,9 +49,11 @@ class _EmbedJob:
 
 
 class EmbeddingEngine(NativeThread):
-    """One embedding model: a llama_context created with embeddings on, run on its own thread."""
+    """One embedding model: a llama_context created with embeddings on, run on its own thread.
 
-    kind: Final = "embedding"  # as RemoteEngine.kind: what the model serves
+    A reranking model (`EngineConfig.rank`: rank pooling, a classifier head) runs the same way;
+    its "vector" for an input is one relevance score in [0, 1] (`_score`).
+    """
 
     def __init__(self, config: EngineConfig, *, name: str = "model") -> None:
         """Load the model, warm it up and start its thread (blocking: call it off the event loop).
@@ -59,6 +62,7 @@ class EmbeddingEngine(NativeThread):
         docstring gives (one OpenMP team per calling thread); embed() only queues a job.
         """
         super().__init__(config, name)
+        self.kind = "rerank" if config.rank else "embedding"  # as RemoteEngine.kind: what the model serves
         self._jobs: deque[_EmbedJob] = deque()
         self._current: _EmbedJob | None = None  # the job being embedded (engine thread writes)
         # Liveness for the systemd watchdog: when the thread last finished a batch or idled.
@@ -76,6 +80,12 @@ class EmbeddingEngine(NativeThread):
         self.info = read_model_info(model, self._vocab, config.path)
         pooling = self._pooling()
         self.pooling: str = _POOLING_NAMES[pooling]
+        self._labels = llama.llama_model_n_cls_out(model) if config.rank else 0
+        if config.rank and self._labels not in (1, 2):
+            raise ModelLoadError(
+                f"{config.path} has a classifier head of {self._labels} labels; a reranking model "
+                "has one (a relevance logit) or two (Qwen3's yes and no)"
+            )
 
         cparams = llama.llama_context_default_params()
         cparams.embeddings = True
@@ -113,6 +123,13 @@ class EmbeddingEngine(NativeThread):
         """The pooling this model declares, or MEAN for one that declares none."""
         declared = model_meta(self._model, f"{self.info.architecture}.pooling_type")
         value = int(declared) if declared and declared.isdigit() else llama.LLAMA_POOLING_TYPE_NONE
+        if self.config.rank:
+            if value != llama.LLAMA_POOLING_TYPE_RANK:
+                raise ModelLoadError(
+                    f"{self.config.path} is not a reranking model: its GGUF declares no rank pooling "
+                    "(a classifier head over the query and document)"
+                )
+            return value
         if value == llama.LLAMA_POOLING_TYPE_RANK:
             raise ModelLoadError(
                 f"{self.config.path} is a reranking model (rank pooling), not an embedding model"
@@ -129,7 +146,10 @@ class EmbeddingEngine(NativeThread):
             self._decode([[bos if bos >= 0 else 0]])
         except EngineError as exc:
             raise ModelLoadError(f"warm-up embedding failed for {self.config.path}: {exc}") from exc
-        log.info("embedding model %s: %d dimensions, %s pooling", self.name, self.n_embd, self.pooling)
+        if self.config.rank:
+            log.info("reranking model %s: %d label(s), rank pooling", self.name, self._labels)
+        else:
+            log.info("embedding model %s: %d dimensions, %s pooling", self.name, self.n_embd, self.pooling)
 
     # ---- interface (any thread) -----------------------------------------------------------
 
@@ -267,7 +287,13 @@ class EmbeddingEngine(NativeThread):
             ptr = llama.llama_get_embeddings_seq(self._ctx, s)
             if not ptr:
                 raise EngineError("llama.cpp returned no pooled embedding")
-            vectors.append(_unit(ptr[: self.n_embd]))
+            if self.config.rank:
+                score = _score(ptr[: self._labels])
+                if not math.isfinite(score):
+                    raise EngineError("the model's rank head gave a score that is not a number")
+                vectors.append([score])
+            else:
+                vectors.append(_unit(ptr[: self.n_embd]))
         return vectors
 
     def _release(self, error: str) -> None:
@@ -283,6 +309,16 @@ class EmbeddingEngine(NativeThread):
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(EngineError(error))
         self._free_native()  # once every tokenize() in progress is out
+
+
+def _score(head: list[float]) -> float:
+    """A rank head's output as a relevance score in [0, 1]: the sigmoid of a single logit (BERT
+    and XLM-RoBERTa rerankers, as sentence-transformers' CrossEncoder scores them), or the first
+    label's probability, which llama.cpp's softmax over two labels gives already (Qwen3's yes)."""
+    if len(head) == 1:
+        x = head[0]
+        return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+    return head[0]
 
 
 def _unit(vector: list[float]) -> list[float]:

@@ -142,6 +142,7 @@ def read_model_info(model: Any, vocab: Any, path: Path) -> ModelInfo:
     desc = ctypes.create_string_buffer(256)
     llama.llama_model_desc(model, desc, len(desc))
     template = llama.llama_model_chat_template(model, None)
+    rerank = llama.llama_model_chat_template(model, b"rerank")
     return ModelInfo(
         path=path,
         architecture=model_meta(model, "general.architecture") or "unknown",
@@ -154,7 +155,21 @@ def read_model_info(model: Any, vocab: Any, path: Path) -> ModelInfo:
         bos_text=token_text(vocab, llama.llama_vocab_bos(vocab)),
         eos_text=token_text(vocab, llama.llama_vocab_eos(vocab)),
         add_bos=bool(llama.llama_vocab_get_add_bos(vocab)),
+        rerank_template=rerank.decode("utf-8", "replace") if rerank else None,
+        pair_tokens=_pair_tokens(vocab),
     )
+
+
+def _pair_tokens(vocab: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The special tokens before a query, between it and a document, and after the document:
+    BOS when the vocabulary adds one, EOS (SEP without one) after each text when it adds that,
+    SEP between them when it adds that (llama-server's pair format for rerankers)."""
+    bos, eos, sep = llama.llama_vocab_bos(vocab), llama.llama_vocab_eos(vocab), llama.llama_vocab_sep(vocab)
+    end = eos if eos >= 0 else sep
+    closing = (end,) if llama.llama_vocab_get_add_eos(vocab) and end >= 0 else ()
+    between = (*closing, *((sep,) if llama.llama_vocab_get_add_sep(vocab) and sep >= 0 else ()))
+    opening = (bos,) if llama.llama_vocab_get_add_bos(vocab) and bos >= 0 else ()
+    return opening, between, closing
 
 
 def token_text(vocab: Any, token: int) -> str:

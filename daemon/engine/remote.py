@@ -178,6 +178,9 @@ class RemoteEngine:
             raise ModelLoadError(why)
         info = dict(ready["info"])
         info["path"] = Path(info["path"])
+        info["pair_tokens"] = tuple(
+            tuple(int(t) for t in part) for part in info.get("pair_tokens", ((), (), ()))
+        )
         self.info = ModelInfo(**info)
         self.n_vocab = int(ready["n_vocab"])
         self.n_embd = int(ready.get("n_embd", 0))
@@ -354,7 +357,7 @@ class RemoteEngine:
     def _call(self, message: dict[str, Any]) -> Any:
         with self._lock:
             if self._exited or self._closing:
-                raise EngineError("engine is shutting down")
+                raise EngineError(self._why_gone())
             self._next += 1
             call_id = self._next
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -363,16 +366,23 @@ class RemoteEngine:
         try:
             with self._send_lock:
                 wire.send(self._sock, {**message, "id": call_id})
-        except OSError:
+        except OSError:  # the process is gone: it died (the reader may not have seen it yet), or closes
             with self._lock:
                 self._calls.pop(call_id, None)
-            raise EngineError("engine is shutting down") from None
+            raise EngineError(self._why_gone(died=True)) from None
         try:
             return future.result(CALL_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
             with self._lock:
                 self._calls.pop(call_id, None)
             raise EngineError("the engine did not answer in time") from None
+
+    def _why_gone(self, *, died: bool = False) -> str:
+        """Why a call finds no process: ENGINE_STOPPED when it stopped by itself (a restart comes,
+        so the caller may ask again: `api.session.on_restarted`), else it is being closed."""
+        if self._closing:
+            return "engine is shutting down"
+        return ENGINE_STOPPED if died or self.fault is not None else "engine is shutting down"
 
     def _note_pending(self) -> None:
         """Under the lock, before new work is recorded: the hang clock starts with the first."""

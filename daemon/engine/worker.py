@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine: Engine | EmbeddingEngine = (
             EmbeddingEngine(config, name=hello["name"])
-            if hello["kind"] == "embedding"
+            if hello["kind"] in ("embedding", "rerank")
             else Engine(config, name=hello["name"])
         )
     except EngineError as exc:

@@ -34,6 +34,7 @@ from edgellmd.api.context import (
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai.routes import setup_openai
 from edgellmd.api.pool import FairPool
+from edgellmd.api.rerank import setup_rerank
 from edgellmd.api.responses.routes import setup_responses
 from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.generation import Running
@@ -161,6 +162,7 @@ def create_app(
     setup_auth(app, settings.auth.keys_file, metrics_public=settings.auth.metrics_public)
     setup_health(app)
     setup_openai(app)
+    setup_rerank(app)
     setup_responses(app)
     setup_anthropic(app)
     setup_admin(app)

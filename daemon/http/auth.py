@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Final
 
 from aiohttp import web
 
@@ -28,11 +29,15 @@ log = logging.getLogger(__name__)
 audit = logging.getLogger("edgellmd.audit")
 
 
+# Inference paths outside /v1/: clients' spellings of reranking (api.rerank.PATHS).
+INFERENCE_ELSEWHERE: Final = frozenset({"/rerank", "/v2/rerank"})
+
+
 def scope_for(path: str, *, metrics_public: bool = False) -> str | None:
     """The scope a path needs, or None for public paths."""
     if path == "/metrics":
         return None if metrics_public else "metrics"
-    if path.startswith("/v1/") or path == "/v1":
+    if path.startswith("/v1/") or path == "/v1" or path in INFERENCE_ELSEWHERE:
         return "inference"
     if path.startswith("/admin/") or path == "/admin":
         return "admin"

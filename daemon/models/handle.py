@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Mapping, Sequence
@@ -85,7 +86,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
     threads = settings.threads or default_threads()
     spec = settings.speculative
     draft: Path | None = None  # speculative mode draft: the draft model's file (an embedder has none)
-    if spec.mode == "draft" and not settings.embedding:
+    if spec.mode == "draft" and not settings.pooled:
         if spec.draft_file is None:
             raise EngineError(f"model {settings.name}: speculative mode draft without a draft model file")
         draft = spec.draft_file
@@ -105,6 +106,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         batch_padding=settings.batch_padding,
         prefill_chunk=settings.prefill_chunk or (settings.batch_size if gpu_layers else CPU_PREFILL_CHUNK),
         queue_timeout_s=settings.queue_timeout_s or 0.0,
+        rank=settings.serves == "rerank",
         speculative=Speculation(
             mode=spec.mode,
             max_draft=spec.max_draft,
@@ -126,10 +128,10 @@ def default_engine_factory(settings: ModelSettings, mmap: bool = False) -> AnyEn
     thread of the daemon's or in an engine process of its own (`isolation`)."""
     config = engine_config(settings, mmap=mmap)
     if settings.isolation == "process":
-        kind = "embedding" if settings.embedding else "generation"
+        kind = settings.serves
         return RemoteEngine(config, name=settings.name, kind=kind, hang_s=settings.hang_timeout_s)
     # An in-process engine: llama.cpp is loaded into the daemon from here on.
-    if settings.embedding:
+    if settings.pooled:
         from edgellmd.engine.embedding import EmbeddingEngine  # noqa: PLC0415 - see above
 
         return EmbeddingEngine(config, name=settings.name)
@@ -243,12 +245,14 @@ class ModelHandle:
 
     @property
     def generator(self) -> Generator:
-        """The text generation engine; 400 for an embedding model."""
+        """The text generation engine; 400 for an embedding or reranking model."""
         engine = self.engine
         if engine.kind == "generation":
             return cast("Generator", engine)
         raise InvalidRequest(
-            f"the model {self.name!r} is an embedding model: use /v1/embeddings",
+            f"the model {self.name!r} is a reranking model: use /v1/rerank"
+            if engine.kind == "rerank"
+            else f"the model {self.name!r} is an embedding model: use /v1/embeddings",
             param="model",
             code="model_not_supported",
         )
@@ -261,6 +265,18 @@ class ModelHandle:
             return cast("Embedder", engine)
         raise InvalidRequest(
             f"the model {self.name!r} does not produce embeddings", param="model", code="model_not_supported"
+        )
+
+    @property
+    def ranker(self) -> Embedder:
+        """The reranking engine (one score per input); 400 for any other model."""
+        engine = self.engine
+        if engine.kind == "rerank":
+            return cast("Embedder", engine)
+        raise InvalidRequest(
+            f"the model {self.name!r} does not rerank: a reranking model is configured with kind: rerank",
+            param="model",
+            code="model_not_supported",
         )
 
     def _tokenize_bounded(
@@ -291,7 +307,7 @@ class ModelHandle:
             )
             if n_prefix >= enough:
                 at_least = n_prefix - _prefix_slack(limit)
-                what = "an input" if self.settings.embedding else "the prompt"
+                what = "an input" if self.settings.pooled else "the prompt"
                 raise ContextLengthExceeded(
                     f"this model's context is {limit} tokens per request; {what} has at least "
                     f"{at_least} tokens (its first {chars} characters alone)",
@@ -379,12 +395,67 @@ class ModelHandle:
         self.check_prompt(tokens, param)
         return tokens
 
+    async def rerank_prompts(
+        self, query: str, documents: Sequence[str], max_tokens_per_doc: int | None = None
+    ) -> list[list[int]]:
+        """Each document with the query, tokenized as the model scores them, off the event loop.
+
+        The GGUF's rerank prompt where it has one (its markup parsed for control tokens, the
+        query's and documents' text never: user text is text), else llama-server's pair format
+        (`ModelInfo.pair_tokens`). A document past `max_tokens_per_doc` (the client's own bound,
+        as Cohere's API has it) is cut there; a pair past the context is a 400 naming it.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self.executor, self._rerank_prompts, query, documents, max_tokens_per_doc
+            )
+        except EngineError:
+            raise _gone(self.name) from None
+
+    def _rerank_prompts(
+        self, query: str, documents: Sequence[str], max_tokens_per_doc: int | None
+    ) -> list[list[int]]:
+        info = self.engine.info
+        limit = self.settings.context_size
+
+        def text(value: str, param: str) -> list[int]:
+            return self._tokenize_bounded(value, param, add_special=False) if value else []
+
+        def markup(value: str) -> list[int]:
+            return self.engine.tokenize(value, add_special=False, parse_special=True) if value else []
+
+        asked = text(query, "query")
+        if info.rerank_template is not None:
+            parts = re.split(r"(\{query\}|\{document\})", info.rerank_template)
+            pieces = [None if part in ("{query}", "{document}") else markup(part) for part in parts]
+        opening, between, closing = info.pair_tokens
+        prompts: list[list[int]] = []
+        for i, document in enumerate(documents):
+            doc = text(document, "documents")[:max_tokens_per_doc]
+            if info.rerank_template is None:
+                tokens = [*opening, *asked, *between, *doc, *closing]
+            else:
+                tokens = []
+                for part, piece in zip(parts, pieces, strict=True):
+                    tokens += piece if piece is not None else asked if part == "{query}" else doc
+            if not tokens:
+                raise InvalidRequest(f"document {i} and the query are both empty", param="documents")
+            if len(tokens) > limit:
+                raise ContextLengthExceeded(
+                    f"this model ranks at most {limit} tokens per document, the query and the prompt's "
+                    f"markup included; document {i} makes {len(tokens)}",
+                    param="documents",
+                )
+            prompts.append(tokens)
+        return prompts
+
     def check_prompt(self, tokens: Sequence[int], param: str) -> None:
         """Refuse empty prompts and prompts that leave no room to generate in a slot."""
         if not tokens:
             raise InvalidRequest("the prompt is empty", param=param)
         limit = self.settings.context_size
-        if self.settings.embedding:
+        if self.settings.pooled:
             if len(tokens) > limit:
                 raise ContextLengthExceeded(
                     f"this model embeds at most {limit} tokens per input; an input has {len(tokens)}",
@@ -464,7 +535,13 @@ class ModelHandle:
 
     async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         """Embed tokenized inputs on the model's own thread (429 when it is saturated)."""
-        embedder = self.embedder
+        return await self._pool(self.embedder, inputs)
+
+    async def rank(self, inputs: Sequence[Sequence[int]]) -> list[float]:
+        """Score tokenized query-document pairs (`rerank_prompt`) on the model's own thread."""
+        return [vector[0] for vector in await self._pool(self.ranker, inputs)]
+
+    async def _pool(self, embedder: Embedder, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         self.check_capacity()
         try:
             return await asyncio.wrap_future(embedder.submit_embed(inputs))

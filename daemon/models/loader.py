@@ -251,7 +251,7 @@ class Loader:
         if self._huge_pages:
             await self._collapse(loop, settings.name)
         try:
-            template = None if settings.embedding else chat_template_for(settings, engine)
+            template = None if settings.pooled else chat_template_for(settings, engine)
         except (TemplateError, EngineError, OSError) as exc:
             await loop.run_in_executor(None, engine.close)
             self.discard_copies(copies)
@@ -301,7 +301,7 @@ class Loader:
     def draft_source(self, settings: ModelSettings, lock: Lockfile | None) -> DraftProvenance | None:
         """Where the model's draft model comes from (speculative mode draft), not yet copied; LoadFailed."""
         spec = settings.speculative
-        if spec.mode != "draft" or settings.embedding:
+        if spec.mode != "draft" or settings.pooled:
             return None
         entry: LockedModel | None = None
         if lock is not None:
@@ -328,7 +328,7 @@ class Loader:
     def draft_entry(self, settings: ModelSettings, lock: Lockfile | None) -> LockedModel | None:
         """The lock entry the model's draft model would be verified against now (None: no draft, unsigned)."""
         spec = settings.speculative
-        if lock is None or spec.mode != "draft" or settings.embedding or spec.draft_model is None:
+        if lock is None or spec.mode != "draft" or settings.pooled or spec.draft_model is None:
             return None
         return lock.models.get(spec.draft_model)
 
@@ -336,7 +336,7 @@ class Loader:
         self, settings: ModelSettings, loaded: DraftProvenance | None, lock: Lockfile | None
     ) -> bool:
         """True when the draft model a handle was built with is not the one the model would get now."""
-        if settings.speculative.mode != "draft" or settings.embedding:
+        if settings.speculative.mode != "draft" or settings.pooled:
             return loaded is not None
         if loaded is None:
             return True
@@ -434,8 +434,9 @@ class Loader:
         try:
             bos = await loop.run_in_executor(None, partial(engine.tokenize, "", add_special=True))
             bos = bos or await loop.run_in_executor(None, partial(engine.tokenize, "a", add_special=False))
-            if handle.settings.embedding:
-                await asyncio.wait_for(handle.embed([bos]), WARM_UP_TIMEOUT_S)
+            if handle.settings.pooled:
+                pooled = handle.rank if handle.settings.serves == "rerank" else handle.embed
+                await asyncio.wait_for(pooled([bos]), WARM_UP_TIMEOUT_S)
                 return
             gen = handle.submit(
                 GenerationRequest(

@@ -818,7 +818,7 @@ class Registry:
             handle = entry.handle
             item: dict[str, Any] = {
                 "name": name,
-                "kind": "embedding" if entry.settings.embedding else "generation",
+                "kind": entry.settings.serves,
                 "state": entry.state.value,
                 "reason": entry.error,
                 "reloading": entry.reloading,

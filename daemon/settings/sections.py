@@ -237,11 +237,16 @@ def _check_model(checker: Checker, model: ModelSettings, path: str) -> None:
         for key, value in (("draft_model", spec.draft_model), ("draft_file", spec.draft_file)):
             if value is not None:
                 checker.add(f"{path}.speculative.{key}", f"only with mode draft (mode is {spec.mode})")
-    if model.embedding:
+    if model.embedding and model.kind == "rerank":
+        checker.add(
+            f"{path}.embedding", "`embedding: true` is `kind: embedding`; a rerank model leaves it out"
+        )
+    if model.pooled:
+        what = f"a{'n' if model.serves == 'embedding' else ''} {model.serves} model"
         if spec.mode != "none":
-            checker.add(f"{path}.speculative.mode", "an embedding model generates no text to draft")
+            checker.add(f"{path}.speculative.mode", f"{what} generates no text to draft")
         if model.prompt_cache_mb:
-            checker.add(f"{path}.prompt_cache_mb", "an embedding model keeps no prompt cache")
+            checker.add(f"{path}.prompt_cache_mb", f"{what} keeps no prompt cache")
 
 
 def _lock(f: Field) -> Any:
@@ -276,7 +281,8 @@ def _check_model_files(checker: Checker, raw_models: object, lock: LockSettings)
             )
         # A draft model's file likewise (speculative mode draft; an embedding model is refused it).
         spec = entry.get("speculative")
-        if not isinstance(spec, dict) or str(spec.get("mode")).lower() != "draft" or entry.get("embedding"):
+        pooled = entry.get("embedding") or entry.get("kind") in ("embedding", "rerank")
+        if not isinstance(spec, dict) or str(spec.get("mode")).lower() != "draft" or pooled:
             continue
         where = f"models[{index}].speculative"
         if lock.allow_unsigned and spec.get("draft_file") is None:
@@ -605,9 +611,17 @@ class ModelSettings:
         "can still be on time (see [Benchmarks](docs/benchmarks.md#serving-benchmark-goodput-under-an-slo)); "
         "a stream is refused before its headers when this is under 10 s, else ended with an error event",
     )
+    kind: str = setting(
+        "generation",
+        "what the model serves: generation (chat, completions, responses, messages), embedding "
+        "(/v1/embeddings) or rerank (/v1/rerank)",
+        choices=("generation", "embedding", "rerank"),
+        more="a rerank model's GGUF declares rank pooling (a classifier head), as llama.cpp's "
+        "converter writes bge-reranker, jina-reranker and Qwen3-Reranker; see [Reranking](#reranking)",
+    )
     embedding: bool = setting(
         False,
-        "an embedding model, served by /v1/embeddings only",
+        "an embedding model, served by /v1/embeddings only: the older spelling of `kind: embedding`",
         more="(mean pooling unless the GGUF says otherwise)",
     )
     evictable: bool = setting(
@@ -678,6 +692,16 @@ class ModelSettings:
         more="returned as `reasoning_content` (chat), `reasoning` items (Responses) and `thinking` blocks "
         "(Messages), never mixed into the answer; `none` leaves the reply as the model wrote it",
     )
+
+    @property
+    def serves(self) -> str:
+        """generation, embedding or rerank: `kind`, with `embedding: true` read as its older spelling."""
+        return "embedding" if self.embedding and self.kind == "generation" else self.kind
+
+    @property
+    def pooled(self) -> bool:
+        """An embedding or reranking model: no text generation, no chat template, no KV kept."""
+        return self.serves != "generation"
 
 
 @dataclass(frozen=True, slots=True)

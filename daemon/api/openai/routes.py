@@ -24,12 +24,10 @@ from edgellmd.api.openai.decode import (
 )
 from edgellmd.api.openai.encode import Shape, collect, stream
 from edgellmd.api.request import ChatRequest, Limits
-from edgellmd.api.session import chat_session, generation_session, user_tag
-from edgellmd.engine.generation import ENGINE_STOPPED
+from edgellmd.api.session import chat_session, generation_session, on_restarted, user_tag
 from edgellmd.errors import EngineFailed, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.traces import now_ns
 from edgellmd.models.handle import ModelHandle
-from edgellmd.models.registry import RETRY_AFTER_LOADING_S
 
 log = logging.getLogger(__name__)
 
@@ -124,21 +122,6 @@ def _vector(values: list[float], encoding: str) -> list[float] | str:
     return values
 
 
-async def _embed_again(
-    request: web.Request, stopped: ModelHandle, inputs: list[list[int]]
-) -> list[list[float]]:
-    """An embedding whose engine stopped under it, asked again of the restarted engine (an
-    embedding shows nothing until it is whole, so asking again is safe); once only, so an input
-    that kills the engine costs two stops. The first stop's error when no restart comes within
-    the request's progress deadline."""
-    ctx = context(request)
-    fresh = await ctx.registry.replacement(stopped, ctx.settings.server.progress_timeout_s)
-    if fresh is None:
-        raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
-    async with ctx.registry.lease(fresh.name) as handle:
-        return await handle.embed(inputs)
-
-
 async def embeddings(request: web.Request) -> web.Response:
     """POST /v1/embeddings: one unit vector per input, from a model configured with embedding: true."""
     body: EmbeddingRequest = parse_embeddings(await read_json_object(request))
@@ -152,7 +135,7 @@ async def embeddings(request: web.Request) -> web.Response:
         try:
             vectors = await handle.embed(inputs)
         except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
-            vectors = await _embed_again(request, handle, inputs)
+            vectors = await on_restarted(request, handle, lambda fresh: fresh.embed(inputs))
         context(request).metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)
         await account(request, handle.name, n_tokens, 0)
     return web.json_response(
