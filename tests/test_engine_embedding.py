@@ -14,7 +14,14 @@ import pytest
 
 from edgellmd.engine import EngineConfig, EngineError, ModelLoadError
 from edgellmd.engine.embedding import EmbeddingEngine
-from tests.ggufmodels import BOS_ID, N_VOCAB, TinyModelSpec, write_tiny_model
+from tests.ggufmodels import (
+    BOS_ID,
+    N_VOCAB,
+    TINY_RERANK_TEMPLATE,
+    TinyModelSpec,
+    write_tiny_model,
+    write_tiny_reranker,
+)
 
 SLOTS = 2
 CONTEXT = 64
@@ -243,3 +250,64 @@ def test_close_fails_running_and_waiting_calls(tmp_path: Path) -> None:
     second.join()
     assert [str(e) for e in errors] == ["the model was unloaded"] * 2
     assert eng.idle
+
+
+def test_a_short_call_is_not_held_behind_a_long_one(engine: EmbeddingEngine) -> None:
+    """Calls take turns, one decode each: a call of many inputs delays a call of one by a
+    decode, not by its whole length, and neither's vectors change for sharing the thread."""
+    long_inputs = [engine.tokenize(f"input number {i} of a long call") for i in range(300)]
+    short = engine.tokenize("a short call")
+    alone = engine.embed([short])
+    first_long = engine.embed(long_inputs[:3])
+    long_call = engine.submit_embed(long_inputs)
+    deadline = time.monotonic() + 30
+    while engine.busy_slots == 0 and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    short_call = engine.submit_embed([short])
+    assert short_call.result(30) == alone
+    assert not long_call.done()  # the short one came back while the long one still runs
+    assert long_call.result(60)[:3] == first_long
+    assert engine.idle
+
+
+def test_a_reranking_engine_scores_each_input(tmp_path: Path) -> None:
+    model = write_tiny_reranker(tmp_path / "rank.gguf", seed=4)
+    eng = EmbeddingEngine(
+        EngineConfig(
+            path=tmp_path / "rank.gguf",
+            slots=2,
+            context_size=CONTEXT,
+            batch_size=512,
+            threads=1,
+            threads_batch=1,
+            rank=True,
+        ),
+        name="rank",
+    )
+    try:
+        assert eng.kind == "rerank"
+        assert eng.pooling == "rank"
+        assert eng.info.rerank_template == TINY_RERANK_TEMPLATE
+        inputs = [[BOS_ID, *(3 + b for b in text.encode())] for text in TEXTS]
+        scores = eng.embed(inputs)
+        assert all(len(s) == 1 for s in scores)
+        for got, tokens in zip(scores, inputs, strict=True):
+            assert 0.0 < got[0] < 1.0
+            assert got[0] == pytest.approx(model.score(tokens), abs=5e-3)
+        assert eng.embed(inputs) == scores  # the same pair, the same score
+    finally:
+        eng.close()
+    plain = write_tiny_model(tmp_path / "plain.gguf", TinyModelSpec(seed=3))
+    with pytest.raises(ModelLoadError, match="not a reranking model"):
+        EmbeddingEngine(
+            EngineConfig(
+                path=plain,
+                slots=1,
+                context_size=CONTEXT,
+                batch_size=512,
+                threads=1,
+                threads_batch=1,
+                rank=True,
+            ),
+            name="plain",
+        )

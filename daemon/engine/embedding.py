@@ -39,12 +39,13 @@ _POOLING_NAMES: Final = {
 
 
 class _EmbedJob:
-    """One embed() call: its token lists and the future its caller waits on."""
+    """One embed() call: its token lists, the vectors done so far and the future its caller waits on."""
 
-    __slots__ = ("future", "inputs")
+    __slots__ = ("done", "future", "inputs")
 
     def __init__(self, inputs: list[list[int]]) -> None:
         self.inputs = inputs
+        self.done: list[list[float]] = []  # the first len(done) inputs' vectors
         self.future: Future[list[list[float]]] = Future()
 
 
@@ -217,6 +218,8 @@ class EmbeddingEngine(NativeThread):
     # ---- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Take the jobs in turns, one decode of each: a call of a thousand inputs (a rerank of a
+        thousand documents) holds a call of one back by one decode, not by the whole call."""
         while True:
             with self._cond:
                 while not self._stopping and not self._jobs:
@@ -228,39 +231,40 @@ class EmbeddingEngine(NativeThread):
                 # sees neither while a job moves from one to the other.
                 job = self._current = self._jobs[0]
                 self._jobs.popleft()
-            if not job.future.set_running_or_notify_cancel():  # its caller gave up meanwhile
+            if not job.done and not job.future.set_running_or_notify_cancel():  # its caller gave up
                 self._current = None
                 continue
             try:
-                job.future.set_result(self._embed_all(job.inputs))
+                finished = self._embed_next(job)
             except EngineError as exc:
                 job.future.set_exception(exc)
+                finished = False
             except Exception:  # a bug here must fail the call, not kill the thread
                 log.exception("embedding thread of model %s failed", self.name)
                 job.future.set_exception(EngineError("internal engine error"))
-            finally:
-                self._current = None
-                self.heartbeat = time.monotonic()
-
-    def _embed_all(self, inputs: list[list[int]]) -> list[list[float]]:
-        """Embed in batches of up to `_per_decode` inputs and n_batch tokens."""
-        out: list[list[float]] = []
-        start = 0
-        while start < len(inputs):
-            if self._stopping:  # close() during a long job: do not finish it first
-                raise EngineError("the model was unloaded")
-            end, used = start, 0
-            while (
-                end < len(inputs)
-                and end - start < self._per_decode
-                and used + len(inputs[end]) <= self._n_batch
-            ):
-                used += len(inputs[end])
-                end += 1
-            out.extend(self._decode(inputs[start:end]))
+                finished = False
+            if finished:
+                job.future.set_result(job.done)
+            elif not job.future.done():
+                with self._cond:  # behind the others waiting: its next decode comes after theirs
+                    self._jobs.append(job)
+            self._current = None
             self.heartbeat = time.monotonic()
-            start = end
-        return out
+
+    def _embed_next(self, job: _EmbedJob) -> bool:
+        """Embed the job's next batch (up to `_per_decode` inputs and n_batch tokens); True
+        when it has every vector."""
+        if self._stopping:  # close() during a long job: do not finish it first
+            raise EngineError("the model was unloaded")
+        inputs, start = job.inputs, len(job.done)
+        end, used = start, 0
+        while (
+            end < len(inputs) and end - start < self._per_decode and used + len(inputs[end]) <= self._n_batch
+        ):
+            used += len(inputs[end])
+            end += 1
+        job.done.extend(self._decode(inputs[start:end]))
+        return len(job.done) == len(inputs)
 
     def _decode(self, group: Sequence[Sequence[int]]) -> list[list[float]]:
         """One llama_decode over `group`, each input its own sequence; returns unit vectors."""
@@ -305,8 +309,8 @@ class EmbeddingEngine(NativeThread):
         current, self._current = self._current, None
         if current is not None and not current.future.done():  # the job the crash cut
             current.future.set_exception(EngineError(error))
-        for job in leftovers:
-            if job.future.set_running_or_notify_cancel():
+        for job in leftovers:  # a job begun already is running: it cannot be cancelled
+            if job.done or job.future.set_running_or_notify_cancel():
                 job.future.set_exception(EngineError(error))
         self._free_native()  # once every tokenize() in progress is out
 
