@@ -13,12 +13,14 @@ import json
 import os
 import re
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
+from zoneinfo import ZoneInfo
 
 import openai
 import pytest
@@ -583,3 +585,98 @@ def test_completion_mode_lets_a_base_model_continue_a_text(console: Page, box: B
     expect(console.locator("#chat-figures")).to_have_attribute("data-tokens", "5")
     expect(console.locator('#transcript [data-role="assistant"] .text').last).not_to_have_text("")
     console.get_by_label("Mode", exact=True).select_option("chat")
+
+
+def _completion_tokens(url: str, token: str) -> float:
+    """edgellm_completion_tokens_total over every model, as /metrics has it."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})  # noqa: S310
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback URL
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("edgellm_completion_tokens_total{")
+    )
+
+
+def _window_tokens(page: Page) -> int:
+    text = page.locator('[data-chart="tokens"] .readout').inner_text()
+    found = re.fullmatch(r"([\d,]+) tokens in the last .+", text)
+    assert found, text
+    return int(found.group(1).replace(",", ""))
+
+
+def test_charts_have_axes_a_hover_readout_and_add_up_to_what_metrics_counts(console: Page, box: Box) -> None:
+    _, scraper = create_key(box.keys, "scraper", ["metrics"], limits={})
+    metrics_url = box.daemon.url
+    deadline = datetime.now(UTC).timestamp() + 10
+    while True:  # the keys file is read again within a check
+        try:
+            before = _completion_tokens(metrics_url, scraper)
+            break
+        except urllib.error.HTTPError:
+            assert datetime.now(UTC).timestamp() < deadline
+            console.wait_for_timeout(200)
+    console.goto(box.daemon.url + "/ui/#overview")
+    chart = console.locator('[data-chart="tokens"]')
+    expect(chart.locator(".readout")).to_contain_text("tokens in the last")
+    console.wait_for_timeout(1200)  # two ticks: the window holds every token counted before
+    shown_before = _window_tokens(console)
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.token, max_retries=0)
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt="tick", max_tokens=24, extra_body={"ignore_eos": True})
+    counted = _completion_tokens(metrics_url, scraper) - before
+    assert counted == 72
+    # Within a refresh or two the chart's window adds up to the same count (rates times their ticks).
+    for _ in range(20):
+        if abs(_window_tokens(console) - shown_before - counted) <= 1:
+            break
+        console.wait_for_timeout(250)
+    assert abs(_window_tokens(console) - shown_before - counted) <= 1, (_window_tokens(console), shown_before)
+
+    top = chart.locator(".y-top").inner_text()
+    found = re.fullmatch(r"(\d+(?:\.\d+)?) tokens/s", top)
+    assert found, top
+    label = chart.locator("svg").get_attribute("aria-label") or ""
+    highest = float(re.search(r"highest ([\d.]+)", label).group(1))  # type: ignore[union-attr]
+    assert highest <= float(found.group(1)) <= 10 * max(highest, 0.1)  # a round top above the highest
+    expect(chart.locator(".y-zero")).to_have_text("0")
+    expect(chart.locator(".x-start")).to_have_text(re.compile(r"^\d\d:\d\d$"))
+    expect(chart.locator(".x-end")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d UTC$"))
+
+    plot = chart.locator("svg").bounding_box()
+    assert plot is not None
+    console.mouse.move(plot["x"] + plot["width"] * 0.995, plot["y"] + plot["height"] / 2)
+    expect(chart.locator(".readout")).to_have_text(
+        re.compile(r"^\d\d:\d\d:\d\d: (\d+\.\d tokens/s|no figure)$")
+    )
+    expect(chart.locator("svg line.guide")).to_have_count(1)
+    console.wait_for_timeout(700)  # a refresh redraws the chart: the readout and its guide stay
+    expect(chart.locator("svg line.guide")).to_have_count(1)
+    console.mouse.move(0, 0)
+    expect(chart.locator(".readout")).to_contain_text("tokens in the last")
+    expect(chart.locator("svg line.guide")).to_have_count(0)
+
+
+def test_times_are_shown_in_the_browsers_zone_in_one_format(browser: Browser, box: Box) -> None:
+    context = browser.new_context(viewport={"width": 1280, "height": 860}, timezone_id="America/New_York")
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    try:
+        watched = Watched(page)
+        _sign_in(watched, box)
+        status = box.admin_get("/admin/status")
+        model = next(m for m in status["models"] if m["name"] == MODEL)
+        local = datetime.fromtimestamp(model["loaded_at"], UTC).astimezone(ZoneInfo("America/New_York"))
+        row = page.locator(f'#models-table tr[data-model="{MODEL}"]')
+        expect(row.locator('[data-field="loaded_at"]')).to_have_text(
+            local.strftime("%Y-%m-%d %H:%M:%S UTC-05:00")
+        )
+        expect(page.locator("#daemon-info")).to_contain_text("UTC-05:00)")
+        expect(page.locator('[data-chart="tokens"] .x-end')).to_have_text(
+            re.compile(r"^\d\d:\d\d:\d\d UTC-05:00$")
+        )
+        first_reload = page.locator("#reload-history tbody tr td").first
+        expect(first_reload).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC-05:00$"))
+    finally:
+        context.close()

@@ -56,10 +56,22 @@
     return `${Math.floor(s / 86400)} days`;
   }
 
+  // Every time on the page in one format, in the browser's own time zone, the zone named:
+  // "2026-12-04 20:05:12 UTC+01:00" (or "… UTC" where the offset is nought).
+  const pad = (n) => String(n).padStart(2, "0");
+  function zone(d) {
+    const offset = -d.getTimezoneOffset();
+    if (offset === 0) return "UTC";
+    const a = Math.abs(offset);
+    return `UTC${offset < 0 ? "-" : "+"}${pad(Math.floor(a / 60))}:${pad(a % 60)}`;
+  }
+  function clock(d, seconds = true) {
+    return `${pad(d.getHours())}:${pad(d.getMinutes())}${seconds ? `:${pad(d.getSeconds())}` : ""}`;
+  }
   function when(seconds) {
     if (seconds === null || seconds === undefined) return dash;
     const d = new Date(seconds * 1000);
-    return d.toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+    return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${clock(d)} ${zone(d)}`;
   }
   const num = (v, digits = 1) => (v === null || v === undefined ? dash : Number(v).toFixed(digits));
   const shortHash = (hash) => (hash ? hash.slice(0, 12) : dash);
@@ -255,8 +267,8 @@
     state.lostAt = new Date();
     $("overview-body").classList.add("stale");
     $("readiness").className = "readiness bad";
-    $("readiness").textContent = `Lost the connection to the daemon at ${state.lostAt.toLocaleTimeString()}: the figures below are from then.`;
-    notice(`Lost the connection to the daemon at ${state.lostAt.toLocaleTimeString()}; trying again.`);
+    $("readiness").textContent = `Lost the connection to the daemon at ${clock(state.lostAt)} ${zone(state.lostAt)}: the figures below are from then.`;
+    notice(`Lost the connection to the daemon at ${clock(state.lostAt)} ${zone(state.lostAt)}; trying again.`);
   }
 
   function found() {
@@ -510,16 +522,16 @@
   // ---- charts -----------------------------------------------------------------------------
   function series() {
     const out = [
-      { id: "tokens", title: "Tokens/s", unit: "", pick: (p) => p.tokens_per_s, digits: 1 },
+      { id: "tokens", title: "Tokens/s", unit: "", axis: " tokens/s", pick: (p) => p.tokens_per_s, digits: 1, total: " tokens" },
       { id: "ttft", title: "Time to first token", unit: " s", pick: (p) => p.ttft_s, digits: 3 },
-      { id: "queue", title: "Queue depth", unit: "", pick: (p) => p.queue, digits: 0 },
-      { id: "busy", title: "Busy slots", unit: "", pick: (p) => p.busy, digits: 0 },
+      { id: "queue", title: "Queue depth", unit: "", axis: " waiting", pick: (p) => p.queue, digits: 0 },
+      { id: "busy", title: "Busy slots", unit: "", axis: " busy", pick: (p) => p.busy, digits: 0 },
     ];
     const gpus = new Set();
     for (const p of state.samples) for (const g of p.gpus) gpus.add(g.index);
     for (const i of gpus) {
       const of = (p) => p.gpus.find((g) => g.index === i);
-      out.push({ id: `gpu${i}-util`, title: `GPU ${i} utilisation`, unit: " %", pick: (p) => of(p)?.util ?? null, digits: 0 });
+      out.push({ id: `gpu${i}-util`, title: `GPU ${i} utilisation`, unit: " %", pick: (p) => of(p)?.util ?? null, digits: 0, top: 100 });
       out.push({ id: `gpu${i}-mem`, title: `GPU ${i} memory`, unit: " GiB", pick: (p) => (of(p)?.memory_used ?? null) === null ? null : of(p).memory_used / 2 ** 30, digits: 1 });
       out.push({ id: `gpu${i}-temp`, title: `GPU ${i} temperature`, unit: " °C", pick: (p) => of(p)?.temperature ?? null, digits: 0 });
       out.push({ id: `gpu${i}-power`, title: `GPU ${i} power`, unit: " W", pick: (p) => of(p)?.power ?? null, digits: 0 });
@@ -527,22 +539,84 @@
     return out;
   }
 
+  // The y axis's top: the smallest of 1, 2, 2.5 or 5 times a power of ten at or above the
+  // highest value, so that its label reads as a round figure.
+  function niceTop(max, digits) {
+    if (!(max > 0)) return 1;
+    const p = 10 ** Math.floor(Math.log10(max));
+    const top = [1, 2, 2.5, 5, 10].map((m) => m * p).find((v) => v >= max * (1 - 1e-9)) ?? 10 * p;
+    return digits === 0 ? Math.max(1, Math.ceil(top)) : top;
+  }
+
+  const W = 300, H = 60; // the chart's drawing box (viewBox units)
+
+  function chartFigure(box, sr) {
+    let fig = box.querySelector(`[data-chart="${sr.id}"]`);
+    if (fig) return fig;
+    const svg = s("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img" });
+    fig = h("figure", { class: "chart", "data-chart": sr.id },
+      h("figcaption", {}, h("span", {}, sr.title), h("span", { class: "now" })),
+      h("div", { class: "plot" },
+        h("div", { class: "y", "aria-hidden": "true" }, h("span", { class: "y-top" }), h("span", { class: "y-zero" }, "0")),
+        svg,
+        h("span", {}),
+        h("div", { class: "x", "aria-hidden": "true" }, h("span", { class: "x-start" }), h("span", { class: "x-end" }))),
+      h("p", { class: "readout", "aria-live": "off" }));
+    // Hover (or touch) reads one sample out: its time and value, with a guide line.
+    svg.addEventListener("pointermove", (e) => {
+      const rect = svg.getBoundingClientRect();
+      fig.dataset.hover = String(Math.max(0, Math.min(1, (e.clientX - rect.left) / Math.max(1, rect.width))));
+      drawReadout(fig, sr);
+    });
+    svg.addEventListener("pointerleave", () => {
+      delete fig.dataset.hover;
+      drawReadout(fig, sr);
+    });
+    box.append(fig);
+    return fig;
+  }
+
+  // A per-second figure summed over the samples: each one's rate times the time it covers.
+  function windowTotal(sr) {
+    const samples = state.samples;
+    let total = 0;
+    samples.forEach((p, i) => {
+      const v = sr.pick(p);
+      if (v === null || v === undefined) return;
+      total += v * (i ? p.t - samples[i - 1].t : state.interval);
+    });
+    return total;
+  }
+
+  function drawReadout(fig, sr) {
+    const svg = fig.querySelector("svg");
+    svg.querySelector(".guide")?.remove();
+    const readout = fig.querySelector(".readout");
+    const samples = state.samples;
+    if (fig.dataset.hover === undefined || samples.length < 2) {
+      // A rate's chart says what it adds up to over the window: the count /metrics has too.
+      readout.textContent = sr.total && samples.length ? `${Math.round(windowTotal(sr)).toLocaleString("en")}${sr.total} in the last ${duration(samples.length * state.interval)}` : "";
+      return;
+    }
+    const i = Math.round(Number(fig.dataset.hover) * (samples.length - 1));
+    const x = (i * W) / (samples.length - 1);
+    svg.append(s("line", { class: "guide", x1: x, y1: 0, x2: x, y2: H }));
+    const v = sr.pick(samples[i]);
+    const value = v === null || v === undefined ? "no figure" : `${num(v, sr.digits)}${sr.axis ?? sr.unit}`;
+    readout.textContent = `${clock(new Date(samples[i].t * 1000))}: ${value}`;
+  }
+
   function drawCharts() {
     const box = $("charts");
     const samples = state.samples;
     const minutes = Math.max(1, Math.round((samples.length * state.interval) / 60));
     for (const sr of series()) {
-      let fig = box.querySelector(`[data-chart="${sr.id}"]`);
-      if (!fig) {
-        fig = h("figure", { class: "chart", "data-chart": sr.id },
-          h("figcaption", {}, h("span", {}, sr.title), h("span", { class: "now" })));
-        fig.append(s("svg", { viewBox: "0 0 300 60", preserveAspectRatio: "none", role: "img" }));
-        box.append(fig);
-      }
+      const fig = chartFigure(box, sr);
       const values = samples.map(sr.pick);
       const known = values.filter((v) => v !== null && v !== undefined);
       const last = known.length ? known[known.length - 1] : null;
       const max = Math.max(1e-9, ...known);
+      const top = sr.top ?? niceTop(known.length ? Math.max(...known) : 0, sr.digits);
       // "Now" is the latest sample's value: an interval without one (no request started) says
       // so, with the last value and its age, instead of showing an old figure as current.
       const latest = values.length ? values[values.length - 1] : null;
@@ -554,22 +628,29 @@
         now = `${dash} (${num(last, sr.digits)}${sr.unit} ${ago} s ago)`;
       }
       fig.querySelector(".now").textContent = now;
+      fig.querySelector(".y-top").textContent = `${num(top, sr.digits === 0 ? 0 : top < 10 ? sr.digits : 0)}${sr.axis ?? sr.unit}`;
+      fig.querySelector(".x-start").textContent = samples.length ? clock(new Date(samples[0].t * 1000), false) : "";
+      fig.querySelector(".x-end").textContent = samples.length ? `${clock(new Date(samples[samples.length - 1].t * 1000))} ${zone(new Date())}` : "";
       const svg = fig.querySelector("svg");
       svg.setAttribute("aria-label", `${sr.title} over the last ${minutes} min: now ${last === null ? "no data" : num(last, sr.digits) + sr.unit}, highest ${known.length ? num(max, sr.digits) + sr.unit : "none"}`);
       while (svg.firstChild) svg.firstChild.remove();
-      svg.append(s("line", { class: "base", x1: 0, y1: 59, x2: 300, y2: 59 }));
-      if (values.length < 2) continue;
-      const step = 300 / (values.length - 1);
-      const points = [];
-      values.forEach((v, i) => {
-        if (v === null || v === undefined) return;
-        points.push(`${(i * step).toFixed(1)},${(58 - (v / max) * 54).toFixed(1)}`);
-      });
-      if (points.length < 2) continue;
-      const first = points[0].split(",")[0];
-      const lastX = points[points.length - 1].split(",")[0];
-      svg.append(s("polygon", { class: "area", points: `${first},59 ${points.join(" ")} ${lastX},59` }));
-      svg.append(s("polyline", { class: "line", points: points.join(" ") }));
+      svg.append(s("line", { class: "base", x1: 0, y1: H - 1, x2: W, y2: H - 1 }));
+      svg.append(s("line", { class: "grid", x1: 0, y1: 1, x2: W, y2: 1 }));
+      if (values.length >= 2) {
+        const step = W / (values.length - 1);
+        const points = [];
+        values.forEach((v, i) => {
+          if (v === null || v === undefined) return;
+          points.push(`${(i * step).toFixed(1)},${(H - 1 - (Math.min(v, top) / top) * (H - 2)).toFixed(1)}`);
+        });
+        if (points.length >= 2) {
+          const first = points[0].split(",")[0];
+          const lastX = points[points.length - 1].split(",")[0];
+          svg.append(s("polygon", { class: "area", points: `${first},${H - 1} ${points.join(" ")} ${lastX},${H - 1}` }));
+          svg.append(s("polyline", { class: "line", points: points.join(" ") }));
+        }
+      }
+      drawReadout(fig, sr);
     }
   }
 
