@@ -147,6 +147,7 @@ async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) 
     from edgellmd.engine.generation import SHUTTING_DOWN  # noqa: PLC0415
     from edgellmd.http import appkeys  # noqa: PLC0415 - see the module docstring
 
+    app[appkeys.DRAINING].set()  # readiness says so: a balancer's next probe sends no more here
     for site in runner.sites:
         server = site._server  # aiohttp keeps the asyncio server private; closing it stops accepting
         if server is not None:

@@ -9,6 +9,7 @@ the README's screenshots (console-overview.png, console-playground.png) into DIR
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import pytest
 
 from edgellmctl.keys import create_key
 from edgellmd import __version__
+from edgellmd.__main__ import drain
 from edgellmd.settings import ConsoleSettings
 from tests import fakenvml
 from tests.ggufmodels import TinyModelSpec
@@ -680,3 +682,17 @@ def test_times_are_shown_in_the_browsers_zone_in_one_format(browser: Browser, bo
         expect(first_reload).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC-05:00$"))
     finally:
         context.close()
+
+
+# Keep this test last in the module: after the drain the box accepts no new connections.
+def test_a_drain_is_shown_at_once_over_the_figures(console: Page, box: Box) -> None:
+    console.goto(box.daemon.url + "/ui/#overview")
+    expect(console.locator("#readiness")).not_to_have_attribute("data-status", "draining")
+    daemon = box.daemon
+    assert daemon.app is not None
+    assert daemon._runner is not None
+    asyncio.run_coroutine_threadsafe(drain(daemon.app, daemon._runner, 5), daemon.loop).result(10)
+    readiness = console.locator("#readiness")
+    expect(readiness).to_have_attribute("data-status", "draining")
+    expect(readiness).to_contain_text("Draining: the daemon is stopping")
+    expect(readiness).to_have_attribute("data-worst", "bad")

@@ -7,15 +7,20 @@ spec (test_http_auth.py); the whole daemon's probes are in test_api_openai.py.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, Final
 
+import aiohttp
 import pytest
 from pytest_aiohttp import AiohttpClient
 
+from edgellmd.__main__ import drain
 from edgellmd.api.context import API_CONTEXT
 from edgellmd.api.health import setup_health
 from tests.bare import api_context, bare_app, error_of, model_settings, not_a_model
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import running, settings_for
 
 BROKEN_REASON: Final = "not a supported GGUF model?"
 
@@ -134,3 +139,39 @@ async def test_metrics_renders_the_applications_metrics(
     assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert 'edgellm_prompt_tokens_total{model="tiny",model_name="tiny"} 3.0' in text.splitlines()
     assert "edgellm_build_info{" in text
+
+
+def test_readyz_says_draining_from_the_moment_a_shutdown_begins(tmp_path: Path) -> None:
+    """The daemon's own drain (what SIGTERM runs): the probe turns 503 `draining` at once, on a
+    connection a balancer holds open, while the stream that was running finishes."""
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
+    settings = settings_for(
+        [{"name": "m", "file": str(model), "threads": 1, "slots": 1, "context_size": 512}]
+    )
+    with running(settings) as daemon:
+        assert daemon.app is not None
+        assert daemon._runner is not None
+        app, runner = daemon.app, daemon._runner
+
+        async def scenario() -> tuple[int, dict[str, Any], str]:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(daemon.url + "/readyz") as probe:
+                    assert probe.status == 200
+                body = {"model": "m", "prompt": "x", "max_tokens": 300, "stream": True, "ignore_eos": True}
+                async with session.post(daemon.url + "/v1/completions", json=body) as stream:
+                    await stream.content.readline()  # it runs
+                    drained = asyncio.wrap_future(
+                        asyncio.run_coroutine_threadsafe(drain(app, runner, 30), daemon.loop)
+                    )
+                    await asyncio.sleep(0.2)
+                    async with session.get(daemon.url + "/readyz") as probe:  # the idle kept-alive connection
+                        status, shown = probe.status, await probe.json()
+                    rest = (await stream.read()).decode()
+                await drained
+                return status, shown, rest
+
+        status, shown, rest = asyncio.run(scenario())
+    assert status == 503, shown
+    assert shown["status"] == "draining"
+    assert shown["models"]["m"]["state"] == "ready"  # the model still serves what it holds
+    assert rest.rstrip().endswith("data: [DONE]")  # the running stream finished

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from edgellmd.api.context import context
 from edgellmd.host.metrics import CONTENT_TYPE
+from edgellmd.http import appkeys
 from edgellmd.models.registry import RETRY_AFTER_LOADING_S, ModelState
 
 
@@ -17,13 +18,21 @@ async def healthz(_request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """GET /readyz: 200 once every configured model is loaded and warmed, else 503 with reasons."""
+    """GET /readyz: 200 once every configured model is loaded and warmed, else 503 with reasons;
+    503 `draining` from the moment a shutdown begins (the models still finish what they run)."""
     registry = context(request).registry
     models: dict[str, dict[str, str]] = {}
     for name, (state, error) in registry.states().items():
         models[name] = {"state": state.value}
         if error:
             models[name]["reason"] = error
+    draining = request.app.get(appkeys.DRAINING)
+    if draining is not None and draining.is_set():
+        return web.json_response(
+            {"status": "draining", "models": models},
+            status=503,
+            headers={"Retry-After": RETRY_AFTER_LOADING_S},
+        )
     if registry.all_ready:
         return web.json_response({"status": "ready", "models": models})
     states = {s for s, _ in registry.states().values()}

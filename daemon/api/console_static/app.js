@@ -313,7 +313,8 @@
     setBadge(!isReady ? `not ready: ${ready.status}` : worst === "ok" ? "ready" : `ready, ${found.length} problem${found.length > 1 ? "s" : ""}`,
       worst === "warn" ? "warn" : worst);
     const readiness = $("readiness");
-    readiness.textContent = !isReady ? `Not ready (${ready.status}). ${[...reasons, ...found.map((p) => p.text)].join("; ")}`
+    readiness.textContent = ready.status === "draining" ? "Draining: the daemon is stopping. Running requests may finish; it takes no new connections."
+      : !isReady ? `Not ready (${ready.status}). ${[...reasons, ...found.map((p) => p.text)].join("; ")}`
       : worst === "ok" ? "Ready: every model is loaded and warmed." : `Ready, but: ${told}.`;
     readiness.className = `readiness ${worst}`;
     readiness.dataset.status = ready.status;
