@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ import pytest
 from edgellmctl.keys import create_key
 from edgellmd import __version__
 from edgellmd.__main__ import drain
+from edgellmd.api.console_sessions import SESSIONS
 from edgellmd.settings import ConsoleSettings
 from tests import fakenvml
 from tests.ggufmodels import TinyModelSpec
@@ -682,6 +684,76 @@ def test_times_are_shown_in_the_browsers_zone_in_one_format(browser: Browser, bo
         expect(first_reload).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC-05:00$"))
     finally:
         context.close()
+
+
+def test_a_session_that_ends_keeps_the_conversation_for_the_same_key_only(browser: Browser, box: Box) -> None:
+    talker_id, talker = create_key(box.keys, "talker", ["admin", "inference"], limits={})
+    _, stranger = create_key(box.keys, "stranger", ["admin", "inference"], limits={})
+    wait_for_key(box, stranger)
+    watched = _watched(browser)
+    page = watched.page
+    turns = page.locator("#transcript .turn")
+
+    def sign_in(token: str, name: str) -> None:  # on the page as it is: no reload
+        page.get_by_label("API key", exact=True).fill(token)
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.locator("#who-name")).to_contain_text(name)
+        page.locator('nav a[data-view="playground"]').click()
+
+    def ask(text: str) -> None:
+        page.get_by_label("Max tokens", exact=True).fill("4")
+        page.get_by_label("Message", exact=True).fill(text)
+        page.get_by_role("button", name="Send").click()
+        expect(page.locator("#chat-figures")).to_contain_text("tokens/s")
+
+    def end_session() -> None:  # as an expiry or a restart would: not the user's sign-out
+        sessions = box.daemon.app[SESSIONS] if box.daemon.app is not None else None
+        assert sessions is not None
+        box.daemon.loop.call_soon_threadsafe(sessions.end_keys, {talker_id}, "it expired")
+        expect(page.locator("#signin-error")).to_contain_text(
+            "comes back when you sign in again with the same key"
+        )
+
+    try:
+        page.goto(box.daemon.url + "/ui/")
+        sign_in(talker, "talker")
+        ask("first question")
+        end_session()
+        expect(turns).to_have_count(0)  # nothing of it shows to whoever is at the screen now
+        sign_in(talker, "talker")
+        expect(page.locator('#transcript [data-role="user"] .text')).to_have_text("first question")
+        expect(turns).to_have_count(2)
+        ask("second question")  # the conversation goes on where it was
+        expect(turns).to_have_count(4)
+
+        end_session()
+        sign_in(stranger, "stranger")  # another key: it never sees the conversation
+        expect(turns).to_have_count(0)
+        page.get_by_role("button", name="Sign out").click()
+        sign_in(talker, "talker")  # and it was dropped, not only hidden
+        expect(turns).to_have_count(0)
+
+        ask("third question")
+        page.get_by_role("button", name="Sign out").click()  # signing out drops it at once
+        sign_in(talker, "talker")
+        expect(turns).to_have_count(0)
+        assert watched.problems() == []
+    finally:
+        page.context.close()
+
+
+def wait_for_key(box: Box, token: str) -> None:
+    """Until the daemon has read a key just written to the keys file (within a check)."""
+    request = urllib.request.Request(
+        box.daemon.url + "/v1/models", headers={"Authorization": f"Bearer {token}"}
+    )
+    for _ in range(50):
+        try:
+            with urllib.request.urlopen(request, timeout=10):  # noqa: S310 - loopback URL
+                return
+        except urllib.error.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError("the daemon never read the new key")
 
 
 # Keep this test last in the module: after the drain the box accepts no new connections.

@@ -92,7 +92,7 @@
       const err = new Error(message);
       err.status = res.status;
       err.data = data;
-      if (data && data.error && data.error.code === "session_required") signedOut("Your session ended.");
+      if (data && data.error && data.error.code === "session_required") signedOut("Your session ended.", true);
       throw err;
     }
     return data;
@@ -154,6 +154,7 @@
 
   function signedIn(session) {
     state.session = session;
+    restoreTranscript(session.key_id);
     $("who-name").textContent = `${session.name} (${session.key_id})`;
     $("admin-only-overview").hidden = can("admin");
     $("overview-body").hidden = !can("admin");
@@ -183,9 +184,27 @@
     drawCharts();
   }
 
-  function signedOut(reason) {
+  // A session that ends by itself (it expired, the daemon restarted, its stream said so) keeps
+  // the playground's conversation off the page until the same key signs in again: the reply
+  // half-streamed when it ended stays too. Signing out, or another key signing in, drops it.
+  function keepTranscript() {
+    const nodes = [...$("transcript").childNodes];
+    state.kept = nodes.length && state.session ? { keyId: state.session.key_id, nodes, conversation: state.conversation } : null;
+  }
+
+  function restoreTranscript(keyId) {
+    const kept = state.kept;
+    state.kept = null;
+    if (!kept || kept.keyId !== keyId) return;
+    $("transcript").append(...kept.nodes);
+    state.conversation = kept.conversation;
+  }
+
+  function signedOut(reason, keep = false) {
     if (state.source) { state.source.close(); state.source = null; }
     if (state.abort) state.abort.abort();
+    if (keep) keepTranscript();
+    else state.kept = null;
     state.session = null;
     state.lostAt = null;
     $("overview-body").classList.remove("stale");
@@ -193,7 +212,7 @@
     $("new-key").hidden = true;
     $("new-key-token").value = "";
     setBadge("signed out", "");
-    if (reason) $("signin-error").textContent = reason;
+    if (reason) $("signin-error").textContent = reason + (state.kept ? " Your playground conversation comes back when you sign in again with the same key." : "");
     show("signin");
   }
 
@@ -244,7 +263,7 @@
       if (state.source === source) state.source = null;
       const reason = JSON.parse(e.data).reason;
       if (reason.startsWith("replaced")) return;
-      signedOut(`Your session ended: ${reason}.`);
+      signedOut(`Your session ended: ${reason}.`, true);
     });
     source.addEventListener("error", () => {
       if (state.source !== source) return;
@@ -285,7 +304,7 @@
     try {
       const session = await api("GET", "/ui/api/session");
       if (!session.signed_in) {
-        signedOut("The daemon restarted or your session ended: sign in again.");
+        signedOut("The daemon restarted or your session ended: sign in again.", true);
         return;
       }
       connect();
