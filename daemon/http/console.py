@@ -63,8 +63,9 @@ CONSOLE_HEADERS: Final = {
 
 class SignInLimiter:
     """Sign-ins limited twice: wrong keys per client address (`per_minute` of them, refilled
-    evenly, then 429) and successful sign-ins per key (`per_key_per_minute`), so that a valid
-    key signing in in a loop can neither churn the session store nor hide in many addresses."""
+    evenly, then 429 for the wrong ones; a right key still signs in) and successful sign-ins per
+    key (`per_key_per_minute`), so that a valid key signing in in a loop can neither churn the
+    session store nor hide in many addresses."""
 
     def __init__(
         self, per_minute: int, per_key_per_minute: int = 10, clock: Callable[[], float] = time.monotonic
@@ -203,7 +204,6 @@ def _sign_in(store: SessionStore, limiter: SignInLimiter, settings: Settings) ->
     async def sign_in(request: web.Request) -> web.StreamResponse:
         """POST /ui/api/session {"key": token}: a session for a valid admin or inference key."""
         peer = request.remote or ""
-        limiter.check(peer)
         body = await read_json_object(request)
         token = body.get("key")
         if not isinstance(token, str) or set(body) != {"key"}:
@@ -216,6 +216,10 @@ def _sign_in(store: SessionStore, limiter: SignInLimiter, settings: Settings) ->
         try:
             key = authenticate(keys, f"Bearer {token.strip()}", scope, peer)
         except AuthenticationFailed:
+            # The address's wrong keys are limited, never its right one: a key's secret is 256
+            # random bits, which no rate of guessing finds, so the limit is against the noise of
+            # wrong tries, and an operator who mistyped nine times still gets in with the tenth.
+            limiter.check(peer)
             limiter.failed(peer)
             raise
         limiter.signed_in(key.id, peer)

@@ -840,7 +840,8 @@ class ConsoleSettings:
         10,
         "wrong keys allowed per client address and minute at sign-in",
         bounds=(1, 10_000),
-        more="then 429 `rate_limit_exceeded` with `Retry-After`, like the API's limits",
+        more="then 429 `rate_limit_exceeded` with `Retry-After` for the wrong ones, like the API's "
+        "limits; a right key still signs in (its 256-bit secret cannot be guessed at any rate)",
     )
     signins_per_key_per_minute: int = setting(
         10,
