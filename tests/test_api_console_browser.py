@@ -744,7 +744,7 @@ def test_a_session_that_ends_keeps_the_conversation_for_the_same_key_only(browse
 
 def wait_for_key(box: Box, token: str) -> None:
     """Until the daemon has read a key just written to the keys file (within a check)."""
-    request = urllib.request.Request(
+    request = urllib.request.Request(  # noqa: S310 - loopback URL
         box.daemon.url + "/v1/models", headers={"Authorization": f"Bearer {token}"}
     )
     for _ in range(50):

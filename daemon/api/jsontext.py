@@ -17,7 +17,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from edgellmd.engine.chat import json_depth
-from edgellmd.errors import InvalidRequest, MalformedRequest, UnsupportedMediaType
+from edgellmd.errors import InvalidRequest, MalformedRequest, PayloadTooLarge, UnsupportedMediaType
 
 # Deeper bodies are refused before anyone walks them. OpenAI allows 10 levels of schema
 # nesting, each two JSON levels (four with an Optional's anyOf) inside a request's own few.
@@ -60,6 +60,10 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     """Read the body as a JSON object, refusing other media types, bad UTF-8 and deep nesting."""
     if request.content_type != "application/json":
         raise UnsupportedMediaType("the request body must be JSON (Content-Type: application/json)")
+    limit = request._client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        # Declared too long: refused at once, not after the body timeout of a body never sent.
+        raise PayloadTooLarge(f"the request body is {request.content_length} bytes; at most {limit}")
     try:
         raw = await request.read()  # bounded by client_max_size; aiohttp answers 413 beyond it
     except web.RequestPayloadError:  # a body encoding (gzip, chunks) that does not decode

@@ -27,6 +27,7 @@ MAX_RERANK_DOCUMENTS: Final = 1000  # documents per request (Cohere's advice for
 # Tokens of every query-document pair of one request together: the work one request may ask
 # of the model (a pair is at most the model's context_size on top of this).
 MAX_RERANK_TOKENS: Final = 262_144
+MAX_TOKENS_PER_DOC: Final = 1_048_576  # the largest `max_tokens_per_doc` read (a model's context is less)
 PATHS: Final = ("/v1/rerank", "/rerank", "/v2/rerank")  # Jina's and llama-server's; Cohere's v2 client
 
 _FIELDS: Final = frozenset(
@@ -75,7 +76,7 @@ def parse_rerank(data: Mapping[str, Any]) -> RerankRequest:
         documents=_documents(data.get("documents")),
         top_n=f.integer("top_n", lo=1),
         return_documents=f.boolean("return_documents", default=False),
-        max_tokens_per_doc=f.integer("max_tokens_per_doc", lo=1),
+        max_tokens_per_doc=f.integer("max_tokens_per_doc", lo=1, hi=MAX_TOKENS_PER_DOC),
         user=f.string("user"),
     )
 
@@ -129,11 +130,14 @@ async def rerank(request: web.Request) -> web.Response:
             )
         request[TOKENS_USED] = n_tokens
         try:
-            scores = await handle.rank(pairs)
-        except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
-            scores = await on_restarted(request, handle, lambda fresh: fresh.rank(pairs))
-        ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)
-        await account(request, handle.name, n_tokens, 0)
+            try:
+                scores = await handle.rank(pairs)
+            except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
+                scores = await on_restarted(request, handle, lambda fresh: fresh.rank(pairs))
+        finally:
+            # Counted whatever came of it (an error, a client gone half-way): the model did the work.
+            ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)
+            await account(request, handle.name, n_tokens, 0)
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
     results: list[dict[str, Any]] = []
     for i in order:

@@ -3,12 +3,13 @@ its thread takes embed() jobs in order and returns one unit vector per input."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections import deque
 from collections.abc import Collection, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Final
 
 import llama_cpp as llama
@@ -19,6 +20,7 @@ from edgellmd.engine.native import NativeThread, model_meta, read_model_info, to
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S: Final = 0.5  # the idle thread still wakes up to report liveness
+ABANDONED: Final = "the caller left; what was not embedded yet was dropped"  # an abandoned call's error
 
 # Inputs per llama_decode. Packing several (each its own sequence) changes their vectors: the
 # pooling is a matmul over all the batch's tokens, so an input's tokens land at other offsets
@@ -41,12 +43,13 @@ _POOLING_NAMES: Final = {
 class _EmbedJob:
     """One embed() call: its token lists, the vectors done so far and the future its caller waits on."""
 
-    __slots__ = ("done", "future", "inputs")
+    __slots__ = ("abandoned", "done", "future", "inputs")
 
     def __init__(self, inputs: list[list[int]]) -> None:
         self.inputs = inputs
         self.done: list[list[float]] = []  # the first len(done) inputs' vectors
         self.future: Future[list[list[float]]] = Future()
+        self.abandoned = False  # its caller left while it was being embedded (`abandon`)
 
 
 class EmbeddingEngine(NativeThread):
@@ -191,6 +194,24 @@ class EmbeddingEngine(NativeThread):
             self._cond.notify()
         return job.future
 
+    def abandon(self, future: Future[list[list[float]]]) -> None:
+        """Withdraw a call whose caller left (thread-safe): a waiting one leaves the queue, the one
+        being embedded stops after its current decode; its future fails with ABANDONED."""
+        if future.cancel():  # not begun: the thread skips it
+            return
+        with self._cond:
+            for job in self._jobs:
+                if job.future is future:
+                    self._jobs.remove(job)
+                    break
+            else:
+                current = self._current
+                if current is not None and current.future is future:
+                    current.abandoned = True  # the thread drops it once its decode is done
+                return
+        with contextlib.suppress(InvalidStateError):
+            future.set_exception(EngineError(ABANDONED))
+
     def forget_scopes(self, scopes: Collection[str]) -> None:
         """Nothing: an embedding model keeps no KV state between requests."""
 
@@ -243,7 +264,9 @@ class EmbeddingEngine(NativeThread):
                 log.exception("embedding thread of model %s failed", self.name)
                 job.future.set_exception(EngineError("internal engine error"))
                 finished = False
-            if finished:
+            if job.abandoned and not job.future.done():
+                job.future.set_exception(EngineError(ABANDONED))
+            elif finished:
                 job.future.set_result(job.done)
             elif not job.future.done():
                 with self._cond:  # behind the others waiting: its next decode comes after theirs

@@ -119,6 +119,8 @@ class RemoteEngine:
         self._send_lock = threading.Lock()
         self._gens: dict[int, Generation] = {}
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        # Embed calls in flight by call id: the caller's future and its number of inputs.
+        self._embeds: dict[int, tuple[concurrent.futures.Future[list[list[float]]], int]] = {}
         self._next = 0
         self._closing = False
         self._exited = False
@@ -354,7 +356,8 @@ class RemoteEngine:
         with contextlib.suppress(OSError), self._send_lock:
             wire.send(self._sock, message)
 
-    def _call(self, message: dict[str, Any]) -> Any:
+    def _start_call(self, message: dict[str, Any]) -> tuple[int, concurrent.futures.Future[Any]]:
+        """Send a call; its id and the future its answer resolves (EngineError when it cannot go)."""
         with self._lock:
             if self._exited or self._closing:
                 raise EngineError(self._why_gone())
@@ -370,6 +373,10 @@ class RemoteEngine:
             with self._lock:
                 self._calls.pop(call_id, None)
             raise EngineError(self._why_gone(died=True)) from None
+        return call_id, future
+
+    def _call(self, message: dict[str, Any]) -> Any:
+        call_id, future = self._start_call(message)
         try:
             return future.result(CALL_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
@@ -465,25 +472,51 @@ class RemoteEngine:
             self.send_quietly({"op": "forget", "scopes": sorted(scopes)})
 
     def submit_embed(self, inputs: Sequence[Sequence[int]]) -> concurrent.futures.Future[list[list[float]]]:
-        """Embed tokenized inputs in the engine process; resolves with unit vectors."""
+        """Embed tokenized inputs in the engine process; resolves with unit vectors (or scores).
+
+        No deadline of its own: a call of a thousand inputs takes as long as it takes, and an
+        engine that stops making progress is killed by the supervisor (`hang_s`), which fails
+        the call with ENGINE_STOPPED. `abandon` withdraws it.
+        """
         out: concurrent.futures.Future[list[list[float]]] = concurrent.futures.Future()
+        call_id, answer = self._start_call({"op": "embed", "inputs": [list(i) for i in inputs]})
+        with self._lock:
+            self._embeds[call_id] = (out, len(inputs))
 
-        def run() -> None:
-            try:
-                vectors = self._call({"op": "embed", "inputs": [list(i) for i in inputs]})
-                out.set_result([[float(x) for x in v] for v in vectors])
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                out.set_exception(exc)
+        def done(answer: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._embeds.pop(call_id, None)
+            if out.cancelled():  # withdrawn by its caller: nobody waits for it
+                return
+            error = answer.exception()
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile
+                if error is not None:
+                    out.set_exception(error)
+                else:
+                    out.set_result([[float(x) for x in v] for v in answer.result()])
 
-        threading.Thread(target=run, name=f"embed-call:{self.name}", daemon=True).start()
+        answer.add_done_callback(done)
         return out
+
+    def abandon(self, future: concurrent.futures.Future[list[list[float]]]) -> None:
+        """Withdraw an embed call whose caller left: the engine process drops what it has not done."""
+        future.cancel()
+        with self._lock:
+            call_id = next((i for i, (out, _) in self._embeds.items() if out is future), None)
+        if call_id is not None:
+            self.send_quietly({"op": "abandon", "id": call_id})
 
     # ---- state -----------------------------------------------------------------------------
 
     def occupancy(self) -> tuple[int, int]:
-        """Slots busy and generations waiting: what the daemon holds there, split by slot count."""
+        """Slots busy and generations waiting: what the daemon holds there, split by slot count.
+        An embedding or reranking model's, as its engine counts them: the first call's inputs
+        (up to `slots`) busy, the calls after it waiting."""
         with self._lock:
             held = len(self._gens)
+            embeds = [n for _, n in self._embeds.values()]
+        if embeds:
+            return min(embeds[0], self.config.slots), len(embeds) - 1
         busy = min(held, self.config.slots)
         return busy, held - busy
 

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
@@ -33,7 +33,7 @@ from typing import Any, Final
 from edgellmd.engine import build, wire
 from edgellmd.engine.config import EngineConfig, EngineError, GrammarError
 from edgellmd.engine.confine import confine
-from edgellmd.engine.embedding import EmbeddingEngine
+from edgellmd.engine.embedding import ABANDONED, EmbeddingEngine
 from edgellmd.engine.generation import Event, Finished, Generation, GenerationRequest
 from edgellmd.engine.native import build_info, builtin_chat_templates
 from edgellmd.engine.sampling import CompiledGrammar
@@ -44,9 +44,7 @@ log = logging.getLogger(__name__)
 STATUS_EVERY_S: Final = 0.25
 PROMPT_THREADS: Final = 2  # as the daemon's own prompt pool: tokenizing and grammars, off the scheduler
 # The calls answered on the pool (each frame with an id, answered by one with the same id).
-_CALLS: Final = frozenset(
-    ("tokenize", "tokenize_segments", "grammar", "embed", "probe", "template", "build_info")
-)
+_CALLS: Final = frozenset(("tokenize", "tokenize_segments", "grammar", "probe", "template", "build_info"))
 TEST_HOOKS_ENV: Final = "EDGELLM_ENGINE_TEST_HOOKS"  # "1": answer `probe` calls (tests of the confinement)
 
 
@@ -83,6 +81,9 @@ class Worker:
         self.loop = loop
         self._send_lock = threading.Lock()
         self._grammars: dict[int, CompiledGrammar] = {}
+        # Embed calls queued on the engine, by the daemon's call id (the reader thread adds,
+        # the engine thread's answer removes: single dict operations).
+        self._embeds: dict[int, Future[list[list[float]]]] = {}
         self._next_grammar = 0
         self._gens: dict[int, Forwarded] = {}
         self._outbox: list[list[Any]] = []
@@ -133,6 +134,10 @@ class Worker:
                     break
                 if op in _CALLS:
                     self._pool.submit(self._call, message)
+                elif op == "embed":  # queued on the engine's thread: no pool thread waits for it
+                    self._embed(message)
+                elif op == "abandon":
+                    self._abandon(int(message["id"]))
                 elif op == "submit":
                     self.loop.call_soon_threadsafe(self._submit, message)
                 elif op == "cancel":
@@ -146,6 +151,36 @@ class Worker:
             pass
         finally:
             self.loop.call_soon_threadsafe(self._done.set)
+
+    def _embed(self, message: dict[str, Any]) -> None:
+        """Queue an embed call; its answer goes back when the engine has every vector."""
+        call_id = int(message["id"])
+        engine = self.engine
+        try:
+            if not isinstance(engine, EmbeddingEngine):
+                raise EngineError("a generation model has no embeddings")  # noqa: TRY301 - answered below
+            future = engine.submit_embed([[int(t) for t in item] for item in message["inputs"]])
+        except EngineError as exc:
+            self._safe_send({"id": call_id, "error": {"kind": "engine", "message": str(exc)}})
+            return
+        self._embeds[call_id] = future
+
+        def done(finished: Future[list[list[float]]]) -> None:
+            self._embeds.pop(call_id, None)
+            if finished.cancelled():
+                self._safe_send({"id": call_id, "error": {"kind": "engine", "message": ABANDONED}})
+            elif (error := finished.exception()) is not None:
+                self._safe_send({"id": call_id, "error": {"kind": "engine", "message": str(error)}})
+            else:
+                self._safe_send({"id": call_id, "result": finished.result()})
+
+        future.add_done_callback(done)
+
+    def _abandon(self, call_id: int) -> None:
+        """The daemon's caller left: the engine drops the call's inputs not yet embedded."""
+        future = self._embeds.get(call_id)
+        if future is not None and isinstance(self.engine, EmbeddingEngine):
+            self.engine.abandon(future)
 
     def _call(self, message: dict[str, Any]) -> None:
         call_id = message.get("id")
@@ -185,10 +220,6 @@ class Worker:
                 self._grammars[self._next_grammar] = grammar
                 ids.append(self._next_grammar)
             return ids
-        if op == "embed":
-            if not isinstance(engine, EmbeddingEngine):
-                raise EngineError("a generation model has no embeddings")
-            return engine.submit_embed([[int(t) for t in item] for item in message["inputs"]]).result()
         if op == "template":
             from edgellmd.engine.native import apply_builtin_template  # noqa: PLC0415 - rare
 

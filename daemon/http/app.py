@@ -45,7 +45,7 @@ from edgellmd.host.systemd import Notifier, Supervisor
 from edgellmd.host.traces import RequestTrace, Tracer, TraceSettings
 from edgellmd.host.verdicts import largest_gpu_layers
 from edgellmd.http import appkeys, logs
-from edgellmd.http.auth import setup_admin_networks, setup_auth, unusable
+from edgellmd.http.auth import is_inference, setup_admin_networks, setup_auth, unusable
 from edgellmd.http.console import setup_console
 from edgellmd.http.cors import setup_cors
 from edgellmd.http.errors import Handler, error_middleware
@@ -111,7 +111,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
 def _start_trace(request: web.Request, rid: str) -> RequestTrace | None:
     """The request's span, for API calls while tracing is on (probes and scrapes go untraced)."""
     tracer = request.app.get(appkeys.TRACER)
-    if tracer is None or not tracer.enabled or not request.path.startswith("/v1/"):
+    if tracer is None or not tracer.enabled or not is_inference(request.path):
         return None
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"

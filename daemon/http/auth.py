@@ -33,6 +33,11 @@ audit = logging.getLogger("edgellmd.audit")
 INFERENCE_ELSEWHERE: Final = frozenset({"/rerank", "/v2/rerank"})
 
 
+def is_inference(path: str) -> bool:
+    """An API path (/v1/... and its spellings elsewhere): rate-limited, metered and traced."""
+    return path.startswith("/v1/") or path in INFERENCE_ELSEWHERE
+
+
 def scope_for(path: str, *, metrics_public: bool = False) -> str | None:
     """The scope a path needs, or None for public paths."""
     if path == "/metrics":
@@ -226,7 +231,7 @@ def setup_ratelimit(app: web.Application) -> None:
     @web.middleware
     async def ratelimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         key = request.get(appkeys.API_KEY)
-        if key is None or not request.path.startswith("/v1/"):
+        if key is None or not is_inference(request.path):
             return await handler(request)
         limiter = request.app[appkeys.RATE_LIMITER]
         check_quota(request, key)  # a spent day or month budget, before a minute's is taken
@@ -240,7 +245,7 @@ def setup_ratelimit(app: web.Application) -> None:
 
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
         key = request.get(appkeys.API_KEY)
-        if key is not None and request.path.startswith("/v1/"):
+        if key is not None and is_inference(request.path):
             response.headers.update(request.app[appkeys.RATE_LIMITER].headers(key))
 
     async def limiter_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -287,6 +287,7 @@ class ModelHandle:
         add_special: bool = True,
         parse_special: bool = False,
         whole: Callable[[], list[int]] | None = None,
+        what: str | None = None,
     ) -> list[int]:
         """Tokenize `text`, giving up early (400) once a prefix proves it cannot fit the context.
 
@@ -307,9 +308,10 @@ class ModelHandle:
             )
             if n_prefix >= enough:
                 at_least = n_prefix - _prefix_slack(limit)
-                what = "an input" if self.settings.pooled else "the prompt"
+                per = "per request" if what is None else "per pair of query and document"
+                what = what or ("an input" if self.settings.pooled else "the prompt")
                 raise ContextLengthExceeded(
-                    f"this model's context is {limit} tokens per request; {what} has at least "
+                    f"this model's context is {limit} tokens {per}; {what} has at least "
                     f"{at_least} tokens (its first {chars} characters alone)",
                     param=param,
                 )
@@ -419,20 +421,34 @@ class ModelHandle:
         info = self.engine.info
         limit = self.settings.context_size
 
-        def text(value: str, param: str) -> list[int]:
-            return self._tokenize_bounded(value, param, add_special=False) if value else []
+        def text(value: str, param: str, what: str) -> list[int]:
+            return self._tokenize_bounded(value, param, add_special=False, what=what) if value else []
+
+        def first(value: str, n: int) -> list[int]:
+            """The first `n` tokens of `value`, from a prefix of it long enough to hold them
+            (a document of megabytes cut to 100 tokens is not tokenized whole)."""
+            chars = max(256, n * PREFIX_CHARS_PER_TOKEN)
+            while True:
+                tokens = self.engine.tokenize(value[:chars], add_special=False)
+                # A few tokens past the cut: the last ones of a prefix may merge with what follows.
+                if chars >= len(value) or len(tokens) > n + 8:
+                    return tokens[:n]
+                chars *= 2
 
         def markup(value: str) -> list[int]:
             return self.engine.tokenize(value, add_special=False, parse_special=True) if value else []
 
-        asked = text(query, "query")
+        asked = text(query, "query", "the query")
         if info.rerank_template is not None:
             parts = re.split(r"(\{query\}|\{document\})", info.rerank_template)
             pieces = [None if part in ("{query}", "{document}") else markup(part) for part in parts]
         opening, between, closing = info.pair_tokens
         prompts: list[list[int]] = []
         for i, document in enumerate(documents):
-            doc = text(document, "documents")[:max_tokens_per_doc]
+            if max_tokens_per_doc is None:
+                doc = text(document, "documents", f"document {i}")
+            else:
+                doc = first(document, max_tokens_per_doc) if document else []
             if info.rerank_template is None:
                 tokens = [*opening, *asked, *between, *doc, *closing]
             else:
@@ -544,7 +560,12 @@ class ModelHandle:
     async def _pool(self, embedder: Embedder, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         self.check_capacity()
         try:
-            return await asyncio.wrap_future(embedder.submit_embed(inputs))
+            future = embedder.submit_embed(inputs)
+            try:
+                return await asyncio.wrap_future(future)
+            except asyncio.CancelledError:  # the client left: the model stops on its work
+                embedder.abandon(future)
+                raise
         except EngineError as exc:
             if str(exc) == ENGINE_STOPPED:
                 raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
