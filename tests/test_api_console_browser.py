@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 from zoneinfo import ZoneInfo
 
 import openai
@@ -164,11 +164,19 @@ def console(signed_in: Watched) -> Iterator[Page]:
     assert signed_in.problems() == []
 
 
-def _screenshot(page: Page, name: str) -> None:
+def _screenshot(page: Page, name: str, *, full_page: bool = True) -> None:
     folder = os.environ.get("EDGELLM_SCREENSHOTS")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / name), full_page=True)
+        # The lockfile's path is the test's temporary folder: blanked (in the card's colour),
+        # not shown as if a box kept its lockfile there.
+        card = page.evaluate("getComputedStyle(document.documentElement).getPropertyValue('--card').trim()")
+        page.screenshot(
+            path=str(Path(folder) / name),
+            full_page=full_page,
+            mask=[page.locator('#lockfile [data-field="file"]')],
+            mask_color=card or "#ffffff",
+        )
 
 
 def _shown_time(seconds: float) -> str:
@@ -680,8 +688,13 @@ def test_times_are_shown_in_the_browsers_zone_in_one_format(browser: Browser, bo
         expect(page.locator('[data-chart="tokens"] .x-end')).to_have_text(
             re.compile(r"^\d\d:\d\d:\d\d UTC-05:00$")
         )
-        first_reload = page.locator("#reload-history tbody tr td").first
-        expect(first_reload).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC-05:00$"))
+        stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC-05:00"
+        expect(page.locator("#reload-history tbody tr td").first).to_have_text(re.compile(f"^{stamp}$"))
+        expect(page.locator('#lockfile [data-field="expires"]')).to_have_text(re.compile(f"^{stamp} \\("))
+        page.locator('nav a[data-view="keys"]').click()
+        expect(page.locator("#keys-table tbody tr td").nth(3)).to_have_text(
+            re.compile(f"^{stamp}$")
+        )  # created
     finally:
         context.close()
 
@@ -754,6 +767,157 @@ def wait_for_key(box: Box, token: str) -> None:
         except urllib.error.HTTPError:
             time.sleep(0.1)
     raise AssertionError("the daemon never read the new key")
+
+
+HOSTILE_REPLY: Final = (
+    "# Result\n\nThis is **bold**, *slanted* and `inline <i>code</i>`.\n\n"
+    '<img src=x onerror="window.__pwned = 1"><script>window.__pwned = 2</script>\n\n'
+    "- one\n- two <b>three</b>\n\n1. first\n2. second\n\n> quoted\n\n"
+    '```html\n<a href="http://evil.example">click</a>\n```\n\n'
+    "[a link](http://evil.example/login)"
+)
+
+
+def _sse_reply(text: str, model: str = MODEL) -> str:
+    """A chat stream as the daemon sends it, its reply in a few deltas."""
+    chunks = [text[i : i + 40] for i in range(0, len(text), 40)]
+    events = [
+        {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "model": model,
+            "choices": [{"index": 0, "delta": {"content": c}}],
+        }
+        for c in chunks
+    ]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+    usage = {"prompt_tokens": 3, "completion_tokens": len(chunks), "total_tokens": 3 + len(chunks)}
+    done = {"id": "x", "object": "chat.completion.chunk", "model": model, "choices": [], "usage": usage}
+    return body + f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n"
+
+
+def test_a_reply_is_markdown_no_markup_of_the_models_ever_runs_and_copy_and_regenerate_work(
+    console: Page, box: Box
+) -> None:
+    console.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=box.daemon.url)
+    console.goto(box.daemon.url + "/ui/#playground")
+    console.get_by_role("button", name="New conversation").click()
+    sent: list[Any] = []
+
+    def reply(route: Any) -> None:
+        sent.append(route.request.post_data_json)
+        route.fulfill(status=200, content_type="text/event-stream", body=_sse_reply(HOSTILE_REPLY))
+
+    console.route("**/ui/api/chat", reply)
+    try:
+        console.get_by_label("Message", exact=True).fill("render this")
+        console.get_by_label("Message", exact=True).press("Enter")
+        answer = console.locator('#transcript [data-role="assistant"] .text')
+        expect(answer.locator("strong")).to_have_text("bold")
+        expect(answer.locator("em")).to_have_text("slanted")
+        expect(answer.locator("p > code")).to_have_text("inline <i>code</i>")
+        expect(answer.locator(".md-h1")).to_have_text("Result")
+        expect(answer.locator("ul > li")).to_have_text(["one", "two <b>three</b>"])
+        expect(answer.locator("ol > li")).to_have_text(["first", "second"])
+        expect(answer.locator("blockquote")).to_have_text("quoted")
+        expect(answer.locator("pre > code")).to_have_text('<a href="http://evil.example">click</a>')
+        expect(answer).to_contain_text("a link (http://evil.example/login)")
+        expect(answer).to_contain_text('<img src=x onerror="window.__pwned = 1">')  # shown as text
+        for tag in ("img", "script", "a", "i", "b"):
+            expect(answer.locator(tag)).to_have_count(0)
+        assert console.evaluate("window.__pwned === undefined")
+
+        console.get_by_role("button", name="Copy this reply").click()
+        expect(console.get_by_role("button", name="Copy this reply")).to_have_text("Copied")
+        assert console.evaluate("navigator.clipboard.readText()") == HOSTILE_REPLY  # the text as written
+
+        console.get_by_role("button", name="Regenerate this reply").click()
+        expect(console.locator("#chat-figures")).to_contain_text("tokens/s")
+        expect(console.locator("#transcript .turn")).to_have_count(2)  # the answer replaced, not added
+        assert len(sent) == 2
+        assert sent[1]["messages"] == sent[0]["messages"]  # the same question, without the old answer
+        expect(console.get_by_role("button", name="Regenerate this reply")).to_have_count(1)
+    finally:
+        console.unroute("**/ui/api/chat", reply)
+
+
+def _contrast(page: Page, selector: str) -> float:
+    """WCAG contrast of an element's text colour against the page's background."""
+    return float(
+        page.evaluate(
+            """(sel) => {
+              const rgb = (c) => c.match(/\\d+(\\.\\d+)?/g).slice(0, 3).map(Number);
+              const lum = ([r, g, b]) => {
+                const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+                return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+              };
+              const fg = lum(rgb(getComputedStyle(document.querySelector(sel)).color));
+              const bg = lum(rgb(getComputedStyle(document.body).backgroundColor));
+              return (Math.max(fg, bg) + 0.05) / (Math.min(fg, bg) + 0.05);
+            }""",
+            selector,
+        )
+    )
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_a_phone_gets_a_short_header_and_tables_that_fit_in_both_schemes(
+    browser: Browser, box: Box, scheme: Literal["light", "dark"]
+) -> None:
+    context = browser.new_context(viewport={"width": 390, "height": 844}, color_scheme=scheme, has_touch=True)
+    context.set_default_timeout(TIMEOUT_MS)
+    context.add_init_script(CSP_LISTENER)
+    watched = Watched(context.new_page())
+    page = watched.page
+    try:
+        _sign_in(watched, box)
+        header = page.locator("header").bounding_box()
+        assert header is not None
+        assert header["height"] <= 80, header  # two short rows (172 px once), not a fifth of the screen
+        background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        assert (background == "rgb(13, 17, 23)") == (scheme == "dark"), background
+        assert _contrast(page, "#who-name") >= 4.5
+        for view, table in (
+            ("overview", "#models-table"),
+            ("keys", "#keys-table"),
+            ("actions", "#actions-table"),
+        ):
+            page.locator(f'nav a[data-view="{view}"]').click()
+            expect(page.locator(f"{table} tbody tr").first).to_be_visible()
+            assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), view
+            cell = page.locator(f"{table} tbody td[data-label]").first
+            assert page.evaluate(
+                "(el) => getComputedStyle(el, '::before').content", cell.element_handle()
+            ).startswith('"')
+        page.locator('nav a[data-view="overview"]').click()
+        assert _contrast(page, "#models-table td[data-label]") >= 4.5
+        if scheme == "dark":
+            page.locator('nav a[data-view="keys"]').click()
+            _screenshot(page, "console-phone.png", full_page=False)  # the README's phone
+        assert watched.problems() == []
+    finally:
+        context.close()
+
+
+def test_a_load_survives_the_tab_reloaded_right_after_its_click(console: Page, box: Box) -> None:
+    """The browser goes away while Load runs (the request ends 499): the load still finishes."""
+
+    def state() -> str:
+        return str(next(m for m in box.admin_get("/admin/status")["models"] if m["name"] == MODEL)["state"])
+
+    console.goto(box.daemon.url + "/ui/#actions")
+    console.locator(f'#actions-table tr[data-model="{MODEL}"] [data-action="unload"]').click()
+    console.locator("#confirm-ok").click()
+    load = console.locator(f'#actions-table tr[data-model="{MODEL}"] [data-action="load"]')
+    expect(load).to_be_visible()
+    assert state() == "unloaded"
+    load.click()
+    console.reload()  # at once: the page that asked is gone before the load is done
+    deadline = time.monotonic() + 30
+    while state() != "ready":
+        assert time.monotonic() < deadline, state()
+        time.sleep(0.1)
+    expect(console.locator(f'#actions-table tr[data-model="{MODEL}"] [data-action="unload"]')).to_be_visible()
 
 
 # Keep this test last in the module: after the drain the box accepts no new connections.

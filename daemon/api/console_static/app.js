@@ -73,6 +73,11 @@
     const d = new Date(seconds * 1000);
     return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${clock(d)} ${zone(d)}`;
   }
+  // A time the server sends as ISO 8601 text (the keys file's, the lockfile's), shown as `when` shows times.
+  function isoWhen(text) {
+    const ms = Date.parse(text);
+    return Number.isNaN(ms) ? text : when(ms / 1000);
+  }
   const num = (v, digits = 1) => (v === null || v === undefined ? dash : Number(v).toFixed(digits));
   const shortHash = (hash) => (hash ? hash.slice(0, 12) : dash);
 
@@ -390,10 +395,27 @@
   // A table body brought up to date in place: rows by their model, a cell replaced only when its
   // markup changed, so that keyboard focus, a click half-way and a text selection survive the
   // refresh every few seconds (a rebuilt row loses all three).
+  // Each body cell carries its column's name, which a phone shows before it (the tables are
+  // stacked cards there: app.css). New rows are labelled before patchRows compares them.
+  function labelRow(table, tr) {
+    const heads = table.tHead ? [...table.tHead.rows[0].cells].map((c) => c.textContent.trim()) : [];
+    [...tr.cells].forEach((cell, i) => {
+      if (cell.tagName === "TD" && heads[i] && cell.dataset.label !== heads[i]) cell.dataset.label = heads[i];
+    });
+  }
+  new MutationObserver((changes) => {
+    for (const change of changes) {
+      for (const node of change.addedNodes) {
+        if (node.nodeName === "TR" && node.closest("table")) labelRow(node.closest("table"), node);
+      }
+    }
+  }).observe(document.getElementById("main"), { childList: true, subtree: true });
+
   function patchRows(body, rows) {
     const old = new Map([...body.rows].map((r) => [r.dataset.model, r]));
     let at = 0;
     for (const row of rows) {
+      labelRow(body.parentElement, row);
       let tr = old.get(row.dataset.model);
       if (tr === undefined) tr = row;
       else {
@@ -472,7 +494,7 @@
     if (lock.expires) {
       const days = lock.expires_in_s / 86400;
       const left = lock.expires_in_s <= 0 ? "expired" : days < 2 ? `${Math.round(lock.expires_in_s / 3600)} h left` : `${Math.floor(days)} days left`;
-      add("Expires", `${lock.expires} (${left})${lock.expiry_warning ? ": sign a new lockfile soon" : ""}`,
+      add("Expires", `${lock.expires_at ? when(lock.expires_at) : isoWhen(lock.expires)} (${left})${lock.expiry_warning ? ": sign a new lockfile soon" : ""}`,
         lock.expiry_warning ? "warning" : null, "expires");
     }
   }
@@ -767,7 +789,7 @@
       body.append(h("tr", { "data-key": k.id },
         h("td", { class: "mono" }, k.id), h("th", { scope: "row" }, k.name), h("td", {}, k.scopes.join(", ")),
         h("td", { "data-field": "state", class: k.state === "active" ? "ok" : "bad" }, k.state),
-        h("td", {}, k.created || dash), h("td", {}, k.expires || "never"), h("td", {}, limits), h("td", {}, buttons)));
+        h("td", {}, k.created ? isoWhen(k.created) : dash), h("td", {}, k.expires ? isoWhen(k.expires) : "never"), h("td", {}, limits), h("td", {}, buttons)));
     }
   }
 
@@ -904,10 +926,143 @@
   }
 
   function turn(role, text) {
-    const body = h("span", { class: "text" }, text);
+    const body = h("div", { class: "text" }, text);
     const el = h("div", { class: `turn ${role}`, "data-role": role }, h("span", { class: "role" }, role === "user" ? "You" : "Model"), body);
     $("transcript").append(el);
     return body;
+  }
+
+  // ---- markdown, safely -------------------------------------------------------------------
+  // A model's reply as the markdown it is written in: paragraphs, headings, lists, quotes, code
+  // blocks and spans, bold and italics. Built from DOM nodes whose text is the model's text:
+  // nothing it writes ever becomes markup (no HTML parsing of it anywhere), and a link stays its text
+  // and address, never a link to follow from an operator's console.
+  // Underscores emphasise whole words only (CommonMark's rule): `__init__` and `a_b_c` stay text.
+  const INLINE = /(`[^`\n]+`)|(\*\*[^*\n]+\*\*)|((?<![\p{L}\p{N}_])__[^_\n]+__(?![\p{L}\p{N}_]))|(\*[^*\s][^*\n]*\*)|((?<![\p{L}\p{N}_])_[^_\s][^_\n]*_(?![\p{L}\p{N}_]))|(\[[^\]\n]+\]\([^)\s]+\))/gu;
+
+  function inline(text) {
+    const out = [];
+    let at = 0;
+    for (const m of text.matchAll(INLINE)) {
+      if (m.index > at) out.push(document.createTextNode(text.slice(at, m.index)));
+      const t = m[0];
+      if (m[1]) out.push(h("code", {}, t.slice(1, -1)));
+      else if (m[2] || m[3]) out.push(h("strong", {}, t.slice(2, -2)));
+      else if (m[4] || m[5]) out.push(h("em", {}, t.slice(1, -1)));
+      else {
+        const cut = t.indexOf("](");
+        out.push(document.createTextNode(`${t.slice(1, cut)} (${t.slice(cut + 2, -1)})`));
+      }
+      at = m.index + t.length;
+    }
+    if (at < text.length) out.push(document.createTextNode(text.slice(at)));
+    return out;
+  }
+
+  function withBreaks(lines) {
+    const out = [];
+    lines.forEach((line, i) => {
+      if (i) out.push(h("br", {}));
+      out.push(...inline(line));
+    });
+    return out;
+  }
+
+  function markdown(text) {
+    const frag = document.createDocumentFragment();
+    const lines = text.replace(/\r\n?/g, "\n").split("\n");
+    let i = 0;
+    const para = [];
+    const flush = () => {
+      if (para.length) frag.append(h("p", {}, ...withBreaks(para.splice(0))));
+    };
+    while (i < lines.length) {
+      const line = lines[i];
+      const fence = line.match(/^\s*(```|~~~)\s*([\w+-]*)\s*$/);
+      if (fence) { // a code block, to its closing fence (or the end of a reply still streaming)
+        flush();
+        const code = [];
+        i += 1;
+        while (i < lines.length && !lines[i].trim().startsWith(fence[1])) code.push(lines[i++]);
+        i += 1;
+        frag.append(h("pre", {}, h("code", fence[2] ? { "data-lang": fence[2] } : {}, code.join("\n"))));
+        continue;
+      }
+      const heading = line.match(/^(#{1,6})\s+(.*)$/);
+      if (heading) {
+        flush();
+        frag.append(h("p", { class: `md-h md-h${heading[1].length}` }, ...inline(heading[2])));
+        i += 1;
+        continue;
+      }
+      const item = (l) => l.match(/^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/);
+      if (item(line)) {
+        flush();
+        const ordered = /\d/.test(item(line)[1]);
+        const list = h(ordered ? "ol" : "ul", {});
+        while (i < lines.length && item(lines[i]) && /\d/.test(item(lines[i])[1]) === ordered) {
+          list.append(h("li", {}, ...inline(item(lines[i])[2])));
+          i += 1;
+        }
+        frag.append(list);
+        continue;
+      }
+      if (/^\s*>/.test(line)) {
+        flush();
+        const quoted = [];
+        while (i < lines.length && /^\s*>/.test(lines[i])) quoted.push(lines[i++].replace(/^\s*>\s?/, ""));
+        frag.append(h("blockquote", {}, ...withBreaks(quoted)));
+        continue;
+      }
+      if (!line.trim()) flush();
+      else para.push(line);
+      i += 1;
+    }
+    flush();
+    return frag;
+  }
+
+  // The reply's text as the model wrote it (for copy), shown as markdown in chat mode and as
+  // plain text in completion mode (a base model's continuation is prose, not markup).
+  function showReply(out, text, completion) {
+    out.raw = text;
+    if (completion) out.textContent = text;
+    else out.replaceChildren(markdown(text));
+  }
+
+  async function copyReply(out, button) {
+    try {
+      await navigator.clipboard.writeText(out.raw ?? out.textContent);
+      button.textContent = "Copied";
+    } catch (_) {
+      // No clipboard here (a page over plain HTTP from another host): select it to copy by hand.
+      const range = document.createRange();
+      range.selectNodeContents(out);
+      const selection = window.getSelection();
+      selection.removeAllRanges();
+      selection.addRange(range);
+      button.textContent = "Selected: copy it";
+    }
+    setTimeout(() => { button.textContent = "Copy"; }, 1500);
+  }
+
+  // Copy on every reply; Regenerate on the last one: it goes, and its question is asked again.
+  function replyTools(out, message, completion) {
+    for (const old of $("transcript").querySelectorAll(".regenerate")) old.remove();
+    const copy = h("button", { type: "button", class: "secondary small copy", "aria-label": "Copy this reply" }, "Copy");
+    copy.addEventListener("click", () => copyReply(out, copy));
+    const again = h("button", { type: "button", class: "secondary small regenerate", "aria-label": "Regenerate this reply" }, "Regenerate");
+    again.addEventListener("click", () => {
+      if ($("chat-send").disabled) return;
+      const mine = out.parentElement;
+      const asked = mine.previousElementSibling;
+      if (!completion && state.conversation.length >= 2) state.conversation.splice(-2, 2);
+      mine.remove();
+      if (asked && asked.dataset.role === "user") asked.remove();
+      $("chat-message").value = message;
+      $("chat-form").requestSubmit();
+    });
+    out.parentElement.append(h("div", { class: "tools" }, copy, again));
   }
 
   async function send(event) {
@@ -990,7 +1145,7 @@
                 if (first === null) first = performance.now();
                 text += piece;
                 pieces += 1;
-                out.textContent = text;
+                showReply(out, text, completion);
                 out.parentElement.scrollIntoView({ block: "nearest" }); // the view follows the reply
               }
             }
@@ -1012,6 +1167,7 @@
     const about = usage ? "" : "≈";
     const rate = tokens && first !== null && end > first ? tokens / ((end - first) / 1000) : null;
     if (text && !completion) state.conversation.push({ role: "user", content: message }, { role: "assistant", content: text });
+    if (text) replyTools(out, message, completion);
     else if (failure && failure !== "stopped") {
       // Nothing came back: no empty bubble, and the message is there to send again.
       asked.parentElement.remove();
