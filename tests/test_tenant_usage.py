@@ -26,6 +26,9 @@ import pytest
 
 from edgellmctl.__main__ import main as ctl
 from edgellmctl.keys import create_key
+from edgellmd.api.context import LEDGER
+from edgellmd.http import ledger as http_ledger
+from edgellmd.ledger import usage as usage_module
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, free_port, running, settings_for, wait_for
 
@@ -340,3 +343,41 @@ def _ready(url: str) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
+
+
+def test_a_ledger_that_cannot_commit_makes_the_box_unready_until_it_can_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk under the usage database: the answers still go out, the records are kept,
+    /readyz says `ledger_failing` (a balancer sends the traffic elsewhere), and once the disk
+    has room the kept records are written with no new request needed to trigger it."""
+    full = threading.Event()
+    real = usage_module.write
+
+    def write(conn: Any, record: Any, zone: Any, *, detail: bool) -> bool:
+        if full.is_set():
+            raise sqlite3.OperationalError("database or disk is full")
+        return bool(real(conn, record, zone, detail=detail))
+
+    monkeypatch.setattr(usage_module, "write", write)
+    monkeypatch.setattr(http_ledger, "RETRY_INTERVAL_S", 0.2)
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
+    settings = settings_for(
+        [{"name": "m", "file": str(model), "threads": 1, "context_size": 256}],
+        ledger={"database": str(tmp_path / "usage.sqlite3")},
+    )
+    with running(settings) as daemon:
+        full.set()
+        status, body = daemon.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 3})
+        assert status == 200, body  # the client's answer does not wait for the disk
+        status, ready = daemon.get("/readyz")
+        assert (status, ready["status"]) == (503, "ledger_failing"), ready
+        assert "disk" not in json.dumps(ready)  # the cause is for the admin API, not the public probe
+        assert daemon.app is not None
+        ledger = daemon.app[LEDGER]
+        assert "disk is full" in (ledger.status()["error"] or "")
+        assert ledger.status()["waiting"] == 1
+        full.clear()  # room again: the next retry writes what was kept
+        wait_for(lambda: daemon.get("/readyz")[0] == 200, what="the ledger to commit again")
+        assert ledger.status()["waiting"] == 0
+        assert ledger.records == 1

@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from edgellmd.api.context import context
+from edgellmd.api.context import LEDGER, context
 from edgellmd.host.metrics import CONTENT_TYPE
 from edgellmd.http import appkeys
 from edgellmd.models.registry import RETRY_AFTER_LOADING_S, ModelState
@@ -30,6 +30,19 @@ async def readyz(request: web.Request) -> web.Response:
     if draining is not None and draining.is_set():
         return web.json_response(
             {"status": "draining", "models": models},
+            status=503,
+            headers={"Retry-After": RETRY_AFTER_LOADING_S},
+        )
+    ledger = request.app.get(LEDGER)
+    if ledger is not None and ledger.error is not None:
+        # Usage and the audit chain are not being written: quotas and the trail would be wrong.
+        return web.json_response(
+            {
+                "status": "ledger_failing",
+                # The cause (a database error) is on /admin/status, not on this public probe.
+                "reason": "the usage ledger cannot commit",
+                "models": models,
+            },
             status=503,
             headers={"Retry-After": RETRY_AFTER_LOADING_S},
         )

@@ -28,6 +28,7 @@ audit = logging.getLogger("edgellmd.audit")
 log = logging.getLogger(__name__)
 SUMMARY_INTERVAL_S: Final = 60.0  # failed sign-ins are summed this long into one audit record
 MAINTAIN_INTERVAL_S: Final = 3600.0  # retention and rotation
+RETRY_INTERVAL_S: Final = 5.0  # how often a failing ledger tries its kept records again
 _HANDLER: Final = web.AppKey("audit_handler", AuditHandler)
 _BREACHES: Final = web.AppKey("quota_breaches", set[tuple[str, str, str]])
 
@@ -58,12 +59,17 @@ def check_quota(request: web.Request, key: ApiKey) -> None:
 
 
 async def _tend(ledger: Ledger, handler: AuditHandler) -> None:
-    last_maintained = time.monotonic()
+    last_summary = last_maintained = time.monotonic()
     while True:
-        await asyncio.sleep(SUMMARY_INTERVAL_S)
-        handler.flush_summary()
-        if time.monotonic() - last_maintained >= MAINTAIN_INTERVAL_S:
-            last_maintained = time.monotonic()
+        await asyncio.sleep(RETRY_INTERVAL_S)
+        now = time.monotonic()
+        if ledger.error is not None:  # /readyz says so until a commit goes through again
+            await asyncio.wrap_future(ledger.retry())
+        if now - last_summary >= SUMMARY_INTERVAL_S:
+            last_summary = now
+            handler.flush_summary()
+        if now - last_maintained >= MAINTAIN_INTERVAL_S:
+            last_maintained = now
             await asyncio.wrap_future(ledger.maintain())
 
 

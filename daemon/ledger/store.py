@@ -312,6 +312,11 @@ class Ledger:
         for seq, digest, entry in written:  # the journal's copy of the chain
             log.info("audit record %d %s: %s", seq, digest, entry.action, extra={"key_id": entry.key_id})
 
+    def retry(self) -> Future[None]:
+        """Commit what earlier commits could not (on the writer): a failing ledger mends itself
+        once its disk has room again, whether or not new requests come to trigger a commit."""
+        return self._writer.submit(self._commit)
+
     def maintain(self) -> Future[None]:
         """Retry what failed, prune usage past its retention, rotate the audit log (on the writer)."""
 

@@ -338,6 +338,7 @@
       worst === "warn" ? "warn" : worst);
     const readiness = $("readiness");
     readiness.textContent = ready.status === "draining" ? "Draining: the daemon is stopping. Running requests may finish; it takes no new connections."
+      : ready.status === "ledger_failing" ? `Not ready: ${ready.reason}${data.status.ledger && data.status.ledger.error ? ` (${data.status.ledger.error})` : ""}. Usage and audit records are kept and tried again every few seconds.`
       : !isReady ? `Not ready (${ready.status}). ${[...reasons, ...found.map((p) => p.text)].join("; ")}`
       : worst === "ok" ? "Ready: every model is loaded and warmed." : `Ready, but: ${told}.`;
     readiness.className = `readiness ${worst}`;
