@@ -848,7 +848,10 @@ def _contrast(page: Page, selector: str) -> float:
             """(sel) => {
               const rgb = (c) => c.match(/\\d+(\\.\\d+)?/g).slice(0, 3).map(Number);
               const lum = ([r, g, b]) => {
-                const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+                const f = (v) => {
+                  v /= 255;
+                  return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+                };
                 return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
               };
               const fg = lum(rgb(getComputedStyle(document.querySelector(sel)).color));
