@@ -281,3 +281,161 @@ def write_tiny_reranker(
     writer.write_tensors_to_file()
     writer.close()
     return TinyReranker(embeddings, values, outputs, head, spec.n_head, spec.n_head_kv, eps)
+
+
+@dataclass(frozen=True, slots=True)
+class TinyProjectorSpec:
+    """A tiny LLaVA-style vision projector (`clip` architecture, projector_type `mlp`) for a
+    text model of width `text_embd`: a ViT of `v_layer` blocks over `patch_size` patches of an
+    `image_size` square, then a two-layer MLP. An image becomes (image_size / patch_size)^2
+    tokens. llama.cpp's mlp graph runs the first v_layer - 1 blocks (the last is loaded, unused);
+    `v_ff` must differ from `v_embd` (clip.cpp swaps up and down otherwise, for old files)."""
+
+    seed: int = 1
+    image_size: int = 28
+    patch_size: int = 14
+    v_embd: int = 32
+    v_head: int = 2
+    v_ff: int = 48
+    v_layer: int = 2
+    mm_hidden: int = 48
+    text_embd: int = 64  # TinyModelSpec's n_embd: the projector's output width must match it
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+def write_tiny_projector(path: Path, spec: TinyProjectorSpec | None = None) -> Path:
+    """Write a tiny multimodal projector GGUF (about 150 KB, F32) that libmtmd loads beside a
+    tiny text model; random weights, equal specs give identical files."""
+    spec = spec or TinyProjectorSpec()
+    rng = np.random.default_rng(spec.seed)
+    e, n_pos = spec.v_embd, spec.image_tokens
+
+    def weight(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name("tiny-projector")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_uint32("clip.vision.image_size", spec.image_size)
+    writer.add_uint32("clip.vision.patch_size", spec.patch_size)
+    writer.add_uint32("clip.vision.embedding_length", e)
+    writer.add_uint32("clip.vision.feed_forward_length", spec.v_ff)
+    writer.add_uint32("clip.vision.block_count", spec.v_layer)
+    writer.add_uint32("clip.vision.projection_dim", spec.text_embd)
+    writer.add_uint32("clip.vision.attention.head_count", spec.v_head)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])  # optional by name; the loader needs them
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_bool("clip.use_gelu", True)
+    # NumPy shapes are ggml's reversed: the patch kernel is ggml [p, p, 3, e].
+    writer.add_tensor("v.patch_embd.weight", weight(e, 3, spec.patch_size, spec.patch_size, scale=0.1))
+    writer.add_tensor("v.patch_embd.bias", weight(e, scale=0.1))
+    writer.add_tensor("v.position_embd.weight", weight(n_pos, e))
+    writer.add_tensor("v.pre_ln.weight", np.ones(e, dtype=np.float32))
+    writer.add_tensor("v.pre_ln.bias", np.zeros(e, dtype=np.float32))
+    for i in range(spec.v_layer):
+        blk = f"v.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"{blk}.{name}.weight", weight(e, e))
+            writer.add_tensor(f"{blk}.{name}.bias", weight(e, scale=0.05))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(f"{blk}.{name}.weight", np.ones(e, dtype=np.float32))
+            writer.add_tensor(f"{blk}.{name}.bias", np.zeros(e, dtype=np.float32))
+        writer.add_tensor(f"{blk}.ffn_up.weight", weight(spec.v_ff, e))
+        writer.add_tensor(f"{blk}.ffn_up.bias", weight(spec.v_ff, scale=0.05))
+        writer.add_tensor(f"{blk}.ffn_down.weight", weight(e, spec.v_ff))
+        writer.add_tensor(f"{blk}.ffn_down.bias", weight(e, scale=0.05))
+    # The projector: mm.0, GELU, mm.2 (both biases required: the graph adds them unchecked).
+    writer.add_tensor("mm.0.weight", weight(spec.mm_hidden, e))
+    writer.add_tensor("mm.0.bias", weight(spec.mm_hidden, scale=0.05))
+    writer.add_tensor("mm.2.weight", weight(spec.text_embd, spec.mm_hidden, scale=0.5))
+    writer.add_tensor("mm.2.bias", weight(spec.text_embd, scale=0.05))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+AUDIO_POSITIONS: Final = 1500  # Whisper's: every 30 s chunk of 3000 mel frames, after the stride-2 conv
+
+
+@dataclass(frozen=True, slots=True)
+class TinyAudioProjectorSpec:
+    """A tiny Whisper-style audio encoder with an Ultravox projector (`clip` architecture,
+    projector_type `ultravox`) for a text model of width `text_embd`. libmtmd cuts audio into
+    30 s chunks of 3000 frames, so even a short clip is 1500 / `stack` tokens per chunk (375);
+    1500 must divide by `stack` (8 aborts inside clip_encode)."""
+
+    seed: int = 2
+    a_embd: int = 32
+    a_head: int = 2
+    a_ff: int = 48
+    a_layer: int = 1
+    n_mel: int = 16
+    stack: int = 4
+    hidden: int = 32
+    text_embd: int = 64
+
+    @property
+    def chunk_tokens(self) -> int:
+        return AUDIO_POSITIONS // self.stack
+
+
+def write_tiny_audio_projector(path: Path, spec: TinyAudioProjectorSpec | None = None) -> Path:
+    """Write a tiny audio projector GGUF (about 250 KB) that libmtmd loads beside a tiny text model."""
+    spec = spec or TinyAudioProjectorSpec()
+    rng = np.random.default_rng(spec.seed)
+    e = spec.a_embd
+
+    def weight(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name("tiny-audio-projector")
+    writer.add_bool("clip.has_audio_encoder", True)
+    writer.add_string("clip.projector_type", "ultravox")
+    writer.add_uint32("clip.audio.embedding_length", e)
+    writer.add_uint32("clip.audio.feed_forward_length", spec.a_ff)
+    writer.add_uint32("clip.audio.block_count", spec.a_layer)
+    writer.add_uint32("clip.audio.projection_dim", spec.text_embd)
+    writer.add_uint32("clip.audio.attention.head_count", spec.a_head)
+    writer.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    writer.add_uint32("clip.audio.num_mel_bins", spec.n_mel)
+    writer.add_uint32("clip.audio.projector.stack_factor", spec.stack)
+    # Conv kernels: ggml [3, in, out], F16 as the converter writes them; biases ggml [1, e].
+    writer.add_tensor("a.conv1d.1.weight", weight(e, spec.n_mel, 3).astype(np.float16))
+    writer.add_tensor("a.conv1d.1.bias", weight(e, 1, scale=0.05))
+    writer.add_tensor("a.conv1d.2.weight", weight(e, e, 3).astype(np.float16))
+    writer.add_tensor("a.conv1d.2.bias", weight(e, 1, scale=0.05))
+    writer.add_tensor("a.position_embd.weight", weight(AUDIO_POSITIONS, e, scale=0.1))
+    for i in range(spec.a_layer):
+        blk = f"a.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"{blk}.{name}.weight", weight(e, e))
+            if name != "attn_k":  # Whisper's keys have no bias (the loader asserts it)
+                writer.add_tensor(f"{blk}.{name}.bias", weight(e, scale=0.05))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(f"{blk}.{name}.weight", np.ones(e, dtype=np.float32))
+            writer.add_tensor(f"{blk}.{name}.bias", np.zeros(e, dtype=np.float32))
+        writer.add_tensor(f"{blk}.ffn_up.weight", weight(spec.a_ff, e))
+        writer.add_tensor(f"{blk}.ffn_up.bias", weight(spec.a_ff, scale=0.05))
+        writer.add_tensor(f"{blk}.ffn_down.weight", weight(e, spec.a_ff))
+        writer.add_tensor(f"{blk}.ffn_down.bias", weight(e, scale=0.05))
+    writer.add_tensor("a.post_ln.weight", np.ones(e, dtype=np.float32))
+    writer.add_tensor("a.post_ln.bias", np.zeros(e, dtype=np.float32))
+    # Ultravox: RMS norm, mlp.1, SwiGLU over its halves, RMS norm, mlp.2; no biases.
+    writer.add_tensor("mm.a.norm_pre.weight", np.ones(e * spec.stack, dtype=np.float32))
+    writer.add_tensor("mm.a.mlp.1.weight", weight(2 * spec.hidden, e * spec.stack))
+    writer.add_tensor("mm.a.norm_mid.weight", np.ones(spec.hidden, dtype=np.float32))
+    writer.add_tensor("mm.a.mlp.2.weight", weight(spec.text_embd, spec.hidden, scale=0.5))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
