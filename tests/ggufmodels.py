@@ -92,6 +92,32 @@ def _vocab(spec: TinyModelSpec) -> tuple[list[bytes], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+def _add_shape(writer: gguf.GGUFWriter, spec: TinyModelSpec) -> None:
+    writer.add_name(spec.name)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.n_embd)
+    writer.add_block_count(spec.n_layer)
+    writer.add_feed_forward_length(spec.n_ff)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(spec.n_head_kv)
+
+
+def _add_vocab(writer: gguf.GGUFWriter, spec: TinyModelSpec) -> int:
+    """The byte vocabulary (`_vocab`) with its special ids; its size."""
+    tokens, scores, types = _vocab(spec)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    return len(tokens)
+
+
 def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
     """Write a tiny random-weight llama GGUF (about 0.4 MB) to `path` and return it."""
     spec = spec or TinyModelSpec()
@@ -105,29 +131,12 @@ def write_tiny_model(path: Path, spec: TinyModelSpec | None = None) -> Path:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(spec.name)
-    writer.add_context_length(spec.context_length)
-    writer.add_embedding_length(spec.n_embd)
-    writer.add_block_count(spec.n_layer)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
+    _add_shape(writer, spec)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(_FILE_TYPES[spec.weight_type])
 
-    tokens, scores, types = _vocab(spec)
-    n_vocab = len(tokens)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_unk_token_id(UNK_ID)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(False)
+    n_vocab = _add_vocab(writer, spec)
     if spec.chat_template is not None:
         writer.add_chat_template(spec.chat_template)
 
@@ -224,13 +233,7 @@ def write_tiny_reranker(
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_name(spec.name)
-    writer.add_context_length(spec.context_length)
-    writer.add_embedding_length(spec.n_embd)
-    writer.add_block_count(spec.n_layer)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
+    _add_shape(writer, spec)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
@@ -238,18 +241,7 @@ def write_tiny_reranker(
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_pooling_type(gguf.PoolingType.RANK)
     writer.add_classifier_output_labels(["yes", "no"])
-    tokens, scores, types = _vocab(spec)
-    n_vocab = len(tokens)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(BOS_ID)
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_unk_token_id(UNK_ID)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(False)
+    n_vocab = _add_vocab(writer, spec)
     if template is not None:
         writer.add_chat_template([{"name": "rerank", "template": template}])
 

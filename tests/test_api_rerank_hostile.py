@@ -26,34 +26,19 @@ from edgellmctl.keys import create_key
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.http import appkeys
 from tests.ggufmodels import (
-    BOS_ID,
-    TINY_RERANK_TEMPLATE,
     TinyModelSpec,
     TinyReranker,
     write_tiny_model,
     write_tiny_reranker,
 )
 from tests.serving import RunningDaemon, running, settings_for, wait_for
+from tests.test_api_rerank import pair_tokens
 
 CONTEXT: Final = 512
 PATHS: Final = ("/v1/rerank", "/rerank", "/v2/rerank")
 TOLERANCE: Final = 5e-3
 MAX_MESSAGE: Final = 400  # an error message longer than this echoes the client's input
 BASE: Final[dict[str, Any]] = {"model": "rr", "query": "which animal purrs", "documents": ["a cat"]}
-
-
-def byte_tokens(text: str) -> list[int]:
-    """The tiny vocabulary: one token per UTF-8 byte (id 3 + byte), spaces as U+2581."""
-    return [3 + b for b in text.replace(" ", "\u2581").encode()]
-
-
-def pair_tokens(query: str, document: str) -> list[int]:
-    """The pair the daemon must score: BOS, then the template's text with the query and the
-    document put in once (str.format does not substitute inside the values)."""
-    return [
-        BOS_ID,
-        *byte_tokens(TINY_RERANK_TEMPLATE.removeprefix("<s>").format(query=query, document=document)),
-    ]
 
 
 @dataclass
