@@ -1025,10 +1025,19 @@
 
   // The reply's text as the model wrote it (for copy), shown as markdown in chat mode and as
   // plain text in completion mode (a base model's continuation is prose, not markup).
-  function showReply(out, text, completion) {
+  // While it streams, drawn at most once a frame: a long reply is not parsed again per token.
+  function showReply(out, text, completion, now = false) {
     out.raw = text;
-    if (completion) out.textContent = text;
-    else out.replaceChildren(markdown(text));
+    const draw = () => {
+      out.pending = false;
+      if (completion) out.textContent = out.raw;
+      else out.replaceChildren(markdown(out.raw));
+    };
+    if (now) draw();
+    else if (!out.pending) {
+      out.pending = true;
+      requestAnimationFrame(draw);
+    }
   }
 
   async function copyReply(out, button) {
@@ -1168,7 +1177,10 @@
     const about = usage ? "" : "≈";
     const rate = tokens && first !== null && end > first ? tokens / ((end - first) / 1000) : null;
     if (text && !completion) state.conversation.push({ role: "user", content: message }, { role: "assistant", content: text });
-    if (text) replyTools(out, message, completion);
+    if (text) {
+      showReply(out, text, completion, true); // the whole reply, drawn now
+      replyTools(out, message, completion);
+    }
     else if (failure && failure !== "stopped") {
       // Nothing came back: no empty bubble, and the message is there to send again.
       asked.parentElement.remove();
