@@ -144,10 +144,11 @@ def _report_reload(task: asyncio.Task[object]) -> None:
 
 async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) -> None:
     """Stop accepting; let running generations finish until the deadline, then end them with an error."""
+    from edgellmd.api.context import DRAINING  # noqa: PLC0415 - see the module docstring
     from edgellmd.engine.generation import SHUTTING_DOWN  # noqa: PLC0415
-    from edgellmd.http import appkeys  # noqa: PLC0415 - see the module docstring
+    from edgellmd.http import appkeys  # noqa: PLC0415
 
-    app[appkeys.DRAINING].set()  # readiness says so: a balancer's next probe sends no more here
+    app[DRAINING].set()  # readiness says so: a balancer's next probe sends no more here
     for site in runner.sites:
         server = site._server  # aiohttp keeps the asyncio server private; closing it stops accepting
         if server is not None:

@@ -7,6 +7,7 @@ tells a request who it is with a `Caller`. The adapters read both and nothing el
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ ERROR_SHAPES: Final = web.AppKey("error_shapes", ErrorShapes)
 CALLER: Final = web.RequestKey("caller", Caller)  # set by authentication; absent without keys
 USER_TAG: Final = web.RequestKey("user_tag", str)  # the request's `user` field, logged as a tag
 TOKENS_USED: Final = web.RequestKey("tokens_used", int)  # prompt + completion, for tokens/minute
+# Set when the shutdown drain begins: /readyz says "draining" from then on (and the console).
+DRAINING: Final = web.AppKey("draining", asyncio.Event)
 LEDGER: Final = web.AppKey("ledger", Ledger)  # usage, quotas and the audit chain (edgellmd.ledger)
 # The id a request's usage is recorded under: its X-Request-Id when the server made it, a fresh
 # one when the client chose it (a client must not get two requests counted as one).

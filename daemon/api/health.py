@@ -6,9 +6,8 @@ import asyncio
 
 from aiohttp import web
 
-from edgellmd.api.context import LEDGER, context
+from edgellmd.api.context import DRAINING, LEDGER, context
 from edgellmd.host.metrics import CONTENT_TYPE
-from edgellmd.http import appkeys
 from edgellmd.models.registry import RETRY_AFTER_LOADING_S, ModelState
 
 
@@ -26,7 +25,7 @@ async def readyz(request: web.Request) -> web.Response:
         models[name] = {"state": state.value}
         if error:
             models[name]["reason"] = error
-    draining = request.app.get(appkeys.DRAINING)
+    draining = request.app.get(DRAINING)
     if draining is not None and draining.is_set():
         return web.json_response(
             {"status": "draining", "models": models},

@@ -63,7 +63,7 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     limit = request._client_max_size
     if request.content_length is not None and request.content_length > limit:
         # Declared too long: refused at once, not after the body timeout of a body never sent.
-        raise PayloadTooLarge(f"the request body is {request.content_length} bytes; at most {limit}")
+        raise PayloadTooLarge(f"request body too large: {request.content_length} bytes, at most {limit}")
     try:
         raw = await request.read()  # bounded by client_max_size; aiohttp answers 413 beyond it
     except web.RequestPayloadError:  # a body encoding (gzip, chunks) that does not decode

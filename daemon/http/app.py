@@ -22,6 +22,7 @@ from edgellmd.api.anthropic.routes import setup_anthropic
 from edgellmd.api.context import (
     API_CONTEXT,
     ARRIVED,
+    DRAINING,
     ERROR_SHAPES,
     LIMITS,
     QUEUE_WAITS,
@@ -153,7 +154,7 @@ def create_app(
     app[ERROR_SHAPES] = ErrorShapes()  # API families with an error envelope of their own add theirs
     app[appkeys.NOTIFIER] = notifier or Notifier()
     app[appkeys.GENERATIONS] = Running()
-    app[appkeys.DRAINING] = asyncio.Event()
+    app[DRAINING] = asyncio.Event()
     app[appkeys.METRICS] = Metrics()
     app[appkeys.PINNING] = pinning or Pinning(frozenset(os.sched_getaffinity(0)), None, pinned=False)
     app.on_response_prepare.append(_stamp_headers)

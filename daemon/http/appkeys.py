@@ -24,8 +24,6 @@ REGISTRY: Final = web.AppKey("registry", Registry)
 EXECUTOR: Final = web.AppKey("executor", FairPool)
 KEY_STORE: Final = web.AppKey("key_store", KeyStore)
 GENERATIONS: Final = web.AppKey("generations", Running)  # running, for the shutdown drain
-# Set when the shutdown drain begins: /readyz says "draining" from then on (and the console).
-DRAINING: Final = web.AppKey("draining", asyncio.Event)
 METRICS: Final = web.AppKey("metrics", Metrics)
 GPU_MONITOR: Final = web.AppKey("gpu_monitor", GpuMonitor)
 PINNING: Final = web.AppKey("pinning", Pinning)  # the CPUs the process was pinned to
