@@ -32,6 +32,7 @@ from edgellmd.engine.worker import TEST_HOOKS_ENV
 from edgellmd.errors import ServiceUnavailable
 from edgellmd.http import appkeys
 from edgellmd.models import registry as registry_module
+from edgellmd.settings.declare import ConfigError
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
@@ -373,3 +374,45 @@ def test_an_engine_that_sends_what_no_worker_sends_is_killed_at_once(pair: Runni
         what="the restart",
     )
     assert pair.get("/healthz")[0] == 200
+
+
+def test_an_engine_past_its_memory_limit_fails_alone_and_says_why(tmp_path: Path) -> None:
+    """`memory_limit_mb` is the engine process's address-space limit: one too low for the model
+    fails that model's load with the limit named; the other model serves, the daemon lives on,
+    and a limit that fits is one of the confinements /admin/status lists."""
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
+    common = {"file": str(model), "threads": 1, "context_size": 256, "isolation": "process"}
+    settings = settings_for(
+        [
+            {"name": "starved", **common, "memory_limit_mb": 128},
+            {"name": "fits", **common, "memory_limit_mb": 4096},
+        ],
+        lifecycle={"preload_dir": str(tmp_path / "shm"), "watch": False},
+    )
+    with running(settings, wait_ready=False) as daemon:
+
+        def states() -> dict[str, dict[str, Any]]:
+            return {m["name"]: m for m in daemon.get("/admin/status")[1]["models"]}
+
+        wait_for(
+            lambda: {m["state"] for m in states().values()} <= {"ready", "failed"}, what="both loads to end"
+        )
+        shown = states()
+        assert shown["starved"]["state"] == "failed"
+        assert "address space is limited to 128 MiB: too low?" in shown["starved"]["reason"]
+        assert shown["fits"]["state"] == "ready"
+        assert "address space at most 4096 MiB" in shown["fits"]["engine_process"]["confined"]
+        status, body = daemon.post("/v1/completions", {"model": "fits", "prompt": "x", "max_tokens": 3})
+        assert status == 200, body
+        assert daemon.get("/healthz")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [({"isolation": "thread"}, "only with isolation process"), ({"gpu_layers": -1}, "not with gpu_layers")],
+)
+def test_a_memory_limit_where_it_cannot_hold_is_refused(extra: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError, match=rf"models\[0\]\.memory_limit_mb.*{words}"):
+        settings_for(
+            [{"name": "m", "file": "m.gguf", "memory_limit_mb": 1024, "isolation": "process", **extra}]
+        )

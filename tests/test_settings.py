@@ -143,6 +143,7 @@ models:
   - name: ranker
     file: /srv/models/rank.gguf
     kind: rerank
+    memory_limit_mb: 2048
 logging:
   level: DEBUG
   format: text
@@ -234,7 +235,9 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 chat_template_file=tmp_path / "templates" / "tiny.jinja",
                 embedding=True,
             ),
-            ModelSettings(name="ranker", file=Path("/srv/models/rank.gguf"), kind="rerank"),
+            ModelSettings(
+                name="ranker", file=Path("/srv/models/rank.gguf"), kind="rerank", memory_limit_mb=2048
+            ),
         ),
         logging=LoggingSettings(level="debug", format="text"),
         auth=AuthSettings(

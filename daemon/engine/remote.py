@@ -109,6 +109,7 @@ class RemoteEngine:
         self.config = config
         self.name: Final = name
         self.kind = kind
+        self._address_space = address_space  # the process's RLIMIT_AS, when one is set
         self.hang_s = hang_s
         self.fault: str | None = None
         self.fault_kind = "exit"  # or "hang", or the signal's name: edgellm_engine_restarts_total's reason
@@ -228,7 +229,12 @@ class RemoteEngine:
             else f"was killed by {_signal_name(code or 0)}"
         )
         last = "; ".join(list(self._tail)[-3:])
-        return f"the engine process {how} while loading ({why})" + (f": {last}" if last else "")
+        limit = (
+            f" (its address space is limited to {self._address_space // (1024 * 1024)} MiB: too low?)"
+            if self._address_space
+            else ""
+        )
+        return f"the engine process {how} while loading ({why})" + (f": {last}" if last else "") + limit
 
     def _read(self) -> None:
         try:

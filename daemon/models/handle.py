@@ -129,7 +129,10 @@ def default_engine_factory(settings: ModelSettings, mmap: bool = False) -> AnyEn
     config = engine_config(settings, mmap=mmap)
     if settings.isolation == "process":
         kind = settings.serves
-        return RemoteEngine(config, name=settings.name, kind=kind, hang_s=settings.hang_timeout_s)
+        limit = settings.memory_limit_mb * MIB if settings.memory_limit_mb else None
+        return RemoteEngine(
+            config, name=settings.name, kind=kind, hang_s=settings.hang_timeout_s, address_space=limit
+        )
     # An in-process engine: llama.cpp is loaded into the daemon from here on.
     if settings.pooled:
         from edgellmd.engine.embedding import EmbeddingEngine  # noqa: PLC0415 - see above

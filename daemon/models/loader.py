@@ -449,9 +449,10 @@ class Loader:
                     if isinstance(event, Finished):
                         final = event
         except (EngineError, TimeoutError) as exc:
-            raise LoadFailed(f"warm-up failed: {str(exc) or 'timed out'}") from None
+            raise LoadFailed(f"warm-up failed: {_died(handle) or str(exc) or 'timed out'}") from None
         if final is None or final.reason == "error":
-            raise LoadFailed(f"warm-up generation failed: {final.error if final else 'no result'}")
+            why = _died(handle) or (final.error if final else "no result")
+            raise LoadFailed(f"warm-up generation failed: {why}")
 
     def discard_copy(self, copy: Path | None) -> None:
         """Remove a preload copy (a failed load's, or a freed version's)."""
@@ -462,3 +463,13 @@ class Loader:
         """Remove a failed load's preload copies (the model's and its draft model's)."""
         for copy in copies:
             self.discard_copy(copy)
+
+
+def _died(handle: ModelHandle) -> str | None:
+    """Why an engine process died during the load, in its own words (not "it is restarting": a
+    load that fails is not restarted), with the memory limit named when one is set."""
+    fault = getattr(handle.engine, "fault", None)
+    if not isinstance(fault, str):
+        return None
+    limit = handle.settings.memory_limit_mb
+    return f"{fault} (memory_limit_mb is {limit}: too low for this model?)" if limit else fault

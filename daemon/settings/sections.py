@@ -237,6 +237,14 @@ def _check_model(checker: Checker, model: ModelSettings, path: str) -> None:
         for key, value in (("draft_model", spec.draft_model), ("draft_file", spec.draft_file)):
             if value is not None:
                 checker.add(f"{path}.speculative.{key}", f"only with mode draft (mode is {spec.mode})")
+    if model.memory_limit_mb is not None:
+        if model.isolation != "process":
+            checker.add(f"{path}.memory_limit_mb", "limits an engine process: only with isolation process")
+        elif model.gpu_layers != 0:
+            checker.add(
+                f"{path}.memory_limit_mb",
+                "not with gpu_layers: a CUDA runtime reserves more address space than any limit allows",
+            )
     if model.embedding and model.kind == "rerank":
         checker.add(
             f"{path}.embedding", "`embedding: true` is `kind: embedding`; a rerank model leaves it out"
@@ -662,6 +670,15 @@ class ModelSettings:
         30.0,
         "with isolation process: an engine that shows no step progress this long while work is "
         "pending is killed and restarted",
+    )
+    memory_limit_mb: int | None = setting(
+        None,
+        "with isolation process: the engine process's address-space limit (RLIMIT_AS); past it an "
+        "allocation fails, that engine dies and restarts alone, and the daemon lives on; null: none",
+        bounds=(64, 16_777_216),
+        more="virtual memory, not resident: it counts the mapped model file, every thread's stack and "
+        "allocator arenas, so allow the model's size plus about 1 GiB; CPU models only (a CUDA runtime "
+        "reserves far more address space than it uses: refused with gpu_layers)",
     )
     crash_loop_stops: int = setting(
         5,
