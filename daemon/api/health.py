@@ -27,24 +27,12 @@ async def readyz(request: web.Request) -> web.Response:
             models[name]["reason"] = error
     draining = request.app.get(DRAINING)
     if draining is not None and draining.is_set():
-        return web.json_response(
-            {"status": "draining", "models": models},
-            status=503,
-            headers={"Retry-After": RETRY_AFTER_LOADING_S},
-        )
+        return _not_ready("draining", models)
     ledger = request.app.get(LEDGER)
     if ledger is not None and ledger.error is not None:
         # Usage and the audit chain are not being written: quotas and the trail would be wrong.
-        return web.json_response(
-            {
-                "status": "ledger_failing",
-                # The cause (a database error) is on /admin/status, not on this public probe.
-                "reason": "the usage ledger cannot commit",
-                "models": models,
-            },
-            status=503,
-            headers={"Retry-After": RETRY_AFTER_LOADING_S},
-        )
+        # The cause (a database error) is on /admin/status, not on this public probe.
+        return _not_ready("ledger_failing", models, reason="the usage ledger cannot commit")
     if registry.all_ready:
         return web.json_response({"status": "ready", "models": models})
     states = {s for s, _ in registry.states().values()}
@@ -56,9 +44,12 @@ async def readyz(request: web.Request) -> web.Response:
         status = "loading"
     else:
         status = "unloaded"  # an operator unloaded every model
-    return web.json_response(
-        {"status": status, "models": models}, status=503, headers={"Retry-After": RETRY_AFTER_LOADING_S}
-    )
+    return _not_ready(status, models)
+
+
+def _not_ready(status: str, models: dict[str, dict[str, str]], **more: str) -> web.Response:
+    body = {"status": status, **more, "models": models}
+    return web.json_response(body, status=503, headers={"Retry-After": RETRY_AFTER_LOADING_S})
 
 
 async def metrics(request: web.Request) -> web.Response:

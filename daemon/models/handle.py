@@ -240,47 +240,37 @@ class ModelHandle:
     disposing: bool = False  # its engine is being closed
     counters: Tally[str] = field(default_factory=Tally)  # the model's, shared across its versions
     last_used: float = field(default_factory=time.monotonic)
+    _rerank_pieces: list[list[int] | str] | None = None  # `_rerank_template`, once read
 
     @property
     def name(self) -> str:
         """The model's configured name."""
         return self.settings.name
 
+    def _serving(self, kind: str, refusal: str) -> AnyEngine:
+        """The engine when it serves `kind`; else the 400 `refusal` (model_not_supported)."""
+        if self.engine.kind == kind:
+            return self.engine
+        raise InvalidRequest(f"the model {self.name!r} {refusal}", param="model", code="model_not_supported")
+
     @property
     def generator(self) -> Generator:
         """The text generation engine; 400 for an embedding or reranking model."""
-        engine = self.engine
-        if engine.kind == "generation":
-            return cast("Generator", engine)
-        raise InvalidRequest(
-            f"the model {self.name!r} is a reranking model: use /v1/rerank"
-            if engine.kind == "rerank"
-            else f"the model {self.name!r} is an embedding model: use /v1/embeddings",
-            param="model",
-            code="model_not_supported",
+        use = "is a reranking model: use /v1/rerank" if self.engine.kind == "rerank" else None
+        return cast(
+            "Generator", self._serving("generation", use or "is an embedding model: use /v1/embeddings")
         )
 
     @property
     def embedder(self) -> Embedder:
-        """The embedding engine; 400 for a text generation model."""
-        engine = self.engine
-        if engine.kind == "embedding":
-            return cast("Embedder", engine)
-        raise InvalidRequest(
-            f"the model {self.name!r} does not produce embeddings", param="model", code="model_not_supported"
-        )
+        """The embedding engine; 400 for any other model."""
+        return cast("Embedder", self._serving("embedding", "does not produce embeddings"))
 
     @property
     def ranker(self) -> Embedder:
         """The reranking engine (one score per input); 400 for any other model."""
-        engine = self.engine
-        if engine.kind == "rerank":
-            return cast("Embedder", engine)
-        raise InvalidRequest(
-            f"the model {self.name!r} does not rerank: a reranking model is configured with kind: rerank",
-            param="model",
-            code="model_not_supported",
-        )
+        refusal = "does not rerank: a reranking model is configured with kind: rerank"
+        return cast("Embedder", self._serving("rerank", refusal))
 
     def _tokenize_bounded(
         self,
@@ -438,13 +428,8 @@ class ModelHandle:
                     return tokens[:n]
                 chars *= 2
 
-        def markup(value: str) -> list[int]:
-            return self.engine.tokenize(value, add_special=False, parse_special=True) if value else []
-
         asked = text(query, "query", "the query")
-        if info.rerank_template is not None:
-            parts = re.split(r"(\{query\}|\{document\})", info.rerank_template)
-            pieces = [None if part in ("{query}", "{document}") else markup(part) for part in parts]
+        template = self._rerank_template()
         opening, between, closing = info.pair_tokens
         prompts: list[list[int]] = []
         for i, document in enumerate(documents):
@@ -452,12 +437,12 @@ class ModelHandle:
                 doc = text(document, "documents", f"document {i}")
             else:
                 doc = first(document, max_tokens_per_doc) if document else []
-            if info.rerank_template is None:
+            if template is None:
                 tokens = [*opening, *asked, *between, *doc, *closing]
             else:
                 tokens = []
-                for part, piece in zip(parts, pieces, strict=True):
-                    tokens += piece if piece is not None else asked if part == "{query}" else doc
+                for piece in template:
+                    tokens += piece if isinstance(piece, list) else asked if piece == "{query}" else doc
             if not tokens:
                 raise InvalidRequest(f"document {i} and the query are both empty", param="documents")
             if len(tokens) > limit:
@@ -468,6 +453,20 @@ class ModelHandle:
                 )
             prompts.append(tokens)
         return prompts
+
+    def _rerank_template(self) -> list[list[int] | str] | None:
+        """The GGUF's rerank prompt as its markup's tokens (control tokens parsed) and the
+        `{query}` and `{document}` markers between them; read once per loaded model."""
+        if self._rerank_pieces is None and self.engine.info.rerank_template is not None:
+            parts = re.split(r"(\{query\}|\{document\})", self.engine.info.rerank_template)
+            self._rerank_pieces = [
+                part
+                if part in ("{query}", "{document}")
+                else self.engine.tokenize(part, add_special=False, parse_special=True)
+                for part in parts
+                if part
+            ]
+        return self._rerank_pieces
 
     def check_prompt(self, tokens: Sequence[int], param: str) -> None:
         """Refuse empty prompts and prompts that leave no room to generate in a slot."""
