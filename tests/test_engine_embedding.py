@@ -28,10 +28,18 @@ CONTEXT = 64
 TEXTS = ["hello", "hello world", "a rather longer sentence about nothing much", "x", "hello!"]
 
 
-def make_engine(path: Path, *, slots: int = SLOTS, context: int = CONTEXT) -> EmbeddingEngine:
+def make_engine(
+    path: Path, *, slots: int = SLOTS, context: int = CONTEXT, rank: bool = False
+) -> EmbeddingEngine:
     return EmbeddingEngine(
         EngineConfig(
-            path=path, slots=slots, context_size=context, batch_size=512, threads=1, threads_batch=1
+            path=path,
+            slots=slots,
+            context_size=context,
+            batch_size=512,
+            threads=1,
+            threads_batch=1,
+            rank=rank,
         ),
         name=path.stem,
     )
@@ -272,18 +280,7 @@ def test_a_short_call_is_not_held_behind_a_long_one(engine: EmbeddingEngine) -> 
 
 def test_a_reranking_engine_scores_each_input(tmp_path: Path) -> None:
     model = write_tiny_reranker(tmp_path / "rank.gguf", seed=4)
-    eng = EmbeddingEngine(
-        EngineConfig(
-            path=tmp_path / "rank.gguf",
-            slots=2,
-            context_size=CONTEXT,
-            batch_size=512,
-            threads=1,
-            threads_batch=1,
-            rank=True,
-        ),
-        name="rank",
-    )
+    eng = make_engine(tmp_path / "rank.gguf", rank=True)
     try:
         assert eng.kind == "rerank"
         assert eng.pooling == "rank"
@@ -299,15 +296,4 @@ def test_a_reranking_engine_scores_each_input(tmp_path: Path) -> None:
         eng.close()
     plain = write_tiny_model(tmp_path / "plain.gguf", TinyModelSpec(seed=3))
     with pytest.raises(ModelLoadError, match="not a reranking model"):
-        EmbeddingEngine(
-            EngineConfig(
-                path=plain,
-                slots=1,
-                context_size=CONTEXT,
-                batch_size=512,
-                threads=1,
-                threads_batch=1,
-                rank=True,
-            ),
-            name="plain",
-        )
+        make_engine(plain, slots=1, rank=True)
