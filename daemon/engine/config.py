@@ -32,6 +32,66 @@ class GrammarError(EngineError):
     """A grammar llama.cpp cannot parse."""
 
 
+class MediaError(EngineError):
+    """An image or a clip the engine cannot use: a client's error (400), the message safe to show.
+
+    `limit` names the bound it broke (a setting's name) when it broke one.
+    """
+
+    def __init__(self, message: str, *, limit: str | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+MEDIA_KINDS: Final = ("image", "audio")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaInput:
+    """An image or an audio clip as a client sent it: its bytes, not yet decoded.
+
+    Decoding (Pillow for images; the `wave` module and soundfile for audio) happens where
+    the model's engine runs (`engine.media`), inside the confined engine process where there
+    is one, and always before any byte reaches llama.cpp.
+    """
+
+    kind: str  # one of MEDIA_KINDS
+    data: bytes
+    format: str | None = None  # what the client declared ("png", "wav", "mp3"); None: not said
+
+
+@dataclass(frozen=True, slots=True)
+class MediaLimits:
+    """Bounds on decoded media (settings `media.*`); the engine refuses past them with MediaError."""
+
+    max_pixels: int = 16_777_216
+    max_side: int = 8192
+    max_audio_seconds: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class MediaChunk:
+    """Positions of a prompt that one encoded image or audio chunk fills, by its id in the
+    engine's media store (`key`); the prompt carries `length` placeholder ids there."""
+
+    key: str
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedMedia:
+    """A decoded and encoded image or clip: what it adds to a prompt, in order (token ids the
+    projector's own markup, and chunks), and the sha256 of the bytes it was made from."""
+
+    digest: str
+    pieces: tuple[tuple[int, ...] | MediaChunk, ...]
+
+    @property
+    def n_positions(self) -> int:
+        """Prompt positions it takes."""
+        return sum(p.length if isinstance(p, MediaChunk) else len(p) for p in self.pieces)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What the GGUF file says about the model, read once at load time."""
@@ -79,6 +139,9 @@ class EngineConfig:
     # A reranking model (rank pooling): one relevance score per input, not a vector.
     rank: bool = False
     speculative: Speculation = field(default_factory=Speculation)
+    # The model's multimodal projector (libmtmd: images, audio), verified and preloaded as
+    # the model's own file; None: the model reads text only.
+    mmproj: Path | None = None
 
 
 def default_threads() -> int:

@@ -190,6 +190,7 @@ def encode_config(config: Any) -> dict[str, Any]:
     """An EngineConfig as a JSON object (paths as strings)."""
     data = asdict(config)
     data["path"] = str(config.path)
+    data["mmproj"] = None if config.mmproj is None else str(config.mmproj)
     spec = data["speculative"]
     spec["draft_path"] = None if config.speculative.draft_path is None else str(config.speculative.draft_path)
     return data
@@ -199,6 +200,7 @@ def decode_config(value: dict[str, Any], config_type: type[Any]) -> Any:
     """The EngineConfig `encode_config` made (`config_type`: the class, which lives beside llama.cpp)."""
     data = dict(value)
     data["path"] = Path(data["path"])
+    data["mmproj"] = None if data.get("mmproj") is None else Path(data["mmproj"])
     spec = dict(data["speculative"])
     spec["draft_path"] = None if spec["draft_path"] is None else Path(spec["draft_path"])
     data["speculative"] = Speculation(**spec)
