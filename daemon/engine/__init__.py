@@ -15,6 +15,8 @@ processes never loads llama.cpp itself (tests/test_layers.py holds it).
   (`isolation: process`): the daemon's side, the process's, the frames between them, and
   what the process may do.
 - `build`: what the build can do, asked without loading llama.cpp in the daemon.
+- `media`, `projector`: images and clips decoded in Python (Pillow, soundfile), then
+  encoded by the model's multimodal projector (libmtmd) into positions of a prompt.
 """
 
 from __future__ import annotations

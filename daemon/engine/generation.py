@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import hashlib
 import itertools
 import threading
 from collections import deque
@@ -67,6 +68,42 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaSpan:
+    """Prompt positions `start` to `start + length` hold an encoded image or audio chunk (the
+    engine's media store has it under `key`); the prompt carries `placeholders(key, length)` there."""
+
+    start: int
+    length: int
+    key: str
+
+
+def placeholders(key: str, length: int) -> list[int]:
+    """The ids a prompt carries for a media chunk's positions: negative (no token has one), the
+    same for the same chunk and different for another at every offset, so that prefix reuse and
+    the prompt cache match a chunk exactly when its bytes are the same."""
+    base = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=6).digest(), "big")
+    return [-(base + j + 1) for j in range(length)]
+
+
+def check_media(prompt: Sequence[int], spans: Sequence[MediaSpan]) -> str | None:
+    """Why a prompt's media spans do not hold together (None when they do): in order, inside
+    the prompt, never its last position (that one's logits start the reply), its placeholders
+    where they say, and no negative id outside them."""
+    at = 0
+    for span in spans:
+        if span.length < 1 or span.start < at or span.start + span.length >= len(prompt):
+            return "a media span is out of order or out of the prompt"
+        if list(prompt[span.start : span.start + span.length]) != placeholders(span.key, span.length):
+            return "a media span's positions do not hold its placeholders"
+        if any(t < 0 for t in prompt[at : span.start]):
+            return "a negative token id outside a media span"
+        at = span.start + span.length
+    if any(t < 0 for t in prompt[at:]):
+        return "a negative token id outside a media span"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """A tokenized prompt and how to continue it."""
 
@@ -82,6 +119,8 @@ class GenerationRequest:
     cache_scope: str = ""
     # Whose it is for fair share and its class (engine.fairness): the key, its weight, priority.
     share: Share = field(default_factory=Share)
+    # Images and clips in the prompt, in order (their chunks prepared in the engine's store).
+    media: tuple[MediaSpan, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

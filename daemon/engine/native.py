@@ -50,7 +50,7 @@ _log_callback: Any = None  # keeps the ctypes thunk alive for as long as llama.c
 _log_state = threading.local()
 
 
-def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
+def on_llama_log(level: int, text: bytes | None, _user: object) -> None:
     """llama.cpp's log callback (any thread): its warnings and errors as ours, the rest at debug."""
     if level == _GGML_LOG_LEVEL_CONT:
         py_level: int = getattr(_log_state, "level", logging.DEBUG)
@@ -67,7 +67,7 @@ def init_backend() -> None:
     with _backend_lock:
         if _backend_ready:
             return
-        _log_callback = llama.llama_log_callback(_on_llama_log)
+        _log_callback = llama.llama_log_callback(on_llama_log)
         llama.llama_log_set(_log_callback, ctypes.c_void_p())
         llama.llama_backend_init()
         _backend_ready = True

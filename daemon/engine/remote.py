@@ -18,9 +18,11 @@ callbacks hear of it: the registry restarts the model (models.registry).
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -44,6 +46,7 @@ from edgellmd.engine import (
     build,
     wire,
 )
+from edgellmd.engine.config import MediaError, MediaInput, MediaLimits, PreparedMedia
 from edgellmd.engine.generation import ENGINE_STOPPED, UNLOADED, Finished, Generation, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -92,6 +95,14 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def _keys_of(value: Any) -> list[str]:
+    """The chunk ids in a media answer, whatever else it holds (to let go of them)."""
+    pieces = value.get("pieces") if isinstance(value, dict) else None
+    if not isinstance(pieces, list):
+        return []
+    return [p["key"] for p in pieces if isinstance(p, dict) and isinstance(p.get("key"), str)][:1024]
+
+
 class RemoteEngine:
     """A model served by an engine process; the same surface as the in-process engines."""
 
@@ -135,7 +146,7 @@ class RemoteEngine:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = parent
         keep = [child.fileno()]
-        for path in (config.path, config.speculative.draft_path):
+        for path in (config.path, config.speculative.draft_path, config.mmproj):
             found = _FD_PATH.fullmatch(str(path)) if path is not None else None
             if found:  # a verified descriptor: the process opens the same file through it
                 keep.append(int(found.group(1)))
@@ -191,6 +202,7 @@ class RemoteEngine:
         self.unconfined: list[str] = list(ready.get("unconfined", []))
         self.builtin_templates: list[str] = list(ready.get("builtin_templates", []))
         self._controls = _Controls(ready.get("controls", []))
+        self.media_kinds = tuple(k for k in ("image", "audio") if k in ready.get("media", []))
         self._status["performance"] = ready.get("performance", {})
         for missing in self.unconfined:
             log.warning("model %s: its engine process runs without %s", name, missing)
@@ -286,7 +298,11 @@ class RemoteEngine:
         error = message.get("error")
         if isinstance(error, dict):
             kind, text = error.get("kind"), str(error.get("message", "engine error"))
-            future.set_exception(GrammarError(text) if kind == "grammar" else EngineError(text))
+            if kind == "media":
+                limit = error.get("limit")
+                future.set_exception(MediaError(text, limit=limit if isinstance(limit, str) else None))
+            else:
+                future.set_exception(GrammarError(text) if kind == "grammar" else EngineError(text))
         else:
             future.set_result(message.get("result"))
 
@@ -426,6 +442,31 @@ class RemoteEngine:
         """Compile a grammar in the engine process into `copies` ids (GrammarError if refused)."""
         ids = self._call({"op": "grammar", "grammar": grammar, "copies": copies})
         return [RemoteGrammar(self, int(i)) for i in ids]
+
+    def prepare_media(self, item: MediaInput, limits: MediaLimits) -> PreparedMedia:
+        """Decode and encode an image or clip in the engine process (MediaError for the client's
+        input); its chunks stay held there until `release_media`."""
+        result = self._call(
+            {
+                "op": "media",
+                "kind": item.kind,
+                "data": base64.b64encode(item.data).decode("ascii"),
+                "format": item.format,
+                "limits": dataclasses.asdict(limits),
+            }
+        )
+        try:
+            return wire.decode_media(result, self.n_vocab, self.config.context_size)
+        except ValueError as exc:  # a process that answers what no worker answers is not trusted
+            self.send_quietly({"op": "release_media", "keys": _keys_of(result)})
+            raise EngineError(
+                f"the engine process answered a media call with what no worker sends ({exc})"
+            ) from None
+
+    def release_media(self, keys: Sequence[str]) -> None:
+        """Let go of chunks `prepare_media` held in the engine process."""
+        if keys:
+            self.send_quietly({"op": "release_media", "keys": list(keys)})
 
     def apply_builtin_template(self, name: str, messages: Sequence[tuple[str, str]]) -> str:
         """Render with a llama.cpp built-in chat template, in the engine process."""

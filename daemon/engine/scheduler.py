@@ -25,7 +25,16 @@ from typing import Any, Final
 import llama_cpp as llama
 import numpy as np
 
-from edgellmd.engine.config import EngineConfig, EngineError, ModelLoadError
+from edgellmd.engine import native
+from edgellmd.engine.config import (
+    EngineConfig,
+    EngineError,
+    MediaError,
+    MediaInput,
+    MediaLimits,
+    ModelLoadError,
+    PreparedMedia,
+)
 from edgellmd.engine.draft_model import DraftModel
 from edgellmd.engine.drafts import (
     MIN_CACHED_TOKENS,
@@ -44,11 +53,13 @@ from edgellmd.engine.generation import (
     Generation,
     GenerationRequest,
     Grammar,
+    MediaSpan,
     SamplingParams,
     StopMatcher,
     TextDelta,
     TokenLogprob,
     Utf8Stream,
+    check_media,
 )
 from edgellmd.engine.native import (
     ControlTokens,
@@ -65,6 +76,7 @@ from edgellmd.engine.native import (
     tokenize_segments,
     tokenize_text,
 )
+from edgellmd.engine.projector import Projector
 from edgellmd.engine.sampling import (
     Candidates,
     CompiledGrammar,
@@ -129,6 +141,7 @@ class _Slot:
         "drafter",
         "gen",
         "last",
+        "media",
         "n_past",
         "prefilled",
         "prompt",
@@ -155,6 +168,11 @@ class _Slot:
         self.drafted = 0  # draft tokens checked, and of those the ones the sampler agreed with
         self.accepted = 0
         self.since = time.monotonic()  # when it took (or resumed in) its slot: fairness.QUANTUM_S
+        self.media: tuple[MediaSpan, ...] = gen.request.media  # images and clips, in prompt order
+
+    def media_from(self, pos: int) -> MediaSpan | None:
+        """The first media span that starts at `pos` or after it."""
+        return next((span for span in self.media if span.start >= pos), None)
 
 
 class Engine(NativeThread):
@@ -200,6 +218,7 @@ class Engine(NativeThread):
         self._scope: list[str] = ["" for _ in range(config.slots)]  # whose prompt each slot's KV holds
         self._forget: set[str] = set()  # scopes whose cached state goes (forget_scopes), under _cond
         self._draft: DraftModel | None = None  # speculative mode draft: loaded with the model
+        self.projector: Projector | None = None  # the model's multimodal projector (config.mmproj)
         # Decode step seconds by size (measured at load, kept current by the steps served).
         self.steps = StepTimes([])
         self._pads: list[tuple[int, int]] = []  # (slot, position) of the last step's dummy rows
@@ -236,6 +255,14 @@ class Engine(NativeThread):
         self._candidates = Candidates(self.n_vocab)
         if config.speculative.mode == "draft":
             self._draft = DraftModel.open(config, model, self.name)
+        if config.mmproj is not None:
+            self.projector = Projector(
+                config.mmproj,
+                model,
+                threads=config.threads_batch,
+                use_gpu=config.gpu_layers > 0,
+                log_callback=native.on_llama_log,
+            )
 
     # ---- tokens ---------------------------------------------------------------------------
 
@@ -264,6 +291,24 @@ class Engine(NativeThread):
         """
         with self.native_use():
             return compile_grammar(self._vocab, grammar, copies)
+
+    @property
+    def media_kinds(self) -> tuple[str, ...]:
+        """What the model reads besides text ("image", "audio"): its projector's."""
+        return self.projector.kinds if self.projector is not None else ()
+
+    def prepare_media(self, item: MediaInput, limits: MediaLimits) -> PreparedMedia:
+        """Decode and encode an image or clip for a prompt (the prompt pool, never the scheduler
+        thread); its chunks stay held until `release_media`. MediaError for the client's input."""
+        with self.native_use():
+            if self.projector is None:
+                raise MediaError(f"this model reads no {'images' if item.kind == 'image' else 'audio'}")
+            return self.projector.prepare(item, limits, self._rows)
+
+    def release_media(self, keys: Sequence[str]) -> None:
+        """Let go of chunks `prepare_media` held (any thread)."""
+        if self.projector is not None:
+            self.projector.release(tuple(keys))
 
     def _piece(self, token: int, *, special: bool = False) -> bytes:
         return token_piece(self._vocab, token, special=special)
@@ -299,6 +344,13 @@ class Engine(NativeThread):
     def _queue(self, request: GenerationRequest, gen: Generation, grammar: Grammar | None) -> Generation:
         if len(request.prompt_tokens) == 0:
             raise EngineError("empty prompt")
+        wrong = check_media(request.prompt_tokens, request.media)
+        if wrong is not None:
+            raise EngineError(wrong)
+        if request.media and (
+            self.projector is None or not all(self.projector.holds(span.key) for span in request.media)
+        ):
+            raise EngineError("a media span's chunk is not prepared in this engine")
         gen.grammar = grammar
         if request.sampling.grammar is not None and grammar is None:
             gen.grammar = self.compile_grammar(request.sampling.grammar)[0]
@@ -498,6 +550,13 @@ class Engine(NativeThread):
         )
 
     def _free_native(self) -> None:
+        if self.projector is not None:  # it refers to the model: freed first, once no call is inside
+            with self._cond:
+                self._stopping = True
+                while self._users:
+                    self._cond.wait()
+            self.projector.close()
+            self.projector = None
         super()._free_native()
         if self._draft is not None:  # loaded on this thread with the model, freed with it
             self._draft.free()
@@ -647,7 +706,11 @@ class Engine(NativeThread):
         # The last prompt token is always decoded again: its logits start the reply.
         # Sliding-window layers keep only the last n_swa positions of a sequence; the new
         # tokens need the window before `reuse`, which may have slid out already.
-        reuse = keep_prefix(self._memory, best, min(best_len, len(prompt) - 1), self._n_swa)
+        want = min(best_len, len(prompt) - 1)
+        for span in gen.request.media:  # an image is decoded whole: never keep part of one
+            if span.start < want < span.start + span.length:
+                want = span.start
+        reuse = keep_prefix(self._memory, best, want, self._n_swa)
         del self._kv[best][reuse:]
         grammar, gen.grammar = gen.grammar, None
         sampler = SlotSampler(
@@ -656,7 +719,9 @@ class Engine(NativeThread):
             self._candidates,
             grammar if isinstance(grammar, CompiledGrammar) else None,
         )
-        slot = _Slot(gen, sampler, make_drafter(self.config.speculative, prompt))
+        # Drafts copy tokens from the prompt: none for one with media (no token stands there).
+        drafter = None if gen.request.media else make_drafter(self.config.speculative, prompt)
+        slot = _Slot(gen, sampler, drafter)
         slot.prefilled = slot.n_past = slot.cached = reuse
         self.prompt_tokens_reused += reuse
         self._slots[best] = slot
@@ -691,6 +756,22 @@ class Engine(NativeThread):
         cache.stats.restored_tokens += shared
         cache.stats.restore_seconds += time.perf_counter() - started
         return target, shared
+
+    def _decode_media(self, i: int, slot: _Slot, span: MediaSpan) -> bool:
+        """Decode a media span's embeddings into slot `i` (the scheduler thread); False when it
+        failed, the generation then ended with an error."""
+        projector = self.projector
+        rc = -1 if projector is None else projector.decode(self._ctx, span.key, span.start, i, self._rows)
+        if rc != 0:
+            log.error("model %s: decoding a media chunk failed with status %d", self.name, rc)
+            self._finish(i, "error", error=f"decoding an image or clip failed (status {rc})", deliver=True)
+            return False
+        with self._cond:
+            self._pending.charge(slot.gen.request.share, span.length)
+        self._kv[i].extend(slot.prompt[span.start : span.start + span.length])
+        slot.prefilled = slot.n_past = span.start + span.length
+        self.heartbeat = time.monotonic()
+        return True
 
     def _prefill_rank(self, slot: _Slot) -> tuple[int, float, int, int]:
         """Whose prompt chunk goes first: the class, the tenant computed for least, the one holding
@@ -800,7 +881,18 @@ class Engine(NativeThread):
         for i, slot in prefilling:
             if budget <= 0:
                 break
-            take = min(budget, len(slot.prompt) - slot.prefilled)
+            span = slot.media_from(slot.prefilled)
+            if span is not None and span.start == slot.prefilled:
+                # Its text before it is in the cache (the last step's chunk stopped there): the
+                # image or clip is decoded now, alone, and the text after it joins this step.
+                if not self._decode_media(i, slot, span):
+                    continue
+                budget -= span.length
+                span = slot.media_from(slot.prefilled)
+                if budget <= 0:
+                    continue
+            end = span.start if span is not None else len(slot.prompt)
+            take = min(budget, end - slot.prefilled)
             start = slot.prefilled
             done = start + take == len(slot.prompt)
             last = start + take - 1

@@ -16,12 +16,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
 
+from edgellmd.engine.config import MediaChunk, PreparedMedia
 from edgellmd.engine.drafts import Speculation
 from edgellmd.engine.fairness import MAX_WEIGHT, PRIORITY_NAMES, Share
 from edgellmd.engine.generation import (
     Event,
     Finished,
     GenerationRequest,
+    MediaSpan,
     SamplingParams,
     TextDelta,
     TokenLogprob,
@@ -158,6 +160,7 @@ def encode_request(request: GenerationRequest) -> dict[str, Any]:
         "logprobs": request.logprobs,
         "cache_scope": request.cache_scope,
         "share": [request.share.tenant, request.share.weight, request.share.priority],
+        "media": [[span.start, span.length, span.key] for span in request.media],
     }
 
 
@@ -174,7 +177,50 @@ def decode_request(value: dict[str, Any]) -> GenerationRequest:
         logprobs=None if value["logprobs"] is None else int(value["logprobs"]),
         cache_scope=str(value["cache_scope"]),
         share=_share(value["share"]),
+        media=tuple(MediaSpan(int(start), int(length), str(key)) for start, length, key in value["media"]),
     )
+
+
+MAX_MEDIA_KEY: Final = 128  # a chunk's id: a sha256 in hex and its index
+
+
+def encode_media(media: PreparedMedia) -> dict[str, Any]:
+    """A prepared image or clip as a JSON object (token runs as lists, chunks as [key, length])."""
+    return {
+        "digest": media.digest,
+        "pieces": [
+            {"key": p.key, "length": p.length} if isinstance(p, MediaChunk) else list(p) for p in media.pieces
+        ],
+    }
+
+
+def decode_media(value: Any, n_vocab: int, most: int) -> PreparedMedia:
+    """The PreparedMedia `encode_media` made, checked (ValueError or TypeError otherwise): token ids of the
+    vocabulary, chunk ids of a bounded length, at most `most` positions in all."""
+    if not isinstance(value, dict) or not isinstance(value.get("pieces"), list):
+        raise TypeError("not prepared media")
+    pieces: list[tuple[int, ...] | MediaChunk] = []
+    total = 0
+    for piece in value["pieces"]:
+        if isinstance(piece, list):
+            tokens = tuple(piece)
+            if not all(type(t) is int and 0 <= t < n_vocab for t in tokens):
+                raise ValueError("not a token id")
+            pieces.append(tokens)
+            total += len(tokens)
+        elif isinstance(piece, dict):
+            key, length = piece.get("key"), piece.get("length")
+            if not isinstance(key, str) or not 0 < len(key) <= MAX_MEDIA_KEY or type(length) is not int:
+                raise ValueError("not a media chunk")
+            if length < 1:
+                raise ValueError("not a media chunk")
+            pieces.append(MediaChunk(key, length))
+            total += length
+        else:
+            raise TypeError("not a piece")
+        if total > most:
+            raise ValueError("more positions than a prompt holds")
+    return PreparedMedia(str(value.get("digest", "")), tuple(pieces))
 
 
 def _share(value: Any) -> Share:

@@ -16,7 +16,9 @@ JSON, and exits (`engine.build`'s probe, for a daemon that loads no llama.cpp of
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,7 +33,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from edgellmd.engine import build, wire
-from edgellmd.engine.config import EngineConfig, EngineError, GrammarError
+from edgellmd.engine.config import (
+    EngineConfig,
+    EngineError,
+    GrammarError,
+    MediaError,
+    MediaInput,
+    MediaLimits,
+)
 from edgellmd.engine.confine import confine
 from edgellmd.engine.embedding import ABANDONED, EmbeddingEngine
 from edgellmd.engine.generation import Event, Finished, Generation, GenerationRequest
@@ -44,7 +53,10 @@ log = logging.getLogger(__name__)
 STATUS_EVERY_S: Final = 0.25
 PROMPT_THREADS: Final = 2  # as the daemon's own prompt pool: tokenizing and grammars, off the scheduler
 # The calls answered on the pool (each frame with an id, answered by one with the same id).
-_CALLS: Final = frozenset(("tokenize", "tokenize_segments", "grammar", "probe", "template", "build_info"))
+_CALLS: Final = frozenset(
+    ("tokenize", "tokenize_segments", "grammar", "media", "probe", "template", "build_info")
+)
+_LIMIT_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(MediaLimits))
 TEST_HOOKS_ENV: Final = "EDGELLM_ENGINE_TEST_HOOKS"  # "1": answer `probe` calls (tests of the confinement)
 
 
@@ -145,6 +157,9 @@ class Worker:
                 elif op == "forget" and isinstance(self.engine, Engine):
                     scopes = [str(scope) for scope in message["scopes"]]
                     self.loop.call_soon_threadsafe(self.engine.forget_scopes, scopes)
+                elif op == "release_media" and isinstance(self.engine, Engine):  # in order with submits
+                    keys = [str(k) for k in message.get("keys", [])]
+                    self.loop.call_soon_threadsafe(self.engine.release_media, keys)
                 elif op == "free_grammar":
                     self.loop.call_soon_threadsafe(self._free_grammar, int(message["grammar"]))
         except (wire.ChannelClosed, OSError):
@@ -188,6 +203,9 @@ class Worker:
             result = self._answer(message)
         except GrammarError as exc:
             self._safe_send({"id": call_id, "error": {"kind": "grammar", "message": str(exc)}})
+        except MediaError as exc:
+            error = {"kind": "media", "message": str(exc), "limit": exc.limit}
+            self._safe_send({"id": call_id, "error": error})
         except EngineError as exc:
             self._safe_send({"id": call_id, "error": {"kind": "engine", "message": str(exc)}})
         except Exception:  # a bug: the call fails, the process serves on
@@ -220,6 +238,16 @@ class Worker:
                 self._grammars[self._next_grammar] = grammar
                 ids.append(self._next_grammar)
             return ids
+        if op == "media":
+            if not isinstance(engine, Engine):
+                raise EngineError("an embedding model reads no media")
+            limits = MediaLimits(**{k: v for k, v in dict(message["limits"]).items() if k in _LIMIT_FIELDS})
+            item = MediaInput(
+                str(message["kind"]),
+                base64.b64decode(str(message["data"]), validate=True),
+                None if message.get("format") is None else str(message["format"]),
+            )
+            return wire.encode_media(engine.prepare_media(item, limits))
         if op == "template":
             from edgellmd.engine.native import apply_builtin_template  # noqa: PLC0415 - rare
 
@@ -314,7 +342,7 @@ def probe(what: str, path: str) -> str:
 def _model_files(config: EngineConfig) -> list[Path]:
     """The files the model loads from (their real paths behind /proc/self/fd/N too)."""
     out: list[Path] = []
-    for path in (config.path, config.speculative.draft_path):
+    for path in (config.path, config.speculative.draft_path, config.mmproj):
         if path is None:
             continue
         out.append(path)
@@ -364,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if isinstance(engine, Engine):
         ready["controls"] = sorted(engine.controls.by_text)
+        ready["media"] = list(engine.media_kinds)
         ready["performance"] = engine.performance()
     else:
         ready["n_embd"] = engine.n_embd

@@ -1,0 +1,231 @@
+"""Images and audio clips from a client's bytes to pixels and samples, in Python, bounded.
+
+Nothing a client sends as media reaches llama.cpp undecoded: an image is opened by Pillow
+(its header first: format, width and height are checked against `MediaLimits` before a
+pixel is decoded, so a decompression bomb costs a header's parse) and handed on as RGB
+pixels; a clip is read by the standard library (WAV, whose header is checked against the
+bytes that follow it) or soundfile (MP3, FLAC, Ogg; decoding stops at the duration limit)
+and handed on as mono float samples at the projector's rate. Every refusal is a MediaError
+whose message names the limit or the defect, never a byte of the input.
+
+Plain Python and well-kept, fuzzed libraries only: this runs where the model's engine runs
+(inside the confined engine process, where there is one), before libmtmd sees anything.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import warnings
+from typing import Final
+
+import numpy as np
+
+from edgellmd.engine.config import MediaError, MediaLimits
+
+# The image formats a client may send (what OpenAI and Anthropic accept), as Pillow names them.
+IMAGE_FORMATS: Final = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP", "gif": "GIF"}
+# Audio formats by the name clients use (OpenAI's input_audio `format`, a file's extension).
+AUDIO_FORMATS: Final = ("wav", "mp3", "flac", "ogg")
+_ALIASES: Final = {"jpg": "jpeg", "mpeg": "mp3", "mpga": "mp3", "x-wav": "wav", "wave": "wav", "oga": "ogg"}
+
+
+def format_name(declared: str | None) -> str | None:
+    """A declared format or media type's subtype, as this module names it (`image/jpg` -> jpeg)."""
+    if declared is None:
+        return None
+    name = declared.lower().rpartition("/")[2].strip()
+    return _ALIASES.get(name, name)
+
+
+def sniff_image(data: bytes) -> str | None:
+    """The image format the bytes start like, or None."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    return None
+
+
+def sniff_audio(data: bytes) -> str | None:
+    """The audio format the bytes start like, or None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "wav"
+    if data[:4] == b"fLaC":
+        return "flac"
+    if data[:4] == b"OggS":
+        return "ogg"
+    if data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return "mp3"
+    return None
+
+
+def _checked_format(kind: str, found: str | None, declared: str | None, allowed: tuple[str, ...]) -> str:
+    said = format_name(declared)
+    if found is None:
+        raise MediaError(f"the {kind} is none of the formats this server reads ({', '.join(allowed)})")
+    if said is not None and said != found:
+        raise MediaError(f"the {kind} is {found}, not the {said} its media type or format says")
+    return found
+
+
+def decode_image(data: bytes, declared: str | None, limits: MediaLimits) -> np.ndarray:
+    """RGB pixels (height x width x 3, uint8) of a PNG, JPEG, WebP or GIF (its first frame).
+
+    The header is read first and its size checked; only then are pixels decoded. A file
+    Pillow cannot decode whole (truncated, corrupt) is refused, never padded out.
+    """
+    from PIL import Image, ImageOps  # noqa: PLC0415 - only engines of models that read images need it
+
+    fmt = _checked_format("image", sniff_image(data), declared, tuple(IMAGE_FORMATS))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=[IMAGE_FORMATS[fmt]])
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise MediaError(
+            f"the image has more than {limits.max_pixels} pixels (media.max_image_pixels)",
+            limit="media.max_image_pixels",
+        ) from None
+    except (OSError, SyntaxError, ValueError):
+        raise MediaError(f"the image could not be read as {fmt}") from None
+    with image:
+        width, height = image.size
+        if width < 1 or height < 1:
+            raise MediaError("the image has no pixels")
+        if max(width, height) > limits.max_side:
+            raise MediaError(
+                f"the image is {width}x{height} pixels; a side may be at most {limits.max_side} "
+                "(media.max_image_side)",
+                limit="media.max_image_side",
+            )
+        if width * height > limits.max_pixels:
+            raise MediaError(
+                f"the image is {width}x{height} pixels; at most {limits.max_pixels} pixels "
+                "(media.max_image_pixels)",
+                limit="media.max_image_pixels",
+            )
+        try:
+            image.load()  # the first frame of an animation
+            # A camera's picture is upright as its EXIF orientation says, as a viewer shows it.
+            upright = ImageOps.exif_transpose(image)
+            pixels = np.asarray(upright.convert("RGB"), dtype=np.uint8)
+        except (OSError, SyntaxError, ValueError, MemoryError, Image.DecompressionBombError):
+            raise MediaError(f"the image could not be decoded as {fmt} (truncated or corrupt)") from None
+    return np.ascontiguousarray(pixels)
+
+
+# ---- audio ---------------------------------------------------------------------------------------
+
+_WAV_PCM: Final = 1
+_WAV_FLOAT: Final = 3
+_WAV_EXTENSIBLE: Final = 0xFFFE
+_RIFF_UNKNOWN: Final = (0, 0xFFFFFFFF)  # a streaming writer's "to the end of the file"
+
+
+def _wav_samples(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    """A WAV file's samples (frames x channels, float32 in [-1, 1]) and its rate.
+
+    The header's declared length is checked against the limit and against the bytes that
+    follow before anything is converted: a header that claims hours over a kilobyte is refused.
+    """
+    pos, fmt, body = 12, None, None
+    while pos + 8 <= len(data) and body is None:
+        chunk, size = data[pos : pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        start = pos + 8
+        if chunk == b"fmt ":
+            if size < 16 or start + 16 > len(data):
+                raise MediaError("the WAV file's format header is cut short")
+            fmt = struct.unpack_from("<HHIIHH", data, start)
+            if fmt[0] == _WAV_EXTENSIBLE and size >= 40 and start + 26 <= len(data):
+                fmt = (struct.unpack_from("<H", data, start + 24)[0], *fmt[1:])
+        elif chunk == b"data":
+            if fmt is None:
+                raise MediaError("the WAV file has no format header before its data")
+            available = len(data) - start
+            if size in _RIFF_UNKNOWN:
+                size = available
+            tag, channels, rate, _, _, bits = fmt
+            if tag not in (_WAV_PCM, _WAV_FLOAT) or channels < 1 or rate < 1 or bits not in (8, 16, 24, 32):
+                raise MediaError("the WAV file is not PCM or float samples this server reads")
+            width = bits // 8
+            frame = width * channels
+            seconds = size / (frame * rate)
+            if seconds > limits.max_audio_seconds:
+                raise MediaError(
+                    f"the clip is {seconds:.0f} s long by its header; at most "
+                    f"{limits.max_audio_seconds:g} s (media.max_audio_seconds)",
+                    limit="media.max_audio_seconds",
+                )
+            if size > available:
+                raise MediaError(
+                    f"the WAV file's header declares {size} bytes of samples and {available} follow "
+                    "(truncated, or its header lies)"
+                )
+            body = data[start : start + size - size % frame]
+            return _pcm(body, tag, width, channels), rate
+        pos = start + size + (size & 1)
+    raise MediaError(
+        "the WAV file has no data chunk" if fmt is not None else "the WAV file has no format header"
+    )
+
+
+def _pcm(body: bytes, tag: int, width: int, channels: int) -> np.ndarray:
+    if tag == _WAV_FLOAT:
+        if width not in (4,):
+            raise MediaError("the WAV file's float samples are not 32-bit")
+        samples = np.frombuffer(body, dtype="<f4").astype(np.float32)
+        samples = np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0)
+    elif width == 1:
+        samples = (np.frombuffer(body, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width == 3:
+        raw = np.frombuffer(body, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+        values = raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16)
+        samples = (np.where(values >= 1 << 23, values - (1 << 24), values) / float(1 << 23)).astype(
+            np.float32
+        )
+    else:
+        kind = "<i2" if width == 2 else "<i4"
+        samples = (np.frombuffer(body, dtype=kind) / float(1 << (8 * width - 1))).astype(np.float32)
+    return samples.reshape(-1, channels)
+
+
+def _other_samples(data: bytes, fmt: str, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    """An MP3, FLAC or Ogg clip's samples through soundfile (libsndfile), read no further than the limit."""
+    import soundfile  # noqa: PLC0415 - only engines of models that hear need it
+
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as clip:
+            rate, channels = int(clip.samplerate), int(clip.channels)
+            most = int(limits.max_audio_seconds * max(rate, 1))
+            samples = (
+                clip.read(frames=most + 1, dtype="float32", always_2d=True) if rate and channels else None
+            )
+    except (RuntimeError, TypeError, ValueError, OSError, soundfile.LibsndfileError):
+        raise MediaError(f"the clip could not be decoded as {fmt} (truncated or corrupt)") from None
+    if samples is None:
+        raise MediaError(f"the clip could not be read as {fmt}")
+    if len(samples) > most:
+        raise MediaError(
+            f"the clip is longer than {limits.max_audio_seconds:g} s (media.max_audio_seconds)",
+            limit="media.max_audio_seconds",
+        )
+    return np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0), rate
+
+
+def decode_audio(data: bytes, declared: str | None, limits: MediaLimits, rate: int) -> np.ndarray:
+    """Mono float32 samples at `rate` Hz (the projector's) of a WAV, MP3, FLAC or Ogg clip."""
+    fmt = _checked_format("clip", sniff_audio(data), declared, AUDIO_FORMATS)
+    samples, found = _wav_samples(data, limits) if fmt == "wav" else _other_samples(data, fmt, limits)
+    if len(samples) == 0:
+        raise MediaError("the clip holds no samples")
+    mono = samples.mean(axis=1, dtype=np.float32)
+    if found != rate:
+        import soxr  # noqa: PLC0415 - as soundfile
+
+        mono = soxr.resample(mono, found, rate, quality="HQ").astype(np.float32)
+    return np.ascontiguousarray(np.clip(mono, -1.0, 1.0), dtype=np.float32)

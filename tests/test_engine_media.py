@@ -1,0 +1,296 @@
+"""Images and clips through the scheduler: prepared on the pool, decoded in a slot, reused by prefix.
+
+The reference is libmtmd's own evaluation of the same prompt (tests/test_engine_mtmd.py's
+path): the engine's first reply token must see the same distribution, so the image reached
+the text model where the prompt put it, whole, and only once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import io
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import llama_cpp
+import llama_cpp.mtmd_cpp as mtmd
+import numpy as np
+import pytest
+from PIL import Image
+
+from edgellmd.engine.config import (
+    EngineConfig,
+    EngineError,
+    MediaChunk,
+    MediaError,
+    MediaInput,
+    MediaLimits,
+    PreparedMedia,
+)
+from edgellmd.engine.generation import (
+    Finished,
+    GenerationRequest,
+    MediaSpan,
+    SamplingParams,
+    TokenLogprob,
+    placeholders,
+)
+from edgellmd.engine.scheduler import Engine
+from tests.ggufmodels import (
+    TinyAudioProjectorSpec,
+    TinyModelSpec,
+    TinyProjectorSpec,
+    write_tiny_audio_projector,
+    write_tiny_model,
+    write_tiny_projector,
+)
+
+LIMITS = MediaLimits()
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def png(seed: int, width: int = 40, height: int = 30) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def wav(seconds: float, hz: float, rate: int = 16_000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    samples = (0.5 * np.sin(2 * np.pi * hz * t) * 32767).astype("<i2")
+    out = io.BytesIO()
+    import wave  # noqa: PLC0415
+
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.tobytes())
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("media")
+    return write_tiny_model(root / "text.gguf", TinyModelSpec(seed=9)), write_tiny_projector(root / "p.gguf")
+
+
+def make_engine(model: Path, projector: Path | None, *, context: int = 256, slots: int = 2) -> Engine:
+    config = EngineConfig(
+        path=model,
+        slots=slots,
+        context_size=context,
+        batch_size=512,
+        threads=1,
+        threads_batch=1,
+        mmproj=projector,
+    )
+    return Engine(config, name=model.stem)
+
+
+@pytest.fixture(scope="module")
+def engine(files: tuple[Path, Path]) -> Iterator[Engine]:
+    eng = make_engine(*files)
+    yield eng
+    eng.close()
+
+
+def prompt_with(
+    engine: Engine, before: list[int], media: PreparedMedia, after: list[int]
+) -> tuple[list[int], tuple[MediaSpan, ...]]:
+    tokens, spans = list(before), []
+    for piece in media.pieces:
+        if isinstance(piece, MediaChunk):
+            spans.append(MediaSpan(len(tokens), piece.length, piece.key))
+            tokens += placeholders(piece.key, piece.length)
+        else:
+            tokens += piece
+    return tokens + after, tuple(spans)
+
+
+async def first_token(
+    engine: Engine, tokens: list[int], spans: tuple[MediaSpan, ...], max_tokens: int = 1
+) -> Finished:
+    request = GenerationRequest(tokens, max_tokens, GREEDY, ignore_eos=True, logprobs=5, media=spans)
+    gen = engine.submit(request, asyncio.get_running_loop())
+    logprobs: list[TokenLogprob] = []
+    async for event in gen.events(30):
+        logprobs.extend(event.logprobs)
+        if isinstance(event, Finished):
+            return replace(event, logprobs=tuple(logprobs))
+    raise AssertionError("no Finished")
+
+
+def top(finished: Finished) -> list[float]:
+    """The first reply token's best alternatives' log-probabilities."""
+    return [logprob for _, _, logprob in finished.logprobs[0].top]
+
+
+def reference(files: tuple[Path, Path], image: bytes) -> tuple[list[int], list[int], np.ndarray]:
+    """libmtmd's evaluation of "A<image>B" on a fresh context: the tokens around the image and the
+    next-token log-probabilities."""
+    model_path, projector = files
+    params = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), params)
+    ctx_params = llama_cpp.llama_context_default_params()
+    ctx_params.n_ctx = 256
+    ctx_params.n_batch = ctx_params.n_ubatch = 64
+    ctx_params.n_threads = ctx_params.n_threads_batch = 1
+    ctx = llama_cpp.llama_init_from_model(model, ctx_params)
+    mparams = mtmd.mtmd_context_params_default()
+    mparams.use_gpu, mparams.print_timings, mparams.n_threads, mparams.warmup = False, False, 1, False
+    mctx = mtmd.mtmd_init_from_file(str(projector).encode(), model, mparams)
+    pixels = np.ascontiguousarray(np.asarray(Image.open(io.BytesIO(image)).convert("RGB")), dtype=np.uint8)
+    height, width, _ = pixels.shape
+    bitmap = mtmd.mtmd_bitmap_init(width, height, pixels.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+    text = mtmd.mtmd_input_text()
+    prompt = b"A" + mtmd.mtmd_default_marker() + b"B"
+    text.text, text.text_len, text.add_special, text.parse_special = prompt, len(prompt), True, True
+    chunks = mtmd.mtmd_input_chunks_init()
+    try:
+        bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+        assert mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(text), bitmaps, 1) == 0
+        texts = []
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                n = ctypes.c_size_t(0)
+                ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                texts.append([int(ids[j]) for j in range(n.value)])
+        n_past = llama_cpp.llama_pos(0)
+        assert mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, 64, True, ctypes.byref(n_past)) == 0
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+        mtmd.mtmd_free(mctx)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    shifted = logits - logits.max()
+    logprobs = shifted - math.log(float(np.exp(shifted).sum()))
+    return texts[0], texts[-1], logprobs
+
+
+async def test_an_image_reaches_the_model_where_the_prompt_puts_it(
+    engine: Engine, files: tuple[Path, Path]
+) -> None:
+    image = png(10)
+    before, after, expected = reference(files, image)
+    prepared = engine.prepare_media(MediaInput("image", image, "png"), LIMITS)
+    try:
+        assert prepared.n_positions == TinyProjectorSpec().image_tokens  # the mlp projector adds no markup
+        tokens, spans = prompt_with(engine, before, prepared, after)
+        finished = await first_token(engine, tokens, spans)
+    finally:
+        engine.release_media([p.key for p in prepared.pieces if isinstance(p, MediaChunk)])
+    assert finished.error is None, finished.error
+    assert finished.prompt_tokens == len(before) + TinyProjectorSpec().image_tokens + len(after)
+    top = finished.logprobs[0].top
+    best = np.argsort(-expected)[: len(top)]
+    got = [lp for _, _, lp in top]
+    assert np.allclose(got, expected[best], atol=1e-3), (got, expected[best])
+
+
+async def test_the_same_image_is_encoded_once_and_its_prefix_reused_another_is_not(
+    engine: Engine, files: tuple[Path, Path]
+) -> None:
+    before, after, _ = reference(files, png(1))
+    encoded = engine.projector.encoded if engine.projector else 0
+
+    async def ask(image: bytes) -> Finished:
+        prepared = engine.prepare_media(MediaInput("image", image), LIMITS)
+        try:
+            tokens, spans = prompt_with(engine, before, prepared, after)
+            return await first_token(engine, tokens, spans)
+        finally:
+            engine.release_media([p.key for p in prepared.pieces if isinstance(p, MediaChunk)])
+
+    first = await ask(png(21))
+    again = await ask(png(21))
+    other = await ask(png(22))
+    assert engine.projector is not None
+    assert engine.projector.encoded == encoded + 2  # 21 once, 22 once
+    assert engine.projector.reused >= 1
+    # The second asking kept the first's cache past the image: only the last token again.
+    assert again.cached_tokens == again.prompt_tokens - 1
+    assert top(again) == pytest.approx(top(first))
+    # Another image shares the text before it, never the image's positions.
+    assert other.cached_tokens <= len(before)
+    assert top(other) != pytest.approx(top(first))
+
+
+async def test_a_request_whose_media_is_not_prepared_or_misplaced_is_refused(engine: Engine) -> None:
+    loop = asyncio.get_running_loop()
+    key = "0" * 64 + ":0"
+    tokens = [1, 5, *placeholders(key, 4), 6]
+    with pytest.raises(EngineError, match="not prepared"):
+        engine.submit(GenerationRequest(tokens, 1, GREEDY, media=(MediaSpan(2, 4, key),)), loop)
+    with pytest.raises(EngineError, match="placeholders"):
+        engine.submit(GenerationRequest(tokens, 1, GREEDY, media=(MediaSpan(1, 4, key),)), loop)
+    with pytest.raises(EngineError, match="negative"):
+        engine.submit(GenerationRequest(tokens, 1, GREEDY), loop)
+    with pytest.raises(EngineError, match="out of"):  # the prompt's last position starts the reply
+        engine.submit(GenerationRequest(tokens[:-1], 1, GREEDY, media=(MediaSpan(2, 4, key),)), loop)
+    # It still serves.
+    finished = await first_token(engine, [1, 5, 6], ())
+    assert finished.error is None
+
+
+@pytest.mark.parametrize(
+    ("data", "declared", "says"),
+    [
+        (png(1)[:-40], "png", "truncated or corrupt"),
+        (b"\x89PNG\r\n\x1a\nnot really", None, "could not be read"),
+        (png(1), "image/jpeg", "not the jpeg"),
+        (png(1, 1, 9000), None, "max_image_side"),
+        (wav(0.5, 440), None, "none of the formats"),
+    ],
+)
+def test_images_the_engine_cannot_use_are_the_clients_error(
+    engine: Engine, data: bytes, declared: str | None, says: str
+) -> None:
+    with pytest.raises(MediaError, match=says):
+        engine.prepare_media(MediaInput("image", data, declared), LIMITS)
+    assert engine.projector is not None
+    assert engine.projector.status()["store_held"] == 0  # nothing held by a refusal
+
+
+def test_a_model_without_a_projector_reads_no_images(files: tuple[Path, Path]) -> None:
+    plain = make_engine(files[0], None)
+    try:
+        assert plain.media_kinds == ()
+        with pytest.raises(MediaError, match="reads no images"):
+            plain.prepare_media(MediaInput("image", png(1)), LIMITS)
+    finally:
+        plain.close()
+
+
+async def test_a_clip_reaches_the_model_through_the_audio_projector(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "text.gguf", TinyModelSpec(seed=9))
+    projector = write_tiny_audio_projector(tmp_path / "audio.gguf")
+    eng = make_engine(model, projector, context=1024, slots=1)
+    try:
+        assert eng.media_kinds == ("audio",)
+        with pytest.raises(MediaError, match="reads no images"):
+            eng.prepare_media(MediaInput("image", png(1)), LIMITS)
+        results = []
+        for hz in (440, 440, 1000):
+            prepared = eng.prepare_media(MediaInput("audio", wav(1.0, hz, rate=8000), "wav"), LIMITS)
+            try:
+                assert prepared.n_positions == TinyAudioProjectorSpec().chunk_tokens
+                tokens, spans = prompt_with(eng, [1, 30], prepared, [40])
+                results.append(await first_token(eng, tokens, spans))
+            finally:
+                eng.release_media([p.key for p in prepared.pieces if isinstance(p, MediaChunk)])
+        same, again, other = (top(r) for r in results)
+        assert same == pytest.approx(again)
+        assert same != pytest.approx(other)
+        with pytest.raises(MediaError, match="max_audio_seconds"):
+            eng.prepare_media(MediaInput("audio", wav(3.0, 440)), MediaLimits(max_audio_seconds=2))
+    finally:
+        eng.close()
