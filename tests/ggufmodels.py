@@ -10,7 +10,7 @@ live check that decides which shape a CUDA build cannot take (README: "GPU boxes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
@@ -426,6 +426,102 @@ def write_tiny_audio_projector(path: Path, spec: TinyAudioProjectorSpec | None =
     writer.add_tensor("mm.a.mlp.1.weight", weight(2 * spec.hidden, e * spec.stack))
     writer.add_tensor("mm.a.norm_mid.weight", np.ones(spec.hidden, dtype=np.float32))
     writer.add_tensor("mm.a.mlp.2.weight", weight(spec.text_embd, spec.hidden, scale=0.5))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# ---- learned absolute positions -------------------------------------------------------------------
+
+# Positions the tiny BERT and GPT-2 models learned: a table of this many rows, which llama.cpp
+# reads a position's row from without a bound of its own (tests/test_models_positions.py).
+LEARNED_POSITIONS: Final = 64
+
+
+def write_tiny_bert(
+    path: Path, *, positions: int = LEARNED_POSITIONS, rank: bool = False, seed: int = 0
+) -> Path:
+    """A tiny BERT-architecture embedder (mean pooling), or reranker (`rank`: rank pooling and
+    a one-label head, as BGE's rerankers), with `positions` learned absolute positions."""
+    rng = np.random.default_rng(seed)
+    n_embd, n_ff = 32, 64
+
+    def weight(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(f"{name}.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"{name}.bias", np.zeros(n_embd, dtype=np.float32))
+
+    spec = TinyModelSpec(
+        seed=seed, n_embd=n_embd, n_head=2, n_head_kv=2, n_layer=1, n_ff=n_ff, chat_template=None
+    )
+    writer = gguf.GGUFWriter(str(path), "bert")
+    _add_shape(writer, replace(spec, context_length=positions, name="tiny-bert"))
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_pooling_type(gguf.PoolingType.RANK if rank else gguf.PoolingType.MEAN)
+    if rank:
+        writer.add_classifier_output_labels(["relevance"])
+    n_vocab = _add_vocab(writer, spec)
+    writer.add_token_type_count(2)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("token_types.weight", weight(2, n_embd))
+    writer.add_tensor("position_embd.weight", weight(positions, n_embd))  # ggml's (n_embd, positions)
+    norm("token_embd_norm")
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        writer.add_tensor(f"blk.0.{name}.weight", weight(n_embd, n_embd))
+    norm("blk.0.attn_output_norm")
+    writer.add_tensor("blk.0.ffn_up.weight", weight(n_ff, n_embd))
+    writer.add_tensor("blk.0.ffn_down.weight", weight(n_embd, n_ff))
+    norm("blk.0.layer_output_norm")
+    if rank:
+        writer.add_tensor("cls.output.weight", weight(1, n_embd))
+        writer.add_tensor("cls.output.bias", np.zeros(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tiny_gpt2(path: Path, *, positions: int = LEARNED_POSITIONS, seed: int = 0) -> Path:
+    """A tiny GPT-2-architecture generator with `positions` learned absolute positions."""
+    rng = np.random.default_rng(seed)
+    n_embd, n_ff = 32, 64
+
+    def weight(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(f"{name}.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"{name}.bias", np.zeros(n_embd, dtype=np.float32))
+
+    spec = TinyModelSpec(
+        seed=seed, n_embd=n_embd, n_head=2, n_head_kv=2, n_layer=1, n_ff=n_ff, chat_template=None
+    )
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    _add_shape(writer, replace(spec, context_length=positions, name="tiny-gpt2"))
+    writer.add_layer_norm_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = _add_vocab(writer, spec)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, scale=1.0))
+    writer.add_tensor("position_embd.weight", weight(positions, n_embd))
+    norm("output_norm")
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd, scale=2.0))
+    norm("blk.0.attn_norm")
+    writer.add_tensor("blk.0.attn_qkv.weight", weight(3 * n_embd, n_embd))
+    writer.add_tensor("blk.0.attn_qkv.bias", np.zeros(3 * n_embd, dtype=np.float32))
+    writer.add_tensor("blk.0.attn_output.weight", weight(n_embd, n_embd))
+    writer.add_tensor("blk.0.attn_output.bias", np.zeros(n_embd, dtype=np.float32))
+    norm("blk.0.ffn_norm")
+    writer.add_tensor("blk.0.ffn_up.weight", weight(n_ff, n_embd))
+    writer.add_tensor("blk.0.ffn_up.bias", np.zeros(n_ff, dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_down.weight", weight(n_embd, n_ff))
+    writer.add_tensor("blk.0.ffn_down.bias", np.zeros(n_embd, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

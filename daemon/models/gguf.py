@@ -234,6 +234,29 @@ def tensor_infos(path: Path) -> tuple[list[TensorInfo], int]:
     return infos, data_size
 
 
+# llama.cpp's table of learned absolute positions (BERT and its rerankers, GPT-2, StarCoder,
+# some MPT): one row per position, so its second dimension is the positions it holds.
+POSITION_EMBEDDINGS: Final = b"position_embd.weight"
+
+
+def learned_positions(path: Path) -> int | None:
+    """How many positions a model's learned position embeddings hold; None when it has none
+    (RoPE, ALiBi: any position is computed) or when its header cannot be read (the load itself
+    will say what is wrong with the file).
+
+    llama.cpp looks a position's row up in that table with no bound of its own: a position past
+    it aborts the process (GGML_ASSERT in ggml's get_rows), so no position may reach it.
+    """
+    try:
+        infos, _ = tensor_infos(path)
+    except (GgufError, ValueError, OSError):
+        return None
+    for info in infos:
+        if info.name == POSITION_EMBEDDINGS and len(info.dims) >= 2:  # ggml dimensions (n_embd, positions)
+            return info.dims[1]
+    return None
+
+
 def gguf_layer_bytes(path: Path) -> tuple[list[int], int]:
     """Bytes of each repeating block (`blk.N.*`) and of all other tensors, from the GGUF header.
 

@@ -29,7 +29,7 @@ from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.host.hugepages import Collapse, collapse_resident
 from edgellmd.host.offload import plan_gpu_layers
 from edgellmd.models.budget import MIB
-from edgellmd.models.gguf import GgufError, gguf_layer_bytes, read_gguf_values
+from edgellmd.models.gguf import GgufError, gguf_layer_bytes, learned_positions, read_gguf_values
 from edgellmd.models.handle import DraftProvenance, EngineFactory, ModelHandle, Provenance, chat_template_for
 from edgellmd.models.lockfile import (
     LockedModel,
@@ -104,6 +104,28 @@ def kv_cache_bytes(path: Path, settings: ModelSettings, *, kinds: tuple[str, str
     type_k, type_v = kinds or (settings.cache_type_k, settings.cache_type_v)
     per_value = KV_BYTES_PER_VALUE[type_k] + KV_BYTES_PER_VALUE[type_v]
     return int(values_per_side * per_value)
+
+
+def fit_positions(settings: ModelSettings, files: tuple[Path | None, ...]) -> ModelSettings:
+    """`settings` with context_size cut to the positions the model (and its draft model) learned.
+
+    llama.cpp aborts the engine on a position past a model's learned position embeddings
+    (`learned_positions`: 512 in BERT-base-sized embedders and rerankers, 1,024 in GPT-2) and
+    does not bound them itself. Every position the engine decodes is below context_size and
+    every longer input is a 400 naming it, so the cut keeps each request's positions inside.
+    """
+    limits = [n for file in files if file is not None and (n := learned_positions(file)) is not None]
+    if not limits or settings.context_size <= min(limits):
+        return settings
+    log.warning(
+        "model %s: context_size %d is past the %d positions its position embeddings hold; "
+        "it serves %d tokens per slot",
+        settings.name,
+        settings.context_size,
+        min(limits),
+        min(limits),
+    )
+    return replace(settings, context_size=min(limits))
 
 
 class Loader:
@@ -187,6 +209,10 @@ class Loader:
         if source_stat is None:
             raise LoadFailed("model file " + self._unreadable(locked, source))
         draft = self.draft_source(settings, lock)
+        # No position past what the model learned reaches llama.cpp (see fit_positions).
+        settings = await loop.run_in_executor(
+            None, fit_positions, settings, (source, draft.source if draft else None)
+        )
         try:
             need = await loop.run_in_executor(
                 None, estimate_bytes, source, settings, draft.source if draft else None
