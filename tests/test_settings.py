@@ -121,6 +121,8 @@ models:
     prefill_chunk: 96
     gpu_layers: -1
     chat_template: gemma
+    mmproj: gemma3-vision
+    mmproj_file: models/mmproj.gguf
     queue_size: 4
     queue_timeout_s: 1.5
     evictable: true
@@ -205,6 +207,8 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 prefill_chunk=96,
                 gpu_layers=-1,
                 chat_template="gemma",
+                mmproj="gemma3-vision",
+                mmproj_file=tmp_path / "models" / "mmproj.gguf",
                 queue_size=4,
                 queue_timeout_s=1.5,
                 evictable=True,
@@ -578,6 +582,24 @@ BAD: list[tuple[str, Any, str, str]] = [
      "models[0].speculative.ngram_min", "4 is more than ngram_max (2)"),
     ("speculative-on-embedding", with_model(embedding=True, speculative={"mode": "ngram"}),
      "models[0].speculative.mode", "an embedding model generates no text to draft"),
+    ("mmproj-on-embedding", with_model(embedding=True, mmproj_file="p.gguf"), "models[0].mmproj_file",
+     "an embedding model reads no images or audio: a projector is for kind generation"),
+    ("mmproj-on-rerank", {"models": [{"name": "tiny", "kind": "rerank", "mmproj": "vision"}], "lock": SIGNED},
+     "models[0].mmproj", "a rerank model reads no images or audio"),
+    ("mmproj-file-on-embedding-with-a-lock",
+     {"models": [{"name": "tiny", "kind": "embedding", "mmproj_file": "p.gguf"}], "lock": SIGNED},
+     "models[0].mmproj_file", "an embedding model reads no images or audio"),
+    ("mmproj-without-file-unsigned", with_model(mmproj="vision"), "models[0].mmproj_file",
+     "required with mmproj (lock.allow_unsigned is set): the projector's GGUF file"),
+    ("mmproj-file-with-a-lock",
+     {"models": [{"name": "tiny", "mmproj": "vision", "mmproj_file": "p.gguf"}], "lock": SIGNED},
+     "models[0].mmproj_file", "not allowed with a lockfile: the lock names the projector's file"),
+    ("mmproj-bad-name", with_model(mmproj="a/b", mmproj_file="p.gguf"), "models[0].mmproj",
+     "must be a model name of 1 to 64 characters"),
+    ("mmproj-itself", {"models": [{"name": "tiny", "mmproj": "tiny"}], "lock": SIGNED}, "models[0].mmproj",
+     "names this model itself ('tiny'): the projector is a file of its own"),
+    ("mmproj-file-empty", with_model(mmproj_file=""), "models[0].mmproj_file",
+     "must be a non-empty string (a file path)"),
     ("model-unknown-key", with_model(n_ctx=2048), "models[0].n_ctx",
      "unknown key (expected one of batch_padding, batch_size, cache_type_k, cache_type_v, chat_template, "
      "chat_template_file"),

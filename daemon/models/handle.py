@@ -120,6 +120,8 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
             # in its area); a draft verified in place, or unsigned, is read like the model's own.
             draft_mmap=mmap and draft is not None and draft.parent == settings.file.parent,
         ),
+        # The projector's file as the loader verified it (its preload copy or descriptor).
+        mmproj=None if settings.pooled else settings.mmproj_file,
     )
 
 
@@ -194,14 +196,21 @@ def _gone(name: str) -> ServiceUnavailable:
 
 
 @dataclass(frozen=True, slots=True)
-class DraftProvenance:
-    """Where a loaded model's draft model (speculative mode draft) came from, as Provenance does."""
+class CompanionProvenance:
+    """Where a file loaded beside the model came from, as Provenance says it for the model's own:
+    its draft model (speculative mode draft) or its multimodal projector (mmproj)."""
 
+    role: str  # "draft model" or "mmproj": what reasons and logs call it
     name: str  # its lock entry (or, unsigned, the configured name or the file's)
     source: Path
     source_stat: tuple[int, int, int, int] | None
     locked: LockedModel | None
     copy: Path | None
+
+    @property
+    def label(self) -> str:
+        """How a reason names it: "mmproj NAME", "draft model NAME"."""
+        return f"{self.role} {self.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,15 +222,23 @@ class Provenance:
     locked: LockedModel | None  # the lock entry it was verified against; None: unsigned mode
     lock_version: int | None
     copy: Path | None  # the preloaded copy it was loaded from; None: loaded from `source`
-    memory_bytes: int  # estimated: weights plus KV cache (the draft model's included)
-    draft: DraftProvenance | None = None  # speculative mode draft: its draft model
+    memory_bytes: int  # estimated: weights plus KV cache (the draft model's and projector's included)
+    draft: CompanionProvenance | None = None  # speculative mode draft: its draft model
+    mmproj: CompanionProvenance | None = None  # its multimodal projector (images, audio)
 
     @property
     def fingerprint(self) -> str:
-        """A short identity of the served bytes, sent as OpenAI's system_fingerprint."""
+        """A short identity of the served bytes, sent as OpenAI's system_fingerprint.
+
+        A projector's bytes are part of them (what an image becomes is its doing); a draft
+        model's are not (drafts never change the output).
+        """
         if self.locked is None:
             return "edgellm-unsigned"
-        return f"edgellm-v{self.lock_version}-{self.locked.sha256[:12]}"
+        served = f"edgellm-v{self.lock_version}-{self.locked.sha256[:12]}"
+        if self.mmproj is not None and self.mmproj.locked is not None:
+            served += f"-{self.mmproj.locked.sha256[:12]}"
+        return served
 
 
 @dataclass(slots=True, eq=False)

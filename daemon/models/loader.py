@@ -30,12 +30,19 @@ from edgellmd.host.hugepages import Collapse, collapse_resident
 from edgellmd.host.offload import plan_gpu_layers
 from edgellmd.models.budget import MIB
 from edgellmd.models.gguf import GgufError, gguf_layer_bytes, learned_positions, read_gguf_values
-from edgellmd.models.handle import DraftProvenance, EngineFactory, ModelHandle, Provenance, chat_template_for
+from edgellmd.models.handle import (
+    CompanionProvenance,
+    EngineFactory,
+    ModelHandle,
+    Provenance,
+    chat_template_for,
+)
 from edgellmd.models.lockfile import (
     LockedModel,
     LockError,
     Lockfile,
     resolve_model_file,
+    shown,
 )
 from edgellmd.models.preload import NoRoom, PreloadArea
 from edgellmd.models.verify import VerifiedFile, open_verified
@@ -44,6 +51,12 @@ from edgellmd.settings import GPU_LAYERS_AUTO, LockSettings, ModelSettings
 log = logging.getLogger(__name__)
 
 WARM_UP_TIMEOUT_S: Final = 60.0  # a short generation that takes longer than this is a broken model
+# What the files loaded beside a model are called in reasons and logs (CompanionProvenance.role).
+DRAFT_MODEL: Final = "draft model"
+MMPROJ: Final = "mmproj"
+# A multimodal projector's general.architecture: llama.cpp's converters write it in every one
+# (vision and audio alike), and libmtmd loads nothing else.
+PROJECTOR_ARCHITECTURE: Final = "clip"
 
 
 class LoadFailed(Exception):
@@ -73,12 +86,30 @@ def unreadable(path: Path, name: object) -> str:
     return f"{name} changed while it was looked at"
 
 
-def estimate_bytes(path: Path, settings: ModelSettings, draft: Path | None = None) -> int:
-    """Memory a model will take once loaded: its file, its KV cache, its prompt cache, its draft model's."""
+def estimate_bytes(
+    path: Path, settings: ModelSettings, draft: Path | None = None, mmproj: Path | None = None
+) -> int:
+    """Memory a model will take once loaded: its file, its KV cache, its prompt cache, its draft
+    model's file and KV cache, its projector's file."""
     need = path.stat().st_size + kv_cache_bytes(path, settings) + settings.prompt_cache_mb * MIB
     if draft is not None:  # its file and its KV cache (f16, a sequence per slot as the model's)
         need += draft.stat().st_size + kv_cache_bytes(draft, settings, kinds=("f16", "f16"))
+    if mmproj is not None:  # its weights; it keeps no KV cache
+        need += mmproj.stat().st_size
     return need
+
+
+def check_projector(path: Path) -> None:
+    """Refuse a file that is no multimodal projector (a text model named by mistake); LoadFailed."""
+    try:
+        architecture = read_gguf_values(path).get("general.architecture")
+    except GgufError as exc:
+        raise LoadFailed(str(exc)) from None
+    if architecture != PROJECTOR_ARCHITECTURE:
+        shown_arch = shown(architecture) if isinstance(architecture, str) else "missing"
+        raise LoadFailed(
+            f"not a multimodal projector: its GGUF architecture is {shown_arch}, not {PROJECTOR_ARCHITECTURE}"
+        )
 
 
 def kv_cache_bytes(path: Path, settings: ModelSettings, *, kinds: tuple[str, str] | None = None) -> int:
@@ -213,33 +244,41 @@ class Loader:
         settings = await loop.run_in_executor(
             None, fit_positions, settings, (source, draft.source if draft else None)
         )
+        mmproj = self.mmproj_source(settings, lock)
         try:
             need = await loop.run_in_executor(
-                None, estimate_bytes, source, settings, draft.source if draft else None
+                None,
+                estimate_bytes,
+                source,
+                settings,
+                draft.source if draft else None,
+                mmproj.source if mmproj else None,
             )
         except OSError as exc:
             raise LoadFailed(f"cannot read {exc.filename or source.name}: {exc.strerror}") from None
         make_room(settings, need)
-        if reuse is not None and self.reusable(reuse, locked, source_stat, draft):
-            # A restart after an engine died: its copy was verified and nothing changed since.
+        reused = reuse is not None and self.reusable(reuse, locked, source_stat, draft, mmproj)
+        if reused and reuse is not None:
+            # A restart after an engine died: its copies were verified and nothing changed since.
             copy, verified = reuse.copy, None
+            if mmproj is not None and reuse.mmproj is not None:
+                mmproj = replace(mmproj, copy=reuse.mmproj.copy)
             log.info("model %s: restarting from its verified copy %s (not hashed again)", name, copy)
         else:
             copy, verified = await self._prepare(settings, source, locked)
         load_path = copy or (verified.load_path if verified is not None else source)
+        # What this load made so far, undone if a later step fails.
+        copies: list[Path | None] = [copy, mmproj.copy if mmproj is not None else None]
+        opened: list[VerifiedFile | None] = [verified]
+        # The files loaded beside the model: checked and preloaded exactly as its own.
         draft_verified: VerifiedFile | None = None
-        if draft is not None:  # checked and preloaded exactly as the model's own file
-            try:
-                draft_copy, draft_verified = await self._prepare(
-                    settings, draft.source, draft.locked, draft=True
-                )
-            except LoadFailed as exc:
-                self.discard_copy(copy)
-                if verified is not None:
-                    verified.close()
-                raise LoadFailed(f"draft model {draft.name}: {exc}") from None
-            draft = replace(draft, copy=draft_copy)
-        copies = [copy, draft.copy if draft is not None else None]
+        if draft is not None:
+            draft, draft_verified = await self._prepare_companion(settings, draft, copies, opened)
+        mmproj_verified: VerifiedFile | None = None
+        if mmproj is not None and not reused:
+            mmproj, mmproj_verified = await self._prepare_companion(
+                settings, mmproj, copies, opened, check=check_projector
+            )
         if settings.gpu_layers == GPU_LAYERS_AUTO:
             layers, why = await loop.run_in_executor(
                 None,
@@ -256,13 +295,13 @@ class Loader:
             settings = replace(settings, gpu_layers=layers)
         loaded = replace(settings, file=load_path)
         if draft is not None:  # the engine loads the draft from where it was verified, too
-            draft_path = draft.copy or (
-                draft_verified.load_path if draft_verified is not None else draft.source
-            )
+            draft_path = _load_path(draft, draft_verified)
             loaded = replace(
                 loaded,
                 speculative=replace(settings.speculative, draft_model=draft.name, draft_file=draft_path),
             )
+        if mmproj is not None:  # and the projector likewise
+            loaded = replace(loaded, mmproj=mmproj.name, mmproj_file=_load_path(mmproj, mmproj_verified))
         try:
             # Mapped only from a private preload copy: a file in the models directory that is
             # truncated in place under a mapping would kill the daemon (SIGBUS).
@@ -271,9 +310,9 @@ class Loader:
             self.discard_copies(copies)
             raise LoadFailed(str(exc)) from None
         finally:
-            for opened in (verified, draft_verified):
-                if opened is not None:
-                    opened.close()  # the loaded model keeps its own mapping
+            for file in opened:
+                if file is not None:
+                    file.close()  # the loaded model keeps its own mapping
         if self._huge_pages:
             await self._collapse(loop, settings.name)
         try:
@@ -290,6 +329,7 @@ class Loader:
             copy=copy,
             memory_bytes=need,
             draft=draft,
+            mmproj=mmproj,
         )
         handle = ModelHandle(settings, engine, template, self._executor, provenance, counters=counters)
         try:
@@ -311,45 +351,91 @@ class Loader:
 
     @staticmethod
     def reusable(
-        reuse: Provenance, locked: LockedModel | None, source_stat: object, draft: DraftProvenance | None
+        reuse: Provenance,
+        locked: LockedModel | None,
+        source_stat: object,
+        draft: CompanionProvenance | None,
+        mmproj: CompanionProvenance | None,
     ) -> bool:
-        """Whether a dead engine's preload copy may be loaded again as it is: the same lock entry,
-        the same file in the models directory, no draft model, and the copy still there."""
+        """Whether a dead engine's preload copies may be loaded again as they are: the same lock
+        entries, the same files in the models directory, no draft model, and the copies still
+        there. A projector configured or changed since (or one verified in place, without a
+        copy) is not reusable: everything is checked again."""
         return (
             reuse.copy is not None
             and reuse.locked == locked
             and reuse.source_stat == source_stat
             and draft is None
             and reuse.draft is None
+            and _same_copy(reuse.mmproj, mmproj)
             and reuse.copy.is_file()
         )
 
-    def draft_source(self, settings: ModelSettings, lock: Lockfile | None) -> DraftProvenance | None:
+    def _companion(
+        self, settings: ModelSettings, lock: Lockfile | None, role: str, name: str | None, file: Path | None
+    ) -> CompanionProvenance:
+        """A file loaded beside the model, by its lock entry `name` (or, unsigned, at `file`); not
+        yet copied. LoadFailed, naming it, when the lock does not list it or it cannot be read."""
+        entry: LockedModel | None = None
+        if lock is not None:
+            assert name is not None  # noqa: S101 - the callers check
+            entry = lock.models.get(name)
+            if entry is None:
+                raise LoadFailed(f"{role} {name} is not in the lockfile (version {lock.version})")
+            try:
+                source = self.source(settings, entry)
+            except LockError as exc:
+                raise LoadFailed(f"{role} {name}: file {entry.file}: {exc}") from None
+        else:
+            assert file is not None  # noqa: S101 - the callers check
+            source = file
+            name = name or source.name
+        source_stat = stat_key(source)
+        if source_stat is None:
+            raise LoadFailed(f"{role} {name}: file " + self._unreadable(entry, source))
+        return CompanionProvenance(role, name, source, source_stat, entry, None)
+
+    def draft_source(self, settings: ModelSettings, lock: Lockfile | None) -> CompanionProvenance | None:
         """Where the model's draft model comes from (speculative mode draft), not yet copied; LoadFailed."""
         spec = settings.speculative
         if spec.mode != "draft" or settings.pooled:
             return None
-        entry: LockedModel | None = None
+        if lock is not None and spec.draft_model is None:  # settings guarantee; loaders built by hand may not
+            raise LoadFailed("speculative mode draft needs speculative.draft_model with a lockfile")
+        if lock is None and spec.draft_file is None:
+            raise LoadFailed("speculative mode draft needs speculative.draft_file (unsigned mode)")
+        return self._companion(settings, lock, DRAFT_MODEL, spec.draft_model, spec.draft_file)
+
+    def mmproj_source(self, settings: ModelSettings, lock: Lockfile | None) -> CompanionProvenance | None:
+        """The model's multimodal projector (None: it has none), not yet copied; LoadFailed."""
+        if lock is None and settings.mmproj is not None and settings.mmproj_file is None:
+            # Settings guarantee; loaders built by hand may not.
+            raise LoadFailed("mmproj needs mmproj_file (unsigned mode)")
+        if not _has_mmproj(settings, lock):
+            return None
+        return self._companion(settings, lock, MMPROJ, settings.mmproj, settings.mmproj_file)
+
+    def mmproj_entry(self, settings: ModelSettings, lock: Lockfile | None) -> LockedModel | None:
+        """The lock entry the model's projector would be verified against now (None: none, unsigned)."""
+        if lock is None or not _has_mmproj(settings, lock) or settings.mmproj is None:
+            return None
+        return lock.models.get(settings.mmproj)
+
+    def mmproj_changed(
+        self, settings: ModelSettings, loaded: CompanionProvenance | None, lock: Lockfile | None
+    ) -> bool:
+        """True when the projector a handle was built with is not the one the model would get now:
+        another (or no) `mmproj` setting, another lock entry, or its file changed on disk."""
+        if not _has_mmproj(settings, lock):
+            return loaded is not None
+        if loaded is None:
+            return True
         if lock is not None:
-            if spec.draft_model is None:  # settings guarantee; loaders built by hand may not
-                raise LoadFailed("speculative mode draft needs speculative.draft_model with a lockfile")
-            name = spec.draft_model
-            entry = lock.models.get(name)
-            if entry is None:
-                raise LoadFailed(f"draft model {name} is not in the lockfile (version {lock.version})")
-            try:
-                source = self.source(settings, entry)
-            except LockError as exc:
-                raise LoadFailed(f"draft model {name}: file {entry.file}: {exc}") from None
-        else:
-            if spec.draft_file is None:
-                raise LoadFailed("speculative mode draft needs speculative.draft_file (unsigned mode)")
-            source = spec.draft_file
-            name = spec.draft_model or source.name
-        source_stat = stat_key(source)
-        if source_stat is None:
-            raise LoadFailed(f"draft model {name}: file " + self._unreadable(entry, source))
-        return DraftProvenance(name, source, source_stat, entry, None)
+            if loaded.name != settings.mmproj or loaded.locked != self.mmproj_entry(settings, lock):
+                return True
+        elif loaded.source != settings.mmproj_file:
+            return True
+        return stat_key(loaded.source) != loaded.source_stat
 
     def draft_entry(self, settings: ModelSettings, lock: Lockfile | None) -> LockedModel | None:
         """The lock entry the model's draft model would be verified against now (None: no draft, unsigned)."""
@@ -359,7 +445,7 @@ class Loader:
         return lock.models.get(spec.draft_model)
 
     def draft_changed(
-        self, settings: ModelSettings, loaded: DraftProvenance | None, lock: Lockfile | None
+        self, settings: ModelSettings, loaded: CompanionProvenance | None, lock: Lockfile | None
     ) -> bool:
         """True when the draft model a handle was built with is not the one the model would get now."""
         if settings.speculative.mode != "draft" or settings.pooled:
@@ -402,14 +488,46 @@ class Loader:
         )
         return before
 
+    async def _prepare_companion(
+        self,
+        settings: ModelSettings,
+        companion: CompanionProvenance,
+        copies: list[Path | None],
+        opened: list[VerifiedFile | None],
+        *,
+        check: Callable[[Path], None] | None = None,
+    ) -> tuple[CompanionProvenance, VerifiedFile | None]:
+        """Check and preload a file loaded beside the model exactly as the model's own, then
+        `check` what was verified. On failure this load's `copies` are removed and its `opened`
+        files closed, and LoadFailed names the companion ("mmproj NAME: ...")."""
+        suffix = "mmproj" if companion.role == MMPROJ else "draft"
+        try:
+            copy, verified = await self._prepare(settings, companion.source, companion.locked, suffix=suffix)
+            copies.append(copy)
+            opened.append(verified)
+            if check is not None:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, check, copy or (verified.load_path if verified is not None else companion.source)
+                )
+        except LoadFailed as exc:
+            self.discard_copies(copies)
+            for file in opened:
+                if file is not None:
+                    file.close()
+            raise LoadFailed(f"{companion.label}: {exc}") from None
+        return replace(companion, copy=copy), verified
+
     async def _prepare(
-        self, settings: ModelSettings, source: Path, locked: LockedModel | None, *, draft: bool = False
+        self, settings: ModelSettings, source: Path, locked: LockedModel | None, *, suffix: str = ""
     ) -> tuple[Path | None, VerifiedFile | None]:
-        """Copy into the preload area while hashing, or verify in place when there is no room."""
+        """Copy into the preload area while hashing, or verify in place when there is no room.
+
+        `suffix` tells a file loaded beside the model from the model's own in the area's names.
+        """
         loop = asyncio.get_running_loop()
         label = locked.file if locked is not None else source.name
         if self.area is not None:
-            name = f"{settings.name}-draft" if draft else settings.name
+            name = f"{settings.name}-{suffix}" if suffix else settings.name
             try:
                 copy = await loop.run_in_executor(None, self.area.copy, source, name, locked)
             except NoRoom as exc:
@@ -486,9 +604,33 @@ class Loader:
             self.area.remove(copy)
 
     def discard_copies(self, copies: list[Path | None]) -> None:
-        """Remove a failed load's preload copies (the model's and its draft model's)."""
+        """Remove a failed load's preload copies (the model's, its draft model's, its projector's)."""
         for copy in copies:
             self.discard_copy(copy)
+
+
+def _has_mmproj(settings: ModelSettings, lock: Lockfile | None) -> bool:
+    """Whether the model is configured with a projector: `mmproj` signed, `mmproj_file` unsigned."""
+    return not settings.pooled and (settings.mmproj if lock is not None else settings.mmproj_file) is not None
+
+
+def _load_path(companion: CompanionProvenance, verified: VerifiedFile | None) -> Path:
+    """Where the engine loads a file beside the model from: its copy, its verified descriptor, or
+    (unsigned, without a preload area) the file itself."""
+    return companion.copy or (verified.load_path if verified is not None else companion.source)
+
+
+def _same_copy(stopped: CompanionProvenance | None, now: CompanionProvenance | None) -> bool:
+    """A stopped engine's companion may be loaded again as it is: both absent, or the same
+    entry and file as then, and its preload copy still there."""
+    if stopped is None or now is None:
+        return stopped is None and now is None
+    return (
+        stopped.copy is not None
+        and (stopped.name, stopped.locked, stopped.source, stopped.source_stat)
+        == (now.name, now.locked, now.source, now.source_stat)
+        and stopped.copy.is_file()
+    )
 
 
 def _died(handle: ModelHandle) -> str | None:

@@ -19,6 +19,7 @@ from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from edgellmd.engine import BuildInfo, EngineError, build
@@ -27,6 +28,7 @@ from edgellmd.errors import ApiError, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
 from edgellmd.models.handle import (
+    CompanionProvenance,
     EngineFactory,
     ModelHandle,
     Provenance,
@@ -489,8 +491,10 @@ class Registry:
             source = self.loader.source(entry.settings, locked)
         except LockError:
             return True  # let the load say why
-        return stat_key(source) != prov.source_stat or self.loader.draft_changed(
-            entry.settings, prov.draft, lock
+        return (
+            stat_key(source) != prov.source_stat
+            or self.loader.draft_changed(entry.settings, prov.draft, lock)
+            or self.loader.mmproj_changed(entry.settings, prov.mmproj, lock)
         )
 
     async def _refresh(self, entry: _Entry, lock: Lockfile | None, *, force: bool, trigger: str) -> Outcome:
@@ -512,7 +516,7 @@ class Registry:
             and not force
             and locked is not None
             and old.provenance.locked == locked
-            and self._same_draft_entry(entry, old, lock)
+            and self._same_companion_entries(entry, old, lock)
         ):
             # The same lock entries; only a file's stat changed (touched, or rewritten
             # identically): check its bytes against the entry, and load nothing.
@@ -571,32 +575,51 @@ class Registry:
         """Check a serving model's file against its unchanged lock entry; keep the warm handle."""
         name = entry.settings.name
         prov = handle.provenance
-        source_stat, draft = prov.source_stat, prov.draft
+        source_stat, draft, mmproj = prov.source_stat, prov.draft, prov.mmproj
         entry.reloading = True
         try:
             if stat_key(prov.source) != source_stat:
                 source_stat = await self.loader.reverify(entry.settings, locked)
-            if draft is not None and draft.locked is not None and stat_key(draft.source) != draft.source_stat:
-                try:
-                    draft_stat = await self.loader.reverify(entry.settings, draft.locked)
-                except LoadFailed as exc:
-                    raise LoadFailed(f"draft model {draft.name}: {exc}") from None
-                draft = replace(draft, source_stat=draft_stat)
+            draft = await self._reverify_companion(entry, draft)
+            mmproj = await self._reverify_companion(entry, mmproj)
         except LoadFailed as exc:
             return self._failed(entry, str(exc), trigger)
         finally:
             entry.reloading = False
         # Noted, so that the next look does not check it again. The served version (its
         # lock version, its fingerprint) is the one that was loaded: the bytes are the same.
-        handle.provenance = replace(handle.provenance, source_stat=source_stat, draft=draft)
+        handle.provenance = replace(handle.provenance, source_stat=source_stat, draft=draft, mmproj=mmproj)
         return self._record(
             entry, Outcome(name, "unchanged", None, trigger, time.time(), self._version(entry))
         )
 
-    def _same_draft_entry(self, entry: _Entry, handle: ModelHandle, lock: Lockfile | None) -> bool:
-        """The lock entry of the model's draft model (if any) is the one its handle was built with."""
-        draft = handle.provenance.draft
-        return self.loader.draft_entry(entry.settings, lock) == (draft.locked if draft is not None else None)
+    async def _reverify_companion(
+        self, entry: _Entry, companion: CompanionProvenance | None
+    ) -> CompanionProvenance | None:
+        """Check a file loaded beside the model whose stat changed against its unchanged lock
+        entry; LoadFailed naming it. Returns it with the stat now seen."""
+        if (
+            companion is None
+            or companion.locked is None
+            or stat_key(companion.source) == companion.source_stat
+        ):
+            return companion
+        try:
+            seen = await self.loader.reverify(entry.settings, companion.locked)
+        except LoadFailed as exc:
+            raise LoadFailed(f"{companion.label}: {exc}") from None
+        return replace(companion, source_stat=seen)
+
+    def _same_companion_entries(self, entry: _Entry, handle: ModelHandle, lock: Lockfile | None) -> bool:
+        """The lock entries of the model's draft model and projector (if any) are the ones its
+        handle was built with (the projector's under the same name)."""
+        prov, settings = handle.provenance, entry.settings
+        draft, mmproj = prov.draft, prov.mmproj
+        return (
+            self.loader.draft_entry(settings, lock) == (draft.locked if draft is not None else None)
+            and self.loader.mmproj_entry(settings, lock) == (mmproj.locked if mmproj is not None else None)
+            and (mmproj is None or mmproj.name == settings.mmproj)
+        )
 
     @staticmethod
     def _version(entry: _Entry) -> int | None:
@@ -665,10 +688,12 @@ class Registry:
         entry.stops = [t for t in entry.stops if now - t < window] + [now]
         entry.handle = None
         prov = handle.provenance
-        if prov.copy is not None and prov.draft is None:  # the restart loads the checked copy again
+        if prov.copy is not None and prov.draft is None:  # the restart loads the checked copies again
             self._drop_restart_copy(entry)
             entry.restart_from = prov
-            handle.provenance = replace(prov, copy=None)
+            # Kept from this handle's freeing: they are the restart's now.
+            mmproj = replace(prov.mmproj, copy=None) if prov.mmproj is not None else None
+            handle.provenance = replace(prov, copy=None, mmproj=mmproj)
         self._retire(handle)  # freed once the requests that hold it have read their error
         self.engine_stops[name] += 1
         self.engine_restarts[name, getattr(handle.engine, "fault_kind", "crash")] += 1
@@ -715,14 +740,20 @@ class Registry:
         self._drop_restart_copy(entry)
 
     def _discard_unused(self, reuse: Provenance | None, handle: ModelHandle | None) -> None:
-        """Remove a stopped engine's copy that its restart did not load after all."""
-        if reuse is not None and (handle is None or handle.provenance.copy != reuse.copy):
+        """Remove a stopped engine's copies that its restart did not load after all."""
+        if reuse is None:
+            return
+        loaded = handle.provenance if handle is not None else None
+        if loaded is None or loaded.copy != reuse.copy:
             self.loader.discard_copy(reuse.copy)
+        if reuse.mmproj is not None and (loaded is None or _copy_of(loaded.mmproj) != reuse.mmproj.copy):
+            self.loader.discard_copy(reuse.mmproj.copy)
 
     def _drop_restart_copy(self, entry: _Entry) -> None:
-        """Remove a stopped engine's copy that no restart will load."""
+        """Remove a stopped engine's copies that no restart will load."""
         if entry.restart_from is not None:
             self.loader.discard_copy(entry.restart_from.copy)
+            self.loader.discard_copy(_copy_of(entry.restart_from.mmproj))
             entry.restart_from = None
 
     # ---- building a handle ----------------------------------------------------------------
@@ -796,8 +827,8 @@ class Registry:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, handle.engine.close)
         self.loader.discard_copy(handle.provenance.copy)
-        if handle.provenance.draft is not None:
-            self.loader.discard_copy(handle.provenance.draft.copy)
+        self.loader.discard_copy(_copy_of(handle.provenance.draft))
+        self.loader.discard_copy(_copy_of(handle.provenance.mmproj))
         log.info("model %s: previous version %s freed", handle.name, handle.provenance.fingerprint)
 
     # ---- status ---------------------------------------------------------------------------
@@ -848,6 +879,13 @@ class Registry:
                         "threads_batch": handle.engine.config.threads_batch,
                     }
                 )
+                if prov.mmproj is not None:  # its multimodal projector, as the model's own file is shown
+                    item["mmproj"] = {
+                        "name": prov.mmproj.name,
+                        "sha256": prov.mmproj.locked.sha256 if prov.mmproj.locked else None,
+                        "file": prov.mmproj.locked.file if prov.mmproj.locked else str(prov.mmproj.source),
+                        "shm_path": str(prov.mmproj.copy) if prov.mmproj.copy else None,
+                    }
                 if handle.engine.kind == "generation":
                     item["performance"] = handle.generator.performance()
                 if isinstance(handle.engine, RemoteEngine):
@@ -875,3 +913,8 @@ class Registry:
             ],
             "models": models,
         }
+
+
+def _copy_of(companion: CompanionProvenance | None) -> Path | None:
+    """A draft model's or projector's preload copy, if it has one."""
+    return companion.copy if companion is not None else None

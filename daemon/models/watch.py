@@ -162,4 +162,7 @@ def watch_targets(settings: Settings) -> tuple[list[Path], list[Path]]:
     if not lock.allow_unsigned and lock.file is not None and lock.models_dir is not None:
         # The lockfile's own directory may hold configs and keys: only the lockfile counts there.
         return [lock.models_dir], [lock.file]
-    return [], [m.file for m in settings.models if m.file is not None]
+    # Unsigned: each model's files, those loaded beside it (draft model, projector) included.
+    files = [m.file for m in settings.models] + [m.mmproj_file for m in settings.models]
+    files += [m.speculative.draft_file for m in settings.models]
+    return [], [f for f in files if f is not None]

@@ -255,6 +255,15 @@ def _check_model(checker: Checker, model: ModelSettings, path: str) -> None:
             checker.add(f"{path}.speculative.mode", f"{what} generates no text to draft")
         if model.prompt_cache_mb:
             checker.add(f"{path}.prompt_cache_mb", f"{what} keeps no prompt cache")
+        for key, value in (("mmproj", model.mmproj), ("mmproj_file", model.mmproj_file)):
+            if value is not None:
+                checker.add(
+                    f"{path}.{key}", f"{what} reads no images or audio: a projector is for kind generation"
+                )
+    if model.mmproj is not None and model.mmproj == model.name:
+        checker.add(
+            f"{path}.mmproj", f"names this model itself ({model.name!r}): the projector is a file of its own"
+        )
 
 
 def _lock(f: Field) -> Any:
@@ -287,9 +296,12 @@ def _check_model_files(checker: Checker, raw_models: object, lock: LockSettings)
             checker.add(
                 f"models[{index}].file", "not allowed with a lockfile: the lock names each model's file"
             )
+        pooled = entry.get("embedding") or entry.get("kind") in ("embedding", "rerank")
+        # A projector's file likewise (a pooled model is refused one in _check_model).
+        if not pooled:
+            _check_projector_files(checker, entry, f"models[{index}]", lock)
         # A draft model's file likewise (speculative mode draft; an embedding model is refused it).
         spec = entry.get("speculative")
-        pooled = entry.get("embedding") or entry.get("kind") in ("embedding", "rerank")
         if not isinstance(spec, dict) or str(spec.get("mode")).lower() != "draft" or pooled:
             continue
         where = f"models[{index}].speculative"
@@ -305,6 +317,21 @@ def _check_model_files(checker: Checker, raw_models: object, lock: LockSettings)
                 checker.add(
                     f"{where}.draft_model", "required with mode draft: the draft model's name in the lockfile"
                 )
+
+
+def _check_projector_files(checker: Checker, entry: dict[Any, Any], where: str, lock: LockSettings) -> None:
+    """models[].mmproj names the projector in the lockfile; models[].mmproj_file is its file, unsigned."""
+    if lock.allow_unsigned:
+        if entry.get("mmproj") is not None and entry.get("mmproj_file") is None:
+            checker.add(
+                f"{where}.mmproj_file",
+                "required with mmproj (lock.allow_unsigned is set): the projector's GGUF file",
+            )
+    elif entry.get("mmproj_file") is not None:
+        checker.add(
+            f"{where}.mmproj_file",
+            "not allowed with a lockfile: the lock names the projector's file (set mmproj)",
+        )
 
 
 def _auth(f: Field) -> Any:
@@ -631,6 +658,20 @@ class ModelSettings:
         False,
         "an embedding model, served by /v1/embeddings only: the older spelling of `kind: embedding`",
         more="(mean pooling unless the GGUF says otherwise)",
+    )
+    mmproj: str | None = setting(
+        None,
+        "generation models: the multimodal projector's entry in the lockfile (llama.cpp's mmproj, "
+        "for images and audio)",
+        pattern=MODEL_NAME,
+        wanted="a model name of 1 to 64 characters of A-Z a-z 0-9 . _ : - starting with a letter or digit",
+        more="a projector GGUF (architecture `clip`) made for this model, verified and preloaded as the "
+        "model's own file and part of its version: a change to it reloads the model; unsigned, only "
+        "the name status pages show",
+    )
+    mmproj_file: Path | None = setting(
+        None,
+        "generation models, unsigned mode only: the multimodal projector GGUF, relative to the config file",
     )
     evictable: bool = setting(
         False,
