@@ -226,6 +226,7 @@ def settings_for(
     auth: dict[str, Any] | None = None,
     ledger: dict[str, Any] | None = None,
     telemetry: dict[str, Any] | None = None,
+    media: dict[str, Any] | None = None,
 ) -> Settings:
     """Settings from plain dicts, as a YAML file would give them (the test server picks its own port)."""
     data: dict[str, Any] = {
@@ -237,6 +238,7 @@ def settings_for(
         "auth": auth,
         "ledger": ledger,
         "telemetry": telemetry,
+        "media": media,
     }
     return parse_settings(data, base_dir=base_dir or Path.cwd())
 

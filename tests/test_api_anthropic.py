@@ -479,7 +479,7 @@ def test_errors_raise_the_sdks_classes(served: Served, client: anthropic.Anthrop
                 }
             ],
         )
-    assert "'image'" in assert_anthropic_error(image.value.body, "invalid_request_error")
+    assert "empty" in assert_anthropic_error(image.value.body, "invalid_request_error")
     stranger = anthropic.Anthropic(base_url=served.daemon.url, api_key="sk-nope", max_retries=0)
     with stranger, pytest.raises(anthropic.AuthenticationError) as bad_key:
         stranger.messages.create(model="plain", max_tokens=5, messages=HELLO)

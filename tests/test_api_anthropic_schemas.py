@@ -330,7 +330,18 @@ BAD: Final[list[tuple[str, dict[str, Any], str]]] = [
     ("content a number", body(messages=[{"role": "user", "content": 5}]), "string or a list"),
     ("block without type", said({"text": "x"}), "with a 'type'"),
     ("unknown block type", said({"type": "bogus"}), "'bogus'"),
-    ("image block", said({"type": "image", "source": {}}), "'image'"),
+    ("image block without a source type", said({"type": "image", "source": {}}), "source.type"),
+    ("image block by file", said({"type": "image", "source": {"type": "file", "file_id": "f"}}), "file_id"),
+    (
+        "image block of another media type",
+        said({"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "AA=="}}),
+        "media_type",
+    ),
+    (
+        "image block not base64",
+        said({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "%%"}}),
+        "base64",
+    ),
     ("document block", said({"type": "document", "source": {}}), "'document'"),
     (
         "server tool block",
@@ -374,9 +385,9 @@ BAD: Final[list[tuple[str, dict[str, Any], str]]] = [
         "tool_use_id' must be a string",
     ),
     (
-        "tool_result image",
+        "tool_result image without a source",
         said({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}),
-        "'image'",
+        "source' must be an object",
     ),
     (
         "is_error a string",

@@ -280,6 +280,14 @@ def bad(
 
 UNSUPPORTED: Final = "unsupported_parameter"
 IMAGE_PART: Final = {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}
+# A 1x1 PNG as a data: URL.
+PNG_PART: Final = {
+    "type": "image_url",
+    "image_url": {
+        "url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4"
+        "nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"
+    },
+}
 TOOL: Final = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 BAD_INPUTS: Final = [
@@ -365,12 +373,26 @@ BAD_INPUTS: Final = [
         "messages[0].content",
     ),
     bad("content-missing", Req(body=chat_body(messages=[{"role": "user"}])), 400, "messages[0].content"),
-    bad(
-        "content-image-part",
+    bad(  # an http(s) image URL is fetched only from the hosts media.fetch_hosts lists (none here)
+        "content-image-url-not-fetched",
         Req(body=chat_body(messages=[{"role": "user", "content": [IMAGE_PART]}])),
+        400,
+        "messages[0].content[0].image_url.url",
+        "invalid_image",
+    ),
+    bad(
+        "content-image-in-a-system-message",
+        Req(body=chat_body(messages=[{"role": "system", "content": [IMAGE_PART]}, *HELLO])),
         400,
         "messages[0].content[0].type",
         UNSUPPORTED,
+    ),
+    bad(
+        "content-image-on-a-text-model",
+        Req(body=chat_body(messages=[{"role": "user", "content": [PNG_PART]}])),
+        400,
+        "messages",
+        "model_not_supported",
     ),
     bad(
         "content-part-without-type",

@@ -481,8 +481,22 @@ BAD: Final = [
     _bad("content-number", {"input": [{"role": "user", "content": 5}]}, 400, "input[0].content"),
     _bad("part-not-object", {"input": [{"role": "user", "content": ["x"]}]}, 400, "input[0].content[0]"),
     _bad(
-        "part-image",
+        "part-image-data-url-without-base64",
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+        400,
+        "input[0].content[0].image_url",
+        "invalid_image",
+    ),
+    _bad(
+        "part-image-by-file-id",
+        {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+        400,
+        "input[0].content[0].file_id",
+        "unsupported_parameter",
+    ),
+    _bad(
+        "part-image-in-a-system-message",
+        {"input": [{"role": "system", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
         400,
         "input[0].content[0].type",
         "unsupported_parameter",

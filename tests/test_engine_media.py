@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import io
 import math
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from edgellmd.engine.generation import (
     TokenLogprob,
     placeholders,
 )
+from edgellmd.engine.remote import RemoteEngine
 from edgellmd.engine.scheduler import Engine
 from tests.ggufmodels import (
     TinyAudioProjectorSpec,
@@ -100,7 +102,7 @@ def engine(files: tuple[Path, Path]) -> Iterator[Engine]:
 
 
 def prompt_with(
-    engine: Engine, before: list[int], media: PreparedMedia, after: list[int]
+    engine: Engine | RemoteEngine, before: list[int], media: PreparedMedia, after: list[int]
 ) -> tuple[list[int], tuple[MediaSpan, ...]]:
     tokens, spans = list(before), []
     for piece in media.pieces:
@@ -294,3 +296,35 @@ async def test_a_clip_reaches_the_model_through_the_audio_projector(tmp_path: Pa
             eng.prepare_media(MediaInput("audio", wav(3.0, 440)), MediaLimits(max_audio_seconds=2))
     finally:
         eng.close()
+
+
+async def test_an_engine_process_prepares_media_as_the_engine_does(
+    engine: Engine, files: tuple[Path, Path]
+) -> None:
+    """Across the channel: the same image gives the same reply distribution; a refusal keeps its
+    limit; an answer out of shape is not trusted."""
+    config = dataclasses.replace(engine.config)
+    remote = RemoteEngine(config, name="remote-media", landlock=True)
+    try:
+        assert remote.media_kinds == ("image",)
+        image = png(31)
+        before, after, _ = reference(files, image)
+        results = []
+        for eng in (engine, remote):
+            prepared = eng.prepare_media(MediaInput("image", image, "image/png"), LIMITS)
+            try:
+                tokens, spans = prompt_with(eng, before, prepared, after)
+                request = GenerationRequest(tokens, 1, GREEDY, ignore_eos=True, logprobs=5, media=spans)
+                gen = eng.submit(request, asyncio.get_running_loop())
+                logprobs: list[TokenLogprob] = []
+                async for event in gen.events(30):
+                    logprobs.extend(event.logprobs)
+                results.append([lp for _, _, lp in logprobs[0].top])
+            finally:
+                eng.release_media([p.key for p in prepared.pieces if isinstance(p, MediaChunk)])
+        assert results[0] == pytest.approx(results[1])
+        with pytest.raises(MediaError, match="max_image_side") as refused:
+            remote.prepare_media(MediaInput("image", png(1, 1, 9000)), LIMITS)
+        assert refused.value.limit == "media.max_image_side"
+    finally:
+        remote.close()

@@ -110,8 +110,8 @@ def test_ggml_levels_map_to_python_levels(
     # llama.cpp calls this callback itself; driven directly here for continuations, which no
     # load of the test models produces at a warning or error level.
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
-        native._on_llama_log(INFO, b"reset the continuation\n", None)
+        native.on_llama_log(INFO, b"reset the continuation\n", None)
         caplog.clear()
         for level, text in calls:
-            native._on_llama_log(level, text, None)
+            native.on_llama_log(level, text, None)
     assert _llama_records(caplog) == [(level, f"llama.cpp: {m}") for level, m in expected]

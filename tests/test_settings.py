@@ -625,12 +625,12 @@ BAD: list[tuple[str, Any, str, str]] = [
      "logging.file", "unknown key (expected one of format, level)"),
     # top level and file
     ("top-unknown-key", {**with_model(), "servers": {}}, "servers",
-     "unknown key (expected one of auth, console, host, ledger, lifecycle, lock, logging, models, "
-     "responses, server, telemetry)"),
+     "unknown key (expected one of auth, console, host, ledger, lifecycle, lock, logging, media, "
+     "models, responses, server, telemetry)"),
     ("top-non-string-key", "1: one\n" + MINIMAL, "1", "unknown key"),
     ("top-level-list", "- name: tiny\n  file: tiny.gguf\n", "(top level)",
      "must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, responses, "
-     "console, ledger, telemetry, got [{"),
+     "console, ledger, telemetry, media, got [{"),
     ("top-level-string", "just text\n", "(top level)", "got 'just text'"),
     ("empty-file", "", "{file}", "config file is empty"),
     ("comments-only", "# nothing yet\n", "{file}", "config file is empty"),
@@ -791,7 +791,7 @@ def test_parse_settings_rejects_non_mapping_data(tmp_path: Path) -> None:
 
     assert caught.value.problems == [
         "(top level): must be a mapping with keys server, models, logging, lock, auth, lifecycle, host, "
-        "responses, console, ledger, telemetry, got None"
+        "responses, console, ledger, telemetry, media, got None"
     ]
 
 

@@ -15,6 +15,7 @@ from typing import Final
 
 from aiohttp import web
 
+from edgellmd.api.media import MediaRules
 from edgellmd.api.request import Limits
 from edgellmd.engine.fairness import Share
 from edgellmd.engine.generation import Running
@@ -133,5 +134,6 @@ def token_limits(request: web.Request) -> Limits:
         max_tokens_limit=ceiling,
         default_max_tokens=min(default, ceiling) if default is not None else None,
         clamp=(policy or server.max_tokens_over_limit) == "clamp",
+        media=MediaRules.of(context(request).settings.media),
     )
     return limits

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from edgellmd.api.fields import Fields, number_text
+from edgellmd.api.media import MediaRules
 from edgellmd.api.structured import ToolPlan
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.generation import SamplingParams
@@ -26,6 +27,7 @@ class Limits:
     default_max_tokens: int | None
     clamp: bool = False  # a max_tokens past the ceiling is cut to it (server/key max_tokens_over_limit)
     clamped: list[int] = field(default_factory=list)  # what was asked past it, when it was cut
+    media: MediaRules = field(default_factory=MediaRules)  # images and clips (settings media.*)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,10 @@ from aiohttp import web
 
 from edgellmd.api.context import ARRIVED, CALLER, MORE_SEQUENCES, QUEUE_WAITS, TRACE, USER_TAG, context
 from edgellmd.api.ledger import account
+from edgellmd.api.media import MediaRules, fetch_media
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
 from edgellmd.api.request import ChatRequest, CommonRequest
-from edgellmd.engine.config import EngineError
+from edgellmd.engine.config import EngineError, MediaLimits
 from edgellmd.engine.fairness import Share
 from edgellmd.engine.generation import (
     ENGINE_STOPPED,
@@ -39,6 +40,7 @@ from edgellmd.engine.generation import (
     Generation,
     GenerationRequest,
     Grammar,
+    MediaSpan,
     NoProgress,
     TokenLogprob,
 )
@@ -53,7 +55,7 @@ from edgellmd.errors import (
 )
 from edgellmd.host.metrics import ChoiceFigures, Slo, TokenTiming
 from edgellmd.host.traces import RequestTrace, now_ns
-from edgellmd.models.handle import REASONING_TAGS, RETRY_AFTER_BUSY_S, ModelHandle
+from edgellmd.models.handle import REASONING_TAGS, RETRY_AFTER_BUSY_S, ModelHandle, Prompt
 from edgellmd.models.registry import RETRY_AFTER_LOADING_S
 
 # The API family a generation request came by, for the per-request histograms' `api` label.
@@ -62,6 +64,7 @@ API_FAMILIES: Final = {
     "/v1/completions": "completions",
     "/v1/responses": "responses",
     "/v1/messages": "messages",
+    "/v1/audio/transcriptions": "transcriptions",
 }
 
 
@@ -191,7 +194,14 @@ def request_share(request: web.Request, common: CommonRequest) -> Share:
 
 
 def _generation_request(
-    handle: ModelHandle, common: CommonRequest, tokens: list[int], choice: int, *, scope: str, share: Share
+    handle: ModelHandle,
+    common: CommonRequest,
+    tokens: list[int],
+    choice: int,
+    *,
+    scope: str,
+    share: Share,
+    media: tuple[MediaSpan, ...] = (),
 ) -> GenerationRequest:
     sampling = common.sampling
     if choice and sampling.seed is not None:  # seeded choices differ from each other, reproducibly
@@ -205,6 +215,7 @@ def _generation_request(
         logprobs=common.logprobs,
         cache_scope=scope,
         share=share,
+        media=media,
     )
 
 
@@ -216,6 +227,7 @@ def _submit_all(
     *,
     scope: str,
     share: Share,
+    media: tuple[MediaSpan, ...] = (),
 ) -> list[Generation]:
     """One generation per choice; all or none (a 429 on the third cancels the first two)."""
     gens: list[Generation] = []
@@ -225,7 +237,10 @@ def _submit_all(
             grammar = pending.pop(0) if pending else None
             gens.append(
                 handle.submit(
-                    _generation_request(handle, common, tokens, choice, scope=scope, share=share), grammar
+                    _generation_request(
+                        handle, common, tokens, choice, scope=scope, share=share, media=media
+                    ),
+                    grammar,
                 )
             )
     except BaseException:
@@ -269,8 +284,14 @@ async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator
         handle.check_capacity()  # a request that will be refused costs no tokenizing
         tools = body.tools.tools if body.tools else None
         began = now_ns()
+        settings = context(request).settings
+        messages = await fetch_media(body.messages, settings.media)
+        limits = MediaRules.of(settings.media).limits
         prompt = await handle.chat_prompt(
-            body.messages, tools, instructions=body.tools.instructions if body.tools else ""
+            messages,
+            tools,
+            instructions=body.tools.instructions if body.tools else "",
+            media_limits=limits,
         )
         trace = request.get(TRACE)
         if trace is not None:
@@ -278,17 +299,34 @@ async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator
             trace.text("gen_ai.prompt", "\n".join(f"{m.role}: {m.content}" for m in body.messages))
         param = "tools" if body.tools is not None and body.tools.grammar is not None else "response_format"
         names = body.tools.names if body.tools is not None and body.tools.grammar is not None else None
-        async with generation_session(request, handle, body.common, prompt.tokens, param=param) as session:
-            session.tools = names
-            session.reasoning_open = prompt.reasoning_open
-            yield session
+        try:
+            async with generation_session(
+                request, handle, body.common, prompt.tokens, param=param, prompt=prompt, media_limits=limits
+            ) as session:
+                session.tools = names
+                session.reasoning_open = prompt.reasoning_open
+                yield session
+        finally:
+            if prompt.held is not None:  # the engine may drop the chunks once nothing decodes them
+                prompt.held.release()
 
 
 @contextlib.asynccontextmanager
 async def generation_session(
-    request: web.Request, handle: ModelHandle, common: CommonRequest, tokens: list[int], *, param: str
+    request: web.Request,
+    handle: ModelHandle,
+    common: CommonRequest,
+    tokens: list[int],
+    *,
+    param: str,
+    prompt: Prompt | None = None,
+    media_limits: MediaLimits | None = None,
 ) -> AsyncIterator[Session]:
-    """Submit one generation per choice on `handle`; free every slot when the block ends."""
+    """Submit one generation per choice on `handle`; free every slot when the block ends.
+
+    `prompt`: the chat prompt `tokens` came from, when it holds images or clips (their
+    positions, and what a restarted engine must prepare again)."""
+    spans = prompt.media if prompt is not None else ()
     ctx = context(request)
     more = request.get(MORE_SEQUENCES)
     if common.n > 1 and more is not None:  # every choice is a sequence: n counts toward concurrency
@@ -311,7 +349,13 @@ async def generation_session(
             grammar.free()
         raise
     gens = _submit_all(
-        handle, common, tokens, grammars, scope=cache_scope(request), share=request_share(request, common)
+        handle,
+        common,
+        tokens,
+        grammars,
+        scope=cache_scope(request),
+        share=request_share(request, common),
+        media=spans,
     )
     admitted = time.monotonic()
     arrived = request.get(ARRIVED, admitted)
@@ -380,6 +424,9 @@ async def generation_session(
                 if fresh is not handles[-1]:
                     await leases.enter_async_context(ctx.registry.lease(fresh.name))
                     handles.append(fresh)
+                    if spans and prompt is not None:  # its chunks again, under the same ids
+                        held = await fresh.hold_media(prompt.media_items, media_limits or MediaLimits())
+                        leases.callback(held.release)
                 grammar = await fresh.grammars(common.sampling.grammar, 1, param)
                 gen = fresh.submit(stopped.request, grammar[0] if grammar else None)
             except (ApiError, EngineError):  # stopped again, or full: the first stop's error ends the choice

@@ -13,6 +13,8 @@ from typing import Any, Final, NoReturn
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from edgellmd.engine.config import MediaInput
+
 log = logging.getLogger(__name__)
 
 # Renders (role, content) pairs with a named llama.cpp template; provided by the engine.
@@ -20,6 +22,9 @@ BuiltinRenderer = Callable[[str, Sequence[tuple[str, str]]], str]
 # A piece of a rendered prompt: its text, and whether the template wrote it (True) or it is
 # text from the request (False), which must never become control tokens.
 Segment = tuple[str, bool]
+# A rendered prompt with its images and clips: segments, and (as ints) where media item n of
+# the conversation stands (`ChatTemplate.render_parts`).
+Part = Segment | int
 
 
 class TemplateError(Exception):
@@ -35,9 +40,48 @@ class ChatMessage:
     tool_calls: tuple[Mapping[str, Any], ...] = ()  # an assistant's calls (OpenAI's shape)
     tool_call_id: str | None = None  # a tool message answers this call
     name: str | None = None
+    # Images and clips in the content, in order: item k stands at character `media_at[k]` of
+    # `content` (between its text parts, as the client placed it).
+    media: tuple[MediaInput, ...] = ()
+    media_at: tuple[int, ...] = ()
 
-    def marked(self, markers: Markers) -> ChatMessage:
-        """This message with every client-chosen string replaced by a marker (see Markers)."""
+    def _with_media(self, text: Callable[[str], str], markers: Markers, first: int) -> str:
+        """The content with `text` applied to its text pieces and media markers between them."""
+        out, at = [], 0
+        for k, offset in enumerate(self.media_at):
+            out += [text(self.content[at:offset]), markers.media_marker(first + k)]
+            at = offset
+        out.append(text(self.content[at:]))
+        return "".join(out)
+
+    def joined(self, other: ChatMessage, joiner: str) -> ChatMessage:
+        """This message and `other` as one (`joiner` between two non-empty contents; the calls
+        of both, the media of both moved along)."""
+        glue = joiner if self.content and other.content else ""
+        shift = len(self.content) + len(glue)
+        return replace(
+            self,
+            content=self.content + glue + other.content,
+            tool_calls=(*self.tool_calls, *other.tool_calls),
+            media=(*self.media, *other.media),
+            media_at=(*self.media_at, *(shift + at for at in other.media_at)),
+        )
+
+    def prefixed(self, text: str) -> ChatMessage:
+        """The same message with `text` before its content (its media moved along)."""
+        return replace(
+            self, content=text + self.content, media_at=tuple(len(text) + at for at in self.media_at)
+        )
+
+    def shown(self, markers: Markers, first: int = 0) -> ChatMessage:
+        """This message as rendered for real: its media as markers (items `first` on)."""
+        if not self.media:
+            return self
+        return replace(self, content=self._with_media(lambda t: t, markers, first))
+
+    def marked(self, markers: Markers, first: int = 0) -> ChatMessage:
+        """This message with every client-chosen string replaced by a marker (see Markers), and
+        its media by media markers (items `first` on)."""
         calls = tuple(
             {
                 **call,
@@ -52,7 +96,7 @@ class ChatMessage:
         )
         return replace(
             self,
-            content=markers.mark(self.content),
+            content=self._with_media(markers.mark, markers, first),
             tool_calls=calls,
             tool_call_id=None if self.tool_call_id is None else markers.mark(self.tool_call_id),
             name=None if self.name is None else markers.mark(self.name),
@@ -118,6 +162,13 @@ class Markers:
         self.nonce = "".join(secrets.choice("123456789") for _ in range(12))
         self.texts: list[str] = []
         self.pattern = re.compile(self.nonce + r"(\d{1,9})" + self.nonce)
+        # Where an image or clip stands: another nonce, so that no marker of text is one.
+        self.media_nonce = "".join(secrets.choice("123456789") for _ in range(12))
+        self.media_pattern = re.compile(self.media_nonce + r"(\d{1,9})" + self.media_nonce)
+
+    def media_marker(self, index: int) -> str:
+        """The marker of the conversation's media item `index`."""
+        return f"{self.media_nonce}{index}{self.media_nonce}"
 
     def mark(self, text: str) -> str:
         """A marker for `text` (an empty string needs none)."""
@@ -250,6 +301,43 @@ class ChatTemplate:
                 "chat template %s rewrites message text; such prompts carry the text as sent", self.source
             )
         return segments
+
+    def render_parts(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[list[Part], tuple[MediaInput, ...]]:
+        """Render with the conversation's images and clips: segments, and where each stands (an
+        int, the item's index in the tuple returned). Only the template's own text is searched
+        for media markers; an item the template left out is not in the parts."""
+        markers = Markers()
+        firsts: list[int] = []
+        media: list[MediaInput] = []
+        for message in messages:
+            firsts.append(len(media))
+            media.extend(message.media)
+        if not media:
+            return list(self.render_segments(messages, tools)), ()
+        marked = self.render(
+            [m.marked(markers, first) for m, first in zip(messages, firsts, strict=True)],
+            markers.tree(list(tools)) if tools else None,
+        )
+        real = self.render(
+            [m.shown(markers, first) for m, first in zip(messages, firsts, strict=True)], tools
+        )
+        segments, _ = split_rendered(marked, real, markers)
+        parts: list[Part] = []
+        for text, trusted in segments:
+            if not trusted:
+                parts.append((text, trusted))
+                continue
+            pieces = markers.media_pattern.split(text)
+            for k, piece in enumerate(pieces):
+                if k % 2:
+                    index = int(piece)
+                    if index < len(media):
+                        parts.append(index)
+                elif piece:
+                    parts.append((piece, True))
+        return parts, tuple(media)
 
     def render(
         self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None

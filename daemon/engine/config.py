@@ -58,6 +58,9 @@ class MediaInput:
     kind: str  # one of MEDIA_KINDS
     data: bytes
     format: str | None = None  # what the client declared ("png", "wav", "mp3"); None: not said
+    # An http(s) address to fetch the bytes from (a host the operator allowed: api.media);
+    # fetched before the prompt is made, so an engine only ever sees `data`.
+    url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

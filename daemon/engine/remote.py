@@ -160,6 +160,9 @@ class RemoteEngine:
                 env={
                     **os.environ,
                     "PYTHONDONTWRITEBYTECODE": "1",
+                    # ggml runs gdb on itself for a backtrace when it aborts: not in a confined
+                    # process whose death is handled here (the log keeps the assertion's text).
+                    "GGML_NO_BACKTRACE": "1",
                     # The process logs what the daemon would show: at the daemon's own level.
                     "EDGELLM_ENGINE_LOG_LEVEL": logging.getLevelName(log.getEffectiveLevel()),
                 },

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from edgellmd.engine.chat import ChatMessage, call_arguments
@@ -70,7 +71,7 @@ def tool_turns(
         elif message.role == "tool":
             call_id = message.tool_call_id or "?"
             header = RESULT_HEADER.format(id=call_id, name=message.name or names.get(call_id, "a tool"))
-            out.append(ChatMessage("user", f"{header}\n{message.content}"))
+            out.append(replace(message, role="user", tool_call_id=None, name=None).prefixed(f"{header}\n"))
         else:
             out.append(message)
     return tuple(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections import Counter as Tally
@@ -20,11 +21,21 @@ from edgellmd.engine.chat import (
     ChatMessage,
     ChatTemplate,
     JinjaChatTemplate,
+    Part,
+    Segment,
     TemplateError,
     json_keys,
 )
+from edgellmd.engine.config import MediaChunk, MediaError, MediaInput, MediaLimits, PreparedMedia
 from edgellmd.engine.drafts import Speculation
-from edgellmd.engine.generation import ENGINE_STOPPED, Generation, GenerationRequest, Grammar
+from edgellmd.engine.generation import (
+    ENGINE_STOPPED,
+    Generation,
+    GenerationRequest,
+    Grammar,
+    MediaSpan,
+    placeholders,
+)
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.engine.tool_turns import tool_turns
 from edgellmd.errors import (
@@ -180,12 +191,32 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
 REASONING_TAGS: Final = {"deepseek": ("<think>", "</think>")}
 
 
+class MediaHold:
+    """The chunks an engine holds for a prompt's images and clips, until the request lets go
+    (`release`, idempotent: the session's end)."""
+
+    def __init__(self, engine: Generator, keys: Sequence[str]) -> None:
+        self.engine = engine
+        self.keys = tuple(keys)
+        self._released = False
+
+    def release(self) -> None:
+        """Let the engine keep them or drop them as its store needs (any thread)."""
+        if not self._released:
+            self._released = True
+            with contextlib.suppress(EngineError):
+                self.engine.release_media(self.keys)
+
+
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A rendered, tokenized chat prompt."""
 
     tokens: list[int]
     reasoning_open: bool = False  # the template opened the model's thinking: the reply starts in it
+    media: tuple[MediaSpan, ...] = ()  # where its images and clips stand in `tokens`
+    media_items: tuple[MediaInput, ...] = ()  # those images and clips, in order (to prepare again)
+    held: MediaHold | None = None  # their chunks in the engine: released when the request ends
 
 
 def _gone(name: str) -> ServiceUnavailable:
@@ -331,7 +362,10 @@ class ModelHandle:
         return self.engine.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def _render_and_tokenize(
-        self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        limits: MediaLimits | None = None,
     ) -> Prompt:
         assert self.template is not None  # noqa: S101 - checked by the caller
         generator = self.generator
@@ -344,11 +378,14 @@ class ModelHandle:
                     "the model's control tokens",
                     param="messages",
                 )
-        segments = self.template.render_segments(messages, tools)
+        parts, media = self.template.render_parts(messages, tools)
+        segments = [p for p in parts if isinstance(p, tuple)]
         text = "".join(part for part, _ in segments)
         # Templates that print the BOS themselves must not get a second one from the tokenizer.
         bos = self.engine.info.bos_text
         add_special = not (bos and segments and segments[0][1] and segments[0][0].startswith(bos))
+        if media:  # the text alone must fit before any image or clip is decoded
+            return self._with_media(parts, media, text, add_special, limits or MediaLimits())
         tokens = self._tokenize_bounded(
             text, "messages", whole=lambda: generator.tokenize_segments(segments, add_special=add_special)
         )
@@ -358,12 +395,97 @@ class ModelHandle:
         opened = bool(tags and segments and segments[-1][1] and segments[-1][0].rstrip().endswith(tags[0]))
         return Prompt(tokens, reasoning_open=opened)
 
+    def _with_media(
+        self,
+        parts: list[Part],
+        media: tuple[MediaInput, ...],
+        text: str,
+        add_special: bool,
+        limits: MediaLimits,
+    ) -> Prompt:
+        """Tokens of a prompt with images and clips: its text bounded first (tokenized in prefixes
+        as any prompt's), then each item the template kept prepared by the engine (decoded,
+        encoded, held), and the parts put together with each item's positions as placeholders."""
+        generator = self.generator
+        used = sorted({p for p in parts if isinstance(p, int)})
+        for index in used:
+            if media[index].kind not in generator.media_kinds:
+                what = "images" if media[index].kind == "image" else "audio"
+                raise InvalidRequest(
+                    f"the model {self.name!r} reads no {what}"
+                    + ("" if generator.media_kinds else " (it has no multimodal projector: models[].mmproj)"),
+                    param="messages",
+                    code="model_not_supported",
+                )
+        self._tokenize_bounded(text, "messages", whole=list)
+        prepared: dict[int, PreparedMedia] = {}
+        keys: list[str] = []
+        try:
+            for index in used:
+                try:
+                    prepared[index] = generator.prepare_media(media[index], limits)
+                except MediaError as exc:
+                    kind = media[index].kind
+                    raise InvalidRequest(
+                        f"{'image' if kind == 'image' else 'clip'} {used.index(index) + 1}: {exc}",
+                        param="messages",
+                        code=f"invalid_{kind}",
+                    ) from None
+                keys += [p.key for p in prepared[index].pieces if isinstance(p, MediaChunk)]
+            tokens: list[int] = []
+            spans: list[MediaSpan] = []
+            run: list[Segment] = []
+            for part in [*parts, -1]:
+                if isinstance(part, tuple):
+                    run.append(part)
+                    continue
+                if run or not tokens:  # the text so far (the first run carries the BOS)
+                    tokens += generator.tokenize_segments(run, add_special=add_special and not tokens)
+                    run = []
+                if part < 0:
+                    break
+                for piece in prepared[part].pieces:
+                    if isinstance(piece, MediaChunk):
+                        spans.append(MediaSpan(len(tokens), piece.length, piece.key))
+                        tokens += placeholders(piece.key, piece.length)
+                    else:
+                        tokens += piece
+        except BaseException:
+            MediaHold(generator, keys).release()
+            raise
+        tags = REASONING_TAGS.get(self.settings.reasoning)
+        last = parts[-1] if parts else None
+        opened = bool(tags and isinstance(last, tuple) and last[1] and last[0].rstrip().endswith(tags[0]))
+        return Prompt(
+            tokens,
+            reasoning_open=opened,
+            media=tuple(spans),
+            media_items=tuple(media[i] for i in used),
+            held=MediaHold(generator, keys),
+        )
+
+    async def hold_media(self, items: Sequence[MediaInput], limits: MediaLimits) -> MediaHold:
+        """Prepare these images and clips again in this handle's engine (a restarted one: its
+        chunks get the same ids, so a prompt's placeholders stand as they were)."""
+        generator = self.generator
+        loop = asyncio.get_running_loop()
+        keys: list[str] = []
+        try:
+            for item in items:
+                prepared = await loop.run_in_executor(self.executor, generator.prepare_media, item, limits)
+                keys += [p.key for p in prepared.pieces if isinstance(p, MediaChunk)]
+        except BaseException:
+            MediaHold(generator, keys).release()
+            raise
+        return MediaHold(generator, keys)
+
     async def chat_prompt(
         self,
         messages: Sequence[ChatMessage],
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         instructions: str = "",
+        media_limits: MediaLimits | None = None,
     ) -> Prompt:
         """Render the chat template and tokenize, off the event loop.
 
@@ -383,13 +505,19 @@ class ModelHandle:
         elif instructions:
             messages = (ChatMessage("system", instructions), *messages)
         loop = asyncio.get_running_loop()
+        render = partial(self._render_and_tokenize, messages, tools, media_limits)
         try:
-            prompt = await loop.run_in_executor(self.executor, self._render_and_tokenize, messages, tools)
+            prompt = await loop.run_in_executor(self.executor, render)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         except EngineError:  # unloaded meanwhile (a swap or an unload while it rendered)
             raise _gone(self.name) from None
-        self.check_prompt(prompt.tokens, "messages")
+        try:
+            self.check_prompt(prompt.tokens, "messages")
+        except BaseException:
+            if prompt.held is not None:
+                prompt.held.release()
+            raise
         return prompt
 
     async def text_prompt(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:

@@ -47,6 +47,7 @@ _CIDR: Final = re.compile(r"[0-9A-Fa-f.:]+(/[0-9]{1,3})?")
 # An OTLP/HTTP endpoint: scheme, host (name, IPv4 or [IPv6]) and port, and a plain path.
 _OTLP_URL: Final = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]{1,255}(/[A-Za-z0-9._~/-]{0,255})?")
 _SERVICE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_FETCH_HOST: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]")
 
 
 # ---- the settings with rules of their own ----------------------------------------------------
@@ -949,6 +950,50 @@ class TelemetrySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaSettings:
+    """Images and audio clips in requests, for models with a projector (`models[].mmproj`)."""
+
+    max_images: int = setting(8, "images per request (400 past it)", bounds=(0, 256))
+    max_image_bytes: int = setting(
+        10_485_760,
+        "bytes of one image as sent (after base64): 400 past it",
+        bounds=(1024, 268_435_456),
+        more="a request's body is bounded by `server.max_body_bytes` first: raise that too for "
+        "large images (base64 adds a third)",
+    )
+    max_image_pixels: int = setting(
+        16_777_216,
+        "width times height of one image: 400 past it, from its header, before a pixel is decoded",
+        bounds=(1, 89_478_485),
+        more="the ceiling, 89,478,485, is Pillow's own decompression-bomb bound",
+    )
+    max_image_side: int = setting(
+        8192, "the longer side of one image, in pixels: 400 past it", bounds=(1, 65_535)
+    )
+    max_clips: int = setting(4, "audio clips per request (400 past it)", bounds=(0, 64))
+    max_audio_bytes: int = setting(
+        26_214_400,
+        "bytes of one clip as sent (after base64, or the uploaded file): 400 past it",
+        bounds=(1024, 1_073_741_824),
+        more="as for images, `server.max_body_bytes` bounds the request first",
+    )
+    max_audio_seconds: float = setting(
+        600.0,
+        "length of one clip: 400 past it (a WAV file by its header, before its samples are read)",
+        bounds=(1, 86_400),
+    )
+    fetch_hosts: tuple[str, ...] = setting(
+        (),
+        "hosts whose http(s) image URLs the daemon fetches; none: such URLs are refused (400), "
+        "only data: URLs and base64 are read",
+        pattern=_FETCH_HOST,
+        wanted="a host name or address, no scheme or port",
+        more="a fetch follows no redirect and reads at most `media.max_image_bytes`",
+    )
+    fetch_timeout_s: float = setting(10.0, "a fetched image must arrive within this many seconds")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """The whole daemon configuration."""
 
@@ -967,6 +1012,7 @@ class Settings:
     telemetry: TelemetrySettings = setting(
         TelemetrySettings(), "the SLO goodput is counted against, and OpenTelemetry traces"
     )
+    media: MediaSettings = setting(MediaSettings(), "images and audio clips in requests")
     source: Path | None = None  # the file it was read from; no setting
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from edgellmd.api.fields import note_ignored
+from edgellmd.api.media import Content, MediaReader, MediaRules
 from edgellmd.api.request import ChatRequest, CommonRequest, Limits, within_ceiling
 from edgellmd.api.structured import (
     FUNCTION_NAME_CHARS,
@@ -26,6 +27,7 @@ from edgellmd.api.structured import (
     tool_plan,
 )
 from edgellmd.engine.chat import ChatMessage
+from edgellmd.engine.config import MediaInput
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter, shown
 
@@ -79,7 +81,6 @@ _COUNT_FIELDS: Final = (
 _UNSUPPORTED_FIELDS: Final = frozenset({"container", "mcp_servers"})
 _UNSUPPORTED_BLOCKS: Final = frozenset(
     {
-        "image",
         "document",
         "search_result",
         "container_upload",
@@ -98,6 +99,7 @@ _BLOCK_FIELDS: Final = {
     "text": frozenset({"type", "text", "cache_control", "citations"}),
     "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
+    "image": frozenset({"type", "source", "cache_control"}),
     # An earlier reply's thinking, sent back: accepted and left out of the prompt, as
     # reasoning models' own templates drop earlier turns' reasoning.
     "thinking": frozenset({"type", "thinking", "signature"}),
@@ -246,6 +248,50 @@ def _show_thinking(data: Mapping[str, Any], max_tokens: int | None) -> bool:
     return display != "omitted"
 
 
+def _image(block: dict[str, Any], where: str, media: MediaReader) -> MediaInput:
+    """An image block: its source base64 ({media_type, data}) or a URL (fetched from the hosts
+    media.fetch_hosts lists); a file_id is refused (no files API here)."""
+    _unknown(block, _BLOCK_FIELDS["image"], where)
+    source = _typed(block.get("source"), dict, f"{where}.source", "an object")
+    kind = source.get("type")
+    if kind == "base64":
+        _unknown(source, frozenset({"type", "media_type", "data"}), f"{where}.source")
+        return media.image_base64(source.get("data"), source.get("media_type"), f"{where}.source")
+    if kind == "url":
+        _unknown(source, frozenset({"type", "url"}), f"{where}.source")
+        return media.image_url(source.get("url"), f"{where}.source.url")
+    if kind == "file":
+        raise UnsupportedParameter(
+            "images by file_id are not supported by this server (it has no files API); send base64",
+            param=f"{where}.source.type",
+        )
+    raise _fail(f"'{where}.source.type' must be base64 or url", f"{where}.source.type")
+
+
+def _blocks(value: Any, where: str, media: MediaReader) -> Content:
+    """A tool result's content: a string, or text and image blocks."""
+    content = Content()
+    if isinstance(value, str):
+        content.text(value)
+        return content
+    if not isinstance(value, list):
+        raise _fail(f"'{where}' must be a string or a list of text and image blocks", where)
+    last_text = False
+    for j, block in enumerate(value):
+        kind = _block_type(block, f"{where}[{j}]")
+        if kind == "image":
+            content.media(_image(block, f"{where}[{j}]", media))
+            last_text = False
+            continue
+        if kind != "text":
+            _refuse_block(kind, f"{where}[{j}]", "text and image blocks")
+        if last_text:
+            content.text(BLOCK_JOINER)
+        content.text(_text_block(block, f"{where}[{j}]"))
+        last_text = True
+    return content
+
+
 def _text(value: Any, where: str) -> str:
     """A string, or a list of text blocks (joined); the only content `system` and tool results take."""
     if isinstance(value, str):
@@ -298,11 +344,13 @@ def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
-def _tool_result(block: dict[str, Any], where: str, names: Mapping[str, str], asked: set[str]) -> ChatMessage:
+def _tool_result(
+    block: dict[str, Any], where: str, names: Mapping[str, str], asked: set[str], media: MediaReader
+) -> ChatMessage:
     _unknown(block, _BLOCK_FIELDS["tool_result"], where)
     call_id = _typed(block.get("tool_use_id"), str, f"{where}.tool_use_id", "a string")
     content = block.get("content")
-    text = "" if content is None else _text(content, f"{where}.content")
+    result = Content() if content is None else _blocks(content, f"{where}.content", media)
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise _fail(f"'{where}.is_error' must be a boolean", f"{where}.is_error")
@@ -312,12 +360,13 @@ def _tool_result(block: dict[str, Any], where: str, names: Mapping[str, str], as
             "tool_result block must have a corresponding tool_use block in the previous message",
             f"{where}.tool_use_id",
         )
-    if is_error:
-        text = TOOL_ERROR_PREFIX + text
-    return ChatMessage("tool", text, tool_call_id=call_id, name=names.get(call_id))
+    message = result.message("tool", tool_call_id=call_id, name=names.get(call_id))
+    return message.prefixed(TOOL_ERROR_PREFIX) if is_error else message
 
 
-def _turns(i: int, role: str, content: Any, names: dict[str, str], asked: set[str]) -> list[ChatMessage]:
+def _turns(
+    i: int, role: str, content: Any, names: dict[str, str], asked: set[str], *, media: MediaReader
+) -> list[ChatMessage]:
     """One Anthropic message as the shared model's turns (tool results are turns of their own).
 
     `asked` holds the tool_use ids of the message before (the calls a tool_result may answer);
@@ -331,20 +380,33 @@ def _turns(i: int, role: str, content: Any, names: dict[str, str], asked: set[st
     if not isinstance(content, list):
         raise _fail(f"'{where}' must be a string or a list of content blocks", where)
     turns: list[ChatMessage] = []
-    texts: list[str] = []
+    parts = Content()
     calls: list[dict[str, Any]] = []
+    last_text = False  # text blocks in a row are joined with BLOCK_JOINER
+    blocks = 0  # text and image blocks since the last turn (an empty text block is a turn too)
 
     def flush() -> None:
-        if texts or calls:
-            turns.append(ChatMessage(role, BLOCK_JOINER.join(texts), tool_calls=tuple(calls)))
-            texts.clear()
+        nonlocal parts, last_text, blocks
+        if blocks or calls:
+            turns.append(parts.message(role, tool_calls=tuple(calls)))
+            parts = Content()
             calls.clear()
+        last_text = False
+        blocks = 0
 
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         kind = _block_type(block, at)
         if kind == "text":
-            texts.append(_text_block(block, at))
+            if last_text:
+                parts.text(BLOCK_JOINER)
+            parts.text(_text_block(block, at))
+            last_text = True
+            blocks += 1
+        elif kind == "image" and role == "user":
+            parts.media(_image(block, at, media))
+            last_text = False
+            blocks += 1
         elif kind == "tool_use" and role == "assistant":
             call = _tool_use(block, at)
             names[call["id"]] = call["function"]["name"]
@@ -352,11 +414,11 @@ def _turns(i: int, role: str, content: Any, names: dict[str, str], asked: set[st
             calls.append(call)
         elif kind == "tool_result" and role == "user":
             flush()
-            turns.append(_tool_result(block, at, names, answerable))
+            turns.append(_tool_result(block, at, names, answerable, media))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             _unknown(block, _BLOCK_FIELDS[kind], at)
         else:
-            allowed = "text, tool_use and thinking" if role == "assistant" else "text and tool_result"
+            allowed = "text, tool_use and thinking" if role == "assistant" else "text, image and tool_result"
             _refuse_block(kind, at, allowed)
     flush()
     return turns
@@ -368,14 +430,13 @@ def _merged(turns: list[ChatMessage]) -> list[ChatMessage]:
     for turn in turns:
         last = out[-1] if out else None
         if last is not None and turn.role == last.role and turn.role in ("user", "assistant"):
-            text = BLOCK_JOINER.join(t for t in (last.content, turn.content) if t)
-            out[-1] = ChatMessage(last.role, text, tool_calls=(*last.tool_calls, *turn.tool_calls))
+            out[-1] = last.joined(turn, BLOCK_JOINER)
         else:
             out.append(turn)
     return out
 
 
-def _messages(data: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+def _messages(data: Mapping[str, Any], media: MediaReader) -> tuple[ChatMessage, ...]:
     value = data.get("messages")
     if value is None:
         raise _fail("'messages' is required", "messages")
@@ -406,7 +467,7 @@ def _messages(data: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
             if text:
                 later.append(text)
             continue
-        turns.extend(_turns(i, role, message["content"], names, asked))
+        turns.extend(_turns(i, role, message["content"], names, asked, media=media))
     if later:
         if turns and turns[0].role == "system":
             turns[0] = ChatMessage("system", "\n\n".join([turns[0].content, *later]))
@@ -649,7 +710,7 @@ def parse_messages(data: Mapping[str, Any], limits: Limits) -> MessagesRequest:
         top_k = _typed(top_k, int, "top_k", "an integer")
         if not 0 <= top_k <= MAX_TOP_K:
             raise _fail(f"'top_k' must be between 0 and {MAX_TOP_K}", "top_k")
-    messages = _messages(data)
+    messages = _messages(data, MediaReader(limits.media))
     tools = _tools(data)
     sampling = SamplingParams(
         temperature=_number(data, "temperature", 1.0, 1.0),
@@ -671,13 +732,13 @@ def parse_messages(data: Mapping[str, Any], limits: Limits) -> MessagesRequest:
     return MessagesRequest(ChatRequest(common=common, messages=messages, tools=tools), show_thinking)
 
 
-def parse_count_tokens(data: Mapping[str, Any]) -> CountRequest:
+def parse_count_tokens(data: Mapping[str, Any], media: MediaRules | None = None) -> CountRequest:
     """Validate a `POST /v1/messages/count_tokens` body (a Messages body without what generates)."""
     _unknown(data, _COUNT_FIELDS)
     model = _model(data)
     _show_thinking(data, None)
     _ignored(data)
-    messages = _messages(data)
+    messages = _messages(data, MediaReader(media or MediaRules()))
     # What the prompt renders is checked as /v1/messages checks it, but no grammar is built:
     # nothing is generated, so none is needed (and building one is the costly part).
     tools = _tools(data, grammar=False)

@@ -20,6 +20,7 @@ from edgellmd.api.anthropic.decode import CountRequest, MessagesRequest, parse_c
 from edgellmd.api.anthropic.encode import Reply, collect, render_error, stream
 from edgellmd.api.context import ERROR_SHAPES, ErrorShapes, context, token_limits
 from edgellmd.api.jsontext import read_json_object
+from edgellmd.api.media import MediaRules, fetch_media
 from edgellmd.api.session import chat_session
 
 MESSAGES: Final = "/v1/messages"
@@ -55,13 +56,22 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the prompt's tokens as /v1/messages renders it; nothing generated."""
-    body: CountRequest = await _parse(request, parse_count_tokens, await read_json_object(request))
+    settings = context(request).settings
+    rules = MediaRules.of(settings.media)
+    parse = functools.partial(parse_count_tokens, media=rules)
+    body: CountRequest = await _parse(request, parse, await read_json_object(request))
     tools = body.tools
     async with context(request).registry.lease(body.model) as handle:
-        # As api.session.chat_session renders it: the tools, and the reply format they ask for.
+        # As api.session.chat_session renders it: the tools, the reply format they ask for, and
+        # its images (whose positions count; their chunks are let go of at once).
         prompt = await handle.chat_prompt(
-            body.messages, tools.tools if tools else None, instructions=tools.instructions if tools else ""
+            await fetch_media(body.messages, settings.media),
+            tools.tools if tools else None,
+            instructions=tools.instructions if tools else "",
+            media_limits=rules.limits,
         )
+        if prompt.held is not None:
+            prompt.held.release()
     return web.json_response({"input_tokens": len(prompt.tokens)})
 
 

@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from edgellmd.api.fields import Fields, note_ignored, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
+from edgellmd.api.media import Content, MediaReader
 from edgellmd.api.request import (
     ChatRequest,
     CommonRequest,
@@ -212,29 +213,61 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def _content(value: Any, param: str) -> str:
+# Content part fields, by part type (OpenAI's; `detail` asks for a resolution the projector decides).
+_PART_FIELDS: Final = {
+    "text": frozenset({"type", "text"}),
+    "image_url": frozenset({"type", "image_url"}),
+    "input_audio": frozenset({"type", "input_audio"}),
+}
+
+
+def _content(value: Any, param: str, role: str, media: MediaReader) -> Content:
+    """A message's content: a string, or text, image and audio parts (images and audio in user
+    messages only, as OpenAI has them)."""
+    content = Content()
     if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts: list[str] = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise InvalidRequest(
-                    f"'{param}[{j}]' must be a content part object with a 'type'", param=f"{param}[{j}]"
-                )
-            if part["type"] != "text":
-                raise UnsupportedParameter(
-                    f"content parts of type {part['type'][:32]!r} are not supported (text only)",
-                    param=f"{param}[{j}].type",
-                )
+        content.text(value)
+        return content
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'{param}' must be a string or a list of content parts", param=param)
+    for j, part in enumerate(value):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise InvalidRequest(f"'{where}' must be a content part object with a 'type'", param=where)
+        kind = part["type"]
+        if kind not in _PART_FIELDS or (kind != "text" and role != "user"):
+            allowed = "text, image_url or input_audio" if role == "user" else "text"
+            raise UnsupportedParameter(
+                f"content parts of type {shown(kind[:32])} are not supported in {role} messages ({allowed})",
+                param=f"{where}.type",
+            )
+        unknown = set(part) - _PART_FIELDS[kind]
+        if unknown:
+            key = shown(sorted(unknown)[0])
+            raise InvalidRequest(f"unrecognized content part field: {key}", param=f"{where}.{key}")
+        if kind == "text":
             if not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"'{param}[{j}].text' must be a string", param=f"{param}[{j}].text")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise InvalidRequest(f"'{param}' must be a string or a list of content parts", param=param)
+                raise InvalidRequest(f"'{where}.text' must be a string", param=f"{where}.text")
+            content.text(part["text"])
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if isinstance(image, dict) and image.get("detail", "auto") not in ("auto", "low", "high"):
+                raise InvalidRequest(
+                    f"'{where}.image_url.detail' must be auto, low or high", param=f"{where}.image_url.detail"
+                )
+            content.media(media.image_url(url, f"{where}.image_url.url"))
+        else:
+            audio = part.get("input_audio")
+            if not isinstance(audio, dict) or set(audio) - {"data", "format"}:
+                raise InvalidRequest(
+                    f"'{where}.input_audio' must be {{data, format}}", param=f"{where}.input_audio"
+                )
+            content.media(media.audio_base64(audio.get("data"), audio.get("format"), f"{where}.input_audio"))
+    return content
 
 
-def _messages(f: Fields) -> tuple[ChatMessage, ...]:
+def _messages(f: Fields, media: MediaReader) -> tuple[ChatMessage, ...]:
     value = f.data.get("messages")
     if value is None:
         raise InvalidRequest("'messages' is required", param="messages")
@@ -270,11 +303,11 @@ def _messages(f: Fields) -> tuple[ChatMessage, ...]:
                 f"'{where}.tool_call_id' is required for tool messages", param=f"{where}.tool_call_id"
             )
         name = msg.get("name")
+        parts = Content() if content is None else _content(content, f"{where}.content", role, media)
         # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
         out.append(
-            ChatMessage(
+            parts.message(
                 "system" if role == "developer" else role,
-                "" if content is None else _content(content, f"{where}.content"),
                 tool_calls=calls,
                 tool_call_id=call_id if role == "tool" else None,
                 name=name if isinstance(name, str) else None,
@@ -342,7 +375,7 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     common = replace(
         common, logprobs=(top or 0) if logprobs else None, sampling=replace(common.sampling, grammar=grammar)
     )
-    return ChatRequest(common=common, messages=_messages(f), tools=tools)
+    return ChatRequest(common=common, messages=_messages(f, MediaReader(limits.media)), tools=tools)
 
 
 def parse_completion(data: Mapping[str, Any], limits: Limits) -> CompletionRequest:

@@ -291,6 +291,17 @@ async def collect(session: Session, shape: Shape) -> web.Response:
     return web.json_response(shape.complete(choices))
 
 
+async def collect_text(session: Session) -> tuple[str, Finished]:
+    """The first choice's whole text and its end (an error ends it as `collect` would)."""
+    try:
+        choice = await _collect_one(session, 0)
+    except NoProgress:
+        log.error("generation made no progress for %.0f s; request ended", session.idle_timeout)  # noqa: TRY400 - no traceback to show
+        raise GenerationTimeout("the model made no progress in time") from None
+    assert choice.final is not None  # noqa: S101 - _collect_one returns finished choices
+    return choice.text, choice.final
+
+
 async def _collect_one(session: Session, i: int) -> Choice:
     choice = Choice(i)
     async for event in session.events(i):

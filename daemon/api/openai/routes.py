@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings."""
+"""OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings,
+/v1/audio/transcriptions (api.openai.audio)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from aiohttp import web
 from edgellmd.api.context import TOKENS_USED, TRACE, USER_TAG, context, token_limits
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.ledger import account
+from edgellmd.api.openai.audio import PATH as TRANSCRIPTIONS
+from edgellmd.api.openai.audio import transcriptions
 from edgellmd.api.openai.decode import (
     CompletionRequest,
     EmbeddingRequest,
@@ -159,6 +162,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/embeddings", embeddings),
+    ("POST", TRANSCRIPTIONS, transcriptions),
 )
 
 

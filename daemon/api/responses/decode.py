@@ -16,6 +16,7 @@ from typing import Any, Final, TypeVar
 
 from edgellmd.api.fields import Fields, note_ignored, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
+from edgellmd.api.media import Content, MediaReader, MediaRules
 from edgellmd.api.request import (
     ChatRequest,
     CommonRequest,
@@ -33,6 +34,7 @@ from edgellmd.api.structured import (
     tool_plan,
 )
 from edgellmd.engine.chat import ChatMessage
+from edgellmd.engine.config import MediaInput
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter, shown
 
@@ -174,7 +176,8 @@ DROPPED_TOOLS_KEY: Final = "edgellm_tools_left_out"
 # A namespace's function `f` in `crm` is the model's `crm__f`; its calls come back as `f`
 # with `namespace: crm`, as OpenAI's do.
 NAMESPACE_JOINER: Final = "__"
-_UNSUPPORTED_PARTS: Final = frozenset({"input_image", "input_file", "input_audio"})
+_UNSUPPORTED_PARTS: Final = frozenset({"input_file"})
+_MEDIA_PARTS: Final = frozenset({"input_image", "input_audio"})  # in user messages
 _FUNCTION_TOOL_KEYS: Final = frozenset(
     # allowed_callers, defer_loading, output_schema, async: accepted, ignored (every tool is
     # loaded, called directly, and its output read as text)
@@ -220,9 +223,32 @@ def _renamed(exc: ApiError, old: str, new: str) -> ApiError:
 @dataclass(slots=True)
 class _Turn:
     role: str
-    content: str = ""
+    content: Content = field(default_factory=Content)
     calls: list[dict[str, Any]] = field(default_factory=list)
     call_id: str | None = None
+
+
+def _part_media(part: dict[str, Any], param: str, media: MediaReader) -> MediaInput:
+    """An `input_image` ({image_url, detail}; a file_id is refused: there is no files API here)
+    or an `input_audio` ({input_audio: {data, format}}) part."""
+    if part["type"] == "input_image":
+        unknown = set(part) - {"type", "image_url", "detail", "file_id"}
+        if unknown:
+            key = shown(sorted(unknown)[0])
+            raise InvalidRequest(f"unrecognized content part field: {key}", param=f"{param}.{key}")
+        if part.get("file_id") is not None:
+            raise UnsupportedParameter(
+                "images by file_id are not supported by this server (it has no files API); "
+                "send image_url as a data: URL",
+                param=f"{param}.file_id",
+            )
+        if part.get("detail", "auto") not in ("auto", "low", "high"):
+            raise InvalidRequest(f"'{param}.detail' must be auto, low or high", param=f"{param}.detail")
+        return media.image_url(part.get("image_url"), f"{param}.image_url")
+    audio = part.get("input_audio")
+    if set(part) - {"type", "input_audio"} or not isinstance(audio, dict) or set(audio) - {"data", "format"}:
+        raise InvalidRequest(f"'{param}' must be {{type, input_audio: {{data, format}}}}", param=param)
+    return media.audio_base64(audio.get("data"), audio.get("format"), f"{param}.input_audio")
 
 
 def _part_text(part: Any, role: str, param: str) -> str:
@@ -230,9 +256,10 @@ def _part_text(part: Any, role: str, param: str) -> str:
         raise InvalidRequest(f"'{param}' must be a content part object with a 'type'", param=param)
     kind = part["type"]
     assistant = role == "assistant"
-    if kind in _UNSUPPORTED_PARTS:
+    if kind in _UNSUPPORTED_PARTS or (kind in _MEDIA_PARTS and role != "user"):
+        where = "by this server" if kind in _UNSUPPORTED_PARTS else f"in {role} input"
         raise UnsupportedParameter(
-            f"content parts of type {kind} are not supported by this server (text only)",
+            f"content parts of type {kind} are not supported {where}",
             param=f"{param}.type",
         )
     key = {"input_text": "text", "output_text": "text", "refusal": "refusal"}.get(kind)
@@ -245,24 +272,32 @@ def _part_text(part: Any, role: str, param: str) -> str:
     return text
 
 
-def _content(value: Any, role: str, param: str) -> str:
+def _content(value: Any, role: str, param: str, media: MediaReader) -> Content:
+    content = Content()
     if isinstance(value, str):
-        return value
+        content.text(value)
+        return content
     if not isinstance(value, list):
         raise InvalidRequest(f"'{param}' must be a string or a list of content parts", param=param)
-    return "".join(_part_text(part, role, f"{param}[{j}]") for j, part in enumerate(value))
+    for j, part in enumerate(value):
+        where = f"{param}[{j}]"
+        if isinstance(part, dict) and part.get("type") in _MEDIA_PARTS and role == "user":
+            content.media(_part_media(part, where, media))
+        else:
+            content.text(_part_text(part, role, where))
+    return content
 
 
-def _message(item: Mapping[str, Any], where: str) -> _Turn:
+def _message(item: Mapping[str, Any], where: str, media: MediaReader) -> _Turn:
     f = Fields(item, f"{where}.")
     role = f.string("role", required=True)
     if role not in INPUT_ROLES:
         raise InvalidRequest(f"'{where}.role' must be one of {', '.join(INPUT_ROLES)}", param=f"{where}.role")
     if item.get("content") is None:
         raise InvalidRequest(f"'{where}.content' is required", param=f"{where}.content")
-    text = _content(item["content"], role, f"{where}.content")
+    content = _content(item["content"], role, f"{where}.content", media)
     # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
-    return _Turn("system" if role == "developer" else role, text)
+    return _Turn("system" if role == "developer" else role, content)
 
 
 def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -278,13 +313,13 @@ def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _call_output(item: Mapping[str, Any], where: str) -> _Turn:
+def _call_output(item: Mapping[str, Any], where: str, media: MediaReader) -> _Turn:
     f = Fields(item, f"{where}.")
     call_id = f.string("call_id", required=True, nonempty=True)
     output = item.get("output")
     if output is None:
         raise InvalidRequest(f"'{where}.output' is required", param=f"{where}.output")
-    return _Turn("tool", _content(output, "tool", f"{where}.output"), call_id=call_id)
+    return _Turn("tool", _content(output, "tool", f"{where}.output", media), call_id=call_id)
 
 
 def _item_type(item: Mapping[str, Any], where: str) -> str:
@@ -306,7 +341,7 @@ def _item_type(item: Mapping[str, Any], where: str) -> str:
     )
 
 
-def input_turns(value: Any) -> tuple[ChatMessage, ...]:
+def input_turns(value: Any, media: MediaReader | None = None) -> tuple[ChatMessage, ...]:
     """`input` as conversation turns; consecutive function calls join one assistant turn.
 
     Reasoning items are accepted and dropped: chat templates leave earlier thinking out of
@@ -316,6 +351,7 @@ def input_turns(value: Any) -> tuple[ChatMessage, ...]:
         return (ChatMessage("user", value),)
     if not isinstance(value, list):
         raise InvalidRequest("'input' must be a string or a list of input items", param="input")
+    media = media or MediaReader(MediaRules())
     turns: list[_Turn] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
@@ -323,7 +359,7 @@ def input_turns(value: Any) -> tuple[ChatMessage, ...]:
             raise InvalidRequest(f"'{where}' must be an object", param=where)
         kind = _item_type(item, where)
         if kind == "message":
-            turns.append(_message(item, where))
+            turns.append(_message(item, where, media))
         elif kind == "function_call":
             call = _function_call(item, where)
             last = turns[-1] if turns else None
@@ -332,10 +368,8 @@ def input_turns(value: Any) -> tuple[ChatMessage, ...]:
             else:
                 turns.append(_Turn("assistant", calls=[call]))
         elif kind == "function_call_output":
-            turns.append(_call_output(item, where))
-    return tuple(
-        ChatMessage(t.role, t.content, tool_calls=tuple(t.calls), tool_call_id=t.call_id) for t in turns
-    )
+            turns.append(_call_output(item, where, media))
+    return tuple(t.content.message(t.role, tool_calls=tuple(t.calls), tool_call_id=t.call_id) for t in turns)
 
 
 # ---- tools, tool_choice, text.format ----------------------------------------------------------
@@ -646,7 +680,7 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
     value = data.get("input")
     if value is None and previous is None:
         raise InvalidRequest("'input' is required", param="input")
-    turns = () if value is None else input_turns(value)
+    turns = () if value is None else input_turns(value, MediaReader(limits.media))
     if not turns and previous is None:
         raise InvalidRequest("'input' must not be empty", param="input")
     instructions = f.string("instructions")

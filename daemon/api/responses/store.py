@@ -46,6 +46,7 @@ class StoredResponse:
 def message_size(message: ChatMessage) -> int:
     """An estimate of what one turn holds in memory."""
     size = MESSAGE_OVERHEAD_BYTES + len(message.content.encode("utf-8", "replace"))
+    size += sum(len(item.data) for item in message.media)  # its images and clips, as sent
     if message.tool_calls:
         size += len(json.dumps(message.tool_calls, ensure_ascii=False).encode("utf-8", "replace"))
     for text in (message.tool_call_id, message.name):

@@ -1,0 +1,456 @@
+"""Images and audio through the API families, with the real clients, on tiny models with projectors.
+
+"vision" reads images (tests.ggufmodels' LLaVA-style projector: any image is 4 tokens),
+"hears" reads audio (a Whisper-and-Ultravox projector: any clip is 375 tokens a 30 s chunk),
+"plain" reads text only; all run in engine processes. The clients are the real `openai`
+(chat `image_url` and `input_audio` parts, Responses `input_image`, `audio.transcriptions`)
+and `anthropic` (an `image` block, count_tokens) SDKs. The hostile cases each get a 400 that
+names what was wrong while another stream keeps its pace and no engine stops.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import struct
+import threading
+import time
+import wave
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from aiohttp import web
+from PIL import Image
+
+from edgellmctl.keys import create_key
+from edgellmd.engine.remote import RemoteEngine
+from edgellmd.http import appkeys
+from tests.ggufmodels import (
+    TinyAudioProjectorSpec,
+    TinyModelSpec,
+    TinyProjectorSpec,
+    write_tiny_audio_projector,
+    write_tiny_model,
+    write_tiny_projector,
+)
+from tests.serving import RunningDaemon, running, settings_for, wait_for
+
+IMAGE_TOKENS: Final = TinyProjectorSpec().image_tokens
+CLIP_TOKENS: Final = TinyAudioProjectorSpec().chunk_tokens
+MAX_IMAGES: Final = 3
+MAX_IMAGE_BYTES: Final = 200_000
+
+
+def png(seed: int = 1, width: int = 40, height: int = 30) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def flat(width: int, height: int) -> bytes:
+    """A one-colour PNG: small whatever its size."""
+    out = io.BytesIO()
+    Image.new("L", (width, height), 128).save(out, "PNG")
+    return out.getvalue()
+
+
+def bomb(side: int = 8000) -> bytes:
+    """A real decompression bomb: a few kilobytes that decode to side x side pixels."""
+    out = io.BytesIO()
+    Image.new("1", (side, side)).save(out, "PNG", optimize=True)
+    return out.getvalue()
+
+
+def wav(seconds: float = 1.0, hz: float = 440.0, rate: int = 16_000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((0.4 * np.sin(2 * np.pi * hz * t) * 32767).astype("<i2").tobytes())
+    return out.getvalue()
+
+
+def lying_wav(hours: float = 10.0) -> bytes:
+    """A WAV header that declares hours of 16 kHz samples, over one kilobyte of them."""
+    declared = int(hours * 3600 * 16_000 * 2)
+    fmt = struct.pack("<HHIIHH", 1, 1, 16_000, 32_000, 2, 16)
+    body = (
+        b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", declared) + bytes(1024)
+    )
+    return b"RIFF" + struct.pack("<I", 4 + len(body)) + body
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(data: bytes, media_type: str = "image/png") -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_url(data, media_type)}}
+
+
+def audio_part(data: bytes, fmt: str = "wav") -> dict[str, Any]:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+class Served:
+    def __init__(self, daemon: RunningDaemon, token: str, pictures: str) -> None:
+        self.daemon = daemon
+        self.token = token
+        self.pictures = pictures  # base URL of a local server of images (fetch tests)
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.daemon.url + "/v1", api_key=self.token, max_retries=0)
+
+    def anthropic(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.daemon.url, api_key=self.token, max_retries=0)
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        answer = httpx.post(
+            self.daemon.url + path, json=body, headers={"Authorization": f"Bearer {self.token}"}, timeout=60
+        )
+        return answer.status_code, answer.json()
+
+    def engine(self, name: str) -> RemoteEngine:
+        assert self.daemon.app is not None
+        engine = self.daemon.app[appkeys.REGISTRY].get(name).engine
+        assert isinstance(engine, RemoteEngine)
+        return engine
+
+
+def _picture_server() -> Generator[str, None, None]:
+    """A local HTTP server of images: one to fetch, one too big, a redirect and a slow one."""
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(body=png(7), content_type="image/png")
+
+    async def big(_: web.Request) -> web.Response:
+        return web.Response(body=png(8, 400, 400), content_type="image/png")
+
+    async def moved(_: web.Request) -> web.Response:
+        raise web.HTTPFound("/ok.png")
+
+    async def slow(_: web.Request) -> web.Response:
+        await asyncio_sleep(5)
+        return web.Response(body=png(9), content_type="image/png")
+
+    import asyncio  # noqa: PLC0415
+
+    asyncio_sleep = asyncio.sleep
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_get("/ok.png", ok)
+    app.router.add_get("/big.png", big)
+    app.router.add_get("/moved.png", moved)
+    app.router.add_get("/slow.png", slow)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("media")
+    keys = root / "keys.yaml"
+    _, token = create_key(keys, "app", ["inference"], limits={})
+    text = write_tiny_model(root / "text.gguf", TinyModelSpec(seed=9))
+    models = [
+        {
+            "name": "vision",
+            "file": str(text),
+            "mmproj_file": str(write_tiny_projector(root / "vision.gguf")),
+            "slots": 2,
+            "context_size": 256,
+            "threads": 1,
+        },
+        {
+            "name": "hears",
+            "file": str(text),
+            "mmproj_file": str(write_tiny_audio_projector(root / "audio.gguf")),
+            "slots": 1,
+            "context_size": 1024,
+            "threads": 1,
+        },
+        {"name": "plain", "file": str(text), "slots": 2, "context_size": 512, "threads": 1},
+    ]
+    pictures = _picture_server()
+    base = next(pictures)
+    settings = settings_for(
+        models,
+        server={"max_body_bytes": 8 * 1024 * 1024},
+        auth={"keys_file": str(keys)},
+        lifecycle={"preload_dir": str(root / "shm"), "watch": False},
+        media={
+            "max_images": MAX_IMAGES,
+            "max_image_bytes": MAX_IMAGE_BYTES,
+            "fetch_hosts": ["127.0.0.1"],
+            "fetch_timeout_s": 1.5,
+        },
+    )
+    try:
+        with running(settings) as daemon:
+            yield Served(daemon, token, base)
+    finally:
+        pictures.close()
+
+
+def _prompt_tokens(served: Served, content: Any, model: str = "vision") -> dict[str, Any]:
+    status, body = served.post(
+        "/v1/chat/completions",
+        {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": content}]},
+    )
+    assert status == 200, body
+    usage: dict[str, Any] = body["usage"]
+    return usage
+
+
+def test_the_openai_sdk_sends_an_image_part_and_its_tokens_count(served: Served) -> None:
+    messages: Any = [
+        {"role": "user", "content": [{"type": "text", "text": "What is in"}, image_part(png(1))]}
+    ]
+    with served.openai() as client:
+        answer = client.chat.completions.create(
+            model="vision", max_tokens=4, temperature=0, messages=messages
+        )
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    assert answer.usage is not None
+    text_only = _prompt_tokens(served, [{"type": "text", "text": "What is in"}])["prompt_tokens"]
+    assert answer.usage.prompt_tokens == text_only + IMAGE_TOKENS
+
+
+def test_the_same_image_again_reuses_its_cache_and_another_does_not(served: Served) -> None:
+    content = [{"type": "text", "text": "Look:"}, image_part(png(2)), {"type": "text", "text": "now"}]
+    first = _prompt_tokens(served, content)
+    again = _prompt_tokens(served, content)
+    assert again["prompt_tokens"] == first["prompt_tokens"]
+    assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
+    other = _prompt_tokens(served, [content[0], image_part(png(3)), content[2]])
+    # The text before the image may be reused; the image's positions never are.
+    assert other["prompt_tokens_details"]["cached_tokens"] <= other["prompt_tokens"] - IMAGE_TOKENS - 2
+
+
+def test_responses_takes_an_input_image(served: Served) -> None:
+    with served.openai() as client:
+        answer = client.responses.create(
+            model="vision",
+            max_output_tokens=4,
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "Describe"},
+                        {"type": "input_image", "image_url": data_url(png(4)), "detail": "auto"},
+                    ],
+                }
+            ],
+        )
+    assert answer.status in ("completed", "incomplete")
+    assert answer.usage is not None
+    text_only = _prompt_tokens(served, [{"type": "text", "text": "Describe"}])["prompt_tokens"]
+    assert answer.usage.input_tokens == text_only + IMAGE_TOKENS
+
+
+def test_the_anthropic_sdk_sends_an_image_block(served: Served) -> None:
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(5)).decode()},
+    }
+    messages: Any = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
+    with served.anthropic() as client:
+        counted = client.messages.count_tokens(model="vision", messages=messages)
+        answer = client.messages.create(model="vision", max_tokens=4, messages=messages)
+    assert answer.stop_reason in ("max_tokens", "end_turn")
+    usage = answer.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == counted.input_tokens
+    assert counted.input_tokens > IMAGE_TOKENS
+
+
+def test_an_audio_part_and_a_transcription(served: Served) -> None:
+    messages: Any = [{"role": "user", "content": [audio_part(wav(1.0)), {"type": "text", "text": "Say?"}]}]
+    with served.openai() as client:
+        answer = client.chat.completions.create(model="hears", max_tokens=3, messages=messages)
+        assert answer.usage is not None
+        assert answer.usage.prompt_tokens > CLIP_TOKENS
+        transcript = client.audio.transcriptions.create(
+            model="hears", file=("clip.wav", wav(1.5, 300), "audio/wav"), response_format="json"
+        )
+        assert isinstance(transcript.text, str)
+        plain = client.audio.transcriptions.create(
+            model="hears", file=("clip.wav", wav(0.5), "audio/wav"), response_format="text", language="en"
+        )
+        assert isinstance(plain, str)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.audio.transcriptions.create(model="vision", file=("clip.wav", wav(0.5), "audio/wav"))
+        assert refused.value.code == "model_not_supported"
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.audio.transcriptions.create(
+                model="hears", file=("clip.wav", wav(0.5), "audio/wav"), response_format="srt"
+            )
+        assert refused.value.code == "unsupported_parameter"
+
+
+def _message(*parts: Any, model: str = "vision") -> dict[str, Any]:
+    return {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": list(parts)}]}
+
+
+HOSTILE: Final = [
+    ("decompression-bomb", _message(image_part(bomb())), "media.max_image_pixels"),
+    ("truncated-png", _message(image_part(png(1)[:-60])), "truncated or corrupt"),
+    ("one-by-100000", _message(image_part(flat(1, 100_000))), "media.max_image_side"),
+    ("mismatched-media-type", _message(image_part(png(1), "image/jpeg")), "not the jpeg"),
+    ("not-an-image", _message(image_part(b"GIF89a but not really", "image/gif")), "could not be read"),
+    (
+        "not-base64",
+        _message({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}),
+        "base64",
+    ),
+    ("too-many-images", _message(*[image_part(png(i)) for i in range(MAX_IMAGES + 1)]), "media.max_images"),
+    ("too-many-bytes", _message(image_part(png(1, 300, 300))), "media.max_image_bytes"),
+    ("image-on-a-text-model", _message(image_part(png(1)), model="plain"), "reads no images"),
+    ("audio-on-an-image-model", _message(audio_part(wav(0.2))), "reads no audio"),
+    ("ten-hour-wav-header", _message(audio_part(lying_wav()), model="hears"), "media.max_audio_seconds"),
+    ("wav-said-mp3", _message(audio_part(wav(0.2), "mp3"), model="hears"), "not the mp3"),
+    ("audio-format-unknown", _message(audio_part(wav(0.2), "aiff"), model="hears"), "format"),
+]
+
+
+def _stream_seconds(served: Served, out: list[float]) -> None:
+    began = time.monotonic()
+    body = {
+        "model": "plain",
+        "max_tokens": 120,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+    }
+    with httpx.stream(
+        "POST",
+        served.daemon.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {served.token}"},
+        timeout=60,
+    ) as answer:
+        lines = [line for line in answer.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert not any('"error"' in line for line in lines)
+    out.append(time.monotonic() - began)
+
+
+def test_hostile_media_are_400s_naming_why_while_another_stream_keeps_its_pace(served: Served) -> None:
+    pids = {name: served.engine(name).pid for name in ("vision", "hears", "plain")}
+    alone: list[float] = []
+    _stream_seconds(served, alone)
+    beside: list[float] = []
+    stream = threading.Thread(target=_stream_seconds, args=(served, beside))
+    stream.start()
+    for name, body, says in HOSTILE:
+        status, answer = served.post("/v1/chat/completions", body)
+        assert status == 400, (name, answer)
+        assert says in answer["error"]["message"], (name, answer)
+        assert answer["error"]["code"] in ("invalid_image", "invalid_audio", "model_not_supported"), (
+            name,
+            answer,
+        )
+    # The same bounds on the transcription endpoint's upload.
+    upload = httpx.post(
+        served.daemon.url + "/v1/audio/transcriptions",
+        headers={"Authorization": f"Bearer {served.token}"},
+        files={"file": ("long.wav", lying_wav(), "audio/wav")},
+        data={"model": "hears"},
+        timeout=30,
+    )
+    assert upload.status_code == 400, upload.text
+    assert "media.max_audio_seconds" in upload.json()["error"]["message"]
+    stream.join(60)
+    assert beside, "the stream beside the hostile requests did not finish"
+    # A stream beside them runs at the pace of one alone, give or take this machine's noise.
+    assert beside[0] < 3 * alone[0] + 2.0, (alone, beside)
+    # No engine stopped: each is the process it was, and each still serves.
+    assert {name: served.engine(name).pid for name in pids} == pids
+    assert _prompt_tokens(served, [image_part(png(6)), {"type": "text", "text": "ok"}])["prompt_tokens"] > 0
+
+
+def test_image_urls_are_fetched_from_listed_hosts_only(served: Served) -> None:
+    def url_part(url: str) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    usage = _prompt_tokens(served, [url_part(served.pictures + "/ok.png"), {"type": "text", "text": "hi"}])
+    assert usage["prompt_tokens"] > IMAGE_TOKENS
+    cases = [
+        (served.pictures + "/moved.png", "answered 302"),
+        (served.pictures + "/big.png", "media.max_image_bytes"),
+        (served.pictures + "/slow.png", "media.fetch_timeout_s"),
+        (served.pictures.replace("127.0.0.1", "localhost") + "/ok.png", "media.fetch_hosts"),
+        ("ftp://127.0.0.1/ok.png", "data: URL or an http(s) URL"),
+    ]
+    for url, says in cases:
+        began = time.monotonic()
+        status, answer = served.post("/v1/chat/completions", _message(url_part(url)))
+        assert status == 400, (url, answer)
+        assert says in answer["error"]["message"], (url, answer)
+        assert time.monotonic() - began < 4, url  # the slow one is cut at its timeout
+
+
+def test_a_queued_image_request_is_served_by_the_restarted_engine(served: Served) -> None:
+    """Its chunks lived in the dead process: the restarted one prepares them again, under the
+    same ids, before the request is submitted there."""
+    victim = served.engine("vision")
+    long_ones: list[int] = []
+
+    def hold_a_slot() -> None:
+        status, _ = served.post(
+            "/v1/chat/completions",
+            {
+                "model": "vision",
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "go"}],
+            },
+        )
+        long_ones.append(status)
+
+    holders = [threading.Thread(target=hold_a_slot) for _ in range(2)]
+    for thread in holders:
+        thread.start()
+    wait_for(lambda: victim.busy_slots == 2, what="both slots busy")
+    result: list[tuple[int, dict[str, Any]]] = []
+    queued = threading.Thread(
+        target=lambda: result.append(
+            served.post("/v1/chat/completions", _message(image_part(png(11)), {"type": "text", "text": "x"}))
+        )
+    )
+    queued.start()
+    wait_for(lambda: victim.queue_depth == 1, what="the image request queued")
+    os.kill(victim.pid, signal.SIGKILL)
+    queued.join(60)
+    for thread in holders:
+        thread.join(60)
+    status, body = result[0]
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] > IMAGE_TOKENS
+    assert served.engine("vision").pid != victim.pid
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
+    # Each holder was cut with engine_failed (503) or finished on its own before the kill.
+    assert set(long_ones) <= {200, 503}
+    wait_for(lambda: not Path(f"/proc/{victim.pid}").exists(), timeout=5, what="the dead process reaped")
