@@ -445,6 +445,8 @@ class Engine(NativeThread):
                 "drafted_tokens": self.drafted_tokens,
                 "accepted_tokens": self.accepted_tokens,
             },
+            # The projector's store of encoded images and clips (None: the model reads text only).
+            "media": self.projector.status() if self.projector is not None else None,
             "prompt_cache": None
             if cache is None
             else {

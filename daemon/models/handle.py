@@ -302,6 +302,14 @@ class ModelHandle:
         raise InvalidRequest(f"the model {self.name!r} {refusal}", param="model", code="model_not_supported")
 
     @property
+    def reads(self) -> tuple[str, ...]:
+        """What the model's requests may hold: "text", and "image" or "audio" where its projector
+        reads them (a generation model's; embedding and reranking models read text)."""
+        if self.engine.kind != "generation":
+            return ("text",)
+        return ("text", *cast("Generator", self.engine).media_kinds)
+
+    @property
     def generator(self) -> Generator:
         """The text generation engine; 400 for an embedding or reranking model."""
         use = "is a reranking model: use /v1/rerank" if self.engine.kind == "rerank" else None

@@ -877,6 +877,7 @@ class Registry:
                         "leases": handle.leases,
                         "threads": handle.engine.config.threads,
                         "threads_batch": handle.engine.config.threads_batch,
+                        "reads": list(handle.reads),
                     }
                 )
                 if prov.mmproj is not None:  # its multimodal projector, as the model's own file is shown
