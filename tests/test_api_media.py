@@ -372,6 +372,39 @@ def test_hostile_media_are_400s_naming_why_while_another_stream_keeps_its_pace(s
             name,
             answer,
         )
+    # The same bounds on every family's spelling of an image.
+    status, answer = served.post(
+        "/v1/responses",
+        {
+            "model": "vision",
+            "max_output_tokens": 2,
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(bomb())}]}],
+        },
+    )
+    assert status == 400, answer
+    assert "media.max_image_pixels" in answer["error"]["message"]
+    truncated = base64.b64encode(png(1)[:-60]).decode()
+    status, answer = served.post(
+        "/v1/messages",
+        {
+            "model": "vision",
+            "max_tokens": 2,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": truncated},
+                        }
+                    ],
+                }
+            ],
+        },
+    )
+    assert status == 400, answer
+    assert answer["type"] == "error"
+    assert "truncated or corrupt" in answer["error"]["message"]
     # The same bounds on the transcription endpoint's upload.
     upload = httpx.post(
         served.daemon.url + "/v1/audio/transcriptions",
