@@ -297,3 +297,74 @@ def test_a_reranking_engine_scores_each_input(tmp_path: Path) -> None:
     plain = write_tiny_model(tmp_path / "plain.gguf", TinyModelSpec(seed=3))
     with pytest.raises(ModelLoadError, match="not a reranking model"):
         make_engine(plain, slots=1, rank=True)
+
+
+def test_packed_decodes_take_every_waiting_calls_inputs_in_turn(model: Path) -> None:
+    """inputs_per_decode 4: a decode takes the waiting calls' next inputs round robin, so a short
+    call rides along a long one's decode; packed vectors stay close to unpacked ones."""
+    packed = EmbeddingEngine(
+        EngineConfig(
+            path=model,
+            slots=4,
+            context_size=CONTEXT,
+            batch_size=512,
+            threads=1,
+            threads_batch=1,
+            inputs_per_decode=4,
+        ),
+        name="packed",
+    )
+    single = make_engine(model, slots=4)
+    try:
+        tokens = [packed.tokenize(t) for t in TEXTS]
+        with packed._cond:  # the engine's thread waits on this lock: it cannot take them meanwhile
+            long_call = packed.submit_embed(tokens * 2)  # 10 inputs
+            short_call = packed.submit_embed(tokens[:2])
+            groups = packed._take()
+        assert [len(group) for _, group in groups] == [2, 2]  # two rounds over both calls
+        assert groups[0][1] == tokens[:2]
+        assert groups[1][1] == tokens[:2]
+        done_long, done_short = long_call.result(30), short_call.result(30)
+        expected = single.embed(tokens)
+        for got, want in zip(done_long[:5] + done_short, expected + expected[:2], strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3
+    finally:
+        packed.close()
+        single.close()
+
+
+def test_one_input_a_decode_gives_the_same_vector_whatever_else_waits(model: Path) -> None:
+    eng = make_engine(model, slots=4)
+    try:
+        tokens = [eng.tokenize(t) for t in TEXTS]
+        alone = eng.embed([tokens[0]])[0]
+        with eng._cond:
+            calls = [eng.submit_embed(tokens), eng.submit_embed([tokens[0]])]
+            assert [len(group) for _, group in eng._take()] == [1]  # the head call's next input only
+        assert calls[0].result(30)[0] == alone
+        assert calls[1].result(30)[0] == alone
+    finally:
+        eng.close()
+
+
+def test_packed_rerank_scores_agree_with_the_hand_computed_ones(tmp_path: Path) -> None:
+    model = write_tiny_reranker(tmp_path / "rank.gguf", seed=4)
+    eng = EmbeddingEngine(
+        EngineConfig(
+            path=tmp_path / "rank.gguf",
+            slots=4,
+            context_size=CONTEXT,
+            batch_size=512,
+            threads=1,
+            threads_batch=1,
+            rank=True,
+            inputs_per_decode=4,
+        ),
+        name="packed-rank",
+    )
+    try:
+        inputs = [[BOS_ID, *(3 + b for b in text.encode())] for text in TEXTS]
+        for got, tokens in zip(eng.embed(inputs), inputs, strict=True):
+            assert got[0] == pytest.approx(model.score(tokens), abs=5e-3)
+    finally:
+        eng.close()

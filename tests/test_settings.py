@@ -146,6 +146,7 @@ models:
     file: /srv/models/rank.gguf
     kind: rerank
     memory_limit_mb: 2048
+    inputs_per_decode: 4
 logging:
   level: DEBUG
   format: text
@@ -240,7 +241,11 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 embedding=True,
             ),
             ModelSettings(
-                name="ranker", file=Path("/srv/models/rank.gguf"), kind="rerank", memory_limit_mb=2048
+                name="ranker",
+                file=Path("/srv/models/rank.gguf"),
+                kind="rerank",
+                memory_limit_mb=2048,
+                inputs_per_decode=4,
             ),
         ),
         logging=LoggingSettings(level="debug", format="text"),
@@ -534,6 +539,10 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("batch-padding-string", with_model(batch_padding="yes"), "models[0].batch_padding", "got 'yes'"),
     ("prompt-cache-on-embedding", with_model(embedding=True, prompt_cache_mb=64),
      "models[0].prompt_cache_mb", "an embedding model keeps no prompt cache"),
+    ("model-inputs-per-decode-on-generation", with_model(inputs_per_decode=4),
+     "models[0].inputs_per_decode", "packs the inputs of embedding and rerank models"),
+    ("model-inputs-per-decode-zero", with_model(kind="embedding", inputs_per_decode=0),
+     "models[0].inputs_per_decode", "from 1 to 256"),
     ("speculative-mode-unknown", with_model(speculative={"mode": "eagle"}), "models[0].speculative.mode",
      "got 'eagle'"),
     ("speculative-not-mapping", with_model(speculative="ngram"), "models[0].speculative", "got 'ngram'"),

@@ -141,6 +141,8 @@ class EngineConfig:
     queue_timeout_s: float = 0.0
     # A reranking model (rank pooling): one relevance score per input, not a vector.
     rank: bool = False
+    # Embedding and rerank models: inputs per llama_decode, from any waiting calls (1: each its own).
+    inputs_per_decode: int = 1
     speculative: Speculation = field(default_factory=Speculation)
     # The model's multimodal projector (libmtmd: images, audio), verified and preloaded as
     # the model's own file; None: the model reads text only.

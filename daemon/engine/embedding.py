@@ -22,14 +22,13 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S: Final = 0.5  # the idle thread still wakes up to report liveness
 ABANDONED: Final = "the caller left; what was not embedded yet was dropped"  # an abandoned call's error
 
-# Inputs per llama_decode. Packing several (each its own sequence) changes their vectors: the
-# pooling is a matmul over all the batch's tokens, so an input's tokens land at other offsets
-# of the sum, and the CPU flash-attention kernel takes another path for another batch shape.
-# Measured on Gemma 3 270M, per component of the unit vector: up to 5e-8 apart without flash
-# attention, 1e-2 with it. Identical inputs must give identical vectors, so each input gets a
-# decode of its own. The price, same model, 2 cores, 64 short inputs: 14 inputs/s against 25
-# packed 8 a decode. Raising this packs up to `slots` inputs a decode again.
-_INPUTS_PER_DECODE: Final = 1
+# Inputs per llama_decode: `EngineConfig.inputs_per_decode` (models[].inputs_per_decode), at
+# most `slots`. Packing several (each its own sequence) changes their vectors: the pooling is a
+# matmul over all the batch's tokens, so an input's tokens land at other offsets of the sum, and
+# the CPU flash-attention kernel takes another path for another batch shape. Measured on Gemma 3
+# 270M, per component of the unit vector: up to 5e-8 apart without flash attention, 1e-2 with
+# it. So by default each input gets a decode of its own (identical inputs, identical vectors);
+# the price, same model, 2 cores, 64 short inputs: 14 inputs/s against 25 packed 8 a decode.
 
 # What a GGUF's `<arch>.pooling_type` may declare (enum llama_pooling_type), by name for logs.
 _POOLING_NAMES: Final = {
@@ -68,7 +67,7 @@ class EmbeddingEngine(NativeThread):
         super().__init__(config, name)
         self.kind = "rerank" if config.rank else "embedding"  # as RemoteEngine.kind: what the model serves
         self._jobs: deque[_EmbedJob] = deque()
-        self._current: _EmbedJob | None = None  # the job being embedded (engine thread writes)
+        self._current: list[_EmbedJob] = []  # the jobs in the decode running now (engine thread writes)
         # Liveness for the systemd watchdog: when the thread last finished a batch or idled.
         self.heartbeat = time.monotonic()
         self._start_thread(f"embed:{name}")
@@ -94,7 +93,7 @@ class EmbeddingEngine(NativeThread):
         cparams = llama.llama_context_default_params()
         cparams.embeddings = True
         cparams.pooling_type = pooling
-        self._per_decode = min(config.slots, _INPUTS_PER_DECODE)
+        self._per_decode = max(1, min(config.slots, config.inputs_per_decode))
         cparams.n_ctx = config.context_size * self._per_decode
         cparams.n_seq_max = self._per_decode
         # A pooled vector is computed per ubatch: a sequence split over two ubatches would
@@ -205,9 +204,9 @@ class EmbeddingEngine(NativeThread):
                     self._jobs.remove(job)
                     break
             else:
-                current = self._current
-                if current is not None and current.future is future:
-                    current.abandoned = True  # the thread drops it once its decode is done
+                for current in self._current:
+                    if current.future is future:
+                        current.abandoned = True  # the thread drops it once its decode is done
                 return
         with contextlib.suppress(InvalidStateError):
             future.set_exception(EngineError(ABANDONED))
@@ -217,9 +216,8 @@ class EmbeddingEngine(NativeThread):
 
     @property
     def busy_slots(self) -> int:
-        """Inputs being embedded now (at most `slots`)."""
-        job = self._current
-        return min(len(job.inputs), self.config.slots) if job is not None else 0
+        """Slots the calls being embedded now take: their inputs, at most `slots` in all."""
+        return min(sum(len(job.inputs) for job in self._current), self.config.slots)
 
     @property
     def queue_depth(self) -> int:
@@ -234,13 +232,14 @@ class EmbeddingEngine(NativeThread):
     @property
     def idle(self) -> bool:
         """True when nothing is running or waiting."""
-        return not self._jobs and self._current is None
+        return not self._jobs and not self._current
 
     # ---- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Take the jobs in turns, one decode of each: a call of a thousand inputs (a rerank of a
-        thousand documents) holds a call of one back by one decode, not by the whole call."""
+        """Take the jobs in turns, one decode at a time: a call of a thousand inputs (a rerank of a
+        thousand documents) holds a call of one back by one decode, not by the whole call. With
+        `inputs_per_decode` above 1 a decode takes the waiting calls' next inputs round robin."""
         while True:
             with self._cond:
                 while not self._stopping and not self._jobs:
@@ -248,46 +247,74 @@ class EmbeddingEngine(NativeThread):
                     self._cond.wait(_IDLE_WAIT_S)
                 if self._stopping:
                     return
-                # Current before it leaves the queue: `idle` (read without the lock) never
-                # sees neither while a job moves from one to the other.
-                job = self._current = self._jobs[0]
-                self._jobs.popleft()
-            if not job.done and not job.future.set_running_or_notify_cancel():  # its caller gave up
-                self._current = None
-                continue
+                # Current before they leave the queue: `idle` (read without the lock) never sees
+                # neither while jobs move from one to the other.
+                taken = self._take()
+                self._current = [job for job, _ in taken]
+                for job, _ in taken:
+                    self._jobs.remove(job)
+            live = [
+                (job, group)
+                for job, group in taken
+                if job.done or job.future.set_running_or_notify_cancel()  # else its caller gave up
+            ]
             try:
-                finished = self._embed_next(job)
+                vectors = self._embed(live)
             except EngineError as exc:
-                job.future.set_exception(exc)
-                finished = False
-            except Exception:  # a bug here must fail the call, not kill the thread
+                for job, _ in live:
+                    job.future.set_exception(exc)
+                vectors = None
+            except Exception:  # a bug here must fail the calls, not kill the thread
                 log.exception("embedding thread of model %s failed", self.name)
-                job.future.set_exception(EngineError("internal engine error"))
-                finished = False
-            if job.abandoned and not job.future.done():
-                job.future.set_exception(EngineError(ABANDONED))
-            elif finished:
-                job.future.set_result(job.done)
-            elif not job.future.done():
-                with self._cond:  # behind the others waiting: its next decode comes after theirs
-                    self._jobs.append(job)
-            self._current = None
+                for job, _ in live:
+                    job.future.set_exception(EngineError("internal engine error"))
+                vectors = None
+            for job, _ in live:
+                if vectors is not None:
+                    job.done.extend(vectors.pop(0))
+                if job.abandoned and not job.future.done():
+                    job.future.set_exception(EngineError(ABANDONED))
+                elif len(job.done) == len(job.inputs) and not job.future.done():
+                    job.future.set_result(job.done)
+                elif not job.future.done():
+                    with self._cond:  # behind the others waiting: its next decode comes after theirs
+                        self._jobs.append(job)
+            self._current = []
             self.heartbeat = time.monotonic()
 
-    def _embed_next(self, job: _EmbedJob) -> bool:
-        """Embed the job's next batch (up to `_per_decode` inputs and n_batch tokens); True
-        when it has every vector."""
+    def _take(self) -> list[tuple[_EmbedJob, list[list[int]]]]:
+        """Under the lock: the next decode's inputs, the waiting jobs' next ones in turn (queue
+        order, one each a round) up to `_per_decode` inputs and `_n_batch` tokens. The first
+        job's next input always fits (no input is longer than the context, the batch's floor)."""
+        jobs = list(self._jobs)
+        groups: list[list[list[int]]] = [[] for _ in jobs]
+        inputs = tokens = 0
+        progress = True
+        while progress and inputs < self._per_decode:
+            progress = False
+            for k, job in enumerate(jobs):
+                at = len(job.done) + len(groups[k])
+                if inputs == self._per_decode or at >= len(job.inputs):
+                    continue
+                size = len(job.inputs[at])
+                if inputs and tokens + size > self._n_batch:
+                    continue
+                groups[k].append(job.inputs[at])
+                inputs, tokens, progress = inputs + 1, tokens + size, True
+        return [(job, group) for job, group in zip(jobs, groups, strict=True) if group]
+
+    def _embed(self, taken: list[tuple[_EmbedJob, list[list[int]]]]) -> list[list[list[float]]]:
+        """One decode of every taken input; each job's vectors, in the order taken."""
         if self._stopping:  # close() during a long job: do not finish it first
             raise EngineError("the model was unloaded")
-        inputs, start = job.inputs, len(job.done)
-        end, used = start, 0
-        while (
-            end < len(inputs) and end - start < self._per_decode and used + len(inputs[end]) <= self._n_batch
-        ):
-            used += len(inputs[end])
-            end += 1
-        job.done.extend(self._decode(inputs[start:end]))
-        return len(job.done) == len(inputs)
+        if not taken:
+            return []
+        vectors = self._decode([tokens for _, group in taken for tokens in group])
+        out = []
+        for _, group in taken:
+            out.append(vectors[: len(group)])
+            vectors = vectors[len(group) :]
+        return out
 
     def _decode(self, group: Sequence[Sequence[int]]) -> list[list[float]]:
         """One llama_decode over `group`, each input its own sequence; returns unit vectors."""
@@ -329,9 +356,10 @@ class EmbeddingEngine(NativeThread):
             self._stopping = True
             leftovers = list(self._jobs)
             self._jobs.clear()
-        current, self._current = self._current, None
-        if current is not None and not current.future.done():  # the job the crash cut
-            current.future.set_exception(EngineError(error))
+        current, self._current = self._current, []
+        for job in current:  # the jobs the crash cut
+            if not job.future.done():
+                job.future.set_exception(EngineError(error))
         for job in leftovers:  # a job begun already is running: it cannot be cancelled
             if job.done or job.future.set_running_or_notify_cancel():
                 job.future.set_exception(EngineError(error))

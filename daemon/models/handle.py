@@ -118,6 +118,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         prefill_chunk=settings.prefill_chunk or (settings.batch_size if gpu_layers else CPU_PREFILL_CHUNK),
         queue_timeout_s=settings.queue_timeout_s or 0.0,
         rank=settings.serves == "rerank",
+        inputs_per_decode=settings.inputs_per_decode,
         speculative=Speculation(
             mode=spec.mode,
             max_draft=spec.max_draft,

@@ -261,6 +261,12 @@ def _check_model(checker: Checker, model: ModelSettings, path: str) -> None:
                 checker.add(
                     f"{path}.{key}", f"{what} reads no images or audio: a projector is for kind generation"
                 )
+    elif model.inputs_per_decode != 1:
+        checker.add(
+            f"{path}.inputs_per_decode",
+            "packs the inputs of embedding and rerank models: a generation "
+            "model batches its sequences anyway",
+        )
     if model.mmproj is not None and model.mmproj == model.name:
         checker.add(
             f"{path}.mmproj", f"names this model itself ({model.name!r}): the projector is a file of its own"
@@ -637,6 +643,16 @@ class ModelSettings:
         "requests that may wait for a slot; beyond that 429 at once",
         bounds=(0, 100_000),
         more="(`server_overloaded`)",
+    )
+    inputs_per_decode: int = setting(
+        1,
+        "embedding and rerank models: inputs packed into one llama_decode (each its own sequence), "
+        "taken from every waiting request in turn; 1: each input a decode of its own",
+        bounds=(1, 256),
+        more="at most `slots`. 1 keeps every input's vector or score the same whatever else is sent; "
+        "packed, they change slightly with what shares the decode (on Gemma 3 270M up to 5e-8 per "
+        "component, 1e-2 with flash attention) and come faster (25 against 14 inputs/s, 8 a decode, "
+        "2 cores)",
     )
     queue_timeout_s: float | None = setting(
         None,
