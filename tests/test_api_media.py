@@ -10,6 +10,7 @@ names what was wrong while another stream keeps its pace and no engine stops.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import os
@@ -31,6 +32,8 @@ from aiohttp import web
 from PIL import Image
 
 from edgellmctl.keys import create_key
+from edgellmd.engine.chat import ChatMessage
+from edgellmd.engine.config import MediaInput, MediaLimits
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.http import appkeys
 from tests.ggufmodels import (
@@ -143,8 +146,6 @@ def _picture_server() -> Generator[str, None, None]:
     async def slow(_: web.Request) -> web.Response:
         await asyncio_sleep(5)
         return web.Response(body=png(9), content_type="image/png")
-
-    import asyncio  # noqa: PLC0415
 
     asyncio_sleep = asyncio.sleep
     loop = asyncio.new_event_loop()
@@ -487,3 +488,31 @@ def test_a_queued_image_request_is_served_by_the_restarted_engine(served: Served
     # Each holder was cut with engine_failed (503) or finished on its own before the kill.
     assert set(long_ones) <= {200, 503}
     wait_for(lambda: not Path(f"/proc/{victim.pid}").exists(), timeout=5, what="the dead process reaped")
+
+
+def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> None:
+    """A client gone while its image is prepared: the preparation finishes on the pool and its
+    chunks are let go of then, never held for good."""
+    assert served.daemon.app is not None
+    handle = served.daemon.app[appkeys.REGISTRY].get("vision")
+    engine = served.engine("vision")
+
+    def media() -> dict[str, Any]:
+        figures: dict[str, Any] = engine.performance()["media"]
+        return figures
+
+    encoded = media()["chunks_encoded"]
+    gate = threading.Event()
+    blocker = handle.executor.submit(gate.wait, 30)  # the pool's one thread for this tenant, held
+    message = ChatMessage("user", "look", media=(MediaInput("image", png(12), "png"),), media_at=(4,))
+
+    async def ask() -> object:
+        return await handle.chat_prompt([message], media_limits=MediaLimits())
+
+    asked = asyncio.run_coroutine_threadsafe(ask(), served.daemon.loop)
+    time.sleep(0.2)  # queued behind the blocker
+    asked.cancel()
+    gate.set()
+    blocker.result(5)
+    wait_for(lambda: media()["chunks_encoded"] == encoded + 1, timeout=10, what="the image encoded")
+    wait_for(lambda: media()["store_held"] == 0, timeout=5, what="its chunks let go of")

@@ -12,6 +12,10 @@ import ctypes
 import dataclasses
 import io
 import math
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -328,3 +332,53 @@ async def test_an_engine_process_prepares_media_as_the_engine_does(
         assert refused.value.limit == "media.max_image_side"
     finally:
         remote.close()
+
+
+_RAW_ONE_SAMPLE = """
+import ctypes, sys
+import llama_cpp, llama_cpp.mtmd_cpp as mtmd
+import numpy as np
+llama_cpp.llama_backend_init()
+params = llama_cpp.llama_model_default_params()
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
+mparams = mtmd.mtmd_context_params_default()
+mparams.use_gpu, mparams.print_timings, mparams.n_threads, mparams.warmup = False, False, 1, False
+mctx = mtmd.mtmd_init_from_file(sys.argv[2].encode(), model, mparams)
+pcm = np.zeros(int(sys.argv[3]), dtype=np.float32)
+bitmap = mtmd.mtmd_bitmap_init_from_audio(len(pcm), pcm.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+text = mtmd.mtmd_input_text()
+prompt = mtmd.mtmd_default_marker()
+text.text, text.text_len, text.add_special, text.parse_special = prompt, len(prompt), False, True
+chunks = mtmd.mtmd_input_chunks_init()
+bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+print("status", mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(text), bitmaps, 1), flush=True)
+"""
+
+
+@pytest.mark.parametrize("samples", [1, 16_000])
+def test_libmtmd_aborts_on_a_one_sample_clip_which_the_engine_pads(tmp_path: Path, samples: int) -> None:
+    """The hazard, kept visible: libmtmd asserts (SIGABRT, the whole process) on a clip of one
+    sample; a second of silence is read. The engine pads every short clip (engine.media)."""
+    model = write_tiny_model(tmp_path / "text.gguf", TinyModelSpec(seed=9))
+    projector = write_tiny_audio_projector(tmp_path / "audio.gguf")
+    done = subprocess.run(  # noqa: S603 - this interpreter, a script of this file
+        [sys.executable, "-c", _RAW_ONE_SAMPLE, str(model), str(projector), str(samples)],
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "GGML_NO_BACKTRACE": "1"},
+        check=False,
+    )
+    if samples == 1:
+        assert done.returncode == -signal.SIGABRT, done.stdout
+        assert b"GGML_ASSERT" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert b"status 0" in done.stdout
+    eng = make_engine(model, projector, context=1024, slots=1)
+    try:
+        for clip in (wav(1 / 16_000, 440), wav(0.001, 440, rate=8000)):  # one sample, eight
+            prepared = eng.prepare_media(MediaInput("audio", clip), LIMITS)
+            assert prepared.n_positions == TinyAudioProjectorSpec().chunk_tokens
+            eng.release_media([p.key for p in prepared.pieces if isinstance(p, MediaChunk)])
+    finally:
+        eng.close()

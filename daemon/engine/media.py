@@ -27,6 +27,7 @@ from edgellmd.engine.config import MediaError, MediaLimits
 IMAGE_FORMATS: Final = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP", "gif": "GIF"}
 # Audio formats by the name clients use (OpenAI's input_audio `format`, a file's extension).
 AUDIO_FORMATS: Final = ("wav", "mp3", "flac", "ogg")
+MIN_SECONDS: Final = 1  # a clip shorter than this is padded with silence (see decode_audio)
 _ALIASES: Final = {"jpg": "jpeg", "mpeg": "mp3", "mpga": "mp3", "x-wav": "wav", "wave": "wav", "oga": "ogg"}
 
 
@@ -228,4 +229,9 @@ def decode_audio(data: bytes, declared: str | None, limits: MediaLimits, rate: i
         import soxr  # noqa: PLC0415 - as soundfile
 
         mono = soxr.resample(mono, found, rate, quality="HQ").astype(np.float32)
+    # libmtmd's audio preprocessors assert on clips shorter than a few of their frames (a
+    # one-sample clip aborts the process): a short clip is padded with silence to MIN_SECONDS.
+    short = rate * MIN_SECONDS - len(mono)
+    if short > 0:
+        mono = np.concatenate([mono, np.zeros(int(short), dtype=np.float32)])
     return np.ascontiguousarray(np.clip(mono, -1.0, 1.0), dtype=np.float32)

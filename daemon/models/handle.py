@@ -192,6 +192,18 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
 REASONING_TAGS: Final = {"deepseek": ("<think>", "</think>")}
 
 
+def _release_held(job: asyncio.Future[Prompt]) -> None:
+    """A prompt nobody waits for any more: let go of the chunks its media hold."""
+    held = job.result().held if not job.cancelled() and job.exception() is None else None
+    if held is not None:
+        held.release()
+
+
+def _release_prepared(engine: Generator, job: asyncio.Future[PreparedMedia]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        MediaHold(engine, [p.key for p in job.result().pieces if isinstance(p, MediaChunk)]).release()
+
+
 class MediaHold:
     """The chunks an engine holds for a prompt's images and clips, until the request lets go
     (`release`, idempotent: the session's end)."""
@@ -481,7 +493,12 @@ class ModelHandle:
         keys: list[str] = []
         try:
             for item in items:
-                prepared = await loop.run_in_executor(self.executor, generator.prepare_media, item, limits)
+                job = loop.run_in_executor(self.executor, generator.prepare_media, item, limits)
+                try:
+                    prepared = await asyncio.shield(job)
+                except asyncio.CancelledError:  # let go of what the job holds once it is done
+                    job.add_done_callback(partial(_release_prepared, generator))
+                    raise
                 keys += [p.key for p in prepared.pieces if isinstance(p, MediaChunk)]
         except BaseException:
             MediaHold(generator, keys).release()
@@ -516,7 +533,12 @@ class ModelHandle:
         loop = asyncio.get_running_loop()
         render = partial(self._render_and_tokenize, messages, tools, media_limits)
         try:
-            prompt = await loop.run_in_executor(self.executor, render)
+            job = loop.run_in_executor(self.executor, render)
+            try:
+                prompt = await asyncio.shield(job)
+            except asyncio.CancelledError:  # the client left: the chunks it holds go when it is done
+                job.add_done_callback(_release_held)
+                raise
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         except EngineError:  # unloaded meanwhile (a swap or an unload while it rendered)
