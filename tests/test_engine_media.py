@@ -43,7 +43,7 @@ from edgellmd.engine.generation import (
     TokenLogprob,
     placeholders,
 )
-from edgellmd.engine.remote import RemoteEngine
+from edgellmd.engine.remote import NATIVE_LINES, NATIVE_WINDOW_S, NativeLines, RemoteEngine
 from edgellmd.engine.scheduler import Engine
 from tests.ggufmodels import (
     TinyAudioProjectorSpec,
@@ -382,3 +382,16 @@ def test_libmtmd_aborts_on_a_one_sample_clip_which_the_engine_pads(tmp_path: Pat
             eng.release_media([p.key for p in prepared.pieces if isinstance(p, MediaChunk)])
     finally:
         eng.close()
+
+
+def test_an_engines_native_output_reaches_the_log_at_a_bounded_pace() -> None:
+    """libmpg123 writes a line per defect of a corrupt MP3: a flood of them shows NATIVE_LINES a
+    window and a count of the rest, never the flood."""
+    lines = NativeLines()
+    admitted = [lines.admit(0.001 * i) for i in range(1000)]  # a thousand lines within a second
+    assert sum(show for show, _ in admitted) == NATIVE_LINES
+    assert all(held == 0 for _, held in admitted)
+    show, held = lines.admit(NATIVE_WINDOW_S + 1)  # the next window: shown, the held ones counted
+    assert show
+    assert held == 1000 - NATIVE_LINES
+    assert lines.admit(NATIVE_WINDOW_S + 2) == (True, 0)

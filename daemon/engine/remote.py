@@ -103,6 +103,34 @@ def _keys_of(value: Any) -> list[str]:
     return [p["key"] for p in pieces if isinstance(p, dict) and isinstance(p.get("key"), str)][:1024]
 
 
+# Lines an engine's native code writes to stderr that reach the log, per window (the rest counted).
+NATIVE_LINES: Final = 20
+NATIVE_WINDOW_S: Final = 10.0
+
+
+class NativeLines:
+    """How many of an engine's native stderr lines reach the log: native libraries may write a
+    line per defect of a client's file (libmpg123 on a corrupt MP3), so at most NATIVE_LINES a
+    window of NATIVE_WINDOW_S; the rest are counted, and every line stays in the tail a crash
+    report shows."""
+
+    def __init__(self) -> None:
+        self.window = -NATIVE_WINDOW_S
+        self.shown = 0
+        self.held = 0
+
+    def admit(self, now: float) -> tuple[bool, int]:
+        """Whether a line at `now` is logged, and how many were held back in the window it closes."""
+        closed = 0
+        if now - self.window >= NATIVE_WINDOW_S:
+            closed, self.window, self.shown, self.held = self.held, now, 0, 0
+        if self.shown >= NATIVE_LINES:
+            self.held += 1
+            return False, closed
+        self.shown += 1
+        return True, closed
+
+
 class RemoteEngine:
     """A model served by an engine process; the same surface as the in-process engines."""
 
@@ -217,6 +245,7 @@ class RemoteEngine:
     def _read_stderr(self) -> None:
         stream = self._proc.stderr
         assert stream is not None  # noqa: S101 - started with a pipe
+        native = NativeLines()
         with stream:
             for raw in stream:
                 line = raw.decode("utf-8", "replace").rstrip()[:500]
@@ -226,6 +255,12 @@ class RemoteEngine:
                 # The worker's own records ("LEVEL logger message") at their level; anything
                 # else is native code writing to stderr (a GGML_ASSERT's message): a warning.
                 found = _LOG_LINE.match(line)
+                if found is None:
+                    show, held = native.admit(time.monotonic())
+                    if held:
+                        log.warning("engine %s: %d more lines of native output not shown", self.name, held)
+                    if not show:
+                        continue
                 level = logging.getLevelName(found.group(1)) if found else logging.WARNING
                 log.log(
                     level if isinstance(level, int) else logging.WARNING,
