@@ -1,5 +1,8 @@
 """The web console in a real Chromium: sign-in, overview against /admin/status, reload, keys, playground.
 
+The playground's files (images, audio clips) run on a daemon of their own, whose tiny models
+have tiny projectors (tests.ggufmodels), with low media.* and server.max_body_bytes bounds.
+
 Debian's `chromium` driven by Playwright for Python (`executable_path`: nothing downloads a
 browser; `./dev test` installs the package). One browser for the module, one signed-in page
 for the tests that share it; every test fails if the page logged a console error, threw, or
@@ -10,6 +13,8 @@ the README's screenshots (console-overview.png, console-playground.png) into DIR
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import os
 import re
@@ -17,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import wave
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -24,8 +30,10 @@ from pathlib import Path
 from typing import Any, Final, Literal
 from zoneinfo import ZoneInfo
 
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from edgellmctl.keys import create_key
 from edgellmd import __version__
@@ -33,7 +41,7 @@ from edgellmd.__main__ import drain
 from edgellmd.api.console_sessions import SESSIONS
 from edgellmd.settings import ConsoleSettings
 from tests import fakenvml
-from tests.ggufmodels import TinyModelSpec
+from tests.ggufmodels import TinyModelSpec, write_tiny_audio_projector, write_tiny_model, write_tiny_projector
 from tests.serving import RunningDaemon, SignedLock, running, settings_for
 
 CHROMIUM: Final = Path("/usr/bin/chromium")
@@ -921,6 +929,339 @@ def test_a_load_survives_the_tab_reloaded_right_after_its_click(console: Page, b
         assert time.monotonic() < deadline, state()
         time.sleep(0.1)
     expect(console.locator(f'#actions-table tr[data-model="{MODEL}"] [data-action="unload"]')).to_be_visible()
+
+
+# ---- files in the playground: a daemon of its own, with tiny models that read images or audio
+
+
+@dataclass
+class MediaBox:
+    daemon: RunningDaemon
+    token: str  # admin and inference
+
+    def encoded(self, model: str) -> int:
+        """Images or clips the model's projector has encoded so far (/admin/status)."""
+        request = urllib.request.Request(  # noqa: S310 - loopback URL
+            self.daemon.url + "/admin/status", headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            status = json.loads(response.read())
+        model_status = next(m for m in status["models"] if m["name"] == model)
+        return int(model_status["performance"]["media"]["chunks_encoded"])
+
+    def answer_to(self, model: str, content: list[Any]) -> dict[str, Any]:
+        """What /v1/chat/completions answers one user turn of `content` parts."""
+        body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+        request = urllib.request.Request(  # noqa: S310 - loopback URL
+            self.daemon.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
+                answer: dict[str, Any] = json.loads(response.read())
+        except urllib.error.HTTPError as refused:
+            answer = json.loads(refused.read())
+        return answer
+
+
+MEDIA_MAX_IMAGES: Final = 2
+MEDIA_MAX_IMAGE_BYTES: Final = 200_000
+MEDIA_MAX_BODY: Final = 262_144  # an image near MEDIA_MAX_IMAGE_BYTES fits once decoded, not as base64
+
+
+def _png(seed: int, width: int = 40, height: int = 30) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def _wav(seconds: float = 1.0, rate: int = 16_000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((0.4 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2").tobytes())
+    return out.getvalue()
+
+
+def _file(name: str, data: bytes, mime: str) -> Any:
+    return {"name": name, "mimeType": mime, "buffer": data}
+
+
+@pytest.fixture(scope="module")
+def media_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MediaBox]:
+    root = tmp_path_factory.mktemp("console-media")
+    keys = root / "keys.yaml"
+    _, token = create_key(keys, "operator", ["admin", "inference"], limits={})
+    text = str(write_tiny_model(root / "text.gguf", TinyModelSpec(seed=9)))
+    models = [
+        {"name": "plain", "file": text, "context_size": 256, "threads": 1},
+        {
+            "name": "vision",
+            "file": text,
+            "mmproj_file": str(write_tiny_projector(root / "vision.gguf")),
+            "context_size": 256,
+            "threads": 1,
+        },
+        {
+            "name": "hears",
+            "file": text,
+            "mmproj_file": str(write_tiny_audio_projector(root / "audio.gguf")),
+            "context_size": 1024,  # a clip is 375 tokens
+            "threads": 1,
+        },
+    ]
+    settings = settings_for(
+        models,
+        server={"max_body_bytes": MEDIA_MAX_BODY},
+        auth={"keys_file": str(keys)},
+        lifecycle={"preload_dir": str(root / "shm"), "watch": False},
+        media={"max_images": MEDIA_MAX_IMAGES, "max_image_bytes": MEDIA_MAX_IMAGE_BYTES},
+    )
+    settings = replace(settings, console=ConsoleSettings(enabled=True, signins_per_key_per_minute=1000))
+    with running(settings) as daemon:
+        yield MediaBox(daemon, token)
+
+
+@pytest.fixture(scope="module")
+def media_page(browser: Browser, media_box: MediaBox) -> Iterator[Watched]:
+    watched = _watched(browser)
+    watched.page.goto(media_box.daemon.url + "/ui/")
+    watched.page.get_by_label("API key", exact=True).fill(media_box.token)
+    watched.page.get_by_role("button", name="Sign in").click()
+    expect(watched.page.locator("#who-name")).to_contain_text("operator")
+    yield watched
+    watched.page.context.close()
+
+
+@pytest.fixture
+def playground(media_page: Watched, media_box: MediaBox) -> Iterator[Page]:
+    """The playground of the media daemon, a new conversation; fails on anything the page reported
+    but the browser's own note of a request the server refused (400)."""
+    page = media_page.page
+    media_page.errors.clear()
+    page.evaluate("window.__cspViolations = []")
+    page.goto(media_box.daemon.url + "/ui/#playground")
+    page.get_by_role("button", name="New conversation").click()
+    page.get_by_label("Max tokens", exact=True).fill("2")
+    yield page
+    assert [p for p in media_page.problems() if "status of 400" not in p] == []
+
+
+def _chat_requests(page: Page) -> list[Any]:
+    """Every chat request the page sends from now on (each still goes to the server)."""
+    sent: list[Any] = []
+
+    def watch(route: Any) -> None:
+        sent.append(route.request.post_data_json)
+        route.continue_()
+
+    page.route("**/ui/api/chat", watch)
+    return sent
+
+
+def _send(page: Page, text: str) -> None:
+    figures = page.locator("#chat-figures")
+    page.evaluate("document.getElementById('chat-figures').textContent = ''")
+    page.get_by_label("Message", exact=True).fill(text)
+    page.get_by_label("Message", exact=True).press("Enter")
+    expect(figures).to_contain_text(re.compile("tokens/s|ended"))
+    expect(page.locator("#transcript")).to_have_attribute("aria-busy", "false")
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_a_text_model_offers_no_attachment_and_says_why(playground: Page) -> None:
+    attach = playground.get_by_label("Attach files", exact=True)
+    playground.get_by_label("Model", exact=True).select_option("plain")
+    expect(attach).to_be_hidden()
+    expect(playground.locator("#chat-attach-help")).to_contain_text("reads text only")
+    playground.get_by_label("Model", exact=True).select_option("vision")
+    expect(attach).to_be_visible()
+    expect(attach).to_have_attribute("accept", re.compile(r"^\.png,.*image/gif$"))
+    expect(playground.locator("#chat-attach-help")).to_contain_text("Images (PNG, JPEG, WebP, GIF)")
+    playground.get_by_label("Mode", exact=True).select_option("completion")  # a completion is text only
+    expect(attach).to_be_hidden()
+    playground.get_by_label("Mode", exact=True).select_option("chat")
+    expect(attach).to_be_visible()
+
+
+def test_an_attached_picture_reaches_the_model_and_shows_in_the_turn(
+    playground: Page, media_box: MediaBox
+) -> None:
+    picture = _png(1)
+    playground.get_by_label("Model", exact=True).select_option("vision")
+    playground.get_by_label("Attach files", exact=True).set_input_files(
+        _file("dots.png", picture, "image/png")
+    )
+    pending = playground.locator("#chat-attachments .attachment")
+    expect(pending).to_have_count(1)
+    expect(pending).to_contain_text(f"dots.png (PNG image, {len(picture) / 1024:.1f} KiB)")
+    expect(pending.locator("img")).to_have_attribute("alt", "dots.png")
+    encoded = media_box.encoded("vision")
+    sent = _chat_requests(playground)
+    try:
+        _send(playground, "What is this?")
+        expect(playground.locator("#chat-figures")).to_contain_text("tokens/s")
+        playground.get_by_role("button", name="Regenerate this reply").click()  # asks with the picture again
+        expect(playground.locator("#transcript .turn")).to_have_count(2)
+        expect(playground.locator("#transcript")).to_have_attribute("aria-busy", "false")
+        _send(playground, "And its colours?")  # the picture goes again with the history
+    finally:
+        playground.unroute("**/ui/api/chat")
+    picture_part = {"type": "image_url", "image_url": {"url": _data_url(picture)}}
+    assert sent[0]["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, picture_part]}
+    ]
+    assert sent[1]["messages"] == sent[0]["messages"]
+    assert sent[2]["messages"][0] == sent[0]["messages"][0]
+    assert sent[2]["messages"][-1] == {"role": "user", "content": "And its colours?"}
+    assert media_box.encoded("vision") == encoded + 1  # it reached the projector (once: then reused)
+    expect(pending).to_have_count(0)  # sent: no longer waiting to go
+    shown = playground.locator('#transcript [data-role="user"]').first
+    expect(shown.locator(".text")).to_have_text("What is this?")
+    thumb = shown.locator(".attachment img")
+    expect(thumb).to_have_attribute("alt", "dots.png")
+    assert thumb.evaluate(
+        "(img) => img.complete && img.naturalWidth > 0 && img.src.startsWith('data:image/png')"
+    )
+    assert int(playground.locator("#chat-figures").get_attribute("data-prompt-tokens") or 0) > 0
+
+
+def test_the_oldest_pictures_stop_going_with_the_history_at_the_bound(playground: Page) -> None:
+    playground.get_by_label("Model", exact=True).select_option("vision")
+    attach = playground.get_by_label("Attach files", exact=True)
+    sent = _chat_requests(playground)
+    try:
+        for number in range(MEDIA_MAX_IMAGES + 1):
+            attach.set_input_files(_file(f"p{number}.png", _png(10 + number), "image/png"))
+            _send(playground, f"picture {number}")
+            expect(playground.locator("#chat-figures")).to_contain_text("tokens/s")
+    finally:
+        playground.unroute("**/ui/api/chat")
+
+    def pictures(body: Any) -> list[str]:
+        return [
+            p["image_url"]["url"]
+            for m in body["messages"]
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p["type"] == "image_url"
+        ]
+
+    assert [len(pictures(body)) for body in sent] == [1, 2, MEDIA_MAX_IMAGES]
+    assert pictures(sent[2]) == [_data_url(_png(11)), _data_url(_png(12))]  # the oldest went
+    assert sent[2]["messages"][0]["content"][1] == {
+        "type": "text",
+        "text": "[an image, p0.png, was attached here]",
+    }
+    first = playground.locator('#transcript [data-role="user"] .attachment').first
+    expect(first).to_have_class(re.compile(r"\bdropped\b"))
+    expect(first).to_contain_text("no longer sent")
+    expect(playground.locator("#chat-attach-error")).to_contain_text('"p0.png"')
+
+
+def test_a_file_past_the_bounds_or_of_another_kind_is_refused_before_anything_is_sent(
+    playground: Page,
+) -> None:
+    playground.get_by_label("Model", exact=True).select_option("vision")
+    attach = playground.get_by_label("Attach files", exact=True)
+    error = playground.locator("#chat-attach-error")
+    magic = b"\x89PNG\r\n\x1a\n"
+    sent = _chat_requests(playground)
+    try:
+        attach.set_input_files(
+            _file("huge.png", magic + bytes(MEDIA_MAX_IMAGE_BYTES + 1 - len(magic)), "image/png")
+        )
+        expect(error).to_contain_text(
+            '"huge.png" is 195.3 KiB (200,001 bytes): '
+            "an image may be at most 200,000 bytes (media.max_image_bytes)"
+        )
+        # Within media.max_image_bytes, but not within the body once in base64.
+        attach.set_input_files(_file("wide.png", magic + bytes(199_000 - len(magic)), "image/png"))
+        expect(error).to_contain_text("(server.max_body_bytes)")
+        attach.set_input_files(_file("notes.txt", b"hello", "text/plain"))
+        expect(error).to_contain_text('"notes.txt" is not a file this model reads: it takes images')
+        attach.set_input_files(_file("clip.wav", _wav(0.2), "audio/wav"))  # this model hears nothing
+        expect(error).to_contain_text('"clip.wav" is not a file this model reads')
+        expect(playground.locator("#chat-attachments .attachment")).to_have_count(0)
+        # Too many at once: past media.max_images, the rest is refused.
+        attach.set_input_files(
+            [_file(f"m{i}.png", _png(30 + i), "image/png") for i in range(MEDIA_MAX_IMAGES + 1)]
+        )
+        expect(playground.locator("#chat-attachments .attachment")).to_have_count(MEDIA_MAX_IMAGES)
+        expect(error).to_contain_text(
+            f"a message may hold at most {MEDIA_MAX_IMAGES} images (media.max_images)"
+        )
+        playground.get_by_role("button", name="Remove m0.png").click()
+        expect(playground.locator("#chat-attachments .attachment")).to_have_count(MEDIA_MAX_IMAGES - 1)
+        playground.get_by_role("button", name=f"Remove m{MEDIA_MAX_IMAGES - 1}.png").click()
+        expect(playground.locator("#chat-attachments .attachment")).to_have_count(MEDIA_MAX_IMAGES - 2)
+    finally:
+        playground.unroute("**/ui/api/chat")
+    assert sent == []
+
+
+def test_the_servers_refusal_of_a_picture_is_shown_and_the_message_and_file_stay(
+    playground: Page, media_box: MediaBox
+) -> None:
+    broken = _png(2)[:-60]  # a PNG cut short: it starts like one, the server cannot decode it
+    playground.get_by_label("Model", exact=True).select_option("vision")
+    playground.get_by_label("Attach files", exact=True).set_input_files(
+        _file("broken.png", broken, "image/png")
+    )
+    expect(playground.locator("#chat-attachments .attachment")).to_have_count(1)
+    _send(playground, "Look at this")
+    told = media_box.answer_to(
+        "vision",
+        [
+            {"type": "text", "text": "Look at this"},
+            {"type": "image_url", "image_url": {"url": _data_url(broken)}},
+        ],
+    )
+    assert told["error"]["code"] == "invalid_image"
+    figures = playground.locator("#chat-figures")
+    expect(figures).to_contain_text(f"ended: {told['error']['message']}")
+    expect(figures).to_have_class(re.compile(r"\bbad\b"))
+    expect(playground.locator("#transcript .turn")).to_have_count(0)  # no bubbles for what was refused
+    expect(playground.get_by_label("Message", exact=True)).to_have_value("Look at this")
+    expect(playground.locator("#chat-attachments .attachment")).to_contain_text("broken.png")
+    # A model that reads no images: the file is dropped, and the page says so.
+    playground.get_by_label("Model", exact=True).select_option("hears")
+    expect(playground.locator("#chat-attachments .attachment")).to_have_count(0)
+    expect(playground.locator("#chat-attach-error")).to_contain_text(
+        'Removed "broken.png": the model hears reads no images'
+    )
+
+
+def test_an_audio_clip_reaches_a_model_that_hears(playground: Page, media_box: MediaBox) -> None:
+    clip = _wav(1.0)
+    playground.get_by_label("Model", exact=True).select_option("hears")
+    attach = playground.get_by_label("Attach files", exact=True)
+    expect(attach).to_have_attribute("accept", re.compile(r"^\.wav,"))
+    attach.set_input_files(_file("tone.wav", clip, "audio/wav"))
+    pending = playground.locator("#chat-attachments .attachment")
+    expect(pending).to_contain_text(f"tone.wav (WAV audio, {len(clip) / 1024:.1f} KiB)")
+    expect(pending.locator("img")).to_have_count(0)
+    encoded = media_box.encoded("hears")
+    sent = _chat_requests(playground)
+    try:
+        _send(playground, "What is this sound?")
+    finally:
+        playground.unroute("**/ui/api/chat")
+    expect(playground.locator("#chat-figures")).to_contain_text("tokens/s")
+    assert sent[0]["messages"][-1]["content"] == [
+        {"type": "text", "text": "What is this sound?"},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}},
+    ]
+    assert media_box.encoded("hears") > encoded
+    expect(playground.locator('#transcript [data-role="user"] .attachment')).to_contain_text("tone.wav")
 
 
 # Keep this test last in the module: after the drain the box accepts no new connections.

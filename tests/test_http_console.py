@@ -28,6 +28,7 @@ from edgellmd import __version__
 from edgellmd.api.console import CSP
 from edgellmd.settings import ConsoleSettings, Settings
 from tests.bare import audit_lines, everything_logged
+from tests.ggufmodels import write_tiny_audio_projector, write_tiny_projector
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
 MODEL: Final = "tiny"
@@ -223,13 +224,60 @@ def test_routes_need_a_session_and_their_scope(box: Box) -> None:
         assert (answer.status, answer.code) == (401, "session_required"), path
     app = box.browser()
     app.sign_in(box.tokens["app"])
-    assert app.request("GET", "/ui/api/models").json() == {"models": [MODEL]}
+    listed = app.request("GET", "/ui/api/models").json()
+    assert (listed["models"], listed["reads"]) == ([MODEL], {MODEL: ["text"]})
     for method, path in (("GET", "/ui/api/events"), ("GET", "/ui/api/keys"), ("POST", "/ui/api/reload")):
         answer = app.request(method, path, {})
         assert (answer.status, answer.code) == (403, "insufficient_scope"), path
     answer = box.browser().sign_in(box.tokens["scraper"])  # metrics only: nothing in the console for it
     assert (answer.status, answer.code) == (403, "insufficient_scope")
     assert "Set-Cookie" not in answer.headers
+
+
+def test_the_playground_is_told_what_each_model_reads_and_the_bounds_on_its_files(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    keys, tokens = _keys(tmp_path, ("app", ["inference"]))
+    text = str(models_dir / "tiny.gguf")
+    settings = settings_for(
+        [
+            {"name": "plain", "file": text, "context_size": 128, "threads": 1},
+            {
+                "name": "vision",
+                "file": text,
+                "mmproj_file": str(write_tiny_projector(tmp_path / "vision.gguf")),
+                "context_size": 128,
+                "threads": 1,
+            },
+            {
+                "name": "hears",
+                "file": text,
+                "mmproj_file": str(write_tiny_audio_projector(tmp_path / "audio.gguf")),
+                "context_size": 1024,
+                "threads": 1,
+            },
+        ],
+        server={"max_body_bytes": 524_288},
+        auth={"keys_file": str(keys)},
+        lifecycle={"preload_dir": str(tmp_path / "shm"), "watch": False},
+        media={"max_images": 3, "max_image_bytes": 200_000, "max_clips": 2, "max_audio_bytes": 300_000},
+    )
+    settings = replace(settings, console=ConsoleSettings(enabled=True))
+    with running(settings) as daemon:
+        app = Browser(daemon.port)
+        app.sign_in(tokens["app"])
+        listed = app.request("GET", "/ui/api/models").json()
+    assert listed["models"] == ["plain", "vision", "hears"]  # names, as before: configuration order
+    assert listed["reads"] == {"plain": ["text"], "vision": ["text", "image"], "hears": ["text", "audio"]}
+    assert listed["media"] == {
+        "max_images": 3,
+        "max_image_bytes": 200_000,
+        "max_clips": 2,
+        "max_audio_bytes": 300_000,
+        "max_body_bytes": 524_288,
+        "image_formats": ["png", "jpeg", "webp", "gif"],
+        "audio_formats": ["wav", "mp3", "flac", "ogg"],
+    }
 
 
 def test_the_playground_runs_the_chat_handler_under_the_sessions_key(box: Box) -> None:

@@ -23,6 +23,7 @@ from edgellmd.api.console_live import FEED, events, setup_live
 from edgellmd.api.console_sessions import CONSOLE_SESSION, SESSIONS, SIGNED_OUT, set_cookie
 from edgellmd.api.context import context
 from edgellmd.api.openai import routes as openai
+from edgellmd.engine.media import AUDIO_FORMATS, IMAGE_FORMATS
 from edgellmd.errors import NotFound
 from edgellmd.settings import Settings
 
@@ -135,9 +136,27 @@ def _after_action(handler: Handler) -> Handler:
 
 
 async def models(request: web.Request) -> web.StreamResponse:
-    """GET /ui/api/models: the models the playground can chat with now."""
-    handles = context(request).registry.ready_handles()
-    return web.json_response({"models": [h.name for h in handles if not h.settings.pooled]})
+    """GET /ui/api/models: the models the playground can chat with now, what each reads, and the
+    bounds on images and clips that the page checks before it sends (the chat handler checks
+    them again: the page's check only spares a request that would be refused)."""
+    ctx = context(request)
+    handles = [h for h in ctx.registry.ready_handles() if not h.settings.pooled]
+    media = ctx.settings.media
+    return web.json_response(
+        {
+            "models": [h.name for h in handles],  # names only, as the page has always read them
+            "reads": {h.name: list(h.reads) for h in handles},  # "text", and "image", "audio"
+            "media": {
+                "max_images": media.max_images,
+                "max_image_bytes": media.max_image_bytes,  # one image, decoded (as media.py counts)
+                "max_clips": media.max_clips,
+                "max_audio_bytes": media.max_audio_bytes,
+                "max_body_bytes": ctx.settings.server.max_body_bytes,  # the whole request, as sent
+                "image_formats": list(IMAGE_FORMATS),
+                "audio_formats": list(AUDIO_FORMATS),
+            },
+        }
+    )
 
 
 async def chat(request: web.Request) -> web.StreamResponse:

@@ -11,6 +11,10 @@
     interval: 2,
     overview: null,
     conversation: [],
+    models: {}, // name -> what it reads ("text", "image", "audio"), from /ui/api/models
+    media: null, // the bounds on images and clips the page checks before sending
+    attachments: [], // images and clips to go with the next user turn
+    reading: null, // files being read into `attachments`, until they are
     abort: null,
     keys: null,
   };
@@ -174,7 +178,7 @@
   // Everything a signed-in key was shown: gone with its session, before anyone else signs in.
   const SHOWN = ["models-table", "reload-history", "actions-table", "keys-table", "usage-table"];
   const FILLED = ["lockfile", "host", "gpus", "action-outcome", "keys-outcome", "usage-outcome", "usage-svg",
-    "usage-legend", "transcript", "charts"];
+    "usage-legend", "transcript", "charts", "chat-attach-error"];
 
   function forget() {
     for (const id of SHOWN) clear($(id).tBodies[0]);
@@ -183,6 +187,8 @@
     state.samples = [];
     state.keys = null;
     state.conversation = [];
+    state.attachments = [];
+    renderAttach();
     $("who-name").textContent = "";
     $("daemon-info").textContent = "";
     $("chat-figures").textContent = "";
@@ -194,7 +200,9 @@
   // half-streamed when it ended stays too. Signing out, or another key signing in, drops it.
   function keepTranscript() {
     const nodes = [...$("transcript").childNodes];
-    state.kept = nodes.length && state.session ? { keyId: state.session.key_id, nodes, conversation: state.conversation } : null;
+    const attachments = state.attachments;
+    state.kept = (nodes.length || attachments.length) && state.session
+      ? { keyId: state.session.key_id, nodes, conversation: state.conversation, attachments } : null;
   }
 
   function restoreTranscript(keyId) {
@@ -203,6 +211,8 @@
     if (!kept || kept.keyId !== keyId) return;
     $("transcript").append(...kept.nodes);
     state.conversation = kept.conversation;
+    state.attachments = kept.attachments;
+    renderAttach();
   }
 
   function signedOut(reason, keep = false) {
@@ -921,16 +931,252 @@
       clear(select);
       for (const name of data.models) select.append(h("option", { value: name }, name));
       if (data.models.includes(chosen)) select.value = chosen;
+      state.models = {};
+      for (const name of data.models) state.models[name] = (data.reads && data.reads[name]) || ["text"];
+      state.media = data.media || null;
+      fitAttachments();
     } catch (err) {
       $("chat-figures").textContent = err.message;
     }
   }
 
-  function turn(role, text) {
+  function turn(role, text, attached = []) {
     const body = h("div", { class: "text" }, text);
-    const el = h("div", { class: `turn ${role}`, "data-role": role }, h("span", { class: "role" }, role === "user" ? "You" : "Model"), body);
+    const el = h("div", { class: `turn ${role}`, "data-role": role }, h("span", { class: "role" }, role === "user" ? "You" : "Model"), body,
+      // Each file's item in its turn, to mark it once it is no longer sent (see `fitted`).
+      attached.length ? h("ul", { class: "attachments", "aria-label": "Sent with this message" }, attached.map((a) => (a.shown = attachmentItem(a)))) : null);
     $("transcript").append(el);
     return body;
+  }
+
+  // ---- attachments ------------------------------------------------------------------------
+  // Images and audio clips for a model with a projector, sent as the user turn's content parts
+  // (image_url data: URLs, input_audio base64). The page checks the bounds /ui/api/models gives
+  // before anything is sent, so that a file the server would refuse costs no request; the
+  // server checks them all again. A file's kind comes from its name or type (what the picker
+  // offered); its format from its first bytes where they say one (a JPEG saved as .png goes as
+  // the JPEG it is), else from its name, and then the server's answer says what is wrong.
+  // Coupled to the formats the server reads (engine/media.py IMAGE_FORMATS, AUDIO_FORMATS and
+  // its aliases; /ui/api/models lists them): a format added there is added here.
+  const KINDS = {
+    png: ["image", "png"], jpg: ["image", "jpeg"], jpeg: ["image", "jpeg"], webp: ["image", "webp"], gif: ["image", "gif"],
+    wav: ["audio", "wav"], mp3: ["audio", "mp3"], flac: ["audio", "flac"], ogg: ["audio", "ogg"], oga: ["audio", "ogg"],
+    "image/png": ["image", "png"], "image/jpeg": ["image", "jpeg"], "image/webp": ["image", "webp"], "image/gif": ["image", "gif"],
+    "audio/wav": ["audio", "wav"], "audio/x-wav": ["audio", "wav"], "audio/wave": ["audio", "wav"], "audio/vnd.wave": ["audio", "wav"],
+    "audio/mpeg": ["audio", "mp3"], "audio/mp3": ["audio", "mp3"], "audio/flac": ["audio", "flac"], "audio/x-flac": ["audio", "flac"],
+    "audio/ogg": ["audio", "ogg"], "application/ogg": ["audio", "ogg"],
+  };
+  const ACCEPT = {
+    image: ".png,.jpg,.jpeg,.webp,.gif,image/png,image/jpeg,image/webp,image/gif",
+    audio: ".wav,.mp3,.flac,.ogg,.oga,audio/wav,audio/x-wav,audio/mpeg,audio/flac,audio/ogg",
+  };
+  const IMAGE_TYPES = { png: "image/png", jpeg: "image/jpeg", webp: "image/webp", gif: "image/gif" };
+  const FORMAT_NAMES = { png: "PNG", jpeg: "JPEG", webp: "WebP", gif: "GIF", wav: "WAV", mp3: "MP3", flac: "FLAC", ogg: "Ogg" };
+  const KIND_WORDS = { image: ["image", "images", "media.max_images", "media.max_image_bytes"], audio: ["audio clip", "audio clips", "media.max_clips", "media.max_audio_bytes"] };
+  const THUMB_PX = 160; // the longer side of a thumbnail: the page keeps these, not the pictures
+  const ENVELOPE = 1024; // room in a request for everything but the base64 of its files
+
+  const chosenModel = () => $("chat-model").value;
+  const readsOf = (model) => state.models[model] || ["text"];
+  const mostOf = (kind) => (state.media ? (kind === "image" ? state.media.max_images : state.media.max_clips) : 0);
+  const bytesOf = (kind) => (kind === "image" ? state.media.max_image_bytes : state.media.max_audio_bytes);
+  const base64Length = (size) => 4 * Math.ceil(size / 3);
+  // What may be attached now: the kinds the chosen model reads that the server takes at all.
+  function offered() {
+    if ($("chat-mode").value !== "chat") return [];
+    return ["image", "audio"].filter((kind) => readsOf(chosenModel()).includes(kind) && mostOf(kind) > 0);
+  }
+
+  function sniff(head) {
+    const at = (i, text) => [...text].every((c, j) => head[i + j] === c.charCodeAt(0));
+    if (head[0] === 0x89 && at(1, "PNG")) return ["image", "png"];
+    if (head[0] === 0xff && head[1] === 0xd8 && head[2] === 0xff) return ["image", "jpeg"];
+    if (at(0, "RIFF") && at(8, "WEBP")) return ["image", "webp"];
+    if (at(0, "GIF87a") || at(0, "GIF89a")) return ["image", "gif"];
+    if (at(0, "RIFF") && at(8, "WAVE")) return ["audio", "wav"];
+    if (at(0, "fLaC")) return ["audio", "flac"];
+    if (at(0, "OggS")) return ["audio", "ogg"];
+    if (at(0, "ID3") || (head[0] === 0xff && (head[1] & 0xe0) === 0xe0)) return ["audio", "mp3"];
+    return null;
+  }
+
+  function readBase64(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(String(reader.result).slice(String(reader.result).indexOf(",") + 1));
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+  }
+
+  // A small copy of a picture to show (null where the browser cannot draw it: the server says why).
+  async function thumbnail(file) {
+    try {
+      const bitmap = await createImageBitmap(file);
+      const scale = Math.min(1, THUMB_PX / Math.max(bitmap.width, bitmap.height));
+      const canvas = h("canvas", { width: Math.max(1, Math.round(bitmap.width * scale)), height: Math.max(1, Math.round(bitmap.height * scale)) });
+      canvas.getContext("2d").drawImage(bitmap, 0, 0, canvas.width, canvas.height);
+      bitmap.close();
+      return canvas.toDataURL("image/png");
+    } catch (_) {
+      return null;
+    }
+  }
+
+  // Why `file` may not go with the message, or null; `more`: what is attached already.
+  function refusal(file, kind, more) {
+    const [one, many, countSetting, bytesSetting] = KIND_WORDS[kind];
+    const name = `"${file.name}"`;
+    if (file.size === 0) return `${name} is empty.`;
+    const exact = (n) => n.toLocaleString("en");
+    if (file.size > bytesOf(kind)) return `${name} is ${bytes(file.size)} (${exact(file.size)} bytes): an ${one} may be at most ${exact(bytesOf(kind))} bytes (${bytesSetting}).`;
+    if (more.filter((a) => a.kind === kind).length >= mostOf(kind)) return `${name} is one ${one} too many: a message may hold at most ${mostOf(kind)} ${many} (${countSetting}).`;
+    const sent = more.reduce((sum, a) => sum + base64Length(a.size), 0) + base64Length(file.size) + ENVELOPE;
+    if (sent > state.media.max_body_bytes) {
+      return `${name} is ${bytes(file.size)}: sent as base64 with ${more.length ? "the other files" : "the message"}, it would take ${bytes(sent)}, more than the ${bytes(state.media.max_body_bytes)} a request may hold (server.max_body_bytes).`;
+    }
+    return null;
+  }
+
+  // Files picked are read before a message goes: a send meanwhile waits for them (`state.reading`).
+  function attachFiles(input) {
+    const reading = readFiles(input).finally(() => { if (state.reading === reading) state.reading = null; });
+    state.reading = reading;
+  }
+
+  async function readFiles(input) {
+    const files = [...input.files];
+    input.value = ""; // the same file may be picked again after it is removed
+    if (state.reading) await state.reading; // one pick after another, in order
+    const refused = [];
+    const kinds = offered();
+    for (const file of files) {
+      const ext = file.name.includes(".") ? file.name.split(".").pop().toLowerCase() : "";
+      const [kind] = KINDS[ext] || KINDS[file.type] || [null];
+      if (!kind || !kinds.includes(kind)) {
+        const what = kinds.map((k) => (k === "image" ? "images (PNG, JPEG, WebP, GIF)" : "audio (WAV, MP3, FLAC, Ogg)")).join(" or ");
+        refused.push(`"${file.name}" is not a file this model reads: it takes ${what}.`);
+        continue;
+      }
+      const why = refusal(file, kind, state.attachments);
+      if (why) { refused.push(why); continue; }
+      const found = sniff(new Uint8Array(await file.slice(0, 12).arrayBuffer()));
+      const format = found && found[0] === kind ? found[1] : (KINDS[ext] || KINDS[file.type])[1];
+      let data;
+      try { data = await readBase64(file); } catch (_) { refused.push(`"${file.name}" could not be read.`); continue; }
+      const thumb = kind === "image" ? await thumbnail(file) : null;
+      // Checked again: the model or mode may have changed while the file was read.
+      const late = offered().includes(kind) ? refusal(file, kind, state.attachments) : `"${file.name}": the model changed while it was read.`;
+      if (late) { refused.push(late); continue; }
+      state.attachments.push({ kind, name: file.name, size: file.size, format, data, thumb });
+    }
+    $("chat-attach-error").textContent = refused.join(" ");
+    renderAttach();
+  }
+
+  function attachmentItem(a, remove) {
+    const label = `${a.name} (${a.kind === "image" ? FORMAT_NAMES[a.format] + " image" : FORMAT_NAMES[a.format] + " audio"}, ${bytes(a.size)})`;
+    const item = h("li", { class: `attachment ${a.kind}`, "data-kind": a.kind },
+      a.kind === "image" && a.thumb ? h("img", { src: a.thumb, alt: a.name, class: "thumb" }) : a.kind === "image" ? h("span", { class: "icon" }, "no preview") : h("span", { class: "icon", "aria-hidden": "true" }, "♪"),
+      h("span", { class: "name" }, label));
+    if (remove) {
+      item.append(h("button", { type: "button", class: "secondary small", "aria-label": `Remove ${a.name}`, on: { click: remove } }, "Remove"));
+    }
+    return item;
+  }
+
+  // The control, its hint and the attached files as the chosen model and mode allow them.
+  function renderAttach() {
+    const kinds = offered();
+    const input = $("chat-attach");
+    input.hidden = !kinds.length;
+    input.disabled = !kinds.length;
+    input.accept = kinds.map((k) => ACCEPT[k]).join(",");
+    const model = chosenModel();
+    let help;
+    if ($("chat-mode").value !== "chat") help = "Files go with chat mode only: a completion continues text.";
+    else if (!model) help = "Pick a model to see what it reads.";
+    else if (!kinds.length) {
+      const reads = readsOf(model).filter((k) => k !== "text");
+      help = reads.length
+        ? `This server takes no ${reads.join(" or ")} (media.max_images, media.max_clips), so nothing can be attached.`
+        : `The model ${model} reads text only (it has no multimodal projector), so nothing can be attached.`;
+    } else {
+      const room = Math.floor((state.media.max_body_bytes - ENVELOPE) / 4) * 3; // one file's bytes in a request
+      help = kinds.map((k) => {
+        const formats = state.media[k === "image" ? "image_formats" : "audio_formats"].map((f) => FORMAT_NAMES[f] || f).join(", ");
+        return `${k === "image" ? "Images" : "Audio clips"} (${formats}): up to ${bytes(Math.min(bytesOf(k), room))} each, ${mostOf(k)} a message.`;
+      }).join(" ");
+    }
+    $("chat-attach-help").textContent = help;
+    const list = clear($("chat-attachments"));
+    state.attachments.forEach((a) => list.append(attachmentItem(a, () => {
+      state.attachments = state.attachments.filter((b) => b !== a);
+      $("chat-attach-error").textContent = "";
+      renderAttach();
+      if ($("chat-attach").hidden) $("chat-message").focus();
+      else $("chat-attach").focus();
+    })));
+    list.hidden = !state.attachments.length || $("chat-mode").value !== "chat";
+    $("chat-message").required = !state.attachments.length; // a picture alone may be the question
+  }
+
+  // After the model or mode changed: files the chosen model cannot read are dropped, and said so.
+  function fitAttachments() {
+    const kinds = offered();
+    const dropped = $("chat-mode").value === "chat" ? state.attachments.filter((a) => !kinds.includes(a.kind)) : [];
+    if (dropped.length) {
+      state.attachments = state.attachments.filter((a) => kinds.includes(a.kind));
+      const model = chosenModel();
+      $("chat-attach-error").textContent = `Removed ${dropped.map((a) => `"${a.name}"`).join(", ")}: the model ${model} reads no ${[...new Set(dropped.map((a) => (a.kind === "image" ? "images" : "audio")))].join(" or ")}.`;
+    }
+    renderAttach();
+  }
+
+  // A turn as the API takes it: text alone stays a string; with files, content parts. Files of
+  // a kind the chosen model does not read, or dropped from the history, go as a note in words.
+  function wire(entry, reads, gone) {
+    if (!entry.attachments || !entry.attachments.length) return { role: entry.role, content: entry.content };
+    const parts = entry.content ? [{ type: "text", text: entry.content }] : [];
+    for (const a of entry.attachments) {
+      if (a.data === null || gone.has(a) || !reads.includes(a.kind)) parts.push({ type: "text", text: `[${a.kind === "image" ? "an image" : "an audio clip"}, ${a.name}, was attached here]` });
+      else if (a.kind === "image") parts.push({ type: "image_url", image_url: { url: `data:${IMAGE_TYPES[a.format]};base64,${a.data}` } });
+      else parts.push({ type: "input_audio", input_audio: { data: a.data, format: a.format } });
+    }
+    return { role: entry.role, content: parts };
+  }
+
+  // Files in the history go again with every turn, so that the model can be asked more about
+  // them: the page keeps their bytes in memory (never in storage) while they fit. When the
+  // next request would go past a bound (media.max_images, media.max_clips or
+  // server.max_body_bytes), the oldest are dropped for good (their bytes freed, a note in
+  // words sent in their place, the thumbnail stays on the page), so what the page holds stays
+  // within about one request. Returns the body to send, or why it cannot be sent (then nothing
+  // is dropped).
+  function fitted(body, system, current, reads) {
+    const gone = new Set();
+    for (;;) {
+      body.messages = [...system, ...state.conversation.map((m) => wire(m, reads, gone)), wire(current, reads, gone)];
+      const json = JSON.stringify(body);
+      const count = (kind) => body.messages.reduce((n, m) => n + (Array.isArray(m.content)
+        ? m.content.filter((p) => p.type === (kind === "image" ? "image_url" : "input_audio")).length : 0), 0);
+      const over = count("image") > mostOf("image") ? "image" : count("audio") > mostOf("audio") ? "audio" : null;
+      const big = new Blob([json]).size > (state.media ? state.media.max_body_bytes : Infinity);
+      if (!over && !big) {
+        for (const a of gone) a.data = null; // for good: its bytes are freed
+        return { json, dropped: [...gone] };
+      }
+      const old = state.conversation.flatMap((m) => m.attachments || [])
+        .find((a) => a.data !== null && !gone.has(a) && reads.includes(a.kind) && (!over || a.kind === over));
+      if (!old) {
+        return {
+          refused: over
+            ? `This message holds more ${KIND_WORDS[over][1]} than a request may (${mostOf(over)}, ${KIND_WORDS[over][2]}).`
+            : `This message and its files take more than the ${bytes(state.media.max_body_bytes)} a request may hold (server.max_body_bytes): remove a file or start a new conversation.`,
+        };
+      }
+      gone.add(old);
+    }
   }
 
   // ---- markdown, safely -------------------------------------------------------------------
@@ -1057,7 +1303,7 @@
   }
 
   // Copy on every reply; Regenerate on the last one: it goes, and its question is asked again.
-  function replyTools(out, message, completion) {
+  function replyTools(out, message, completion, attached = []) {
     for (const old of $("transcript").querySelectorAll(".regenerate")) old.remove();
     const copy = h("button", { type: "button", class: "secondary small copy", "aria-label": "Copy this reply" }, "Copy");
     copy.addEventListener("click", () => copyReply(out, copy));
@@ -1070,6 +1316,8 @@
       mine.remove();
       if (asked && asked.dataset.role === "user") asked.remove();
       $("chat-message").value = message;
+      state.attachments = attached.filter((a) => a.data !== null);
+      renderAttach();
       $("chat-form").requestSubmit();
     });
     out.parentElement.append(h("div", { class: "tools" }, copy, again));
@@ -1077,19 +1325,20 @@
 
   async function send(event) {
     event.preventDefault();
+    if (state.reading) { // files picked just before Enter go with this message, once read
+      $("chat-send").disabled = true;
+      try { await state.reading; } finally { $("chat-send").disabled = false; }
+    }
     const figures = $("chat-figures");
     const message = $("chat-message").value;
-    if (!message.trim()) return;
-    const system = $("chat-system").value.trim();
     const completion = $("chat-mode").value === "completion"; // a base model continues the text itself
+    const attached = completion ? [] : state.attachments.slice();
+    if (!message.trim() && !attached.length) return;
+    const system = $("chat-system").value.trim();
     const body = completion
       ? { model: $("chat-model").value, prompt: message, stream: true, stream_options: { include_usage: true } }
-      : {
-        model: $("chat-model").value,
-        messages: [...(system ? [{ role: "system", content: system }] : []), ...state.conversation, { role: "user", content: message }],
-        stream: true,
-        stream_options: { include_usage: true },
-      };
+      : { model: $("chat-model").value, messages: [], stream: true, stream_options: { include_usage: true } };
+    const current = attached.length ? { role: "user", content: message.trim() ? message : "", attachments: attached } : { role: "user", content: message };
     const temperature = $("chat-temperature").value.trim();
     if (temperature) body.temperature = Number(temperature);
     const maxTokens = $("chat-max-tokens").value.trim();
@@ -1104,10 +1353,30 @@
         return;
       }
     }
+    let sending = null;
+    if (!completion) {
+      sending = fitted(body, system ? [{ role: "system", content: system }] : [], current, readsOf(body.model));
+      if (sending.refused) { // nothing sent: the message and its files stay to be changed
+        figures.textContent = sending.refused;
+        figures.className = "figures bad";
+        return;
+      }
+    }
+    $("chat-attach-error").textContent = "";
+    if (sending && sending.dropped.length) {
+      $("chat-attach-error").textContent = `No longer sent with the conversation, to keep within this server's bounds: ${sending.dropped.map((a) => `"${a.name}"`).join(", ")}.`;
+      for (const a of sending.dropped) {
+        if (!a.shown || a.shown.classList.contains("dropped")) continue;
+        a.shown.classList.add("dropped");
+        a.shown.append(h("span", { class: "note" }, " no longer sent"));
+      }
+    }
     figures.className = "figures";
     figures.textContent = "Generating…";
-    const asked = turn("user", message);
+    const asked = turn("user", message, attached);
     $("chat-message").value = "";
+    state.attachments = [];
+    renderAttach();
     const out = turn("assistant", "");
     const transcript = $("transcript");
     transcript.setAttribute("aria-busy", "true");
@@ -1124,7 +1393,7 @@
       const res = await fetch(completion ? "/ui/api/complete" : "/ui/api/chat", {
         method: "POST", credentials: "same-origin", signal: state.abort.signal,
         headers: { "Content-Type": "application/json", Accept: "text/event-stream", "X-CSRF-Token": state.session.csrf },
-        body: JSON.stringify(body),
+        body: sending ? sending.json : JSON.stringify(body),
       });
       if (!res.ok) {
         let data = null;
@@ -1176,20 +1445,25 @@
     const tokens = usage ? usage.completion_tokens : pieces || null;
     const about = usage ? "" : "≈";
     const rate = tokens && first !== null && end > first ? tokens / ((end - first) / 1000) : null;
-    if (text && !completion) state.conversation.push({ role: "user", content: message }, { role: "assistant", content: text });
+    if (text && !completion) state.conversation.push(current, { role: "assistant", content: text });
     if (text) {
       showReply(out, text, completion, true); // the whole reply, drawn now
-      replyTools(out, message, completion);
+      replyTools(out, message, completion, attached);
     }
     else if (failure && failure !== "stopped") {
       // Nothing came back: no empty bubble, and the message is there to send again.
       asked.parentElement.remove();
       out.parentElement.remove();
       if (!$("chat-message").value) $("chat-message").value = message;
+      if (!state.attachments.length && attached.length) { // the files too, to send again once fixed
+        state.attachments = attached;
+        fitAttachments();
+      }
     }
     const parts = [`TTFT ${ttft === null ? dash : `${ttft.toFixed(3)} s`}`, `${rate === null ? dash : about + rate.toFixed(1)} tokens/s`, `${tokens === null ? dash : about + tokens} tokens`];
     figures.dataset.ttft = ttft === null ? "" : String(ttft);
     figures.dataset.tokens = tokens === null ? "" : String(tokens);
+    figures.dataset.promptTokens = usage ? String(usage.prompt_tokens) : "";
     figures.textContent = failure ? `${parts.join(" · ")} · ended: ${failure}` : parts.join(" · ");
     figures.className = failure ? "figures bad" : "figures";
   }
@@ -1212,6 +1486,9 @@
       if (!$("chat-send").disabled) $("chat-form").requestSubmit();
     });
     $("chat-stop").addEventListener("click", () => state.abort && state.abort.abort());
+    $("chat-attach").addEventListener("change", (event) => attachFiles(event.target));
+    $("chat-model").addEventListener("change", fitAttachments);
+    $("chat-mode").addEventListener("change", fitAttachments);
     $("chat-clear").addEventListener("click", () => { state.conversation = []; clear($("transcript")); $("chat-figures").textContent = ""; });
     window.addEventListener("hashchange", route);
     try {
