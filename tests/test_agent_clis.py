@@ -48,7 +48,9 @@ NPM_TIMEOUT_S: Final = 600.0
 PROMPT: Final = "Reply with one word: hello. Do not use any tools."
 CUT_SHORT: Final = "Incomplete response returned, reason: max_output_tokens"  # Codex's words
 OUTPUT_LIMIT: Final = re.compile(r"response exceeded the \d+ output token maximum")  # Claude Code's
-PACKAGES: Final = ("@openai/codex", "@anthropic-ai/claude-code")
+# Pinned: a test of what the clients send must not change under it when npm's latest does. Raise
+# them on purpose (and read what a new version sends: tests/test_api_field_policy.py).
+PACKAGES: Final = ("@openai/codex@0.171.0", "@anthropic-ai/claude-code@2.1.332")
 # No install scripts: nothing but the packages themselves is fetched or run at install time
 # (Claude Code's postinstall only copies its native binary in place of a stub; the wrapper
 # launcher used below finds that binary without it).

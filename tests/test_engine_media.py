@@ -361,7 +361,7 @@ def test_libmtmd_aborts_on_a_one_sample_clip_which_the_engine_pads(tmp_path: Pat
     sample; a second of silence is read. The engine pads every short clip (engine.media)."""
     model = write_tiny_model(tmp_path / "text.gguf", TinyModelSpec(seed=9))
     projector = write_tiny_audio_projector(tmp_path / "audio.gguf")
-    done = subprocess.run(  # noqa: S603 - this interpreter, a script of this file
+    done = subprocess.run(
         [sys.executable, "-c", _RAW_ONE_SAMPLE, str(model), str(projector), str(samples)],
         capture_output=True,
         timeout=120,

@@ -972,7 +972,7 @@ class MediaSettings:
     max_images: int = setting(8, "images per request (400 past it)", bounds=(0, 256))
     max_image_bytes: int = setting(
         10_485_760,
-        "bytes of one image as sent (after base64): 400 past it",
+        "bytes of one image file (decoded from base64): 400 past it",
         bounds=(1024, 268_435_456),
         more="a request's body is bounded by `server.max_body_bytes` first: raise that too for "
         "large images (base64 adds a third)",
@@ -989,7 +989,7 @@ class MediaSettings:
     max_clips: int = setting(4, "audio clips per request (400 past it)", bounds=(0, 64))
     max_audio_bytes: int = setting(
         26_214_400,
-        "bytes of one clip as sent (after base64, or the uploaded file): 400 past it",
+        "bytes of one clip file (decoded from base64, or as uploaded): 400 past it",
         bounds=(1024, 1_073_741_824),
         more="as for images, `server.max_body_bytes` bounds the request first",
     )
