@@ -151,6 +151,29 @@ def _running(*spec: tuple[int, Share, float, int]) -> list[Running]:
     return [Running(i, share, held, cells) for i, share, held, cells in spec]
 
 
+def test_the_queue_order_shows_who_would_be_taken_next_without_taking_anyone() -> None:
+    q = queue()
+    for i in range(3):
+        q.append(Entry(f"a{i}", Share("a")))
+    q.append(Entry("b0", Share("b")))
+    q.append(Entry("c0", Share("c", 1, 1)))  # interactive: first whatever the time
+    first = q.pop()
+    assert first.name == "c0"
+    q.started(first)
+    q.charge(first.share, 100)
+    shown = [e.name for e in q.order(10)]
+    # a and b alike: a holds no slot and arrived first, then b, then a's others (a holds one now).
+    assert shown == ["a0", "b0", "a1", "a2"]
+    assert [e.name for e in q.order(2)] == ["a0", "b0"]
+    assert len(q) == 4  # nothing was taken
+    taken = []
+    for _ in range(4):  # as the scheduler takes them: each holds a slot once taken
+        entry = q.pop()
+        q.started(entry)
+        taken.append(entry.name)
+    assert taken == shown  # nothing changed meanwhile: the order it said
+
+
 def test_a_higher_class_pauses_a_lower_one_that_ran_its_quantum() -> None:
     old = QUANTUM_S + 0.1
     slots = _running((0, BATCH, old, 100), (1, Share("c", 1, 0), old, 10))
@@ -323,6 +346,31 @@ async def test_a_flooding_key_does_not_keep_another_keys_request_out(slow_model:
         eng.wake()
         for gen in floods:
             await _drain(gen)
+    finally:
+        eng.close()
+
+
+async def test_status_lists_the_queue_in_order_with_waits_and_estimates(slow_model: Path) -> None:
+    eng = make_engine(slow_model, slots=1)
+    try:
+        _, first = await _drain(_submit(eng, "warm", 8, Share("a")))  # a hold time to estimate from
+        assert first.completion_tokens == 8
+        running = _submit(eng, "long job", 400, Share("a"))
+        await _tokens_seen(running, 3)
+        waiting = [_submit(eng, f"q{i}", 4, Share(t)) for i, t in enumerate(["a", "b", "a"])]
+        queue = eng.performance()["fairness"]["queue"]
+        assert [q["position"] for q in queue] == [1, 2, 3]
+        assert [q["tenant"] for q in queue] == ["b", "a", "a"]  # b holds no slot: first
+        assert all(q["waited_ms"] >= 0 for q in queue)
+        estimates = [q["estimated_wait_ms"] for q in queue]
+        assert estimates[0] > 0
+        assert estimates == sorted(estimates)
+        for gen in [running, *waiting]:
+            gen.cancel()
+        eng.wake()
+        for gen in waiting:  # (the running one's events have their reader above)
+            await _drain(gen)
+        assert eng.performance()["fairness"]["queue"] == []
     finally:
         eng.close()
 

@@ -162,6 +162,26 @@ class FairQueue(Generic[T]):
         """`entry`'s arrival number (earlier arrivals have smaller ones)."""
         return self._arrival.get(id(entry), -1)
 
+    def order(self, limit: int) -> list[T]:
+        """The first `limit` waiting entries in the order they would be taken if nothing changed
+        meanwhile (each take counts as a slot held by its tenant; no token is charged)."""
+        heads = {t: 0 for t, items in self._waiting.items() if items}
+        running = Counter(self.running)
+        out: list[T] = []
+        while heads and len(out) < limit:
+
+            def rank(tenant: str) -> tuple[int, float, int, int]:
+                priority, number, _ = self._waiting[tenant][heads[tenant]]
+                return (priority, self.vtime.get(tenant, 0.0), running[tenant], number)
+
+            tenant = min(heads, key=rank)
+            out.append(self._waiting[tenant][heads[tenant]][2])
+            running[tenant] += 1
+            heads[tenant] += 1
+            if heads[tenant] == len(self._waiting[tenant]):
+                del heads[tenant]
+        return out
+
     def tenants(self) -> dict[str, dict[str, float | int]]:
         """Each active tenant's slots held, entries waiting and virtual time (for /admin/status)."""
         return {

@@ -44,7 +44,7 @@ from edgellmd.engine.drafts import (
     common_prefix,
     make_drafter,
 )
-from edgellmd.engine.fairness import FairQueue, Running, Share, victim
+from edgellmd.engine.fairness import PRIORITY_NAMES, FairQueue, Running, Share, victim
 from edgellmd.engine.generation import (
     QUEUE_TIMEOUT,
     Event,
@@ -101,6 +101,7 @@ _KV_PAD: Final = 256  # llama.cpp rounds the KV cells an attention reads up to t
 _MIN_RESTORE_GAIN: Final = 64  # tokens a cached prefix must save over a slot's own to be restored
 _SHED_EVERY_S: Final = 0.02  # how often the waiting queue is scanned for queue_timeout_s
 _QUEUE_WAITS: Final = 256  # admissions whose queue waits /admin/status summarises
+QUEUE_SHOWN: Final = 64  # waiting generations /admin/status lists, in the order they would be taken
 # A prompt with at most this many tokens left to compute takes a step of its own for its
 # first token, ahead of the decodes (`Engine._step`).
 FIRST_TOKEN_ALONE: Final = 64
@@ -133,6 +134,7 @@ class _Slot:
 
     __slots__ = (
         "accepted",
+        "admitted",
         "batch_index",
         "cached",
         "completion",
@@ -168,6 +170,7 @@ class _Slot:
         self.drafted = 0  # draft tokens checked, and of those the ones the sampler agreed with
         self.accepted = 0
         self.since = time.monotonic()  # when it took (or resumed in) its slot: fairness.QUANTUM_S
+        self.admitted = self.since  # when it first took a slot: how long generations hold one
         self.media: tuple[MediaSpan, ...] = gen.request.media  # images and clips, in prompt order
 
     def media_from(self, pos: int) -> MediaSpan | None:
@@ -198,6 +201,8 @@ class Engine(NativeThread):
         self.first_token_steps = 0  # steps a short prompt's last chunk took alone (FIRST_TOKEN_ALONE)
         self._alone = False  # the last step was one of those: this one decodes
         self.queue_waits: deque[float] = deque(maxlen=_QUEUE_WAITS)  # the last admissions' waits
+        # How long the last finished generations held their slots: what a waiting one can expect.
+        self.hold_times: deque[float] = deque(maxlen=_QUEUE_WAITS)
         self._shed_at = 0.0  # when the waiting queue is next scanned for late generations
         self._slots: list[_Slot | None] = [None] * config.slots
         # Liveness for the systemd watchdog: when the scheduler last finished a step or idled.
@@ -462,7 +467,27 @@ class Engine(NativeThread):
             tenants = self._pending.tenants()
             waits = sorted(self.queue_waits)
             paused = len(self._paused)
+            waiting = [(gen.request.share, gen.queue_s) for gen in self._pending.order(QUEUE_SHOWN)]
+            holds = sorted(self.hold_times)
+        now = time.monotonic()
+        # The time still to wait: with every slot busy, each for a median hold of the recent
+        # generations, slots free about every hold / (slots + 1) s from now, and the entry at
+        # position p (from 0) takes the (p + 1)th of them.
+        hold = holds[len(holds) // 2] if holds else None
+        queue = [
+            {
+                "position": p + 1,
+                "tenant": share.tenant,
+                "class": PRIORITY_NAMES.get(share.priority, str(share.priority)),
+                "waited_ms": round((now + queue_s) * 1000),
+                "estimated_wait_ms": None
+                if hold is None
+                else round((p + 1) * hold / (self.config.slots + 1) * 1000),
+            }
+            for p, (share, queue_s) in enumerate(waiting)
+        ]
         return {
+            "queue": queue,
             "tenants": tenants,
             "paused": paused,
             "pauses": self.pauses,
@@ -1140,6 +1165,7 @@ class Engine(NativeThread):
             self._kv[i].clear()
         elif reason in ("stop", "length"):
             self._keep(i)  # for a later prompt that starts the same way, in any slot
+            self.hold_times.append(time.monotonic() - slot.admitted)
         slot.sampler.free()
         tail = ""
         if not flushed and reason in ("stop", "length"):
