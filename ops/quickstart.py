@@ -54,7 +54,7 @@ _PLAIN_HOST: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # needs no quote
 
 CONFIG_TEMPLATE: Final = """\
 # edgellm configuration written by `edgellmctl quickstart`.
-# Every key and its default is listed in the README's Configuration section.
+# Every key and its default is listed in docs/configuration.md of the edgellm repository.
 auth:
   keys_file: keys.yaml          # hashed API keys; tokens in inference.key and admin.key
   admin_cidrs: ["127.0.0.0/8", "::1/128"]   # /admin/* and the console: this machine only

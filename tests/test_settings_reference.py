@@ -1,4 +1,4 @@
-"""Declare once: each setting's default, range and doc in its field; the README's reference made from them."""
+"""Declare once: each setting's default, range and doc in its field; docs/configuration.md made from them."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from edgellmd.settings import (
 )
 
 REPO: Final = Path(__file__).resolve().parent.parent
-README: Final = REPO / "README.md"
+CONFIGURATION: Final = REPO / "docs" / "configuration.md"
 NOT_SETTINGS: Final = {(Settings, "source")}  # where a config was read from is no key of it
 
 
@@ -64,7 +64,7 @@ def _about(field: dataclasses.Field[Any]) -> About | None:
 
 
 def _declared() -> list[tuple[str, dataclasses.Field[Any], About]]:
-    """(README key, field, declaration) of every setting, in the README's order; sections nest."""
+    """(key, field, declaration) of every setting, in the reference's order; sections nest."""
     out: list[tuple[str, dataclasses.Field[Any], About]] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -87,7 +87,7 @@ def _default(field: dataclasses.Field[Any]) -> Any:
 
 
 def _shown(value: Any) -> str:
-    """A value as a reader of the README expects it (YAML's words, whole numbers without .0)."""
+    """A value as a reader of the reference expects it (YAML's words, whole numbers without .0)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -100,20 +100,19 @@ def _shown(value: Any) -> str:
 
 
 def _configuration() -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index("\n## Configuration\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+    """The generated reference in docs/configuration.md: its YAML block and its table."""
+    text = CONFIGURATION.read_text(encoding="utf-8")
+    return text[text.index(README_BEGIN) : text.index(README_END)]
 
 
 def _yaml_block() -> str:
     found = re.search(r"```yaml\n(.*?)```", _configuration(), re.DOTALL)
-    assert found, "the Configuration section has no YAML block"
+    assert found, "docs/configuration.md's reference has no YAML block"
     return found.group(1)
 
 
 def _rows() -> dict[str, list[str]]:
-    """The Configuration table's rows: key -> its other cells."""
+    """The reference table's rows: key -> its other cells."""
     rows = {}
     for line in _configuration().splitlines():
         cells = re.match(r"\| `([^`]+)` \| (.*) \|$", line)
@@ -172,17 +171,23 @@ def test_gpu_layers_auto_is_kept_as_written() -> None:
     assert parse_settings(data, base_dir=Path("/srv")).models[0].gpu_layers == "auto"
 
 
-# ---- the README ----------------------------------------------------------------------------------
+# ---- docs/configuration.md ----------------------------------------------------------------------
 
 
-def test_the_readme_carries_the_reference_generated_from_the_declarations() -> None:
-    readme = README.read_text(encoding="utf-8")
-    assert readme.count(README_BEGIN) == 1
-    assert readme.count(README_END) == 1
-    assert with_reference(readme) == readme, (
-        "README.md's configuration reference is stale: run "
-        "`python -m edgellmd.settings --markdown --readme README.md`"
+def test_the_configuration_page_carries_the_reference_generated_from_the_declarations() -> None:
+    page = CONFIGURATION.read_text(encoding="utf-8")
+    assert page.count(README_BEGIN) == 1
+    assert page.count(README_END) == 1
+    assert with_reference(page) == page, (
+        "docs/configuration.md's reference is stale: run "
+        "`python -m edgellmd.settings --markdown --readme docs/configuration.md`"
     )
+
+
+def test_the_readme_points_to_the_reference_and_does_not_copy_it() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert README_BEGIN not in readme
+    assert "docs/configuration.md" in readme
 
 
 @pytest.mark.parametrize(("key", "field", "about"), _declared(), ids=[key for key, _, _ in _declared()])
@@ -190,7 +195,7 @@ def test_each_setting_has_a_table_row_with_its_default_and_doc(
     key: str, field: dataclasses.Field[Any], about: About
 ) -> None:
     rows = _rows()
-    assert key in rows, f"README.md's Configuration table has no row for {key}"
+    assert key in rows, f"docs/configuration.md's table has no row for {key}"
     default, _accepts, meaning = rows[key]
     if field.default is dataclasses.MISSING and type(None) not in typing.get_args(_hint(field)):
         assert default == "required", key
@@ -262,8 +267,8 @@ def test_the_script_prints_the_reference() -> None:
     assert result.stdout == reference_markdown()
 
 
-def test_the_script_rewrites_a_stale_readme_in_place(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
+def test_the_script_rewrites_a_stale_page_in_place(tmp_path: Path) -> None:
+    readme = tmp_path / "configuration.md"
     readme.write_text(f"# x\n\n{README_BEGIN}\nstale\n{README_END}\n\nafter\n", encoding="utf-8")
     assert main(["--markdown", "--readme", str(readme)]) == 0
     text = readme.read_text(encoding="utf-8")

@@ -20,7 +20,7 @@ from edgellmd.settings import (
     parse_settings,
 )
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def _parse(server: dict[str, Any] | None) -> ServerSettings:
@@ -128,8 +128,8 @@ def _shown(value: object) -> str:
         "max_connections_per_client",
     ],
 )
-def test_the_readme_documents_each_front_door_key_with_its_default(field: str) -> None:
-    readme = README.read_text(encoding="utf-8")
+def test_the_configuration_page_documents_each_front_door_key_with_its_default(field: str) -> None:
+    readme = CONFIGURATION.read_text(encoding="utf-8")
     default = next(f.default for f in dataclasses.fields(ServerSettings) if f.name == field)
     assert f"| `server.{field}` | `{_shown(default)}` |" in readme
     assert re.search(rf"^  {field}: {re.escape(_shown(default))} +#", readme, re.MULTILINE), field

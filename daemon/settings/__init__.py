@@ -4,8 +4,8 @@ Declare once: every setting is one dataclass field made by `setting()` (`declare
 carries its default, its range or choices and a one-line doc; the sections are those
 dataclasses (`sections`). One generic reader parses every section from the declarations,
 `edgellmd --check-config` prints every problem it finds (`load`), and `python -m
-edgellmd.settings --markdown` writes the README's configuration reference from the same
-declarations (`reference`; tests/test_settings_reference.py holds the README to it).
+edgellmd.settings --markdown` writes the configuration reference in docs/configuration.md from
+the same declarations (`reference`; tests/test_settings_reference.py holds the page to it).
 """
 
 from edgellmd.settings.declare import (

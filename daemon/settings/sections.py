@@ -372,8 +372,8 @@ def is_loopback(host: str) -> bool:
 
 
 # ---- the settings ------------------------------------------------------------------------------
-# Each default here is the README's and the Ansible role's (defaults/main.yml): the README's
-# reference is generated from these declarations, the role's defaults are not (keep them level).
+# Each default here is docs/configuration.md's and the Ansible role's (defaults/main.yml): the
+# reference in docs/ is generated from these declarations, the role's defaults are not (keep them level).
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,7 +473,7 @@ class AuthSettings:
     keys_file: Path | None = setting(
         None,
         "API keys (hashed, mode 0600); null: no auth at all, only on loopback",
-        more="(see [API keys](#api-keys)); required unless `server.host` is a loopback address",
+        more="(see [API keys](operations.md#api-keys)); required unless `server.host` is a loopback address",
     )
     admin_cidrs: tuple[str, ...] = setting(
         (),
@@ -660,7 +660,7 @@ class ModelSettings:
         "`Retry-After`; null: it waits its turn",
         more="shedding for goodput: a request that has waited past its deadline (say the SLO's "
         "`telemetry.slo_ttft_s`) would be served late anyway, and its slot time goes to those that "
-        "can still be on time (see [Benchmarks](docs/benchmarks.md#serving-benchmark-goodput-under-an-slo)); "
+        "can still be on time (see [Benchmarks](benchmarks.md#serving-benchmark-goodput-under-an-slo)); "
         "a stream is refused before its headers when this is under 10 s, else ended with an error event",
     )
     kind: str = setting(
@@ -669,7 +669,7 @@ class ModelSettings:
         "(/v1/embeddings) or rerank (/v1/rerank)",
         choices=("generation", "embedding", "rerank"),
         more="a rerank model's GGUF declares rank pooling (a classifier head), as llama.cpp's "
-        "converter writes bge-reranker, jina-reranker and Qwen3-Reranker; see [Reranking](#reranking)",
+        "converter writes bge-reranker, jina-reranker and Qwen3-Reranker; see [Reranking](api.md#reranking)",
     )
     embedding: bool = setting(
         False,
@@ -885,7 +885,7 @@ class ConsoleSettings:
         False,
         "serve the web console at /ui (needs `auth.keys_file`)",
         more="sign-in with an API key; `auth.admin_cidrs` applies to it as to /admin/* "
-        "(see [Console](#console))",
+        "(see [Console](operations.md#console))",
     )
     session_idle_s: float = setting(
         900.0,
@@ -934,7 +934,7 @@ class TelemetrySettings:
         2.0,
         "goodput: a request meets the SLO when its first token comes within this many seconds of its arrival",
         more='counted in `edgellm_request_slo_total{result="met"}` '
-        "(see [Observability](docs/observability.md#metrics))",
+        "(see [Observability](observability.md#metrics))",
     )
     slo_tokens_per_s: float = setting(
         5.0, "goodput: and its tokens after the first come at least this fast (per choice)"
@@ -946,7 +946,7 @@ class TelemetrySettings:
         wanted="an http(s) URL with a plain path",
         more="a span per request with children for auth, queue, grammar, prefill and decode; "
         "a request's `traceparent` header continues the caller's trace "
-        "(see [Observability](docs/observability.md#traces))",
+        "(see [Observability](observability.md#traces))",
     )
     traces_sample_ratio: float = setting(
         1.0,

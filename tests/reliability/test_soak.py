@@ -141,7 +141,7 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     rates = [tokens_between(answers, a.at, b.at) / (b.at - a.at) for a, b in windows]
     # The daemon's own pace: tokens per second of CPU it used. Unlike the wall-clock rate it
     # leaves out time the daemon did not run (other tenants' share of the cores, steal), but
-    # not their slowdown through shared caches (see REPORT.md); a daemon that slows itself
+    # not their slowdown through shared caches (see docs/reliability.md); a daemon that slows itself
     # down (work growing with what it has served) needs more CPU per token either way.
     paces = [tokens_between(answers, a.at, b.at) / max(b.cpu_s - a.cpu_s, 1e-3) for a, b in windows]
     third = max(1, len(rates) // 3)
