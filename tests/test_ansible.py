@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -508,29 +509,35 @@ def lb_sandbox_vars(root: Path) -> dict[str, Any]:
 def test_example_site_renders_a_valid_haproxy_config(tmp_path: Path) -> None:
     """The example inventory's twenty boxes, the role's defaults: `haproxy -c` accepts the result."""
     haproxy = tool("haproxy", HAPROXY_PACKAGE)
-    variables = tmp_path / "vars.yml"
-    variables.write_text(yaml.safe_dump(lb_sandbox_vars(tmp_path / "root")))
-    playbook(
-        tmp_path, LB_PLAY, "-i", str(EXAMPLE_INVENTORY), "--limit", "edgellm-lb-1", "-e", f"@{variables}"
-    )
-    config = tmp_path / "root/etc/haproxy/haproxy.cfg"
-    text = config.read_text()
-    assert len(re.findall(r"^\s+server edgellm-\d\d 10\.20\.\d\.\d+:8080 check$", text, re.M)) == 20
-    for line in (
-        "balance leastconn",
-        "option httpchk GET /readyz",
-        "http-check expect status 200",
-        "option redispatch 1",
-        "option forwardfor",
-        "timeout server 10m",
-        "timeout tunnel 10m",
-        "default-server inter 2s fall 2 rise 2",
-    ):
-        assert line in text, line
-    check = subprocess.run(
-        [haproxy, "-c", "-f", str(config)], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
+    # HAProxy's stats socket path must fit a Unix socket address (97 bytes): a short root, not
+    # pytest's tmp_path, which grows under a parallel runner (./dev test --quick).
+    root = Path(tempfile.mkdtemp(prefix="edgellm-lb-"))
+    try:
+        variables = tmp_path / "vars.yml"
+        variables.write_text(yaml.safe_dump(lb_sandbox_vars(root)))
+        playbook(
+            tmp_path, LB_PLAY, "-i", str(EXAMPLE_INVENTORY), "--limit", "edgellm-lb-1", "-e", f"@{variables}"
+        )
+        config = root / "etc/haproxy/haproxy.cfg"
+        text = config.read_text()
+        assert len(re.findall(r"^\s+server edgellm-\d\d 10\.20\.\d\.\d+:8080 check$", text, re.M)) == 20
+        for line in (
+            "balance leastconn",
+            "option httpchk GET /readyz",
+            "http-check expect status 200",
+            "option redispatch 1",
+            "option forwardfor",
+            "timeout server 10m",
+            "timeout tunnel 10m",
+            "default-server inter 2s fall 2 rise 2",
+        ):
+            assert line in text, line
+        check = subprocess.run(
+            [haproxy, "-c", "-f", str(config)], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass

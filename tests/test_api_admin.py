@@ -27,6 +27,9 @@ from edgellmd.http import appkeys
 from edgellmd.http.auth import setup_auth
 from tests.bare import AuditLine, api_context, audit_lines, bare_app, error_of, model_settings, not_a_model
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 PEER: Final = "127.0.0.1"
 
 

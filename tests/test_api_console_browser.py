@@ -45,9 +45,13 @@ from tests.ggufmodels import TinyModelSpec, write_tiny_audio_projector, write_ti
 from tests.serving import RunningDaemon, SignedLock, running, settings_for
 
 CHROMIUM: Final = Path("/usr/bin/chromium")
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="Debian's chromium is not installed (./dev test installs it with apt-get)"
-)
+pytestmark = [
+    pytest.mark.slow,  # a real browser: left out of ./dev test --quick
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="Debian's chromium is not installed (./dev test installs it with apt-get)",
+    ),
+]
 # Chromium as root needs --no-sandbox; the background services would call out of a closed network.
 CHROMIUM_ARGS: Final = [
     "--no-sandbox",

@@ -24,6 +24,9 @@ from edgellmd.grammar.rules import MAX_GRAMMAR_BYTES, json_string
 from edgellmd.grammar.schema import SchemaError, json_text
 from tests.bench_grammar_limits import ByteVocab, byte_vocab
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 PROPERTY = settings(
     max_examples=150,
     deadline=None,

@@ -22,6 +22,9 @@ from tests.bare import api_context, bare_app, error_of, model_settings, not_a_mo
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import running, settings_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 BROKEN_REASON: Final = "not a supported GGUF model?"
 
 

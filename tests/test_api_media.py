@@ -46,6 +46,9 @@ from tests.ggufmodels import (
 )
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 IMAGE_TOKENS: Final = TinyProjectorSpec().image_tokens
 CLIP_TOKENS: Final = TinyAudioProjectorSpec().chunk_tokens
 MAX_IMAGES: Final = 3

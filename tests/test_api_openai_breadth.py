@@ -16,6 +16,9 @@ from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
 from tests.tools import TIME_NAME, TIME_PARAMETERS, WEATHER_DESCRIPTION, WEATHER_NAME, WEATHER_PARAMETERS
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 # A chat template with tool support, in the Hugging Face dialect (tools listed in the system
 # turn, assistant tool calls and tool results rendered as their own turns).
 TOOLS_TEMPLATE = (

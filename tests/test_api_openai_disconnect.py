@@ -13,6 +13,9 @@ from edgellmd.http import appkeys
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def slow_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:

@@ -22,6 +22,9 @@ from tests.ggufmodels import TINY_CHAT_TEMPLATE, TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
 from tests.tools import WEATHER_DESCRIPTION, WEATHER_NAME, WEATHER_PARAMETERS
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 # A template that renders tools, calls and results itself (the other path: `plain`'s template
 # cannot, so its tools are described in a system turn).
 TOOLS_TEMPLATE: Final = (

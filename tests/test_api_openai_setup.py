@@ -29,6 +29,9 @@ from edgellmd.settings import ServerSettings
 from tests.bare import api_context, bare_app, error_of, model_settings, not_a_model
 from tests.serving import sse_events
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 SPENT: Final = web.AppKey("spent", list[int | None])  # each request's TOKENS_USED, as the limiter reads it
 PROMPT: Final = "The bare app says"
 

@@ -18,6 +18,9 @@ from edgellmd.settings import ConfigError
 from tests.serving import RunningDaemon, running, settings_for
 from tests.test_host_metrics import scrape, value
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 LONG = {"model": "tiny", "prompt": "x", "max_tokens": 1500, "ignore_eos": True}  # seconds long
 
 

@@ -37,6 +37,9 @@ from tests.ggufmodels import (
 )
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 QUERY: Final = "which animal purrs"
 DOCUMENTS: Final = (
     "The cat purrs on the warm windowsill.",

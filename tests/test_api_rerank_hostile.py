@@ -34,6 +34,9 @@ from tests.ggufmodels import (
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 from tests.test_api_rerank import pair_tokens
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 CONTEXT: Final = 512
 PATHS: Final = ("/v1/rerank", "/rerank", "/v2/rerank")
 TOLERANCE: Final = 5e-3

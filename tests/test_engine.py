@@ -207,7 +207,10 @@ async def test_occupancy_counts_a_generation_moving_into_a_slot_once(
 
     monkeypatch.setattr(Engine, "_assign", slow_assign)
     try:
-        gen = engine.submit(GenerationRequest(engine.tokenize("abc"), 4, GREEDY), asyncio.get_running_loop())
+        # Long enough that it still holds its slot when the reader gets the lock, however busy
+        # the machine (the reader is cut off from it only by the move, not by the generation).
+        request = GenerationRequest(engine.tokenize("abc"), 200, GREEDY, ignore_eos=True)
+        gen = engine.submit(request, asyncio.get_running_loop())
         assert await asyncio.to_thread(moving.wait, 10)
         assert (engine.busy_slots, engine.queue_depth) == (0, 0)  # read apart: counted nowhere
         reader = threading.Thread(target=lambda: seen.append(engine.occupancy()))
@@ -217,6 +220,8 @@ async def test_occupancy_counts_a_generation_moving_into_a_slot_once(
         release.set()
         await asyncio.to_thread(reader.join, 10)
         assert seen == [(1, 0)]
+        gen.cancel()
+        engine.wake()
         async for _ in gen.events():
             pass
     finally:

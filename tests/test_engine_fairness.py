@@ -390,6 +390,7 @@ def _batch_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow  # counts the scheduler's steps: not beside another worker (./dev test --quick)
 async def test_a_short_prompt_takes_a_step_of_its_own_and_the_decodes_lose_no_token(
     slow_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -36,6 +36,9 @@ from edgellmd.settings.declare import ConfigError
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 # Slow enough (hundreds of tokens a second) that a stream is still running when its engine dies.
 SLOW = TinyModelSpec(seed=31, n_embd=256, n_head=4, n_head_kv=2, n_layer=2, n_ff=1024)
 SLOTS = 4

@@ -18,6 +18,9 @@ from edgellmd.models import registry as registry_module
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 SLOW = TinyModelSpec(seed=41, n_embd=256, n_head=4, n_head_kv=2, n_layer=4, n_ff=1024)
 
 

@@ -25,6 +25,9 @@ from edgellmd.host.systemd import Notifier
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import free_port, sse_events_sync
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 WATCHDOG_USEC = 1_000_000  # systemd's smallest sensible value: a ping every 0.5 s
 # Eight wide layers and a 2000-token prompt in one chunk: a single llama_decode that takes
 # seconds on one thread, which is what a hung scheduler looks like from outside.

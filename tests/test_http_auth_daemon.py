@@ -19,6 +19,9 @@ from edgellmd.keys import KeysFileError, parse_keys, read_keys_file
 from edgellmd.settings import ConfigError, parse_settings
 from tests.serving import RunningDaemon, running
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 PROMPT_CANARY = "canary-prompt-7f3a"
 
 

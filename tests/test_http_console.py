@@ -31,6 +31,9 @@ from tests.bare import audit_lines, everything_logged
 from tests.ggufmodels import write_tiny_audio_projector, write_tiny_projector
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 MODEL: Final = "tiny"
 
 

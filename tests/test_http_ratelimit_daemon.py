@@ -20,6 +20,9 @@ from edgellmd.settings import parse_settings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 
 class FakeClock:
     def __init__(self) -> None:

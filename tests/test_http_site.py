@@ -12,6 +12,9 @@ import pytest
 from tests.rawhttp import closed_within
 from tests.serving import RunningDaemon, running, settings_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def guarded_socket(models_dir: Path) -> Iterator[RunningDaemon]:

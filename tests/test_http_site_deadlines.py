@@ -16,6 +16,9 @@ from edgellmd.settings import Settings
 from tests.rawhttp import RawAnswer, closed_within, connect, get, post, read_answer
 from tests.serving import RunningDaemon, running, settings_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 HEADER_S = 1.0
 BODY_S = 1.0
 KEEPALIVE_S = 2.0

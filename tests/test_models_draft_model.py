@@ -26,6 +26,9 @@ from tests.ggufmodels import TinyModelSpec
 from tests.serving import settings_for
 from tests.test_models_lifecycle import MODEL, Box
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 TARGET = TinyModelSpec(seed=11)
 TWIN = TARGET  # drafts exactly what the model says: nearly every draft is kept
 OTHER = TinyModelSpec(seed=12, n_layer=1)

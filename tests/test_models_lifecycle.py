@@ -29,6 +29,9 @@ from edgellmd.http import appkeys
 from tests.ggufmodels import TinyModelSpec
 from tests.serving import RunningDaemon, SignedLock, free_port, running, settings_for, sse_events, wait_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny"
 SETTLE_S = 0.3
 PROMPT = "The swap test"

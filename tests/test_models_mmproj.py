@@ -42,6 +42,9 @@ from tests.ggufmodels import (
 from tests.serving import settings_for
 from tests.test_models_lifecycle import MODEL, Box
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 TEXT = TinyModelSpec(seed=11)
 PROJECTOR = "vision"
 PROMPT = "The projector test"

@@ -24,6 +24,9 @@ from edgellmd.settings import ModelSettings
 from tests.ggufmodels import TinyModelSpec
 from tests.test_models_lifecycle import MODEL, SETTLE_S, Box
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def box(tmp_path: Path) -> Box:

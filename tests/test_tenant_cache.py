@@ -23,6 +23,9 @@ from edgellmd.keys import KeysFileError, read_keys_file
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 SECRET = "Payroll, confidential: " + ", ".join(f"employee {i} earns {1000 + 37 * i}" for i in range(30))
 
 

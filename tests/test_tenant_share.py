@@ -22,6 +22,9 @@ from edgellmd.keys import KeysFileError, read_keys_file
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for, wait_for
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 SLOW = TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048)
 LONG = 500  # tokens of the batch key's job: far longer than the short requests
 

@@ -20,6 +20,9 @@ from edgellmd.settings import ConfigError
 from tests.serving import RunningDaemon, running, settings_for
 from tests.test_host_metrics import scrape, value
 
+# Daemons, engine processes or many seconds: left out of ./dev test --quick.
+pytestmark = pytest.mark.slow
+
 TRACE_ID: Final = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID: Final = "00f067aa0ba902b7"
 PROMPT: Final = "the secret recipe is forty-two parsnips"
