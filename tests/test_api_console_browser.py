@@ -38,7 +38,7 @@ from PIL import Image
 from edgellmctl.keys import create_key
 from edgellmd import __version__
 from edgellmd.__main__ import drain
-from edgellmd.api.console_sessions import SESSIONS
+from edgellmd.http.console.sessions import SESSIONS
 from edgellmd.settings import ConsoleSettings
 from tests import fakenvml
 from tests.ggufmodels import TinyModelSpec, write_tiny_audio_projector, write_tiny_model, write_tiny_projector

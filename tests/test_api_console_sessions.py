@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from edgellmd.api.console_sessions import (
+from edgellmd.http.console.sessions import (
     EXPIRED,
     KEY_NO_LONGER_VALID,
     REPLACED,

@@ -25,7 +25,7 @@ from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
 from edgellmctl.quickstart import write_self_signed
 from edgellmd import __version__
-from edgellmd.api.console import CSP
+from edgellmd.http.console.routes import CSP
 from edgellmd.settings import ConsoleSettings, Settings
 from tests.bare import audit_lines, everything_logged
 from tests.ggufmodels import write_tiny_audio_projector, write_tiny_projector

@@ -126,7 +126,7 @@ def test_a_keys_file_the_daemon_may_not_write_is_said_plainly(
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
     monkeypatch.setattr("edgellmd.keys.tempfile.mkstemp", read_only)
-    monkeypatch.setattr("edgellmd.http.console_keys.os.statvfs", read_only)
+    monkeypatch.setattr("edgellmd.http.console.keys.os.statvfs", read_only)
     caplog.set_level(logging.DEBUG)
     before = box.keys.read_bytes()
     listing = operator.request("GET", "/ui/api/keys").json()

@@ -160,6 +160,18 @@ def test_the_operator_tool_does_not_import_the_front_door() -> None:
     assert not wrong, "edgellmctl imports the daemon's HTTP layer:\n" + "\n".join(wrong)
 
 
+def test_the_console_lives_in_one_place() -> None:
+    """The web console's door, pages, stream, sessions and static files: one folder, http/console/."""
+    root = DAEMON / "http" / "console"
+    elsewhere = [
+        str(p.relative_to(DAEMON))
+        for p in DAEMON.rglob("*")
+        if "console" in p.name and root not in (p, *p.parents)
+    ]
+    assert not elsewhere, f"console code outside daemon/http/console/: {elsewhere}"
+    assert {p.name for p in (root / "static").iterdir()} >= {"index.html", "app.js", "app.css"}
+
+
 def test_every_package_is_in_the_wheel(tmp_path: Path) -> None:
     """pyproject.toml's package list covers every package of both trees: the wheel holds them all."""
     import tomllib  # noqa: PLC0415

@@ -47,7 +47,7 @@ from edgellmd.host.traces import RequestTrace, Tracer, TraceSettings
 from edgellmd.host.verdicts import largest_gpu_layers
 from edgellmd.http import appkeys, logs
 from edgellmd.http.auth import is_inference, setup_admin_networks, setup_auth, unusable
-from edgellmd.http.console import setup_console
+from edgellmd.http.console.door import setup_console
 from edgellmd.http.cors import setup_cors
 from edgellmd.http.errors import Handler, error_middleware
 from edgellmd.http.ledger import setup_ledger

@@ -13,13 +13,13 @@ from typing import Final
 
 from aiohttp import web
 
-from edgellmd.api.console import is_console_path
 from edgellmd.api.context import CALLER, KEYS_GONE, TRACE, Caller
 from edgellmd.api.pool import POOL_TENANT
 from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
 from edgellmd.host.traces import now_ns
 from edgellmd.http import appkeys
+from edgellmd.http.console.routes import is_console_path
 from edgellmd.http.errors import Handler
 from edgellmd.http.ledger import check_quota
 from edgellmd.http.ratelimit import RateLimiter

@@ -19,13 +19,13 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.console import Route
-from edgellmd.api.console_sessions import SESSIONS
 from edgellmd.api.context import CALLER
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.engine.generation import KEY_REVOKED
 from edgellmd.errors import InvalidRequest, NotFound, PermissionDenied, shown
 from edgellmd.http import appkeys
+from edgellmd.http.console.routes import Route
+from edgellmd.http.console.sessions import SESSIONS
 from edgellmd.keys import (
     SCOPES,
     KeysFileError,

@@ -23,8 +23,15 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from edgellmd.api.console import CSP, SIGNED_IN, RouteScopes, add_console_routes, is_console_path
-from edgellmd.api.console_sessions import (
+from edgellmd.api.context import CALLER, Caller
+from edgellmd.api.jsontext import read_json_object
+from edgellmd.api.pool import POOL_TENANT
+from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDenied, RateLimited
+from edgellmd.http import appkeys
+from edgellmd.http.auth import authenticate, unusable
+from edgellmd.http.console.keys import KEY_ROUTES, setup_key_writes
+from edgellmd.http.console.routes import CSP, SIGNED_IN, RouteScopes, add_console_routes, is_console_path
+from edgellmd.http.console.sessions import (
     CONSOLE_SESSION,
     COOKIE,
     KEY_NO_LONGER_VALID,
@@ -34,13 +41,6 @@ from edgellmd.api.console_sessions import (
     SessionStore,
     set_cookie,
 )
-from edgellmd.api.context import CALLER, Caller
-from edgellmd.api.jsontext import read_json_object
-from edgellmd.api.pool import POOL_TENANT
-from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDenied, RateLimited
-from edgellmd.http import appkeys
-from edgellmd.http.auth import authenticate, unusable
-from edgellmd.http.console_keys import KEY_ROUTES, setup_key_writes
 from edgellmd.http.errors import Handler
 from edgellmd.http.ledger import check_quota
 from edgellmd.http.ratelimit import TokenBucket

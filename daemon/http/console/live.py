@@ -29,9 +29,9 @@ from aiohttp import web
 
 from edgellmd import __version__
 from edgellmd.api import admin, health
-from edgellmd.api.console_sessions import CONSOLE_SESSION, SESSIONS
 from edgellmd.api.context import API_CONTEXT, ApiContext, context
 from edgellmd.api.sse import SSE_HEADERS, dumps, event
+from edgellmd.http.console.sessions import CONSOLE_SESSION, SESSIONS
 from edgellmd.models.lockfile import LockError, format_time, key_id, load_lock, load_public_key, verify_lock
 from edgellmd.settings import Settings
 

@@ -3,7 +3,7 @@
 The console is an adapter like the others: its actions call the admin handlers (the same
 checks, answers and audit lines as /admin/*), its playground calls the OpenAI chat handler
 (the same validation, limits and streaming as /v1/chat/completions), its overview the
-handlers of /readyz, /admin/status and /admin/stats (`console_live`). Who a request is comes
+handlers of /readyz, /admin/status and /admin/stats (`live`). Who a request is comes
 from the front door, which turns the session cookie into a `Caller` and checks, for every
 route, the scope this module declares for it (`ROUTES`) and the CSRF token of every change.
 """
@@ -19,12 +19,12 @@ from typing import Final
 from aiohttp import web
 
 from edgellmd.api import admin, ledger
-from edgellmd.api.console_live import FEED, events, setup_live
-from edgellmd.api.console_sessions import CONSOLE_SESSION, SESSIONS, SIGNED_OUT, set_cookie
 from edgellmd.api.context import context
 from edgellmd.api.openai import routes as openai
 from edgellmd.engine.media import AUDIO_FORMATS, IMAGE_FORMATS
 from edgellmd.errors import NotFound
+from edgellmd.http.console.live import FEED, events, setup_live
+from edgellmd.http.console.sessions import CONSOLE_SESSION, SESSIONS, SIGNED_OUT, set_cookie
 from edgellmd.settings import Settings
 
 audit = logging.getLogger("edgellmd.audit")
@@ -60,7 +60,7 @@ class Assets:
 
     def __init__(self) -> None:
         self._files: dict[str, tuple[bytes, str, str]] = {}
-        root = resources.files("edgellmd.api") / "console_static"
+        root = resources.files("edgellmd.http.console") / "static"
         for item in root.iterdir():
             suffix = "." + item.name.rsplit(".", 1)[-1]
             if item.is_file() and suffix in _TYPES:
