@@ -166,7 +166,7 @@ def test_the_console_lives_in_one_place() -> None:
     elsewhere = [
         str(p.relative_to(DAEMON))
         for p in DAEMON.rglob("*")
-        if "console" in p.name and root not in (p, *p.parents)
+        if "console" in p.name and root not in (p, *p.parents) and "__pycache__" not in p.parts
     ]
     assert not elsewhere, f"console code outside daemon/http/console/: {elsewhere}"
     assert {p.name for p in (root / "static").iterdir()} >= {"index.html", "app.js", "app.css"}
