@@ -8,7 +8,6 @@ shape with the statuses (and so the SDK exception classes) Anthropic uses.
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -518,15 +517,24 @@ def test_rate_limits_answer_429_with_retry_after(served: Served) -> None:
 
 
 def test_a_full_model_is_overloaded_529(served: Served, client: anthropic.Anthropic) -> None:
-    started = threading.Event()
-    with client.messages.stream(
-        model="single", max_tokens=MAX_TOKENS_LIMIT, messages=HELLO, extra_body=GREEDY
-    ) as busy:
-        for ev in busy:  # the one slot is taken once the stream has begun
-            if ev.type == "message_start":
-                started.set()
-                break
-        assert started.is_set()
+    # The one slot held by a stream that cannot end soon: a Messages reply of the tiny model
+    # ends at its end-of-turn token some 30 tokens in (milliseconds), so the slot is held
+    # through the OpenAI route, with ignore_eos, on the same model.
+    body = {
+        "model": "single",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": HELLO,
+    }
+    request = urllib.request.Request(  # noqa: S310 - loopback
+        served.daemon.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {served.tokens['app']}"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=60) as busy:  # noqa: S310 - loopback
+        assert busy.readline().startswith(b"data: ")  # the slot is taken once the stream has begun
         with pytest.raises(anthropic.OverloadedError) as caught:
             client.messages.create(model="single", max_tokens=1, messages=HELLO)
     assert_anthropic_error(caught.value.body, "overloaded_error")

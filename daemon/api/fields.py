@@ -2,7 +2,9 @@
 
 Every API family (chat and completions, Responses, Messages) validates its bodies with these,
 so a wrong type or an out-of-range number reads the same everywhere, and no client value is
-echoed at length (`shown`).
+echoed at length (`shown`). Only the refusal of an unknown field keeps each API's own words
+(`reject_unknown` is OpenAI's; the Messages decoder says Anthropic's "Extra inputs are not
+permitted").
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from edgellmd.errors import InvalidRequest, UnsupportedParameter, shown
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def note_ignored(data: Mapping[str, Any], names: Iterable[str]) -> None:
@@ -37,6 +41,13 @@ def check_range(name: str, value: float, lo: float | None, hi: float | None) -> 
         raise InvalidRequest(f"'{name}' must be at least {lo}, got {number_text(value)}", param=name)
     if hi is not None and value > hi:
         raise InvalidRequest(f"'{name}' must be at most {hi}, got {number_text(value)}", param=name)
+
+
+def typed(value: Any, kind: type[T], param: str, what: str) -> T:
+    """`value` when it is a `kind` (a bool is no int); else 400 "'param' must be `what`"."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidRequest(f"'{param}' must be {what}", param=param)
+    return value
 
 
 def reject_unknown(data: Mapping[str, Any], allowed: frozenset[str]) -> None:

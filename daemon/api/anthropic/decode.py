@@ -10,13 +10,12 @@ grammar) as chat's, `output_config.format` the same structured-output grammar as
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from edgellmd.api.fields import note_ignored
+from edgellmd.api.fields import Fields, note_ignored, typed
 from edgellmd.api.media import Content, MediaReader, MediaRules
 from edgellmd.api.request import ChatRequest, CommonRequest, Limits, within_ceiling
 from edgellmd.api.structured import (
@@ -145,27 +144,6 @@ def _unknown(data: Mapping[str, Any], allowed: frozenset[str], where: str = "") 
             )
 
 
-def _typed(value: Any, kind: type[T], where: str, what: str) -> T:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _fail(f"'{where}' must be {what}", where)
-    return value
-
-
-def _number(data: Mapping[str, Any], name: str, default: float, hi: float) -> float:
-    value = data.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _fail(f"'{name}' must be a number", name)
-    try:
-        ok = math.isfinite(value) and 0.0 <= value <= hi
-    except OverflowError:  # an integer past any float
-        ok = False
-    if not ok:
-        raise _fail(f"'{name}' must be between 0 and {hi:g}", name)
-    return float(value)
-
-
 def _model(data: Mapping[str, Any]) -> str:
     model = data.get("model")
     if model is None:
@@ -175,13 +153,11 @@ def _model(data: Mapping[str, Any]) -> str:
     return model
 
 
-def _max_tokens(data: Mapping[str, Any], limits: Limits) -> int:
-    value = data.get("max_tokens")
-    if value is None:
+def _max_tokens(f: Fields, limits: Limits) -> int:
+    if not f.present("max_tokens"):
         raise _fail("'max_tokens' is required", "max_tokens")
-    value = _typed(value, int, "max_tokens", "an integer")
-    if value < 1:
-        raise _fail("'max_tokens' must be at least 1", "max_tokens")
+    value = f.integer("max_tokens", lo=1)
+    assert value is not None  # noqa: S101 - present
     return within_ceiling(limits, "max_tokens", value)
 
 
@@ -202,12 +178,11 @@ def _user(data: Mapping[str, Any]) -> str | None:
     value = data.get("metadata")
     if value is None:
         return None
-    meta = _typed(value, dict, "metadata", "an object")
+    meta = typed(value, dict, "metadata", "an object")
     _unknown(meta, frozenset({"user_id"}), "metadata")
-    user = meta.get("user_id")
+    user = Fields(meta, "metadata.").string("user_id")
     if user is None:
         return None
-    user = _typed(user, str, "metadata.user_id", "a string")
     if len(user) > MAX_USER_ID:
         raise _fail(f"'metadata.user_id' must be at most {MAX_USER_ID} characters", "metadata.user_id")
     return user
@@ -224,7 +199,7 @@ def _show_thinking(data: Mapping[str, Any], max_tokens: int | None) -> bool:
     value = data.get("thinking")
     if value is None:
         return True
-    spec = _typed(value, dict, "thinking", "an object with a 'type'")
+    spec = typed(value, dict, "thinking", "an object with a 'type'")
     kind = spec.get("type")
     if kind == "disabled":
         _unknown(spec, frozenset({"type"}), "thinking")
@@ -236,7 +211,7 @@ def _show_thinking(data: Mapping[str, Any], max_tokens: int | None) -> bool:
     if display not in (None, "summarized", "omitted"):
         raise _fail("'thinking.display' must be summarized or omitted", "thinking.display")
     if kind == "enabled":
-        budget = _typed(spec.get("budget_tokens"), int, "thinking.budget_tokens", "an integer")
+        budget = typed(spec.get("budget_tokens"), int, "thinking.budget_tokens", "an integer")
         if budget < MIN_THINKING_BUDGET:
             raise _fail(
                 f"'thinking.budget_tokens' must be at least {MIN_THINKING_BUDGET}", "thinking.budget_tokens"
@@ -252,7 +227,7 @@ def _image(block: dict[str, Any], where: str, media: MediaReader) -> MediaInput:
     """An image block: its source base64 ({media_type, data}) or a URL (fetched from the hosts
     media.fetch_hosts lists); a file_id is refused (no files API here)."""
     _unknown(block, _BLOCK_FIELDS["image"], where)
-    source = _typed(block.get("source"), dict, f"{where}.source", "an object")
+    source = typed(block.get("source"), dict, f"{where}.source", "an object")
     kind = source.get("type")
     if kind == "base64":
         _unknown(source, frozenset({"type", "media_type", "data"}), f"{where}.source")
@@ -331,16 +306,16 @@ def _text_block(block: dict[str, Any], where: str) -> str:
     citations = block.get("citations")
     if citations is not None and not isinstance(citations, list):  # accepted and ignored
         raise _fail(f"'{where}.citations' must be a list", f"{where}.citations")
-    return _typed(block.get("text"), str, f"{where}.text", "a string")
+    return typed(block.get("text"), str, f"{where}.text", "a string")
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
     _unknown(block, _BLOCK_FIELDS["tool_use"], where)
-    call_id = _typed(block.get("id"), str, f"{where}.id", "a string")
+    call_id = typed(block.get("id"), str, f"{where}.id", "a string")
     if not _TOOL_ID.fullmatch(call_id):
         raise _fail(f"'{where}.id' must be 1 to 128 of a-z A-Z 0-9 _ -", f"{where}.id")
-    name = _typed(block.get("name"), str, f"{where}.name", "a string")
-    arguments = _typed(block.get("input"), dict, f"{where}.input", "an object")
+    name = typed(block.get("name"), str, f"{where}.name", "a string")
+    arguments = typed(block.get("input"), dict, f"{where}.input", "an object")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
@@ -348,7 +323,7 @@ def _tool_result(
     block: dict[str, Any], where: str, names: Mapping[str, str], asked: set[str], media: MediaReader
 ) -> ChatMessage:
     _unknown(block, _BLOCK_FIELDS["tool_result"], where)
-    call_id = _typed(block.get("tool_use_id"), str, f"{where}.tool_use_id", "a string")
+    call_id = typed(block.get("tool_use_id"), str, f"{where}.tool_use_id", "a string")
     content = block.get("content")
     result = Content() if content is None else _blocks(content, f"{where}.content", media)
     is_error = block.get("is_error")
@@ -453,7 +428,7 @@ def _messages(data: Mapping[str, Any], media: MediaReader) -> tuple[ChatMessage,
     later: list[str] = []  # system messages among the turns
     for i, item in enumerate(value):
         where = f"messages[{i}]"
-        message = _typed(item, dict, where, "an object with 'role' and 'content'")
+        message = typed(item, dict, where, "an object with 'role' and 'content'")
         _unknown(message, frozenset({"role", "content"}), where)
         role = message.get("role")
         if role not in ("user", "assistant", "system"):
@@ -518,7 +493,7 @@ def _in_our_names(build: Callable[[], T]) -> T:
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:
     where = f"tools[{i}]"
-    tool = _typed(tool, dict, where, "an object with 'name' and 'input_schema'")
+    tool = typed(tool, dict, where, "an object with 'name' and 'input_schema'")
     kind = tool.get("type")
     if kind not in (None, "custom"):
         raise UnsupportedParameter(
@@ -541,7 +516,7 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
         function["description"] = description
     strict = tool.get("strict")
     if strict is not None:
-        function["strict"] = _typed(strict, bool, f"{where}.strict", "true or false")
+        function["strict"] = typed(strict, bool, f"{where}.strict", "true or false")
     return {"type": "function", "function": function}
 
 
@@ -549,7 +524,7 @@ def _tool_choice(value: Any, names: set[str]) -> tuple[Any, bool | None]:
     """Anthropic's tool_choice as chat's, and whether parallel calls are allowed (None: default)."""
     if value is None:
         return None, None
-    choice = _typed(value, dict, "tool_choice", "an object with a 'type'")
+    choice = typed(value, dict, "tool_choice", "an object with a 'type'")
     kind = choice.get("type")
     fields = (
         {"type", "name", "disable_parallel_tool_use"}
@@ -603,12 +578,12 @@ def _output_format(data: Mapping[str, Any]) -> Any:
     value = data.get("output_config")
     if value is None:
         return None
-    config = _typed(value, dict, "output_config", "an object")
+    config = typed(value, dict, "output_config", "an object")
     _unknown(config, frozenset({"format", "effort"}), "output_config")  # effort: accepted and ignored
     spec = config.get("format")
     if spec is None:
         return None
-    spec = _typed(spec, dict, "output_config.format", "an object with a 'type'")
+    spec = typed(spec, dict, "output_config.format", "an object with a 'type'")
     if spec.get("type") != "json_schema":
         raise _fail("'output_config.format.type' must be json_schema", "output_config.format.type")
     _unknown(spec, frozenset({"type", "schema"}), "output_config.format")
@@ -633,11 +608,6 @@ def _grammar(data: Mapping[str, Any], tools: ToolPlan | None) -> str | None:
     if tools is not None and tools.grammar is not None:
         return tools.grammar  # a call, or (auto) an answer of output_config's format
     return _format_grammar(data)
-
-
-def _stream(data: Mapping[str, Any]) -> bool:
-    value = data.get("stream")
-    return False if value is None else _typed(value, bool, "stream", "a boolean")
 
 
 def _ignored(data: Mapping[str, Any]) -> None:
@@ -701,20 +671,17 @@ def _context_management(value: Any) -> None:
 def parse_messages(data: Mapping[str, Any], limits: Limits) -> MessagesRequest:
     """Validate a `POST /v1/messages` body."""
     _unknown(data, _MESSAGE_FIELDS)
+    f = Fields(data)
     model = _model(data)
-    max_tokens = _max_tokens(data, limits)
+    max_tokens = _max_tokens(f, limits)
     show_thinking = _show_thinking(data, max_tokens)
     _ignored(data)
-    top_k = data.get("top_k")
-    if top_k is not None:
-        top_k = _typed(top_k, int, "top_k", "an integer")
-        if not 0 <= top_k <= MAX_TOP_K:
-            raise _fail(f"'top_k' must be between 0 and {MAX_TOP_K}", "top_k")
+    top_k = f.integer("top_k", lo=0, hi=MAX_TOP_K)
     messages = _messages(data, MediaReader(limits.media))
     tools = _tools(data)
     sampling = SamplingParams(
-        temperature=_number(data, "temperature", 1.0, 1.0),
-        top_p=_number(data, "top_p", 1.0, 1.0),
+        temperature=f.number("temperature", 1.0, lo=0, hi=1),
+        top_p=f.number("top_p", 1.0, lo=0, hi=1),
         top_k=DEFAULT_TOP_K if top_k is None else top_k,
         penalty_last_n=DEFAULT_PENALTY_LAST_N,
         grammar=_grammar(data, tools),
@@ -724,7 +691,7 @@ def parse_messages(data: Mapping[str, Any], limits: Limits) -> MessagesRequest:
         max_tokens=max_tokens,
         sampling=sampling,
         stop=_stop_sequences(data),
-        stream=_stream(data),
+        stream=f.boolean("stream", False),
         include_usage=False,
         ignore_eos=False,
         user=_user(data),
