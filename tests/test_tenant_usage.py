@@ -75,6 +75,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         ("alice", ["inference"], None),
         ("bob", ["inference"], None),
         ("capped", ["inference"], {"tokens_per_month": 60}),
+        ("counted", ["inference"], {"requests_per_day": 2}),
     ):
         ids[name], tokens[name] = create_key(keys, name, scopes, limits={}, quota=quota)
     database = root / "ledger.sqlite3"
@@ -131,6 +132,33 @@ def test_a_monthly_quota_runs_out_mid_stream_the_stream_finishes_the_next_reques
     # The audit line reaches the database on the ledger's writer thread, a moment later.
     wait_for(lambda: audited() >= 1, timeout=10, what="the quota breach in the audit log")
     assert audited() == 1  # once per budget and period, however many refusals
+
+
+def test_requests_arriving_together_cannot_pass_a_request_budget_together(box: Box) -> None:
+    """requests_per_day 2 and six requests at once: two are served, four refused, and the day
+    holds two; the requests in flight counted as spent from their admission."""
+    body = {"model": "m", "max_tokens": 40, "ignore_eos": True, "messages": HI}
+    answers: list[int] = []
+    gate = threading.Barrier(6)
+
+    def ask() -> None:
+        gate.wait(10)
+        status, _, _ = _call(box.daemon.url + "/v1/chat/completions", box.tokens["counted"], "POST", body)
+        answers.append(status)
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(answers) == [200, 200, 429, 429, 429, 429]
+    # The next is refused too (the day's two are spent), and a refused one freed nothing.
+    status, error, headers = _call(
+        box.daemon.url + "/v1/chat/completions", box.tokens["counted"], "POST", body
+    )
+    assert status == 429
+    assert error["error"]["code"] == "quota_exceeded"
+    assert "x-quota-reset" in headers
 
 
 def test_usage_answers_what_clients_were_told_as_json_csv_and_in_edgellmctl(

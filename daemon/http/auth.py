@@ -21,7 +21,7 @@ from edgellmd.host.traces import now_ns
 from edgellmd.http import appkeys
 from edgellmd.http.console.routes import is_console_path
 from edgellmd.http.errors import Handler
-from edgellmd.http.ledger import check_quota
+from edgellmd.http.ledger import check_quota, release_quota
 from edgellmd.http.ratelimit import RateLimiter
 from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
 
@@ -234,14 +234,20 @@ def setup_ratelimit(app: web.Application) -> None:
         if key is None or not is_inference(request.path):
             return await handler(request)
         limiter = request.app[appkeys.RATE_LIMITER]
-        check_quota(request, key)  # a spent day or month budget, before a minute's is taken
+        # A spent day or month budget, before a minute's is taken; the request counts in flight
+        # against the key's request budgets until it ends.
+        held = check_quota(request, key, hold=True)
         try:
-            limiter.admit(key)
-        except RateLimited as exc:
-            exc.headers.update(limiter.headers(key))
-            raise
-        with limiter.admitted(key, request):
-            return await handler(request)
+            try:
+                limiter.admit(key)
+            except RateLimited as exc:
+                exc.headers.update(limiter.headers(key))
+                raise
+            with limiter.admitted(key, request):
+                return await handler(request)
+        finally:
+            if held:
+                release_quota(request, key)
 
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
         key = request.get(appkeys.API_KEY)

@@ -33,14 +33,19 @@ _HANDLER: Final = web.AppKey("audit_handler", AuditHandler)
 _BREACHES: Final = web.AppKey("quota_breaches", set[tuple[str, str, str]])
 
 
-def check_quota(request: web.Request, key: ApiKey) -> None:
-    """Refuse (429 quota_exceeded, Retry-After and x-quota-reset) a key that spent a budget."""
+def check_quota(request: web.Request, key: ApiKey, *, hold: bool = False) -> bool:
+    """Refuse (429 quota_exceeded, Retry-After and x-quota-reset) a key that spent a budget.
+
+    With `hold`, a request that passes counts in flight against the key's request budgets
+    until the caller releases it (`release_quota`); True when it was held so.
+    """
     ledger = request.app.get(LEDGER)
     if ledger is None:
-        return
-    breach = ledger.check(key.id, key.quota)
+        return False
+    holds = hold and (key.quota.requests_per_day is not None or key.quota.requests_per_month is not None)
+    breach = ledger.check(key.id, key.quota, hold=holds)
     if breach is None:
-        return
+        return holds
     reset = breach.resets.isoformat()
     seen = request.app[_BREACHES]
     if (key.id, breach.budget, reset) not in seen:  # once per budget and period, not per refusal
@@ -56,6 +61,13 @@ def check_quota(request: web.Request, key: ApiKey) -> None:
         )
     wait = max(1, math.ceil(breach.resets.timestamp() - time.time()))
     raise QuotaExceeded(breach.message(), headers={"Retry-After": str(wait), "x-quota-reset": reset})
+
+
+def release_quota(request: web.Request, key: ApiKey) -> None:
+    """The end of a request `check_quota(..., hold=True)` held."""
+    ledger = request.app.get(LEDGER)
+    if ledger is not None:
+        ledger.release(key.id)
 
 
 async def _tend(ledger: Ledger, handler: AuditHandler) -> None:

@@ -24,6 +24,7 @@ import sqlite3
 import stat
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -160,6 +161,9 @@ class Ledger:
         self._usage: list[tuple[UsageRecord, Future[bool]]] = []
         self._audit: list[tuple[AuditEntry, Future[int]]] = []
         self._retry_usage: list[UsageRecord] = []
+        # Requests admitted and not yet ended, by key: a request budget counts them as spent,
+        # so that concurrent requests cannot pass it together (`check(..., hold=True)`).
+        self._in_flight: Counter[str] = Counter()
         self._retry_audit: list[AuditEntry] = []
         self._scheduled = False
         self._closed = False
@@ -212,8 +216,16 @@ class Ledger:
             m = self._periods.get((key_id, month), [0, 0])
         return {"requests_day": d[0], "tokens_day": d[1], "requests_month": m[0], "tokens_month": m[1]}
 
-    def check(self, key_id: str, quota: Budgets, now: float | None = None) -> Breach | None:
-        """The first budget of `quota` that `key_id` has spent, or None."""
+    def check(
+        self, key_id: str, quota: Budgets, now: float | None = None, *, hold: bool = False
+    ) -> Breach | None:
+        """The first budget of `quota` that `key_id` has spent, or None.
+
+        With `hold`, a request that passes is counted in flight until `release`: a request
+        budget counts the requests in flight as spent, so that requests arriving together
+        cannot pass it together. A token budget is checked against what finished requests
+        used: the requests in flight when it runs out may go past it by what they generate.
+        """
         if (
             quota.requests_per_day is None
             and quota.requests_per_month is None
@@ -222,16 +234,29 @@ class Ledger:
         ):
             return None  # most keys: no lock taken, nothing read
         moment = self._clock() if now is None else now
-        spent = self.used(key_id, moment)
-        for budget, limit, used, resets in (
-            ("requests_per_day", quota.requests_per_day, spent["requests_day"], usage.next_day),
-            ("tokens_per_day", quota.tokens_per_day, spent["tokens_day"], usage.next_day),
-            ("requests_per_month", quota.requests_per_month, spent["requests_month"], usage.next_month),
-            ("tokens_per_month", quota.tokens_per_month, spent["tokens_month"], usage.next_month),
-        ):
-            if limit is not None and used >= limit:
-                return Breach(budget, limit, used, resets(moment, self.zone))
+        with self._lock:
+            day, month = self._roll(moment)
+            d = self._periods.get((key_id, day), [0, 0])
+            m = self._periods.get((key_id, month), [0, 0])
+            flying = self._in_flight[key_id] if hold else 0
+            for budget, limit, used, resets in (
+                ("requests_per_day", quota.requests_per_day, d[0] + flying, usage.next_day),
+                ("tokens_per_day", quota.tokens_per_day, d[1], usage.next_day),
+                ("requests_per_month", quota.requests_per_month, m[0] + flying, usage.next_month),
+                ("tokens_per_month", quota.tokens_per_month, m[1], usage.next_month),
+            ):
+                if limit is not None and used >= limit:
+                    return Breach(budget, limit, used, resets(moment, self.zone))
+            if hold:
+                self._in_flight[key_id] += 1
         return None
+
+    def release(self, key_id: str) -> None:
+        """A request `check(..., hold=True)` let pass has ended."""
+        with self._lock:
+            self._in_flight[key_id] -= 1
+            if self._in_flight[key_id] <= 0:
+                del self._in_flight[key_id]
 
     # ---- audit -----------------------------------------------------------------------------
 
