@@ -13,7 +13,7 @@ import pytest
 
 from edgellmd.ledger import audit, usage
 from edgellmd.ledger.audit import AuditEntry
-from edgellmd.ledger.store import AuditHandler, Ledger, LedgerError, Quota, utc_text
+from edgellmd.ledger.store import FULL_VERIFY_S, AuditHandler, Ledger, LedgerError, Quota, utc_text
 from edgellmd.ledger.usage import UsageQuery, UsageRecord
 
 
@@ -273,3 +273,37 @@ def test_select_gives_the_newest_records_in_time_order_within_the_filters(chain:
     assert [r.seq for r in audit.select(chain, action="action 1", limit=5)] == [1]
     assert [r.seq for r in audit.select(chain, since=utc_text(1_796_000_003), limit=10)] == [3, 4, 5, 6]
     assert audit.select(chain, key_id="nobody") == []
+
+
+def test_admin_audit_walks_the_whole_chain_once_a_minute_and_only_what_is_new_between(
+    tmp_path: Path,
+) -> None:
+    """`Ledger.chain`: a full walk, then only the records added since the last whole walk; an
+    edit among those is found at once, one among the older ones at the next full walk."""
+    ledger = Ledger(tmp_path / "walk.sqlite3")
+    conn = sqlite3.connect(tmp_path / "walk.sqlite3", isolation_level=None)
+    try:
+        _chain(conn, 5)
+        verdict, covered = ledger.chain(conn, now=1000.0)
+        assert (verdict.ok, verdict.checked, covered) == (True, 5, 5)
+        _chain(conn, 3)
+        verdict, covered = ledger.chain(conn, now=1010.0)
+        assert (verdict.ok, verdict.checked, covered) == (True, 3, 8)  # the three new ones walked
+        verdict, covered = ledger.chain(conn, now=1011.0)
+        assert (verdict.ok, verdict.checked, covered) == (True, 0, 8)  # nothing new: nothing walked
+        _chain(conn, 2)
+        conn.execute("UPDATE audit SET action = 'nothing happened' WHERE seq = 10")
+        verdict, _ = ledger.chain(conn, now=1012.0)
+        assert not verdict.ok
+        assert "record 10 was edited" in str(verdict.problem)
+        conn.execute("UPDATE audit SET action = 'action 10' WHERE seq = 10")
+        verdict, covered = ledger.chain(conn, now=1013.0)  # after a break, the whole chain again
+        assert (verdict.ok, verdict.checked, covered) == (True, 10, 10)
+        conn.execute("UPDATE audit SET action = 'nothing happened' WHERE seq = 2")
+        assert ledger.chain(conn, now=1014.0)[0].ok  # an old record: not walked within the minute
+        verdict, _ = ledger.chain(conn, now=1013.0 + FULL_VERIFY_S)
+        assert not verdict.ok
+        assert "record 2 was edited" in str(verdict.problem)
+    finally:
+        conn.close()
+        ledger.close()

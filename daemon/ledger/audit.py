@@ -163,6 +163,9 @@ class Verdict:
     last: int | None
     problem: str | None = None  # where and how the chain breaks first
     at_seq: int | None = None
+    # Where a walk that found the chain whole ended: (seq, hash, at) of its last record (of
+    # the record it started after, when there was nothing new), to go on from next time.
+    end: tuple[int, str, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -170,14 +173,22 @@ class Verdict:
         return self.problem is None
 
 
-def verify(conn: sqlite3.Connection) -> Verdict:
-    """Walk the chain from its anchor; the first record that was edited, removed or moved."""
-    anchor = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
-    prev_seq, prev_hash = (int(anchor[0]), str(anchor[1])) if anchor is not None else (0, GENESIS)
-    prev_at = ""
+def verify(conn: sqlite3.Connection, after: tuple[int, str, str] | None = None) -> Verdict:
+    """Walk the chain from its anchor; the first record that was edited, removed or moved.
+
+    `after`: (seq, hash, at) of a record a walk found whole before (`Verdict.end`): only the
+    records after it are walked, the first of them checked against it.
+    """
+    if after is not None:
+        prev_seq, prev_hash, prev_at = after
+    else:
+        anchor = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
+        prev_seq, prev_hash = (int(anchor[0]), str(anchor[1])) if anchor is not None else (0, GENESIS)
+        prev_at = ""
     checked, first = 0, None
-    query = "SELECT seq, at, level, action, key_id, peer, detail, prev, hash FROM audit ORDER BY seq"
-    for seq, at, level, action, key_id, peer, detail, prev, digest in conn.execute(query):
+    fields = "seq, at, level, action, key_id, peer, detail, prev, hash"
+    query = f"SELECT {fields} FROM audit WHERE seq > ? ORDER BY seq"  # noqa: S608 - no client text
+    for seq, at, level, action, key_id, peer, detail, prev, digest in conn.execute(query, (prev_seq,)):
         first = seq if first is None else first
         problem = None
         if seq != prev_seq + 1:
@@ -192,7 +203,7 @@ def verify(conn: sqlite3.Connection) -> Verdict:
             return Verdict(checked, first, seq, problem, seq)
         checked += 1
         prev_seq, prev_hash, prev_at = seq, digest, str(at)
-    return Verdict(checked, first, prev_seq if checked else None)
+    return Verdict(checked, first, prev_seq if checked else None, end=(prev_seq, prev_hash, prev_at))
 
 
 def select(

@@ -34,7 +34,7 @@ from typing import Any, Final, Protocol, TypeVar
 from zoneinfo import ZoneInfo
 
 from edgellmd.ledger import audit, usage
-from edgellmd.ledger.audit import AuditEntry
+from edgellmd.ledger.audit import AuditEntry, Verdict
 from edgellmd.ledger.usage import UsageRecord
 
 T = TypeVar("T")
@@ -42,6 +42,8 @@ log = logging.getLogger("edgellmd.ledger")
 SCHEMA_VERSION: Final = 1
 BUSY_TIMEOUT_MS: Final = 5000
 MAX_KEPT: Final = 100_000  # records of each kind kept for a retry while commits fail; then the oldest go
+# /admin/audit walks the whole audit chain at most this often; between, the records added since.
+FULL_VERIFY_S: Final = 60.0
 
 
 class Budgets(Protocol):
@@ -164,6 +166,10 @@ class Ledger:
         # Requests admitted and not yet ended, by key: a request budget counts them as spent,
         # so that concurrent requests cannot pass it together (`check(..., hold=True)`).
         self._in_flight: Counter[str] = Counter()
+        # The audit chain as /admin/audit last found it whole (`chain`): writer thread only.
+        self._chain_end: tuple[int, str, str] | None = None
+        self._chain_at = -FULL_VERIFY_S
+        self._chain_covered = 0
         self._retry_audit: list[AuditEntry] = []
         self._scheduled = False
         self._closed = False
@@ -270,6 +276,22 @@ class Ledger:
             self._audit.append((entry, future))
             self._schedule()
         return future
+
+    def chain(self, conn: sqlite3.Connection, now: float | None = None) -> tuple[Verdict, int]:
+        """On the writer thread (`query`): the audit chain verified, and how many records that
+        verdict covers. The whole chain at most every FULL_VERIFY_S; between, the records added
+        since the last walk that found it whole, checked against where that walk ended."""
+        moment = time.monotonic() if now is None else now
+        resume = self._chain_end if moment - self._chain_at < FULL_VERIFY_S else None
+        verdict = audit.verify(conn, after=resume)
+        if not verdict.ok or verdict.end is None:
+            self._chain_end, self._chain_at = None, -FULL_VERIFY_S  # walk it all next time
+            return verdict, verdict.checked
+        covered = (self._chain_covered if resume is not None else 0) + verdict.checked
+        if resume is None:
+            self._chain_at = moment
+        self._chain_end, self._chain_covered = verdict.end, covered
+        return verdict, covered
 
     # ---- the writer ------------------------------------------------------------------------
 
