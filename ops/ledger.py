@@ -121,27 +121,43 @@ def run_verify(args: argparse.Namespace) -> int:
     conn = _open(args.database)
     try:
         verdict = audit.verify(conn)
+        matched, differs = (0, None) if args.against is None else _against(conn, args.against)
     finally:
         conn.close()
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "ok": verdict.ok,
-                    "checked": verdict.checked,
-                    "first": verdict.first,
-                    "last": verdict.last,
-                    "problem": verdict.problem,
-                    "at_seq": verdict.at_seq,
-                }
-            )
-        )
+        answer: dict[str, Any] = {
+            "ok": verdict.ok and differs is None,
+            "checked": verdict.checked,
+            "first": verdict.first,
+            "last": verdict.last,
+            "problem": verdict.problem,
+            "at_seq": verdict.at_seq,
+        }
+        if args.against is not None:
+            answer["against_log"] = {"matched": matched, "problem": differs}
+        print(json.dumps(answer))
     elif verdict.ok:
         span = f"records {verdict.first} to {verdict.last}" if verdict.checked else "no records"
         print(f"audit chain intact: {verdict.checked} record(s) checked ({span})")
     else:
         print(f"audit chain BROKEN after {verdict.checked} good record(s): {verdict.problem}")
-    return 0 if verdict.ok else 1
+    if args.against is not None and not args.json:
+        if differs is None:
+            print(f"the log's copy agrees: {matched} record(s) matched")
+        else:
+            print(f"the log's copy DIFFERS after {matched} matching record(s): {differs}")
+    return 0 if verdict.ok and differs is None else 1
+
+
+def _against(conn: sqlite3.Connection, source: str) -> tuple[int, str | None]:
+    """The chain against the daemon's log lines in `source` (a file, or - for standard input)."""
+    if source == "-":
+        return audit.compare(conn, sys.stdin)
+    try:
+        with Path(source).open(encoding="utf-8", errors="replace") as lines:
+            return audit.compare(conn, lines)
+    except OSError as exc:
+        raise CommandError(f"cannot read {source}: {exc.strerror or exc}") from None
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -200,6 +216,12 @@ def add_parsers(sub: Subcommands) -> None:
         return v
 
     v = verb("verify", "check every record's hash and order; exit 1 at the first break")
+    v.add_argument(
+        "--against",
+        metavar="LOG",
+        help="also compare with the daemon's log lines (e.g. `journalctl -u edgellm -o cat > LOG`, "
+        "or - for standard input): finds records rewritten with their hashes, or removed",
+    )
     v.set_defaults(func=guarded(run_verify))
     s = verb("show", "print audit records")
     s.add_argument("--since", help="from this UTC time or date (ISO 8601)")

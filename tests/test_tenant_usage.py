@@ -8,6 +8,7 @@ import csv
 import http.client
 import io
 import json
+import logging
 import signal
 import sqlite3
 import subprocess
@@ -28,6 +29,7 @@ from edgellmctl.__main__ import main as ctl
 from edgellmctl.keys import create_key
 from edgellmd.api.context import LEDGER
 from edgellmd.http import ledger as http_ledger
+from edgellmd.ledger import audit
 from edgellmd.ledger import usage as usage_module
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, free_port, running, settings_for, wait_for
@@ -271,6 +273,51 @@ def test_admin_actions_are_chained_and_a_hand_edit_is_found(
     assert f"record {record['seq']} was edited" in out
     assert ctl(["audit", "verify", "--database", str(tmp_path / "none.sqlite3")]) == 1
     assert "no ledger" in capsys.readouterr().err
+
+
+def test_a_rewrite_with_every_hash_recomputed_is_found_against_the_daemons_log(
+    box: Box, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the chain alone cannot show: a writer of the database who edits a record and
+    recomputes every hash after it. The daemon's log (the journal) holds each record's hash as
+    it was written: `audit verify --against` finds the rewrite there."""
+    caplog.set_level(logging.INFO, logger="edgellmd.ledger")
+    for _ in range(3):
+        assert _call(box.daemon.url + "/admin/reload", box.tokens["admin"], "POST", {})[0] == 200
+    wait_for(lambda: caplog.text.count("audit record") >= 3, what="the records' mirror lines")
+    log_file = tmp_path / "journal.txt"
+    log_file.write_text(caplog.text)
+    assert ctl(["audit", "verify", "--database", str(box.database), "--against", str(log_file)]) == 0
+    assert "the log's copy agrees" in capsys.readouterr().out
+
+    copy = tmp_path / "rewritten.sqlite3"
+    source, target = sqlite3.connect(box.database), sqlite3.connect(copy)
+    source.backup(target)
+    source.close()
+    mirrored = [int(m.group(1)) for m in audit.MIRROR_LINE.finditer(caplog.text)]
+    rows = target.execute(
+        "SELECT seq, at, level, action, key_id, peer, detail, prev FROM audit WHERE seq >= ? ORDER BY seq",
+        (mirrored[0],),
+    ).fetchall()
+    prev = rows[0][7]
+    for seq, at, level, written, key_id, peer, detail, _ in rows:  # the forger's rewrite, hashes and all
+        action = "nothing happened here" if seq == mirrored[0] else written
+        digest = audit.record_hash(prev, (seq, at, level, action, key_id, peer, detail))
+        target.execute(
+            "UPDATE audit SET action = ?, prev = ?, hash = ? WHERE seq = ?", (action, prev, digest, seq)
+        )
+        prev = digest
+    target.commit()
+    target.close()
+    assert ctl(["audit", "verify", "--database", str(copy)]) == 0  # the chain alone: whole
+    assert "intact" in capsys.readouterr().out
+    assert ctl(["audit", "verify", "--database", str(copy), "--against", str(log_file)]) == 1
+    assert f"record {mirrored[0]} is not what the log says was written: rewritten" in capsys.readouterr().out
+    with log_file.open() as lines, sqlite3.connect(copy) as conn:  # and a removal
+        conn.execute("DELETE FROM audit WHERE seq = ?", (mirrored[-1],))
+        _, problem = audit.compare(conn, lines)
+    assert problem is not None
+    assert "rewritten" in problem or "removed" in problem
 
 
 # ---- kill -9 under traffic -------------------------------------------------------------------------

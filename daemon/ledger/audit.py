@@ -8,16 +8,18 @@ breaks first. Records older than the retention go at rotation; the last one that
 as the anchor (its seq and hash), so that what is left still verifies.
 
 What a chain cannot show on its own: someone who can write the database may rewrite every
-record after the one they edit, hashes included. Every record is mirrored to the journal
-with its hash (`edgellmd.audit.chain`), where such a rewrite shows against the database.
+record after the one they edit, hashes included. Every record is mirrored to the daemon's
+log (the journal) with its hash, and `compare` finds such a rewrite against that mirror
+(`edgellmctl audit verify --against`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sqlite3
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -204,6 +206,34 @@ def verify(conn: sqlite3.Connection, after: tuple[int, str, str] | None = None) 
         checked += 1
         prev_seq, prev_hash, prev_at = seq, digest, str(at)
     return Verdict(checked, first, prev_seq if checked else None, end=(prev_seq, prev_hash, prev_at))
+
+
+# How the daemon mirrors each record to its log (the journal): "audit record SEQ HASH: ACTION".
+MIRROR_LINE: Final = re.compile(r"audit record (\d{1,18}) ([0-9a-f]{64})\b")
+
+
+def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str | None]:
+    """The chain against its mirror in the daemon's log (lines in any format holding
+    MIRROR_LINE): how many mirrored records it matched, and the first that the database no
+    longer holds as logged: rewritten (hashes and all, which the chain alone cannot show) or
+    removed. Records gone with rotation (at or before the anchor) are not counted."""
+    anchor = conn.execute("SELECT seq FROM audit_anchor").fetchone()
+    rotated = int(anchor[0]) if anchor is not None else 0
+    matched = 0
+    for line in mirrored:
+        found = MIRROR_LINE.search(line)
+        if found is None:
+            continue
+        seq, logged = int(found.group(1)), found.group(2)
+        if seq <= rotated:
+            continue
+        row = conn.execute("SELECT hash FROM audit WHERE seq = ?", (seq,)).fetchone()
+        if row is None:
+            return matched, f"record {seq} is in the log and not in the database: removed"
+        if str(row[0]) != logged:
+            return matched, f"record {seq} is not what the log says was written: rewritten"
+        matched += 1
+    return matched, None
 
 
 def select(
