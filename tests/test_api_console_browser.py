@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 import wave
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,7 +43,7 @@ from edgellmd.http.console.sessions import SESSIONS
 from edgellmd.settings import ConsoleSettings
 from tests import fakenvml
 from tests.ggufmodels import TinyModelSpec, write_tiny_audio_projector, write_tiny_model, write_tiny_projector
-from tests.serving import RunningDaemon, SignedLock, running, settings_for
+from tests.serving import RunningDaemon, SignedLock, running, settings_for, wait_for
 
 CHROMIUM: Final = Path("/usr/bin/chromium")
 pytestmark = [
@@ -364,6 +365,39 @@ def test_the_overview_charts_what_was_served(console: Page, box: Box) -> None:
     assert "highest" in label
     assert "highest 0.0" not in label
     _screenshot(console, "console-overview.png")
+
+
+def test_the_queue_says_when_the_waiting_requests_may_expect_a_slot(console: Page, box: Box) -> None:
+    """Both slots held by long generations and two requests waiting: the models table says how
+    many wait, when the next and the last may expect a slot, and lists them on hover."""
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.token, max_retries=0)
+    client.completions.create(model=MODEL, prompt="warm", max_tokens=8)  # a hold time to estimate from
+    console.goto(box.daemon.url + "/ui/#overview")
+
+    def long() -> object:
+        return client.completions.create(
+            model=MODEL, prompt="tick", max_tokens=200, extra_body={"ignore_eos": True}
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(long) for _ in range(2)]
+        wait_for(lambda: _model_status(box)["slots_busy"] == 2, what="both slots busy")
+        waiting = [pool.submit(long) for _ in range(2)]
+        wait_for(lambda: _model_status(box)["queue_depth"] == 2, what="two waiting")
+        cell = console.locator(f'#models-table tr[data-model="{MODEL}"] [data-field="queue"]')
+        expect(cell).to_have_text(re.compile(r"^2 / \d+ \(next in ≈\d+\.\d s, last ≈\d+\.\d s\)$"))
+        title = cell.get_attribute("title") or ""
+        assert title.startswith("1. ")
+        assert "\n2. " in title
+        assert "waited" in title
+        for future in held + waiting:
+            future.result(120)
+    expect(cell).to_have_text(re.compile(r"^0 / \d+$"))
+
+
+def _model_status(box: Box) -> dict[str, Any]:
+    model: dict[str, Any] = next(m for m in box.admin_get("/admin/status")["models"] if m["name"] == MODEL)
+    return model
 
 
 def test_the_usage_page_charts_tokens_per_key_and_day_as_the_ledger_has_them(console: Page, box: Box) -> None:

@@ -456,7 +456,7 @@
         cell("version", m.version === undefined || m.version === null ? dash : m.version),
         cell("sha256", shortHash(m.sha256), "mono"),
         cell("slots", `${m.slots_busy ?? 0} / ${m.slots_total}`),
-        cell("queue", `${m.queue_depth ?? 0} / ${m.queue_size}`),
+        queueCell(m),
         cell("waits", waitsText(m)),
         cell("tenants", tenantsText(m)),
         cell("loaded_at", m.loaded_at ? when(m.loaded_at) : dash),
@@ -465,6 +465,23 @@
       ));
     }
     patchRows(body, rows);
+  }
+
+  // The queue: how many wait of how many may, and (engine.fairness.queue) when the next one and
+  // the last one may expect a slot; each waiting request, in the order it would be taken, on hover.
+  function queueCell(m) {
+    const f = m.performance && m.performance.fairness;
+    const queue = (f && f.queue) || [];
+    let text = `${m.queue_depth ?? 0} / ${m.queue_size}`;
+    const guess = (q) => (q.estimated_wait_ms === null || q.estimated_wait_ms === undefined ? "?" : `${num(q.estimated_wait_ms / 1000, 1)} s`);
+    if (queue.length) {
+      text += ` (next in ≈${guess(queue[0])}` + (queue.length > 1 ? `, last ≈${guess(queue[queue.length - 1])})` : ")");
+    }
+    const td = h("td", { "data-field": "queue" }, text);
+    if (queue.length) {
+      td.title = queue.map((q) => `${q.position}. ${q.tenant || "open"} (${q.class}): waited ${num(q.waited_ms / 1000, 1)} s, ≈${guess(q)} more`).join("\n");
+    }
+    return td;
   }
 
   // Fair share (engine.fairness): the recent waits for a slot, and who has work now.
