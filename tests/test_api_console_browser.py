@@ -367,36 +367,57 @@ def test_the_overview_charts_what_was_served(console: Page, box: Box) -> None:
     _screenshot(console, "console-overview.png")
 
 
-def test_the_queue_says_when_the_waiting_requests_may_expect_a_slot(console: Page, box: Box) -> None:
+def test_the_queue_says_when_the_waiting_requests_may_expect_a_slot(browser: Browser, tmp_path: Path) -> None:
     """Both slots held by long generations and two requests waiting: the models table says how
-    many wait, when the next and the last may expect a slot, and lists them on hover."""
-    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.token, max_retries=0)
-    client.completions.create(model=MODEL, prompt="warm", max_tokens=8)  # a hold time to estimate from
-    console.goto(box.daemon.url + "/ui/#overview")
+    many wait, when the next and the last may expect a slot, and lists them on hover. A wider
+    tiny model, slow enough (a few hundred tokens/s) that the queue stays for seconds."""
+    slow = write_tiny_model(
+        tmp_path / "slow.gguf", TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048)
+    )
+    keys = tmp_path / "keys.yaml"
+    _, token = create_key(keys, "operator", ["admin", "inference"], limits={})
+    settings = settings_for(
+        [{"name": "slow", "file": str(slow), "threads": 1, "context_size": 4096, "slots": 2}],
+        auth={"keys_file": str(keys)},
+        lifecycle={"watch": False},
+    )
+    settings = replace(settings, console=ConsoleSettings(enabled=True, stream_interval_s=0.5))
+    with running(settings) as daemon:
+        box = Box(daemon, SignedLock(tmp_path / "unused"), keys, token)
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=token, max_retries=0)
+        client.completions.create(model="slow", prompt="warm", max_tokens=8)  # a hold time to estimate from
+        watched = _watched(browser)
+        try:
+            _sign_in(watched, box)
+            page = watched.page
+            page.goto(daemon.url + "/ui/#overview")
 
-    def long() -> object:
-        return client.completions.create(
-            model=MODEL, prompt="tick", max_tokens=200, extra_body={"ignore_eos": True}
-        )
+            def long(n: int) -> object:
+                return client.completions.create(
+                    model="slow", prompt="tick", max_tokens=n, extra_body={"ignore_eos": True}, timeout=120
+                )
 
-    with ThreadPoolExecutor(4) as pool:
-        held = [pool.submit(long) for _ in range(2)]
-        wait_for(lambda: _model_status(box)["slots_busy"] == 2, what="both slots busy")
-        waiting = [pool.submit(long) for _ in range(2)]
-        wait_for(lambda: _model_status(box)["queue_depth"] == 2, what="two waiting")
-        cell = console.locator(f'#models-table tr[data-model="{MODEL}"] [data-field="queue"]')
-        expect(cell).to_have_text(re.compile(r"^2 / \d+ \(next in ≈\d+\.\d s, last ≈\d+\.\d s\)$"))
-        title = cell.get_attribute("title") or ""
-        assert title.startswith("1. ")
-        assert "\n2. " in title
-        assert "waited" in title
-        for future in held + waiting:
-            future.result(120)
-    expect(cell).to_have_text(re.compile(r"^0 / \d+$"))
+            with ThreadPoolExecutor(4) as pool:
+                held = [pool.submit(long, 1500) for _ in range(2)]
+                wait_for(lambda: _model_status(box, "slow")["slots_busy"] == 2, what="both slots busy")
+                waiting = [pool.submit(long, 4) for _ in range(2)]
+                wait_for(lambda: _model_status(box, "slow")["queue_depth"] == 2, what="two waiting")
+                cell = page.locator('#models-table tr[data-model="slow"] [data-field="queue"]')
+                expect(cell).to_have_text(re.compile(r"^2 / \d+ \(next in ≈\d+\.\d s, last ≈\d+\.\d s\)$"))
+                title = cell.get_attribute("title") or ""
+                assert title.startswith("1. ")
+                assert "\n2. " in title
+                assert "waited" in title
+                for future in held + waiting:
+                    future.result(120)
+            expect(cell).to_have_text(re.compile(r"^0 / \d+$"))
+            assert watched.problems() == []
+        finally:
+            watched.page.context.close()
 
 
-def _model_status(box: Box) -> dict[str, Any]:
-    model: dict[str, Any] = next(m for m in box.admin_get("/admin/status")["models"] if m["name"] == MODEL)
+def _model_status(box: Box, name: str = MODEL) -> dict[str, Any]:
+    model: dict[str, Any] = next(m for m in box.admin_get("/admin/status")["models"] if m["name"] == name)
     return model
 
 
