@@ -64,10 +64,6 @@ class MediaRules:
         )
 
 
-def _not_text(param: str, kind: str) -> InvalidRequest:
-    return InvalidRequest(f"'{param}.data' must be a string", param=f"{param}.data", code=f"invalid_{kind}")
-
-
 class MediaReader:
     """One request's images and clips as its decoder meets them: checked, counted, bounded."""
 
@@ -174,35 +170,27 @@ class MediaReader:
 
     def image_base64(self, data: object, media_type: object, param: str) -> MediaInput:
         """An image as base64 with its declared media type (Anthropic's `source`)."""
-        if not isinstance(data, str):
-            raise InvalidRequest(
-                f"'{param}.data' must be a string", param=f"{param}.data", code="invalid_image"
-            )
-        fmt = format_name(media_type) if isinstance(media_type, str) else None
-        if fmt not in IMAGE_FORMATS:
-            raise InvalidRequest(
-                f"'{param}.media_type' must be one of image/jpeg, image/png, image/gif, image/webp",
-                param=f"{param}.media_type",
-                code="invalid_image",
-            )
-        self._count("image", param)
-        return MediaInput("image", self._bytes("image", data, f"{param}.data"), fmt)
+        allowed = ", ".join(f"image/{name}" for name in IMAGE_FORMATS)
+        return self._base64("image", data, media_type, param, field="media_type", allowed=allowed)
 
     def audio_base64(self, data: object, fmt: object, param: str) -> MediaInput:
         """A clip as base64 with its format (OpenAI's `input_audio`: {"data", "format"})."""
+        return self._base64("audio", data, fmt, param, field="format", allowed=", ".join(AUDIO_FORMATS))
+
+    def _base64(
+        self, kind: str, data: object, declared: object, param: str, *, field: str, allowed: str
+    ) -> MediaInput:
+        """`param`.data as base64 and `param`.`field` one of the formats of `kind`, counted."""
+        code = f"invalid_{kind}"
         if not isinstance(data, str):
+            raise InvalidRequest(f"'{param}.data' must be a string", param=f"{param}.data", code=code)
+        name = format_name(declared) if isinstance(declared, str) else None
+        if name not in (IMAGE_FORMATS if kind == "image" else AUDIO_FORMATS):
             raise InvalidRequest(
-                f"'{param}.data' must be a string", param=f"{param}.data", code="invalid_audio"
+                f"'{param}.{field}' must be one of {allowed}", param=f"{param}.{field}", code=code
             )
-        name = format_name(fmt) if isinstance(fmt, str) else None
-        if name not in AUDIO_FORMATS:
-            raise InvalidRequest(
-                f"'{param}.format' must be one of {', '.join(AUDIO_FORMATS)}",
-                param=f"{param}.format",
-                code="invalid_audio",
-            )
-        self._count("audio", param)
-        return MediaInput("audio", self._bytes("audio", data, f"{param}.data"), name)
+        self._count(kind, param)
+        return MediaInput(kind, self._bytes(kind, data, f"{param}.data"), name)
 
     def audio_file(self, data: bytes, fmt: str | None, param: str) -> MediaInput:
         """An uploaded clip (a multipart file), its size already bounded by the upload."""
