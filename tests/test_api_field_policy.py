@@ -12,10 +12,10 @@ import logging
 from typing import Any, Final
 
 import pytest
-from anthropic.types import message_count_tokens_params, message_create_params
+from anthropic.types import ToolParam, message_count_tokens_params, message_create_params
 from openai.types import completion_create_params as legacy_params
 from openai.types.chat import completion_create_params as chat_params
-from openai.types.responses import response_create_params
+from openai.types.responses import FunctionToolParam, response_create_params
 
 from edgellmd.api.anthropic import decode as anthropic_decode
 from edgellmd.api.openai import decode as openai_decode
@@ -54,7 +54,40 @@ def test_every_field_the_current_sdks_send_is_known(family: str, params: Any, kn
     )
 
 
+@pytest.mark.parametrize(
+    ("family", "params", "known"),
+    [
+        ("messages tools", ToolParam, anthropic_decode._TOOL_FIELDS),
+        ("responses function tools", FunctionToolParam, responses_decode._FUNCTION_TOOL_KEYS),
+    ],
+)
+def test_every_tool_field_the_current_sdks_send_is_known(
+    family: str, params: Any, known: frozenset[str]
+) -> None:
+    """Tool definitions too: Claude Code 2.1 sends `defer_loading` on some of its tools, which a
+    server that knew only the older fields refused mid-session."""
+    assert _fields(params) - known == set(), f"{family}: fields the SDK sends that this server calls unknown"
+
+
 MESSAGE: Final = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_messages_tool_with_the_newer_fields_is_accepted_and_they_are_checked() -> None:
+    tool = {
+        "name": "read",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+        "defer_loading": True,
+        "allowed_callers": ["direct"],
+        "eager_input_streaming": False,
+        "input_examples": [{"path": "a.txt"}],
+    }
+    parsed = anthropic_decode.parse_messages(MESSAGE | {"tools": [tool]}, LIMITS)
+    assert parsed.chat.tools is not None
+    assert parsed.chat.tools.names == ("read",)
+    with pytest.raises(InvalidRequest, match=r"tools\[0\]\.defer_loading' must be true or false"):
+        anthropic_decode.parse_messages(MESSAGE | {"tools": [tool | {"defer_loading": "yes"}]}, LIMITS)
+
+
 CLAUDE_CODE_EDITS: Final = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
 
 

@@ -104,7 +104,15 @@ _BLOCK_FIELDS: Final = {
     "thinking": frozenset({"type", "thinking", "signature"}),
     "redacted_thinking": frozenset({"type", "data"}),
 }
-_TOOL_FIELDS: Final = frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"})
+# A tool's fields; the last four are accepted and ignored: every tool is in the prompt (no tool
+# search defers one: defer_loading), called by the model directly (allowed_callers), its input
+# sent whole (eager_input_streaming) and shown by its schema (input_examples).
+_TOOL_IGNORED: Final = frozenset(
+    {"defer_loading", "allowed_callers", "eager_input_streaming", "input_examples"}
+)
+_TOOL_FIELDS: Final = (
+    frozenset({"type", "name", "description", "input_schema", "cache_control", "strict"}) | _TOOL_IGNORED
+)
 _TOOL_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 TOOL_ERROR_PREFIX: Final = "Error: "  # how a tool_result with is_error reaches the model
 
@@ -517,6 +525,13 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     strict = tool.get("strict")
     if strict is not None:
         function["strict"] = typed(strict, bool, f"{where}.strict", "true or false")
+    for flag in ("defer_loading", "eager_input_streaming"):
+        if tool.get(flag) is not None:
+            typed(tool[flag], bool, f"{where}.{flag}", "true or false")
+    for listed in ("allowed_callers", "input_examples"):
+        if tool.get(listed) is not None:
+            typed(tool[listed], list, f"{where}.{listed}", "a list")
+    note_ignored(tool, _TOOL_IGNORED)
     return {"type": "function", "function": function}
 
 
