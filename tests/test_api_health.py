@@ -17,7 +17,7 @@ from pytest_aiohttp import AiohttpClient
 
 from edgellmd.__main__ import drain
 from edgellmd.api.context import API_CONTEXT
-from edgellmd.api.health import setup_health
+from edgellmd.api.health import public, setup_health
 from tests.bare import api_context, bare_app, error_of, model_settings, not_a_model
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import running, settings_for
@@ -125,6 +125,26 @@ async def test_readyz_table(
     }
     assert body["models"] == states
     assert all(BROKEN_REASON in reason for reason in reasons.values()), reasons
+    # The probe is public: a reason names the file, never where the box keeps it.
+    assert not any(str(broken.parent) in reason for reason in reasons.values()), reasons
+    assert all(broken.name in reason for reason in reasons.values()), reasons
+
+
+@pytest.mark.parametrize(
+    ("reason", "shown"),
+    [
+        ("could not load /dev/shm/edgellm/tiny-3f2a.gguf (bad)", "could not load tiny-3f2a.gguf (bad)"),
+        ("mmproj p: file /srv/models/p.gguf: missing", "mmproj p: file p.gguf: missing"),
+        ("file models/x.gguf: sha256 differs", "file models/x.gguf: sha256 differs"),  # relative: as it is
+        (
+            "fetched from https://host.example/a/b",
+            "fetched from https://host.example/a/b",
+        ),  # no path of the box
+        ("'/etc/edgellm/keys.yaml' is not a regular file", "'keys.yaml' is not a regular file"),
+    ],
+)
+def test_a_public_reason_names_files_without_their_folders(reason: str, shown: str) -> None:
+    assert public(reason) == shown
 
 
 async def test_metrics_renders_the_applications_metrics(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from typing import Final
 
 from aiohttp import web
 
@@ -17,14 +19,15 @@ async def healthz(_request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """GET /readyz: 200 once every configured model is loaded and warmed, else 503 with reasons;
-    503 `draining` from the moment a shutdown begins (the models still finish what they run)."""
+    """GET /readyz: 200 once every configured model is loaded and warmed, else 503 with reasons
+    (file paths cut to their names: the probe is public); 503 `draining` from the moment a
+    shutdown begins (the models still finish what they run)."""
     registry = context(request).registry
     models: dict[str, dict[str, str]] = {}
     for name, (state, error) in registry.states().items():
         models[name] = {"state": state.value}
         if error:
-            models[name]["reason"] = error
+            models[name]["reason"] = public(error)
     draining = request.app.get(DRAINING)
     if draining is not None and draining.is_set():
         return _not_ready("draining", models)
@@ -45,6 +48,16 @@ async def readyz(request: web.Request) -> web.Response:
     else:
         status = "unloaded"  # an operator unloaded every model
     return _not_ready(status, models)
+
+
+# A path on the box: what a public probe shows of it is its last part (/admin/status shows it all).
+_PATH: Final = re.compile(r"(?<![\w.:/])/(?:[^\s/:'\"(),]+/)+([^\s/:'\"(),]+)")
+
+
+def public(reason: str) -> str:
+    """A model's reason as the public probe shows it: file paths cut to their names, so that an
+    unauthenticated caller learns why, not where the box keeps its files."""
+    return _PATH.sub(r"\1", reason)
 
 
 def _not_ready(status: str, models: dict[str, dict[str, str]], **more: str) -> web.Response:
