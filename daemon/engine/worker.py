@@ -102,6 +102,11 @@ class Worker:
         self._made = 0.0  # when the outbox's oldest events left the scheduler (monotonic)
         self._ended = False  # a generation finished in the outbox
         self._pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="engine-prompt")
+        # Both threads running from the start (as api.pool.started does for the daemon's pools):
+        # a ThreadPoolExecutor starts the second only when two calls first overlap, hours in.
+        gate = threading.Barrier(PROMPT_THREADS)
+        for ready in [self._pool.submit(gate.wait) for _ in range(PROMPT_THREADS)]:
+            ready.result()
         self._done = asyncio.Event()
 
     def send(self, message: dict[str, Any]) -> None:

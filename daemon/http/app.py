@@ -11,6 +11,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,7 +35,7 @@ from edgellmd.api.context import (
 )
 from edgellmd.api.health import setup_health
 from edgellmd.api.openai.routes import setup_openai
-from edgellmd.api.pool import FairPool
+from edgellmd.api.pool import FairPool, started
 from edgellmd.api.rerank import setup_rerank
 from edgellmd.api.responses.routes import setup_responses
 from edgellmd.engine.build import supports_gpu_offload
@@ -230,6 +231,12 @@ async def _tracer_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
     executor = FairPool(PROMPT_THREADS, name="prompt")  # one key's work queues behind its own (api.pool)
     app[appkeys.EXECUTOR] = executor
+    # The loop's own pool (asyncio.to_thread: scrapes, file checks, loads) with its threads
+    # running from the start, as asyncio would start them one by one when calls first overlap:
+    # a box's thread count is what it is after start-up, not a figure that creeps up for hours.
+    workers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's own default size
+    default = started(ThreadPoolExecutor(workers, thread_name_prefix="edgellmd-io"), workers)
+    asyncio.get_running_loop().set_default_executor(default)
     yield
     executor.shutdown(wait=True, cancel_futures=True)
 
