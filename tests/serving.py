@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -346,3 +347,47 @@ def running(settings: Settings, *, wait_ready: bool = True) -> Iterator[RunningD
         yield daemon
     finally:
         daemon.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """One line of the daemon's access log."""
+
+    method: str
+    path: str
+    status: int
+
+
+class AccessLog(logging.Handler):
+    """Collects the daemon's access lines (`edgellmd.access`: method, path, status, seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[Access] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3:
+            self.lines.append(Access(str(args[0]), str(args[1]), int(str(args[2]))))
+
+    def refused(self) -> list[Access]:
+        """The API requests the daemon answered with an error."""
+        return [a for a in self.lines if a.path.startswith("/v1/") and a.status >= 400]
+
+    def answered(self, path: str) -> int:
+        return sum(1 for a in self.lines if a.path == path and a.status == 200)
+
+
+@contextmanager
+def access_log() -> Iterator[AccessLog]:
+    """The daemon's access lines while the with-block runs (the logger's level raised to INFO)."""
+    logger = logging.getLogger("edgellmd.access")
+    handler = AccessLog()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

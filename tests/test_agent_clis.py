@@ -12,15 +12,12 @@ agent finished its turn and that the daemon refused none of its requests.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -31,7 +28,7 @@ from edgellmctl.keys import create_key
 from edgellmd.http import appkeys
 from edgellmd.settings import Settings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, access_log, running, settings_for
 
 pytestmark = pytest.mark.slow
 
@@ -146,49 +143,6 @@ def _settings(model_file: Path, keys: Path) -> Settings:
         lifecycle={"watch": False},
         auth={"keys_file": str(keys)},
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Access:
-    """One line of the daemon's access log."""
-
-    method: str
-    path: str
-    status: int
-
-
-class AccessLog(logging.Handler):
-    """Collects the daemon's access lines (`edgellmd.access`: method, path, status, seconds)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[Access] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args
-        if isinstance(args, tuple) and len(args) >= 3:
-            self.lines.append(Access(str(args[0]), str(args[1]), int(str(args[2]))))
-
-    def refused(self) -> list[Access]:
-        """The API requests the daemon answered with an error."""
-        return [a for a in self.lines if a.path.startswith("/v1/") and a.status >= 400]
-
-    def answered(self, path: str) -> int:
-        return sum(1 for a in self.lines if a.path == path and a.status == 200)
-
-
-@contextmanager
-def access_log() -> Iterator[AccessLog]:
-    logger = logging.getLogger("edgellmd.access")
-    handler = AccessLog()
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 @dataclass(frozen=True, slots=True)
