@@ -519,3 +519,94 @@ def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> Non
     blocker.result(5)
     wait_for(lambda: media()["chunks_encoded"] == encoded + 1, timeout=10, what="the image encoded")
     wait_for(lambda: media()["store_held"] == 0, timeout=5, what="its chunks let go of")
+
+
+def _upload(served: Served, files: Any = None, data: Any = None, **more: Any) -> httpx.Response:
+    return httpx.post(
+        served.daemon.url + "/v1/audio/transcriptions",
+        headers={"Authorization": f"Bearer {served.token}", **more.pop("headers", {})},
+        files=files,
+        data=data,
+        timeout=30,
+        **more,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "files", "data", "status", "says"),
+    [
+        ("no file", {"model": (None, "hears")}, None, 400, "'file' is required"),
+        ("no model", {"file": ("a.wav", wav(0.2), "audio/wav")}, {}, 400, "'model' is required"),
+        (
+            "two files",
+            [("file", ("a.wav", wav(0.2), "audio/wav")), ("file", ("b.wav", wav(0.2), "audio/wav"))],
+            {"model": "hears"},
+            400,
+            "one 'file' per request",
+        ),
+        ("unknown field", {"file": ("a.wav", wav(0.2), "audio/wav")}, {"model": "hears", "x": "1"}, 400, "x"),
+        ("empty file", {"file": ("a.wav", b"", "audio/wav")}, {"model": "hears"}, 400, "empty"),
+        (
+            "verbose_json",
+            {"file": ("a.wav", wav(0.2), "audio/wav")},
+            {"model": "hears", "response_format": "verbose_json"},
+            400,
+            "json or text",
+        ),
+        (
+            "timestamps",
+            {"file": ("a.wav", wav(0.2), "audio/wav")},
+            {"model": "hears", "timestamp_granularities[]": "word"},
+            400,
+            "not supported",
+        ),
+        (
+            "temperature",
+            {"file": ("a.wav", wav(0.2), "audio/wav")},
+            {"model": "hears", "temperature": "hot"},
+            400,
+            "from 0 to 1",
+        ),
+        (
+            "language",
+            {"file": ("a.wav", wav(0.2), "audio/wav")},
+            {"model": "hears", "language": "english please"},
+            400,
+            "ISO-639-1",
+        ),
+        ("not audio", {"file": ("a.wav", png(1), "audio/wav")}, {"model": "hears"}, 400, "formats"),
+        (
+            "a text model",
+            {"file": ("a.wav", wav(0.2), "audio/wav")},
+            {"model": "plain"},
+            400,
+            "reads no audio",
+        ),
+        ("no such model", {"file": ("a.wav", wav(0.2), "audio/wav")}, {"model": "nope"}, 404, "nope"),
+    ],
+)
+def test_transcription_uploads_that_are_wrong_are_refused_by_name(
+    served: Served, name: str, files: Any, data: Any, status: int, says: str
+) -> None:
+    answer = _upload(served, files=files, data=data)
+    assert answer.status_code == status, (name, answer.text)
+    assert says in answer.json()["error"]["message"], (name, answer.text)
+
+
+def test_transcription_bodies_that_are_not_a_form_are_refused(served: Served) -> None:
+    json_body = _upload(served, json={"model": "hears"})
+    assert json_body.status_code == 415
+    urlencoded = _upload(served, data={"model": "hears"})
+    assert urlencoded.status_code == 415
+    no_boundary = _upload(served, content=b"--x\r\n", headers={"Content-Type": "multipart/form-data"})
+    assert no_boundary.status_code == 400, no_boundary.text
+    cut = _upload(
+        served,
+        content=b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nhears\r\n--b\r\nContent-Dispo',
+        headers={"Content-Type": "multipart/form-data; boundary=b"},
+    )
+    assert cut.status_code == 400, cut.text
+    # The box still transcribes.
+    ok = _upload(served, files={"file": ("a.wav", wav(0.3), "audio/wav")}, data={"model": "hears"})
+    assert ok.status_code == 200, ok.text
+    assert set(ok.json()) == {"text", "usage"}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from edgellmd.api.context import token_limits
 from edgellmd.api.media import Content, MediaReader
@@ -96,7 +97,8 @@ async def read_upload(request: web.Request, max_file_bytes: int) -> Upload:
                 raise InvalidRequest("each part of the form must be a named field")
             name = part.name
             if name not in _FIELDS and name not in _UNSUPPORTED:
-                raise InvalidRequest(f"unrecognized form field: {shown(name[:64])}", param=name[:64])
+                safe = shown(name[:64])
+                raise InvalidRequest(f"unrecognized form field: {safe}", param=safe)
             if name == "file":
                 if file is not None:
                     raise InvalidRequest("one 'file' per request", param="file")
@@ -108,7 +110,9 @@ async def read_upload(request: web.Request, max_file_bytes: int) -> Upload:
                 fields[name] = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise InvalidRequest(f"the form field {name} is not UTF-8 text", param=name) from None
-    except (ValueError, AssertionError, KeyError, web.HTTPException):
+    except (ValueError, AssertionError, KeyError, web.HTTPException, HttpProcessingError, EOFError):
+        # aiohttp's multipart reader says "malformed" in many ways (a bad part head, a body cut
+        # short, no boundary): each is the client's 400, never a traceback.
         raise MalformedRequest("the multipart body could not be read") from None
     if file is None:
         raise InvalidRequest("'file' is required: the audio clip", param="file")
