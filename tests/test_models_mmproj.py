@@ -21,6 +21,7 @@ from aiohttp import web
 
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmd.engine import EngineConfig
+from edgellmd.engine.config import MEDIA_STORE_BYTES
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.engine.worker import _model_files
 from edgellmd.http import appkeys
@@ -187,9 +188,10 @@ async def test_a_signed_projector_is_verified_preloaded_and_given_to_the_engine(
     text = box.model_bytes(TEXT)
     assert shown["fingerprint"] == f"edgellm-v1-{_sha(text)[:12]}-{_sha(projector)[:12]}"
     settings = box.settings(_models()).models[0]
-    assert handle.provenance.memory_bytes == estimate_bytes(box.models / "tiny.gguf", settings) + len(
-        projector
-    )
+    assert (
+        handle.provenance.memory_bytes
+        == estimate_bytes(box.models / "tiny.gguf", settings) + len(projector) + MEDIA_STORE_BYTES
+    )  # its file, and the encoded images its engine may keep
     await client.close()
     assert box.copies() == []
 

@@ -44,6 +44,9 @@ class MediaError(EngineError):
 
 
 MEDIA_KINDS: Final = ("image", "audio")
+# Encoded images and clips an engine keeps for reuse once no request holds them (least
+# recently used first out): part of a model's memory estimate when it has a projector.
+MEDIA_STORE_BYTES: Final = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

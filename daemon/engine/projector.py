@@ -34,6 +34,7 @@ import numpy as np
 
 from edgellmd.engine import media
 from edgellmd.engine.config import (
+    MEDIA_STORE_BYTES,
     MediaChunk,
     MediaError,
     MediaInput,
@@ -44,7 +45,7 @@ from edgellmd.engine.config import (
 
 log = logging.getLogger(__name__)
 
-STORE_BYTES: Final = 256 * 1024 * 1024  # encoded chunks nobody holds, kept for reuse (LRU)
+STORE_BYTES: Final = MEDIA_STORE_BYTES  # encoded chunks nobody holds, kept for reuse (LRU)
 _NO_CALLBACK: Final = mtmd.mtmd_helper_post_decode_callback()  # a NULL function pointer
 _log_callback: Any = None  # keeps the ctypes thunk alive while libmtmd may call it
 

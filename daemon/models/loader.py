@@ -23,7 +23,7 @@ from typing import Final
 from edgellmd.engine import EngineError
 from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.chat import TemplateError
-from edgellmd.engine.config import KV_BYTES_PER_VALUE
+from edgellmd.engine.config import KV_BYTES_PER_VALUE, MEDIA_STORE_BYTES
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
 from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.host.hugepages import Collapse, collapse_resident
@@ -90,12 +90,12 @@ def estimate_bytes(
     path: Path, settings: ModelSettings, draft: Path | None = None, mmproj: Path | None = None
 ) -> int:
     """Memory a model will take once loaded: its file, its KV cache, its prompt cache, its draft
-    model's file and KV cache, its projector's file."""
+    model's file and KV cache, its projector's file and store of encoded media."""
     need = path.stat().st_size + kv_cache_bytes(path, settings) + settings.prompt_cache_mb * MIB
     if draft is not None:  # its file and its KV cache (f16, a sequence per slot as the model's)
         need += draft.stat().st_size + kv_cache_bytes(draft, settings, kinds=("f16", "f16"))
-    if mmproj is not None:  # its weights; it keeps no KV cache
-        need += mmproj.stat().st_size
+    if mmproj is not None:  # its weights, and the encoded images and clips its engine keeps
+        need += mmproj.stat().st_size + MEDIA_STORE_BYTES
     return need
 
 
