@@ -292,7 +292,10 @@ class RemoteEngine:
                 message = wire.recv(self._sock)
                 op = message.get("op")
                 if op == "events":
-                    self._deliver(message.get("items", []))
+                    loop = self._deliver(message.get("items", []))
+                    step = message.get("ack")
+                    if type(step) is int:
+                        self._acknowledge(loop, step)
                     made = message.get("made")
                     if isinstance(made, float):  # the same clock: CLOCK_MONOTONIC is the machine's
                         self._handoff.append(max(0.0, time.monotonic() - made))
@@ -314,7 +317,23 @@ class RemoteEngine:
             self._kill()
         self._ended()
 
-    def _deliver(self, items: list[Any]) -> None:
+    def _acknowledge(self, loop: asyncio.AbstractEventLoop | None, step: int) -> None:
+        """Tell the engine its events frame `step` went on, once `loop` has run the consumers it
+        woke (their next turns: a stream's write), as scheduler._after_consumers does."""
+        ack = {"op": "ack", "step": step}
+        if loop is None:
+            self.send_quietly(ack)
+            return
+
+        def after_consumers() -> None:
+            loop.call_soon(loop.call_soon, self.send_quietly, ack)
+
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens any more
+            loop.call_soon_threadsafe(after_consumers)
+
+    def _deliver(self, items: list[Any]) -> asyncio.AbstractEventLoop | None:
+        """Hand a frame's events to their generations; the event loop they went to (None: none)."""
+        loop = None
         for remote_id, events in items:
             decoded = [wire.decode_event(e) for e in events]  # read whole, whoever it is for
             with self._lock:
@@ -327,6 +346,8 @@ class RemoteEngine:
                     self._finished[ends[0].reason] += 1
                     self._gens.pop(int(remote_id), None)
             gen.push_threadsafe(decoded)
+            loop = gen.loop
+        return loop
 
     def _answer(self, message: dict[str, Any]) -> None:
         with self._lock:

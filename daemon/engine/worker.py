@@ -51,6 +51,12 @@ from edgellmd.engine.scheduler import Engine
 log = logging.getLogger(__name__)
 
 STATUS_EVERY_S: Final = 0.25
+# Longest an events frame waits for the daemon to say it sent them on (`ack`): the scheduler's
+# lockstep with the event loop that writes its tokens, across the process boundary, as
+# scheduler._deliver keeps it with a loop in its own process (a daemon formatting a step's
+# chunks during the next decode takes a core from llama.cpp's threads). Bounded: a busy or
+# stuck daemon never stalls the engine for longer.
+ACK_WAIT_S: Final = 0.02
 PROMPT_THREADS: Final = 2  # as the daemon's own prompt pool: tokenizing and grammars, off the scheduler
 # The calls answered on the pool (each frame with an id, answered by one with the same id).
 _CALLS: Final = frozenset(
@@ -100,6 +106,8 @@ class Worker:
         self._gens: dict[int, Forwarded] = {}
         self._outbox: list[list[Any]] = []
         self._made = 0.0  # when the outbox's oldest events left the scheduler (monotonic)
+        self._step = 0  # the last events frame sent, and the daemon's acknowledgement of it
+        self._acked = threading.Event()
         self._ended = False  # a generation finished in the outbox
         self._pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="engine-prompt")
         # Both threads running from the start (as api.pool.started does for the daemon's pools):
@@ -131,7 +139,17 @@ class Worker:
             self._ended = False
             self._safe_send(self._status_frame())
         if items:
-            self._safe_send({"op": "events", "items": items, "made": self._made})
+            self._step += 1
+            self._acked.clear()
+            self._safe_send({"op": "events", "items": items, "made": self._made, "ack": self._step})
+            # On this loop's thread: the scheduler's wait for this loop (scheduler._deliver)
+            # now lasts until the daemon has sent these tokens on, or ACK_WAIT_S.
+            self._acked.wait(ACK_WAIT_S)
+
+    def acknowledged(self, step: int) -> None:
+        """From the reader thread: the daemon sent events frame `step` on to its clients."""
+        if step == self._step:
+            self._acked.set()
 
     def _safe_send(self, message: dict[str, Any]) -> None:
         try:
@@ -162,6 +180,8 @@ class Worker:
                 elif op == "forget" and isinstance(self.engine, Engine):
                     scopes = [str(scope) for scope in message["scopes"]]
                     self.loop.call_soon_threadsafe(self.engine.forget_scopes, scopes)
+                elif op == "ack":
+                    self.acknowledged(int(message.get("step", 0)))
                 elif op == "release_media" and isinstance(self.engine, Engine):  # in order with submits
                     keys = [str(k) for k in message.get("keys", [])]
                     self.loop.call_soon_threadsafe(self.engine.release_media, keys)
