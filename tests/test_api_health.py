@@ -177,8 +177,9 @@ def test_readyz_says_draining_from_the_moment_a_shutdown_begins(tmp_path: Path) 
         app, runner = daemon.app, daemon._runner
 
         async def scenario() -> tuple[int, dict[str, Any], str]:
-            async with aiohttp.ClientSession() as session:
-                async with session.get(daemon.url + "/readyz") as probe:
+            # The balancer's connection, its own session: the stream must not take it from the pool.
+            async with aiohttp.ClientSession() as balancer, aiohttp.ClientSession() as session:
+                async with balancer.get(daemon.url + "/readyz") as probe:
                     assert probe.status == 200
                 body = {"model": "m", "prompt": "x", "max_tokens": 300, "stream": True, "ignore_eos": True}
                 async with session.post(daemon.url + "/v1/completions", json=body) as stream:
@@ -187,7 +188,7 @@ def test_readyz_says_draining_from_the_moment_a_shutdown_begins(tmp_path: Path) 
                         asyncio.run_coroutine_threadsafe(drain(app, runner, 30), daemon.loop)
                     )
                     await asyncio.sleep(0.2)
-                    async with session.get(daemon.url + "/readyz") as probe:  # the idle kept-alive connection
+                    async with balancer.get(daemon.url + "/readyz") as probe:  # the idle kept-alive one
                         status, shown = probe.status, await probe.json()
                     rest = (await stream.read()).decode()
                 await drained

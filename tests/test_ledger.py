@@ -191,6 +191,23 @@ def test_reordered_records_are_found(chain: sqlite3.Connection) -> None:
     assert not verdict.ok
 
 
+def test_entries_queued_out_of_time_order_still_make_an_honest_chain(ledger: Ledger) -> None:
+    """Two threads stamp their entries and queue them in the other order, or the wall clock
+    steps back: the chain must not read as reordered. The later-queued entry takes its
+    predecessor's time."""
+    seqs = [
+        ledger.audit(AuditEntry("2026-12-03T10:00:00.500Z", "INFO", "stamped second, queued first")),
+        ledger.audit(AuditEntry("2026-12-03T10:00:00.400Z", "INFO", "stamped first, queued second")),
+    ]
+    assert [f.result(5) for f in seqs] == [1, 2]
+    later = ledger.audit(AuditEntry("2026-12-03T09:00:00.000Z", "INFO", "after the clock stepped back"))
+    assert later.result(5) == 3
+    verdict = ledger.query(audit.verify).result(5)
+    assert (verdict.ok, verdict.checked) == (True, 3), verdict.problem
+    ats = [r.at for r in ledger.query(audit.select).result(5)]
+    assert ats == ["2026-12-03T10:00:00.500Z"] * 3
+
+
 def test_rotation_keeps_the_rest_verifiable_and_removals_still_show(chain: sqlite3.Connection) -> None:
     chain.execute("BEGIN")
     assert audit.rotate(chain, utc_text(1_796_000_004)) == 3  # records 1 to 3 went

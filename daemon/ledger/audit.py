@@ -110,17 +110,23 @@ def head(conn: sqlite3.Connection) -> tuple[int, str]:
 
 
 def append(conn: sqlite3.Connection, entry: AuditEntry, last: tuple[int, str]) -> tuple[int, str]:
-    """Write `entry` after `last` (inside the caller's transaction); the new (seq, hash)."""
+    """Write `entry` after `last` (inside the caller's transaction); the new (seq, hash).
+
+    A record is never older than the one before it: two threads stamp their entries and queue
+    them in the other order, or the wall clock steps back, and an honest chain would read as
+    reordered. Such an entry takes its predecessor's time instead."""
     seq = last[0] + 1
+    before = conn.execute("SELECT at FROM audit WHERE seq = ?", (last[0],)).fetchone()
+    at = max(entry.at, str(before[0])) if before is not None else entry.at
     detail = _canonical(
         {k: _clip(str(v)) if isinstance(v, str) else v for k, v in (entry.detail or {}).items()}
     )
     action = _clip(entry.action)
-    digest = record_hash(last[1], (seq, entry.at, entry.level, action, entry.key_id, entry.peer, detail))
+    digest = record_hash(last[1], (seq, at, entry.level, action, entry.key_id, entry.peer, detail))
     conn.execute(
         "INSERT INTO audit (seq, at, level, action, key_id, peer, detail, prev, hash)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (seq, entry.at, entry.level, action, entry.key_id, entry.peer, detail, last[1], digest),
+        (seq, at, entry.level, action, entry.key_id, entry.peer, detail, last[1], digest),
     )
     return seq, digest
 
