@@ -73,13 +73,15 @@ class Installed:
     seconds: float
 
 
-@pytest.fixture(scope="module")
-def clis(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    """`npm install` both CLIs into a temporary prefix, without install scripts; skip without npm."""
+class Unavailable(Exception):
+    """The CLIs could not be installed here (no npm, no registry): a reason to skip."""
+
+
+def install_clis(prefix: Path) -> Installed:
+    """`npm install` both CLIs into `prefix`, without install scripts; Unavailable says why not."""
     npm = shutil.which("npm")
     if npm is None or shutil.which("node") is None:
-        pytest.skip("npm and node are needed to install the agent CLIs")
-    prefix = tmp_path_factory.mktemp("agent-clis")
+        raise Unavailable("npm and node are needed to install the agent CLIs")
     names = " ".join(PACKAGES)
     started = time.monotonic()
     try:
@@ -92,9 +94,9 @@ def clis(tmp_path_factory: pytest.TempPathFactory) -> Installed:
             env={**os.environ, "npm_config_update_notifier": "false"},
         )
     except subprocess.TimeoutExpired:
-        pytest.skip(f"npm install of {names} took over {NPM_TIMEOUT_S:.0f} s")
+        raise Unavailable(f"npm install of {names} took over {NPM_TIMEOUT_S:.0f} s") from None
     if done.returncode != 0:
-        pytest.skip(f"npm install of {names} failed (no registry?): {done.stderr.strip()[-600:]}")
+        raise Unavailable(f"npm install of {names} failed (no registry?): {done.stderr.strip()[-600:]}")
     modules = prefix / "node_modules"
     installed = Installed(
         codex=modules / "@openai" / "codex" / "bin" / "codex.js",
@@ -103,6 +105,16 @@ def clis(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     )
     for launcher in (installed.codex, installed.claude):
         assert launcher.is_file(), f"npm installed no {launcher}"
+    return installed
+
+
+@pytest.fixture(scope="module")
+def clis(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """Both CLIs in a temporary prefix; skip without npm or its registry."""
+    try:
+        installed = install_clis(tmp_path_factory.mktemp("agent-clis"))
+    except Unavailable as exc:
+        pytest.skip(str(exc))
     print(f"npm install of both CLIs: {installed.seconds:.1f} s")
     return installed
 
@@ -160,8 +172,8 @@ class Run:
         return f"exit {self.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
 
 
-def run_cli(argv: list[str], *, env: dict[str, str], cwd: Path) -> Run:
-    """Run a CLI to its end, or kill its whole process group on timeout."""
+def run_cli(argv: list[str], *, env: dict[str, str], cwd: Path, timeout: float = CLI_TIMEOUT_S) -> Run:
+    """Run a CLI to its end, or kill its whole process group after `timeout` seconds."""
     started = time.monotonic()
     proc = subprocess.Popen(
         argv,
@@ -174,7 +186,7 @@ def run_cli(argv: list[str], *, env: dict[str, str], cwd: Path) -> Run:
         start_new_session=True,  # the launchers spawn the native binaries: kill them all
     )
     try:
-        out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
@@ -213,19 +225,20 @@ def refusals(text: str) -> list[str]:
     return [marker for marker in REFUSAL_MARKERS if marker in text]
 
 
-def codex_config(daemon: RunningDaemon) -> str:
-    """~/.codex/config.toml: the daemon as its only provider; analytics, feedback, OTel, updates off."""
+def codex_config(url: str, *, model: str = MODEL, context: int = CONTEXT) -> str:
+    """~/.codex/config.toml: the daemon at `url` as its only provider; analytics, feedback, OTel,
+    updates off."""
     return f"""\
-model = "{MODEL}"
+model = "{model}"
 model_provider = "edgellm"
-model_context_window = {CONTEXT}
+model_context_window = {context}
 approval_policy = "never"
 sandbox_mode = "read-only"
 check_for_update_on_startup = false
 
 [model_providers.edgellm]
 name = "edgellm"
-base_url = "{daemon.url}/v1"
+base_url = "{url}/v1"
 env_key = "EDGELLM_API_KEY"
 wire_api = "responses"
 request_max_retries = 0
@@ -256,7 +269,7 @@ def test_codex_exec_finishes_a_turn(
     work.mkdir()
     env = {**base_env(home), "CODEX_HOME": str(home / ".codex"), "EDGELLM_API_KEY": keys[1]}
     with running(_settings(model_file, keys[0])) as daemon, access_log() as log:
-        (home / ".codex" / "config.toml").write_text(codex_config(daemon))
+        (home / ".codex" / "config.toml").write_text(codex_config(daemon.url))
         argv = ["node", str(clis.codex), "exec", "--strict-config", "--skip-git-repo-check", "--ephemeral"]
         run = run_cli([*argv, "--json", "--color", "never", PROMPT], env=env, cwd=work)
         print(f"codex exec: exit {run.returncode} after {run.seconds:.1f} s; {timings(daemon)}")
@@ -296,6 +309,27 @@ def _message(event: dict[str, Any]) -> Any:
     return error.get("message") if isinstance(error, dict) else event.get("message")
 
 
+def claude_env(home: Path, url: str, token: str, *, model: str = MODEL) -> dict[str, str]:
+    """Claude Code's environment: the daemon at `url` as its API, nonessential traffic off."""
+    return {
+        **base_env(home),
+        "ANTHROPIC_BASE_URL": url,
+        "ANTHROPIC_API_KEY": token,
+        # Every model Claude Code may pick for a side request is the daemon's one model.
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "0",  # a refusal shows as it is, not as a retry loop
+        "API_TIMEOUT_MS": str(int(CLI_TIMEOUT_S * 1000)),
+    }
+
+
 def test_claude_code_print_finishes_a_turn(
     clis: Installed, model_file: Path, keys: tuple[Path, str], tmp_path: Path
 ) -> None:
@@ -303,23 +337,7 @@ def test_claude_code_print_finishes_a_turn(
     home.mkdir()
     work.mkdir()
     with running(_settings(model_file, keys[0])) as daemon, access_log() as log:
-        env = {
-            **base_env(home),
-            "ANTHROPIC_BASE_URL": daemon.url,
-            "ANTHROPIC_API_KEY": keys[1],
-            # Every model Claude Code may pick for a side request is the daemon's one model.
-            "ANTHROPIC_MODEL": MODEL,
-            "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
-            "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
-            "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
-            "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
-            "DISABLE_TELEMETRY": "1",
-            "DISABLE_ERROR_REPORTING": "1",
-            "DISABLE_AUTOUPDATER": "1",
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "CLAUDE_CODE_MAX_RETRIES": "0",  # a refusal shows as it is, not as a retry loop
-            "API_TIMEOUT_MS": str(int(CLI_TIMEOUT_S * 1000)),
-        }
+        env = claude_env(home, daemon.url, keys[1])
         argv = ["node", str(clis.claude), "-p", PROMPT, "--model", MODEL, "--output-format", "json"]
         run = run_cli([*argv, "--max-turns", "1", "--no-session-persistence"], env=env, cwd=work)
         print(f"claude -p: exit {run.returncode} after {run.seconds:.1f} s; {timings(daemon)}")

@@ -198,6 +198,33 @@ def test_system_prompt_as_string_and_blocks_counts_the_same(client: anthropic.An
     assert as_string.input_tokens == without.input_tokens + len(b"<|system|>Brief.\n\nKind.\n")
 
 
+# Claude Code's first system block: its hash differs between conversations (and a `cch=` nonce,
+# where sent, between requests).
+BILLING: Final = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-cli;"
+
+
+def test_claude_codes_billing_header_stays_out_of_the_prompt(client: anthropic.Anthropic) -> None:
+    """Left in, it parted every conversation's prompt from the others' right where the system
+    prompt begins: a new session or a subagent reused none of the system prompt they share."""
+    system = "Be terse; answer in one line. " * 8
+    plain = client.messages.count_tokens(model="plain", system=system, messages=HELLO).input_tokens
+    for header in (BILLING.format("8cc"), BILLING.format("be0") + " cch=1c8b4;"):
+        blocks: Any = [{"type": "text", "text": header}, {"type": "text", "text": system}]
+        assert (
+            client.messages.count_tokens(model="plain", system=blocks, messages=HELLO).input_tokens == plain
+        )
+        joined = client.messages.count_tokens(model="plain", system=f"{header}\n{system}", messages=HELLO)
+        assert joined.input_tokens == plain
+    for suffix, said in (("8cc", "the first conversation"), ("be0", "another conversation")):
+        blocks = [{"type": "text", "text": BILLING.format(suffix)}, {"type": "text", "text": system}]
+        said_now: Any = [{"role": "user", "content": said}]
+        reply = client.messages.create(
+            model="plain", max_tokens=1, system=blocks, messages=said_now, extra_body=GREEDY
+        )
+    # The other conversation's system prompt came from the slot (one token per byte here).
+    assert (reply.usage.cache_read_input_tokens or 0) > len(system)
+
+
 def test_the_raw_stream_has_anthropics_events_in_order(served: Served) -> None:
     said = [{"role": "user", "content": "events, in order"}]  # this test's own prompt
     body = {"model": "plain", "max_tokens": 8, "messages": said, "stream": True, "temperature": 0}

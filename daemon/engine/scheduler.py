@@ -248,6 +248,14 @@ class Engine(NativeThread):
         # A prompt cache restores a prefix of a saved sequence: that needs every position of
         # the sliding-window layers too, so they keep the full context (more memory).
         cparams.swa_full = self.prompt_cache is not None
+        if self._n_swa and self.prompt_cache is None:
+            log.info(
+                "model %s: sliding-window layers (window %d): a slot reuses an earlier prompt's"
+                " prefix only whole; prompt_cache_mb keeps the full context, so that a new"
+                " conversation reuses a system prompt it shares (docs/api.md, coding agents)",
+                self.name,
+                self._n_swa,
+            )
         ctx = llama.llama_init_from_model(model, cparams)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context for {config.path}")

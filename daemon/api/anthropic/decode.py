@@ -10,6 +10,7 @@ grammar) as chat's, `output_config.format` the same structured-output grammar as
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.config import MediaInput
 from edgellmd.engine.generation import DEFAULT_PENALTY_LAST_N, DEFAULT_TOP_K, SamplingParams
 from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter, shown
+
+log = logging.getLogger(__name__)
 
 # Each stop string is looked for after every token on the scheduler thread: twice OpenAI's 4.
 MAX_STOP_SEQUENCES: Final = 8
@@ -52,6 +55,12 @@ IGNORED_FIELDS: Final = frozenset(
     }
 )
 CONTEXT_EDIT_PREFIX: Final = "clear_thinking_"  # the context_management edits accepted
+# Claude Code opens `system` with a line of billing metadata for Anthropic's API, not for the
+# model: `x-anthropic-billing-header: cc_version=2.1.332.8cc; cc_entrypoint=sdk-cli; ...`.
+# Its hash differs from one conversation to the next (and its `cch=` nonce, where sent, from
+# one request to the next): left in, it would part every prompt from the others right after
+# the tools, so that no new session or subagent reuses the long system prompt they share.
+BILLING_HEADER: Final = "x-anthropic-billing-header:"
 _MESSAGE_FIELDS: Final = frozenset(
     {
         "model",
@@ -277,8 +286,13 @@ def _blocks(value: Any, where: str, media: MediaReader) -> Content:
 
 def _text(value: Any, where: str) -> str:
     """A string, or a list of text blocks (joined); the only content `system` and tool results take."""
+    return BLOCK_JOINER.join(_text_parts(value, where))
+
+
+def _text_parts(value: Any, where: str) -> list[str]:
+    """`_text`'s string, or each of its text blocks' text."""
     if isinstance(value, str):
-        return value
+        return [value]
     if not isinstance(value, list):
         raise _fail(f"'{where}' must be a string or a list of text blocks", where)
     parts: list[str] = []
@@ -287,6 +301,17 @@ def _text(value: Any, where: str) -> str:
         if kind != "text":
             _refuse_block(kind, f"{where}[{j}]", "text blocks")
         parts.append(_text_block(block, f"{where}[{j}]"))
+    return parts
+
+
+def _system_text(value: Any) -> str:
+    """The top-level `system` as the model sees it: without Claude Code's billing line (the first
+    block, or the string, loses that line, and is left out if nothing else remains)."""
+    parts = _text_parts(value, "system")
+    if parts and parts[0].startswith(BILLING_HEADER):
+        log.debug("system: a billing header left out")
+        rest = parts[0].partition("\n")[2]
+        parts = [rest, *parts[1:]] if rest else parts[1:]
     return BLOCK_JOINER.join(parts)
 
 
@@ -428,7 +453,7 @@ def _messages(data: Mapping[str, Any], media: MediaReader) -> tuple[ChatMessage,
     turns: list[ChatMessage] = []
     system = data.get("system")
     if system is not None:
-        text = _text(system, "system")
+        text = _system_text(system)
         if text:
             turns.append(ChatMessage("system", text))
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for the results that answer them
