@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from edgellmd.api.context import LEDGER
 from edgellmd.http import ledger as http_ledger
 from edgellmd.ledger import audit
 from edgellmd.ledger import usage as usage_module
+from edgellmd.ledger.audit import AuditEntry
+from edgellmd.ledger.store import AuditHandler, Ledger, utc_text
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, free_port, running, settings_for, wait_for
 
@@ -282,11 +285,29 @@ def test_a_rewrite_with_every_hash_recomputed_is_found_against_the_daemons_log(
     recomputes every hash after it. The daemon's log (the journal) holds each record's hash as
     it was written: `audit verify --against` finds the rewrite there."""
     caplog.set_level(logging.INFO, logger="edgellmd.ledger")
-    for _ in range(3):
-        assert _call(box.daemon.url + "/admin/reload", box.tokens["admin"], "POST", {})[0] == 200
-    wait_for(lambda: caplog.text.count("audit record") >= 3, what="the records' mirror lines")
+    # Another daemon's ledger in this process, ahead of ours (the session's shared daemon may be
+    # one): its mirror lines of the same audit records are in the log too, and are not ours.
+    other = Ledger(None)
+    other.audit(AuditEntry(utc_text(time.time()), "INFO", "another daemon's record")).result(5)
+    beside = AuditHandler(other)
+    logging.getLogger("edgellmd.audit").addHandler(beside)
+    try:
+        for _ in range(3):
+            assert _call(box.daemon.url + "/admin/reload", box.tokens["admin"], "POST", {})[0] == 200
+    finally:
+        logging.getLogger("edgellmd.audit").removeHandler(beside)
+    wait_for(lambda: other.status()["audit_head"] >= 4, what="the other ledger's records")
+    other.close()
+
+    def journal() -> str:
+        """This daemon's mirror lines: in one test process, every daemon's ledger (the session's
+        shared daemon too) takes the records of the one audit logger."""
+        ours = [r for r in caplog.records if getattr(r, "database", None) == str(box.database)]
+        return "".join(f"{r.getMessage()}\n" for r in ours)
+
+    wait_for(lambda: journal().count("audit record") >= 3, what="the records' mirror lines")
     log_file = tmp_path / "journal.txt"
-    log_file.write_text(caplog.text)
+    log_file.write_text(journal())
     assert ctl(["audit", "verify", "--database", str(box.database), "--against", str(log_file)]) == 0
     assert "the log's copy agrees" in capsys.readouterr().out
 
@@ -294,7 +315,7 @@ def test_a_rewrite_with_every_hash_recomputed_is_found_against_the_daemons_log(
     source, target = sqlite3.connect(box.database), sqlite3.connect(copy)
     source.backup(target)
     source.close()
-    mirrored = [int(m.group(1)) for m in audit.MIRROR_LINE.finditer(caplog.text)]
+    mirrored = [int(m.group(1)) for m in audit.MIRROR_LINE.finditer(log_file.read_text())]
     rows = target.execute(
         "SELECT seq, at, level, action, key_id, peer, detail, prev FROM audit WHERE seq >= ? ORDER BY seq",
         (mirrored[0],),

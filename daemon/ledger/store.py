@@ -356,8 +356,15 @@ class Ledger:
         seqs = iter(written[len(retry_audit) :])
         for _, audit_future in pending_audit:
             audit_future.set_result(next(seqs)[0])
+        where = str(self.path) if self.path is not None else None  # which chain, in a JSON log line
         for seq, digest, entry in written:  # the journal's copy of the chain
-            log.info("audit record %d %s: %s", seq, digest, entry.action, extra={"key_id": entry.key_id})
+            log.info(
+                "audit record %d %s: %s",
+                seq,
+                digest,
+                entry.action,
+                extra={"key_id": entry.key_id, "database": where},
+            )
 
     def retry(self) -> Future[None]:
         """Commit what earlier commits could not (on the writer): a failing ledger mends itself
