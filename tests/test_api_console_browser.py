@@ -1193,6 +1193,41 @@ def test_an_attached_picture_reaches_the_model_and_shows_in_the_turn(
     assert int(playground.locator("#chat-figures").get_attribute("data-prompt-tokens") or 0) > 0
 
 
+def test_an_empty_reply_is_a_turn_and_its_picture_goes_again(playground: Page) -> None:
+    """A model may stop at once: the reply is empty, not failed, and the message and picture
+    stay in the history the next request sends (as the transcript shows them)."""
+    playground.get_by_label("Model", exact=True).select_option("vision")
+    picture = _png(5)
+    sent: list[Any] = []
+
+    def answer(route: Any) -> None:
+        sent.append(route.request.post_data_json)
+        if len(sent) == 1:  # the model's first reply: nothing at all
+            route.fulfill(status=200, content_type="text/event-stream", body=_sse_reply("", "vision"))
+        else:
+            route.continue_()
+
+    playground.route("**/ui/api/chat", answer)
+    try:
+        playground.get_by_label("Attach files", exact=True).set_input_files(
+            _file("dots.png", picture, "image/png")
+        )
+        _send(playground, "What is this?")
+        expect(playground.locator('#transcript [data-role="assistant"]').last).to_contain_text(
+            "The model stopped without a word."
+        )
+        _send(playground, "And now?")
+        expect(playground.locator("#chat-figures")).to_contain_text("tokens/s")  # the daemon took it
+    finally:
+        playground.unroute("**/ui/api/chat")
+    picture_part = {"type": "image_url", "image_url": {"url": _data_url(picture)}}
+    assert sent[1]["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, picture_part]},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "And now?"},
+    ]
+
+
 def test_the_oldest_pictures_stop_going_with_the_history_at_the_bound(playground: Page) -> None:
     playground.get_by_label("Model", exact=True).select_option("vision")
     attach = playground.get_by_label("Attach files", exact=True)

@@ -1462,10 +1462,17 @@
     const tokens = usage ? usage.completion_tokens : pieces || null;
     const about = usage ? "" : "≈";
     const rate = tokens && first !== null && end > first ? tokens / ((end - first) / 1000) : null;
-    if (text && !completion) state.conversation.push(current, { role: "assistant", content: text });
+    // A reply that ended well is a turn even when it is empty (a model may stop at once): the
+    // message and its files stay in the history, as the transcript shows them.
+    if (!completion && (text || !failure)) state.conversation.push(current, { role: "assistant", content: text });
     if (text) {
       showReply(out, text, completion, true); // the whole reply, drawn now
       replyTools(out, message, completion, attached);
+    }
+    else if (!failure && !completion) {
+      out.replaceChildren(h("em", { class: "help" }, "The model stopped without a word."));
+      out.raw = ""; // Copy copies the reply, which is empty
+      replyTools(out, message, completion, attached); // Regenerate asks again, with the files
     }
     else if (failure && failure !== "stopped") {
       // Nothing came back: no empty bubble, and the message is there to send again.
