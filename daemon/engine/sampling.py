@@ -1,23 +1,9 @@
 """Sampling one sequence: its C sampler chain and, for structured output, its grammar.
 
-Every request gets a chain of its own (logit bias, penalties, top-k/p, min-p, temperature,
-draw, in llama-server's order). A grammar is not part of the chain: as llama-server does, the
-chain picks first and the grammar checks that one token, because applying a grammar to every
-candidate of a 262k vocabulary costs tens of milliseconds and most picks are valid anyway. A
-miss is resampled among the likeliest tokens the grammar allows (the tiers below), and the
-grammar walks the whole vocabulary only when no tier holds a valid token.
-
-The chain itself is not handed the whole vocabulary either when it would cut it to its
-`top_k` at once. `llama_sampler_sample` copies all 262k logits into candidates before the
-chain's first sampler runs: about 0.35 ms a token, up to 0.8 ms right after a decode (cold
-caches), a tenth of the scheduler's time at 8 streams. Where nothing before top-k changes
-the ranking (no penalties: they depend on the history; logit_bias is added to the ranking as
-the chain adds it), the `top_k` likeliest tokens are found with one pass over the logits
-(`_best`) and only they go to the chain, which keeps the same tokens, sorts them the same
-way and draws from them with the same random state. Only tokens of exactly equal logits can
-come out in another order, and equal logits have equal probabilities, so the distribution
-is the same. A greedy request takes the first largest logit, as llama.cpp's greedy sampler
-does.
+The chain picks first and the grammar checks that one token (resampling among the likeliest
+allowed on a miss), and where nothing before top-k changes the ranking only the `top_k`
+likeliest tokens go to the chain, with the same distribution. Why, with the figures:
+docs/internals.md, "Sampling".
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Batch shapes: which slots a request takes, and how many rows a decode step computes.
 
-With one KV stream per slot, llama.cpp cuts a batch into ubatches of *consecutive* sequence
-ids holding the same number of tokens each (`llama_batch_allocr::split_equal`), and every
-ubatch reads all of the model's weights again. Busy slots 0, 2, 4 and 6 decode as four
-ubatches, slots 0 to 3 as one (measured on the demo model, 2 cores: 103 against 61 ms a
-step). So a request takes the free slot that keeps the busy ones in one run, unless another
-free slot holds a much longer prefix of its prompt (`choose_slot`).
-
-The matrix kernels themselves have favourite sizes. ggml's CPU kernels for repacked weights
-multiply four rows at a time and the rest one by one, each reading the weight matrix again;
-other kernels have their own tiles. On the demo model (its 178 MB output matrix is most of
-its weights) a step of 7 sequences took 98 ms and one of 8 took 70 ms; 3 took 73 and 4 took
-54. So at load the engine times one decode step of each size from 1 to the slot count
-(`measure_steps`), and a step of generating sequences gets dummy rows, in free slots next to
-the busy run, up to the size that decodes faster (`padded_size`, `pad_slots`). The steps
-served keep those figures current (`StepTimes`). A load that ran out of time before it
-measured every size (a big model, a busy box) leaves the larger sizes estimated, as if each
-further row cost what a row of the largest measured step did: padding never targets such a
-size, and a hole is filled on its account only when even that figure beats the runs apart,
-until a step served measures it. A reply that ends leaves a hole between
-busy slots until the next request takes it; a dummy row fills it when one ubatch of the
-filled size is cheaper than the runs apart (`plan_rows`). A dummy row is one token at the
-end of a free slot's cached tokens; it leaves the KV cache right after the step, so the
-slot's cached prefix stays as it was. A drafting step whose sequences hold different row
-counts gets rows without logits after the shorter ones' own, so that it is one ubatch too
-(`even_rows`).
+A request takes the free slot that keeps the busy ones in one run of sequence ids (one
+ubatch), a step gets dummy rows up to a size the kernels decode faster, and drafting rows
+are evened into one ubatch; the step sizes are timed at load and kept current. Why, with
+the figures: docs/internals.md, "Batch shapes".
 """
 
 from __future__ import annotations

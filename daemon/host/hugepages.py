@@ -1,19 +1,9 @@
 """Transparent huge pages for what a model load leaves resident: llama.cpp's weights, KV cache
 and compute buffers.
 
-Every decode step streams all of a model's weights; on 4 KiB pages that is a TLB miss every
-few kilobytes. On a 2-core VM, two identical daemons ran 91 and 97 tokens/s, the first one
-started slower in every round; with transparent huge pages (`enabled: always`) both ran 99
-and 100. Debian's default is `madvise`, and llama.cpp asks for none, so after each load the
-daemon asks the kernel to back its large anonymous mappings with huge pages now
-(`MADV_COLLAPSE`, Linux 6.1 and later; it works under `madvise` and `always`, not `never`).
-
-Only the 2 MiB spans of large mappings (`MIN_BYTES`) whose small pages are nearly all
-resident are collapsed: the kernel fills every huge page it makes, so an empty span (a
-thread's stack, KV cache that no sequence reached yet, address space reserved and never
-touched) would grow the daemon's memory. At most a tenth of each collapsed span is new. A
-kernel without MADV_COLLAPSE, or a system with huge pages off, answers EINVAL once and the
-daemon carries on.
+After each load the daemon asks the kernel to collapse the nearly resident 2 MiB spans of
+large anonymous mappings (`MADV_COLLAPSE`, Linux 6.1 and later); EINVAL once, and it
+carries on. Why, with the figures: docs/internals.md, "Transparent huge pages".
 """
 
 from __future__ import annotations

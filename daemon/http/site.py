@@ -1,33 +1,9 @@
 """The listening socket's guards: a deadline at every stage of a connection, connection caps, parser refusals.
 
-Each connection is served by `FrontDoorHandler`, a small subclass of aiohttp's protocol:
-
-- **Deadlines.** A request head must be complete `server.header_timeout_s` after its first
-  byte (the first head: after the connection opened; a head whose bytes came while an
-  earlier request was being answered: after that answer ended); then the connection is
-  cut, unanswered. A request body must be complete `server.body_timeout_s` after the end of
-  its head, read or not; then the request is answered 408 `request_timeout` if its answer
-  has not begun, and the connection is closed. Between requests aiohttp's keep-alive
-  timeout (`server.keepalive_timeout_s`) applies. A response being sent is under none of
-  these: it has the stream write timeout.
-- **Caps.** Connections beyond `server.max_connections`, or beyond
-  `server.max_connections_per_client` from one client, are closed at accept. IPv4-mapped
-  IPv6 peers count as their IPv4 address; other IPv6 peers by their /64, the network one
-  host is given.
-- **Expectations.** aiohttp answers an `Expect` header other than `100-continue` itself, with
-  a text 417 that echoes the value, before any middleware runs. The front door takes such a
-  header off the request (`meet_expectations`) and marks it, and the app answers 417
-  `expectation_failed` in its own envelope (`refuse_unmet_expectations`), echoing nothing.
-- **Refusals.** What aiohttp's parser refuses is answered with OpenAI's error envelope, status
-  400, code `malformed_request` or, past the parser's limits, `request_head_too_large` (still
-  400: aiohttp does not tell a long request line, 414, from a long header, 431), with the
-  daemon's security headers and `Connection: close`. Nothing of the request is echoed or
-  logged: one info line names the peer and the kind of refusal.
-
-aiohttp's private `RequestHandler._messages` (the parsed, unanswered requests) is read to
-learn when a head ends and where its body goes, and its `_request_handler` (the app's entry)
-is wrapped; `check_internals` fails start-up loudly if either or a signature overridden here
-has changed.
+Each connection is served by `FrontDoorHandler`, a small subclass of aiohttp's protocol that
+reads two of its private members (`check_internals` fails start-up loudly if they change).
+Deadlines, caps, expectations and refusals, each in detail: docs/internals.md, "The
+listening socket's guards".
 """
 
 from __future__ import annotations
