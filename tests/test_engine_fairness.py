@@ -304,13 +304,16 @@ async def test_a_paused_sequence_cancelled_or_closed_ends_with_what_it_generated
         await asyncio.sleep(QUANTUM_S)
         urgent = _submit(eng, "urgent", 400, INTERACTIVE)
         await _tokens_seen(urgent, 2)
-        assert eng.performance()["fairness"]["paused"] == 1
+        fairness = eng.performance()["fairness"]
+        assert fairness["paused"] == 1
+        assert fairness["paused_bytes"] > 0  # its KV copy, in host memory
         batch.cancel()
         eng.wake()
         _, fin = await _drain(batch)
         assert fin.reason == "cancelled"
         assert fin.completion_tokens >= 10
-        assert eng.performance()["fairness"]["paused"] == 0
+        fairness = eng.performance()["fairness"]
+        assert (fairness["paused"], fairness["paused_bytes"]) == (0, 0)
         # Paused again, then the engine closes: the paused one ends with an error, not silence.
         second = _submit(eng, "batch two", 800, BATCH)
         urgent.cancel()

@@ -475,6 +475,8 @@ class Engine(NativeThread):
             tenants = self._pending.tenants()
             waits = sorted(self.queue_waits)
             paused = len(self._paused)
+            # Host memory the paused sequences' KV copies hold (at most a slot's each, one per slot).
+            paused_bytes = sum(len(state) for _, state, _ in self._paused.values())
             waiting = [(gen.request.share, gen.queue_s) for gen in self._pending.order(QUEUE_SHOWN)]
             holds = sorted(self.hold_times)
         now = time.monotonic()
@@ -498,6 +500,7 @@ class Engine(NativeThread):
             "queue": queue,
             "tenants": tenants,
             "paused": paused,
+            "paused_bytes": paused_bytes,
             "pauses": self.pauses,
             "first_token_steps": self.first_token_steps,
             # The recent admissions' waits: what a request queued now can expect.
