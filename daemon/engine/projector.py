@@ -9,7 +9,7 @@ sha256. The scheduler thread later decodes a chunk's embeddings into a sequence
 
 The store is refcounted: a prepared request holds its chunks until it lets them go
 (`release`); chunks nobody holds stay, least recently used first out, within
-`STORE_BYTES`, so the same image sent again (the next turn of a conversation) is not
+`config.MEDIA_STORE_BYTES`, so the same image sent again (the next turn of a conversation) is not
 encoded twice. A prompt refers to a chunk by placeholder ids (`generation.placeholders`)
 derived from its id, so that prefix reuse and the prompt cache match an image exactly when
 its bytes are the same.
@@ -45,7 +45,6 @@ from edgellmd.engine.config import (
 
 log = logging.getLogger(__name__)
 
-STORE_BYTES: Final = MEDIA_STORE_BYTES  # encoded chunks nobody holds, kept for reuse (LRU)
 _NO_CALLBACK: Final = mtmd.mtmd_helper_post_decode_callback()  # a NULL function pointer
 _log_callback: Any = None  # keeps the ctypes thunk alive while libmtmd may call it
 
@@ -231,10 +230,10 @@ class Projector:
             return key in self._store
 
     def _trim(self) -> None:
-        """Drop the least recently used chunks nobody holds past STORE_BYTES (under the store lock)."""
+        """Drop the least recently used chunks nobody holds past MEDIA_STORE_BYTES (under the store lock)."""
         total = sum(s.nbytes for s in self._store.values())
         for key in [k for k, s in self._store.items() if s.refs == 0]:
-            if total <= STORE_BYTES:
+            if total <= MEDIA_STORE_BYTES:
                 break
             stored = self._store.pop(key)
             total -= stored.nbytes

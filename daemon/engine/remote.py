@@ -47,7 +47,14 @@ from edgellmd.engine import (
     wire,
 )
 from edgellmd.engine.config import MediaError, MediaInput, MediaLimits, PreparedMedia
-from edgellmd.engine.generation import ENGINE_STOPPED, UNLOADED, Finished, Generation, GenerationRequest
+from edgellmd.engine.generation import (
+    ENGINE_STOPPED,
+    UNLOADED,
+    Event,
+    Finished,
+    Generation,
+    GenerationRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -292,10 +299,8 @@ class RemoteEngine:
                 message = wire.recv(self._sock)
                 op = message.get("op")
                 if op == "events":
-                    loop = self._deliver(message.get("items", []))
                     step = message.get("ack")
-                    if type(step) is int:
-                        self._acknowledge(loop, step)
+                    self._deliver(message.get("items", []), step if type(step) is int else None)
                     made = message.get("made")
                     if isinstance(made, float):  # the same clock: CLOCK_MONOTONIC is the machine's
                         self._handoff.append(max(0.0, time.monotonic() - made))
@@ -317,23 +322,11 @@ class RemoteEngine:
             self._kill()
         self._ended()
 
-    def _acknowledge(self, loop: asyncio.AbstractEventLoop | None, step: int) -> None:
-        """Tell the engine its events frame `step` went on, once `loop` has run the consumers it
-        woke (their next turns: a stream's write), as scheduler._after_consumers does."""
-        ack = {"op": "ack", "step": step}
-        if loop is None:
-            self.send_quietly(ack)
-            return
-
-        def after_consumers() -> None:
-            loop.call_soon(loop.call_soon, self.send_quietly, ack)
-
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens any more
-            loop.call_soon_threadsafe(after_consumers)
-
-    def _deliver(self, items: list[Any]) -> asyncio.AbstractEventLoop | None:
-        """Hand a frame's events to their generations; the event loop they went to (None: none)."""
-        loop = None
+    def _deliver(self, items: list[Any], step: int | None) -> None:
+        """Hand a frame's events to their generations, one wake-up of each event loop per frame
+        (scheduler._deliver's), and tell the engine its frame `step` went on once the loop has
+        run the consumers it woke (their next turns: a stream's write)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, list[Event]]]] = {}
         for remote_id, events in items:
             decoded = [wire.decode_event(e) for e in events]  # read whole, whoever it is for
             with self._lock:
@@ -345,9 +338,28 @@ class RemoteEngine:
                 with self._lock:  # counted before the slot shows free: readers see both
                     self._finished[ends[0].reason] += 1
                     self._gens.pop(int(remote_id), None)
-            gen.push_threadsafe(decoded)
-            loop = gen.loop
-        return loop
+            by_loop.setdefault(gen.loop, []).append((gen, decoded))
+        ack = None if step is None else {"op": "ack", "step": step}
+        last = list(by_loop)[-1] if by_loop else None  # the daemon's one loop, in practice
+        for loop, pushes in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._push_all, loop, pushes, ack if loop is last else None)
+            except RuntimeError:  # the loop closed: nobody listens any more
+                if loop is last and ack is not None:
+                    self.send_quietly(ack)
+        if last is None and ack is not None:
+            self.send_quietly(ack)
+
+    def _push_all(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        pushes: list[tuple[Generation, list[Event]]],
+        ack: dict[str, Any] | None,
+    ) -> None:
+        for gen, events in pushes:
+            gen.push(events)
+        if ack is not None:  # after the consumers woken above have taken their turn
+            loop.call_soon(loop.call_soon, self.send_quietly, ack)
 
     def _answer(self, message: dict[str, Any]) -> None:
         with self._lock:
