@@ -349,6 +349,29 @@ def running(settings: Settings, *, wait_ready: bool = True) -> Iterator[RunningD
         daemon.stop()
 
 
+def client_key(folder: Path) -> tuple[Path, str]:
+    """A keys file in `folder` with one inference key: the file and the key's token."""
+    from edgellmctl.keys import create_key  # noqa: PLC0415 - the CLI's helper, for the tests that need keys
+
+    path = folder / "keys.yaml"
+    return path, create_key(path, "client", ["inference"], limits={})[1]
+
+
+@contextmanager
+def client_daemon(folder: Path, keys: Path) -> Iterator[RunningDaemon]:
+    """What the client-framework tests point their clients at: `plain`, a tiny model with 2 slots
+    of 8192 tokens, answers of up to 1024, served to the keys in `keys`."""
+    model = write_tiny_model(folder / "plain.gguf", TinyModelSpec(seed=31))
+    settings = settings_for(
+        [{"name": "plain", "file": str(model), "slots": 2, "context_size": 8192, "threads": 1}],
+        server={"max_tokens_limit": 1024},
+        lifecycle={"watch": False},
+        auth={"keys_file": str(keys)},
+    )
+    with running(settings) as daemon:
+        yield daemon
+
+
 @dataclass(frozen=True, slots=True)
 class Access:
     """One line of the daemon's access log."""

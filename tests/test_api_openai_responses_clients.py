@@ -14,27 +14,17 @@ from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
 from pydantic import SecretStr
 
-from edgellmctl.keys import create_key
-from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, client_daemon, client_key
 
 
 @pytest.fixture(scope="module")
 def token(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    path = tmp_path_factory.mktemp("clients-keys") / "keys.yaml"
-    return path, create_key(path, "client", ["inference"], limits={})[1]
+    return client_key(tmp_path_factory.mktemp("clients-keys"))
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, token: tuple[Path, str]) -> Iterator[RunningDaemon]:
-    model = write_tiny_model(tmp_path_factory.mktemp("clients") / "plain.gguf", TinyModelSpec(seed=31))
-    settings = settings_for(
-        [{"name": "plain", "file": str(model), "slots": 2, "context_size": 8192, "threads": 1}],
-        server={"max_tokens_limit": 1024},
-        lifecycle={"watch": False},
-        auth={"keys_file": str(token[0])},
-    )
-    with running(settings) as d:
+    with client_daemon(tmp_path_factory.mktemp("clients"), token[0]) as d:
         yield d
 
 

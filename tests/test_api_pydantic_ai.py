@@ -44,9 +44,7 @@ from pydantic_ai.providers.anthropic import AnthropicProvider
 from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 
-from edgellmctl.keys import create_key
-from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import AccessLog, RunningDaemon, access_log, running, settings_for, wait_for
+from tests.serving import AccessLog, RunningDaemon, access_log, client_daemon, client_key, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -62,20 +60,12 @@ class Forecast(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def token(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    path = tmp_path_factory.mktemp("pydantic-ai-keys") / "keys.yaml"
-    return path, create_key(path, "client", ["inference"], limits={})[1]
+    return client_key(tmp_path_factory.mktemp("pydantic-ai-keys"))
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, token: tuple[Path, str]) -> Iterator[RunningDaemon]:
-    model = write_tiny_model(tmp_path_factory.mktemp("pydantic-ai") / "plain.gguf", TinyModelSpec(seed=31))
-    settings = settings_for(
-        [{"name": "plain", "file": str(model), "slots": 2, "context_size": 8192, "threads": 1}],
-        server={"max_tokens_limit": 1024},
-        lifecycle={"watch": False},
-        auth={"keys_file": str(token[0])},
-    )
-    with running(settings) as d:
+    with client_daemon(tmp_path_factory.mktemp("pydantic-ai"), token[0]) as d:
         yield d
 
 
