@@ -29,6 +29,7 @@ from typing import Any
 
 from edgellmctl.keys import create_key
 from edgellmd.api import session
+from edgellmd.engine.drafts import common_prefix
 from edgellmd.engine.generation import Generation
 from edgellmd.host.metrics import Metrics, TokenTiming
 from edgellmd.settings import Settings
@@ -100,14 +101,6 @@ def recording() -> Iterator[Recorder]:
     finally:
         session._submit_all = submit
         Metrics.timing = timing  # type: ignore[method-assign]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def vocabulary(model: Path) -> list[bytes]:
