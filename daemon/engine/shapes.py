@@ -9,7 +9,6 @@ the figures: docs/internals.md, "Batch shapes".
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -23,7 +22,7 @@ SPLIT_COST_TOKENS: Final = 256
 # the timings come from a few decodes on a machine that may be busy.
 PAD_MARGIN: Final = 0.9
 NEAR_BEST: Final = 1.03  # sizes within 3% of the fastest count as fast: the fewest dummy rows win
-MEASURE_ROUNDS: Final = 3  # decodes of each size; the median counts
+MEASURE_ROUNDS: Final = 3  # decodes of each size; the fastest counts (a busy machine only adds time)
 MEASURE_BUDGET_S: Final = 2.0  # timing stops after this long, with the sizes done (a big model on a CPU)
 
 
@@ -87,17 +86,23 @@ class StepTimes:
 
     The table is complete by construction: it holds a figure for every size from 1 to
     `slots`, whatever the load had time to measure (`estimate`), and `at` answers for any
-    size. A load can be timed on a busy machine (another model decoding, the old version
-    still serving during a reload), so the figures it measured are only where the engine
-    starts: every decode-only step moves its size's figure (an exponential average; the
-    first step of a size that was only estimated replaces the estimate), and every
+    size. A load can be timed on a busy machine (another model loading or decoding, the old
+    version still serving during a reload), so the figures it measured are only where the
+    engine starts: every decode-only step moves its size's figure (an exponential average;
+    the first step of a size that was only estimated replaces the estimate), and every
     `EXPLORE_EVERY`-th step of a size that is padded runs unpadded, so that the size's own
-    figure stays current too. A padded size that is not faster after all shows it in its
-    own figure within a few dozen steps, and padding to it stops.
+    figure stays current too. A busy machine only ever makes a step slower, so a step faster
+    than its figure moves it by `FAST_WEIGHT`, a slower one by `WEIGHT` (and as if it took
+    at most twice the figure: one step held up for a scheduler tick is an outlier, a machine
+    that stays busy still moves the figure up within a dozen steps): a size timed at ten
+    times its cost by a busy load is padded for a few explorations, not hundreds.
+    A padded size that is not faster after all shows it in its own figure within a few
+    dozen steps, and padding to it stops.
     """
 
     EXPLORE_EVERY: Final = 16
-    WEIGHT: Final = 0.05  # of each new step in its size's average
+    WEIGHT: Final = 0.05  # of each new step in its size's average, when slower than the figure
+    FAST_WEIGHT: Final = 0.5  # when faster: the figure was too high (a busy machine adds, never takes)
 
     def __init__(self, measured: Sequence[float], row_seconds: float = 0.0, *, slots: int = 0) -> None:
         given = list(measured)
@@ -129,7 +134,12 @@ class StepTimes:
         """One decode-only step of `size` rows took `seconds`."""
         if 0 < size <= len(self.seconds):
             if self.measured[size - 1]:
-                self.seconds[size - 1] += self.WEIGHT * (seconds - self.seconds[size - 1])
+                figure = self.seconds[size - 1]
+                gap = seconds - figure
+                # A step held up by another process counts as at most twice its figure.
+                self.seconds[size - 1] += (
+                    self.WEIGHT * min(gap, figure) if gap > 0 else self.FAST_WEIGHT * gap
+                )
             else:
                 self.seconds[size - 1] = seconds
                 self.measured[size - 1] = True
@@ -144,9 +154,11 @@ def estimate(measured: Sequence[float], slots: int) -> list[float]:
     """`measured` (sizes 1 to k) extended to `slots` sizes: size m > k costs m / k times size k.
 
     That assumes batching gains nothing past what was measured: an estimated size is never
-    faster than the largest measured one, so padding never targets it.
+    faster than the largest measured one, so padding never targets it. For the same reason
+    no measured size m is taken to cost more than m steps of one row: a figure above that
+    was timed while something else had the cores.
     """
-    out = list(measured)
+    out = [min(t, m * measured[0]) for m, t in enumerate(measured, 1)]
     if not out:
         return out
     k, last = len(out), out[-1]
@@ -223,29 +235,31 @@ def even_rows(counts: Sequence[int], times: StepTimes) -> int:
 def measure_steps(
     decode: Callable[[int], object], slots: int, clock: Callable[[], float] = time.perf_counter
 ) -> list[float]:
-    """Seconds of one decode step of each size from 1 (index n - 1): the median of up to
+    """Seconds of one decode step of each size from 1 (index n - 1): the fastest of up to
     `MEASURE_ROUNDS` rounds, alternately up and down the sizes so that a trend in the machine
-    spreads over all of them. Past `MEASURE_BUDGET_S` it stops, with the sizes measured so far
-    from 1 up (at least 1): a big model on a CPU measures only its smaller sizes, and
-    `StepTimes` estimates the others."""
+    spreads over all of them. The fastest, not the median: another process on the cores (a
+    second model loading, llama.cpp's threads of another engine) only ever adds time, and one
+    size timed too slow pads every step of that size to a larger one. Past `MEASURE_BUDGET_S`
+    it stops, with the sizes measured so far from 1 up (at least 1): a big model on a CPU
+    measures only its smaller sizes, and `StepTimes` estimates the others."""
     times: list[list[float]] = [[] for _ in range(slots)]
     started = clock()
     for round_ in range(MEASURE_ROUNDS):
         sizes = range(1, slots + 1) if round_ % 2 == 0 else range(slots, 0, -1)
         for n in sizes:
             if times[0] and clock() - started > MEASURE_BUDGET_S:
-                return _medians(times)
+                return _fastest(times)
             t0 = clock()
             decode(n)
             times[n - 1].append(clock() - t0)
-    return _medians(times)
+    return _fastest(times)
 
 
-def _medians(times: Sequence[Sequence[float]]) -> list[float]:
-    """The median of each size's timings, for the sizes from 1 up that have any."""
+def _fastest(times: Sequence[Sequence[float]]) -> list[float]:
+    """The least of each size's timings, for the sizes from 1 up that have any."""
     out: list[float] = []
     for t in times:
         if not t:
             break
-        out.append(statistics.median(t))
+        out.append(min(t))
     return out
