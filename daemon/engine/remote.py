@@ -55,6 +55,7 @@ from edgellmd.engine.generation import (
     Generation,
     GenerationRequest,
 )
+from edgellmd.host.hugepages import Collapse
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ CALL_TIMEOUT_S: Final = 120.0  # tokenizing or compiling a bounded prompt or gra
 CLOSE_TIMEOUT_S: Final = 10.0  # for the process to exit once told to, before it is killed
 SUPERVISE_EVERY_S: Final = 0.1
 LOG_TAIL_LINES: Final = 20  # of the engine process's own output, kept for a fault's report
+MAX_REASON_CHARS: Final = 300  # of a reason the engine process gives (why no huge pages)
 HANDOFF_SAMPLES: Final = 4096  # events frames whose hand-off latency /admin/status summarises
 _FD_PATH: Final = re.compile(r"/proc/self/fd/(\d+)")
 _LOG_LINE: Final = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+ .*)")  # worker.main's format
@@ -468,10 +470,10 @@ class RemoteEngine:
             raise EngineError(self._why_gone(died=True)) from None
         return call_id, future
 
-    def _call(self, message: dict[str, Any]) -> Any:
+    def _call(self, message: dict[str, Any], timeout: float = CALL_TIMEOUT_S) -> Any:
         call_id, future = self._start_call(message)
         try:
-            return future.result(CALL_TIMEOUT_S)
+            return future.result(timeout)
         except concurrent.futures.TimeoutError:
             with self._lock:
                 self._calls.pop(call_id, None)
@@ -546,6 +548,22 @@ class RemoteEngine:
     def build_info(self) -> BuildInfo:
         """What the llama.cpp build can do, as this engine process's llama.cpp says (blocking)."""
         return build.decode(self._call({"op": "build_info"}))
+
+    def collapse_huge_pages(self) -> Collapse:
+        """Back the engine process's resident weights, KV cache and compute buffers with huge
+        pages (host.hugepages), in the process that holds them (blocking; a load's bound)."""
+        answer = self._call({"op": "huge_pages"}, LOAD_TIMEOUT_S)
+        try:
+            unsupported = answer["unsupported"]
+            return Collapse(
+                spans=int(answer["spans"]),
+                bytes=int(answer["bytes"]),
+                seconds=float(answer["seconds"]),
+                unsupported=None if unsupported is None else str(unsupported)[:MAX_REASON_CHARS],
+                failed=int(answer["failed"]),
+            )
+        except (TypeError, KeyError, ValueError) as exc:  # not what a worker sends
+            raise EngineError("the engine process answered the huge-page pass with nonsense") from exc
 
     def probe(self, what: str, path: str = "") -> str:
         """Tests only (answered with EDGELLM_ENGINE_TEST_HOOKS=1): try what the confinement refuses."""

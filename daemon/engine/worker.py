@@ -47,6 +47,7 @@ from edgellmd.engine.generation import Event, Finished, Generation, GenerationRe
 from edgellmd.engine.native import build_info, builtin_chat_templates
 from edgellmd.engine.sampling import CompiledGrammar
 from edgellmd.engine.scheduler import Engine
+from edgellmd.host.hugepages import collapse_resident
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ ACK_WAIT_S: Final = 0.02
 PROMPT_THREADS: Final = 2  # as the daemon's own prompt pool: tokenizing and grammars, off the scheduler
 # The calls answered on the pool (each frame with an id, answered by one with the same id).
 _CALLS: Final = frozenset(
-    ("tokenize", "tokenize_segments", "grammar", "media", "probe", "template", "build_info")
+    ("tokenize", "tokenize_segments", "grammar", "media", "probe", "template", "build_info", "huge_pages")
 )
 _LIMIT_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(MediaLimits))
 TEST_HOOKS_ENV: Final = "EDGELLM_ENGINE_TEST_HOOKS"  # "1": answer `probe` calls (tests of the confinement)
@@ -280,6 +281,8 @@ class Worker:
             return apply_builtin_template(str(message["name"]), pairs)
         if op == "build_info":
             return build.encode(build_info())
+        if op == "huge_pages":  # after the load: this process holds the weights, not the daemon
+            return dataclasses.asdict(collapse_resident())
         if op == "probe" and os.environ.get(TEST_HOOKS_ENV) == "1":
             if message["what"] == "garbage":  # a subverted process: events the daemon cannot read
                 self.send({"op": "events", "items": [[0, [["f", "not a reason"]]]]})

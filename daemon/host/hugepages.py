@@ -91,7 +91,9 @@ Madvise = Callable[[int, int, int], int]  # (address, length, advice) -> 0, or -
 
 
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # The process's own symbols, libc's among them: find_library runs a compiler and
+    # writes temporary files, which a confined engine process may not.
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _libc_madvise() -> Madvise:

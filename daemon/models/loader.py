@@ -25,12 +25,14 @@ from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.chat import TemplateError
 from edgellmd.engine.config import KV_BYTES_PER_VALUE, MEDIA_STORE_BYTES
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
+from edgellmd.engine.remote import RemoteEngine
 from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.host.hugepages import Collapse, collapse_resident
 from edgellmd.host.offload import plan_gpu_layers
 from edgellmd.models.budget import MIB
 from edgellmd.models.gguf import GgufError, gguf_layer_bytes, learned_positions, read_gguf_values
 from edgellmd.models.handle import (
+    AnyEngine,
     CompanionProvenance,
     EngineFactory,
     ModelHandle,
@@ -181,9 +183,17 @@ class Loader:
         self._gpu_headroom = gpu_headroom_bytes
         self.area: PreloadArea | None = None  # set once the registry has opened it
 
-    async def _collapse(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
-        """Back what the load left resident with huge pages (host.hugepages); said once if not."""
-        result = await loop.run_in_executor(None, collapse_resident)
+    async def _collapse(self, loop: asyncio.AbstractEventLoop, name: str, engine: AnyEngine) -> None:
+        """Back what the load left resident with huge pages (host.hugepages); said once if not.
+
+        In the process that holds the model: its engine process, or this one."""
+        if isinstance(engine, RemoteEngine):
+            try:
+                result = await loop.run_in_executor(None, engine.collapse_huge_pages)
+            except EngineError as exc:
+                result = Collapse(unsupported=f"the engine process did not say ({exc})")
+        else:
+            result = await loop.run_in_executor(None, collapse_resident)
         if result.unsupported is not None:
             if self.collapsed is None or self.collapsed.unsupported is None:
                 log.warning("host.huge_pages: %s; model %s stays on small pages", result.unsupported, name)
@@ -314,7 +324,7 @@ class Loader:
                 if file is not None:
                     file.close()  # the loaded model keeps its own mapping
         if self._huge_pages:
-            await self._collapse(loop, settings.name)
+            await self._collapse(loop, settings.name, engine)
         try:
             template = None if settings.pooled else chat_template_for(settings, engine)
         except (TemplateError, EngineError, OSError) as exc:
