@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from edgellmd.engine.remote import RemoteEngine
+from edgellmd.engine import EngineError
+from edgellmd.engine.remote import MAX_REASON_CHARS, RemoteEngine
 from edgellmd.host.hugepages import (
     HUGE,
     MADV_COLLAPSE,
@@ -216,6 +217,8 @@ async def test_an_engine_process_collapses_its_own_weights_not_the_daemons_memor
             collapsed = registry.loader.collapsed
             assert collapsed is not None
             if collapsed.unsupported is not None:
+                # The engine process did answer: it is this kernel that cannot.
+                assert "engine process" not in collapsed.unsupported, collapsed
                 pytest.skip(collapsed.unsupported)
             engine = registry.get("demo").generator
             assert isinstance(engine, RemoteEngine)
@@ -225,3 +228,31 @@ async def test_an_engine_process_collapses_its_own_weights_not_the_daemons_memor
             assert (_rollup_kb(os.getpid(), "AnonHugePages") - ours) * 1024 < collapsed.bytes // 4
         finally:
             await registry.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        None,
+        [],
+        {"spans": "x", "bytes": 0, "seconds": 0, "unsupported": None, "failed": 0},
+        {"spans": 1, "bytes": 2},
+        {"spans": 1, "bytes": 2, "seconds": [], "unsupported": None, "failed": 0},
+    ],
+)
+def test_an_engine_process_that_answers_the_pass_with_nonsense_is_an_engine_error(answer: object) -> None:
+    """The engine process parses model files and may be subverted: its answer is checked."""
+    engine = RemoteEngine.__new__(RemoteEngine)  # no process: only the answer's reading
+    engine._call = lambda message, timeout=0.0: answer  # type: ignore[method-assign]
+    with pytest.raises(EngineError, match="nonsense"):
+        engine.collapse_huge_pages()
+
+
+def test_an_engine_process_s_reason_is_read_bounded() -> None:
+    engine = RemoteEngine.__new__(RemoteEngine)
+    answer = {"spans": 0, "bytes": 0, "seconds": 0.5, "unsupported": "\u202e" + "x" * 10_000, "failed": 0}
+    engine._call = lambda message, timeout=0.0: answer  # type: ignore[method-assign]
+    result = engine.collapse_huge_pages()
+    assert result.unsupported is not None
+    assert len(result.unsupported) == MAX_REASON_CHARS
+    assert (result.spans, result.bytes, result.seconds, result.failed) == (0, 0, 0.5, 0)

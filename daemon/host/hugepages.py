@@ -9,7 +9,6 @@ carries on. Why, with the figures: docs/internals.md, "Transparent huge pages".
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import time
 from collections.abc import Callable
