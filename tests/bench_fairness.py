@@ -1,7 +1,7 @@
 """Benchmark: fair share between keys, on the demo model: one key floods, another asks once.
 
 Run: `.venv/bin/python -m tests.bench_fairness [--rounds 3] [--flood 64] [--slots 8]
-[--batch-size 512]`. One
+[--batch-size 512] [--compare-stops]`. One
 edgellmd (a process of its own, API keys on) serves the demo model with `--slots` slots. Each
 round measures, side by side on the same daemon:
 
@@ -11,8 +11,11 @@ round measures, side by side on the same daemon:
   order: what every request met before fair share (one tenant is first come, first served);
 - fair share: the same flood from A, B's probes under B's own key.
 
-B sends one probe at a time, a second apart, while the flood lasts; the figures are B's time
-to first token, p50 and p95 over every probe of every round, and p95 as a multiple of idle.
+B sends one probe at a time, a second apart, while the flood lasts, each a new question (no
+probe finds the one before it cached); the figures are B's time to first token, p50 and p95 over
+every probe of every round, and p95 as a multiple of idle. With `--compare-stops` the daemon also
+loads the model as `gemma3-270m-unstopped` with `preempt_steps: false`, and each round measures
+fair share on it too, side by side.
 Then `weights`: A (weight 1) and C (weight 3) flood together; when half of all their requests
 have finished, each key's share of the tokens finished so far (from `/admin/usage`). Prints
 each round, then one JSON line. Not a test: the figures depend on the machine.
@@ -21,6 +24,7 @@ each round, then one JSON line. Not a test: the figures depend on the machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -43,28 +47,37 @@ from tests.bench_structured import demo_model
 from tests.serving import free_port
 
 LONG_TOKENS = 128
+UNSTOPPED = MODEL + "-unstopped"  # the same model with `preempt_steps: false` (--compare-stops)
 PROBE_GAP_S = 1.0
+UNSTOPPED_LABEL = "fair share, no step stopped"
 
 
 @contextmanager
 def daemon(
-    model: Path, workdir: Path, keys: Path, slots: int, batch_size: int, prefill_chunk: int | None
+    model: Path,
+    workdir: Path,
+    keys: Path,
+    slots: int,
+    batch_size: int,
+    prefill_chunk: int | None,
+    *,
+    compare_stops: bool = False,
 ) -> Iterator[str]:
     port = free_port()
+    entry = {
+        "name": MODEL,
+        "file": str(model),
+        "slots": slots,
+        "queue_size": 256,
+        "context_size": 2048,
+        "batch_size": batch_size,
+        "prefill_chunk": prefill_chunk,
+        "chat_template": "gemma",
+    }
+    more = [{**entry, "name": UNSTOPPED, "preempt_steps": False}] if compare_stops else []
     config = {
         "server": {"host": "127.0.0.1", "port": port, "max_tokens_limit": 4096},
-        "models": [
-            {
-                "name": MODEL,
-                "file": str(model),
-                "slots": slots,
-                "queue_size": 256,
-                "context_size": 2048,
-                "batch_size": batch_size,
-                "prefill_chunk": prefill_chunk,
-                "chat_template": "gemma",
-            }
-        ],
+        "models": [entry, *more],
         "lock": {"allow_unsigned": True},
         "lifecycle": {"watch": False, "preload_dir": None},
         "logging": {"level": "warning"},
@@ -125,9 +138,9 @@ def _text_of(data: bytes) -> str:
     return str((choices[0].get("delta") or {}).get("content") or "")
 
 
-def _long(n: int) -> dict[str, Any]:
+def _long(n: int, model: str = MODEL) -> dict[str, Any]:
     return {
-        "model": MODEL,
+        "model": model,
         "messages": [{"role": "user", "content": f"Request {n}. Summarise this passage:\n\n{PASSAGE}"}],
         "max_tokens": LONG_TOKENS,
         "ignore_eos": True,
@@ -142,11 +155,19 @@ PROBE: dict[str, Any] = {
     "stream": True,
     "temperature": 0,
 }
+_probes = itertools.count()
 
 
-def flood(url: str, token: str, count: int, offset: int = 0) -> list[threading.Thread]:
+def probe(model: str = MODEL) -> dict[str, Any]:
+    """B's short question, a new one each time: no probe finds the one before it in B's cache,
+    on the idle box or under the flood (A's requests take B's slots, and its cached prefix)."""
+    content = f"Question {next(_probes)}: what is the capital of France?"
+    return {**PROBE, "model": model, "messages": [{"role": "user", "content": content}]}
+
+
+def flood(url: str, token: str, count: int, offset: int = 0, model: str = MODEL) -> list[threading.Thread]:
     threads = [
-        threading.Thread(target=_post, args=(url, token, _long(offset + i)), daemon=True)
+        threading.Thread(target=_post, args=(url, token, _long(offset + i, model)), daemon=True)
         for i in range(count)
     ]
     for thread in threads:
@@ -154,13 +175,15 @@ def flood(url: str, token: str, count: int, offset: int = 0) -> list[threading.T
     return threads
 
 
-def probes_during(url: str, token: str, threads: list[threading.Thread]) -> tuple[list[float], float]:
+def probes_during(
+    url: str, token: str, threads: list[threading.Thread], model: str = MODEL
+) -> tuple[list[float], float]:
     """B's probes while the flood lasts, and how long the flood took from here."""
     started = time.perf_counter()
     time.sleep(1.0)  # the flood is queued and running
     out = []
     while any(t.is_alive() for t in threads):
-        out.append(_post(url, token, PROBE, first_token=True))
+        out.append(_post(url, token, probe(model), first_token=True))
         time.sleep(PROBE_GAP_S)
     for thread in threads:
         thread.join()
@@ -236,6 +259,11 @@ def main() -> None:
         default=None,
         help="models[].prefill_chunk: the prefill a step takes while others generate (default: the daemon's)",
     )
+    parser.add_argument(
+        "--compare-stops",
+        action="store_true",
+        help="also measure fair share on the same model loaded with preempt_steps: false, each round",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="edgellm-bench-fairness-") as tmp:
         workdir = Path(tmp)
@@ -251,15 +279,28 @@ def main() -> None:
             ids[name], tokens[name] = create_key(keys, name, scopes, limits={}, weight=weight)
         figures: dict[str, list[float]] = {"idle": [], "one tenant": [], "fair share": []}
         floods: dict[str, list[float]] = {"one tenant": [], "fair share": []}
-        with daemon(model, workdir, keys, args.slots, args.batch_size, args.prefill_chunk) as url:
+        if args.compare_stops:
+            figures[UNSTOPPED_LABEL] = []
+            floods[UNSTOPPED_LABEL] = []
+        compare = args.compare_stops
+        with daemon(
+            model, workdir, keys, args.slots, args.batch_size, args.prefill_chunk, compare_stops=compare
+        ) as url:
             _post(url, tokens["b"], PROBE, first_token=True)  # warm
             for n in range(args.rounds):
-                idle = [_post(url, tokens["b"], PROBE, first_token=True) for _ in range(5)]
+                idle = [_post(url, tokens["b"], probe(), first_token=True) for _ in range(5)]
                 before, took_before = probes_during(url, tokens["a"], flood(url, tokens["a"], args.flood))
                 after, took_after = probes_during(url, tokens["b"], flood(url, tokens["a"], args.flood))
                 floods["one tenant"].append(took_before)
                 floods["fair share"].append(took_after)
-                for label, values in (("idle", idle), ("one tenant", before), ("fair share", after)):
+                measured = [("idle", idle), ("one tenant", before), ("fair share", after)]
+                if args.compare_stops:
+                    unstopped, took = probes_during(
+                        url, tokens["b"], flood(url, tokens["a"], args.flood, model=UNSTOPPED), UNSTOPPED
+                    )
+                    floods[UNSTOPPED_LABEL].append(took)
+                    measured.append((UNSTOPPED_LABEL, unstopped))
+                for label, values in measured:
                     figures[label] += values
                     print(
                         f"  round {n + 1} {label}: TTFT p50 {_p(values, 0.5):.3f} s, "
@@ -267,6 +308,7 @@ def main() -> None:
                     )
                 print(
                     f"  round {n + 1} A's flood took {took_before:.1f} s, {took_after:.1f} s under fair share"
+                    + (f", {floods[UNSTOPPED_LABEL][-1]:.1f} s with no step stopped" if compare else "")
                 )
             weights = shares(url, tokens["admin"], ids, tokens, args.flood // 2)
             print(

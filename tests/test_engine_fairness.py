@@ -6,6 +6,7 @@ request out of the slots."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -452,5 +453,161 @@ async def test_prefill_chunk_bounds_a_step_while_others_generate(
         mark = len(sizes)
         await _drain(_submit(eng, " ".join(f"other{i}" for i in range(150)), 2, BATCH))  # no prefix cached
         assert max(sizes[mark:]) > 100  # nobody generating: the whole prompt in one step
+    finally:
+        eng.close()
+
+
+# ---- a step stopped for a newcomer (preempt_steps) ---------------------------------------------
+
+
+async def _first_and_text(gen: Generation, first: list[float]) -> tuple[str, Finished]:
+    """`gen`'s text and end; `first` gets the time of its first token (a tiny model's token
+    may be no text at all, so any event before the end counts)."""
+    parts: list[str] = []
+    async for event in gen.events(30):
+        if not first and not isinstance(event, Finished):
+            first.append(time.monotonic())
+        parts.append(event.text)
+        if isinstance(event, Finished):
+            return "".join(parts), event
+    raise AssertionError("no Finished")
+
+
+async def _in_progress(eng: Engine) -> None:
+    """Until the engine is inside a step that may be stopped."""
+    deadline = time.monotonic() + 10
+    while eng._step_shares is None:
+        assert time.monotonic() < deadline, "no step started"
+        await asyncio.sleep(0.001)
+
+
+def _assert_kv_matches(eng: Engine) -> None:
+    """Each sequence's KV cache holds the positions the scheduler counts, no more (the engine idle)."""
+    import llama_cpp  # noqa: PLC0415 - read once the engine is idle
+
+    held = [len(kv) for kv in eng._kv]
+    cached = [llama_cpp.llama_memory_seq_pos_max(eng._memory, i) + 1 for i in range(len(held))]
+    assert cached == held
+
+
+LONG_PROMPT = " ".join(f"w{i}" for i in range(150))  # about 940 tokens: one step of a second or so
+
+
+@pytest.mark.parametrize("stops", [True, False])
+async def test_another_keys_short_prompt_stops_the_step_in_progress(slow_model: Path, stops: bool) -> None:
+    """A's long prompt is one long step; B's short prompt, arriving during it, stops it: B's
+    first token comes before A's, and A's reply is what it is alone, to the token. A second
+    request of A's own stops nothing. With `preempt_steps: false` B waits for A's step."""
+    config = {"slots": 3, "context_size": 2048, "batch_size": 1024, "threads": 1, "threads_batch": 1}
+    alone = Engine(EngineConfig(path=slow_model, **config), name="alone")  # type: ignore[arg-type]
+    try:
+        reference, _ = await _first_and_text(_submit(alone, LONG_PROMPT, 8, BATCH), [])
+    finally:
+        alone.close()
+    eng = Engine(EngineConfig(path=slow_model, preempt_steps=stops, **config), name="fair")  # type: ignore[arg-type]
+    try:
+        await _drain(_submit(eng, "warm up " * 20, 2, BATCH))
+        a = _submit(eng, LONG_PROMPT, 8, BATCH)
+        if stops:
+            await _in_progress(eng)
+            own = _submit(eng, "A's own short question", 2, BATCH)  # A is in the step: no stop
+            await asyncio.sleep(0.02)
+            assert eng.stopped_steps == 0
+        else:
+            await asyncio.sleep(0.05)
+            own = _submit(eng, "A's own short question", 2, BATCH)
+        a_first: list[float] = []
+        b_first: list[float] = []
+        b = _submit(eng, "B's short question", 2, Share("b"))
+        (a_text, a_fin), (_, b_fin), _ = await asyncio.gather(
+            _first_and_text(a, a_first), _first_and_text(b, b_first), _drain(own)
+        )
+        assert a_text == reference  # the stopped step, undone and run again, changed nothing
+        assert (a_fin.completion_tokens, b_fin.completion_tokens) == (8, 2)
+        assert a_fin.prompt_tokens == len(eng.tokenize(LONG_PROMPT))
+        if stops:
+            assert b_first[0] < a_first[0]  # B did not wait for A's long step
+            assert eng.stopped_steps == 1
+            assert eng.first_token_steps == 1  # B's prompt went alone, ahead of A's
+            assert eng.performance()["fairness"]["stopped_steps"] == 1
+        else:
+            assert a_first[0] < b_first[0]
+            assert eng.stopped_steps == 0
+        _assert_kv_matches(eng)
+    finally:
+        eng.close()
+
+
+async def test_steps_stopped_over_and_over_change_no_token(
+    slow_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every step that may be stopped is stopped once (its prompt chunk or its decodes, with
+    llama.cpp's finished ubatches in the cache): each reply is what it is without stops, to the
+    token, the KV cache holds what the scheduler counts, and llama.cpp's reports of the stops
+    are not logged as errors."""
+    import llama_cpp  # noqa: PLC0415 - patched for this test only
+
+    config = {
+        "slots": 3,
+        "context_size": 2048,
+        "batch_size": 256,
+        "prefill_chunk": 64,
+        "threads": 1,
+        "threads_batch": 1,
+    }
+    prompts = [LONG_PROMPT, "a short one", "w1 w2 w3 " * 20]
+
+    async def replies(eng: Engine) -> list[str]:
+        # Queued at once (the scheduler waits on its lock meanwhile, a reentrant one): every
+        # step is the same in both engines, whatever the timing, bar the stops.
+        with eng._cond:
+            gens = [_submit(eng, prompt, 48, BATCH) for prompt in prompts]
+        return [(await _drain(gen))[0] for gen in gens]
+
+    plain = Engine(EngineConfig(path=slow_model, preempt_steps=False, **config), name="plain")  # type: ignore[arg-type]
+    try:
+        reference = await replies(plain)
+        assert plain.stopped_steps == 0
+    finally:
+        plain.close()
+    eng = Engine(EngineConfig(path=slow_model, **config), name="stopped")  # type: ignore[arg-type]
+    real = llama_cpp.llama_decode
+    # Each armed step stops after its k-th graph node, k taken in turn from these: at the first
+    # node, or in a later ubatch with the earlier ones' rows already in the KV cache (a mixed
+    # step is one ubatch per sequence shape), or never (more nodes than the step has).
+    stop_after = itertools.cycle([1, 20, 40, 60, 80, 100, 130])
+    left = [-1]
+
+    def at_node(_data: object) -> bool:
+        if left[0] < 0:
+            return False
+        left[0] -= 1
+        if left[0] == 0:
+            eng._stop.ask()  # type: ignore[union-attr]
+        return left[0] == 0
+
+    stopped_at: list[int] = []
+
+    def stopping(ctx: object, batch: object) -> int:
+        k = left[0] = next(stop_after) if eng._step_shares is not None else -1
+        rc = int(real(ctx, batch))
+        if rc == 2:
+            stopped_at.append(k)
+        return rc
+
+    callback = llama_cpp.ggml_abort_callback(at_node)  # a test's slow one: the GIL at every node
+    try:
+        llama_cpp.llama_set_abort_callback(eng._ctx, callback, None)  # the engine idles now
+        monkeypatch.setattr(llama_cpp, "llama_decode", stopping)
+        with caplog.at_level("DEBUG", logger="edgellmd.engine.native"):
+            got = await replies(eng)
+        monkeypatch.setattr(llama_cpp, "llama_decode", real)
+        assert eng.stopped_steps == len(stopped_at) >= 10
+        assert len(set(stopped_at)) >= 3  # at the first node and deeper, part of the step done
+        assert got == reference
+        _assert_kv_matches(eng)
+        reports = [r for r in caplog.records if "llama.cpp" in r.getMessage()]
+        assert any("ret = 2" in r.getMessage() for r in reports)  # the stops were reported...
+        assert all(r.levelname == "DEBUG" for r in reports)  # ...at debug, not as failures
     finally:
         eng.close()

@@ -139,6 +139,9 @@ class EngineConfig:
     prompt_cache_bytes: int = 0  # host RAM for KV states of earlier prompts; 0: none
     batch_padding: bool = True  # dummy rows up to a step size measured faster (engine.shapes)
     prefill_chunk: int = 0  # prompt tokens a step takes while others generate; 0: batch_size
+    # Stop the step in progress for a newly queued request of a tenant it computes nothing for
+    # (Engine._preempt_for): that request's first token waits one graph node, not a whole step.
+    preempt_steps: bool = True
     # A generation still waiting for its first slot this long is refused (QUEUE_TIMEOUT): one
     # that cannot meet its deadline leaves room for those that can. 0: it waits its turn.
     queue_timeout_s: float = 0.0

@@ -50,6 +50,13 @@ _log_callback: Any = None  # keeps the ctypes thunk alive for as long as llama.c
 _log_state = threading.local()
 
 
+# What llama.cpp reports of a step stopped on purpose (StepAbort): debug, not errors, while the
+# stop was asked for on this thread.
+_ABORT_NOISE: Final = re.compile(
+    r"compute status: 1$|failed with error 1$|failed to decode, ret = 2$|removing memory module entries"
+)
+
+
 def on_llama_log(level: int, text: bytes | None, _user: object) -> None:
     """llama.cpp's log callback (any thread): its warnings and errors as ours, the rest at debug."""
     if level == _GGML_LOG_LEVEL_CONT:
@@ -58,8 +65,55 @@ def on_llama_log(level: int, text: bytes | None, _user: object) -> None:
         py_level = _PY_LEVELS.get(level, logging.DEBUG)
         _log_state.level = py_level
     message = text.decode("utf-8", "replace").strip() if text else ""
-    if message:
-        log.log(py_level, "llama.cpp: %s", message)
+    if not message:
+        return
+    stop: StepAbort | None = getattr(_log_state, "abort", None)
+    if stop is not None and stop.asked and _ABORT_NOISE.search(message):
+        py_level = logging.DEBUG
+    log.log(py_level, "llama.cpp: %s", message)
+
+
+class StepAbort:
+    """A flag that stops the `llama_decode` in progress on a context between two graph nodes.
+
+    The abort callback (`llama_set_abort_callback`) is libc's `strlen` over a two-byte buffer
+    holding the flag and a NUL: 0 while the flag is clear, 1 once it is set. The CPU backend
+    calls it after every graph node (hundreds per step), so it must cost nothing: a ctypes
+    callback would take the GIL at each. `strlen` takes one pointer and returns exactly 0 or 1
+    here, which every C calling convention hands back where a `bool` is read.
+
+    llama.cpp then returns 2 from `llama_decode`, with the ubatches it finished still in the
+    KV cache: the caller removes the step's positions (`Engine._undo`). Any thread may `ask`;
+    the decoding thread clears the flag after each armed step. `make` returns None where libc
+    has no `strlen` to call (the scheduler then never stops a step).
+    """
+
+    def __init__(self, ctx: Any, strlen: int) -> None:
+        self._buffer = (ctypes.c_ubyte * 2)()
+        # Kept for the context's life: llama.cpp holds the pointers, not the Python objects.
+        self._callback = llama.ggml_abort_callback(strlen)
+        llama.llama_set_abort_callback(ctx, self._callback, ctypes.cast(self._buffer, ctypes.c_void_p))
+        _log_state.abort = self  # on the thread that decodes: its abort reports are not errors
+
+    @classmethod
+    def make(cls, ctx: Any) -> StepAbort | None:
+        try:
+            strlen = ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            return None
+        return cls(ctx, strlen) if strlen else None
+
+    @property
+    def asked(self) -> bool:
+        return self._buffer[0] != 0
+
+    def ask(self) -> None:
+        """Stop the step in progress at its next graph node (a step starting later runs whole
+        unless `clear` comes first)."""
+        self._buffer[0] = 1
+
+    def clear(self) -> None:
+        self._buffer[0] = 0
 
 
 def init_backend() -> None:

@@ -115,6 +115,7 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
         flash_attention=settings.flash_attention,
         prompt_cache_bytes=settings.prompt_cache_mb * MIB,
         batch_padding=settings.batch_padding,
+        preempt_steps=settings.preempt_steps,
         prefill_chunk=settings.prefill_chunk or (settings.batch_size if gpu_layers else CPU_PREFILL_CHUNK),
         queue_timeout_s=settings.queue_timeout_s or 0.0,
         rank=settings.serves == "rerank",

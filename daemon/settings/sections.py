@@ -618,6 +618,14 @@ class ModelSettings:
         "so their time between tokens (and a newcomer's wait for its first step) stays near one short "
         "step (stall-free batching); a prompt with nobody generating takes batch_size per step",
     )
+    preempt_steps: bool = setting(
+        True,
+        "stop the step in progress when a request arrives from a key that step computes nothing for "
+        "(or of a higher class), so that its first token does not wait for the whole step",
+        more="the stopped step is undone and runs again right after the newcomer's; after a stop two "
+        "steps run whole, so keys arriving back to back cannot starve the running ones; a step a "
+        "draft model proposed for is never stopped",
+    )
     gpu_layers: GpuLayers = setting(
         0,
         "layers to offload (-1: all, auto: what fits in free VRAM) on a GPU build",
