@@ -587,9 +587,11 @@ async def test_steps_stopped_over_and_over_change_no_token(
         return left[0] == 0
 
     stopped_at: list[int] = []
+    decodes = [0]
 
     def stopping(ctx: object, batch: object) -> int:
         k = left[0] = next(stop_after) if eng._step_shares is not None else -1
+        decodes[0] += 1
         rc = int(real(ctx, batch))
         if rc == 2:
             stopped_at.append(k)
@@ -604,6 +606,8 @@ async def test_steps_stopped_over_and_over_change_no_token(
         monkeypatch.setattr(llama_cpp, "llama_decode", real)
         assert eng.stopped_steps == len(stopped_at) >= 10
         assert len(set(stopped_at)) >= 3  # at the first node and deeper, part of the step done
+        # Asked at every step, a stop comes at most every third: two steps run whole after each.
+        assert eng.stopped_steps <= (decodes[0] + 2) // 3
         assert got == reference
         _assert_kv_matches(eng)
         reports = [r for r in caplog.records if "llama.cpp" in r.getMessage()]

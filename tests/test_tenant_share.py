@@ -139,14 +139,19 @@ def _short(daemon: RunningDaemon, token: str, **extra: Any) -> tuple[float, int]
     return time.monotonic(), int(raw.headers["x-queue-ms"])
 
 
-def _pauses(daemon: RunningDaemon, admin: str) -> int:
+def _fairness(daemon: RunningDaemon, admin: str) -> dict[str, Any]:
     req = urllib.request.Request(  # noqa: S310 - loopback URL
         daemon.url + "/admin/status", headers={"Authorization": f"Bearer {admin}"}
     )
     with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback URL
         status = json.loads(resp.read())
     (model,) = status["models"]
-    return int(model["performance"]["fairness"]["pauses"])
+    fairness: dict[str, Any] = model["performance"]["fairness"]
+    return fairness
+
+
+def _pauses(daemon: RunningDaemon, admin: str) -> int:
+    return int(_fairness(daemon, admin)["pauses"])
 
 
 def test_an_interactive_key_goes_before_a_batch_keys_running_job(served: Any) -> None:
@@ -159,6 +164,25 @@ def test_an_interactive_key_goes_before_a_batch_keys_running_job(served: Any) ->
     assert done_at < ended[0]  # it did not wait for the 500-token job on the one slot
     assert queued_ms < 5000
     assert wait_for(lambda: _pauses(daemon, t.admin) > before, timeout=10)
+
+
+def test_another_keys_request_stops_the_engine_processs_step_in_progress(served: Any) -> None:
+    """The interactive key's request, queued while the batch job's step runs in the engine
+    process, stops that step (it comes back counted in /admin/status); a request that lands
+    between two steps is admitted without one, so a few are sent until one stops a step."""
+    daemon, t = served
+    before = int(_fairness(daemon, t.admin)["stopped_steps"])
+    thread, _, ended = _long_job(daemon, t.bulk)
+    stopped = before
+    for _ in range(6):
+        _short(daemon, t.app)
+        stopped = int(_fairness(daemon, t.admin)["stopped_steps"])
+        if stopped > before:
+            break
+        time.sleep(0.3)  # the batch job back in its slot for a quantum
+    thread.join(60)
+    assert ended
+    assert stopped > before
 
 
 def test_a_request_may_ask_for_a_lower_class_never_a_higher_one(served: Any) -> None:

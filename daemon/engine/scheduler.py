@@ -271,7 +271,9 @@ class Engine(NativeThread):
             raise ModelLoadError(f"llama.cpp could not create a context for {config.path}")
         self._ctx = ctx
         self._memory = llama.llama_get_memory(ctx)
-        if config.preempt_steps:
+        # CPU steps only: llama.cpp's CPU backend checks the flag between nodes, a GPU's kernels
+        # run to the end (and a GPU step is a few milliseconds).
+        if config.preempt_steps and config.gpu_layers == 0:
             self._stop = native.StepAbort.make(ctx)
         self._batch = llama.llama_batch_init(rows, 0, config.slots)
         self.info = read_model_info(model, self._vocab, config.path)

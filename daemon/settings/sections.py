@@ -624,7 +624,8 @@ class ModelSettings:
         "(or of a higher class), so that its first token does not wait for the whole step",
         more="the stopped step is undone and runs again right after the newcomer's; after a stop two "
         "steps run whole, so keys arriving back to back cannot starve the running ones; a step a "
-        "draft model proposed for is never stopped",
+        "draft model proposed for is never stopped; CPU models only (with layers on a GPU a step is a "
+        "few milliseconds and runs to its end)",
     )
     gpu_layers: GpuLayers = setting(
         0,
