@@ -135,6 +135,7 @@ models:
     crash_loop_stops: 3
     crash_loop_window_s: 120
     batch_padding: false
+    preempt_steps: false
     speculative: {mode: draft, max_draft: 12, ngram_min: 3, ngram_max: 5, max_sequences: 4,
                   draft_model: gemma3-draft, draft_file: models/draft.gguf, draft_p_min: 0.5}
     reasoning: deepseek
@@ -222,6 +223,7 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 crash_loop_stops=3,
                 crash_loop_window_s=120.0,
                 batch_padding=False,
+                preempt_steps=False,
                 speculative=SpeculativeSettings(
                     mode="draft",
                     max_draft=12,
