@@ -168,30 +168,38 @@ class Worker:
                 op = message.get("op")
                 if op == "close":
                     break
-                if op in _CALLS:
-                    self._pool.submit(self._call, message)
-                elif op == "embed":  # queued on the engine's thread: no pool thread waits for it
-                    self._embed(message)
-                elif op == "abandon":
-                    self._abandon(int(message["id"]))
-                elif op == "submit":
-                    self.loop.call_soon_threadsafe(self._submit, message)
-                elif op == "cancel":
-                    self.loop.call_soon_threadsafe(self._cancel, int(message["gen"]))
-                elif op == "forget" and isinstance(self.engine, Engine):
-                    scopes = [str(scope) for scope in message["scopes"]]
-                    self.loop.call_soon_threadsafe(self.engine.forget_scopes, scopes)
-                elif op == "ack":
-                    self.acknowledged(int(message.get("step", 0)))
-                elif op == "release_media" and isinstance(self.engine, Engine):  # in order with submits
-                    keys = [str(k) for k in message.get("keys", [])]
-                    self.loop.call_soon_threadsafe(self.engine.release_media, keys)
-                elif op == "free_grammar":
-                    self.loop.call_soon_threadsafe(self._free_grammar, int(message["grammar"]))
+                try:
+                    self._dispatch(op, message)
+                except (KeyError, ValueError, TypeError, EngineError):
+                    # A frame the daemon should never send; the reader keeps reading.
+                    log.exception("engine channel: a %r frame could not be handled", op)
         except (wire.ChannelClosed, OSError):
             pass
         finally:
             self.loop.call_soon_threadsafe(self._done.set)
+
+    def _dispatch(self, op: object, message: dict[str, Any]) -> None:
+        if op in _CALLS:
+            self._pool.submit(self._call, message)
+        elif op == "embed":  # queued on the engine's thread: no pool thread waits for it
+            self._embed(message)
+        elif op == "abandon":
+            self._abandon(int(message["id"]))
+        # Submits and what must stay in order with them are handled here, not on the loop:
+        # the loop waits up to ACK_WAIT_S at every step (_flush), and a request queued only
+        # after that wait would stop the next step, not the one in progress (_preempt_for).
+        elif op == "submit":
+            self._submit(message)
+        elif op == "cancel":
+            self._cancel(int(message["gen"]))
+        elif op == "forget" and isinstance(self.engine, Engine):
+            self.engine.forget_scopes([str(scope) for scope in message["scopes"]])
+        elif op == "ack":
+            self.acknowledged(int(message.get("step", 0)))
+        elif op == "release_media" and isinstance(self.engine, Engine):  # in order with submits
+            self.engine.release_media([str(k) for k in message.get("keys", [])])
+        elif op == "free_grammar":
+            self._free_grammar(int(message["grammar"]))
 
     def _embed(self, message: dict[str, Any]) -> None:
         """Queue an embed call; its answer goes back when the engine has every vector."""
@@ -291,6 +299,7 @@ class Worker:
         raise EngineError(f"unknown call {op!r}")
 
     def _submit(self, message: dict[str, Any]) -> None:
+        """On the reader thread (the engine's submit is thread-safe); answers go by the loop."""
         remote_id = int(message["gen"])
         engine = self.engine
         gid = message.get("grammar")
@@ -298,15 +307,15 @@ class Worker:
         request = wire.decode_request(message["request"])
         gen = Forwarded(request, self.loop, remote_id, self)
         if not isinstance(engine, Engine):
-            self.forward(
-                gen, [Finished("error", len(request.prompt_tokens), 0, error="not a generation model")]
+            gen.push_threadsafe(
+                [Finished("error", len(request.prompt_tokens), 0, error="not a generation model")]
             )
             return
         self._gens[remote_id] = gen
         try:
             engine.submit(request, self.loop, grammar, generation=gen)
         except EngineError as exc:
-            self.forward(gen, [Finished("error", len(request.prompt_tokens), 0, error=str(exc))])
+            gen.push_threadsafe([Finished("error", len(request.prompt_tokens), 0, error=str(exc))])
 
     def _cancel(self, remote_id: int) -> None:
         gen = self._gens.get(remote_id)
