@@ -913,15 +913,17 @@ class Engine(NativeThread):
         chunk = self.config.prefill_chunk or budget
         limit = min(FIRST_TOKEN_ALONE, chunk)
         first = _short_prompts(prefilling, limit)
+        stopped_for = False
         if self._newcomer is not None:  # a step was stopped for it: its short prompt goes first
             mine = [(i, s) for i, s in prefilling if s.gen is self._newcomer]
             self._newcomer = None
             if mine and len(mine[0][1].prompt) - mine[0][1].prefilled <= limit:
-                first = mine
-        # Alone when anything else would share the step: decodes, or other prompts' chunks.
+                first, stopped_for = mine, True
+        # Alone when anything else would share the step: decodes, or other prompts' chunks. Never
+        # twice in a row, unless a step was stopped for this one (the step after it runs whole).
         others = bool(generating) or len(first) < len(prefilling)
         was_alone = self._alone
-        self._alone = bool(others and first and not self._alone)
+        self._alone = bool(others and first and (stopped_for or not self._alone))
         if self._alone:
             generating, prefilling = [], first
             self.first_token_steps += 1
