@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from edgellmctl.bench import BenchConfig, BenchSummary, run_bench
-from edgellmd.models.loader import kv_cache_bytes
+from edgellmd.models.budget import kv_cache_bytes
 from edgellmd.settings import parse_settings
 from tests.bench_structured import demo_model
 from tests.serving import free_port

@@ -247,6 +247,16 @@ def test_the_overview_shows_what_admin_status_says(console: Page, box: Box) -> N
     for name, text in expected.items():
         expect(row.locator(f'[data-field="{name}"]')).to_have_text(text)
     expect(row.locator('[data-field="last_reload"]')).to_contain_text(model["last_reload"]["result"])
+    engine = model["engine_process"]
+    expect(row.locator('[data-field="engine"]')).to_contain_text(f"process {engine['pid']}, ")
+    if engine["memory_group"] is not None:  # where this machine lets the daemon make one
+        limit, unit = float(engine["memory_group"]["limit_bytes"]), 0
+        while limit >= 1024 and unit < 4:
+            limit, unit = limit / 1024, unit + 1
+        shown = f"{limit:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[unit]}"
+        expect(row.locator('[data-field="engine"]')).to_contain_text(
+            re.compile(rf"its memory group [\d.]+ [KMG]?i?B of {re.escape(shown)}")
+        )
     fairness = model["performance"]["fairness"]
     expect(row.locator('[data-field="waits"]')).to_have_text(re.compile(r"^\d+ / \d+ ms$"))
     expect(row.locator('[data-field="tenants"]')).to_have_text("\u2013" if not fairness["tenants"] else "")

@@ -30,8 +30,12 @@ from edgellmd.engine.confine import landlock_abi
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.engine.worker import TEST_HOOKS_ENV
 from edgellmd.errors import ServiceUnavailable
+from edgellmd.host import memgroups
 from edgellmd.http import appkeys
+from edgellmd.models import handle as handle_module
 from edgellmd.models import registry as registry_module
+from edgellmd.models.budget import estimate_bytes
+from edgellmd.settings import ModelSettings
 from edgellmd.settings.declare import ConfigError
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for, wait_for
@@ -419,3 +423,111 @@ def test_a_memory_limit_where_it_cannot_hold_is_refused(extra: dict[str, Any], w
         settings_for(
             [{"name": "m", "file": "m.gguf", "memory_limit_mb": 1024, "isolation": "process", **extra}]
         )
+
+
+def _memory_group_check(daemon: RunningDaemon, model: Path) -> Path:
+    """The runaway/calm scenario of the test below, in a running daemon; the replacement's group."""
+    victim = _engine(daemon, "runaway")
+    group = victim.memory_group
+    assert group is not None
+    expected = estimate_bytes(model, daemon.settings.models[0]) + 128 * 1024 * 1024
+    assert group.limit == expected
+    assert group.path.name in Path(f"/proc/{victim.pid}/cgroup").read_text()
+    _, status = daemon.get("/admin/status")
+    shown = next(m for m in status["models"] if m["name"] == "runaway")["engine_process"]
+    assert shown["memory_group"]["limit_bytes"] == expected
+    assert 0 < shown["memory_group"]["usage_bytes"] < expected
+    assert f"memory at most {expected // (1024 * 1024)} MiB" in " ".join(shown["confined"])
+    calm = _engine(daemon, "calm").pid
+
+    with pytest.raises(EngineError):  # the engine dies mid-call
+        victim.probe("allocate", "512")
+    wait_for(lambda: _serving_pid(daemon, "runaway") not in (None, victim.pid), timeout=30, what="a restart")
+    wait_for(lambda: _ready(daemon, "runaway"), timeout=30, what="the model back")
+    _, status = daemon.get("/admin/status")
+    stop = next(m for m in status["models"] if m["name"] == "runaway")["last_engine_stop"]
+    assert f"killed at its memory limit ({expected // (1024 * 1024)} MiB" in stop["fault"]
+    with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as answer:  # noqa: S310 - loopback
+        metrics = answer.read().decode()
+    assert 'edgellm_engine_restarts_total{model="runaway",reason="oom"}' in metrics
+    assert not group.path.exists()
+    replacement = _engine(daemon, "runaway").memory_group
+    assert replacement is not None
+    assert replacement.path != group.path
+    assert replacement.path.exists()
+    assert _engine(daemon, "calm").pid == calm
+    for name in ("runaway", "calm"):
+        code, answered = daemon.post("/v1/completions", {"model": name, "prompt": "x", "max_tokens": 3})
+        assert code == 200, answered
+    return replacement.path
+
+
+def test_an_engine_past_its_memory_group_is_killed_alone_and_comes_back(tmp_path: Path) -> None:
+    """Each engine process sits in a memory cgroup of its own, limited to what the budget counts
+    for its model plus `memory_group_headroom_mb`. One that runs away (the test hook touches
+    512 MiB) is killed by the kernel at that limit: the cause is named (`oom`), the other model
+    and the daemon never notice, the model comes back in a new group, and the old group is gone."""
+    groups = memgroups.shared()
+    if isinstance(groups, str):
+        pytest.skip(f"this process may make no memory cgroups here: {groups}")
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
+    common = {
+        "file": str(model),
+        "threads": 1,
+        "context_size": 256,
+        "isolation": "process",
+        "memory_group_headroom_mb": 128,
+    }
+    settings = settings_for(
+        [{"name": "runaway", **common}, {"name": "calm", **common}],
+        lifecycle={"preload_dir": str(tmp_path / "shm"), "watch": False},
+    )
+    os.environ[TEST_HOOKS_ENV] = "1"
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(registry_module, "RESTART_BACKOFF_S", (0.2,))
+            with running(settings) as daemon:
+                left = _memory_group_check(daemon, model)
+        assert not left.exists()  # the daemon's stop removed what it made
+    finally:
+        os.environ.pop(TEST_HOOKS_ENV, None)
+
+
+def test_a_memory_group_too_small_to_load_in_fails_that_load_and_says_why(tmp_path: Path) -> None:
+    """An engine killed at its group's limit while it loads: that model fails with the limit and
+    the setting to raise named; the other model serves; no group is left behind."""
+    groups = memgroups.shared()
+    if isinstance(groups, str):
+        pytest.skip(f"this process may make no memory cgroups here: {groups}")
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
+    common = {"file": str(model), "threads": 1, "context_size": 256, "isolation": "process"}
+    settings = settings_for(
+        [{"name": "starved", **common}, {"name": "fits", **common}],
+        lifecycle={"preload_dir": str(tmp_path / "shm"), "watch": False},
+    )
+    real = handle_module.memory_group_limit
+
+    def limit(model_settings: ModelSettings) -> int | None:
+        return 8 * 1024 * 1024 if model_settings.name == "starved" else real(model_settings)
+
+    before = {p.name for p in groups.parent.iterdir() if p.name.startswith(memgroups.PREFIX)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(handle_module, "memory_group_limit", limit)
+        with running(settings, wait_ready=False) as daemon:
+
+            def states() -> dict[str, dict[str, Any]]:
+                return {m["name"]: m for m in daemon.get("/admin/status")[1]["models"]}
+
+            wait_for(
+                lambda: {m["state"] for m in states().values()} <= {"ready", "failed"},
+                what="both loads to end",
+            )
+            shown = states()
+            assert shown["starved"]["state"] == "failed"
+            assert "killed at its memory cgroup's limit of 8 MiB" in shown["starved"]["reason"]
+            assert "memory_group_headroom_mb" in shown["starved"]["reason"]
+            assert shown["fits"]["state"] == "ready"
+            code, body = daemon.post("/v1/completions", {"model": "fits", "prompt": "x", "max_tokens": 3})
+            assert code == 200, body
+    after = {p.name for p in groups.parent.iterdir() if p.name.startswith(memgroups.PREFIX)}
+    assert after <= before

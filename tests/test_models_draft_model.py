@@ -18,8 +18,8 @@ from edgellmd.engine.generation import GenerationRequest, SamplingParams
 from edgellmd.engine.scheduler import Engine
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
+from edgellmd.models.budget import estimate_bytes
 from edgellmd.models.handle import AnyEngine, default_engine_factory, engine_config
-from edgellmd.models.loader import estimate_bytes
 from edgellmd.models.registry import ModelState, Outcome, Registry
 from edgellmd.settings import ModelSettings, load_settings
 from tests.ggufmodels import TinyModelSpec

@@ -27,8 +27,8 @@ from edgellmd.engine.worker import _model_files
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
 from edgellmd.models import registry as registry_module
+from edgellmd.models.budget import estimate_bytes
 from edgellmd.models.handle import AnyEngine, default_engine_factory, engine_config
-from edgellmd.models.loader import estimate_bytes
 from edgellmd.models.lockfile import load_lock
 from edgellmd.models.registry import ModelState, Outcome, Registry
 from edgellmd.models.watch import watch_targets

@@ -147,6 +147,8 @@ models:
     file: /srv/models/rank.gguf
     kind: rerank
     memory_limit_mb: 2048
+    memory_group: false
+    memory_group_headroom_mb: 512
     inputs_per_decode: 4
 logging:
   level: DEBUG
@@ -247,6 +249,8 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
                 file=Path("/srv/models/rank.gguf"),
                 kind="rerank",
                 memory_limit_mb=2048,
+                memory_group=False,
+                memory_group_headroom_mb=512,
                 inputs_per_decode=4,
             ),
         ),

@@ -201,7 +201,11 @@ REQUIRED: Final = [
     ("Service", "ProtectKernelTunables", "yes"),
     ("Service", "ProtectKernelModules", "yes"),
     ("Service", "ProtectKernelLogs", "yes"),
-    ("Service", "ProtectControlGroups", "yes"),
+    # The unit's cgroup is the daemon's, memory only: each engine process's memory cgroup below it.
+    ("Service", "Delegate", "memory"),
+    ("Service", "ProtectControlGroups", "no"),
+    # An engine the OOM killer ends costs its model's requests, not the unit (default: stop).
+    ("Service", "OOMPolicy", "continue"),
     ("Service", "ProtectClock", "yes"),
     ("Service", "ProtectHostname", "yes"),
     ("Service", "ProtectProc", "invisible"),

@@ -55,6 +55,7 @@ from edgellmd.engine.generation import (
     Generation,
     GenerationRequest,
 )
+from edgellmd.host import memgroups
 from edgellmd.host.hugepages import Collapse
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,14 @@ class RemoteEngine:
         hang_s: float = 30.0,
         landlock: bool = True,
         address_space: int | None = None,
+        memory_max: int | None = None,
     ) -> None:
-        """Start the process and wait for its load (blocking: call it off the event loop)."""
+        """Start the process and wait for its load (blocking: call it off the event loop).
+
+        `memory_max`: the limit of the process's own memory cgroup (host.memgroups), made and
+        the process moved into it before it loads anything; where no group can be made the
+        process runs without one and says so among its `unconfined`.
+        """
         self.config = config
         self.name: Final = name
         self.kind = kind
@@ -208,6 +215,7 @@ class RemoteEngine:
             child.close()
         self.pid = self._proc.pid
         threading.Thread(target=self._read_stderr, name=f"engine-log:{name}", daemon=True).start()
+        self.memory_group, grouped = self._group(memory_max) if memory_max else (None, None)
         try:
             wire.send(
                 parent,
@@ -240,14 +248,41 @@ class RemoteEngine:
         self.n_embd = int(ready.get("n_embd", 0))
         self.confined: list[str] = list(ready.get("confined", []))
         self.unconfined: list[str] = list(ready.get("unconfined", []))
+        if self.memory_group is not None:
+            self.confined.append(
+                f"memory at most {self.memory_group.limit // (1024 * 1024)} MiB "
+                f"(its own cgroup v{self.memory_group.version})"
+            )
+        elif grouped is not None:
+            self.unconfined.append(grouped)
         self.builtin_templates: list[str] = list(ready.get("builtin_templates", []))
         self._controls = _Controls(ready.get("controls", []))
         self.media_kinds = tuple(k for k in ("image", "audio") if k in ready.get("media", []))
         self._status["performance"] = ready.get("performance", {})
         for missing in self.unconfined:
-            log.warning("model %s: its engine process runs without %s", name, missing)
+            if missing != grouped or not grouped.startswith(memgroups.HOST_WIDE):  # said once already
+                log.warning("model %s: its engine process runs without %s", name, missing)
         threading.Thread(target=self._read, name=f"engine-channel:{name}", daemon=True).start()
         threading.Thread(target=self._supervise, name=f"engine-supervisor:{name}", daemon=True).start()
+
+    def _group(self, limit: int) -> tuple[memgroups.EngineGroup | None, str | None]:
+        """Move the process into a memory cgroup of its own: the group, or what is missing in words."""
+        groups = memgroups.shared()
+        if isinstance(groups, str):
+            return None, f"{memgroups.HOST_WIDE}{groups}"
+        try:
+            return groups.place(self.pid, self.name, limit), None
+        except memgroups.GroupError as exc:
+            return None, f"a memory cgroup: {exc}"
+
+    def _release_group(self) -> None:
+        group, self.memory_group = self.memory_group, None
+        if group is not None:
+            group.remove()
+
+    def _oom_killed(self) -> bool:
+        """Whether the kernel killed the process for its memory cgroup's limit."""
+        return self.memory_group is not None and self.memory_group.oom_kills() > 0
 
     # ---- the process's output and frames ----------------------------------------------------
 
@@ -293,6 +328,11 @@ class RemoteEngine:
             if self._address_space
             else ""
         )
+        if self._oom_killed() and self.memory_group is not None:
+            limit += (
+                f" (killed at its memory cgroup's limit of {self.memory_group.limit // (1024 * 1024)} "
+                "MiB: raise memory_group_headroom_mb?)"
+            )
         return f"the engine process {how} while loading ({why})" + (f": {last}" if last else "") + limit
 
     def _read(self) -> None:
@@ -391,6 +431,12 @@ class RemoteEngine:
             if self.fault is None and not closing:
                 how = f"exited with status {code}" if code >= 0 else f"was killed by {_signal_name(code)}"
                 self.fault_kind = "exit" if code >= 0 else _signal_name(code).lower()
+                if self._oom_killed() and self.memory_group is not None:
+                    how = (
+                        f"was killed at its memory limit ({self.memory_group.limit // (1024 * 1024)} MiB, "
+                        "its own cgroup)"
+                    )
+                    self.fault_kind = "oom"
                 last = "; ".join(list(self._tail)[-3:])
                 self.fault = f"its engine process {how}" + (f" (last output: {last})" if last else "")
             gens, self._gens = list(self._gens.values()), {}
@@ -407,6 +453,7 @@ class RemoteEngine:
                 call.set_exception(EngineError(error))
         with contextlib.suppress(OSError):
             self._sock.close()
+        self._release_group()
         for callback in callbacks:
             try:
                 callback(self.fault)
@@ -439,6 +486,7 @@ class RemoteEngine:
         self._kill()
         self._proc.wait()
         self._sock.close()
+        self._release_group()
 
     def _kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -693,9 +741,13 @@ class RemoteEngine:
         rss = 0
         with contextlib.suppress(OSError, ValueError, IndexError):
             rss = int(Path(f"/proc/{self.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        group = self.memory_group
         return {
             "pid": self.pid,
             "rss_bytes": rss,
+            "memory_group": None
+            if group is None
+            else {"path": str(group.path), "limit_bytes": group.limit, "usage_bytes": group.usage()},
             "confined": self.confined,
             "unconfined": self.unconfined,
             "handoff": self.handoff(),

@@ -369,6 +369,11 @@ def probe(what: str, path: str) -> str:
             Path(path).read_bytes()
         elif what == "write":
             Path(path).write_bytes(b"x")
+        elif what == "allocate":  # a runaway engine: `path` MiB, every page touched
+            block = bytearray(int(path) * 1024 * 1024)
+            for page in range(0, len(block), 4096):
+                block[page] = 1
+            return f"allocated {len(block) // (1024 * 1024)} MiB"
         else:
             return "unknown probe"
     except OSError as exc:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
+
+from edgellmd.engine.config import KV_BYTES_PER_VALUE, MEDIA_STORE_BYTES
+from edgellmd.models.gguf import GgufError, read_gguf_values
+from edgellmd.settings import ModelSettings
 
 MIB: Final = 1024 * 1024
 
@@ -45,3 +50,41 @@ def evictions(budget_mb: int, model: str, need: int, resident: Sequence[Resident
             "evictable model can make room"
         )
     return out
+
+
+def estimate_bytes(
+    path: Path, settings: ModelSettings, draft: Path | None = None, mmproj: Path | None = None
+) -> int:
+    """Memory a model will take once loaded: its file, its KV cache, its prompt cache, its draft
+    model's file and KV cache, its projector's file and store of encoded media."""
+    need = path.stat().st_size + kv_cache_bytes(path, settings) + settings.prompt_cache_mb * MIB
+    if draft is not None:  # its file and its KV cache (f16, a sequence per slot as the model's)
+        need += draft.stat().st_size + kv_cache_bytes(draft, settings, kinds=("f16", "f16"))
+    if mmproj is not None:  # its weights, and the encoded images and clips its engine keeps
+        need += mmproj.stat().st_size + MEDIA_STORE_BYTES
+    return need
+
+
+def kv_cache_bytes(path: Path, settings: ModelSettings, *, kinds: tuple[str, str] | None = None) -> int:
+    """The KV cache of every slot, in the configured cache types or `kinds` (0 when the file does not say)."""
+    try:
+        values = read_gguf_values(path)
+    except GgufError:
+        return 0  # the load itself will say what is wrong with the file
+    arch = values.get("general.architecture")
+    layers = values.get(f"{arch}.block_count")
+    embd = values.get(f"{arch}.embedding_length")
+    heads = values.get(f"{arch}.attention.head_count")
+    heads_kv = values.get(f"{arch}.attention.head_count_kv", heads)
+    if not (
+        isinstance(layers, int)
+        and isinstance(embd, int)
+        and isinstance(heads, int)
+        and isinstance(heads_kv, int)
+        and min(layers, embd, heads, heads_kv) > 0
+    ):
+        return 0
+    values_per_side = layers * settings.context_size * settings.slots * (embd // heads) * heads_kv
+    type_k, type_v = kinds or (settings.cache_type_k, settings.cache_type_v)
+    per_value = KV_BYTES_PER_VALUE[type_k] + KV_BYTES_PER_VALUE[type_v]
+    return int(values_per_side * per_value)

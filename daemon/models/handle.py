@@ -46,7 +46,7 @@ from edgellmd.errors import (
     ServiceUnavailable,
 )
 from edgellmd.files import read_regular
-from edgellmd.models.budget import MIB
+from edgellmd.models.budget import MIB, estimate_bytes
 from edgellmd.models.lockfile import LockedModel
 from edgellmd.settings import ModelSettings
 
@@ -138,6 +138,15 @@ def engine_config(settings: ModelSettings, *, mmap: bool = False) -> EngineConfi
     )
 
 
+def memory_group_limit(settings: ModelSettings) -> int | None:
+    """The engine process's memory cgroup limit: what the budget counts for the model (the same
+    estimate the loader keeps room for) plus the headroom; None without a group."""
+    if not settings.memory_group or settings.file is None:
+        return None
+    need = estimate_bytes(settings.file, settings, settings.speculative.draft_file, settings.mmproj_file)
+    return need + settings.memory_group_headroom_mb * MIB
+
+
 def default_engine_factory(settings: ModelSettings, mmap: bool = False) -> AnyEngine:
     """Load a model with the real llama.cpp engine (blocking): a generator or an embedder, on a
     thread of the daemon's or in an engine process of its own (`isolation`)."""
@@ -146,7 +155,12 @@ def default_engine_factory(settings: ModelSettings, mmap: bool = False) -> AnyEn
         kind = settings.serves
         limit = settings.memory_limit_mb * MIB if settings.memory_limit_mb else None
         return RemoteEngine(
-            config, name=settings.name, kind=kind, hang_s=settings.hang_timeout_s, address_space=limit
+            config,
+            name=settings.name,
+            kind=kind,
+            hang_s=settings.hang_timeout_s,
+            address_space=limit,
+            memory_max=memory_group_limit(settings),
         )
     # An in-process engine: llama.cpp is loaded into the daemon from here on.
     if settings.pooled:

@@ -747,6 +747,21 @@ class ModelSettings:
         "allocator arenas, so allow the model's size plus about 1 GiB; CPU models only (a CUDA runtime "
         "reserves far more address space than it uses: refused with gpu_layers)",
     )
+    memory_group: bool = setting(
+        True,
+        "with isolation process: the engine process in a memory cgroup of its own, limited to what "
+        "the memory budget counts for the model plus memory_group_headroom_mb; past it that engine "
+        "alone is killed and restarts",
+        more="made where the daemon may make cgroups: its own cgroup v2 delegated to it (systemd's "
+        "`Delegate=`), or cgroup v1's memory hierarchy; elsewhere one warning and the engines run "
+        "without (docs/operations.md, memory groups)",
+    )
+    memory_group_headroom_mb: int = setting(
+        1024,
+        "what an engine process may use beyond its model's estimate in its memory group: the "
+        "interpreter, llama.cpp's compute buffers, allocator slack",
+        bounds=(64, 1_048_576),
+    )
     crash_loop_stops: int = setting(
         5,
         "an engine that stops by itself this many times within crash_loop_window_s is not "

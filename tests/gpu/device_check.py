@@ -311,8 +311,8 @@ def daemon_config(model: Path, gpu_layers: int | str, port: int, slots: int = 8)
 
 def planned_vram(config: Mapping[str, Any], model: Path) -> dict[str, int]:
     """What `gpu_layers: auto` counts for this model: every layer, the other tensors, the KV cache."""
+    from edgellmd.models.budget import kv_cache_bytes  # noqa: PLC0415
     from edgellmd.models.gguf import gguf_layer_bytes  # noqa: PLC0415
-    from edgellmd.models.loader import kv_cache_bytes  # noqa: PLC0415
     from edgellmd.settings import parse_settings  # noqa: PLC0415
 
     settings = parse_settings(dict(config), base_dir=model.parent)

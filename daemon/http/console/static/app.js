@@ -399,7 +399,8 @@
     // Where the model's llama.cpp runs: its own process (pid, resident memory) or the daemon.
     const p = m.engine_process;
     const stop = m.last_engine_stop ? `; last stop ${when(m.last_engine_stop.at)}: ${m.last_engine_stop.fault}` : "";
-    if (p) return `process ${p.pid}, ${bytes(p.rss_bytes)} resident${p.unconfined.length ? ` (not confined: ${p.unconfined.join(", ")})` : ""}${stop}`;
+    const group = p && p.memory_group ? `, its memory group ${bytes(p.memory_group.usage_bytes)} of ${bytes(p.memory_group.limit_bytes)}` : "";
+    if (p) return `process ${p.pid}, ${bytes(p.rss_bytes)} resident${group}${p.unconfined.length ? ` (not confined: ${p.unconfined.join(", ")})` : ""}${stop}`;
     return m.state === "ready" ? `in the daemon${stop}` : `${dash}${stop}`;
   }
 
