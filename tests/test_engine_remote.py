@@ -531,3 +531,27 @@ def test_a_memory_group_too_small_to_load_in_fails_that_load_and_says_why(tmp_pa
             assert code == 200, body
     after = {p.name for p in groups.parent.iterdir() if p.name.startswith(memgroups.PREFIX)}
     assert after <= before
+
+
+def test_without_memory_groups_engines_say_so_and_serve(tmp_path: Path) -> None:
+    """Where the daemon may make no cgroup, an engine that wanted one lists why among its
+    `unconfined` and serves; one configured without (`memory_group: false`) lists nothing."""
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
+    common = {"file": str(model), "threads": 1, "context_size": 256, "isolation": "process"}
+    settings = settings_for(
+        [{"name": "wanted", **common}, {"name": "off", **common, "memory_group": False}],
+        lifecycle={"preload_dir": str(tmp_path / "shm"), "watch": False},
+    )
+    why = "no cgroup memory controller reaches this process (as on a host without one)"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memgroups, "_shared", why)
+        with running(settings) as daemon:
+            _, status = daemon.get("/admin/status")
+            shown = {m["name"]: m["engine_process"] for m in status["models"]}
+            assert shown["wanted"]["memory_group"] is None
+            assert f"{memgroups.HOST_WIDE}{why}" in shown["wanted"]["unconfined"]
+            assert shown["off"]["memory_group"] is None
+            assert not any("memory" in line for line in shown["off"]["unconfined"])
+            for name in ("wanted", "off"):
+                code, body = daemon.post("/v1/completions", {"model": name, "prompt": "x", "max_tokens": 3})
+                assert code == 200, body
