@@ -248,11 +248,9 @@ class RemoteEngine:
         self.n_embd = int(ready.get("n_embd", 0))
         self.confined: list[str] = list(ready.get("confined", []))
         self.unconfined: list[str] = list(ready.get("unconfined", []))
-        if self.memory_group is not None:
-            self.confined.append(
-                f"memory at most {self.memory_group.limit // (1024 * 1024)} MiB "
-                f"(its own cgroup v{self.memory_group.version})"
-            )
+        group = self.memory_group
+        if group is not None:
+            self.confined.append(f"memory at most {group.limit_mib} MiB (its own cgroup v{group.version})")
         elif grouped is not None:
             self.unconfined.append(grouped)
         self.builtin_templates: list[str] = list(ready.get("builtin_templates", []))
@@ -260,7 +258,7 @@ class RemoteEngine:
         self.media_kinds = tuple(k for k in ("image", "audio") if k in ready.get("media", []))
         self._status["performance"] = ready.get("performance", {})
         for missing in self.unconfined:
-            if missing != grouped or not grouped.startswith(memgroups.HOST_WIDE):  # said once already
+            if not (missing == grouped and missing.startswith(memgroups.HOST_WIDE)):  # said once already
                 log.warning("model %s: its engine process runs without %s", name, missing)
         threading.Thread(target=self._read, name=f"engine-channel:{name}", daemon=True).start()
         threading.Thread(target=self._supervise, name=f"engine-supervisor:{name}", daemon=True).start()
@@ -279,10 +277,6 @@ class RemoteEngine:
         group, self.memory_group = self.memory_group, None
         if group is not None:
             group.remove()
-
-    def _oom_killed(self) -> bool:
-        """Whether the kernel killed the process for its memory cgroup's limit."""
-        return self.memory_group is not None and self.memory_group.oom_kills() > 0
 
     # ---- the process's output and frames ----------------------------------------------------
 
@@ -328,10 +322,10 @@ class RemoteEngine:
             if self._address_space
             else ""
         )
-        if self._oom_killed() and self.memory_group is not None:
+        if self.memory_group is not None and self.memory_group.oom_kills() > 0:
             limit += (
-                f" (killed at its memory cgroup's limit of {self.memory_group.limit // (1024 * 1024)} "
-                "MiB: raise memory_group_headroom_mb?)"
+                f" (killed at its memory cgroup's limit of {self.memory_group.limit_mib} MiB: "
+                "raise memory_group_headroom_mb?)"
             )
         return f"the engine process {how} while loading ({why})" + (f": {last}" if last else "") + limit
 
@@ -431,11 +425,9 @@ class RemoteEngine:
             if self.fault is None and not closing:
                 how = f"exited with status {code}" if code >= 0 else f"was killed by {_signal_name(code)}"
                 self.fault_kind = "exit" if code >= 0 else _signal_name(code).lower()
-                if self._oom_killed() and self.memory_group is not None:
-                    how = (
-                        f"was killed at its memory limit ({self.memory_group.limit // (1024 * 1024)} MiB, "
-                        "its own cgroup)"
-                    )
+                group = self.memory_group
+                if group is not None and group.oom_kills() > 0:
+                    how = f"was killed at its memory limit ({group.limit_mib} MiB, its own cgroup)"
                     self.fault_kind = "oom"
                 last = "; ".join(list(self._tail)[-3:])
                 self.fault = f"its engine process {how}" + (f" (last output: {last})" if last else "")

@@ -156,6 +156,11 @@ class EngineGroup:
     version: int
     limit: int  # bytes
 
+    @property
+    def limit_mib(self) -> int:
+        """The limit in MiB, as messages show it."""
+        return self.limit // (1024 * 1024)
+
     def _events(self) -> str:
         name = "memory.events" if self.version == 2 else "memory.oom_control"
         try:
