@@ -439,6 +439,10 @@ def _memory_group_check(daemon: RunningDaemon, model: Path) -> Path:
     assert 0 < shown["memory_group"]["usage_bytes"] < expected
     assert f"memory at most {expected // (1024 * 1024)} MiB" in " ".join(shown["confined"])
     calm = _engine(daemon, "calm").pid
+    if landlock_abi() > 0:  # the engine (the daemon's own user) cannot raise its limit or leave
+        for knob in ("memory.max", "memory.limit_in_bytes", "cgroup.procs"):
+            if (group.path / knob).exists():
+                assert victim.probe("write", str(group.path / knob)) == "refused: Permission denied"
 
     with pytest.raises(EngineError):  # the engine dies mid-call
         victim.probe("allocate", "512")
