@@ -451,6 +451,58 @@ def check_unit(unit: Path | None, host: Host) -> Check:
     return _ok("systemd unit", f"{unit}: exposure {exposure} (OK)")
 
 
+_TRUE: Final = ("yes", "true", "on", "1")
+_FALSE: Final = ("", "no", "false", "off", "0")
+
+
+def _service_settings(text: str) -> dict[str, str]:
+    """A unit file's [Service] section: each key's last assignment (continuations not joined)."""
+    out: dict[str, str] = {}
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif section == "Service" and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def check_unit_faults(unit: Path | None) -> Check | None:
+    """Whether, under the unit, one engine's fault stays its model's: an OOM kill of an engine
+    does not stop the unit, and the daemon may give engines memory cgroups of their own."""
+    if unit is None:
+        return None
+    try:
+        service = _service_settings(unit.read_text(encoding="utf-8", errors="replace"))
+    except OSError as exc:
+        return Check("unit faults", "warn", f"cannot read {unit}: {exc.strerror or exc}")
+    delegate = service.get("Delegate", "no").lower()
+    delegated = delegate not in _FALSE
+    problems, fixes = [], []
+    # systemd's default is DefaultOOMPolicy= (stop), but continue for a unit with Delegate=.
+    policy = service.get("OOMPolicy", "continue" if delegated else "stop").lower()
+    if policy != "continue":
+        problems.append(f"OOMPolicy={policy}: an engine the kernel's OOM killer ends stops the whole unit")
+        fixes.append("OOMPolicy=continue")
+    memory = delegate in _TRUE or "memory" in delegate.split()
+    protected = service.get("ProtectControlGroups", "no").lower() in (*_TRUE, "strict")
+    if not memory or protected:
+        problems.append("engine processes get no memory cgroups of their own (models[].memory_group)")
+        fixes.append("Delegate=memory and ProtectControlGroups=no")
+    if problems:
+        return Check(
+            "unit faults",
+            "warn",
+            f"{unit}: " + "; ".join(problems),
+            "set " + ", ".join(fixes) + " as the shipped systemd/edgellm.service does (drop-ins not read)",
+        )
+    return _ok("unit faults", f"{unit}: an engine's OOM kill or runaway costs its model only")
+
+
 def run_checks(
     config: Path | None, unit: Path | None, host: Host, build_info: Callable[[], BuildInfo]
 ) -> list[Check]:
@@ -469,6 +521,9 @@ def run_checks(
     checks.extend(check_permissions(settings, config))
     checks.append(config_check)
     checks.append(check_unit(unit, host))
+    faults = check_unit_faults(unit)
+    if faults is not None:
+        checks.append(faults)
     return checks
 
 

@@ -405,6 +405,44 @@ def test_the_unit_rating(tmp_path: Path) -> None:
         assert doctor.check_unit(shipped, host).level == "ok"
 
 
+@pytest.mark.parametrize(
+    ("service", "level", "fragments"),
+    [
+        # The shipped unit's choices, and the equivalents systemd accepts.
+        ("Delegate=memory\nProtectControlGroups=no\nOOMPolicy=continue\n", "ok", ["costs its model only"]),
+        ("Delegate=yes\n", "ok", []),  # every controller delegated; OOMPolicy then defaults to continue
+        ("Delegate=cpu memory\nProtectControlGroups=private\n", "ok", []),
+        # What an older or hand-made unit says.
+        ("", "warn", ["OOMPolicy=stop: an engine", "no memory cgroups", "continue, Delegate=memory"]),
+        ("Delegate=memory\nProtectControlGroups=yes\n", "warn", ["no memory cgroups"]),
+        ("Delegate=cpu\n", "warn", ["no memory cgroups"]),
+        ("Delegate=memory\nOOMPolicy=kill\n", "warn", ["OOMPolicy=kill"]),
+        # The last assignment counts; comments do not.
+        ("OOMPolicy=stop\n# OOMPolicy=continue\nOOMPolicy=continue\nDelegate=memory\n", "ok", []),
+    ],
+)
+def test_the_unit_lets_an_engines_fault_stay_its_models(
+    tmp_path: Path, service: str, level: str, fragments: list[str]
+) -> None:
+    unit = tmp_path / "edgellm.service"
+    head = "[Unit]\nDescription=x\nOOMPolicy=ignored here\n[Service]\nExecStart=/bin/true\n"
+    unit.write_text(head + service)
+    check = doctor.check_unit_faults(unit)
+    assert check is not None
+    assert check.level == level, check
+    shown = doctor.format_checks([check])
+    for fragment in fragments:
+        assert fragment in shown
+    shipped = REPO / "systemd" / "edgellm.service"
+    faults = doctor.check_unit_faults(shipped)
+    assert faults is not None
+    assert faults.level == "ok"
+    assert doctor.check_unit_faults(None) is None
+    missing = doctor.check_unit_faults(tmp_path / "gone.service")
+    assert missing is not None
+    assert missing.level == "warn"
+
+
 def test_the_command_prints_one_line_per_check_and_fails_on_a_failure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
