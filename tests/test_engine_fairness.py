@@ -250,9 +250,11 @@ def _submit(eng: Engine, prompt: str, max_tokens: int, share: Share) -> Generati
 
 
 async def _drain(gen: Generation, first: list[float] | None = None) -> tuple[str, Finished]:
+    """`gen`'s text and end; `first` gets the time of its first token (a tiny model's token may
+    be no text at all, so any event before the end counts)."""
     parts = []
     async for event in gen.events(30):
-        if first is not None and not first and isinstance(event, TextDelta) and event.text:
+        if first is not None and not first and not isinstance(event, Finished):
             first.append(time.monotonic())
         parts.append(event.text)
         if isinstance(event, Finished):
@@ -460,19 +462,6 @@ async def test_prefill_chunk_bounds_a_step_while_others_generate(
 # ---- a step stopped for a newcomer (preempt_steps) ---------------------------------------------
 
 
-async def _first_and_text(gen: Generation, first: list[float]) -> tuple[str, Finished]:
-    """`gen`'s text and end; `first` gets the time of its first token (a tiny model's token
-    may be no text at all, so any event before the end counts)."""
-    parts: list[str] = []
-    async for event in gen.events(30):
-        if not first and not isinstance(event, Finished):
-            first.append(time.monotonic())
-        parts.append(event.text)
-        if isinstance(event, Finished):
-            return "".join(parts), event
-    raise AssertionError("no Finished")
-
-
 async def _in_progress(eng: Engine) -> None:
     """Until the engine is inside a step that may be stopped."""
     deadline = time.monotonic() + 10
@@ -501,7 +490,7 @@ async def test_another_keys_short_prompt_stops_the_step_in_progress(slow_model: 
     config = {"slots": 3, "context_size": 2048, "batch_size": 1024, "threads": 1, "threads_batch": 1}
     alone = Engine(EngineConfig(path=slow_model, **config), name="alone")  # type: ignore[arg-type]
     try:
-        reference, _ = await _first_and_text(_submit(alone, LONG_PROMPT, 8, BATCH), [])
+        reference, _ = await _drain(_submit(alone, LONG_PROMPT, 8, BATCH), [])
     finally:
         alone.close()
     eng = Engine(EngineConfig(path=slow_model, preempt_steps=stops, **config), name="fair")  # type: ignore[arg-type]
@@ -520,7 +509,7 @@ async def test_another_keys_short_prompt_stops_the_step_in_progress(slow_model: 
         b_first: list[float] = []
         b = _submit(eng, "B's short question", 2, Share("b"))
         (a_text, a_fin), (_, b_fin), _ = await asyncio.gather(
-            _first_and_text(a, a_first), _first_and_text(b, b_first), _drain(own)
+            _drain(a, a_first), _drain(b, b_first), _drain(own)
         )
         assert a_text == reference  # the stopped step, undone and run again, changed nothing
         assert (a_fin.completion_tokens, b_fin.completion_tokens) == (8, 2)
