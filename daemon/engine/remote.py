@@ -274,6 +274,7 @@ class RemoteEngine:
             return None, f"a memory cgroup: {exc}"
 
     def _release_group(self) -> None:
+        """Remove the memory group once the process is gone (a second call does nothing)."""
         group, self.memory_group = self.memory_group, None
         if group is not None:
             group.remove()
@@ -779,6 +780,7 @@ class RemoteEngine:
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         while not self.exited and time.monotonic() < deadline:
             time.sleep(0.01)
+        self._release_group()  # gone when close returns (the reader's _ended may not be there yet)
 
     @property
     def exited(self) -> bool:
