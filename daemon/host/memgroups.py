@@ -8,7 +8,7 @@ whatever the box has free, and the daemon, the other models and the neighbours n
 pressure. The supervisor reads the group's OOM kill count when the engine dies and names the
 cause (`oom`).
 
-Where a group can be made (`MemoryGroups.open`, once per process):
+Where a group can be made (`shared`: found and prepared once per process):
 
 - cgroup v2 whose memory controller reaches the daemon's cgroup, and that cgroup handed to the
   daemon: marked delegated by systemd (`Delegate=`, the `user.delegate`/`trusted.delegate`
@@ -143,8 +143,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -207,9 +207,13 @@ class MemoryGroups:
     def __init__(self, layout: Layout) -> None:
         """Take `layout` as found; `prepare` makes it usable (cgroup v2 needs the leaf)."""
         self.layout = layout
-        self.version = layout.version
         self._lock = threading.Lock()
         self._made = 0
+
+    @property
+    def version(self) -> int:
+        """1 or 2."""
+        return self.layout.version
 
     @property
     def parent(self) -> Path:
@@ -223,7 +227,8 @@ class MemoryGroups:
             raise GroupError(f"{base} is not writable by this process (delegate it: systemd's Delegate=)")
         if self.version == 2:
             enabled = _read(base / "cgroup.subtree_control").split()
-            others = set(_read(base / "cgroup.procs").split()) - {str(os.getpid())}
+            procs = _read(base / "cgroup.procs").split()
+            others = set(procs) - {str(os.getpid())}
             if not _delegated(base) and not (self.layout.top and not others):
                 # cgroup v2 has one writer per cgroup: one not handed to this process is left alone.
                 raise GroupError(f"{base} is not delegated to this process (systemd: Delegate=)")
@@ -233,7 +238,7 @@ class MemoryGroups:
                     leaf.mkdir(exist_ok=True)
                 except OSError as exc:
                     raise GroupError(f"cannot make {leaf}: {exc.strerror or exc}") from None
-                for pid in _read(base / "cgroup.procs").split():
+                for pid in procs:
                     try:
                         _write(leaf / "cgroup.procs", pid)
                     except GroupError:
