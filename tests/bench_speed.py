@@ -8,6 +8,9 @@ configurations alternate on the same machine; it prints each round and the media
 JSON line. Not a test: the figures depend on the machine.
 
 - plain: 64-token streams (`ignore_eos`), 1 and 8 at once: edgellmd against llama-server.
+- single: plain's single stream alone, in turns of two requests: tokens/s, the decode rate after
+  the first token and the time to it, so that the per-turn ratios of many short turns
+  (`--rounds 24`) resolve about 1% where plain's few long rounds resolve about 10%.
 - partial: 3, 5 and 7 streams on 8 slots: edgellmd with and without `batch_padding`, and
   llama-server.
 - speculation: rewrite a passage with one word changed (chat, temperature 0), 1 stream and 8:
@@ -292,6 +295,30 @@ def plain(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any
     ]
     if args.llama_server:
         servers.append((Server("llama-server", llama_server=[*LLAMA_8, *threads]), streams(PLAIN_1, PLAIN_8)))
+    return rounds(servers, args, model, workdir, together=True)
+
+
+SINGLE = {"concurrency": 1, "requests": 2, "max_tokens": 64, "ignore_eos": True, "warmup": 0}
+
+
+def split_stream(running: Running) -> dict[str, float]:
+    """One stream in two requests: tokens/s, the decode rate after the first token (per-stream
+    mean) and the time to the first token (p50, ms)."""
+    summary = bench(running.url, **SINGLE)
+    return {
+        "tok_s_1": summary.tokens_per_s,
+        "decode_tok_s": summary.stream_tokens_per_s,
+        "ttft_ms": 1000 * summary.ttft_p50_s,
+    }
+
+
+def single(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str, Any]:
+    """The single stream apart, in short turns both servers take in alternation."""
+    servers: list[tuple[Server, Measure]] = [
+        (Server("edgellmd", [{**EDGE_8, "threads": args.threads}]), split_stream)
+    ]
+    if args.llama_server:
+        servers.append((Server("llama-server", llama_server=[*LLAMA_8, *llama_threads(args)]), split_stream))
     return rounds(servers, args, model, workdir, together=True)
 
 
@@ -590,6 +617,7 @@ def isolation(args: argparse.Namespace, model: Path, workdir: Path) -> dict[str,
 
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path, Path], dict[str, Any]]] = {
     "plain": plain,
+    "single": single,
     "isolation": isolation,
     "partial": partial,
     "speculation": speculation,
