@@ -30,6 +30,8 @@ RELOAD_INTERVAL_S: Final = 0.5  # how often the keys file's identity (inode, siz
 _ID: Final = re.compile(r"[0-9a-f]{12}")
 _HASH: Final = re.compile(r"sha256:[0-9a-f]{64}")
 _LIMIT_KEYS: Final = ("rpm", "tpm", "concurrent", "max_tokens")
+MAX_NAME: Final = 64  # characters of a key's name
+MAX_LIMIT: Final = 1_000_000_000  # the most a new key's rpm, tpm, concurrent or max_tokens may say
 QUOTA_KEYS: Final = ("requests_per_day", "requests_per_month", "tokens_per_day", "tokens_per_month")
 _ENTRY_KEYS: Final = (
     "id",
@@ -213,8 +215,8 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
             raise KeysFileError(f"{where}.id: must be 12 lowercase hex digits")
         if key_id in keys:
             raise KeysFileError(f"{where}.id: duplicate key id {key_id}")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise KeysFileError(f"{where}.name: must be a string of 1 to 64 characters")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+            raise KeysFileError(f"{where}.name: must be a string of 1 to {MAX_NAME} characters")
         if not isinstance(hashed, str) or not _HASH.fullmatch(hashed):
             raise KeysFileError(f"{where}.hash: must be sha256:<64 hex digits> (never the secret)")
         scopes = entry.get("scopes")

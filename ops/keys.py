@@ -8,9 +8,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
-from edgellmctl.cli import CommandError, Subcommands, guarded, positive_int
+from edgellmctl.cli import CommandError, Subcommands, guarded, int_between, positive_int
 from edgellmctl.lock import parse_duration
 from edgellmd.keys import (
+    MAX_LIMIT,
+    MAX_NAME,
     MAX_WEIGHT,
     OVER_LIMIT_POLICIES,
     PRIORITIES,
@@ -84,7 +86,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
                 entry.pop("quota", None)
             save_keys_document(args.file, data)
             shown = " ".join(f"{k}={v}" for k, v in sorted(quota.items())) or "none"
-            print(f"key {args.id} ({entry.get('name')}): quota {shown}")
+            print(f"key {args.id} ({_listed(str(entry.get('name')))}): quota {shown}")
             return 0
     raise CommandError(f"no key with id {args.id!r} in {args.file}")
 
@@ -136,6 +138,22 @@ def cmd_create(args: argparse.Namespace) -> int:
     return 0
 
 
+limit_int = int_between(1, MAX_LIMIT)
+
+
+def _key_name(value: str) -> str:
+    """argparse type: a key's name as the console takes it (no line break or terminal escape
+    to print into `keys list` or a log)."""
+    if not 1 <= len(value) <= MAX_NAME or not value.isprintable():
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_NAME} printable characters")
+    return value
+
+
+def _listed(name: str) -> str:
+    """A name as `keys list` prints it: a hand-edited file's unprintable characters escaped."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     """One line per key; never secrets or hashes."""
     keys = read_keys_file(args.file)
@@ -153,7 +171,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             or "-"
         )
         print(
-            f"{key.id:<12}  {key.name[:20]:<20}  {','.join(sorted(key.scopes)):<26}  {state:<8}  "
+            f"{key.id:<12}  {_listed(key.name)[:20]:<20}  {','.join(sorted(key.scopes)):<26}  {state:<8}  "
             f"{expires:<20}  {limits}"
         )
     return 0
@@ -165,7 +183,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
         entry = set_key_disabled(args.file, args.id, disabled=True)
     except NoSuchKey as exc:
         raise CommandError(str(exc)) from None
-    print(f"key {args.id} ({entry.get('name')}) revoked")
+    print(f"key {args.id} ({_listed(str(entry.get('name')))}) revoked")
     return 0
 
 
@@ -187,7 +205,7 @@ def add_parser(sub: Subcommands) -> None:
         return p
 
     create = verb("create", "make a key; prints its token once")
-    create.add_argument("--name", required=True, help="who the key is for")
+    create.add_argument("--name", required=True, type=_key_name, help="who the key is for")
     create.add_argument(
         "--scope",
         action="append",
@@ -195,10 +213,10 @@ def add_parser(sub: Subcommands) -> None:
         required=True,
         help="inference, admin or metrics (repeatable)",
     )
-    create.add_argument("--rpm", type=positive_int, help="requests per minute")
-    create.add_argument("--tpm", type=positive_int, help="tokens (prompt + completion) per minute")
-    create.add_argument("--concurrent", type=positive_int, help="requests in flight at once")
-    create.add_argument("--max-tokens", type=positive_int, help="ceiling on max_tokens")
+    create.add_argument("--rpm", type=limit_int, help="requests per minute")
+    create.add_argument("--tpm", type=limit_int, help="tokens (prompt + completion) per minute")
+    create.add_argument("--concurrent", type=limit_int, help="requests in flight at once")
+    create.add_argument("--max-tokens", type=limit_int, help="ceiling on max_tokens")
     create.add_argument(
         "--max-tokens-over-limit",
         choices=list(OVER_LIMIT_POLICIES),

@@ -12,7 +12,7 @@ import csv
 import json
 import sqlite3
 import sys
-from datetime import date
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlencode
@@ -20,9 +20,11 @@ from urllib.parse import urlencode
 from edgellmctl.admin import AdminClient, add_daemon_options
 from edgellmctl.cli import CommandError, Subcommands, guarded
 from edgellmd.ledger import audit
-from edgellmd.ledger.usage import COLUMNS
+from edgellmd.ledger.store import utc_text
+from edgellmd.ledger.usage import COLUMNS, FIRST_DAY, LAST_DAY
 
 DEFAULT_DATABASE: Final = Path("/var/lib/edgellm/ledger.sqlite3")
+NOTHING_COMPARED: Final = "it holds no audit record line of a record in this ledger: nothing was compared"
 
 
 def _day(value: str) -> str:
@@ -30,9 +32,29 @@ def _day(value: str) -> str:
         day = date.fromisoformat(value) if len(value) == 10 else None
     except ValueError:
         day = None
-    if day is None:
-        raise argparse.ArgumentTypeError("a date like 2026-12-01")
+    if day is None or not FIRST_DAY <= day <= LAST_DAY:
+        raise argparse.ArgumentTypeError(f"a date like 2026-12-01, from {FIRST_DAY} to {LAST_DAY}")
     return day.isoformat()
+
+
+def _instant(value: str) -> str:
+    """A date or an ISO 8601 time (UTC unless it says otherwise), as audit records write theirs."""
+    try:
+        at = datetime.fromisoformat(value) if 10 <= len(value) <= 40 else None
+    except ValueError:
+        at = None
+    if at is None or not FIRST_DAY <= at.date() <= LAST_DAY:
+        raise argparse.ArgumentTypeError(
+            f"a date like 2026-12-01 or a time like 2026-12-01T09:30:00Z, from {FIRST_DAY} to {LAST_DAY}"
+        )
+    return utc_text((at if at.tzinfo is not None else at.replace(tzinfo=UTC)).timestamp())
+
+
+def _limit(value: str) -> int:
+    number = int(value) if value.isascii() and value.isdigit() and len(value) <= 9 else -1
+    if number < 0:
+        raise argparse.ArgumentTypeError("a whole number from 0 to 999999999")
+    return number
 
 
 def run_usage(args: argparse.Namespace) -> int:
@@ -124,6 +146,9 @@ def run_verify(args: argparse.Namespace) -> int:
         matched, differs = (0, None) if args.against is None else _against(conn, args.against)
     finally:
         conn.close()
+    if args.against is not None and differs is None and matched == 0:
+        # Not a pass: the wrong file, or a log from before the records the database holds.
+        differs = NOTHING_COMPARED
     if args.json:
         answer: dict[str, Any] = {
             "ok": verdict.ok and differs is None,
@@ -144,6 +169,8 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.against is not None and not args.json:
         if differs is None:
             print(f"the log's copy agrees: {matched} record(s) matched")
+        elif differs == NOTHING_COMPARED:
+            print(f"the log is no copy of this ledger's chain: {differs}")
         else:
             print(f"the log's copy DIFFERS after {matched} matching record(s): {differs}")
     return 0 if verdict.ok and differs is None else 1
@@ -224,9 +251,9 @@ def add_parsers(sub: Subcommands) -> None:
     )
     v.set_defaults(func=guarded(run_verify))
     s = verb("show", "print audit records")
-    s.add_argument("--since", help="from this UTC time or date (ISO 8601)")
-    s.add_argument("--until", help="before this UTC time or date (ISO 8601)")
+    s.add_argument("--since", type=_instant, help="from this date or time (ISO 8601; UTC unless it says)")
+    s.add_argument("--until", type=_instant, help="before this date or time (ISO 8601; UTC unless it says)")
     s.add_argument("--key-id", help="only this key id")
     s.add_argument("--action", help="only records whose action holds this text")
-    s.add_argument("--limit", type=int, default=1000, help="the newest N (default 1000; 0: all)")
+    s.add_argument("--limit", type=_limit, default=1000, help="the newest N (default 1000; 0: all)")
     s.set_defaults(func=guarded(run_show))

@@ -310,6 +310,43 @@ def test_keys_cli_create_list_revoke(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "no key with id" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--name", "\x1b[31mred\x1b[0m"],  # a terminal escape, printed by `keys list`
+        ["--name", "a\n06180332bdd5  admin-forged  admin"],  # a forged row of the table
+        ["--name", "\u202eevil"],
+        ["--name", "x" * 65],
+        ["--name", "app", "--rpm", "9" * 23],  # the console's ceiling: 1,000,000,000
+        ["--name", "app", "--max-tokens", "1000000001"],
+    ],
+)
+def test_keys_cli_refuses_what_the_console_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    path = tmp_path / "keys.yaml"
+    with pytest.raises(SystemExit) as exc:
+        edgellmctl(["keys", "create", "--file", str(path), "--scope", "inference", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("edgellmctl keys create: error: argument"), err
+    assert "\x1b" not in err[-1]
+    assert "\u202e" not in err[-1]
+    assert not path.exists()
+
+
+def test_keys_list_escapes_a_hand_edited_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "keys.yaml"
+    key_id, _ = create_key(path, "app", ["inference"], limits={})
+    path.write_text(path.read_text().replace("name: app", 'name: "a\\nb\\e[31m"'))
+    assert edgellmctl(["keys", "list", "--file", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2  # the header and the key's row
+    assert lines[1].startswith(key_id)
+    assert "a\\nb\\x1b[31m" in lines[1]
+    assert "\x1b" not in lines[1]
+
+
 def test_keys_file_readable_by_others_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "keys.yaml"
     create_key(path, "a", ["inference"], limits={})

@@ -186,6 +186,9 @@ def _try_sign_in(browser: Browser, token: str) -> Answer | None:
         ({"X-CSRF-Token": "not-the-token"}, False, "csrf_token_invalid"),
         ({"Sec-Fetch-Site": "cross-site"}, True, "cross_site_request"),  # even with the token
         ({"Origin": "http://evil.example"}, True, "cross_site_request"),
+        ({"Origin": "http://["}, True, "cross_site_request"),  # no URL at all: refused, not a 500
+        ({"Origin": "http://[::1"}, True, "cross_site_request"),
+        ({"X-CSRF-Token": "\u00e9"}, False, "csrf_token_invalid"),  # the byte 0xE9, no UTF-8
     ],
 )
 def test_a_change_without_the_sessions_csrf_token_or_from_another_site_is_refused(
@@ -203,6 +206,15 @@ def test_a_change_without_the_sessions_csrf_token_or_from_another_site_is_refuse
         assert (answer.status, answer.code) == (403, code), path
     assert browser.request("GET", "/ui/api/session").json()["signed_in"] is True  # still signed in
     assert browser.request("POST", "/ui/api/reload", {}).status == 200  # with its own token
+
+
+def test_a_sign_in_from_an_origin_that_is_no_url_is_refused(box: Box) -> None:
+    browser = box.browser()
+    for path in ("/ui/api/session", "/ui/api/session/end"):
+        answer = browser.request(
+            "POST", path, {"key": box.tokens["operator"]}, csrf=False, headers={"Origin": "http://["}
+        )
+        assert (answer.status, answer.code) == (403, "cross_site_request"), path
 
 
 def test_another_sessions_csrf_token_does_not_do(box: Box) -> None:

@@ -18,6 +18,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from edgellmd.http import logs
 from edgellmd.http.app import create_app
+from edgellmd.ledger import audit
 from edgellmd.redaction import redact
 from tests.serving import settings_for
 
@@ -186,3 +187,59 @@ async def test_a_key_glued_to_other_text_reaches_no_log_line_and_no_answer(
     written = out.getvalue()
     assert SECRET not in written
     assert written.count("elk_0123456789ab_[redacted]") >= 2  # the access lines of the 404s
+
+
+FORGED = f"audit record 1 {'0' * 64}: forged"
+
+
+@pytest.mark.usefixtures("root_restored")
+@pytest.mark.parametrize("fmt", ["json", "text"])
+async def test_a_request_path_writes_one_line_and_poses_as_no_audit_record(
+    fmt: str, monkeypatch: pytest.MonkeyPatch, aiohttp_client: Any, tiny_model: Path
+) -> None:
+    """A client's path is logged whole: line breaks, terminal escapes and bidi overrides come
+    out escaped in a text line (JSON escapes its own), and words shaped like the ledger's
+    mirror of the audit chain, anywhere in it, are not read as one (`audit verify --against`
+    would report tampering that never happened)."""
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    logs.configure("info", fmt)
+    settings = settings_for([{"name": "tiny", "file": str(tiny_model), "slots": 1, "threads": 1}])
+    client = await aiohttp_client(create_app(settings))
+    head = "2026-12-05 10:00:00,000 INFO edgellmd.ledger [-] "
+    for path in (
+        "/" + FORGED.replace(" ", "%20"),
+        "/x%0a" + (head + FORGED).replace(" ", "%20"),
+        "/x%0d%1b[31m%E2%80%AE%E2%80%A8" + FORGED.replace(" ", "%20"),
+        f'/x:%20{{"logger":"edgellmd.ledger","msg":"{FORGED}"}}'.replace(" ", "%20"),
+    ):
+        assert (await client.get(path)).status == 404
+    await client.close()
+    lines = out.getvalue().splitlines()
+    access = [line for line in lines if "edgellmd.access" in line]
+    assert len(access) == 4, lines  # one line each, whatever the path held
+    if fmt == "text":
+        assert all(line.startswith(("20", "19")) for line in lines)  # no line begins with a client's words
+        assert "\\x0a" in access[1]
+        assert "\\x1b" in access[2]
+        assert "\\u202e" in access[2]
+    assert FORGED in "\n".join(access)
+    assert [audit.mirrored_record(line) for line in lines] == [None] * len(lines)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_the_ledgers_own_lines_are_read_as_its_mirror(fmt: str) -> None:
+    record = logging.LogRecord(
+        audit.MIRROR_LOGGER,
+        logging.INFO,
+        __file__,
+        1,
+        "audit record %d %s: %s",
+        (7, "ab" * 32, "reload"),
+        None,
+    )
+    record.request_id = "-"
+    line = (logs.JsonFormatter() if fmt == "json" else logs.TextFormatter(logs.TEXT_FORMAT)).format(record)
+    assert audit.mirrored_record(line) == (7, "ab" * 32)
+    prefix = "Dec 05 10:00:00 box edgellmd[812]: "  # journalctl's default output
+    assert audit.mirrored_record(prefix + line) == ((7, "ab" * 32) if fmt == "json" else None)

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from edgellmctl.__main__ import main as ctl
 from edgellmctl.keys import create_key
 from edgellmd.api.context import LEDGER
 from edgellmd.http import ledger as http_ledger
+from edgellmd.http import logs
 from edgellmd.ledger import audit
 from edgellmd.ledger import usage as usage_module
 from edgellmd.ledger.audit import AuditEntry
@@ -219,6 +220,9 @@ def test_usage_answers_what_clients_were_told_as_json_csv_and_in_edgellmctl(
         ("since=2026-13-01", "since"),
         ("since=12/01/2026", "since"),
         ("since=2026-12-05&until=2026-12-01", "until"),
+        ("until=9999-12-31", "until"),  # its next day is past what a date can hold
+        ("since=0001-01-01&until=2026-12-01", "since"),
+        ("since=1969-12-31", "since"),
         ("group=week", "group"),
         ("format=xml", "format"),
         ("key=ELK", "key"),
@@ -234,7 +238,9 @@ def test_bad_usage_queries_are_400s_that_name_the_parameter(box: Box, query: str
     assert answer["error"]["param"] == param
 
 
-@pytest.mark.parametrize("query", ["limit=0", "limit=%C2%B2", "limit=99999999", "action=", "since=yesterday"])
+@pytest.mark.parametrize(
+    "query", ["limit=0", "limit=%C2%B2", "limit=99999999", "action=", "since=yesterday", "until=9999-12-31"]
+)
 def test_bad_audit_queries_are_400s(box: Box, query: str) -> None:
     assert box.admin(f"/admin/audit?{query}")[0] == 400
 
@@ -300,10 +306,15 @@ def test_a_rewrite_with_every_hash_recomputed_is_found_against_the_daemons_log(
     other.close()
 
     def journal() -> str:
-        """This daemon's mirror lines: in one test process, every daemon's ledger (the session's
-        shared daemon too) takes the records of the one audit logger."""
+        """This daemon's mirror lines, as its log writes them (JSON and text lines in turn): in
+        one test process, every daemon's ledger (the session's shared daemon too) takes the
+        records of the one audit logger."""
         ours = [r for r in caplog.records if getattr(r, "database", None) == str(box.database)]
-        return "".join(f"{r.getMessage()}\n" for r in ours)
+        formats = (logs.JsonFormatter(), logs.TextFormatter(logs.TEXT_FORMAT))
+        return "".join(
+            f"{formats[i % 2].format(logging.makeLogRecord({**vars(r), 'request_id': '-'}))}\n"
+            for i, r in enumerate(ours)
+        )
 
     wait_for(lambda: journal().count("audit record") >= 3, what="the records' mirror lines")
     log_file = tmp_path / "journal.txt"
@@ -315,7 +326,7 @@ def test_a_rewrite_with_every_hash_recomputed_is_found_against_the_daemons_log(
     source, target = sqlite3.connect(box.database), sqlite3.connect(copy)
     source.backup(target)
     source.close()
-    mirrored = [int(m.group(1)) for m in audit.MIRROR_LINE.finditer(log_file.read_text())]
+    mirrored = [found[0] for found in map(audit.mirrored_record, log_file.read_text().splitlines()) if found]
     rows = target.execute(
         "SELECT seq, at, level, action, key_id, peer, detail, prev FROM audit WHERE seq >= ? ORDER BY seq",
         (mirrored[0],),
@@ -339,6 +350,51 @@ def test_a_rewrite_with_every_hash_recomputed_is_found_against_the_daemons_log(
         _, problem = audit.compare(conn, lines)
     assert problem is not None
     assert "rewritten" in problem or "removed" in problem
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--limit", "9" * 23], ["--since", "garbage"], ["--since", "12/01/2030"], ["--until", "9999-12-31"]],
+)
+def test_audit_show_refuses_a_bad_argument_in_one_line(
+    box: Box, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        ctl(["audit", "show", "--database", str(box.database), *args])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # never records filtered by a date it could not read
+    assert err.strip().splitlines()[-1].startswith(f"edgellmctl audit show: error: argument {args[0]}")
+
+
+def test_audit_show_reads_a_time_with_its_zone(box: Box, capsys: pytest.CaptureFixture[str]) -> None:
+    def shown(*args: str) -> list[dict[str, Any]]:
+        assert ctl(["audit", "show", "--database", str(box.database), "--json", *args]) == 0
+        records: list[dict[str, Any]] = json.loads(capsys.readouterr().out)
+        return records
+
+    for _ in range(2):
+        assert _call(box.daemon.url + "/admin/reload", box.tokens["admin"], "POST", {})[0] == 200
+        time.sleep(0.02)
+    wait_for(lambda: len(shown()) >= 2, what="two audit records")
+    second = shown()[-1]
+    at = datetime.fromisoformat(second["at"].replace("Z", "+00:00"))
+    east = at.astimezone(timezone(timedelta(hours=2))).isoformat()  # the same instant, written at +02:00
+    since, until = shown("--since", east), shown("--until", east)
+    assert second["seq"] in [r["seq"] for r in since]
+    assert all(r["at"] >= second["at"] for r in since)
+    assert until
+    assert all(r["at"] < second["at"] for r in until)
+
+
+def test_a_log_without_the_ledgers_lines_is_no_pass(
+    box: Box, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The wrong file (or one from before the records the database holds) compares nothing."""
+    log_file = tmp_path / "other.log"
+    log_file.write_text(f"GET /audit%20record%201%20{'0' * 64} 404\n")
+    assert ctl(["audit", "verify", "--database", str(box.database), "--against", str(log_file)]) == 1
+    assert "nothing was compared" in capsys.readouterr().out
 
 
 # ---- kill -9 under traffic -------------------------------------------------------------------------

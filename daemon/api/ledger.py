@@ -26,7 +26,7 @@ from edgellmd.api.context import CALLER, LEDGER, TOKENS_USED, USAGE_ID
 from edgellmd.errors import InvalidRequest, ServiceUnavailable, shown
 from edgellmd.ledger.audit import select as audit_select
 from edgellmd.ledger.store import Ledger, utc_text
-from edgellmd.ledger.usage import COLUMNS, GROUPS, UsageQuery, UsageRecord, local_start
+from edgellmd.ledger.usage import COLUMNS, FIRST_DAY, GROUPS, LAST_DAY, UsageQuery, UsageRecord, local_start
 from edgellmd.ledger.usage import select as usage_rows
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,10 @@ def _date(params: dict[str, str], name: str) -> date | None:
         day = date.fromisoformat(text) if len(text) == 10 else None
     except ValueError:
         day = None
-    if day is None:
-        raise InvalidRequest(f"'{name}' must be a date like 2026-12-01", param=name)
+    if day is None or not FIRST_DAY <= day <= LAST_DAY:
+        raise InvalidRequest(
+            f"'{name}' must be a date like 2026-12-01, from {FIRST_DAY} to {LAST_DAY}", param=name
+        )
     return day
 
 

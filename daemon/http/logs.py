@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import re
 import sys
 import time
 from typing import Final
@@ -28,6 +29,15 @@ AIOHTTP_LOGGERS: Final = (
 )
 _CAUSES_LOOKED_AT: Final = 16  # a chain of causes can be a cycle
 SCRUBBED_MESSAGE: Final = "malformed HTTP request: %s (request bytes not logged)"
+TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"  # logging.format: text
+# What a text line's message may not hold as is: line breaks (a client's request path could
+# start a forged line), other controls (terminal escapes) and bidirectional overrides.
+_UNPRINTABLE: Final = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def _protocol_error(exc: BaseException | None) -> BaseException | None:
@@ -102,7 +112,14 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """The plain-text line, with API key secrets redacted like the JSON one."""
+    """The plain-text line, with API key secrets redacted like the JSON one, and a message's
+    line breaks and other controls escaped (`\\x0a`): one record, one line, whatever a client
+    sent. A traceback after it keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        """The line before any traceback."""
+        record.message = _UNPRINTABLE.sub(_escape, record.message)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         """Render the record."""
@@ -125,7 +142,7 @@ def configure(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.addFilter(_RequestIdFilter())
-        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+        handler.setFormatter(TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

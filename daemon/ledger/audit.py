@@ -214,23 +214,56 @@ def verify(conn: sqlite3.Connection, after: tuple[int, str, str] | None = None) 
     return Verdict(checked, first, prev_seq if checked else None, end=(prev_seq, prev_hash, prev_at))
 
 
-# How the daemon mirrors each record to its log (the journal): "audit record SEQ HASH: ACTION".
-MIRROR_LINE: Final = re.compile(r"audit record (\d{1,18}) ([0-9a-f]{64})\b")
+# How the daemon mirrors each record to its log (the journal): its ledger logger's message
+# "audit record SEQ HASH: ACTION", in a JSON line or a text line (logging.format).
+MIRROR_LOGGER: Final = "edgellmd.ledger"
+MIRROR_MESSAGE: Final = re.compile(r"audit record (\d{1,18}) ([0-9a-f]{64}): ")
+# A text line begins with its time, level and logger (http.logs.TEXT_FORMAT); a client's
+# words (a request path in the access log) can only come after those, so cannot pose as one.
+_TEXT_MIRROR: Final = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO "
+    + re.escape(MIRROR_LOGGER)
+    + r" \[[^\]]*\] (audit record .*)"
+)
+
+
+def mirrored_record(line: str) -> tuple[int, str] | None:
+    """The seq and hash a line of the daemon's log mirrors, or None for any other line.
+
+    Only the ledger logger's own lines count, found by their structure: a JSON line's `logger`
+    and `msg` (after whatever prefix the journal put before it), a text line's head. The
+    same words anywhere else (a client's request path in the access log, a key's name) are
+    not a mirror line, so nobody without the database can make the check report tampering.
+    """
+    message: object = None
+    brace = line.find("{")
+    if brace >= 0:
+        try:
+            entry = json.loads(line[brace:])
+        except ValueError:
+            entry = None
+        if isinstance(entry, dict) and entry.get("logger") == MIRROR_LOGGER:
+            message = entry.get("msg")
+    if message is None:
+        head = _TEXT_MIRROR.match(line)
+        message = head.group(1) if head else None
+    found = MIRROR_MESSAGE.match(message) if isinstance(message, str) else None
+    return (int(found.group(1)), found.group(2)) if found else None
 
 
 def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str | None]:
-    """The chain against its mirror in the daemon's log (lines in any format holding
-    MIRROR_LINE): how many mirrored records it matched, and the first that the database no
-    longer holds as logged: rewritten (hashes and all, which the chain alone cannot show) or
+    """The chain against its mirror in the daemon's log (its JSON or text lines; see
+    `mirrored_record`): how many mirrored records it matched, and the first that the database
+    no longer holds as logged: rewritten (hashes and all, which the chain alone cannot show) or
     removed. Records gone with rotation (at or before the anchor) are not counted."""
     anchor = conn.execute("SELECT seq FROM audit_anchor").fetchone()
     rotated = int(anchor[0]) if anchor is not None else 0
     matched = 0
     for line in mirrored:
-        found = MIRROR_LINE.search(line)
+        found = mirrored_record(line)
         if found is None:
             continue
-        seq, logged = int(found.group(1)), found.group(2)
+        seq, logged = found
         if seq <= rotated:
             continue
         row = conn.execute("SELECT hash FROM audit WHERE seq = ?", (seq,)).fetchone()

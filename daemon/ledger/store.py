@@ -38,7 +38,7 @@ from edgellmd.ledger.audit import AuditEntry, Verdict
 from edgellmd.ledger.usage import UsageRecord
 
 T = TypeVar("T")
-log = logging.getLogger("edgellmd.ledger")
+log = logging.getLogger(audit.MIRROR_LOGGER)  # its lines mirror the audit chain
 SCHEMA_VERSION: Final = 1
 BUSY_TIMEOUT_MS: Final = 5000
 MAX_KEPT: Final = 100_000  # records of each kind kept for a retry while commits fail; then the oldest go

@@ -58,6 +58,10 @@ COLUMNS: Final = (
     "total_tokens",
 )
 HOUR_S: Final = 3600
+# The days a query may name: a day's local start, the day after its end and an hour before it
+# must all be times Python can hold in any zone (9999-12-31's next day is not).
+FIRST_DAY: Final = date(1970, 1, 1)
+LAST_DAY: Final = date(9998, 12, 31)
 
 
 @dataclass(frozen=True, slots=True)

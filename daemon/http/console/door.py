@@ -123,15 +123,25 @@ def _same_origin(request: web.Request) -> None:
     site = request.headers.get("Sec-Fetch-Site")
     origin = request.headers.get("Origin")
     if (site is not None and site not in SAME_SITE) or (
-        origin is not None and urlsplit(origin).netloc != request.host
+        origin is not None and _host_of(origin) != request.host
     ):
         audit.warning("console refused: a cross-site request", extra={"peer": request.remote, "key_id": None})
         raise PermissionDenied("the console takes changes from its own pages only", code="cross_site_request")
 
 
+def _host_of(origin: str) -> str | None:
+    """An Origin header's host and port; None for one that is no URL (`http://[`)."""
+    try:
+        return urlsplit(origin).netloc
+    except ValueError:
+        return None
+
+
 def _check_csrf(request: web.Request, session: ConsoleSession) -> None:
     given = request.headers.get(CSRF_HEADER, "")
-    if not hmac.compare_digest(given.encode(), session.csrf.encode()):
+    # aiohttp decodes a header leniently: a byte that is no UTF-8 becomes a lone surrogate,
+    # which no token holds (and plain encode() refuses).
+    if not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), session.csrf.encode()):
         audit.warning(
             "console refused: missing or wrong CSRF token",
             extra={"peer": request.remote, "key_id": session.key_id},

@@ -27,6 +27,8 @@ from edgellmd.http import appkeys
 from edgellmd.http.console.routes import Route
 from edgellmd.http.console.sessions import SESSIONS
 from edgellmd.keys import (
+    MAX_LIMIT,
+    MAX_NAME,
     SCOPES,
     KeysFileError,
     KeysFileNotWritable,
@@ -106,8 +108,8 @@ def _create_fields(body: dict[str, Any]) -> tuple[str, list[str], dict[str, int]
     if unknown:
         raise InvalidRequest(f"unknown field {shown(unknown[0], quote=True)}", param=shown(unknown[0]))
     name, scopes = body.get("name"), body.get("scopes")
-    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
-        raise InvalidRequest("'name' must be 1 to 64 printable characters", param="name")
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME or not name.isprintable():
+        raise InvalidRequest(f"'name' must be 1 to {MAX_NAME} printable characters", param="name")
     if not isinstance(scopes, list) or not scopes or not all(s in SCOPES for s in scopes):
         raise InvalidRequest(f"'scopes' must be a non-empty list of {', '.join(SCOPES)}", param="scopes")
     limits_in = body.get("limits") or {}
@@ -117,7 +119,7 @@ def _create_fields(body: dict[str, Any]) -> tuple[str, list[str], dict[str, int]
     for name_, value in limits_in.items():
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000_000:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
             raise InvalidRequest(f"'limits.{name_}' must be a positive integer", param=f"limits.{name_}")
         limits[name_] = value
     days = body.get("expires_days")
