@@ -122,6 +122,26 @@ def test_an_idle_kept_alive_connection_is_closed(door: RunningDaemon) -> None:
     assert KEEPALIVE_S - 0.1 <= took <= KEEPALIVE_S + SLACK_S
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_connection_idle_after_a_body_sent_with_its_head_gets_the_keep_alive_time(
+    door: RunningDaemon, chunked: bool
+) -> None:
+    """A small POST in one write (what SDK clients send): its Content-Length body ends where
+    no blank line is, and the connection idle after its answer is no head being dripped."""
+    if chunked:
+        request = post("/v1/completions", b"", chunked=True) + b"%x\r\n%s\r\n0\r\n\r\n" % (
+            len(COMPLETION),
+            COMPLETION,
+        )
+    else:
+        request = post("/v1/completions", COMPLETION)
+    with connect(door.port) as sock:
+        sock.sendall(request)
+        assert read_answer(sock, timeout=30).status == 200
+        took = closed_within(sock, KEEPALIVE_S + 5)
+    assert KEEPALIVE_S - 0.1 <= took <= KEEPALIVE_S + SLACK_S
+
+
 def test_a_silent_new_connection_gets_the_header_deadline(door: RunningDaemon) -> None:
     with connect(door.port) as sock:
         took = closed_within(sock, HEADER_S + 5)

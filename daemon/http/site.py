@@ -329,11 +329,17 @@ class FrontDoorHandler(web.RequestHandler):
             return
         if message.upgrade:
             self.close()  # nothing here speaks another protocol: answer this request, then close
+        # Framed by its own kind whether or not its body came whole in the same read: a
+        # Content-Length body that did (a small POST in one write) ends where no blank line is.
+        if message.chunked:
+            self._framing = "chunked"
+        else:
+            length = message.headers.get(hdrs.CONTENT_LENGTH, "")
+            self._framing = "length" if length.isdigit() and int(length) > 0 else _HEAD
         if payload.is_eof():
-            self._body, self._framing = None, _HEAD
+            self._body = None
         else:
             self._body, self._body_of, self._body_since = payload, self._parsed_n, now
-            self._framing = "chunked" if message.chunked else "length"
 
     async def finish_response(
         self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
