@@ -507,6 +507,57 @@ BAD_INPUTS: Final = [
         400,
         "tools[0].function.name",
     ),
+    bad(
+        "tool-parameters-integer",
+        Req(
+            body=chat_body(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]
+            )
+        ),
+        400,
+        "tools[0].function.parameters",
+    ),
+    bad(
+        "tool-parameters-string",
+        Req(
+            body=chat_body(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]
+            )
+        ),
+        400,
+        "tools[0].function.parameters",
+    ),
+    bad(
+        "tool-parameters-null",
+        Req(
+            body=chat_body(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "null"}}}]
+            )
+        ),
+        400,
+        "tools[0].function.parameters",
+    ),
+    bad(
+        "tool-parameters-list",
+        Req(body=chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}])),
+        400,
+        "tools[0].function.parameters",
+    ),
+    bad(
+        "tool-parameters-type-list",
+        Req(
+            body=chat_body(
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": ["object", "null"]}},
+                    }
+                ]
+            )
+        ),
+        400,
+        "tools[0].function.parameters",
+    ),
     bad("tool-choice-without-tools", Req(body=chat_body(tool_choice="auto")), 400, "tool_choice"),
     bad(
         "tool-choice-unknown-name",

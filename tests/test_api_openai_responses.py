@@ -577,6 +577,18 @@ BAD: Final = [
     _bad("tool-bad-name", {"tools": [{**FUNCTION, "name": "no spaces"}]}, 400, "tools[0].name"),
     _bad("tool-parameters-string", {"tools": [{**FUNCTION, "parameters": "{}"}]}, 400, "tools[0].parameters"),
     _bad(
+        "tool-parameters-integer",
+        {"tools": [{**FUNCTION, "parameters": {"type": "integer"}}], "tool_choice": "required"},
+        400,
+        "tools[0].parameters",
+    ),
+    _bad(
+        "tool-parameters-boolean",
+        {"tools": [{**FUNCTION, "parameters": {"type": "boolean"}}]},
+        400,
+        "tools[0].parameters",
+    ),
+    _bad(
         "tool-unsupported-keyword",
         {
             "tools": [

@@ -196,3 +196,34 @@ def test_strict_tools_keep_the_exact_subset_and_others_are_relaxed(vocab: ByteVo
     with pytest.raises(ApiError) as caught:
         tool_plan([_tool(PYDANTIC_FIELD, "yes")], "required", False)  # type: ignore[arg-type]
     assert caught.value.param == "tools[0].function.strict"
+
+
+@pytest.mark.parametrize(
+    ("parameters", "call_arguments"),
+    [
+        ({}, "{}"),  # no parameters
+        (
+            {"properties": {"city": {"type": "string"}}, "required": ["city"]},
+            '{"city":"Oslo"}',
+        ),  # no type said
+    ],
+)
+def test_a_tool_whose_parameters_say_no_type_takes_an_object(
+    vocab: ByteVocab, parameters: dict[str, Any], call_arguments: str
+) -> None:
+    plan = tool_plan([_tool(parameters, None)], "required", False)
+    assert plan is not None
+    assert plan.grammar is not None
+    call = '{"tool_calls":[{"name":"lookup","arguments":' + call_arguments + "}]}"
+    assert vocab.matches(plan.grammar, call)
+    assert not vocab.matches(plan.grammar, call.replace(call_arguments, '"Oslo"'))  # never a scalar
+
+
+@pytest.mark.parametrize("kind", ["integer", "number", "string", "boolean", "null", "array"])
+def test_a_tool_whose_parameters_are_no_object_is_refused(kind: str) -> None:
+    """A call's arguments are an object: a scalar schema once made replies whose call could not
+    be read (the call's closing brace taken as the argument's end) and came out as text."""
+    with pytest.raises(ApiError) as caught:
+        tool_plan([_tool({"type": kind}, None)], "required", False)
+    assert caught.value.param == "tools[0].function.parameters"
+    assert "type object" in caught.value.message

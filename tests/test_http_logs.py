@@ -73,9 +73,13 @@ def test_redact(text: str, shown: str) -> None:
         web.RequestPayloadError(f"400, message:\n  Invalid chunk: {KEY}"),
     ],
 )
-def test_parser_errors_lose_their_text_and_traceback(exc: BaseException) -> None:
+def test_parser_errors_lose_their_text_and_traceback(
+    exc: BaseException, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="aiohttp.server")
     record = _record("aiohttp.server", "Error handling request from %s", "127.0.0.1", exc=exc)
     assert logs.ProtocolErrorFilter().filter(record)
+    assert record.levelname == "INFO"  # a client's malformed request, answered: no ERROR line
     assert record.exc_info is None
     assert record.getMessage() == f"malformed HTTP request: {type(exc).__name__} (request bytes not logged)"
     line = logs.JsonFormatter().format(record)
@@ -96,10 +100,17 @@ def test_a_parser_error_as_a_cause_or_an_argument_is_scrubbed_too() -> None:
 
 def test_other_errors_keep_their_traceback() -> None:
     record = _record("aiohttp.server", "Unhandled exception", exc=ValueError("boom"))
-    logs.ProtocolErrorFilter().filter(record)
+    assert logs.ProtocolErrorFilter().filter(record)
     assert record.exc_info is not None
+    assert record.levelname == "ERROR"
     line = json.loads(logs.JsonFormatter().format(record))
     assert "ValueError: boom" in line["exc"]
+
+
+def test_a_parser_error_is_dropped_where_info_is_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="aiohttp.server")
+    record = _record("aiohttp.server", "Unhandled exception", exc=web.RequestPayloadError("bad deflate"))
+    assert not logs.ProtocolErrorFilter().filter(record)
 
 
 def test_json_lines_redact_extras_and_the_request_id() -> None:

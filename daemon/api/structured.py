@@ -120,6 +120,17 @@ class ToolPlan:
     names: tuple[str, ...] = field(default=())
 
 
+def object_schema(params: Any, where: str) -> dict[str, Any]:
+    """A function's parameters: a JSON schema of an object, as OpenAI requires (a call's
+    arguments are an object); none or `{}` is one without parameters, and one that says no
+    type is taken as an object's."""
+    if params is None or params == {}:
+        return {"type": "object", "properties": {}}
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise InvalidRequest(f"'{where}' must be a JSON schema with type object", param=where)
+    return params if "type" in params else {"type": "object", **params}
+
+
 def _function(tool: Any, i: int) -> tuple[str, CheckedSchema]:
     where = f"tools[{i}]"
     if (
@@ -134,7 +145,7 @@ def _function(tool: Any, i: int) -> tuple[str, CheckedSchema]:
         raise InvalidRequest(
             f"'{where}.function.name' must be 1 to 64 of a-z A-Z 0-9 _ -", param=f"{where}.function.name"
         )
-    params = fn.get("parameters", {"type": "object", "properties": {}})
+    params = object_schema(fn.get("parameters"), f"{where}.function.parameters")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise InvalidRequest(

@@ -54,12 +54,15 @@ def _protocol_error(exc: BaseException | None) -> BaseException | None:
 class ProtocolErrorFilter(logging.Filter):
     """Strips HTTP parser errors (their text and traceback hold raw header bytes) from records.
 
-    The record keeps its logger and level; its message becomes a generic line naming only
-    the kind of error, and its traceback and arguments go.
+    The record keeps its logger; its message becomes a generic line naming only the kind of
+    error, and its traceback and arguments go. It is a client's malformed request, already
+    answered (a 400, or a closed connection), not the daemon's fault: logged at INFO at most
+    (aiohttp logs a body that does not decode, met again while it drains the rest of the
+    request, as an unhandled exception at ERROR), and dropped where INFO is not logged.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Scrub the record in place; never drops it."""
+        """Scrub the record in place; False when it is left below the logger's level."""
         found = _protocol_error(record.exc_info[1] if record.exc_info else None)
         if found is None and isinstance(record.args, tuple):
             found = next(
@@ -72,6 +75,9 @@ class ProtocolErrorFilter(logging.Filter):
             record.exc_info = None
             record.exc_text = None
             record.stack_info = None
+            if record.levelno > logging.INFO:
+                record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+                return logging.getLogger(record.name).isEnabledFor(logging.INFO)
         return True
 
 

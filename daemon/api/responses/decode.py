@@ -29,6 +29,7 @@ from edgellmd.api.responses.store import RESPONSE_ID
 from edgellmd.api.structured import (
     FUNCTION_NAME_CHARS,
     MAX_TOOLS,
+    object_schema,
     response_format_grammar,
     response_format_schema,
     tool_plan,
@@ -458,10 +459,7 @@ def _function_tool(
     f, name, description = _named(tool, where, _FUNCTION_TOOL_KEYS)
     strict = f.boolean("strict", True)  # the grammar holds every reply to the schema: strict, always
     parameters = tool.get("parameters")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise InvalidRequest(
-            f"'{where}.parameters' must be a JSON schema object", param=f"{where}.parameters"
-        )
+    object_schema(parameters, f"{where}.parameters")  # refused here under the Responses API's names
     seen = name
     if namespace is not None:
         seen = f"{namespace}{NAMESPACE_JOINER}{name}"
