@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from edgellmd.errors import InvalidRequest, UnsupportedParameter, shown
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+MAX_METADATA_KEYS: Final = 16  # OpenAI's limits on `metadata`
+MAX_METADATA_KEY_CHARS: Final = 64
+MAX_METADATA_VALUE_CHARS: Final = 512
 
 
 def note_ignored(data: Mapping[str, Any], names: Iterable[str]) -> None:
@@ -142,3 +145,24 @@ class Fields:
                 # A key that cannot be shown is not named: the object that holds it is.
                 param = self.name(key) if key and safe == key else self.prefix.rstrip(".")
                 raise InvalidRequest(f"unrecognized field in '{what}': {safe}", param=param)
+
+
+def metadata_object(value: Any) -> dict[str, str]:
+    """`metadata` held to OpenAI's limits (chat and Responses): string keys and values."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_KEYS:
+        raise InvalidRequest(
+            f"'metadata' must be an object of at most {MAX_METADATA_KEYS} keys", param="metadata"
+        )
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidRequest(
+                f"'metadata' keys must be at most {MAX_METADATA_KEY_CHARS} characters", param="metadata"
+            )
+        if not isinstance(text, str) or len(text) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequest(
+                f"'metadata' values must be strings of at most {MAX_METADATA_VALUE_CHARS} characters",
+                param="metadata",
+            )
+    return dict(value)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from edgellmd.api.fields import Fields, note_ignored, reject_unknown, unsupported
+from edgellmd.api.fields import Fields, metadata_object, note_ignored, reject_unknown, unsupported
 from edgellmd.api.jsontext import embedded_json
 from edgellmd.api.media import Content, MediaReader
 from edgellmd.api.request import (
@@ -350,6 +350,14 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("'prompt_cache_options' must be an object", param="prompt_cache_options")
     note_ignored(data, _IGNORED - {"user", "metadata", "service_tier"})
+    # Ignored, but of the types OpenAI takes: a client's mistake is a 400 here as it is there.
+    metadata_object(data.get("metadata"))
+    for name in ("store", "parallel_tool_calls"):
+        f.boolean(name, False)
+    for name in ("reasoning_effort", "verbosity", "safety_identifier", "prompt_cache_key"):
+        f.string(name)
+    if f.present("prediction") and not isinstance(data["prediction"], dict):
+        raise InvalidRequest("'prediction' must be an object", param="prediction")
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:

@@ -14,7 +14,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
-from edgellmd.api.fields import Fields, note_ignored, reject_unknown, unsupported
+from edgellmd.api.fields import (
+    MAX_METADATA_VALUE_CHARS,
+    Fields,
+    metadata_object,
+    note_ignored,
+    reject_unknown,
+    unsupported,
+)
 from edgellmd.api.jsontext import embedded_json
 from edgellmd.api.media import Content, MediaReader, MediaRules
 from edgellmd.api.request import (
@@ -41,9 +48,6 @@ from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter, show
 
 T = TypeVar("T")
 
-MAX_METADATA_KEYS: Final = 16  # OpenAI's limits on `metadata`
-MAX_METADATA_KEY_CHARS: Final = 64
-MAX_METADATA_VALUE_CHARS: Final = 512
 MAX_TOP_LOGPROBS: Final = 20
 _FORMAT_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 INPUT_ROLES: Final = ("user", "assistant", "system", "developer")
@@ -572,26 +576,6 @@ def _text(value: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
 # ---- the rest ---------------------------------------------------------------------------------
 
 
-def _metadata(value: Any) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_KEYS:
-        raise InvalidRequest(
-            f"'metadata' must be an object of at most {MAX_METADATA_KEYS} keys", param="metadata"
-        )
-    for key, text in value.items():
-        if len(key) > MAX_METADATA_KEY_CHARS:
-            raise InvalidRequest(
-                f"'metadata' keys must be at most {MAX_METADATA_KEY_CHARS} characters", param="metadata"
-            )
-        if not isinstance(text, str) or len(text) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidRequest(
-                f"'metadata' values must be strings of at most {MAX_METADATA_VALUE_CHARS} characters",
-                param="metadata",
-            )
-    return dict(value)
-
-
 def _include(value: Any) -> None:
     if value is None:
         return
@@ -741,7 +725,7 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
         "instructions": instructions,
         "max_output_tokens": asked,
         "max_tool_calls": data.get("max_tool_calls"),
-        "metadata": _left_out(_metadata(data.get("metadata")), given.left_out),
+        "metadata": _left_out(metadata_object(data.get("metadata")), given.left_out),
         "parallel_tool_calls": parallel,
         "previous_response_id": previous,
         "reasoning": _reasoning(data.get("reasoning")),
