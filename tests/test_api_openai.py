@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -299,6 +301,27 @@ BAD_INPUTS: Final = [
     bad(
         "content-type-text-plain",
         Req(raw=json.dumps(chat_body()).encode(), content_type="text/plain"),
+        415,
+        None,
+        "unsupported_media_type",
+    ),
+    bad(
+        "charset-latin-1",  # JSON is UTF-8: a body said to be another charset is not read as UTF-8
+        Req(raw=json.dumps(chat_body()).encode(), content_type="application/json; charset=latin-1"),
+        415,
+        None,
+        "unsupported_media_type",
+    ),
+    bad(
+        "content-encoding-unknown",  # aiohttp would hand the bytes on undecoded
+        Req(raw=json.dumps(chat_body()).encode(), headers={"Content-Encoding": "bogus"}),
+        415,
+        None,
+        "unsupported_media_type",
+    ),
+    bad(
+        "content-encoding-stacked",
+        Req(raw=json.dumps(chat_body()).encode(), headers={"Content-Encoding": "gzip, deflate"}),
         415,
         None,
         "unsupported_media_type",
@@ -792,6 +815,23 @@ def greedy_text(daemon: RunningDaemon, path: str, body: dict[str, Any]) -> tuple
 
 
 GREEDY: Final = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(
+    ("coding", "charset"),
+    [("gzip", None), ("deflate", None), ("identity", None), (None, "utf-8"), (None, "UTF8")],
+)
+def test_a_body_in_a_coding_aiohttp_decodes_or_said_to_be_utf8_is_read(
+    daemon: RunningDaemon, coding: str | None, charset: str | None
+) -> None:
+    raw = json.dumps(chat_body(**GREEDY)).encode()
+    headers = {"Content-Type": "application/json" + (f"; charset={charset}" if charset else "")}
+    if coding is not None:
+        headers["Content-Encoding"] = coding
+        raw = {"gzip": gzip.compress, "deflate": zlib.compress}.get(coding, bytes)(raw)
+    status, answer = daemon.post(CHAT, None, raw=raw, headers=headers)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 12
 
 
 def test_ignored_fields_change_nothing(daemon: RunningDaemon) -> None:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from multidict import CIMultiDict
 from pytest_aiohttp import AiohttpClient
 
 from edgellmctl.keys import create_key
@@ -308,6 +309,45 @@ async def test_header_table(
     if presented and presented != "Bearer":  # what was presented reaches no line, nor its secret part
         secret = presented.split("_", 2)[2] if presented.startswith("elk_") else presented
         assert secret not in everything_logged(caplog)
+
+
+@pytest.mark.parametrize(
+    "which",
+    [
+        "two-authorization",
+        "two-x-api-key",
+        "each-a-different-key",
+        "the-same-key-twice-over",
+        "anthropic-and-openai",
+    ],
+)
+async def test_a_request_naming_more_than_one_key_is_refused(
+    aiohttp_client: AiohttpClient, keys: Keys, caplog: pytest.LogCaptureFixture, which: str
+) -> None:
+    """Which of two keys a proxy in front checked is not known: none is taken (once the first won)."""
+    client = await door(aiohttp_client, keys.path)
+    app, ops = keys.bearer("app"), keys.bearer("ops")
+    headers: list[tuple[str, str]] = {
+        "two-authorization": [("Authorization", ops), ("Authorization", app)],
+        "two-x-api-key": [("x-api-key", ops.split()[1]), ("x-api-key", app.split()[1])],
+        "each-a-different-key": [("Authorization", app), ("x-api-key", ops.split()[1])],
+        "the-same-key-twice-over": [("Authorization", app), ("x-api-key", app.split()[1])],
+        "anthropic-and-openai": [
+            ("Authorization", "bearer " + app.split()[1]),
+            ("x-api-key", app.split()[1]),
+        ],
+    }[which]
+    with caplog.at_level(logging.DEBUG):
+        response = await client.get("/v1/models", headers=CIMultiDict(headers))
+    if which in ("the-same-key-twice-over", "anthropic-and-openai"):  # one key, said both ways
+        assert response.status == 200
+        assert (await response.json())["key_id"] == keys.ids["app"]
+        return
+    assert await error_of(response) == (401, "authentication_error", "invalid_api_key")
+    assert "more than one API key" in (await response.json())["error"]["message"]
+    assert audit_lines(caplog) == [
+        AuditLine("WARNING", "auth failed: more than one API key sent", PEER, None)
+    ]
 
 
 async def test_the_request_carries_its_key_and_caller(aiohttp_client: AiohttpClient, keys: Keys) -> None:

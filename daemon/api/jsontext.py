@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, Final
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from edgellmd.engine.chat import json_depth
 from edgellmd.errors import InvalidRequest, MalformedRequest, PayloadTooLarge, UnsupportedMediaType
@@ -56,10 +56,22 @@ def _lone_surrogate(data: Any) -> str | None:
     return None
 
 
+# A body's Content-Encoding: one that aiohttp decodes, or none (stacked codings are not decoded).
+DECODED_CODINGS: Final = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
+
+
 async def read_json_object(request: web.Request) -> dict[str, Any]:
     """Read the body as a JSON object, refusing other media types, bad UTF-8 and deep nesting."""
     if request.content_type != "application/json":
         raise UnsupportedMediaType("the request body must be JSON (Content-Type: application/json)")
+    charset = request.charset
+    if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+        raise UnsupportedMediaType("the request body must be JSON in UTF-8 (charset=utf-8, or none)")
+    coding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if coding not in DECODED_CODINGS:  # aiohttp would hand its bytes on as they came
+        raise UnsupportedMediaType(
+            "the request body's Content-Encoding must be one of " + ", ".join(sorted(DECODED_CODINGS - {""}))
+        )
     limit = request._client_max_size
     if request.content_length is not None and request.content_length > limit:
         # Declared too long: refused at once, not after the body timeout of a body never sent.

@@ -173,11 +173,25 @@ async def watch_keys(app: web.Application, store: KeyStore) -> None:
 
 
 def _credentials(request: web.Request) -> str | None:
-    """The request's Authorization header; Anthropic's clients send the key as `x-api-key` instead."""
-    header = request.headers.get("Authorization")
-    if header is None and (key := request.headers.get("x-api-key")) is not None:
-        return f"Bearer {key}"
-    return header
+    """The request's Authorization header; Anthropic's clients send the key as `x-api-key` instead.
+
+    A request naming more than one key (two Authorization headers, two x-api-key, or each
+    header a different key) is refused: which one a proxy in front checked is not known.
+    """
+    given = request.headers.getall("Authorization", [])
+    keys = request.headers.getall("x-api-key", [])
+    if (
+        len(given) > 1
+        or len(keys) > 1
+        or (given and keys and given[0].partition(" ")[2].strip() != keys[0].strip())
+    ):
+        audit.warning(
+            "auth failed: more than one API key sent", extra={"peer": request.remote, "key_id": None}
+        )
+        raise _unauthorized("more than one API key sent: send one Authorization or x-api-key header")
+    if given:
+        return given[0]
+    return f"Bearer {keys[0]}" if keys else None
 
 
 def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: bool = False) -> None:
