@@ -292,6 +292,11 @@ PNG_PART: Final = {
 }
 TOOL: Final = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
+
+def _tool_taking(parameters: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
 BAD_INPUTS: Final = [
     # The body itself.
     bad("malformed-json", Req(raw=b'{"model": "tiny",'), 400, None),
@@ -530,57 +535,21 @@ BAD_INPUTS: Final = [
         400,
         "tools[0].function.name",
     ),
-    bad(
-        "tool-parameters-integer",
-        Req(
-            body=chat_body(
-                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]
-            )
-        ),
-        400,
-        "tools[0].function.parameters",
-    ),
-    bad(
-        "tool-parameters-string",
-        Req(
-            body=chat_body(
-                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]
-            )
-        ),
-        400,
-        "tools[0].function.parameters",
-    ),
-    bad(
-        "tool-parameters-null",
-        Req(
-            body=chat_body(
-                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "null"}}}]
-            )
-        ),
-        400,
-        "tools[0].function.parameters",
-    ),
-    bad(
-        "tool-parameters-list",
-        Req(body=chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}])),
-        400,
-        "tools[0].function.parameters",
-    ),
-    bad(
-        "tool-parameters-type-list",
-        Req(
-            body=chat_body(
-                tools=[
-                    {
-                        "type": "function",
-                        "function": {"name": "f", "parameters": {"type": ["object", "null"]}},
-                    }
-                ]
-            )
-        ),
-        400,
-        "tools[0].function.parameters",
-    ),
+    *[
+        bad(
+            f"tool-parameters-{label}",
+            Req(body=chat_body(tools=[_tool_taking(schema)])),
+            400,
+            "tools[0].function.parameters",
+        )
+        for label, schema in (
+            ("integer", {"type": "integer"}),
+            ("string", {"type": "string"}),
+            ("null", {"type": "null"}),
+            ("list", []),
+            ("type-list", {"type": ["object", "null"]}),
+        )
+    ],
     bad("ignored-store-string", Req(body=chat_body(store="yes")), 400, "store"),
     bad(
         "ignored-parallel-tool-calls-number",
@@ -828,7 +797,7 @@ def test_a_body_in_a_coding_aiohttp_decodes_or_said_to_be_utf8_is_read(
     headers = {"Content-Type": "application/json" + (f"; charset={charset}" if charset else "")}
     if coding is not None:
         headers["Content-Encoding"] = coding
-        raw = {"gzip": gzip.compress, "deflate": zlib.compress}.get(coding, bytes)(raw)
+        raw = gzip.compress(raw) if coding == "gzip" else zlib.compress(raw) if coding == "deflate" else raw
     status, answer = daemon.post(CHAT, None, raw=raw, headers=headers)
     assert status == 200, answer
     assert answer["usage"]["completion_tokens"] == 12
