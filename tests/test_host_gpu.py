@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import gguf
 import numpy as np
@@ -28,7 +28,7 @@ from edgellmd.host.verdicts import GpuLayers, Verdict, largest_gpu_layers, verdi
 from edgellmd.http import app as app_module
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
-from edgellmd.models.gguf import GGML_BLOCKS, gguf_layer_bytes
+from edgellmd.models.gguf import GGML_BLOCKS, GgufError, gguf_layer_bytes, learned_positions, read_gguf_values
 from edgellmd.models.handle import CPU_PREFILL_CHUNK, AnyEngine, engine_config
 from edgellmd.settings import ModelSettings, Settings, parse_settings
 from tests import fakenvml
@@ -592,6 +592,17 @@ def _kv_alignment(value: int) -> bytes:
     return struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, value)
 
 
+def _kv_skipped(value: bytes) -> bytes:
+    """A metadata entry (its type and value in `value`) under a key no reader looks at."""
+    key = b"x.skipped"
+    return struct.pack("<Q", len(key)) + key + value
+
+
+def _kv_nested(depth: int) -> bytes:
+    """An array of arrays of arrays ... `depth` deep, each holding one."""
+    return _kv_skipped(struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 4, 0))
+
+
 HOSTILE: list[tuple[str, bytes, str]] = [
     ("empty", b"", "truncated"),
     ("bad magic", b"GGML" + bytes(40), "bad magic"),
@@ -605,6 +616,11 @@ HOSTILE: list[tuple[str, bytes, str]] = [
     ("partial block", _header(1, [_tensor(b"blk.0.a", [31], ggml_type=8)]) + bytes(64), "whole ggml blocks"),
     ("no tensor data", _header(1, [_tensor(b"blk.0.a", [0])]), "truncated before the tensor data"),
     ("odd alignment", _header(0, kv=_kv_alignment(24), n_kv=1), "power of two"),
+    # Keys whose values a reader skips: nested 100,000 deep (recursion), or claiming 2**63 bytes
+    # (a seek no file offset holds).
+    ("nested arrays", _header(0, kv=_kv_nested(100_000), n_kv=1), "nested too deep"),
+    ("huge array", _header(0, kv=_kv_skipped(struct.pack("<IIQ", 9, 4, 1 << 62)), n_kv=1), "truncated"),
+    ("huge string", _header(0, kv=_kv_skipped(struct.pack("<IQ", 8, 1 << 63)), n_kv=1), "truncated"),
 ]
 
 
@@ -614,6 +630,19 @@ def test_gguf_layer_bytes_refuses_hostile_headers(tmp_path: Path, data: bytes, m
     path.write_bytes(data)
     with pytest.raises(ValueError, match=message):
         gguf_layer_bytes(path)
+
+
+SKIPPED_VALUES: Final = [h for h in HOSTILE if h[0] in ("nested arrays", "huge array", "huge string")]
+
+
+@pytest.mark.parametrize("data", [h[1] for h in SKIPPED_VALUES], ids=[h[0] for h in SKIPPED_VALUES])
+def test_every_header_reader_refuses_skipped_values_a_file_cannot_hold(tmp_path: Path, data: bytes) -> None:
+    """The budget's and the positions' readers too (they read a file before it is verified)."""
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    with pytest.raises(GgufError):
+        read_gguf_values(path)
+    assert learned_positions(path) is None
 
 
 @pytest.fixture(scope="module")

@@ -487,6 +487,32 @@ def test_memory_budget_evicts_the_idle_evictable_model_or_refuses(box: Box) -> N
         assert complete(daemon, "first")[0] == 200
 
 
+def test_a_file_padded_past_its_locked_size_is_refused_before_it_can_evict_anything(box: Box) -> None:
+    """Whoever can write a model file but not the lock: a file padded to look big is refused by
+    its size before the budget counts it, so it never evicts another model."""
+    small = box.model_bytes(TinyModelSpec(seed=13))
+    box.publish({"first": ("first.gguf", small), "second": ("second.gguf", small)})
+    models = [
+        {"name": "first", "threads": 1, "context_size": 128, "slots": 1, "evictable": True},
+        {"name": "second", "threads": 1, "context_size": 128, "slots": 1},
+    ]
+    with running(box.settings(models=models, watch=False)) as daemon:
+        sizes = {m["name"]: m["memory_bytes"] for m in daemon.get("/admin/status")[1]["models"]}
+    mib = 1024 * 1024
+    # Room for both and a padded second beside its serving version, only once first is evicted.
+    budget = (sizes["first"] + 2 * sizes["second"]) // mib + 64
+    with running(box.settings(models=models, memory_budget_mb=budget, watch=False)) as daemon:
+        assert model_status(daemon, "first")["state"] == "ready"
+        with (box.models / "second.gguf").open("ab") as f:
+            f.truncate(len(small) + 64 * mib + sizes["first"] // 2)  # fits only with first gone
+        status, body = daemon.post("/admin/reload", {"model": "second", "force": True})
+        assert status == 409, body
+        assert "the lockfile says" in body["results"][0]["reason"]
+        assert model_status(daemon, "first")["state"] == "ready"  # never evicted for it
+        assert model_status(daemon, "second")["state"] == "ready"  # its verified version serves on
+        assert complete(daemon, "first")[0] == 200
+
+
 def test_admin_reload_reports_each_model_and_force_reloads(box: Box) -> None:
     data = box.model_bytes(TinyModelSpec(seed=11))
     box.publish({MODEL: ("tiny.gguf", data)})

@@ -221,6 +221,21 @@ def test_a_lock_edited_after_signing_is_refused(box: Box, field: str, value: Any
     assert VersionState(box.state).highest() == 0  # nothing accepted
 
 
+def test_a_lock_with_a_lone_surrogate_escape_is_refused_with_its_reason(box: Box) -> None:
+    """Still valid JSON (`\\ud800`), but no UTF-8 can be signed or checked for it: once a crash
+    of the check (a 500 on reload, a model left `loading` without a reason at start)."""
+    box.write(box.document(version=2), "a")
+    text = box.lock.read_text()
+    assert '"llama"' in text
+    box.lock.write_text(text.replace('"llama"', '"\\ud800"', 1))
+    with pytest.raises(LockError, match="lone surrogate"):
+        parse_lock(box.lock.read_bytes())
+    status, body, listed = box.serve()
+    assert status == 503
+    assert "lone surrogate" in _reason(body)
+    assert listed == []
+
+
 def test_an_untrusted_signature_is_refused(box: Box) -> None:
     box.write(box.document(), "untrusted")
     status, body, _ = box.serve()

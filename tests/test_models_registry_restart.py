@@ -277,3 +277,27 @@ async def test_a_request_whose_turn_kills_the_engine_again_is_not_replayed_twice
         await asyncio.sleep(0.01)
     await _until(client, lambda status, _: status == 200, "the restart after the second stop")
     assert (await _model(client))["engine_stops"] == 2
+
+
+async def test_a_restart_whose_load_breaks_unexpectedly_fails_with_a_reason(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that raises what no load should (a bug, a reader a file broke) fails that model
+    with a reason, as any failed load does: never a restart task dying unseen, the model left
+    `restarting` for good."""
+    client = await _serve(aiohttp_client, tiny_model)
+    registry = client.server.app[appkeys.REGISTRY]
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(registry.loader, "build", broken)
+    await _crash(client, fault)
+    body = await _until(
+        client, lambda _, b: b["models"][MODEL]["state"] != "restarting", "the restart to end"
+    )
+    assert body["models"][MODEL] == {
+        "state": "failed",
+        "reason": "the load failed unexpectedly (RecursionError; see the log)",
+    }
+    assert (await _model(client))["last_reload"]["trigger"] == "restart"

@@ -43,6 +43,9 @@ _STRING: Final = 8
 _ARRAY: Final = 9
 MAX_KV: Final = 1_000_000  # sanity bounds against hostile headers
 _MAX_STRING: Final = 64 * 1024 * 1024
+# Arrays of arrays: llama.cpp's own reader takes none; a hostile header nests them 100,000
+# deep (recursion), so a few levels are walked and no more.
+_MAX_NESTING: Final = 4
 
 
 class HeaderReader:
@@ -54,6 +57,7 @@ class HeaderReader:
 
     def __init__(self, fh: Any) -> None:
         self.fh = fh
+        self.size = os.fstat(fh.fileno()).st_size
 
     def read(self, n: int) -> bytes:
         data: bytes = self.fh.read(n)
@@ -70,18 +74,26 @@ class HeaderReader:
             raise GgufError("not a GGUF file: absurd string length in the header")
         return self.read(n)
 
-    def skip_value(self, vtype: int) -> None:
+    def skip(self, n: int) -> None:
+        """Move past `n` bytes, which must be in the file (a declared length of 2**63 is not)."""
+        if n > self.size - self.fh.tell():
+            raise GgufError("not a GGUF file: the header is truncated")
+        self.fh.seek(n, os.SEEK_CUR)
+
+    def skip_value(self, vtype: int, depth: int = 0) -> None:
         if vtype in _SCALAR:
             self.read(struct.calcsize(_SCALAR[vtype]))
         elif vtype == _STRING:
-            self.fh.seek(self.scalar("<Q"), os.SEEK_CUR)
+            self.skip(self.scalar("<Q"))
         elif vtype == _ARRAY:
+            if depth >= _MAX_NESTING:
+                raise GgufError("not a GGUF file: arrays nested too deep in the header")
             etype, count = self.scalar("<I"), self.scalar("<Q")
             if etype in _SCALAR:
-                self.fh.seek(count * struct.calcsize(_SCALAR[etype]), os.SEEK_CUR)
+                self.skip(count * struct.calcsize(_SCALAR[etype]))
             else:
                 for _ in range(count):
-                    self.skip_value(etype)
+                    self.skip_value(etype, depth + 1)
         else:
             raise GgufError(f"not a GGUF file: unknown metadata type {vtype}")
 

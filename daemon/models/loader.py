@@ -46,7 +46,7 @@ from edgellmd.models.lockfile import (
     shown,
 )
 from edgellmd.models.preload import NoRoom, PreloadArea
-from edgellmd.models.verify import VerifiedFile, open_verified
+from edgellmd.models.verify import VerifiedFile, check_size, open_verified
 from edgellmd.settings import GPU_LAYERS_AUTO, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,13 @@ class Loader:
         source_stat = stat_key(source)
         if source_stat is None:
             raise LoadFailed("model file " + self._unreadable(locked, source))
+        if locked is not None:
+            # Before its header is read for the budget: a file of another size than the lock's
+            # (padded to look big) is refused here, never counted, never a reason to evict.
+            try:
+                check_size(locked, source_stat[2])
+            except LockError as exc:
+                raise LoadFailed(f"file {locked.file}: {exc}") from None
         draft = self.draft_source(settings, lock)
         # No position past what the model learned reaches llama.cpp (see fit_positions).
         settings = await loop.run_in_executor(

@@ -545,6 +545,12 @@ class Registry:
         except LoadFailed as exc:
             self._discard_unused(reuse, None)
             return self._failed(entry, str(exc), trigger)
+        except Exception as exc:  # a bug, or a file that broke a reader: this load fails, nothing else
+            log.exception("model %s: the load failed unexpectedly", name)
+            self._discard_unused(reuse, None)
+            return self._failed(
+                entry, f"the load failed unexpectedly ({type(exc).__name__}; see the log)", trigger
+            )
         except BaseException:
             self._discard_unused(reuse, None)
             if entry.handle is None and entry.state is ModelState.LOADING:
