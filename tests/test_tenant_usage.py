@@ -82,11 +82,23 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         ("bob", ["inference"], None),
         ("capped", ["inference"], {"tokens_per_month": 60}),
         ("counted", ["inference"], {"requests_per_day": 2}),
+        ("leaver", ["inference"], None),
+        ("embedder", ["inference"], None),
     ):
         ids[name], tokens[name] = create_key(keys, name, scopes, limits={}, quota=quota)
     database = root / "ledger.sqlite3"
     settings = settings_for(
-        [{"name": "m", "file": str(model), "threads": 1, "slots": 2, "context_size": 512}],
+        [
+            {"name": "m", "file": str(model), "threads": 1, "slots": 2, "context_size": 512},
+            {
+                "name": "e",
+                "file": str(model),
+                "threads": 1,
+                "slots": 1,
+                "context_size": 512,
+                "embedding": True,
+            },
+        ],
         auth={"keys_file": str(keys)},
         ledger={"database": str(database), "time_zone": "Europe/Berlin"},
     )
@@ -212,6 +224,58 @@ def test_usage_answers_what_clients_were_told_as_json_csv_and_in_edgellmctl(
     assert capsys.readouterr().out.splitlines()[0].startswith("period,key_id,model,endpoint")
     assert ctl(["usage", "--key-id", box.ids["alice"], "--json", *common]) == 0
     assert json.loads(capsys.readouterr().out)["totals"]["total_tokens"] == prompt + completion
+
+
+def test_a_stream_the_client_leaves_is_charged_for_what_it_produced(box: Box) -> None:
+    """Tokens computed and sent are counted (ledger, tpm, quotas) when the client goes before
+    the end: once, a cut stream was charged its prompt alone, whatever it had received."""
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.tokens["leaver"], max_retries=0)
+    received = 0
+    for _ in range(2):
+        stream = client.chat.completions.create(
+            model="m", messages=HI, max_tokens=300, stream=True, extra_body={"ignore_eos": True}
+        )
+        pieces = 0
+        for chunk in stream:
+            pieces += sum(1 for c in chunk.choices if c.delta.content)
+            if pieces == 25:
+                break
+        stream.close()  # the client goes, mid-stream
+        received += pieces
+
+    def totals() -> dict[str, int] | None:
+        status, answer, _ = box.admin(f"/admin/usage?key={box.ids['leaver']}&group=month")
+        assert status == 200, answer
+        found: dict[str, int] = answer["totals"]
+        return found if found["requests"] == 2 else None
+
+    counted = wait_for(totals, what="the two cut streams in the ledger")
+    assert received == 50
+    assert 50 <= counted["completion_tokens"] < 2 * 300  # what was sent, and no more than was asked
+
+
+def test_an_embedding_request_the_client_leaves_is_in_the_ledger_as_in_its_rate_limit(box: Box) -> None:
+    text = " ".join(f"word{i}" for i in range(50))
+    body = json.dumps({"model": "e", "input": [f"{text} {j}" for j in range(256)]}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", box.daemon.port, timeout=10)
+    conn.request(
+        "POST",
+        "/v1/embeddings",
+        body,
+        {"Authorization": f"Bearer {box.tokens['embedder']}", "Content-Type": "application/json"},
+    )
+    time.sleep(0.3)  # tokenized and charged, being embedded
+    conn.close()  # the client goes
+
+    def totals() -> dict[str, int] | None:
+        status, answer, _ = box.admin(f"/admin/usage?key={box.ids['embedder']}&group=month")
+        assert status == 200, answer
+        found: dict[str, int] = answer["totals"]
+        return found if found["requests"] == 1 else None
+
+    counted = wait_for(totals, what="the cut embedding request in the ledger")
+    assert counted["prompt_tokens"] > 256 * 50
+    assert counted["completion_tokens"] == 0
 
 
 @pytest.mark.parametrize(

@@ -375,20 +375,27 @@ async def generation_session(
             return
         settled = True
         finals = [gen.final for gen in gens if gen.final is not None]
-        completion = sum(fin.completion_tokens for fin in finals)
+        # A choice cut before its end (a client gone, an error) counts what it produced so far,
+        # as its events showed it: tokens computed and sent are charged (ledger, tpm, quotas),
+        # never free for a client that disconnects before the last event.
+        produced = [
+            gen.final.completion_tokens if gen.final is not None else timing.seen
+            for gen, timing in zip(gens, timings, strict=True)
+        ]
+        completion = sum(produced)
         if finals:
             ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(finals[0].prompt_tokens)
-        for gen, timing in zip(gens, timings, strict=True):  # tokens were counted as they streamed
-            timing.settle(gen.final.completion_tokens if gen.final is not None else 0)
+        for timing, count in zip(timings, produced, strict=True):  # tokens were counted as they streamed
+            timing.settle(count)
         telemetry = ctx.settings.telemetry
         choices = [
             ChoiceFigures(
                 queue_s=gen.final.queue_s if gen.final is not None else 0.0,
-                completion_tokens=gen.final.completion_tokens if gen.final is not None else 0,
+                completion_tokens=count,
                 finish_reason=_finish_label(gen.final),
                 first_at=timing.first_at,
             )
-            for gen, timing in zip(gens, timings, strict=True)
+            for gen, timing, count in zip(gens, timings, produced, strict=True)
         ]
         met = ctx.metrics.request_done(
             handle.name,

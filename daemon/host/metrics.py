@@ -72,6 +72,11 @@ class TokenTiming:
         self._first = True
         self.first_at: float | None = None  # when the first token came
 
+    @property
+    def seen(self) -> int:
+        """Tokens its events have shown so far: what a generation cut before its end produced."""
+        return self._tokens
+
     def settle(self, total: int) -> None:
         """The generation ended with `total` tokens: count those no event has shown yet (the
         last event's, read after this; a client gone before the end), and no more after."""

@@ -231,7 +231,7 @@ def parse_lock(data: bytes | str) -> Lockfile:
     try:  # what is signed is its canonical UTF-8: a lone surrogate (an escape like \ud800) has none
         canonical_bytes(document)
     except UnicodeEncodeError:
-        raise LockError("the lockfile holds text that is not valid Unicode (a lone surrogate escape)") from None
+        raise LockError("the lockfile holds text that is not Unicode (a lone surrogate escape)") from None
     unknown = sorted(set(document) - {"schema", "version", "issued", "expires", "models", "signatures"})
     if unknown:
         raise LockError(f"{_member(unknown[0])}: unknown member")

@@ -136,11 +136,15 @@ async def embeddings(request: web.Request) -> web.Response:
         inputs = [await handle.text_prompt(item, param="input") for item in body.inputs]
         request[TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
         try:
-            vectors = await handle.embed(inputs)
-        except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
-            vectors = await on_restarted(request, handle, lambda fresh: fresh.embed(inputs))
-        context(request).metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)
-        await account(request, handle.name, n_tokens, 0)
+            try:
+                vectors = await handle.embed(inputs)
+            except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
+                vectors = await on_restarted(request, handle, lambda fresh: fresh.embed(inputs))
+        finally:
+            # Counted whatever came of it (an error, a client gone half-way), as tpm counted it
+            # already: the ledger and the rate limit agree, as for rerank.
+            context(request).metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)
+            await account(request, handle.name, n_tokens, 0)
     return web.json_response(
         {
             "object": "list",
