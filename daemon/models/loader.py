@@ -11,6 +11,7 @@ import asyncio
 import errno
 import logging
 import os
+import stat
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
@@ -70,6 +71,13 @@ def stat_key(path: Path) -> tuple[int, int, int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def unreadable(path: Path, name: object) -> str:
@@ -210,7 +218,7 @@ class Loader:
         source_stat = stat_key(source)
         if source_stat is None:
             raise LoadFailed("model file " + self._unreadable(locked, source))
-        if locked is not None:
+        if locked is not None and _regular(source):  # anything else is refused by its kind, below
             # Before its header is read for the budget: a file of another size than the lock's
             # (padded to look big) is refused here, never counted, never a reason to evict.
             try:
