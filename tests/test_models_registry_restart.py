@@ -293,9 +293,8 @@ async def test_a_restart_whose_load_breaks_unexpectedly_fails_with_a_reason(
 
     monkeypatch.setattr(registry.loader, "build", broken)
     await _crash(client, fault)
-    body = await _until(
-        client, lambda _, b: b["models"][MODEL]["state"] != "restarting", "the restart to end"
-    )
+    # Ready until the crash is seen, restarting until its load fails: then failed, for good.
+    body = await _until(client, lambda _, b: b["models"][MODEL]["state"] == "failed", "the restart to fail")
     assert body["models"][MODEL] == {
         "state": "failed",
         "reason": "the load failed unexpectedly (RecursionError; see the log)",
