@@ -18,7 +18,7 @@ from typing import Any, Final
 from urllib.parse import urlencode
 
 from edgellmctl.admin import AdminClient, add_daemon_options
-from edgellmctl.cli import CommandError, Subcommands, guarded
+from edgellmctl.cli import CommandError, Subcommands, guarded, int_between
 from edgellmd.ledger import audit
 from edgellmd.ledger.store import utc_text
 from edgellmd.ledger.usage import COLUMNS, FIRST_DAY, LAST_DAY
@@ -48,13 +48,6 @@ def _instant(value: str) -> str:
             f"a date like 2026-12-01 or a time like 2026-12-01T09:30:00Z, from {FIRST_DAY} to {LAST_DAY}"
         )
     return utc_text((at if at.tzinfo is not None else at.replace(tzinfo=UTC)).timestamp())
-
-
-def _limit(value: str) -> int:
-    number = int(value) if value.isascii() and value.isdigit() and len(value) <= 9 else -1
-    if number < 0:
-        raise argparse.ArgumentTypeError("a whole number from 0 to 999999999")
-    return number
 
 
 def run_usage(args: argparse.Namespace) -> int:
@@ -255,5 +248,7 @@ def add_parsers(sub: Subcommands) -> None:
     s.add_argument("--until", type=_instant, help="before this date or time (ISO 8601; UTC unless it says)")
     s.add_argument("--key-id", help="only this key id")
     s.add_argument("--action", help="only records whose action holds this text")
-    s.add_argument("--limit", type=_limit, default=1000, help="the newest N (default 1000; 0: all)")
+    s.add_argument(
+        "--limit", type=int_between(0, 999_999_999), default=1000, help="the newest N (default 1000; 0: all)"
+    )
     s.set_defaults(func=guarded(run_show))

@@ -226,6 +226,19 @@ def test_usage_answers_what_clients_were_told_as_json_csv_and_in_edgellmctl(
     assert json.loads(capsys.readouterr().out)["totals"]["total_tokens"] == prompt + completion
 
 
+def _totals_once_recorded(box: Box, key: str, requests: int) -> dict[str, int]:
+    """A key's usage totals for the month, once the ledger holds `requests` of its requests."""
+
+    def totals() -> dict[str, int] | None:
+        status, answer, _ = box.admin(f"/admin/usage?key={box.ids[key]}&group=month")
+        assert status == 200, answer
+        found: dict[str, int] = answer["totals"]
+        return found if found["requests"] == requests else None
+
+    counted: dict[str, int] = wait_for(totals, what=f"{requests} request(s) of {key} in the ledger")
+    return counted
+
+
 def test_a_stream_the_client_leaves_is_charged_for_what_it_produced(box: Box) -> None:
     """Tokens computed and sent are counted (ledger, tpm, quotas) when the client goes before
     the end: once, a cut stream was charged its prompt alone, whatever it had received."""
@@ -243,13 +256,7 @@ def test_a_stream_the_client_leaves_is_charged_for_what_it_produced(box: Box) ->
         stream.close()  # the client goes, mid-stream
         received += pieces
 
-    def totals() -> dict[str, int] | None:
-        status, answer, _ = box.admin(f"/admin/usage?key={box.ids['leaver']}&group=month")
-        assert status == 200, answer
-        found: dict[str, int] = answer["totals"]
-        return found if found["requests"] == 2 else None
-
-    counted = wait_for(totals, what="the two cut streams in the ledger")
+    counted = _totals_once_recorded(box, "leaver", 2)
     assert received == 50
     assert 50 <= counted["completion_tokens"] < 2 * 300  # what was sent, and no more than was asked
 
@@ -267,13 +274,7 @@ def test_an_embedding_request_the_client_leaves_is_in_the_ledger_as_in_its_rate_
     time.sleep(0.3)  # tokenized and charged, being embedded
     conn.close()  # the client goes
 
-    def totals() -> dict[str, int] | None:
-        status, answer, _ = box.admin(f"/admin/usage?key={box.ids['embedder']}&group=month")
-        assert status == 200, answer
-        found: dict[str, int] = answer["totals"]
-        return found if found["requests"] == 1 else None
-
-    counted = wait_for(totals, what="the cut embedding request in the ledger")
+    counted = _totals_once_recorded(box, "embedder", 1)
     assert counted["prompt_tokens"] > 256 * 50
     assert counted["completion_tokens"] == 0
 

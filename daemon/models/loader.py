@@ -218,9 +218,10 @@ class Loader:
         source_stat = stat_key(source)
         if source_stat is None:
             raise LoadFailed("model file " + self._unreadable(locked, source))
-        if locked is not None and _regular(source):  # anything else is refused by its kind, below
-            # Before its header is read for the budget: a file of another size than the lock's
-            # (padded to look big) is refused here, never counted, never a reason to evict.
+        # Before its header is read for the budget: a file of another size than the lock's (padded
+        # to look big) is refused here, never counted, never a reason to evict. What is no
+        # regular file is refused by its kind, below.
+        if locked is not None and source_stat[2] != locked.size and _regular(source):
             try:
                 check_size(locked, source_stat[2])
             except LockError as exc:
