@@ -148,6 +148,20 @@ def test_remove_and_dropped_forget_an_entry() -> None:
     assert list(q) == [b0]
 
 
+def test_held_counts_each_tenants_slots_and_waiting_entries() -> None:
+    q = queue()
+    a0, a1, a2, b0 = (Entry(n, Share(n[0])) for n in ("a0", "a1", "a2", "b0"))
+    for entry in (a0, a1, a2, b0):
+        q.append(entry)
+    q.remove(a0)
+    q.started(a0)
+    assert q.held() == Counter({"a": 3, "b": 1})
+    q.stopped(a0, done=True)
+    q.remove(b0)
+    q.dropped(b0)
+    assert q.held() == Counter({"a": 2})  # none for a tenant with nothing left
+
+
 def _running(*spec: tuple[int, Share, float, int]) -> list[Running]:
     return [Running(i, share, held, cells) for i, share, held, cells in spec]
 
@@ -282,6 +296,7 @@ async def test_a_paused_sequence_resumes_where_it_left_off(slow_model: Path) -> 
         seen = await _tokens_seen(batch, 20)
         await asyncio.sleep(QUANTUM_S)
         urgent = _submit(eng, "quick question", 8, INTERACTIVE)
+        assert eng.held_by_tenant() == Counter({"a": 1, "b": 1})  # what admission counts per key
         _, urgent_fin = await _drain(urgent)
         assert urgent_fin.completion_tokens == 8
         assert eng.pauses == 1  # the batch job gave up its slot for the interactive request
@@ -291,6 +306,7 @@ async def test_a_paused_sequence_resumes_where_it_left_off(slow_model: Path) -> 
         assert fin.reason == "length"
         assert fin.queue_s > 0  # the pause counts as waiting
         assert urgent_fin.queue_s < 2
+        assert eng.held_by_tenant() == Counter()
         performance = eng.performance()["fairness"]
         assert performance["pauses"] == 1
         assert performance["paused"] == 0

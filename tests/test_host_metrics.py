@@ -213,6 +213,7 @@ def test_every_contract_name_is_exported_with_a_gpu(tmp_path: Path) -> None:
         "edgellm_model_state",
         "edgellm_reloads_total",
         "edgellm_queue_rejections_total",
+        "edgellm_fair_admissions_total",
         "edgellm_num_requests_running",
         "edgellm_num_requests_waiting",
         *(name for name in CONTRACT if "draft" in name or "prompt_cache" in name),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,9 +31,13 @@ class CountingEngine:
         self.calls: list[int] = []
         self.busy_slots = 0
         self.queue_depth = 0
+        self.by_key: Counter[str] = Counter()  # what each key holds; all "" unless a test says
 
     def occupancy(self) -> tuple[int, int]:
         return self.busy_slots, self.queue_depth
+
+    def held_by_tenant(self) -> Counter[str]:
+        return self.by_key or Counter({"": self.busy_slots + self.queue_depth})
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         self.calls.append(len(text))
@@ -134,12 +139,55 @@ def test_capacity_counts_running_and_waiting_together(
     handle = make_handle(engine, executor, slots=2, queue_size=1)
     if refused:
         with pytest.raises(ServerOverloaded) as overloaded:
-            handle.check_capacity()
+            handle.check_capacity("")
         assert overloaded.value.headers == {"Retry-After": "1"}
         assert handle.counters["queue_rejections"] == 1
     else:
-        handle.check_capacity()
+        assert handle.check_capacity("") is False  # within the bound
         assert handle.counters["queue_rejections"] == 0
+
+
+@pytest.mark.parametrize(
+    ("held", "asking", "admitted"),
+    [
+        # slots 2 + queue_size 2: room 4, at most 8 (FAIR_OVERFLOW) in all.
+        ({"flood": 4}, "flood", False),  # the key that filled it holds more than its share
+        ({"flood": 4}, "other", True),  # a key holding nothing: its share is 4 // 2
+        ({"flood": 4, "other": 1}, "other", True),  # 1 < 5 // 2
+        ({"flood": 4, "other": 2}, "other", False),  # its share (2) is held
+        ({"flood": 4, "b": 1, "c": 1}, "d", True),  # 0 < 6 // 4
+        ({"flood": 4, "b": 1, "c": 1}, "b", False),  # 1 is b's share of 6 among 3 keys
+        ({"flood": 2, "b": 2}, "b", False),  # at the bound, b holds its share: as before
+        ({"flood": 7}, "other", True),  # the last place below twice the room
+        ({"flood": 8}, "other", False),  # twice the room: nobody, whatever they hold
+    ],
+)
+def test_past_the_queue_bound_a_key_below_its_fair_share_still_gets_in(
+    executor: ThreadPoolExecutor, held: dict[str, int], asking: str, admitted: bool
+) -> None:
+    engine = CountingEngine()
+    engine.by_key = Counter(held)
+    engine.busy_slots = 2
+    engine.queue_depth = sum(held.values()) - 2
+    handle = make_handle(engine, executor, slots=2, queue_size=2)
+    if admitted:
+        assert handle.check_capacity(asking) is True  # let in past the bound (counted where it is used)
+        assert handle.counters["queue_rejections"] == 0
+    else:
+        with pytest.raises(ServerOverloaded):
+            handle.check_capacity(asking)
+        assert handle.counters["queue_rejections"] == 1
+
+
+def test_embed_calls_in_flight_count_for_their_key(executor: ThreadPoolExecutor) -> None:
+    engine = CountingEngine()
+    engine.busy_slots, engine.queue_depth = 1, 1
+    engine.by_key = Counter({"x": 0})  # an embedding engine knows no keys: the handle counts calls
+    handle = make_handle(engine, executor, slots=1, queue_size=1)
+    handle._pooled["flood"] += 2
+    with pytest.raises(ServerOverloaded):
+        handle.check_capacity("flood")
+    assert handle.check_capacity("other") is True
 
 
 async def test_an_embedding_request_holds_no_pool_thread_while_the_model_works(
@@ -159,7 +207,7 @@ async def test_an_embedding_request_holds_no_pool_thread_while_the_model_works(
         handle = make_handle(cast(Any, engine), executor, embedding=True, context_size=128)
         try:
             hold = loop.run_in_executor(None, blocked.wait, 30)  # the default pool's one thread is busy
-            vectors = await asyncio.wait_for(handle.embed([[5, 6, 7]]), 10)
+            vectors = await asyncio.wait_for(handle.embed([[5, 6, 7]], tenant=""), 10)
             assert len(vectors) == 1
         finally:
             blocked.set()

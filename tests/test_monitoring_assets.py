@@ -55,6 +55,7 @@ CONTRACT: Final[dict[str, frozenset[str]]] = {
         "edgellm_reloads_total": "model result",
         "edgellm_rate_limited_total": "reason",
         "edgellm_queue_rejections_total": "model",
+        "edgellm_fair_admissions_total": "model",
         "edgellm_draft_tokens_total": "model",
         "edgellm_draft_accepted_tokens_total": "model",
         "edgellm_prompt_cache_hits_total": "model",

@@ -21,6 +21,7 @@ from edgellmctl.keys import create_key
 from edgellmd.keys import KeysFileError, read_keys_file
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for, wait_for
+from tests.test_host_metrics import scrape, value
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
 pytestmark = pytest.mark.slow
@@ -338,3 +339,56 @@ def test_one_keys_costly_bodies_queue_behind_each_other_not_in_front_of_another_
     assert answers["b"][0] == 200
     assert sorted(status for name, (status, _) in answers.items() if name != "b") == [400] * 8  # too long
     assert answers["b"][1] < alone, (answers, alone)
+
+
+def test_a_key_that_filled_a_models_queue_does_not_shut_another_key_out(tmp_path: Path) -> None:
+    """One slot, a queue of one: key A's two long streams fill them, and A's third request is
+    refused (429). Key B holds nothing there, so it is still let in past the bound (its fair
+    share of the room), is answered before A's queued stream starts, and the admission is
+    counted in /admin/status and /metrics. Before, B got 429 as long as A kept the queue full."""
+    model = write_tiny_model(tmp_path / "m.gguf", SLOW)
+    keys = tmp_path / "keys.yaml"
+    _, flood = create_key(keys, "flood", ["inference"], limits={})
+    _, other = create_key(keys, "other", ["inference"], limits={})
+    _, admin = create_key(keys, "ops", ["admin", "metrics"], limits={})
+    model_settings = {"name": "m", "file": str(model), "threads": 1, "slots": 1, "queue_size": 1}
+    settings = settings_for([{**model_settings, "context_size": 1024}], auth={"keys_file": str(keys)})
+    with running(settings) as daemon:
+        first_token: dict[int, float] = {}
+
+        def stream(n: int) -> None:
+            for _ in _client(daemon, flood).chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "a long report"}],
+                max_tokens=LONG,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                first_token.setdefault(n, time.monotonic())
+
+        jobs = [threading.Thread(target=stream, args=(n,), daemon=True) for n in range(2)]
+        jobs[0].start()
+        assert wait_for(lambda: 0 in first_token, timeout=30)
+        jobs[1].start()
+        assert wait_for(lambda: _fairness(daemon, admin)["queue"] != [], timeout=10)
+        with pytest.raises(openai.RateLimitError):
+            _short(daemon, flood)
+        done_at, _ = _short(daemon, other)
+        for job in jobs:
+            job.join(120)
+        assert 1 in first_token
+        assert done_at < first_token[1]  # B went ahead of A's stream that was waiting
+        status = _status(daemon, admin)
+        assert status["fair_admissions"] == 1
+        samples = scrape(daemon, {"Authorization": f"Bearer {admin}"})
+        assert value(samples, "edgellm_fair_admissions_total", model="m") == 1
+        assert value(samples, "edgellm_queue_rejections_total", model="m") == 1
+
+
+def _status(daemon: RunningDaemon, admin: str) -> dict[str, Any]:
+    req = urllib.request.Request(  # noqa: S310 - loopback URL
+        daemon.url + "/admin/status", headers={"Authorization": f"Bearer {admin}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback URL
+        (model,) = json.loads(resp.read())["models"]
+    return dict(model)

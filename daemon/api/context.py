@@ -118,6 +118,12 @@ def context(request: web.Request) -> ApiContext:
     return request.app[API_CONTEXT]
 
 
+def tenant(request: web.Request) -> str:
+    """Whose the request is for admission and fair share: its key's id ("" without keys)."""
+    caller = request.get(CALLER)
+    return caller.share.tenant if caller is not None else ""
+
+
 def token_limits(request: web.Request) -> Limits:
     """The max_tokens ceiling of this request: the server's, or the key's own when lower.
 

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.context import TOKENS_USED, USER_TAG, context
+from edgellmd.api.context import TOKENS_USED, USER_TAG, context, tenant
 from edgellmd.api.fields import Fields, reject_unknown, unsupported
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.ledger import account
@@ -129,11 +129,12 @@ async def rerank(request: web.Request) -> web.Response:
                 param="documents",
             )
         request[TOKENS_USED] = n_tokens
+        whose = tenant(request)
         try:
             try:
-                scores = await handle.rank(pairs)
+                scores = await handle.rank(pairs, tenant=whose)
             except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
-                scores = await on_restarted(request, handle, lambda fresh: fresh.rank(pairs))
+                scores = await on_restarted(request, handle, lambda fresh: fresh.rank(pairs, tenant=whose))
         finally:
             # Counted whatever came of it (an error, a client gone half-way): the model did the work.
             ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)

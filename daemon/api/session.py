@@ -23,7 +23,16 @@ from typing import Final, TypeVar
 
 from aiohttp import web
 
-from edgellmd.api.context import ARRIVED, CALLER, MORE_SEQUENCES, QUEUE_WAITS, TRACE, USER_TAG, context
+from edgellmd.api.context import (
+    ARRIVED,
+    CALLER,
+    MORE_SEQUENCES,
+    QUEUE_WAITS,
+    TRACE,
+    USER_TAG,
+    context,
+    tenant,
+)
 from edgellmd.api.ledger import account
 from edgellmd.api.media import MediaRules, fetch_media
 from edgellmd.api.reply import Part, ReasoningSplitter, ReplyReader
@@ -281,7 +290,7 @@ async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator
     """Run a chat request's generations for the `async with` block, then free them."""
     async with context(request).registry.lease(body.common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
-        handle.check_capacity()  # a request that will be refused costs no tokenizing
+        handle.check_capacity(tenant(request))  # a request that will be refused costs no tokenizing
         tools = body.tools.tools if body.tools else None
         began = now_ns()
         settings = context(request).settings

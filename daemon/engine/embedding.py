@@ -7,7 +7,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Final
@@ -228,6 +228,10 @@ class EmbeddingEngine(NativeThread):
         """Inputs being embedded and calls waiting, read together."""
         with self._cond:
             return self.busy_slots, len(self._jobs)
+
+    def held_by_tenant(self) -> Counter[str]:
+        """By key: none here (an embed call carries no key; the model's handle counts its own)."""
+        return Counter()
 
     @property
     def idle(self) -> bool:

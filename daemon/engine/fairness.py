@@ -182,6 +182,14 @@ class FairQueue(Generic[T]):
                 del heads[tenant]
         return out
 
+    def held(self) -> Counter[str]:
+        """Entries each tenant has in slots or waiting (admission's per-key room)."""
+        held = Counter({t: n for t, n in self.running.items() if n > 0})
+        for tenant, items in self._waiting.items():
+            if items:
+                held[tenant] += len(items)
+        return held
+
     def tenants(self) -> dict[str, dict[str, float | int]]:
         """Each active tenant's slots held, entries waiting and virtual time (for /admin/status)."""
         return {

@@ -697,6 +697,11 @@ class RemoteEngine:
         busy = min(held, self.config.slots)
         return busy, held - busy
 
+    def held_by_tenant(self) -> collections.Counter[str]:
+        """Generations the daemon holds there (running or waiting), by their key."""
+        with self._lock:
+            return collections.Counter(gen.request.share.tenant for gen in self._gens.values())
+
     @property
     def busy_slots(self) -> int:
         """Slots generating (by the daemon's count)."""

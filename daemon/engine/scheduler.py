@@ -470,6 +470,11 @@ class Engine(NativeThread):
         with self._cond:
             return self.busy_slots, len(self._pending)
 
+    def held_by_tenant(self) -> Counter[str]:
+        """Generations running or waiting, by their key (`Share.tenant`), under the lock."""
+        with self._cond:
+            return self._pending.held()
+
     def performance(self) -> dict[str, Any]:
         """What the speed features have done since the load, for /admin/status and /metrics."""
         config = self.config

@@ -325,6 +325,10 @@ class ModelsView(Protocol):
         """429 server_overloaded refusals by model."""
 
     @property
+    def fair_admissions(self) -> Mapping[str, int]:
+        """Requests let in past the queue bound for a key below its fair share, by model."""
+
+    @property
     def engine_restarts(self) -> Mapping[tuple[str, str], int]:
         """Engines that stopped by themselves, by (model, reason: crash, hang, exit or the signal)."""
 
@@ -429,6 +433,15 @@ class _StateCollector(Collector):
         for model, n in sorted(self._registry.rejections.items()):
             rejected.add_metric([model], n)
         yield rejected
+        fair = CounterMetricFamily(
+            "edgellm_fair_admissions",
+            "Requests let in past slots + queue_size because their key held less than its fair "
+            "share of that room (another key had filled it)",
+            labels=["model"],
+        )
+        for model, n in sorted(self._registry.fair_admissions.items()):
+            fair.add_metric([model], n)
+        yield fair
         stops = CounterMetricFamily(
             "edgellm_engine_restarts",
             "Engines that stopped by themselves, by reason (crash, hang, exit, or the signal that "

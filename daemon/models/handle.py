@@ -66,6 +66,9 @@ MAX_TEMPLATE_BYTES = 1024 * 1024  # a chat template file is a few kilobytes
 # Seconds a refused request is told to wait (429 at capacity; 503 when its model version was
 # swapped or unloaded under it): a slot frees, or the next version serves, within about that.
 RETRY_AFTER_BUSY_S: Final = "1"
+# Past `slots + queue_size`, a key below its fair share of that room is still admitted, up to
+# this many times the room in all (check_capacity): the bound on what one model holds.
+FAIR_OVERFLOW: Final = 2
 # models[].prefill_chunk when unset and nothing is offloaded. On 2 CPU cores (docs/benchmarks.md,
 # fair share) a step of 8 decodes took 50 ms, and each prompt token about 1.6 ms more: 64
 # tokens keep a step near 150 ms; 512 made steps of 700 ms, and 32 cost a tenth of the throughput.
@@ -317,6 +320,7 @@ class ModelHandle:
     counters: Tally[str] = field(default_factory=Tally)  # the model's, shared across its versions
     last_used: float = field(default_factory=time.monotonic)
     _rerank_pieces: list[list[int] | str] | None = None  # `_rerank_template`, once read
+    _pooled: Tally[str] = field(default_factory=Tally)  # embed/rank calls in flight, by key
 
     @property
     def name(self) -> str:
@@ -683,20 +687,35 @@ class ModelHandle:
         room = self.settings.context_size - n_prompt
         return room if requested is None else min(requested, room)
 
-    def check_capacity(self) -> None:
-        """Refuse at once (429) when the slots and the queue together hold all they may.
+    def check_capacity(self, tenant: str) -> bool:
+        """Refuse at once (429) when the slots and the queue together hold all they may, and the
+        asking key (`tenant`: its `Share.tenant`, "" without keys) already holds its share.
 
         The bound counts running and waiting requests together: a slot that is free but not
         yet filled (the scheduler is inside a decode step) must not let the queue grow past
-        ``queue_size``.
+        ``queue_size``. Past it, a key that holds less than its fair share of that room (the
+        room divided among the keys holding any of it, itself counted) is still let in, up to
+        `FAIR_OVERFLOW` times the room: one key flooding a model fills the queue, but every
+        other key still gets in, and the queue's fair order (engine.fairness) serves it next.
+        True when it was let in that way (`submit` and `_pool` count it, so that the check
+        before tokenizing and the one at submission count a request once).
         """
         busy, waiting = self.engine.occupancy()
-        if busy + waiting >= self.settings.slots + self.settings.queue_size:
-            self.counters["queue_rejections"] += 1
-            raise ServerOverloaded(
-                f"model {self.name!r} is at capacity ({busy} running, {waiting} waiting); retry shortly",
-                headers={"Retry-After": RETRY_AFTER_BUSY_S},
-            )
+        room = self.settings.slots + self.settings.queue_size
+        held = busy + waiting
+        if held < room:
+            return False
+        if held < FAIR_OVERFLOW * room:
+            by_key = self.engine.held_by_tenant() + self._pooled
+            mine = by_key[tenant]
+            keys = len(by_key) + (0 if mine else 1)
+            if mine < max(1, room // keys):
+                return True
+        self.counters["queue_rejections"] += 1
+        raise ServerOverloaded(
+            f"model {self.name!r} is at capacity ({busy} running, {waiting} waiting); retry shortly",
+            headers={"Retry-After": RETRY_AFTER_BUSY_S},
+        )
 
     async def grammars(self, grammar: str | None, copies: int, param: str) -> list[Grammar] | None:
         """Parse a request's grammar (one copy per choice) on the prompt pool, before admission.
@@ -728,30 +747,38 @@ class ModelHandle:
         """
         try:
             generator = self.generator
-            self.check_capacity()
+            past_bound = self.check_capacity(request.share.tenant)
         except BaseException:
             if grammar is not None:
                 grammar.free()
             raise
         try:
-            return generator.submit(request, asyncio.get_running_loop(), grammar)
+            generation = generator.submit(request, asyncio.get_running_loop(), grammar)
         except GrammarError:
             raise
         except EngineError:  # it stopped meanwhile: by itself (restarting), or closed by a swap
             if generator.fault is not None:
                 raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
             raise _gone(self.name) from None
+        if past_bound:
+            self.counters["fair_admissions"] += 1
+        return generation
 
-    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Embed tokenized inputs on the model's own thread (429 when it is saturated)."""
-        return await self._pool(self.embedder, inputs)
+    async def embed(self, inputs: Sequence[Sequence[int]], *, tenant: str) -> list[list[float]]:
+        """Embed tokenized inputs on the model's own thread (429 when it is saturated and
+        `tenant`, the asking key, holds its share: check_capacity)."""
+        return await self._pool(self.embedder, inputs, tenant)
 
-    async def rank(self, inputs: Sequence[Sequence[int]]) -> list[float]:
+    async def rank(self, inputs: Sequence[Sequence[int]], *, tenant: str) -> list[float]:
         """Score tokenized query-document pairs (`rerank_prompt`) on the model's own thread."""
-        return [vector[0] for vector in await self._pool(self.ranker, inputs)]
+        return [vector[0] for vector in await self._pool(self.ranker, inputs, tenant)]
 
-    async def _pool(self, embedder: Embedder, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        self.check_capacity()
+    async def _pool(
+        self, embedder: Embedder, inputs: Sequence[Sequence[int]], tenant: str
+    ) -> list[list[float]]:
+        if self.check_capacity(tenant):
+            self.counters["fair_admissions"] += 1
+        self._pooled[tenant] += 1
         try:
             future = embedder.submit_embed(inputs)
             try:
@@ -765,3 +792,7 @@ class ModelHandle:
             if "unloaded" in str(exc) or "shutting down" in str(exc):
                 raise _gone(self.name) from None
             raise
+        finally:
+            self._pooled[tenant] -= 1
+            if not self._pooled[tenant]:
+                del self._pooled[tenant]

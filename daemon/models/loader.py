@@ -567,7 +567,7 @@ class Loader:
             bos = bos or await loop.run_in_executor(None, partial(engine.tokenize, "a", add_special=False))
             if handle.settings.pooled:
                 pooled = handle.rank if handle.settings.serves == "rerank" else handle.embed
-                await asyncio.wait_for(pooled([bos]), WARM_UP_TIMEOUT_S)
+                await asyncio.wait_for(pooled([bos], tenant=""), WARM_UP_TIMEOUT_S)  # the daemon's own
                 return
             gen = handle.submit(
                 GenerationRequest(

@@ -307,6 +307,11 @@ class Registry:
         """429 server_overloaded refusals per model since start."""
         return {name: c["queue_rejections"] for name, c in self._counters.items()}
 
+    @property
+    def fair_admissions(self) -> dict[str, int]:
+        """Requests let in past a model's queue bound for a key below its fair share, per model."""
+        return {name: c["fair_admissions"] for name, c in self._counters.items()}
+
     def ready_handles(self) -> list[ModelHandle]:
         """Handles of every model that can serve now, in configuration order."""
         return [e.handle for e in self._entries.values() if e.handle is not None]
@@ -861,6 +866,8 @@ class Registry:
                 "reloading": entry.reloading,
                 "slots_total": entry.settings.slots,
                 "queue_size": entry.settings.queue_size,
+                # Let in past slots + queue_size: their key held less than its fair share.
+                "fair_admissions": self._counters[name]["fair_admissions"],
                 "evictable": entry.settings.evictable,
                 "last_reload": entry.last.as_dict() if entry.last else None,
                 "engine_stops": self.engine_stops[name],

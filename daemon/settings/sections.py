@@ -651,7 +651,8 @@ class ModelSettings:
         16,
         "requests that may wait for a slot; beyond that 429 at once",
         bounds=(0, 100_000),
-        more="(`server_overloaded`)",
+        more="(`server_overloaded`) to a key holding its fair share of `slots + queue_size`; a key "
+        "below it is still let in, up to twice that room in all",
     )
     inputs_per_decode: int = setting(
         1,

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.context import TOKENS_USED, TRACE, USER_TAG, context, token_limits
+from edgellmd.api.context import TOKENS_USED, TRACE, USER_TAG, context, tenant, token_limits
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.ledger import account
 from edgellmd.api.openai.audio import PATH as TRANSCRIPTIONS
@@ -100,7 +100,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     common = body.common
     async with context(request).registry.lease(common.model) as handle:
         handle.generator  # noqa: B018 - refuses embedding models before tokenizing
-        handle.check_capacity()  # a request that will be refused costs no tokenizing
+        handle.check_capacity(tenant(request))  # a request that will be refused costs no tokenizing
         began = now_ns()
         tokens = await handle.text_prompt(body.prompt)
         trace = request.get(TRACE)
@@ -135,11 +135,12 @@ async def embeddings(request: web.Request) -> web.Response:
         handle.embedder  # noqa: B018 - refuses generation models before tokenizing
         inputs = [await handle.text_prompt(item, param="input") for item in body.inputs]
         request[TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
+        whose = tenant(request)
         try:
             try:
-                vectors = await handle.embed(inputs)
+                vectors = await handle.embed(inputs, tenant=whose)
             except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
-                vectors = await on_restarted(request, handle, lambda fresh: fresh.embed(inputs))
+                vectors = await on_restarted(request, handle, lambda fresh: fresh.embed(inputs, tenant=whose))
         finally:
             # Counted whatever came of it (an error, a client gone half-way), as tpm counted it
             # already: the ledger and the rate limit agree, as for rerank.
