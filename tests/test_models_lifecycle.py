@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import struct
 import socket
 import subprocess
 import sys
@@ -508,6 +509,40 @@ def test_a_file_padded_past_its_locked_size_is_refused_before_it_can_evict_anyth
         status, body = daemon.post("/admin/reload", {"model": "second", "force": True})
         assert status == 409, body
         assert "the lockfile says" in body["results"][0]["reason"]
+        assert model_status(daemon, "first")["state"] == "ready"  # never evicted for it
+        assert model_status(daemon, "second")["state"] == "ready"  # its verified version serves on
+        assert complete(daemon, "first")[0] == 200
+
+
+def test_a_file_of_the_locked_size_with_a_lying_header_evicts_nothing(box: Box) -> None:
+    """The budget is kept from verified bytes: a file of exactly the locked size whose header
+    claims 40 times the layers (a KV cache that fits only once the idle evictable model is
+    gone) fails its hash check before anything is evicted for it. Before, the estimate read the
+    header on disk first and unloaded `first` for a file that was then refused."""
+    small = box.model_bytes(TinyModelSpec(seed=13))
+    box.publish({"first": ("first.gguf", small), "second": ("second.gguf", small)})
+    models = [
+        {"name": "first", "threads": 1, "context_size": 128, "slots": 1, "evictable": True},
+        {"name": "second", "threads": 1, "context_size": 128, "slots": 1},
+    ]
+    with running(box.settings(models=models, watch=False)) as daemon:
+        sizes = {m["name"]: m["memory_bytes"] for m in daemon.get("/admin/status")[1]["models"]}
+    mib = 1024 * 1024
+    budget = (sizes["first"] + 2 * sizes["second"]) // mib + 64
+    key = b"llama.block_count"
+    at = small.index(key) + len(key) + 4  # past the key and its value type (uint32)
+    (layers,) = struct.unpack_from("<I", small, at)
+    kv_per_layer = (sizes["second"] - len(small)) // layers  # the prompt cache is off here
+    # Past what fits beside both, within what fits once `first` is evicted.
+    wanted = budget * mib - sizes["second"] - sizes["first"] // 2 - len(small)
+    lying = bytearray(small)
+    struct.pack_into("<I", lying, at, wanted // kv_per_layer)
+    with running(box.settings(models=models, memory_budget_mb=budget, watch=False)) as daemon:
+        assert model_status(daemon, "first")["state"] == "ready"
+        (box.models / "second.gguf").write_bytes(bytes(lying))
+        status, body = daemon.post("/admin/reload", {"model": "second", "force": True})
+        assert status == 409, body
+        assert "sha256" in body["results"][0]["reason"]
         assert model_status(daemon, "first")["state"] == "ready"  # never evicted for it
         assert model_status(daemon, "second")["state"] == "ready"  # its verified version serves on
         assert complete(daemon, "first")[0] == 200

@@ -1,4 +1,5 @@
-"""Building a serving handle for one model: verify + preload → GPU plan → load → template → warm-up.
+"""Building a serving handle for one model: budget check → verify + preload → budget (may evict)
+→ GPU plan → load → template → warm-up.
 
 Everything slow runs off the event loop; any step that fails raises LoadFailed with the reason
 an operator sees, after undoing what it did (a preload copy removed, an engine closed). The
@@ -199,14 +200,17 @@ class Loader:
         lock: Lockfile | None,
         *,
         counters: Tally[str],
-        make_room: Callable[[ModelSettings, int], None],
+        make_room: Callable[[ModelSettings, int, bool], None],
         dispose: Callable[[ModelHandle], None],
         reuse: Provenance | None = None,
     ) -> ModelHandle:
         """verify + preload → load → warm-up, all off the loop; raises LoadFailed with the reason.
 
-        `make_room` keeps the memory budget for the estimated size (it may evict others or
-        raise LoadFailed); `dispose` frees a handle whose warm-up failed.
+        `make_room(settings, need, evict)` keeps the memory budget for the estimated size (raises
+        LoadFailed; with `evict`, it may unload idle evictable models first). It is asked twice:
+        before verification from the headers on disk, to refuse at once what cannot fit, and
+        after it from the verified bytes, the only time it may evict. `dispose` frees a handle
+        whose warm-up failed.
         """
         loop = asyncio.get_running_loop()
         name = settings.name
@@ -227,23 +231,14 @@ class Loader:
             except LockError as exc:
                 raise LoadFailed(f"file {locked.file}: {exc}") from None
         draft = self.draft_source(settings, lock)
-        # No position past what the model learned reaches llama.cpp (see fit_positions).
-        settings = await loop.run_in_executor(
-            None, fit_positions, settings, (source, draft.source if draft else None)
-        )
         mmproj = self.mmproj_source(settings, lock)
-        try:
-            need = await loop.run_in_executor(
-                None,
-                estimate_bytes,
-                source,
-                settings,
-                draft.source if draft else None,
-                mmproj.source if mmproj else None,
-            )
-        except OSError as exc:
-            raise LoadFailed(f"cannot read {exc.filename or source.name}: {exc.strerror}") from None
-        make_room(settings, need)
+        # A first look at the budget, from the headers as they are on disk: it may refuse the
+        # load at once (it cannot fit even with every idle evictable model gone), never evict
+        # for it. Nothing is verified yet, and a file of the locked size with a lying header
+        # must not make room by unloading anyone.
+        await self._budget(
+            settings, source, draft.source if draft else None, mmproj.source if mmproj else None, make_room
+        )
         reused = reuse is not None and self.reusable(reuse, locked, source_stat, draft, mmproj)
         if reused and reuse is not None:
             # A restart after an engine died: its copies were verified and nothing changed since.
@@ -266,6 +261,23 @@ class Loader:
             mmproj, mmproj_verified = await self._prepare_companion(
                 settings, mmproj, copies, opened, check=check_projector
             )
+        # The budget for real, from the verified bytes (no position past what the model learned
+        # reaches llama.cpp: fit_positions): only now may it evict idle evictable models.
+        try:
+            settings, need = await self._budget(
+                settings,
+                load_path,
+                _load_path(draft, draft_verified) if draft is not None else None,
+                _load_path(mmproj, mmproj_verified) if mmproj is not None else None,
+                make_room,
+                evict=True,
+            )
+        except LoadFailed:
+            self.discard_copies(copies)
+            for file in opened:
+                if file is not None:
+                    file.close()
+            raise
         if settings.gpu_layers == GPU_LAYERS_AUTO:
             layers, why = await loop.run_in_executor(
                 None,
@@ -275,7 +287,7 @@ class Loader:
                     snapshot=self._gpu(),
                     offload_supported=await loop.run_in_executor(None, supports_gpu_offload),
                     headroom_bytes=self._gpu_headroom,
-                    kv_bytes=await loop.run_in_executor(None, kv_cache_bytes, source, settings),
+                    kv_bytes=await loop.run_in_executor(None, kv_cache_bytes, load_path, settings),
                 ),
             )
             log.info("model %s: gpu_layers auto -> %s: %s", name, "all" if layers == -1 else layers, why)
@@ -335,6 +347,28 @@ class Loader:
             template.source if template else "none",
         )
         return handle
+
+    async def _budget(
+        self,
+        settings: ModelSettings,
+        model: Path,
+        draft: Path | None,
+        mmproj: Path | None,
+        make_room: Callable[[ModelSettings, int, bool], None],
+        *,
+        evict: bool = False,
+    ) -> tuple[ModelSettings, int]:
+        """The settings fitted to the model's learned positions and the bytes the load needs, read
+        from these files' headers; `make_room` keeps the budget for them (evicting only when
+        `evict`) or raises LoadFailed."""
+        loop = asyncio.get_running_loop()
+        fitted = await loop.run_in_executor(None, fit_positions, settings, (model, draft))
+        try:
+            need = await loop.run_in_executor(None, estimate_bytes, model, fitted, draft, mmproj)
+        except OSError as exc:
+            raise LoadFailed(f"cannot read {exc.filename or model.name}: {exc.strerror}") from None
+        make_room(fitted, need, evict)
+        return fitted, need
 
     @staticmethod
     def reusable(

@@ -769,8 +769,10 @@ class Registry:
 
     # ---- building a handle ----------------------------------------------------------------
 
-    def _make_room(self, settings: ModelSettings, need: int) -> None:
-        """Keep loaded models within the memory budget, evicting idle evictable ones (LRU) if allowed."""
+    def _make_room(self, settings: ModelSettings, need: int, evict: bool) -> None:
+        """Keep loaded models within the memory budget, evicting idle evictable ones (LRU) if
+        allowed and `evict` (the loader's figure from verified bytes; without it, only whether
+        it could fit: LoadFailed when not)."""
         budget_mb = self._lifecycle.memory_budget_mb
         if budget_mb is None:
             return
@@ -799,7 +801,7 @@ class Registry:
             names = evictions(budget_mb, settings.name, need, resident)
         except OverBudget as exc:
             raise LoadFailed(str(exc)) from None
-        for name in names:
+        for name in names if evict else ():
             self._unload(
                 self._entries[name], f"evicted to make room for {settings.name} (memory budget)", "budget"
             )
