@@ -8,8 +8,8 @@ import json
 import logging
 import os
 import signal
-import struct
 import socket
+import struct
 import subprocess
 import sys
 import threading
