@@ -867,6 +867,111 @@ def test_get_and_delete(client: openai.OpenAI, daemon: RunningDaemon, keys: Keys
     assert caught.value.code == "previous_response_not_found"
 
 
+def test_input_items_list_what_a_response_was_made_from(client: openai.OpenAI) -> None:
+    """The SDK's `responses.input_items.list`: every turn a chain continued and its own input
+    (a call, its output), newest first by default, paged with `after` by the SDK itself."""
+    call = client.responses.create(
+        model="plain",
+        instructions="be brief",
+        input=[{"role": "developer", "content": "use tools"}, {"role": "user", "content": ASK}],
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=600,
+    )
+    [made] = call.output
+    assert made.type == "function_call"
+    answer = client.responses.create(
+        model="plain",
+        previous_response_id=call.id,
+        input=[{"type": "function_call_output", "call_id": made.call_id, "output": "sunny"}],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=6,
+    )
+    first = client.responses.input_items.list(call.id, order="asc")
+    # A developer turn is the system turn the model saw.
+    roles = [(i.type, getattr(i, "role", None)) for i in first.data]
+    assert roles == [("message", "system"), ("message", "user")]
+    assert first.data[1].to_dict()["content"] == [{"type": "input_text", "text": ASK}]  # no instructions
+    assert first.has_more is False
+    listed = client.responses.input_items.list(answer.id, order="asc")
+    kinds = [i.type for i in listed.data]
+    assert kinds == ["message", "message", "function_call", "function_call_output"]
+    call_item, output_item = listed.data[2].to_dict(), listed.data[3].to_dict()
+    assert (call_item["call_id"], call_item["name"], call_item["arguments"]) == (
+        made.call_id,
+        made.name,
+        made.arguments,
+    )
+    assert (output_item["call_id"], output_item["output"]) == (made.call_id, "sunny")
+    # Newest first by default; a page of one at a time, the SDK following `after` to the end.
+    newest = client.responses.input_items.list(answer.id)
+    assert [i.id for i in newest.data] == [i.id for i in reversed(listed.data)]
+    paged = [i.id for i in client.responses.input_items.list(answer.id, limit=1, order="asc")]
+    assert paged == [i.id for i in listed.data]
+    assert len(set(paged)) == 4
+    # The same ids every time (pages stay put while the response is stored).
+    assert [i.id for i in client.responses.input_items.list(answer.id, order="asc").data] == paged
+    page = client.responses.input_items.list(answer.id, order="asc", limit=2, after=paged[0])
+    assert ([i.id for i in page.data], page.has_more) == (paged[1:3], True)
+    raw = client.get(
+        f"/responses/{answer.id}/input_items",
+        cast_to=object,
+        options={"params": {"order": "asc", "limit": 2, "after": paged[0]}},
+    )
+    assert isinstance(raw, dict)
+    assert (raw["object"], raw["first_id"], raw["last_id"]) == ("list", paged[1], paged[2])
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("limit=0", "limit"),
+        ("limit=101", "limit"),
+        ("limit=-1", "limit"),
+        ("limit=%EF%BC%91", "limit"),  # a fullwidth digit
+        ("order=up", "order"),
+        ("after=msg_nothing", "after"),
+        ("after=" + "x" * 65, "after"),
+        ("include=bogus", "include"),
+        ("include[]=message.input_image.image_url&include[]=nope", "include"),
+        ("page=2", "page"),
+    ],
+)
+def test_input_items_refuse_what_openai_would(
+    daemon: RunningDaemon, keys: Keys, query: str, param: str
+) -> None:
+    created = _client(daemon, keys.tokens["a"]).responses.create(
+        model="plain", input="hi", max_output_tokens=2
+    )
+    status, payload = _raw(daemon, keys.tokens["a"], "GET", f"/v1/responses/{created.id}/input_items?{query}")
+    assert status == 400, payload
+    error = json.loads(payload)["error"]
+    assert error["param"] == param
+    assert "x" * 65 not in error["message"]
+
+
+def test_input_items_are_their_owners_alone(
+    client: openai.OpenAI, other: openai.OpenAI, daemon: RunningDaemon, keys: Keys
+) -> None:
+    mine = client.responses.create(model="plain", input="secret", max_output_tokens=2)
+    listed: Any = client.responses.input_items.list(mine.id).data[0].to_dict()
+    assert listed["content"][0]["text"] == "secret"
+    unknown = "resp_" + "0" * 32
+    answers = []
+    for rid in (mine.id, unknown):
+        status, payload = _raw(daemon, keys.tokens["b"], "GET", f"/v1/responses/{rid}/input_items")
+        answers.append((status, payload.decode().replace(rid, "ID")))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 404
+    status, _ = _raw(daemon, keys.tokens["a"], "GET", "/v1/responses/abc/input_items")
+    assert status == 400
+    client.responses.delete(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(mine.id)
+
+
 def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
     response = client.responses.create(model="plain", input="hi", max_output_tokens=4, store=False)
     assert response.to_dict()["store"] is False

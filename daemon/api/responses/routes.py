@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses, stored responses, GET and DELETE /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses, stored responses, GET and DELETE /v1/responses/{id},
+GET /v1/responses/{id}/input_items.
 
 The same request as a chat completion in another encoding (`responses.decode`): one
 conversation, the same session (`api.session`: lease, prompt, grammar, tools on every
@@ -21,6 +22,7 @@ from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.request import ChatRequest
 from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
 from edgellmd.api.responses.encode import Draft
+from edgellmd.api.responses.items import input_items, listing, page_of
 from edgellmd.api.responses.store import ANONYMOUS, RESPONSE_ID, ResponseStore, StoredResponse
 from edgellmd.api.session import ChoiceEnd, ChoicePart, Session, aborted, chat_session, read_choices
 from edgellmd.api.sse import Write, dumps, event, sse
@@ -89,7 +91,7 @@ def _keep(
     if not body.store:
         return
     limits = context(request).settings.responses
-    entry = StoredResponse.of(_owner(request), payload, conversation + draft.turns())
+    entry = StoredResponse.of(_owner(request), payload, conversation + draft.turns(), len(conversation))
     if not _store(request).put(
         draft.id, entry, max_responses=limits.store_max_responses, max_bytes=limits.store_max_mb * 1024 * 1024
     ):
@@ -208,6 +210,18 @@ async def get_response(request: web.Request) -> web.Response:
     return _json(stored.body)
 
 
+async def list_input_items(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id}/input_items: the items it was generated from, a page at a time."""
+    rid = _response_id(request)
+    query = request.rel_url.query
+    page = page_of(query, [*query.getall("include", []), *query.getall("include[]", [])])
+    stored = _store(request).get(_owner(request), rid)
+    if stored is None:
+        raise _not_found(rid)
+    items = input_items(rid, stored.conversation[: stored.inputs], images=page.images)
+    return _json(dumps(listing(items, page)))
+
+
 async def delete_response(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{id}: forget a stored response (OpenAI's deletion object)."""
     rid = _response_id(request)
@@ -222,4 +236,5 @@ def setup_responses(app: web.Application) -> None:
     app.setdefault(KEYS_GONE, []).append(store.drop_owners)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

@@ -36,11 +36,15 @@ class StoredResponse:
     body: bytes  # the response object's JSON
     conversation: tuple[ChatMessage, ...]  # every turn up to and including the response's output
     size: int  # bytes it is counted as: its JSON and its whole conversation (shared turns count in each)
+    inputs: int  # the conversation's first turns that were its input (GET .../input_items lists them)
 
     @classmethod
-    def of(cls, owner: str, body: bytes, conversation: tuple[ChatMessage, ...]) -> StoredResponse:
-        """An entry, its size measured once."""
-        return cls(owner, body, conversation, len(body) + sum(message_size(m) for m in conversation))
+    def of(
+        cls, owner: str, body: bytes, conversation: tuple[ChatMessage, ...], inputs: int | None = None
+    ) -> StoredResponse:
+        """An entry, its size measured once; `inputs`: how many turns were input (default all)."""
+        size = len(body) + sum(message_size(m) for m in conversation)
+        return cls(owner, body, conversation, size, len(conversation) if inputs is None else inputs)
 
 
 def message_size(message: ChatMessage) -> int:
