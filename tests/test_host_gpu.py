@@ -28,7 +28,15 @@ from edgellmd.host.verdicts import GpuLayers, Verdict, largest_gpu_layers, verdi
 from edgellmd.http import app as app_module
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
-from edgellmd.models.gguf import GGML_BLOCKS, GgufError, gguf_layer_bytes, learned_positions, read_gguf_values
+from edgellmd.models.gguf import (
+    GGML_BLOCKS,
+    MAX_KEPT_BYTES,
+    MAX_KEPT_STRING,
+    GgufError,
+    gguf_layer_bytes,
+    learned_positions,
+    read_gguf_values,
+)
 from edgellmd.models.handle import CPU_PREFILL_CHUNK, AnyEngine, engine_config
 from edgellmd.settings import ModelSettings, Settings, parse_settings
 from tests import fakenvml
@@ -643,6 +651,29 @@ def test_every_header_reader_refuses_skipped_values_a_file_cannot_hold(tmp_path:
     with pytest.raises(GgufError):
         read_gguf_values(path)
     assert learned_positions(path) is None
+
+
+def _kv_string(key: bytes, value: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value)) + value
+
+
+def test_what_a_header_reader_keeps_is_bounded_whatever_the_file_holds(tmp_path: Path) -> None:
+    """A file of a real model's size read before verification: its strings past MAX_KEPT_STRING,
+    and any value once MAX_KEPT_BYTES are kept, are walked past, not held in the daemon."""
+    big = b"x" * (MAX_KEPT_STRING + 1)
+    fill = b"y" * (MAX_KEPT_STRING - 200)
+    n_fill = MAX_KEPT_BYTES // MAX_KEPT_STRING + 8  # past the whole bound
+    kv = [_kv_string(b"general.architecture", b"llama"), _kv_string(b"big", big)]
+    kv += [_kv_string(b"fill.%d" % i, fill) for i in range(n_fill)]
+    path = tmp_path / "strings.gguf"
+    path.write_bytes(_header(0, kv=b"".join(kv), n_kv=len(kv)))
+    values = read_gguf_values(path)
+    assert values["general.architecture"] == "llama"
+    assert "big" not in values
+    kept = [k for k in values if k.startswith("fill.")]
+    assert 0 < len(kept) < n_fill
+    assert kept == [f"fill.{i}" for i in range(len(kept))]  # the first ones, in order
+    assert sum(len(v) for v in values.values() if isinstance(v, str)) <= MAX_KEPT_BYTES
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,13 @@ _MAX_STRING: Final = 64 * 1024 * 1024
 # Arrays of arrays: llama.cpp's own reader takes none; a hostile header nests them 100,000
 # deep (recursion), so a few levels are walked and no more.
 _MAX_NESTING: Final = 4
+# What read_gguf_values keeps: a header is read before its file is verified, in the daemon, and
+# a file of a real model's size could hold gigabytes of metadata strings. A string value past
+# MAX_KEPT_STRING, or any value once MAX_KEPT_BYTES are kept, is walked past and not kept (a
+# real header's scalars and strings, its vocabulary arrays skipped, are a few hundred KiB).
+MAX_KEPT_STRING: Final = 1024 * 1024
+MAX_KEPT_BYTES: Final = 32 * 1024 * 1024
+_ENTRY_BYTES: Final = 100  # what a kept entry costs beyond its key's and string's bytes
 
 
 class HeaderReader:
@@ -99,7 +106,8 @@ class HeaderReader:
 
 
 def read_gguf_values(path: Path) -> dict[str, Any]:
-    """The scalar and string metadata of a GGUF header (arrays skipped, weights never read).
+    """The scalar and string metadata of a GGUF header (arrays skipped, weights never read;
+    what is kept is bounded: MAX_KEPT_STRING, MAX_KEPT_BYTES).
 
     GgufError for anything but a regular GGUF file (a FIFO or a device is refused, never read).
     """
@@ -122,13 +130,23 @@ def read_gguf_values(path: Path) -> dict[str, Any]:
             n_kv = header.scalar("<Q")
             if n_kv > MAX_KV:
                 raise GgufError("not a GGUF file: absurd metadata count")
+            kept = 0
             for _ in range(n_kv):
-                key = header.string().decode("utf-8", "replace")
+                raw_key = header.string()
                 vtype = header.scalar("<I")
                 if vtype == _STRING:
-                    values[key] = header.string().decode("utf-8", "replace")
-                elif vtype in _SCALAR:
-                    values[key] = header.scalar(_SCALAR[vtype])
+                    length = header.scalar("<Q")
+                    cost = _ENTRY_BYTES + len(raw_key) + length
+                    if length > MAX_KEPT_STRING or kept + cost > MAX_KEPT_BYTES:
+                        header.skip(length)
+                        continue
+                    values[raw_key.decode("utf-8", "replace")] = header.read(length).decode(
+                        "utf-8", "replace"
+                    )
+                    kept += cost
+                elif vtype in _SCALAR and kept + _ENTRY_BYTES + len(raw_key) <= MAX_KEPT_BYTES:
+                    values[raw_key.decode("utf-8", "replace")] = header.scalar(_SCALAR[vtype])
+                    kept += _ENTRY_BYTES + len(raw_key)
                 else:
                     header.skip_value(vtype)
     except OSError as exc:
