@@ -462,8 +462,9 @@ def _function_tool(
         )
     f, name, description = _named(tool, where, _FUNCTION_TOOL_KEYS)
     strict = f.boolean("strict", True)  # the grammar holds every reply to the schema: strict, always
-    parameters = tool.get("parameters")
-    object_schema(parameters, f"{where}.parameters")  # refused here under the Responses API's names
+    # Checked here under the Responses API's names (chat's check of it then passes as it is).
+    given = tool.get("parameters")
+    parameters = object_schema(given, f"{where}.parameters")
     seen = name
     if namespace is not None:
         seen = f"{namespace}{NAMESPACE_JOINER}{name}"
@@ -475,7 +476,7 @@ def _function_tool(
             )
     function: dict[str, Any] = {
         "name": seen,
-        "parameters": parameters or {"type": "object", "properties": {}},
+        "parameters": parameters,
     }
     if tool.get("strict") is not None:  # strict: the exact subset; otherwise relaxed (grammar.relax)
         function["strict"] = strict
@@ -485,7 +486,7 @@ def _function_tool(
         "type": "function",
         "name": name,
         "description": description,
-        "parameters": parameters,
+        "parameters": given,  # echoed as sent
         "strict": strict,
     }
     return {"type": "function", "function": function}, echo
