@@ -215,6 +215,20 @@ def shown(value: object, *, limit: int = 64, quote: bool = False, placeholder: s
     return repr(text) if quote and isinstance(value, str) else text
 
 
+def escaped(text: str) -> str:
+    """`text` with every character that is not printable written as its escape (`\\x0a`,
+    `\\u202e`): line breaks, terminal controls, bidirectional overrides, zero-width marks. The
+    one escaping of untrusted text kept whole where a reader sees it (a text log line, a
+    terminal listing)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(ord(c)) for c in text)
+
+
+def _escape(code: int) -> str:
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def envelope(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
     """Build `{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

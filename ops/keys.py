@@ -10,6 +10,7 @@ from typing import Final
 
 from edgellmctl.cli import CommandError, Subcommands, guarded, int_between, positive_int
 from edgellmctl.lock import parse_duration
+from edgellmd.errors import escaped
 from edgellmd.keys import (
     MAX_LIMIT,
     MAX_NAME,
@@ -151,7 +152,7 @@ def _key_name(value: str) -> str:
 
 def _listed(name: str) -> str:
     """A name as `keys list` prints it: a hand-edited file's unprintable characters escaped."""
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in name)
+    return escaped(name)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

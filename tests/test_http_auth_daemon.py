@@ -343,7 +343,7 @@ def test_keys_list_escapes_a_hand_edited_name(tmp_path: Path, capsys: pytest.Cap
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2  # the header and the key's row
     assert lines[1].startswith(key_id)
-    assert "a\\nb\\x1b[31m" in lines[1]
+    assert "a\\x0ab\\x1b[31m" in lines[1]
     assert "\x1b" not in lines[1]
 
 

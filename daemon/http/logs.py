@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import re
 import sys
 import time
 from typing import Final
@@ -13,6 +12,7 @@ from typing import Final
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from edgellmd.errors import escaped
 from edgellmd.redaction import redact
 
 request_id: Final = contextvars.ContextVar[str]("request_id", default="-")
@@ -30,14 +30,6 @@ AIOHTTP_LOGGERS: Final = (
 _CAUSES_LOOKED_AT: Final = 16  # a chain of causes can be a cycle
 SCRUBBED_MESSAGE: Final = "malformed HTTP request: %s (request bytes not logged)"
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"  # logging.format: text
-# What a text line's message may not hold as is: line breaks (a client's request path could
-# start a forged line), other controls (terminal escapes) and bidirectional overrides.
-_UNPRINTABLE: Final = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def _escape(match: re.Match[str]) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def _protocol_error(exc: BaseException | None) -> BaseException | None:
@@ -124,7 +116,9 @@ class TextFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         """The line before any traceback."""
-        record.message = _UNPRINTABLE.sub(_escape, record.message)
+        # Line breaks (a client's request path could start a forged line), other controls
+        # (terminal escapes) and bidirectional overrides are written as their escapes.
+        record.message = escaped(record.message)
         return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
