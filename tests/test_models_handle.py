@@ -7,7 +7,7 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -177,6 +177,64 @@ def test_past_the_queue_bound_a_key_below_its_fair_share_still_gets_in(
         with pytest.raises(ServerOverloaded):
             handle.check_capacity(asking)
         assert handle.counters["queue_rejections"] == 1
+
+
+def test_a_requests_choices_are_let_in_or_refused_together(executor: ThreadPoolExecutor) -> None:
+    engine = CountingEngine()
+    engine.busy_slots, engine.queue_depth = 2, 1  # room 4 (slots 2, queue 2): one place left
+    handle = make_handle(engine, executor, slots=2, queue_size=2)
+    assert handle.check_capacity("", 1) is False
+    with pytest.raises(ServerOverloaded):
+        handle.check_capacity("", 2)  # one key alone: held to the bound, both choices or none
+    engine.by_key = Counter({"flood": 3})
+    assert handle.check_capacity("other", 2) is True  # below its share: both, past the bound
+    assert handle.check_capacity("other", 5) is True  # 3 + 5 = twice the room
+    with pytest.raises(ServerOverloaded):
+        handle.check_capacity("other", 6)
+
+
+def test_nobody_is_let_past_the_bound_of_an_idle_model(executor: ThreadPoolExecutor) -> None:
+    handle = make_handle(CountingEngine(), executor, slots=1, queue_size=0)
+    with pytest.raises(ServerOverloaded):
+        handle.check_capacity("k", 2)  # more choices than the room, and no other key there
+
+
+class HeldEmbedder:
+    """An embedding engine whose calls end when the test says."""
+
+    def __init__(self) -> None:
+        self.futures: list[Future[list[list[float]]]] = []
+
+    def submit_embed(self, inputs: Any) -> Future[list[list[float]]]:
+        self.futures.append(Future())
+        return self.futures[-1]
+
+    def abandon(self, future: Future[list[list[float]]]) -> None:
+        future.cancel()
+
+
+async def test_an_embed_call_counts_for_its_key_as_the_engine_counts_it(executor: ThreadPoolExecutor) -> None:
+    """One call of many inputs fills an embedding model's slots (the engine counts its inputs):
+    its key then holds the room, and its next call is refused while another key's goes in."""
+    engine = CountingEngine()
+    engine.by_key = Counter({"x": 0})  # an embedding engine knows no keys: the handle counts
+    handle = make_handle(engine, executor, slots=4, queue_size=0, embedding=True)
+    embedder = HeldEmbedder()
+    big = asyncio.create_task(handle._pool(cast(Any, embedder), [[1]] * 400, "flood"))
+    await asyncio.sleep(0)
+    engine.busy_slots = 4  # what the engine shows for it
+    assert handle._pooled == Counter({"flood": 4})
+    small = asyncio.create_task(handle._pool(cast(Any, embedder), [[1]], "other"))
+    await asyncio.sleep(0)
+    engine.queue_depth = 1
+    assert handle.counters["fair_admissions"] == 1
+    # Counted by calls, the flooding key would hold 1 of its share of 2 and get in again.
+    with pytest.raises(ServerOverloaded):
+        await handle._pool(cast(Any, embedder), [[1]] * 60, "flood")
+    for future in embedder.futures:
+        future.set_result([[0.0]])
+    await asyncio.gather(big, small)
+    assert handle._pooled == Counter()
 
 
 def test_embed_calls_in_flight_count_for_their_key(executor: ThreadPoolExecutor) -> None:

@@ -374,14 +374,19 @@ def test_a_key_that_filled_a_models_queue_does_not_shut_another_key_out(tmp_path
         with pytest.raises(openai.RateLimitError):
             _short(daemon, flood)
         done_at, _ = _short(daemon, other)
+        # Its two choices go in together, and count as one admission.
+        pair = _client(daemon, other).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2
+        )
+        assert len(pair.choices) == 2
         for job in jobs:
             job.join(120)
         assert 1 in first_token
         assert done_at < first_token[1]  # B went ahead of A's stream that was waiting
         status = _status(daemon, admin)
-        assert status["fair_admissions"] == 1
+        assert status["fair_admissions"] == 2
         samples = scrape(daemon, {"Authorization": f"Bearer {admin}"})
-        assert value(samples, "edgellm_fair_admissions_total", model="m") == 1
+        assert value(samples, "edgellm_fair_admissions_total", model="m") == 2
         assert value(samples, "edgellm_queue_rejections_total", model="m") == 1
 
 

@@ -242,6 +242,9 @@ def _submit_all(
     gens: list[Generation] = []
     pending = list(grammars or [])
     try:
+        # Admitted as a whole (nothing awaited until every choice is in): n choices of a key
+        # let in past the bound for its fair share all go in, and count as one admission.
+        past_bound = handle.check_capacity(share.tenant, common.n)
         for choice in range(common.n):
             grammar = pending.pop(0) if pending else None
             gens.append(
@@ -250,8 +253,11 @@ def _submit_all(
                         handle, common, tokens, choice, scope=scope, share=share, media=media
                     ),
                     grammar,
+                    admitted=True,
                 )
             )
+        if past_bound:
+            handle.counters["fair_admissions"] += 1
     except BaseException:
         for gen in gens:
             gen.cancel()

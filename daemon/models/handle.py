@@ -320,7 +320,7 @@ class ModelHandle:
     counters: Tally[str] = field(default_factory=Tally)  # the model's, shared across its versions
     last_used: float = field(default_factory=time.monotonic)
     _rerank_pieces: list[list[int] | str] | None = None  # `_rerank_template`, once read
-    _pooled: Tally[str] = field(default_factory=Tally)  # embed/rank calls in flight, by key
+    _pooled: Tally[str] = field(default_factory=Tally)  # embed/rank calls in flight, by key (_pool)
 
     @property
     def name(self) -> str:
@@ -687,9 +687,10 @@ class ModelHandle:
         room = self.settings.context_size - n_prompt
         return room if requested is None else min(requested, room)
 
-    def check_capacity(self, tenant: str) -> bool:
+    def check_capacity(self, tenant: str, count: int = 1) -> bool:
         """Refuse at once (429) when the slots and the queue together hold all they may, and the
-        asking key (`tenant`: its `Share.tenant`, "" without keys) already holds its share.
+        asking key (`tenant`: its `Share.tenant`, "" without keys) already holds its share;
+        `count`: the generations the request brings (its choices), let in or refused together.
 
         The bound counts running and waiting requests together: a slot that is free but not
         yet filled (the scheduler is inside a decode step) must not let the queue grow past
@@ -697,19 +698,21 @@ class ModelHandle:
         room divided among the keys holding any of it, itself counted) is still let in, up to
         `FAIR_OVERFLOW` times the room: one key flooding a model fills the queue, but every
         other key still gets in, and the queue's fair order (engine.fairness) serves it next.
-        True when it was let in that way (`submit` and `_pool` count it, so that the check
-        before tokenizing and the one at submission count a request once).
+        True when it was let in that way: the caller counts it (`fair_admissions`) once the
+        request is in, so that a request checked twice, or refused for its next choice, counts
+        once or not at all.
         """
         busy, waiting = self.engine.occupancy()
         room = self.settings.slots + self.settings.queue_size
         held = busy + waiting
-        if held < room:
+        if held + count <= room:
             return False
-        if held < FAIR_OVERFLOW * room:
+        if held + count <= FAIR_OVERFLOW * room:
             by_key = self.engine.held_by_tenant() + self._pooled
             mine = by_key[tenant]
             keys = len(by_key) + (0 if mine else 1)
-            if mine < max(1, room // keys):
+            # Only when another key holds part of the room: a key alone is held to the bound.
+            if keys > 1 and mine < max(1, room // keys):
                 return True
         self.counters["queue_rejections"] += 1
         raise ServerOverloaded(
@@ -740,29 +743,30 @@ class ModelHandle:
             raise _gone(self.name) from None
         return compiled
 
-    def submit(self, request: GenerationRequest, grammar: Grammar | None = None) -> Generation:
-        """Start a generation, or refuse at once (429) when the slots and the queue are full.
+    def submit(
+        self, request: GenerationRequest, grammar: Grammar | None = None, *, admitted: bool = False
+    ) -> Generation:
+        """Start a generation, or refuse at once (429) when the slots and the queue are full
+        (`admitted`: the caller has just checked for the whole request, `check_capacity`).
 
         The generation owns `grammar` (compiled by `grammars`) from here on, refused or not.
         """
         try:
             generator = self.generator
-            past_bound = self.check_capacity(request.share.tenant)
+            if not admitted:
+                self.check_capacity(request.share.tenant)
         except BaseException:
             if grammar is not None:
                 grammar.free()
             raise
         try:
-            generation = generator.submit(request, asyncio.get_running_loop(), grammar)
+            return generator.submit(request, asyncio.get_running_loop(), grammar)
         except GrammarError:
             raise
         except EngineError:  # it stopped meanwhile: by itself (restarting), or closed by a swap
             if generator.fault is not None:
                 raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
             raise _gone(self.name) from None
-        if past_bound:
-            self.counters["fair_admissions"] += 1
-        return generation
 
     async def embed(self, inputs: Sequence[Sequence[int]], *, tenant: str) -> list[list[float]]:
         """Embed tokenized inputs on the model's own thread (429 when it is saturated and
@@ -776,11 +780,15 @@ class ModelHandle:
     async def _pool(
         self, embedder: Embedder, inputs: Sequence[Sequence[int]], tenant: str
     ) -> list[list[float]]:
-        if self.check_capacity(tenant):
-            self.counters["fair_admissions"] += 1
-        self._pooled[tenant] += 1
+        past_bound = self.check_capacity(tenant)
+        # Counted as the engine counts a call running (its inputs, up to the slots): one call
+        # of many inputs fills the model, and its key is then seen to (check_capacity).
+        cost = max(1, min(len(inputs), self.settings.slots))
+        self._pooled[tenant] += cost
         try:
             future = embedder.submit_embed(inputs)
+            if past_bound:
+                self.counters["fair_admissions"] += 1
             try:
                 return await asyncio.wrap_future(future)
             except asyncio.CancelledError:  # the client left: the model stops on its work
@@ -793,6 +801,6 @@ class ModelHandle:
                 raise _gone(self.name) from None
             raise
         finally:
-            self._pooled[tenant] -= 1
+            self._pooled[tenant] -= cost
             if not self._pooled[tenant]:
                 del self._pooled[tenant]
