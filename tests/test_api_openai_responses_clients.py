@@ -194,3 +194,7 @@ async def test_a_codex_shaped_request_calls_a_namespaced_tool(client: openai.Asy
         max_output_tokens=8,
     )
     assert followed.status in ("completed", "incomplete")
+    # Listed later, the call keeps its namespace (the model's name for it is namespace__name).
+    listed = [i async for i in client.responses.input_items.list(followed.id, order="asc")]
+    calls = [i for i in listed if i.type == "function_call"]
+    assert [(c.name, c.namespace, c.call_id) for c in calls] == [("read", "files", call.call_id)]

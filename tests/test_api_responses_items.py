@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import pytest
+from openai.types.responses.response_item import ResponseItem
+from pydantic import TypeAdapter
 
-from edgellmd.api.responses.items import IMAGE_URL, Page, input_items, listing, page_of
+from edgellmd.api.responses.items import (
+    IMAGE_URL,
+    MAX_PAGE_BYTES,
+    Page,
+    input_items,
+    listing,
+    page_of,
+)
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.config import MediaInput
 from edgellmd.errors import InvalidRequest
 
 PNG = b"\x89PNG\r\n\x1a\nnot really"
 CLIP = b"RIFF....WAVE"
+ITEM: Any = TypeAdapter(ResponseItem)  # what the openai SDK makes of an item
 
 
 def _turns() -> tuple[ChatMessage, ...]:
@@ -25,41 +36,58 @@ def _turns() -> tuple[ChatMessage, ...]:
     fetched = ChatMessage(
         "user", "", media=(MediaInput("image", b"", None, url="https://pics.lan/a.png"),), media_at=(0,)
     )
-    call = {"id": "call_1", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "crm__get", "arguments": '{"a": 1}'}}
+    plain = {"id": "call_2", "type": "function", "function": {"name": "a__b", "arguments": "{}"}}
     return (
         look,
         fetched,
-        ChatMessage("assistant", "let me see", tool_calls=(call,)),
+        ChatMessage("assistant", "let me see", tool_calls=(call, plain)),
         ChatMessage("tool", "42", tool_call_id="call_1"),
     )
 
 
+def _all(turns: tuple[ChatMessage, ...], **page: Any) -> list[dict[str, Any]]:
+    listed = listing(
+        input_items(turns), Page(descending=False, limit=100, **page), {"crm__get": ("crm", "get")}
+    )
+    data: list[dict[str, Any]] = listed["data"]
+    return data
+
+
 def test_turns_become_items_with_their_parts_in_place() -> None:
-    items = input_items("resp_x", _turns())
-    assert [i["type"] for i in items] == [
-        "message",
-        "message",
-        "message",
-        "function_call",
-        "function_call_output",
-    ]
+    items = _all(_turns())
+    kinds = ["message", "message", "message", "function_call", "function_call", "function_call_output"]
+    assert [i["type"] for i in items] == kinds
     assert items[0]["content"] == [
         {"type": "input_text", "text": "before"},
         {"type": "input_image", "detail": "auto", "file_id": None, "image_url": None},  # not asked for
-        {"type": "input_text", "text": " after"},
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(CLIP).decode(), "format": "wav"}},
+        {"type": "input_text", "text": " after"},  # the clip has no part in OpenAI's items
     ]
     assert items[2]["content"] == [{"type": "output_text", "text": "let me see", "annotations": []}]
-    assert (items[3]["call_id"], items[3]["name"], items[3]["arguments"]) == ("call_1", "get", '{"a": 1}')
-    assert (items[4]["call_id"], items[4]["output"]) == ("call_1", "42")
-    assert [i["id"].split("_")[0] for i in items] == ["msg", "msg", "msg", "fc", "fco"]
-    assert len({i["id"] for i in items}) == 5
-    assert [i["id"] for i in items] == [i["id"] for i in input_items("resp_x", _turns())]  # stable
-    assert all(a["id"] != b["id"] for a, b in zip(items, input_items("resp_y", _turns()), strict=True))
+    # A namespace's function under its own name; a name that merely holds "__" as it is.
+    assert (items[3]["namespace"], items[3]["name"], items[3]["arguments"]) == ("crm", "get", '{"a": 1}')
+    assert (items[4]["name"], "namespace" in items[4]) == ("a__b", False)
+    assert (items[5]["call_id"], items[5]["output"]) == ("call_1", "42")
+    assert [i["id"].split("_")[0] for i in items] == ["msg", "msg", "msg", "fc", "fc", "fco"]
+    for item in items:  # every item as the SDK reads it, of the type it says
+        parsed = ITEM.validate_python(item)
+        assert parsed.type == item["type"]
+        assert getattr(parsed, "role", None) == item.get("role")
+
+
+def test_ids_are_the_same_in_every_response_of_a_chain_and_differ_between_turns() -> None:
+    turns = _turns()
+    ids = [i["id"] for i in _all(turns)]
+    assert len(set(ids)) == len(ids)
+    assert [i["id"] for i in _all(turns)] == ids  # stable
+    longer = (*turns, ChatMessage("user", "and then?"))
+    assert [i["id"] for i in _all(longer)][: len(ids)] == ids  # the next response of the chain
+    other = (ChatMessage("user", "something else"), *turns[1:])
+    assert not set(ids) & {i["id"] for i in _all(other)}  # another conversation
 
 
 def test_image_data_only_when_included() -> None:
-    items = input_items("resp_x", _turns(), images=True)
+    items = _all(_turns(), images=True)
     assert items[0]["content"][1]["image_url"] == "data:image/png;base64," + base64.b64encode(PNG).decode()
     assert items[1]["content"] == [
         {"type": "input_image", "detail": "auto", "file_id": None, "image_url": "https://pics.lan/a.png"}
@@ -67,8 +95,8 @@ def test_image_data_only_when_included() -> None:
 
 
 def test_pages_follow_after_in_either_order() -> None:
-    items = input_items("resp_x", _turns())
-    ids = [i["id"] for i in items]
+    items = input_items(_turns())
+    ids = [i.id for i in items]
     whole = listing(items, Page(descending=False))
     assert ([i["id"] for i in whole["data"]], whole["has_more"]) == (ids, False)
     first = listing(items, Page(limit=2))
@@ -82,16 +110,32 @@ def test_pages_follow_after_in_either_order() -> None:
     assert caught.value.param == "after"
 
 
+def test_a_page_of_big_images_stops_early_and_says_there_is_more() -> None:
+    big = b"\0" * (MAX_PAGE_BYTES // 2)
+    turns = tuple(
+        ChatMessage("user", "", media=(MediaInput("image", big, "png"),), media_at=(0,)) for _ in range(4)
+    )
+    items = input_items(turns)
+    page = listing(items, Page(limit=4, images=True))
+    assert (len(page["data"]), page["has_more"]) == (1, True)  # each is 2/3 of the bound as base64
+    nxt = listing(items, Page(limit=4, images=True, after=page["last_id"]))
+    assert (len(nxt["data"]), nxt["has_more"]) == (1, True)
+    assert len(listing(items, Page(limit=4))["data"]) == 4  # without their data, all of them
+
+
 def test_the_query_is_read_as_openai_documents_it() -> None:
     assert page_of({}, []) == Page()
     assert page_of({"limit": "100", "order": "asc", "after": "msg_1"}, [IMAGE_URL]) == Page(
         "msg_1", 100, False, True
     )
+    assert page_of({"limit": "007"}, []).limit == 7
     assert page_of({}, ["reasoning.encrypted_content"]).images is False
     for query, includes, param in [
         ({"limit": "0"}, [], "limit"),
         ({"limit": "1e2"}, [], "limit"),
         ({"limit": "٣"}, [], "limit"),  # an Arabic-Indic digit: isdigit, not an integer here
+        ({"limit": "9" * 5000}, [], "limit"),  # past int()'s digits: no ValueError
+        ({"limit": "0" * 4999 + "5"}, [], "limit"),
         ({"order": "DESC"}, [], "order"),
         ({"after": ""}, [], "after"),
         ({}, ["image_url"], "include"),

@@ -3,21 +3,31 @@
 The store keeps a response's conversation as chat turns (`store.StoredResponse`): every turn
 it continued (`previous_response_id`) and its own input, then its output. The listing is
 those input turns in OpenAI's item shapes: a user, system or developer turn is a `message`
-of `input_text` (and `input_image` / `input_audio`) parts, an assistant turn a `message` of
-`output_text` and a `function_call` per call, a tool turn a `function_call_output`. Each item's
-id is made from the response's id and the item's place, so that `after` pages stay put for as
-long as the response is stored. Instructions are not items (OpenAI lists none for them); a
-reasoning item sent as input was not kept (`decode.input_turns`), so it is not listed; a
-`developer` turn is listed as the `system` turn the model saw.
+of `input_text` (and `input_image`) parts, an assistant turn a `message` of `output_text` and
+a `function_call` per call (a namespace's function under its own name and `namespace`, as the
+responses of the chain named them), a tool turn a `function_call_output`.
 
-An image's data is listed only when `include` asks for `message.input_image.image_url` (as
-OpenAI does): its http(s) address as sent, or a data: URL of its bytes.
+An item's id is made from the conversation up to its turn and its place there, so the same
+turn has the same id in every response of a chain, and pages stay put for as long as the
+response is stored. The ids a response gave its own output items are not kept: a call listed
+later has another id than the one its response showed.
+
+What is not kept is not listed: instructions (OpenAI lists none), input reasoning items, audio
+clips (OpenAI's message items have no audio part: they are left out of the listing), the
+boundaries between several text parts of one message (listed as one), a `refusal` part (in the
+assistant's text), an image's `detail` (listed as `auto`); a `developer` turn is listed as the
+`system` turn the model saw. An image's data is listed only when `include` asks for
+`message.input_image.image_url`, as at OpenAI: its http(s) address as sent, or a data: URL.
+
+A page holds at most `limit` items and, past its first item, about MAX_PAGE_BYTES of them
+(an image's data URL is most of that): beyond, `has_more` says to ask for the next page.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -28,6 +38,7 @@ from edgellmd.errors import InvalidRequest, shown
 
 DEFAULT_LIMIT: Final = 20  # OpenAI's
 MAX_LIMIT: Final = 100  # OpenAI's
+MAX_PAGE_BYTES: Final = 8 * 1024 * 1024  # of a page's items past its first (estimated from their data)
 IMAGE_URL: Final = "message.input_image.image_url"
 # What `include` may name (OpenAI's ResponseIncludable); only IMAGE_URL changes what is listed.
 INCLUDABLE: Final = frozenset(
@@ -56,6 +67,16 @@ class Page:
     images: bool = False  # `include` named IMAGE_URL
 
 
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One listed item, not yet built: its id, its turn, and which of the turn's items it is
+    (an assistant turn's text is -1, its calls 0, 1, ...; any other turn's one item is -1)."""
+
+    id: str
+    turn: ChatMessage
+    call: int = -1
+
+
 def page_of(query: Mapping[str, str], includes: Sequence[str]) -> Page:
     """The listing's parameters from a query (`includes`: every `include` / `include[]` value).
     400 naming the parameter for any value OpenAI would not take."""
@@ -68,7 +89,8 @@ def page_of(query: Mapping[str, str], includes: Sequence[str]) -> Page:
     limit = DEFAULT_LIMIT
     if "limit" in query:
         text = query["limit"]
-        if not (text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_LIMIT):
+        # Digits first (int() takes other scripts' digits, and refuses 4,300 of them with an error).
+        if not (text.isascii() and text.isdigit() and len(text) <= 3 and 1 <= int(text) <= MAX_LIMIT):
             raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_LIMIT}", param="limit")
         limit = int(text)
     order = query.get("order", "desc")
@@ -88,106 +110,119 @@ def page_of(query: Mapping[str, str], includes: Sequence[str]) -> Page:
     return Page(after, limit, order == "desc", IMAGE_URL in includes)
 
 
-def input_items(
-    response_id: str, turns: Sequence[ChatMessage], *, images: bool = False
-) -> list[dict[str, Any]]:
-    """The input turns as items, oldest first."""
-    items: list[dict[str, Any]] = []
-
-    def item_id(prefix: str) -> str:
-        digest = hashlib.sha256(f"{response_id}/{len(items)}".encode()).hexdigest()
-        return prefix + digest[:32]
-
+def input_items(turns: Sequence[ChatMessage]) -> list[Item]:
+    """The input turns' items, oldest first, with their ids (nothing is built yet)."""
+    items: list[Item] = []
+    chain = hashlib.sha256()
     for turn in turns:
-        if turn.role == "tool":
-            items.append(
-                {
-                    "id": item_id("fco_"),
-                    "type": "function_call_output",
-                    "call_id": turn.tool_call_id or "",
-                    "output": turn.content,
-                    "status": "completed",
-                }
-            )
-        elif turn.role == "assistant":
+        chain.update(_digest(turn))
+        at = chain.copy().digest()
+
+        def item_id(prefix: str, place: int, at: bytes = at) -> str:
+            return prefix + hashlib.sha256(at + place.to_bytes(4, "little", signed=True)).hexdigest()[:32]
+
+        if turn.role == "assistant":
             if turn.content or not turn.tool_calls:
-                items.append(
-                    {
-                        "id": item_id("msg_"),
-                        "type": "message",
-                        "role": "assistant",
-                        "status": "completed",
-                        "content": [{"type": "output_text", "text": turn.content, "annotations": []}],
-                    }
-                )
-            for call in turn.tool_calls:
-                function = call.get("function", {})
-                items.append(
-                    {
-                        "id": item_id("fc_"),
-                        "type": "function_call",
-                        "call_id": call.get("id", ""),
-                        "name": function.get("name", ""),
-                        "arguments": function.get("arguments", ""),
-                        "status": "completed",
-                    }
-                )
+                items.append(Item(item_id("msg_", -1), turn))
+            items += [Item(item_id("fc_", k), turn, k) for k in range(len(turn.tool_calls))]
         else:
-            items.append(
-                {
-                    "id": item_id("msg_"),
-                    "type": "message",
-                    "role": turn.role,
-                    "status": "completed",
-                    "content": _input_parts(turn, images),
-                }
-            )
+            items.append(Item(item_id("fco_" if turn.role == "tool" else "msg_", -1), turn))
     return items
 
 
+def _digest(turn: ChatMessage) -> bytes:
+    """What identifies a turn in its conversation."""
+    parts: list[Any] = [turn.role, turn.content, list(turn.tool_calls), turn.tool_call_id, turn.name]
+    parts.append([(m.kind, m.url, hashlib.sha256(m.data).hexdigest()) for m in turn.media])
+    parts.append(list(turn.media_at))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).digest()
+
+
+def listing(
+    items: list[Item], page: Page, namespaces: Mapping[str, tuple[str, str]] | None = None
+) -> dict[str, Any]:
+    """One page of `items` (oldest first) in OpenAI's list object, built; 400 for an `after` it
+    lacks. `namespaces`: the model's tool name -> (namespace, name), for calls to list."""
+    ordered = list(reversed(items)) if page.descending else items
+    start = 0
+    if page.after is not None:
+        found = next((i for i, item in enumerate(ordered) if item.id == page.after), None)
+        if found is None:
+            raise InvalidRequest(
+                f"'after' {shown(page.after, quote=True)} is no input item of this response", param="after"
+            )
+        start = found + 1
+    data: list[dict[str, Any]] = []
+    size = 0
+    for item in ordered[start : start + page.limit]:
+        built, weight = _build(item, page.images, namespaces or {})
+        if data and size + weight > MAX_PAGE_BYTES:
+            break
+        data.append(built)
+        size += weight
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + len(data) < len(ordered),
+    }
+
+
+def _build(item: Item, images: bool, namespaces: Mapping[str, tuple[str, str]]) -> tuple[dict[str, Any], int]:
+    """The item in OpenAI's shape, and about how many bytes it holds."""
+    turn = item.turn
+    if turn.role == "tool":
+        built: dict[str, Any] = {
+            "id": item.id,
+            "type": "function_call_output",
+            "call_id": turn.tool_call_id or "",
+            "output": turn.content,
+            "status": "completed",
+        }
+        return built, len(turn.content)
+    if turn.role == "assistant" and item.call >= 0:
+        call = turn.tool_calls[item.call]
+        function = call.get("function", {})
+        name, arguments = str(function.get("name", "")), str(function.get("arguments", ""))
+        built = {"id": item.id, "type": "function_call", "call_id": call.get("id", "")}
+        if name in namespaces:
+            built["namespace"], name = namespaces[name]
+        built.update({"name": name, "arguments": arguments, "status": "completed"})
+        return built, len(arguments)
+    if turn.role == "assistant":
+        content = [{"type": "output_text", "text": turn.content, "annotations": []}]
+        built = {
+            "id": item.id,
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": content,
+        }
+        return built, len(turn.content)
+    parts = _input_parts(turn, images)
+    built = {"id": item.id, "type": "message", "role": turn.role, "status": "completed", "content": parts}
+    return built, sum(len(p.get("text") or p.get("image_url") or "") for p in parts)
+
+
 def _input_parts(turn: ChatMessage, images: bool) -> list[dict[str, Any]]:
-    """A user, system or developer turn's parts: its text between its media, as sent."""
+    """A user, system or developer turn's parts: its text between its images, as sent."""
     parts: list[dict[str, Any]] = []
     at = 0
     for media, offset in zip(turn.media, turn.media_at, strict=True):
         if turn.content[at:offset]:
             parts.append({"type": "input_text", "text": turn.content[at:offset]})
-        parts.append(_media_part(media, images))
+        if media.kind == "image":  # a clip has no part in OpenAI's message items
+            parts.append(_image_part(media, images))
         at = offset
     if turn.content[at:] or not parts:
         parts.append({"type": "input_text", "text": turn.content[at:]})
     return parts
 
 
-def _media_part(media: MediaInput, images: bool) -> dict[str, Any]:
-    if media.kind == "audio":
-        data = base64.b64encode(media.data).decode("ascii")
-        return {"type": "input_audio", "input_audio": {"data": data, "format": media.format or "wav"}}
+def _image_part(media: MediaInput, images: bool) -> dict[str, Any]:
     url = None
     if images:
-        url = (
-            media.url
-            or f"data:image/{media.format or 'png'};base64,{base64.b64encode(media.data).decode('ascii')}"
-        )
+        data = base64.b64encode(media.data).decode("ascii")
+        url = media.url or f"data:image/{media.format or 'png'};base64,{data}"
     return {"type": "input_image", "detail": "auto", "file_id": None, "image_url": url}
-
-
-def listing(items: list[dict[str, Any]], page: Page) -> dict[str, Any]:
-    """One page of `items` (oldest first) in OpenAI's list object; 400 for an `after` it lacks."""
-    ordered = list(reversed(items)) if page.descending else items
-    start = 0
-    if page.after is not None:
-        found = next((i for i, item in enumerate(ordered) if item["id"] == page.after), None)
-        if found is None:
-            raise InvalidRequest(
-                f"'after' {shown(page.after, quote=True)} is no input item of this response", param="after"
-            )
-        start = found + 1
-    data = ordered[start : start + page.limit]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": start + page.limit < len(ordered),
-    }

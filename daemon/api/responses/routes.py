@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from aiohttp import web
@@ -65,11 +67,19 @@ def _check_call_outputs(turns: tuple[ChatMessage, ...]) -> None:
             )
 
 
-def _previous(request: web.Request, body: ResponsesRequest) -> tuple[ChatMessage, ...]:
-    """The stored conversation that `previous_response_id` continues (404 when it is not this key's)."""
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """What a response continues and adds: its turns, and its chain's namespace functions."""
+
+    turns: tuple[ChatMessage, ...]
+    namespaces: Mapping[str, tuple[str, str]]
+
+
+def _previous(request: web.Request, body: ResponsesRequest) -> StoredResponse | None:
+    """The stored response that `previous_response_id` continues (404 when it is not this key's)."""
     rid = body.previous_response_id
     if rid is None:
-        return ()
+        return None
     stored = _store(request).get(_owner(request), rid)
     if stored is None:
         raise NotFound(
@@ -77,13 +87,13 @@ def _previous(request: web.Request, body: ResponsesRequest) -> tuple[ChatMessage
             param="previous_response_id",
             code="previous_response_not_found",
         )
-    return stored.conversation
+    return stored
 
 
 def _keep(
     request: web.Request,
     body: ResponsesRequest,
-    conversation: tuple[ChatMessage, ...],
+    conversation: Conversation,
     draft: Draft,
     payload: bytes,
 ) -> None:
@@ -91,7 +101,10 @@ def _keep(
     if not body.store:
         return
     limits = context(request).settings.responses
-    entry = StoredResponse.of(_owner(request), payload, conversation + draft.turns(), len(conversation))
+    turns = conversation.turns
+    entry = StoredResponse.of(
+        _owner(request), payload, turns + draft.turns(), len(turns), conversation.namespaces
+    )
     if not _store(request).put(
         draft.id, entry, max_responses=limits.store_max_responses, max_bytes=limits.store_max_mb * 1024 * 1024
     ):
@@ -113,10 +126,14 @@ def _failure(final: Finished) -> ApiError:
 async def create_response(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     body = await _parse(request, await read_json_object(request))
-    conversation = _previous(request, body) + body.chat.messages
-    _check_call_outputs(conversation)
+    previous = _previous(request, body)
+    conversation = Conversation(
+        (previous.conversation if previous else ()) + body.chat.messages,
+        {**(previous.namespaces if previous else {}), **body.namespaces},
+    )
+    _check_call_outputs(conversation.turns)
     system = (ChatMessage("system", body.instructions),) if body.instructions else ()
-    chat = ChatRequest(common=body.chat.common, messages=system + conversation, tools=body.chat.tools)
+    chat = ChatRequest(common=body.chat.common, messages=system + conversation.turns, tools=body.chat.tools)
     async with contextlib.AsyncExitStack() as stack:
         try:
             session = await stack.enter_async_context(chat_session(request, chat))
@@ -135,7 +152,7 @@ async def _collect(
     request: web.Request,
     session: Session,
     body: ResponsesRequest,
-    conversation: tuple[ChatMessage, ...],
+    conversation: Conversation,
     draft: Draft,
 ) -> web.Response:
     try:
@@ -158,7 +175,7 @@ async def _stream(
     request: web.Request,
     session: Session,
     body: ResponsesRequest,
-    conversation: tuple[ChatMessage, ...],
+    conversation: Conversation,
     draft: Draft,
 ) -> web.StreamResponse:
     async def send(write: Write) -> None:
@@ -218,8 +235,12 @@ async def list_input_items(request: web.Request) -> web.Response:
     stored = _store(request).get(_owner(request), rid)
     if stored is None:
         raise _not_found(rid)
-    items = input_items(rid, stored.conversation[: stored.inputs], images=page.images)
-    return _json(dumps(listing(items, page)))
+
+    def page_json() -> bytes:  # hashing turns and encoding images: off the loop
+        return dumps(listing(input_items(stored.conversation[: stored.inputs]), page, stored.namespaces))
+
+    loop = asyncio.get_running_loop()
+    return _json(await loop.run_in_executor(context(request).executor, page_json))
 
 
 async def delete_response(request: web.Request) -> web.Response:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Final
 
 from edgellmd.engine.chat import ChatMessage
@@ -37,14 +37,24 @@ class StoredResponse:
     conversation: tuple[ChatMessage, ...]  # every turn up to and including the response's output
     size: int  # bytes it is counted as: its JSON and its whole conversation (shared turns count in each)
     inputs: int  # the conversation's first turns that were its input (GET .../input_items lists them)
+    # The model's tool names of namespace functions -> (namespace, name), its chain's included.
+    namespaces: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     @classmethod
     def of(
-        cls, owner: str, body: bytes, conversation: tuple[ChatMessage, ...], inputs: int | None = None
+        cls,
+        owner: str,
+        body: bytes,
+        conversation: tuple[ChatMessage, ...],
+        inputs: int | None = None,
+        namespaces: Mapping[str, tuple[str, str]] | None = None,
     ) -> StoredResponse:
         """An entry, its size measured once; `inputs`: how many turns were input (default all)."""
+        names = dict(namespaces or {})
         size = len(body) + sum(message_size(m) for m in conversation)
-        return cls(owner, body, conversation, size, len(conversation) if inputs is None else inputs)
+        size += sum(len(k) + len(n) + len(f) + MESSAGE_OVERHEAD_BYTES for k, (n, f) in names.items())
+        held = len(conversation) if inputs is None else inputs
+        return cls(owner, body, conversation, size, held, names)
 
 
 def message_size(message: ChatMessage) -> int:
