@@ -90,7 +90,10 @@ def page_of(query: Mapping[str, str], includes: Sequence[str]) -> Page:
     if "limit" in query:
         text = query["limit"]
         # Digits first (int() takes other scripts' digits, and refuses 4,300 of them with an error).
-        if not (text.isascii() and text.isdigit() and len(text) <= 3 and 1 <= int(text) <= MAX_LIMIT):
+        digits = text.lstrip("0")
+        if not (
+            text.isascii() and text.isdigit() and len(digits) <= 3 and 1 <= int(digits or "0") <= MAX_LIMIT
+        ):
             raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_LIMIT}", param="limit")
         limit = int(text)
     order = query.get("order", "desc")
