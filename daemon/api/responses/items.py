@@ -95,7 +95,7 @@ def page_of(query: Mapping[str, str], includes: Sequence[str]) -> Page:
             text.isascii() and text.isdigit() and len(digits) <= 3 and 1 <= int(digits or "0") <= MAX_LIMIT
         ):
             raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_LIMIT}", param="limit")
-        limit = int(text)
+        limit = int(digits)
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be asc or desc", param="order")
