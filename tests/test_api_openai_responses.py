@@ -830,25 +830,32 @@ def test_previous_response_id_continues_the_stored_conversation(client: openai.O
     assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
 
 
-def test_previous_response_id_with_a_function_call_output(client: openai.OpenAI) -> None:
+def _call_then_answer(client: openai.OpenAI, asked: Any, **more: Any) -> tuple[Response, Any, Response]:
+    """A response that must call the weather tool, and the one answering with the call's output."""
     call = client.responses.create(
         model="plain",
-        input=ASK,
+        input=asked,
         tools=[WEATHER],
         tool_choice="required",
         parallel_tool_calls=False,
         max_output_tokens=600,
+        **more,
     )
-    [item] = call.output
-    assert item.type == "function_call"
+    [made] = call.output
+    assert made.type == "function_call"
     answer = client.responses.create(
         model="plain",
         previous_response_id=call.id,
-        input=[{"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}],
+        input=[{"type": "function_call_output", "call_id": made.call_id, "output": "sunny"}],
         tools=[WEATHER],
         tool_choice="none",
         max_output_tokens=6,
     )
+    return call, made, answer
+
+
+def test_previous_response_id_with_a_function_call_output(client: openai.OpenAI) -> None:
+    _, _, answer = _call_then_answer(client, ASK)
     assert [o.type for o in answer.output] == ["message"]
 
 
@@ -870,25 +877,8 @@ def test_get_and_delete(client: openai.OpenAI, daemon: RunningDaemon, keys: Keys
 def test_input_items_list_what_a_response_was_made_from(client: openai.OpenAI) -> None:
     """The SDK's `responses.input_items.list`: every turn a chain continued and its own input
     (a call, its output), newest first by default, paged with `after` by the SDK itself."""
-    call = client.responses.create(
-        model="plain",
-        instructions="be brief",
-        input=[{"role": "developer", "content": "use tools"}, {"role": "user", "content": ASK}],
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=600,
-    )
-    [made] = call.output
-    assert made.type == "function_call"
-    answer = client.responses.create(
-        model="plain",
-        previous_response_id=call.id,
-        input=[{"type": "function_call_output", "call_id": made.call_id, "output": "sunny"}],
-        tools=[WEATHER],
-        tool_choice="none",
-        max_output_tokens=6,
-    )
+    asked = [{"role": "developer", "content": "use tools"}, {"role": "user", "content": ASK}]
+    call, made, answer = _call_then_answer(client, asked, instructions="be brief")
     first = client.responses.input_items.list(call.id, order="asc")
     # A developer turn is the system turn the model saw.
     roles = [(i.type, getattr(i, "role", None)) for i in first.data]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import pytest
@@ -488,9 +488,13 @@ def test_memory_budget_evicts_the_idle_evictable_model_or_refuses(box: Box) -> N
         assert complete(daemon, "first")[0] == 200
 
 
-def test_a_file_padded_past_its_locked_size_is_refused_before_it_can_evict_anything(box: Box) -> None:
-    """Whoever can write a model file but not the lock: a file padded to look big is refused by
-    its size before the budget counts it, so it never evicts another model."""
+MIB: Final = 1024 * 1024
+
+
+def _evictable_pair(box: Box) -> tuple[bytes, list[dict[str, Any]], dict[str, int], int]:
+    """Two models of one file, `first` evictable, and a budget (MiB) with room for both and a
+    second version of `second` beside its serving one only once `first` is evicted; also the
+    file, the models' settings and what each was counted in the budget."""
     small = box.model_bytes(TinyModelSpec(seed=13))
     box.publish({"first": ("first.gguf", small), "second": ("second.gguf", small)})
     models = [
@@ -499,19 +503,28 @@ def test_a_file_padded_past_its_locked_size_is_refused_before_it_can_evict_anyth
     ]
     with running(box.settings(models=models, watch=False)) as daemon:
         sizes = {m["name"]: m["memory_bytes"] for m in daemon.get("/admin/status")[1]["models"]}
-    mib = 1024 * 1024
-    # Room for both and a padded second beside its serving version, only once first is evicted.
-    budget = (sizes["first"] + 2 * sizes["second"]) // mib + 64
+    return small, models, sizes, (sizes["first"] + 2 * sizes["second"]) // MIB + 64
+
+
+def _refused_evicting_nothing(daemon: RunningDaemon, reason: str) -> None:
+    """A forced reload of `second` is refused for `reason`; `first` was not evicted for it."""
+    status, body = daemon.post("/admin/reload", {"model": "second", "force": True})
+    assert status == 409, body
+    assert reason in body["results"][0]["reason"]
+    assert model_status(daemon, "first")["state"] == "ready"  # never evicted for it
+    assert model_status(daemon, "second")["state"] == "ready"  # its verified version serves on
+    assert complete(daemon, "first")[0] == 200
+
+
+def test_a_file_padded_past_its_locked_size_is_refused_before_it_can_evict_anything(box: Box) -> None:
+    """Whoever can write a model file but not the lock: a file padded to look big is refused by
+    its size before the budget counts it, so it never evicts another model."""
+    small, models, sizes, budget = _evictable_pair(box)
     with running(box.settings(models=models, memory_budget_mb=budget, watch=False)) as daemon:
         assert model_status(daemon, "first")["state"] == "ready"
         with (box.models / "second.gguf").open("ab") as f:
-            f.truncate(len(small) + 64 * mib + sizes["first"] // 2)  # fits only with first gone
-        status, body = daemon.post("/admin/reload", {"model": "second", "force": True})
-        assert status == 409, body
-        assert "the lockfile says" in body["results"][0]["reason"]
-        assert model_status(daemon, "first")["state"] == "ready"  # never evicted for it
-        assert model_status(daemon, "second")["state"] == "ready"  # its verified version serves on
-        assert complete(daemon, "first")[0] == 200
+            f.truncate(len(small) + 64 * MIB + sizes["first"] // 2)  # fits only with first gone
+        _refused_evicting_nothing(daemon, "the lockfile says")
 
 
 def test_a_file_of_the_locked_size_with_a_lying_header_evicts_nothing(box: Box) -> None:
@@ -519,33 +532,19 @@ def test_a_file_of_the_locked_size_with_a_lying_header_evicts_nothing(box: Box) 
     claims 40 times the layers (a KV cache that fits only once the idle evictable model is
     gone) fails its hash check before anything is evicted for it. Before, the estimate read the
     header on disk first and unloaded `first` for a file that was then refused."""
-    small = box.model_bytes(TinyModelSpec(seed=13))
-    box.publish({"first": ("first.gguf", small), "second": ("second.gguf", small)})
-    models = [
-        {"name": "first", "threads": 1, "context_size": 128, "slots": 1, "evictable": True},
-        {"name": "second", "threads": 1, "context_size": 128, "slots": 1},
-    ]
-    with running(box.settings(models=models, watch=False)) as daemon:
-        sizes = {m["name"]: m["memory_bytes"] for m in daemon.get("/admin/status")[1]["models"]}
-    mib = 1024 * 1024
-    budget = (sizes["first"] + 2 * sizes["second"]) // mib + 64
+    small, models, sizes, budget = _evictable_pair(box)
     key = b"llama.block_count"
     at = small.index(key) + len(key) + 4  # past the key and its value type (uint32)
     (layers,) = struct.unpack_from("<I", small, at)
     kv_per_layer = (sizes["second"] - len(small)) // layers  # the prompt cache is off here
     # Past what fits beside both, within what fits once `first` is evicted.
-    wanted = budget * mib - sizes["second"] - sizes["first"] // 2 - len(small)
+    wanted = budget * MIB - sizes["second"] - sizes["first"] // 2 - len(small)
     lying = bytearray(small)
     struct.pack_into("<I", lying, at, wanted // kv_per_layer)
     with running(box.settings(models=models, memory_budget_mb=budget, watch=False)) as daemon:
         assert model_status(daemon, "first")["state"] == "ready"
         (box.models / "second.gguf").write_bytes(bytes(lying))
-        status, body = daemon.post("/admin/reload", {"model": "second", "force": True})
-        assert status == 409, body
-        assert "sha256" in body["results"][0]["reason"]
-        assert model_status(daemon, "first")["state"] == "ready"  # never evicted for it
-        assert model_status(daemon, "second")["state"] == "ready"  # its verified version serves on
-        assert complete(daemon, "first")[0] == 200
+        _refused_evicting_nothing(daemon, "sha256")
 
 
 def test_admin_reload_reports_each_model_and_force_reloads(box: Box) -> None:
