@@ -354,6 +354,15 @@ def test_a_key_that_filled_a_models_queue_does_not_shut_another_key_out(tmp_path
     model_settings = {"name": "m", "file": str(model), "threads": 1, "slots": 1, "queue_size": 1}
     settings = settings_for([{**model_settings, "context_size": 1024}], auth={"keys_file": str(keys)})
     with running(settings) as daemon:
+
+        def too_many_choices() -> None:  # more than slots + queue_size: never fits, busy or not
+            with pytest.raises(openai.BadRequestError) as refused:
+                _client(daemon, other).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=3
+                )
+            assert refused.value.body["param"] == "n"  # type: ignore[index]
+
+        too_many_choices()
         first_token: dict[int, float] = {}
 
         def stream(n: int) -> None:
@@ -373,6 +382,7 @@ def test_a_key_that_filled_a_models_queue_does_not_shut_another_key_out(tmp_path
         assert wait_for(lambda: _fairness(daemon, admin)["queue"] != [], timeout=10)
         with pytest.raises(openai.RateLimitError):
             _short(daemon, flood)
+        too_many_choices()
         done_at, _ = _short(daemon, other)
         # Its two choices go in together, and count as one admission.
         pair = _client(daemon, other).chat.completions.create(

@@ -228,6 +228,16 @@ def _generation_request(
     )
 
 
+def _check_choices(handle: ModelHandle, n: int) -> None:
+    """400 for more choices than the model's slots and queue hold together: such a request
+    never fits, whoever else is there (a 429 would be retried forever)."""
+    room = handle.settings.slots + handle.settings.queue_size
+    if n > room:
+        raise InvalidRequest(
+            f"'n' may be at most {room} for model {handle.name!r} (its slots and queue together)", param="n"
+        )
+
+
 def _submit_all(
     handle: ModelHandle,
     common: CommonRequest,
@@ -242,6 +252,7 @@ def _submit_all(
     gens: list[Generation] = []
     pending = list(grammars or [])
     try:
+        _check_choices(handle, common.n)
         # Admitted as a whole (nothing awaited until every choice is in): n choices of a key
         # let in past the bound for its fair share all go in, and count as one admission.
         past_bound = handle.check_capacity(share.tenant, common.n)
