@@ -87,7 +87,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
                 entry.pop("quota", None)
             save_keys_document(args.file, data)
             shown = " ".join(f"{k}={v}" for k, v in sorted(quota.items())) or "none"
-            print(f"key {args.id} ({_listed(str(entry.get('name')))}): quota {shown}")
+            print(f"key {args.id} ({escaped(str(entry.get('name')))}): quota {shown}")
             return 0
     raise CommandError(f"no key with id {args.id!r} in {args.file}")
 
@@ -150,11 +150,6 @@ def _key_name(value: str) -> str:
     return value
 
 
-def _listed(name: str) -> str:
-    """A name as `keys list` prints it: a hand-edited file's unprintable characters escaped."""
-    return escaped(name)
-
-
 def cmd_list(args: argparse.Namespace) -> int:
     """One line per key; never secrets or hashes."""
     keys = read_keys_file(args.file)
@@ -172,7 +167,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             or "-"
         )
         print(
-            f"{key.id:<12}  {_listed(key.name)[:20]:<20}  {','.join(sorted(key.scopes)):<26}  {state:<8}  "
+            f"{key.id:<12}  {escaped(key.name)[:20]:<20}  {','.join(sorted(key.scopes)):<26}  {state:<8}  "
             f"{expires:<20}  {limits}"
         )
     return 0
@@ -184,7 +179,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
         entry = set_key_disabled(args.file, args.id, disabled=True)
     except NoSuchKey as exc:
         raise CommandError(str(exc)) from None
-    print(f"key {args.id} ({_listed(str(entry.get('name')))}) revoked")
+    print(f"key {args.id} ({escaped(str(entry.get('name')))}) revoked")
     return 0
 
 

@@ -24,6 +24,16 @@ MAX_METADATA_KEY_CHARS: Final = 64
 MAX_METADATA_VALUE_CHARS: Final = 512
 
 
+def known_parameters(query: Iterable[str], allowed: frozenset[str]) -> None:
+    """400 naming the first query parameter that is not in `allowed` (its name shown bounded)."""
+    for name in query:
+        if name not in allowed:
+            raise InvalidRequest(
+                f"unknown parameter {shown(name[:40])!r} (expected {', '.join(sorted(allowed))})",
+                param=shown(name[:40]),
+            )
+
+
 def note_ignored(data: Mapping[str, Any], names: Iterable[str]) -> None:
     """A debug line naming the accepted-and-ignored fields a body set (their values stay out)."""
     present = sorted(name for name in names if data.get(name) is not None)

@@ -23,7 +23,8 @@ from zoneinfo import ZoneInfo
 from aiohttp import web
 
 from edgellmd.api.context import CALLER, LEDGER, TOKENS_USED, USAGE_ID
-from edgellmd.errors import InvalidRequest, ServiceUnavailable, shown
+from edgellmd.api.fields import known_parameters
+from edgellmd.errors import InvalidRequest, ServiceUnavailable
 from edgellmd.ledger.audit import select as audit_select
 from edgellmd.ledger.store import Ledger, utc_text
 from edgellmd.ledger.usage import COLUMNS, FIRST_DAY, GROUPS, LAST_DAY, UsageQuery, UsageRecord, local_start
@@ -87,12 +88,8 @@ def _ledger(request: web.Request) -> Ledger:
 
 def _params(request: web.Request, allowed: frozenset[str]) -> dict[str, str]:
     query = request.rel_url.query
+    known_parameters(query, allowed)
     for name in query:
-        if name not in allowed:
-            raise InvalidRequest(
-                f"unknown parameter {shown(name[:40])!r} (expected {', '.join(sorted(allowed))})",
-                param=shown(name[:40]),
-            )
         if len(query.getall(name)) > 1:
             raise InvalidRequest(f"'{name}' given more than once", param=name)
     return {name: query[name] for name in query}

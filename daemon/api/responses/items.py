@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from edgellmd.api.fields import known_parameters
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.config import MediaInput
 from edgellmd.errors import InvalidRequest, shown
@@ -80,22 +81,15 @@ class Item:
 def page_of(query: Mapping[str, str], includes: Sequence[str]) -> Page:
     """The listing's parameters from a query (`includes`: every `include` / `include[]` value).
     400 naming the parameter for any value OpenAI would not take."""
-    for name in query:
-        if name not in PARAMETERS:
-            raise InvalidRequest(
-                f"unknown parameter {shown(name[:40], quote=True)} (expected after, include, limit, order)",
-                param=shown(name[:40]),
-            )
+    known_parameters(query, PARAMETERS)
     limit = DEFAULT_LIMIT
     if "limit" in query:
         text = query["limit"]
         # Digits first (int() takes other scripts' digits, and refuses 4,300 of them with an error).
         digits = text.lstrip("0")
-        if not (
-            text.isascii() and text.isdigit() and len(digits) <= 3 and 1 <= int(digits or "0") <= MAX_LIMIT
-        ):
+        limit = int(digits) if text.isascii() and text.isdigit() and 0 < len(digits) <= 3 else 0
+        if not 1 <= limit <= MAX_LIMIT:
             raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_LIMIT}", param="limit")
-        limit = int(digits)
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be asc or desc", param="order")
@@ -120,17 +114,18 @@ def input_items(turns: Sequence[ChatMessage]) -> list[Item]:
     for turn in turns:
         chain.update(_digest(turn))
         at = chain.copy().digest()
-
-        def item_id(prefix: str, place: int, at: bytes = at) -> str:
-            return prefix + hashlib.sha256(at + place.to_bytes(4, "little", signed=True)).hexdigest()[:32]
-
         if turn.role == "assistant":
             if turn.content or not turn.tool_calls:
-                items.append(Item(item_id("msg_", -1), turn))
-            items += [Item(item_id("fc_", k), turn, k) for k in range(len(turn.tool_calls))]
+                items.append(Item(_item_id("msg_", at, -1), turn))
+            items += [Item(_item_id("fc_", at, k), turn, k) for k in range(len(turn.tool_calls))]
         else:
-            items.append(Item(item_id("fco_" if turn.role == "tool" else "msg_", -1), turn))
+            items.append(Item(_item_id("fco_" if turn.role == "tool" else "msg_", at, -1), turn))
     return items
+
+
+def _item_id(prefix: str, at: bytes, place: int) -> str:
+    """The id of a turn's item: the conversation's digest up to the turn (`at`), and its place."""
+    return prefix + hashlib.sha256(at + place.to_bytes(4, "little", signed=True)).hexdigest()[:32]
 
 
 def _digest(turn: ChatMessage) -> bytes:

@@ -19,13 +19,13 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, KEYS_GONE, context, token_limits
+from edgellmd.api.context import KEYS_GONE, context, tenant, token_limits
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.request import ChatRequest
 from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
 from edgellmd.api.responses.encode import Draft
 from edgellmd.api.responses.items import input_items, listing, page_of
-from edgellmd.api.responses.store import ANONYMOUS, RESPONSE_ID, ResponseStore, StoredResponse
+from edgellmd.api.responses.store import RESPONSE_ID, ResponseStore, StoredResponse
 from edgellmd.api.session import ChoiceEnd, ChoicePart, Session, aborted, chat_session, read_choices
 from edgellmd.api.sse import Write, dumps, event, sse
 from edgellmd.engine.chat import ChatMessage
@@ -36,11 +36,6 @@ log = logging.getLogger(__name__)
 
 RESPONSES_STORE: Final = web.AppKey("responses_store", ResponseStore)
 NO_PROGRESS: Final = "the model made no progress in time"
-
-
-def _owner(request: web.Request) -> str:
-    caller = request.get(CALLER)
-    return caller.key_id if caller is not None else ANONYMOUS
 
 
 def _store(request: web.Request) -> ResponseStore:
@@ -80,7 +75,7 @@ def _previous(request: web.Request, body: ResponsesRequest) -> StoredResponse | 
     rid = body.previous_response_id
     if rid is None:
         return None
-    stored = _store(request).get(_owner(request), rid)
+    stored = _store(request).get(tenant(request), rid)
     if stored is None:
         raise NotFound(
             f"no stored response with id {shown(rid, quote=True)}",
@@ -103,7 +98,7 @@ def _keep(
     limits = context(request).settings.responses
     turns = conversation.turns
     entry = StoredResponse.of(
-        _owner(request), payload, turns + draft.turns(), len(turns), conversation.namespaces
+        tenant(request), payload, turns + draft.turns(), len(turns), conversation.namespaces
     )
     if not _store(request).put(
         draft.id, entry, max_responses=limits.store_max_responses, max_bytes=limits.store_max_mb * 1024 * 1024
@@ -221,7 +216,7 @@ def _not_found(rid: str) -> NotFound:
 async def get_response(request: web.Request) -> web.Response:
     """GET /v1/responses/{id}: a stored response, to the key that made it."""
     rid = _response_id(request)
-    stored = _store(request).get(_owner(request), rid)
+    stored = _store(request).get(tenant(request), rid)
     if stored is None:
         raise _not_found(rid)
     return _json(stored.body)
@@ -232,7 +227,7 @@ async def list_input_items(request: web.Request) -> web.Response:
     rid = _response_id(request)
     query = request.rel_url.query
     page = page_of(query, [*query.getall("include", []), *query.getall("include[]", [])])
-    stored = _store(request).get(_owner(request), rid)
+    stored = _store(request).get(tenant(request), rid)
     if stored is None:
         raise _not_found(rid)
 
@@ -246,7 +241,7 @@ async def list_input_items(request: web.Request) -> web.Response:
 async def delete_response(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{id}: forget a stored response (OpenAI's deletion object)."""
     rid = _response_id(request)
-    if not _store(request).delete(_owner(request), rid):
+    if not _store(request).delete(tenant(request), rid):
         raise _not_found(rid)
     return _json(dumps({"id": rid, "object": "response", "deleted": True}))
 
