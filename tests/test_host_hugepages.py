@@ -103,15 +103,36 @@ def test_a_kernel_without_madv_collapse_is_told_once(tmp_path: Path) -> None:
     assert calls == [(0x7F0000000000, 16 * HUGE, MADV_COLLAPSE)]  # asked once, then it stopped
 
 
-def test_spans_the_kernel_cannot_collapse_now_are_counted_and_the_rest_done(tmp_path: Path) -> None:
-    answers = iter([-errno.EAGAIN, 0])
+@pytest.mark.parametrize("refusal", [[-errno.ENOMEM], [-errno.EAGAIN, -errno.EAGAIN]])
+def test_spans_the_kernel_cannot_collapse_now_are_counted_and_the_rest_done(
+    tmp_path: Path, refusal: list[int]
+) -> None:
+    answers = iter([*refusal, 0])
 
     def madvise(address: int, length: int, advice: int) -> int:
         return next(answers)
 
     half = pages("FFFF") + pages("EEEE") + pages("FFFF") + pages("EEEE")
     result = collapse_resident(fake_smaps(tmp_path, 16 * HUGE), madvise, lambda a, n: half)
-    assert (result.spans, result.bytes, result.failed, result.unsupported) == (1, 4 * HUGE, 1, None)
+    assert (result.spans, result.bytes, result.failed, result.failed_bytes) == (1, 4 * HUGE, 1, 4 * HUGE)
+    assert result.unsupported is None
+    assert next(answers, None) is None  # every answer asked for: ENOMEM once, EAGAIN twice
+
+
+def test_a_transient_refusal_is_asked_again_once(tmp_path: Path) -> None:
+    """EAGAIN is the kernel's "a lock or a charge, try again": the span is asked once more."""
+    asked: list[int] = []
+    answers = iter([-errno.EAGAIN, 0])
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        asked.append(address)
+        return next(answers)
+
+    result = collapse_resident(
+        fake_smaps(tmp_path, 16 * HUGE), madvise, lambda a, n: pages("F" * 8 + "E" * 8)
+    )
+    assert (result.spans, result.bytes, result.failed, result.failed_bytes) == (1, 8 * HUGE, 0, 0)
+    assert asked == [0x7F0000000000, 0x7F0000000000]
 
 
 def test_small_mappings_are_left_alone(tmp_path: Path) -> None:
@@ -175,8 +196,8 @@ async def test_each_load_collapses_what_it_left_resident_when_asked(tmp_path: Pa
         try:
             collapsed = registry.loader.collapsed
             assert (collapsed is not None) is huge_pages
-            if collapsed is not None:
-                assert collapsed.failed == 0
+            if collapsed is not None:  # what the kernel could do on a busy box varies; it was asked
+                assert collapsed.unsupported is not None or collapsed.seconds > 0
         finally:
             await registry.close()
 
@@ -222,10 +243,13 @@ async def test_an_engine_process_collapses_its_own_weights_not_the_daemons_memor
                 pytest.skip(collapsed.unsupported)
             engine = registry.get("demo").generator
             assert isinstance(engine, RemoteEngine)
-            assert collapsed.bytes > 200 * 1024 * 1024, collapsed
+            # The pass found the weights resident in the engine process; on a fragmented box the
+            # kernel may have had no free huge page for some spans (counted, not collapsed).
+            found = collapsed.bytes + collapsed.failed_bytes
+            assert found > 200 * 1024 * 1024, collapsed
             # The kernel says so of the engine process: huge pages for at least what was collapsed.
             assert _rollup_kb(engine.pid, "AnonHugePages") * 1024 >= collapsed.bytes
-            assert (_rollup_kb(os.getpid(), "AnonHugePages") - ours) * 1024 < collapsed.bytes // 4
+            assert (_rollup_kb(os.getpid(), "AnonHugePages") - ours) * 1024 < found // 4
         finally:
             await registry.close()
 
@@ -235,9 +259,10 @@ async def test_an_engine_process_collapses_its_own_weights_not_the_daemons_memor
     [
         None,
         [],
-        {"spans": "x", "bytes": 0, "seconds": 0, "unsupported": None, "failed": 0},
+        {"spans": "x", "bytes": 0, "seconds": 0, "unsupported": None, "failed": 0, "failed_bytes": 0},
         {"spans": 1, "bytes": 2},
-        {"spans": 1, "bytes": 2, "seconds": [], "unsupported": None, "failed": 0},
+        {"spans": 1, "bytes": 2, "seconds": [], "unsupported": None, "failed": 0, "failed_bytes": 0},
+        {"spans": 1, "bytes": 2, "seconds": 0.1, "unsupported": None, "failed": 0},
     ],
 )
 def test_an_engine_process_that_answers_the_pass_with_nonsense_is_an_engine_error(answer: object) -> None:
@@ -250,7 +275,14 @@ def test_an_engine_process_that_answers_the_pass_with_nonsense_is_an_engine_erro
 
 def test_an_engine_process_s_reason_is_read_bounded() -> None:
     engine = RemoteEngine.__new__(RemoteEngine)
-    answer = {"spans": 0, "bytes": 0, "seconds": 0.5, "unsupported": "\u202e" + "x" * 10_000, "failed": 0}
+    answer = {
+        "spans": 0,
+        "bytes": 0,
+        "seconds": 0.5,
+        "unsupported": "\u202e" + "x" * 10_000,
+        "failed": 0,
+        "failed_bytes": 0,
+    }
     engine._call = lambda message, timeout=0.0: answer  # type: ignore[method-assign]
     result = engine.collapse_huge_pages()
     assert result.unsupported is not None

@@ -602,6 +602,7 @@ class RemoteEngine:
                 seconds=float(answer["seconds"]),
                 unsupported=None if unsupported is None else str(unsupported)[:MAX_REASON_CHARS],
                 failed=int(answer["failed"]),
+                failed_bytes=int(answer["failed_bytes"]),
             )
         except (TypeError, KeyError, ValueError) as exc:  # not what a worker sends
             raise EngineError("the engine process answered the huge-page pass with nonsense") from exc

@@ -44,7 +44,8 @@ class Collapse:
     bytes: int = 0
     seconds: float = 0.0
     unsupported: str | None = None  # set when the kernel cannot do it at all
-    failed: int = 0  # spans the kernel could not collapse this time (EAGAIN, ENOMEM)
+    failed: int = 0  # spans the kernel could not collapse this time (EAGAIN twice, ENOMEM)
+    failed_bytes: int = 0  # their bytes: with `bytes`, what the pass found resident
 
 
 def anonymous_mappings(smaps: str) -> list[Mapping]:
@@ -142,12 +143,14 @@ def collapse_resident(
         return Collapse(unsupported=f"cannot read {smaps}: {exc.strerror}")
     advise = madvise or _libc_madvise()
     pages = resident or pagemap_resident()
-    done = total = failed = 0
+    done = total = failed = failed_bytes = 0
     for m in anonymous_mappings(text):
         if m.size < MIN_BYTES:
             continue
         for address, length in resident_runs(m, pages):
             rc = advise(address, length, MADV_COLLAPSE)
+            if rc == -errno.EAGAIN:  # a transient lock or charge: the kernel says retry
+                rc = advise(address, length, MADV_COLLAPSE)
             if rc == -errno.EINVAL:
                 return Collapse(
                     done,
@@ -156,9 +159,10 @@ def collapse_resident(
                     unsupported="the kernel does not collapse huge pages (MADV_COLLAPSE needs Linux 6.1 and "
                     "transparent huge pages not set to never)",
                 )
-            if rc != 0:
+            if rc != 0:  # no free huge page now (a fragmented or busy box): khugepaged may later
                 failed += 1
+                failed_bytes += length
                 continue
             done += 1
             total += length
-    return Collapse(done, total, clock() - started, failed=failed)
+    return Collapse(done, total, clock() - started, failed=failed, failed_bytes=failed_bytes)

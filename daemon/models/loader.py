@@ -174,7 +174,11 @@ class Loader:
                 result.bytes // (1024 * 1024),
                 result.spans,
                 result.seconds,
-                f" ({result.failed} spans could not be)" if result.failed else "",
+                (
+                    f" ({result.failed} spans, {result.failed_bytes // (1024 * 1024)} MiB, could not be now)"
+                    if result.failed
+                    else ""
+                ),
             )
         self.collapsed = result
 
