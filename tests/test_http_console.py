@@ -26,6 +26,7 @@ from edgellmctl.keys import create_key
 from edgellmctl.quickstart import write_self_signed
 from edgellmd import __version__
 from edgellmd.http.console.routes import CSP
+from edgellmd.keys import load_keys_document, save_keys_document
 from edgellmd.settings import ConsoleSettings, Settings
 from tests.bare import audit_lines, everything_logged
 from tests.ggufmodels import write_tiny_audio_projector, write_tiny_projector
@@ -448,6 +449,26 @@ def test_revoking_the_key_ends_its_sessions_and_their_streams(box: Box) -> None:
         assert "no longer valid" in _read_until(stream, "end")["reason"]
     assert browser.request("GET", "/ui/api/session").json() == {"signed_in": False}
     assert browser.request("POST", "/ui/api/reload", {}).code == "session_required"
+
+
+def test_a_key_that_loses_the_admin_scope_loses_its_open_event_stream(box: Box) -> None:
+    """The stream checks the session's key as it is now at every tick: a keys file that takes
+    the admin scope away (the key still working for inference) ends the admin figures too."""
+    _, token = create_key(box.keys, "demoted", ["admin", "inference"], limits={})
+    key_id = token.split("_")[1]
+    _in_force(box, token)
+    browser = box.browser()
+    assert browser.sign_in(token).status == 200
+    with _events(browser) as stream:
+        _read_until(stream, "overview")
+        document = load_keys_document(box.keys)
+        for entry in document["keys"]:
+            if entry["id"] == key_id:
+                entry["scopes"] = ["inference"]
+        save_keys_document(box.keys, document)
+        assert "no longer has the 'admin' scope" in _read_until(stream, "end")["reason"]
+    assert browser.request("GET", "/ui/api/session").json()["scopes"] == ["inference"]
+    assert browser.request("GET", "/ui/api/events").code == "insufficient_scope"
 
 
 def test_revoking_a_key_in_the_console_ends_its_sessions_at_once(box: Box) -> None:

@@ -31,7 +31,8 @@ from edgellmd import __version__
 from edgellmd.api import admin, health
 from edgellmd.api.context import API_CONTEXT, ApiContext, context
 from edgellmd.api.sse import SSE_HEADERS, dumps, event
-from edgellmd.http.console.sessions import CONSOLE_SESSION, SESSIONS
+from edgellmd.http import appkeys
+from edgellmd.http.console.sessions import CONSOLE_SESSION, SESSIONS, ConsoleSession
 from edgellmd.models.lockfile import LockError, format_time, key_id, load_lock, load_public_key, verify_lock
 from edgellmd.settings import Settings
 
@@ -263,6 +264,17 @@ async def _first(*waits: asyncio.Future[Any]) -> None:
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
 
 
+def _no_longer_admin(request: web.Request, session: ConsoleSession) -> str | None:
+    """Why the stream must end at this tick, judged on the session's key as it is now (a
+    keys file reloaded since the stream began may have revoked it or taken its scope)."""
+    key = request.app[appkeys.KEY_STORE].get(session.key_id)
+    if key is None or key.usable(datetime.now(UTC)) is not None:
+        return "the API key of this session is no longer valid"
+    if "admin" not in key.scopes:
+        return "the API key of this session no longer has the 'admin' scope"
+    return None
+
+
 async def events(request: web.Request) -> web.StreamResponse:
     """GET /ui/api/events: the history once, then the overview at every tick, until the session ends."""
     session = request[CONSOLE_SESSION]
@@ -284,8 +296,9 @@ async def events(request: web.Request) -> web.StreamResponse:
     try:
         await write(event("history", feed.history()))
         while not stop.is_set():
-            if not ctx.key_valid(session.key_id):
-                reason = "the API key of this session is no longer valid"
+            gone = _no_longer_admin(request, session)
+            if gone is not None:
+                reason = gone
                 break
             await write(event("overview", await overview(request)))
             sessions.watched(session)  # written: somebody reads it (kiosk: it keeps the session)
