@@ -590,6 +590,30 @@ def test_a_lost_connection_is_shown_over_the_figures_and_a_restart_asks_for_sign
         page.context.close()
 
 
+def test_a_second_page_of_the_session_takes_the_figures_and_the_first_says_so(
+    browser: Browser, box: Box
+) -> None:
+    """A session has one live stream. The page whose stream another page took shows its figures
+    as stale and says where they went (never a frozen "ready"); looked at again, it takes them back."""
+    first = _watched(browser)
+    try:
+        _sign_in(first, box)
+        expect(first.page.locator("#readiness")).to_have_attribute("data-status", "ready")
+        second = first.page.context.new_page()  # the same cookie: the same session
+        second.goto(box.daemon.url + "/ui/")
+        expect(second.locator("#readiness")).to_have_attribute("data-status", "ready")
+        expect(first.page.locator("#readiness")).to_contain_text("went to another tab or window")
+        expect(first.page.locator("#overview-body")).to_have_class("stale")
+        expect(first.page.locator("#ready-badge")).to_have_text("paused")
+        first.page.evaluate("window.dispatchEvent(new Event('focus'))")  # the operator is back on it
+        expect(first.page.locator("#overview-body")).not_to_have_class("stale")
+        expect(first.page.locator("#readiness")).not_to_contain_text("went to another tab")
+        expect(second.locator("#readiness")).to_contain_text("went to another tab or window")
+        assert first.problems() == []
+    finally:
+        first.page.context.close()
+
+
 def test_the_banner_shows_the_worst_problem_not_readiness_alone(console: Page, box: Box) -> None:
     console.goto(box.daemon.url + "/ui/#overview")
     readiness = console.locator("#readiness")

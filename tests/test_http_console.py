@@ -451,6 +451,32 @@ def test_revoking_the_key_ends_its_sessions_and_their_streams(box: Box) -> None:
     assert browser.request("POST", "/ui/api/reload", {}).code == "session_required"
 
 
+def test_a_page_of_another_origin_of_the_same_site_cannot_take_the_stream(box: Box) -> None:
+    """http://127.0.0.1:OTHER is the same site: the SameSite=Strict cookie goes with an <img>
+    there pointing at the event stream. The browser says Sec-Fetch-Site: same-site, and the
+    console's API answers its own pages only: the operator's stream is not replaced."""
+    browser = box.browser()
+    browser.sign_in(box.tokens["operator"])
+    with _events(browser) as stream:
+        _read_until(stream, "overview")
+        for site in ("same-site", "cross-site"):
+            for path in ("/ui/api/events", "/ui/api/session", "/ui/api/keys"):
+                answer = browser.request(
+                    "GET", path, headers={"Sec-Fetch-Site": site, "Sec-Fetch-Dest": "image"}
+                )
+                assert (answer.status, answer.code) == (403, "cross_site_request"), (site, path)
+        _read_until(stream, "overview")  # the operator's stream goes on
+        assert (
+            browser.request("GET", "/ui/api/session", headers={"Sec-Fetch-Site": "same-origin"}).status == 200
+        )
+        assert (
+            browser.request("GET", "/ui/", headers={"Sec-Fetch-Site": "same-site"}).status == 200
+        )  # the page
+        with _events(browser) as again:  # its own page's new stream (no header: curl) still replaces it
+            assert _read_until(stream, "end")["reason"].startswith("replaced")
+            _read_until(again, "overview")
+
+
 def test_a_key_that_loses_the_admin_scope_loses_its_open_event_stream(box: Box) -> None:
     """The stream checks the session's key as it is now at every tick: a keys file that takes
     the admin scope away (the key still working for inference) ends the admin figures too."""

@@ -30,7 +30,14 @@ from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDeni
 from edgellmd.http import appkeys
 from edgellmd.http.auth import authenticate, unusable
 from edgellmd.http.console.keys import KEY_ROUTES, setup_key_writes
-from edgellmd.http.console.routes import CSP, SIGNED_IN, RouteScopes, add_console_routes, is_console_path
+from edgellmd.http.console.routes import (
+    CSP,
+    PREFIX,
+    SIGNED_IN,
+    RouteScopes,
+    add_console_routes,
+    is_console_path,
+)
 from edgellmd.http.console.sessions import (
     CONSOLE_SESSION,
     COOKIE,
@@ -129,6 +136,23 @@ def _same_origin(request: web.Request) -> None:
         raise PermissionDenied("the console takes changes from its own pages only", code="cross_site_request")
 
 
+def _read_from_own_page(request: web.Request) -> None:
+    """Refuse a read of the console's API that a page of another origin made the browser send.
+
+    The cookie is SameSite=Strict, which keeps it from other sites, not from another port or
+    name of the same site (http://127.0.0.1:9000 is the same site as the console's port): an
+    `<img>` there pointing at the event stream would take the session's one stream away from
+    the operator's page, and any read keeps an idle session alive. The browser says where a
+    request comes from in Sec-Fetch-Site; a client without it (curl, edgellmctl) is let be.
+    """
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site not in SAME_SITE:
+        audit.warning(
+            "console refused: a read from another origin", extra={"peer": request.remote, "key_id": None}
+        )
+        raise PermissionDenied("the console answers its own pages only", code="cross_site_request")
+
+
 def _host_of(origin: str) -> str | None:
     """An Origin header's host and port; None for one that is no URL (`http://[`)."""
     try:
@@ -177,6 +201,8 @@ def _middleware(store: SessionStore, scopes: RouteScopes) -> Middleware:
         changes = request.method not in SAFE_METHODS
         if changes:
             _same_origin(request)
+        elif request.path.startswith(PREFIX + "/api/"):
+            _read_from_own_page(request)
         found = _session_key(store, request.app[appkeys.KEY_STORE], request)
         if found is not None:
             request[CONSOLE_SESSION] = found[0]

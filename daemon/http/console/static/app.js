@@ -7,6 +7,7 @@
   const state = {
     session: null, // {key_id, name, scopes, csrf, ...}: the CSRF token lives here, in memory only
     source: null, // the one EventSource of this page
+    moved: false, // another page of this session took the stream (its "replaced" end)
     samples: [],
     interval: 2,
     overview: null,
@@ -222,6 +223,7 @@
     else state.kept = null;
     state.session = null;
     state.lostAt = null;
+    state.moved = false;
     $("overview-body").classList.remove("stale");
     forget();
     $("new-key").hidden = true;
@@ -277,8 +279,8 @@
       source.close();
       if (state.source === source) state.source = null;
       const reason = JSON.parse(e.data).reason;
-      if (reason.startsWith("replaced")) return;
-      signedOut(`Your session ended: ${reason}.`, true);
+      if (reason.startsWith("replaced")) moved();
+      else signedOut(`Your session ended: ${reason}.`, true);
     });
     source.addEventListener("error", () => {
       if (state.source !== source) return;
@@ -305,7 +307,28 @@
     notice(`Lost the connection to the daemon at ${clock(state.lostAt)} ${zone(state.lostAt)}; trying again.`);
   }
 
+  // A session has one live stream: another tab or window of it took the figures. Say so over
+  // them (never a frozen "ready"), and take them back when this page is looked at again: a
+  // focus or a return to the tab, so two open tabs never take turns by themselves.
+  function moved() {
+    state.moved = true;
+    state.lostAt = state.lostAt || new Date();
+    $("overview-body").classList.add("stale");
+    $("readiness").className = "readiness bad";
+    $("readiness").textContent = `The live figures went to another tab or window of this session at ${clock(state.lostAt)} ${zone(state.lostAt)}: the figures below are from then. Come back to this page to take them back.`;
+    setBadge("paused", "warn");
+  }
+
+  function resume() {
+    if (!state.moved || !state.session || state.source) return;
+    state.moved = false;
+    recover();
+  }
+  document.addEventListener("visibilitychange", () => { if (document.visibilityState === "visible") resume(); });
+  window.addEventListener("focus", resume);
+
   function found() {
+    state.moved = false;
     if (!state.lostAt) return;
     state.lostAt = null;
     $("overview-body").classList.remove("stale");
