@@ -217,6 +217,8 @@ def parse_keys(data: object) -> dict[str, ApiKey]:
             raise KeysFileError(f"{where}.id: duplicate key id {key_id}")
         if not isinstance(name, str) or not name or len(name) > MAX_NAME:
             raise KeysFileError(f"{where}.name: must be a string of 1 to {MAX_NAME} characters")
+        if not name.isprintable():  # as the CLI and the console make them: shown to operators
+            raise KeysFileError(f"{where}.name: must be printable (no control, format or bidi characters)")
         if not isinstance(hashed, str) or not _HASH.fullmatch(hashed):
             raise KeysFileError(f"{where}.hash: must be sha256:<64 hex digits> (never the secret)")
         scopes = entry.get("scopes")

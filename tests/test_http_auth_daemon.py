@@ -396,6 +396,22 @@ def test_keys_file_readable_by_others_is_refused(tmp_path: Path) -> None:
             "keys[0].colour",
         ),
         ({"other": []}, "one member, 'keys'"),
+        *(
+            (
+                {
+                    "keys": [
+                        {
+                            "id": "0123456789ab",
+                            "name": name,
+                            "hash": "sha256:" + "0" * 64,
+                            "scopes": ["admin"],
+                        }
+                    ]
+                },
+                "keys[0].name: must be printable",
+            )
+            for name in ("ops-eve \u202e", "a\u2066b", "tab\tname", "nul\x00", "zero\u200bwidth")
+        ),
     ],
 )
 def test_malformed_keys_files_name_the_field(data: dict[str, Any], where: str) -> None:

@@ -21,6 +21,9 @@
   };
   const VIEWS = ["overview", "actions", "keys", "usage", "playground"];
   const $ = (id) => document.getElementById(id);
+  // A key's name as text beside other text: isolated (FSI ... PDI), so a right-to-left name
+  // cannot reorder the key id or words after it.
+  const iso = (text) => `\u2068${text}\u2069`;
 
   function h(tag, attrs, ...children) {
     const el = document.createElement(tag);
@@ -165,7 +168,7 @@
   function signedIn(session) {
     state.session = session;
     restoreTranscript(session.key_id);
-    $("who-name").textContent = `${session.name} (${session.key_id})`;
+    $("who-name").textContent = `${iso(session.name)} (${session.key_id})`;
     $("admin-only-overview").hidden = can("admin");
     $("overview-body").hidden = !can("admin");
     $("playground-denied").hidden = can("inference");
@@ -870,7 +873,7 @@
 
   function renderUsage(usage, keys, days) {
     const names = new Map(keys.map((k) => [k.id, k.name]));
-    const label = (id) => (id ? `${names.get(id) || "removed key"} (${id})` : "no key (auth off)");
+    const label = (id) => (id ? `${iso(names.get(id) || "removed key")} (${id})` : "no key (auth off)");
     // Per day and key: the rows come per model and endpoint too.
     const perDay = new Map();
     const perKey = new Map();
@@ -926,13 +929,13 @@
   async function keyAction(key, verb) {
     const own = state.session && key.id === state.session.key_id ? " This is the key of your own session: you will be signed out." : "";
     const texts = {
-      disable: [`Disable key ${key.id} (${key.name})? Its clients are refused, and its running requests end, until it is enabled again.${own}`, "Disable"],
-      revoke: [`Revoke key ${key.id} (${key.name}) for good? It leaves the keys file; its clients are refused at once.${own}`, "Revoke"],
+      disable: [`Disable key ${key.id} (${iso(key.name)})? Its clients are refused, and its running requests end, until it is enabled again.${own}`, "Disable"],
+      revoke: [`Revoke key ${key.id} (${iso(key.name)}) for good? It leaves the keys file; its clients are refused at once.${own}`, "Revoke"],
     };
     if (texts[verb] && !(await confirmAction(...texts[verb]))) return;
     try {
       await api("POST", `/ui/api/keys/${key.id}/${verb}`, {});
-      keysOutcome(`Key ${key.id} (${key.name}): ${verb}d.`, "ok");
+      keysOutcome(`Key ${key.id} (${iso(key.name)}): ${verb}d.`, "ok");
       await loadKeys();
     } catch (err) {
       keysOutcome(`Key ${key.id}: ${err.message}`, "bad");
@@ -954,7 +957,7 @@
       $("new-key-token").value = data.token;
       $("new-key-token").focus();
       $("new-key-token").select();
-      keysOutcome(`Key ${data.key.id} (${data.key.name}) created.`, "ok");
+      keysOutcome(`Key ${data.key.id} (${iso(data.key.name)}) created.`, "ok");
       $("key-form").reset();
       await loadKeys();
     } catch (err) {
