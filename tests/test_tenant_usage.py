@@ -9,6 +9,7 @@ import http.client
 import io
 import json
 import logging
+import os
 import signal
 import sqlite3
 import subprocess
@@ -18,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from edgellmd.ledger import audit
 from edgellmd.ledger import usage as usage_module
 from edgellmd.ledger.audit import AuditEntry
 from edgellmd.ledger.store import AuditHandler, Ledger, utc_text
+from edgellmd.settings import ConsoleSettings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, free_port, running, settings_for, wait_for
 
@@ -84,12 +87,15 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         ("counted", ["inference"], {"requests_per_day": 2}),
         ("leaver", ["inference"], None),
         ("embedder", ["inference"], None),
+        ("crashed", ["inference"], None),
+        ("player", ["inference"], {"requests_per_day": 2}),
     ):
         ids[name], tokens[name] = create_key(keys, name, scopes, limits={}, quota=quota)
     database = root / "ledger.sqlite3"
     settings = settings_for(
         [
             {"name": "m", "file": str(model), "threads": 1, "slots": 2, "context_size": 512},
+            {"name": "k", "file": str(model), "threads": 1, "slots": 2, "context_size": 512},
             {
                 "name": "e",
                 "file": str(model),
@@ -102,6 +108,7 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         auth={"keys_file": str(keys)},
         ledger={"database": str(database), "time_zone": "Europe/Berlin"},
     )
+    settings = replace(settings, console=ConsoleSettings(enabled=True))  # the playground's budgets
     with running(settings) as daemon:
         yield Box(daemon, tokens, ids, database)
 
@@ -177,6 +184,39 @@ def test_requests_arriving_together_cannot_pass_a_request_budget_together(box: B
     assert status == 429
     assert error["error"]["code"] == "quota_exceeded"
     assert "x-quota-reset" in headers
+
+
+def test_the_consoles_playground_cannot_pass_a_request_budget_together_either(box: Box) -> None:
+    """The console's playground counts against the key's budgets as /v1 does: once, six
+    completions sent together from a signed-in session all passed requests_per_day 2."""
+    status, signed, headers = _call(
+        box.daemon.url + "/ui/api/session", "", "POST", {"key": box.tokens["player"]}
+    )
+    assert status == 200, signed
+    cookie = headers["Set-Cookie"].split(";", 1)[0]
+    sent = {"Cookie": cookie, "X-CSRF-Token": signed["csrf"], "Content-Type": "application/json"}
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 40, "ignore_eos": True})
+    answers: list[int] = []
+    gate = threading.Barrier(6)
+
+    def ask() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", box.daemon.port, timeout=60)
+        try:
+            gate.wait(10)
+            conn.request("POST", "/ui/api/complete", body=body, headers=sent)
+            answer = conn.getresponse()
+            answer.read()
+            answers.append(answer.status)
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(answers) == [200, 200, 429, 429, 429, 429]
+    assert _totals_once_recorded(box, "player", 2)["requests"] == 2
 
 
 def test_usage_answers_what_clients_were_told_as_json_csv_and_in_edgellmctl(
@@ -259,6 +299,32 @@ def test_a_stream_the_client_leaves_is_charged_for_what_it_produced(box: Box) ->
     counted = _totals_once_recorded(box, "leaver", 2)
     assert received == 50
     assert 50 <= counted["completion_tokens"] < 2 * 300  # what was sent, and no more than was asked
+
+
+def test_a_stream_whose_engine_dies_is_charged_for_what_it_sent(box: Box) -> None:
+    """The engine's death ends its generations with a Finished of no tokens: once, every token
+    already streamed went uncharged (ledger, tpm, quotas)."""
+    status = box.admin("/admin/status")[1]
+    pid = next(m for m in status["models"] if m["name"] == "k")["engine_process"]["pid"]
+    client = openai.OpenAI(base_url=box.daemon.url + "/v1", api_key=box.tokens["crashed"], max_retries=0)
+    stream = client.chat.completions.create(
+        model="k", messages=HI, max_tokens=400, stream=True, n=2, extra_body={"ignore_eos": True}
+    )
+    pieces = 0
+
+    def read() -> None:
+        nonlocal pieces
+        for chunk in stream:
+            pieces += sum(1 for c in chunk.choices if c.delta.content)
+            if pieces == 30:
+                os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(openai.APIError):  # the stream's error event: the engine is gone
+        read()
+    assert pieces >= 30
+    counted = _totals_once_recorded(box, "crashed", 1)
+    assert pieces <= counted["completion_tokens"] <= 2 * 400
+    wait_for(lambda: box.admin("/readyz")[0] == 200, what="model k back")
 
 
 def test_an_embedding_request_the_client_leaves_is_in_the_ledger_as_in_its_rate_limit(box: Box) -> None:

@@ -403,9 +403,10 @@ async def generation_session(
         finals = [gen.final for gen in gens if gen.final is not None]
         # A choice cut before its end (a client gone, an error) counts what it produced so far,
         # as its events showed it: tokens computed and sent are charged (ledger, tpm, quotas),
-        # never free for a client that disconnects before the last event.
+        # never free for a client that disconnects before the last event. An engine that died
+        # mid-stream ends its generations with a Finished of no tokens: what streamed counts.
         produced = [
-            gen.final.completion_tokens if gen.final is not None else timing.seen
+            max(gen.final.completion_tokens, timing.seen) if gen.final is not None else timing.seen
             for gen, timing in zip(gens, timings, strict=True)
         ]
         completion = sum(produced)

@@ -49,7 +49,7 @@ from edgellmd.http.console.sessions import (
     set_cookie,
 )
 from edgellmd.http.errors import Handler
-from edgellmd.http.ledger import check_quota
+from edgellmd.http.ledger import check_quota, release_quota
 from edgellmd.http.ratelimit import TokenBucket
 from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, parse_token
 from edgellmd.settings import Settings
@@ -221,12 +221,18 @@ def _middleware(store: SessionStore, scopes: RouteScopes) -> Middleware:
         try:
             if scope != "inference":
                 return await handler(request)
-            # The playground's requests count against the key's limits like its /v1 requests.
+            # The playground's requests count against the key's limits like its /v1 requests,
+            # its request budgets among them: in flight from admission (several sent together
+            # once passed a budget of requests per day together).
             limiter = request.app[appkeys.RATE_LIMITER]
-            check_quota(request, key)
-            limiter.admit(key)
-            with limiter.admitted(key, request):
-                return await handler(request)
+            held = check_quota(request, key, hold=True)
+            try:
+                limiter.admit(key)
+                with limiter.admitted(key, request):
+                    return await handler(request)
+            finally:
+                if held:
+                    release_quota(request, key)
         finally:
             POOL_TENANT.reset(tenant)
 
