@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import sqlite3
 import sys
 from datetime import UTC, date, datetime
@@ -29,7 +30,8 @@ NOTHING_COMPARED: Final = "it holds no audit record line of a record in this led
 
 def _day(value: str) -> str:
     try:
-        day = date.fromisoformat(value) if len(value) == 10 else None
+        # The calendar form alone: fromisoformat takes week dates (2026-W49-1) too.
+        day = date.fromisoformat(value) if re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", value) else None
     except ValueError:
         day = None
     if day is None or not FIRST_DAY <= day <= LAST_DAY:

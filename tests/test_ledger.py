@@ -324,3 +324,115 @@ def test_admin_audit_walks_the_whole_chain_once_a_minute_and_only_what_is_new_be
     finally:
         conn.close()
         ledger.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (b"{}", "record 4 was edited: a field holds a value no record is written with"),
+        (b"\xff\xfe not UTF-8", "record 4 was edited"),
+    ],
+)
+def test_a_cell_of_another_type_is_an_edit_found_not_a_crash(
+    chain: sqlite3.Connection, value: bytes, problem: str
+) -> None:
+    """A hand edit may put any SQLite value in any column (a BLOB where text was, text that is
+    no UTF-8): once, verifying it raised (a 500 on /admin/audit, a traceback in the CLI)."""
+    if value.startswith(b"\xff"):
+        chain.execute("UPDATE audit SET action = CAST(? AS TEXT) WHERE seq = 4", (value,))
+        problem = "a record after record 3 was edited: it holds text that is not UTF-8"
+    else:
+        chain.execute("UPDATE audit SET detail = ? WHERE seq = 4", (value,))
+    verdict = audit.verify(chain)
+    assert (verdict.ok, verdict.checked, verdict.at_seq) == (False, 3, 4)
+    assert problem in str(verdict.problem)
+    if not value.startswith(b"\xff"):  # listed as text, never a crash
+        shown = [r.as_dict() for r in audit.select(chain)]
+        assert [r["seq"] for r in shown] == [1, 2, 3, 4, 5, 6]
+
+
+def _forge_next(path: Path) -> int:
+    """Another hand appends one record, correctly hashed, after the chain's head."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        head = audit.head(conn)
+        conn.execute("BEGIN IMMEDIATE")
+        audit.append(conn, AuditEntry(utc_text(1_796_000_000), "INFO", "forged"), head)
+        conn.execute("COMMIT")
+        return head[0] + 1
+    finally:
+        conn.close()
+
+
+def test_a_record_another_hand_appended_is_noted_and_never_wedges_the_ledger(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once, the daemon's next record took the forged one's seq: every commit failed after
+    (usage with it), /readyz said ledger_failing for good. Now the daemon appends after it,
+    says so in the chain, its log and its status, and the chain stays whole."""
+    ledger.audit(AuditEntry(utc_text(1_796_000_000), "INFO", "first")).result(5)
+    assert ledger.path is not None
+    forged = _forge_next(ledger.path)
+    with caplog.at_level(logging.ERROR, logger="edgellmd.ledger"):
+        seq = ledger.audit(AuditEntry(utc_text(1_796_000_001), "INFO", "second")).result(5)
+        ledger.record(_record("r1", _at("2026-12-03T10:00:00+00:00"))).result(5)
+    assert seq == forged + 2  # after the forged record and the daemon's note of it
+    status = ledger.status()
+    assert status["error"] is None
+    assert f"record {forged} was not written by this daemon" in str(status["foreign_records"])
+    assert any("was not written by this daemon" in r.getMessage() for r in caplog.records)
+    records = ledger.query(audit.select).result()
+    assert [r.action for r in records] == [
+        "first",
+        "forged",
+        f"audit chain: record {forged} was not written by this daemon (tampering?)",
+        "second",
+    ]
+    assert ledger.query(audit.verify).result().ok
+    assert [(r["requests"]) for r in _rows(ledger, UsageQuery())] == [1]
+
+
+def test_a_removed_tail_is_not_followed_the_gap_shows_it(ledger: Ledger) -> None:
+    for i in range(3):
+        ledger.audit(AuditEntry(utc_text(1_796_000_000 + i), "INFO", f"r{i}")).result(5)
+    assert ledger.path is not None
+    conn = sqlite3.connect(ledger.path, isolation_level=None)
+    conn.execute("DELETE FROM audit WHERE seq = 3")
+    conn.close()
+    ledger.audit(AuditEntry(utc_text(1_796_000_010), "INFO", "after")).result(5)
+    verdict = ledger.query(audit.verify).result()
+    assert "record 3 is missing" in str(verdict.problem)
+    assert ledger.status()["foreign_records"] is None
+
+
+def test_compare_finds_a_record_the_log_does_not_hold_between_those_it_does(
+    chain: sqlite3.Connection,
+) -> None:
+    rows = chain.execute("SELECT seq, hash FROM audit ORDER BY seq").fetchall()
+    line = "2026-12-03 10:00:00,000 INFO edgellmd.ledger [-] audit record {} {}: action {}"
+    every = [line.format(seq, digest, seq) for seq, digest in rows]
+    assert audit.compare(chain, every) == (6, None)
+    without_4 = [text for text in every if " record 4 " not in text]
+    matched, problem = audit.compare(chain, without_4)
+    assert (matched, problem) == (5, "record 4 is in the database, not in the log: added (or its line lost)")
+    assert audit.compare(chain, every[:4]) == (4, None)  # records after the log's last: written since
+
+
+def test_closing_with_records_it_could_not_write_says_they_are_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger = Ledger(tmp_path / "full.sqlite3")
+
+    def full(conn: sqlite3.Connection, record: UsageRecord, zone: object, *, detail: bool) -> bool:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(usage, "write", full)
+    with pytest.raises(OSError, match="disk is full"):
+        ledger.record(_record("r1", _at("2026-12-03T10:00:00+00:00"))).result(5)
+    with caplog.at_level(logging.ERROR, logger="edgellmd.ledger"):
+        ledger.close()
+    lost = [r.getMessage() for r in caplog.records if "they are lost" in r.getMessage()]
+    assert lost == [
+        "ledger closed with 1 usage and 0 audit record(s) it could not write; they are lost:"
+        " OperationalError: database or disk is full"
+    ]

@@ -354,6 +354,8 @@ def test_an_embedding_request_the_client_leaves_is_in_the_ledger_as_in_its_rate_
         ("until=9999-12-31", "until"),  # its next day is past what a date can hold
         ("since=0001-01-01&until=2026-12-01", "since"),
         ("since=1969-12-31", "since"),
+        ("since=2026-W49-1", "since"),  # a week date: fromisoformat reads it, the API says a calendar date
+        ("until=2026-12-0%D9%A1", "until"),  # an Arabic-Indic digit
         ("group=week", "group"),
         ("format=xml", "format"),
         ("key=ELK", "key"),
@@ -370,7 +372,17 @@ def test_bad_usage_queries_are_400s_that_name_the_parameter(box: Box, query: str
 
 
 @pytest.mark.parametrize(
-    "query", ["limit=0", "limit=%C2%B2", "limit=99999999", "action=", "since=yesterday", "until=9999-12-31"]
+    "query",
+    [
+        "limit=0",
+        "limit=%C2%B2",
+        "limit=99999999",
+        "action=",
+        "since=yesterday",
+        "until=9999-12-31",
+        "since=2026-W49-1",
+        "since=2026-12-07&until=2026-12-06",  # reversed: was an empty 200 here, a 400 on /admin/usage
+    ],
 )
 def test_bad_audit_queries_are_400s(box: Box, query: str) -> None:
     assert box.admin(f"/admin/audit?{query}")[0] == 400

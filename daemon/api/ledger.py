@@ -73,6 +73,7 @@ def _retrieved(future: asyncio.Future[bool]) -> None:
 
 MAX_USAGE_ROWS: Final = 100_000  # an answer past it asks for a narrower range or a coarser grouping
 MAX_AUDIT_ROWS: Final = 10_000
+_CALENDAR_DATE: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 _KEY_ID: Final = re.compile(r"[0-9a-f]{12}")
 _NAME: Final = re.compile(r"[A-Za-z0-9._/{}:-]{1,128}")
 _USAGE_PARAMS: Final = frozenset({"since", "until", "key", "model", "endpoint", "group", "format"})
@@ -99,8 +100,8 @@ def _date(params: dict[str, str], name: str) -> date | None:
     text = params.get(name)
     if text is None:
         return None
-    try:
-        day = date.fromisoformat(text) if len(text) == 10 else None
+    try:  # the calendar form alone: fromisoformat takes week dates (2026-W49-1) too
+        day = date.fromisoformat(text) if _CALENDAR_DATE.fullmatch(text) else None
     except ValueError:
         day = None
     if day is None or not FIRST_DAY <= day <= LAST_DAY:
@@ -108,6 +109,14 @@ def _date(params: dict[str, str], name: str) -> date | None:
             f"'{name}' must be a date like 2026-12-01, from {FIRST_DAY} to {LAST_DAY}", param=name
         )
     return day
+
+
+def _dates(params: dict[str, str]) -> tuple[date | None, date | None]:
+    """`since` and `until`, checked, the one not before the other."""
+    since, until = _date(params, "since"), _date(params, "until")
+    if since is not None and until is not None and until < since:
+        raise InvalidRequest("'until' is before 'since'", param="until")
+    return since, until
 
 
 def _key_param(params: dict[str, str]) -> str | None:
@@ -126,9 +135,7 @@ def _name_param(params: dict[str, str], name: str) -> str | None:
 
 def usage_query(params: dict[str, str]) -> UsageQuery:
     """The checked filters of a usage request (`/admin/usage`'s query string)."""
-    since, until = _date(params, "since"), _date(params, "until")
-    if since is not None and until is not None and until < since:
-        raise InvalidRequest("'until' is before 'since'", param="until")
+    since, until = _dates(params)
     group = params.get("group", "day")
     if group not in GROUPS:
         raise InvalidRequest(f"'group' must be one of {', '.join(GROUPS)}", param="group")
@@ -181,7 +188,7 @@ async def admin_usage(request: web.Request) -> web.StreamResponse:
 async def admin_audit(request: web.Request) -> web.Response:
     """GET /admin/audit: audit records in time order, filtered by time, key and action, newest `limit`."""
     params = _params(request, _AUDIT_PARAMS)
-    since, until = _date(params, "since"), _date(params, "until")
+    since, until = _dates(params)
     key_id = _key_param(params)
     action = params.get("action")
     if action is not None and not 1 <= len(action) <= 64:

@@ -152,13 +152,25 @@ def rotate(conn: sqlite3.Connection, before: str) -> int:
 
 def _records(conn: sqlite3.Connection, where: str = "", args: tuple[Any, ...] = ()) -> Iterator[AuditRecord]:
     query = f"SELECT seq, at, level, action, key_id, peer, detail, prev, hash FROM audit {where} ORDER BY seq"  # noqa: S608 - fixed clauses
-    for seq, at, level, action, key_id, peer, detail, prev, digest in conn.execute(query, args):
+    for row in conn.execute(query, args):
+        # A hand edit may leave any SQLite value in any column: shown as text, never a 500.
+        seq, at, level, action, key_id, peer, detail, prev, digest = (
+            v if v is None or type(v) in (int, str) else repr(v)[:80] for v in row
+        )
         try:
-            parsed = json.loads(detail)
-        except (TypeError, ValueError):
+            parsed = json.loads(detail) if isinstance(detail, str) else None
+        except ValueError:
             parsed = {"unreadable": str(detail)[:80]}
         yield AuditRecord(
-            seq, at, level, action, key_id, peer, parsed if isinstance(parsed, dict) else {}, prev, digest
+            seq if type(seq) is int else -1,
+            str(at),
+            str(level),
+            str(action),
+            None if key_id is None else str(key_id),
+            None if peer is None else str(peer),
+            parsed if isinstance(parsed, dict) else {},
+            str(prev),
+            str(digest),
         )
 
 
@@ -196,9 +208,25 @@ def verify(conn: sqlite3.Connection, after: tuple[int, str, str] | None = None) 
     checked, first = 0, None
     fields = "seq, at, level, action, key_id, peer, detail, prev, hash"
     query = f"SELECT {fields} FROM audit WHERE seq > ? ORDER BY seq"  # noqa: S608 - no client text
-    for seq, at, level, action, key_id, peer, detail, prev, digest in conn.execute(query, (prev_seq,)):
+    rows = conn.execute(query, (prev_seq,))
+    while True:
+        try:
+            row = next(rows, None)
+        except sqlite3.OperationalError as exc:  # a hand-edited cell of bytes that are no UTF-8
+            if "decode" not in str(exc):
+                raise
+            broken = prev_seq + 1
+            why = f"a record after record {prev_seq} was edited: it holds text that is not UTF-8"
+            return Verdict(checked, broken if first is None else first, broken, why, broken)
+        if row is None:
+            break
+        seq, at, level, action, key_id, peer, detail, prev, digest = row
+        if not all(v is None or type(v) in (int, str) for v in row) or type(seq) is not int:
+            broken = seq if type(seq) is int else prev_seq + 1
+            why = f"record {broken} was edited: a field holds a value no record is written with"
+            return Verdict(checked, broken if first is None else first, broken, why, broken)
         first = seq if first is None else first
-        problem = None
+        problem: str | None = None
         if seq != prev_seq + 1:
             problem = f"record {prev_seq + 1} is missing (removed) before record {seq}"
         elif prev != prev_hash:
@@ -255,10 +283,13 @@ def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str
     """The chain against its mirror in the daemon's log (its JSON or text lines; see
     `mirrored_record`): how many mirrored records it matched, and the first that the database
     no longer holds as logged: rewritten (hashes and all, which the chain alone cannot show) or
-    removed. Records gone with rotation (at or before the anchor) are not counted."""
+    removed; or a record between the first and the last the log holds that the log does not:
+    added by another hand. Records gone with rotation (at or before the anchor) are not
+    counted, nor records after the log's last (written since the log was taken, or added)."""
     anchor = conn.execute("SELECT seq FROM audit_anchor").fetchone()
     rotated = int(anchor[0]) if anchor is not None else 0
     matched = 0
+    logged_seqs: set[int] = set()
     for line in mirrored:
         found = mirrored_record(line)
         if found is None:
@@ -266,12 +297,19 @@ def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str
         seq, logged = found
         if seq <= rotated:
             continue
+        logged_seqs.add(seq)
         row = conn.execute("SELECT hash FROM audit WHERE seq = ?", (seq,)).fetchone()
         if row is None:
             return matched, f"record {seq} is in the log and not in the database: removed"
         if str(row[0]) != logged:
             return matched, f"record {seq} is not what the log says was written: rewritten"
         matched += 1
+    if logged_seqs:
+        low, high = min(logged_seqs), max(logged_seqs)
+        between = conn.execute("SELECT seq FROM audit WHERE seq > ? AND seq < ? ORDER BY seq", (low, high))
+        for (seq,) in between:
+            if seq not in logged_seqs:
+                return matched, f"record {seq} is in the database, not in the log: added (or its line lost)"
     return matched, None
 
 

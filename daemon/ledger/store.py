@@ -180,6 +180,7 @@ class Ledger:
         self.commits = 0
         self.records = 0
         self.dropped = 0  # records given up after commits failed for longer than MAX_KEPT allows
+        self.foreign: str | None = None  # records found in the chain that this daemon did not write
 
     def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return self._writer.submit(fn, self._conn).result()
@@ -313,12 +314,15 @@ class Ledger:
         conn = self._conn
         head = self._head
         written: list[tuple[int, str, AuditEntry]] = []
+        noted: list[tuple[int, str, AuditEntry]] = []  # the daemon's own note of foreign records
         fresh: list[bool] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
             for record in retry_usage:
                 usage.write(conn, record, self.zone, detail=self.detail_hours > 0)
             fresh = [usage.write(conn, r, self.zone, detail=self.detail_hours > 0) for r, _ in pending_usage]
+            if retry_audit or pending_audit:
+                head, noted = self._foreign_records(conn, head)
             for entry in [*retry_audit, *(e for e, _ in pending_audit)]:
                 head = audit.append(conn, entry, head)
                 written.append((head[0], head[1], entry))
@@ -357,7 +361,7 @@ class Ledger:
         for _, audit_future in pending_audit:
             audit_future.set_result(next(seqs)[0])
         where = str(self.path) if self.path is not None else None  # which chain, in a JSON log line
-        for seq, digest, entry in written:  # the journal's copy of the chain
+        for seq, digest, entry in [*noted, *written]:  # the journal's copy of the chain
             log.info(
                 "audit record %d %s: %s",
                 seq,
@@ -365,6 +369,29 @@ class Ledger:
                 entry.action,
                 extra={"key_id": entry.key_id, "database": where},
             )
+
+    def _foreign_records(
+        self, conn: sqlite3.Connection, head: tuple[int, str]
+    ) -> tuple[tuple[int, str], list[tuple[int, str, AuditEntry]]]:
+        """Inside the commit's transaction: the head to append after. Records past the daemon's
+        own head were written by another hand (the daemon is the chain's one writer): appending
+        after them, the daemon says so in the chain and its log, rather than failing every commit
+        (usage with it) on their seq. A head behind the daemon's (its last records removed) is
+        not followed: the gap the next record leaves shows the removal."""
+        found = audit.head(conn)
+        if found[0] <= head[0]:
+            return head, []
+        seen = (
+            f"records {head[0] + 1} to {found[0]} were"
+            if found[0] > head[0] + 1
+            else f"record {found[0]} was"
+        )
+        message = f"audit chain: {seen} not written by this daemon (tampering?)"
+        log.error("%s; the next records follow them", message)
+        self.foreign = message
+        entry = AuditEntry(utc_text(self._clock()), "ERROR", message)
+        after = audit.append(conn, entry, found)
+        return after, [(after[0], after[1], entry)]
 
     def retry(self) -> Future[None]:
         """Commit what earlier commits could not (on the writer): a failing ledger mends itself
@@ -403,6 +430,7 @@ class Ledger:
             "audit_head": self._head[0],
             "waiting": waiting,
             "dropped": self.dropped,
+            "foreign_records": self.foreign,
             "error": self.error,
         }
 
@@ -413,6 +441,15 @@ class Ledger:
                 return
             self._closed = True
         self._writer.submit(self._commit).result()
+        with self._lock:
+            lost_usage, lost_audit = len(self._retry_usage), len(self._retry_audit)
+        if lost_usage or lost_audit:  # the last try failed too: say so, never a quiet stop
+            log.error(
+                "ledger closed with %d usage and %d audit record(s) it could not write; they are lost: %s",
+                lost_usage,
+                lost_audit,
+                self.error,
+            )
         self._writer.submit(self._conn.close).result()
         self._writer.shutdown(wait=True)
 
