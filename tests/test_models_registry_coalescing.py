@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
 
 from edgellmd.http import appkeys
-from tests.ggufmodels import TinyModelSpec
+from edgellmd.models.registry import ModelState, Registry
+from edgellmd.settings import ModelSettings
+from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import running
 from tests.test_models_lifecycle import MODEL, Box
 
@@ -60,3 +63,34 @@ def test_twenty_forced_reloads_at_once_build_at_most_two_copies(tmp_path: Path) 
         assert most_copies <= 2, most_copies
         status, body = daemon.get("/readyz")
         assert status == 200, body
+
+
+async def test_a_load_does_not_join_a_waiting_reload_of_all_models_which_passes_it_over(
+    tmp_path: Path,
+) -> None:
+    """A reload of all models passes over those an operator unloaded: once, a load that came
+    while one waited joined it, got no outcome of its own and answered 500 (IndexError)."""
+    paths = [write_tiny_model(tmp_path / f"{n}.gguf", TinyModelSpec(seed=s)) for n, s in (("a", 1), ("b", 2))]
+    with ThreadPoolExecutor(2) as executor:
+        registry = Registry(
+            [
+                ModelSettings(name=n, file=p, threads=1, context_size=128)
+                for n, p in zip("ab", paths, strict=True)
+            ],
+            executor,
+        )
+        await registry.start()
+        try:
+            await registry.unload("a")
+            async with registry._mutex:  # a reload in progress: the next ones wait
+                everything = asyncio.ensure_future(registry.reload())
+                await asyncio.sleep(0.05)
+                loading = asyncio.ensure_future(registry.load("a"))
+                await asyncio.sleep(0.05)
+            outcomes = await everything
+            assert [o.model for o in outcomes] == ["b"]  # "a" stays unloaded for a plain reload
+            loaded = await loading
+            assert (loaded.model, loaded.ok) == ("a", True), loaded
+            assert registry.states()["a"][0] is ModelState.READY
+        finally:
+            await registry.close()

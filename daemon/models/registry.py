@@ -357,10 +357,14 @@ class Registry:
         # Coalesce: a reload still waiting for its turn reads the files only once it runs, so a
         # request that it covers (all models, or these; forced if this one is) joins it. A storm
         # of reloads thus runs at most one beside the one in progress.
+        # A reload of all models passes over those an operator unloaded: one named here (a
+        # load) is not covered by it.
+        unloaded = names is not None and any(e.state is ModelState.UNLOADED for e in entries)
         for waiting in self._queued:
-            if (waiting.names is None or (names is not None and set(names) <= set(waiting.names))) and (
-                waiting.force or not force
-            ):
+            covered = (waiting.names is None and not unloaded) or (
+                names is not None and waiting.names is not None and set(names) <= set(waiting.names)
+            )
+            if covered and (waiting.force or not force):
                 outcomes = await asyncio.shield(waiting.done)
                 return [o for o in outcomes if names is None or o.model in names]
         queued = _Queued(
