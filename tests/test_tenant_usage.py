@@ -337,7 +337,13 @@ def test_an_embedding_request_the_client_leaves_is_in_the_ledger_as_in_its_rate_
         body,
         {"Authorization": f"Bearer {box.tokens['embedder']}", "Content-Type": "application/json"},
     )
-    time.sleep(0.3)  # tokenized and charged, being embedded
+
+    def embedding() -> bool:  # tokenized and charged, being embedded (a fixed wait was short on a busy box)
+        model = next(m for m in box.admin("/admin/status")[1]["models"] if m["name"] == "e")
+        done = box.admin(f"/admin/usage?key={box.ids['embedder']}&group=month")[1]["totals"]["requests"]
+        return bool(model["slots_busy"] or model["queue_depth"] or done)  # done: it was quicker
+
+    wait_for(embedding, timeout=30, interval=0.02, what="the embedding under way")
     conn.close()  # the client goes
 
     counted = _totals_once_recorded(box, "embedder", 1)
