@@ -398,6 +398,41 @@ def test_no_room_in_the_preload_area_falls_back_to_the_models_dir_still_verified
     assert box.copies() == []
 
 
+def test_a_model_loaded_in_place_must_be_writable_by_the_daemon_or_root_alone(box: Box) -> None:
+    """The descriptor keeps the hashed inode, not its bytes: another user who may write the
+    file could rewrite it in place after the hash, and unverified weights would load under a
+    verified hash. Loaded in place, such a file is refused, saying why; the preload copy is
+    the daemon's own."""
+    data = box.model_bytes(TinyModelSpec(seed=12))
+    box.publish({MODEL: ("tiny.gguf", data)})
+    path = box.models / "tiny.gguf"
+    path.chmod(0o644)
+    with running(box.settings(preload_dir=None, watch=False)) as daemon:
+        assert model_status(daemon)["state"] == "ready"
+
+        def forced_reload() -> dict[str, Any]:
+            status, body = daemon.post("/admin/reload", {"force": True})
+            assert status in (200, 409), body
+            return model_status(daemon)
+
+        path.chmod(0o664)
+        refused = forced_reload()["last_reload"]
+        assert refused["result"] == "failed"
+        assert "writable by its group or others (mode 664)" in refused["reason"]
+        assert complete(daemon)[0] == 200  # the verified version serves on
+        path.chmod(0o644)
+        if os.geteuid() == 0:  # only root gives a file away
+            os.chown(path, 4242, -1)
+            refused = forced_reload()["last_reload"]
+            assert "owned by uid 4242" in refused["reason"], refused
+            os.chown(path, 0, -1)
+        assert forced_reload()["last_reload"]["result"] == "loaded"
+    path.chmod(0o666)
+    with running(box.settings(watch=False)) as daemon:  # preloaded: the copy is the daemon's own
+        assert model_status(daemon)["state"] == "ready"
+        assert model_status(daemon)["shm_path"] is not None
+
+
 def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> None:
     data = box.model_bytes(TinyModelSpec(seed=11))
     box.publish({MODEL: ("tiny.gguf", data)})

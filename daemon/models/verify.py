@@ -104,7 +104,31 @@ def open_verified(models_dir: Path, entry: LockedModel, progress: Progress | Non
     return verified
 
 
+def check_sole_writer(fd: int, label: str) -> None:
+    """Refuse a file loaded in place that someone but the daemon's user or root may write.
+
+    A descriptor keeps the hashed inode when the path is replaced, not when the inode itself is
+    rewritten: llama.cpp reads (or maps) the file after the hash, so another user with write
+    access could put unverified weights under a verified hash. The owner is the daemon's user
+    or root and the mode gives no group or other write (with POSIX ACLs the group bits are the
+    mask, so no named user or group may write either). The preload copy needs none of this:
+    it is the daemon's own."""
+    st = os.fstat(fd)
+    mine = os.geteuid()
+    if st.st_uid not in (mine, 0):
+        raise LockError(
+            f"{label} is owned by uid {st.st_uid}, who could rewrite it after it is hashed: a model "
+            f"loaded in place (no preload copy) must be owned by root or the daemon's user (uid {mine})"
+        )
+    if st.st_mode & 0o022:
+        raise LockError(
+            f"{label} is writable by its group or others (mode {st.st_mode & 0o777:o}), who could rewrite "
+            "it after it is hashed: a model loaded in place (no preload copy) must not be (chmod go-w)"
+        )
+
+
 def _check_open_file(verified: VerifiedFile, entry: LockedModel, progress: Progress | None) -> None:
+    check_sole_writer(verified.fd, shown(entry.file))
     size = os.fstat(verified.fd).st_size
     check_size(entry, size)
     digest = hash_fd(verified.fd, size, progress)

@@ -857,13 +857,15 @@ class LifecycleSettings:
     preload_dir: Path | None = setting(
         Path("/dev/shm/edgellm"),  # noqa: S108 - tmpfs on purpose: models load from RAM
         "tmpfs for model copies (made while hashed); null: load from models_dir",
-        more="each daemon keeps its copies in a locked subdirectory of its own",
+        more="each daemon keeps its copies in a locked subdirectory of its own; a model loaded from "
+        "models_dir must be owned by root or the daemon's user and writable by no group or other user",
     )
     preload_max_mb: int | None = setting(
         None,
         "cap on what the copies may take; null: the filesystem's free space",
         bounds=MEGABYTES,
-        more="a model that does not fit loads from the models directory (still verified), with a warning",
+        more="a model that does not fit loads from the models directory (still verified, and only if no one "
+        "but root or the daemon's user may write it), with a warning",
     )
     watch: bool = setting(True, "reload when a model file or the lockfile changes")
     watch_settle_s: float = setting(
