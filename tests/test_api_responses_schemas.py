@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from edgellmd.api.request import Limits
 from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
 from edgellmd.engine.chat import ChatMessage
-from edgellmd.errors import ApiError, UnsupportedParameter
+from edgellmd.errors import ApiError, InvalidRequest, UnsupportedParameter
 
 LIMITS = Limits(max_tokens_limit=512, default_max_tokens=None)
 WEATHER: dict[str, Any] = {
@@ -251,3 +252,34 @@ def test_a_namespaced_call_sent_back_is_the_name_the_model_saw() -> None:
     )
     (call,) = body.chat.messages[1].tool_calls
     assert call["function"]["name"] == "crm__lookup"
+
+
+@pytest.mark.parametrize("kind", [[], {}, ["function"], {"x": 1}, [[]]])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "hi", "tools": [{"type": "KIND", "name": "f"}]}, "tools[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "KIND", "text": "x"}]}]}, "input[0].content[0]"),
+        (
+            {
+                "input": [
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c",
+                        "output": [{"type": "KIND", "text": "x"}],
+                    }
+                ]
+            },
+            "input[0].output[0]",
+        ),
+    ],
+)
+def test_a_type_that_is_a_list_or_an_object_is_a_400_not_a_500(
+    kind: Any, body: dict[str, Any], param: str
+) -> None:
+    """Once, `type` reached a frozenset membership test before any check that it is a string:
+    a list or an object cannot be hashed (TypeError, a 500)."""
+    text = json.dumps(body).replace('"KIND"', json.dumps(kind))
+    with pytest.raises(InvalidRequest) as caught:
+        _parse(**json.loads(text))
+    assert caught.value.param == param

@@ -286,7 +286,8 @@ def _content(value: Any, role: str, param: str, media: MediaReader) -> Content:
         raise InvalidRequest(f"'{param}' must be a string or a list of content parts", param=param)
     for j, part in enumerate(value):
         where = f"{param}[{j}]"
-        if isinstance(part, dict) and part.get("type") in _MEDIA_PARTS and role == "user":
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in _MEDIA_PARTS and role == "user":  # else _part_text's 400
             content.media(_part_media(part, where, media))
         else:
             content.text(_part_text(part, role, where))
@@ -397,7 +398,7 @@ def _tools(raw: Any) -> Tools:
     for i, tool in enumerate(raw or []):
         where = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind in HOSTED_TOOL_TYPES:
+        if isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:  # a list or object: no hash, a 400 below
             out.left_out.append(str(kind))
         elif kind == "namespace":
             _namespace(tool, where, out)
