@@ -600,27 +600,39 @@ def test_count_tokens_of_the_shared_daemons_model(daemon: RunningDaemon) -> None
     assert answer == {"input_tokens": 1 + len(b"<|user|>hello\n<|assistant|>")}  # BOS, one token per byte
 
 
-def test_count_tokens_checks_every_schema_but_builds_no_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
-    import edgellmd.api.anthropic.decode as decode_module  # noqa: PLC0415 - patched here only
-    import edgellmd.api.structured as structured_module  # noqa: PLC0415
+LOOPING: Final[dict[str, Any]] = {  # refers back to itself before any value: found building a grammar
+    "type": "object",
+    "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}},
+    "properties": {"a": {"$ref": "#/$defs/x"}},
+}
 
-    def no_grammar(*_: Any) -> str:
-        raise AssertionError("a grammar was built to count tokens")
 
-    monkeypatch.setattr(structured_module, "embedded_grammar", no_grammar)
-    monkeypatch.setattr(decode_module, "response_format_grammar", no_grammar)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {
+            "tools": [
+                {**WEATHER, "input_schema": {"type": "object", "properties": {"city": {"type": "strin"}}}}
+            ]
+        },
+        {"tools": [{**WEATHER, "input_schema": LOOPING}]},
+        {
+            "output_config": {
+                "format": {"type": "json_schema", "schema": {"type": "object", "minProperties": -1}}
+            }
+        },
+        {"output_config": {"format": {"type": "json_schema", "schema": LOOPING}}},
+    ],
+)
+def test_count_tokens_refuses_every_schema_messages_refuses(extra: dict[str, Any]) -> None:
+    """Once, count_tokens built no grammar and so passed a left-recursive schema (200) that
+    /v1/messages refused (400): a refusal that comes only from building one."""
+    with pytest.raises(ApiError) as by_messages:
+        parse_messages(body(**extra), LIMITS)
+    with pytest.raises(ApiError) as by_count:
+        parse_count_tokens({"model": "tiny", "messages": HELLO, **extra})
+    assert by_count.value.status == by_messages.value.status == 400
+    assert by_count.value.param == by_messages.value.param
     counted = parse_count_tokens({"model": "tiny", "messages": HELLO, "tools": [WEATHER]})
     assert counted.tools is not None
-    assert counted.tools.grammar is None
     assert counted.tools.instructions  # the prompt is rendered as a reply's would be
-    fmt = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
-    assert parse_count_tokens({"model": "tiny", "messages": HELLO, "output_config": fmt}).tools is None
-    bad = {**WEATHER, "input_schema": {"type": "object", "properties": {"city": {"type": "strin"}}}}
-    with pytest.raises(ApiError) as refused:
-        parse_count_tokens({"model": "tiny", "messages": HELLO, "tools": [bad]})
-    assert refused.value.status == 400
-    bad_format = {"format": {"type": "json_schema", "schema": {"type": "object", "minProperties": -1}}}
-    with pytest.raises(ApiError):
-        parse_count_tokens({"model": "tiny", "messages": HELLO, "output_config": bad_format})
-    with pytest.raises(AssertionError, match="grammar was built"):  # /v1/messages still builds its grammar
-        parse_messages(body(tools=[WEATHER]), LIMITS)

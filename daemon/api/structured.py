@@ -172,13 +172,11 @@ def max_calls(parallel: bool | None, functions: int) -> int:
     return max(1, min(functions, MAX_PARALLEL_CALLS))
 
 
-def tool_plan(
-    tools: Any, tool_choice: Any, parallel: Any, *, grammar: bool = True, answer_format: Any = None
-) -> ToolPlan | None:
-    """Check `tools`/`tool_choice`/`parallel_tool_calls` and build the reply's grammar.
+def tool_plan(tools: Any, tool_choice: Any, parallel: Any, *, answer_format: Any = None) -> ToolPlan | None:
+    """Check `tools`/`tool_choice`/`parallel_tool_calls` and build the reply's grammar (some
+    refusals, left recursion among them, come only from building it: counting a prompt's
+    tokens builds it too).
 
-    `grammar=False` (counting a prompt's tokens): every schema is still checked in full, the
-    instructions are those a reply would get, but no grammar is built (the costly part).
     `answer_format` (a `response_format`, chat's shape): with tool_choice auto, an answer
     without tools is that schema's JSON, not text (`{"response": {...}}`); a call required or
     named leaves it out, as nothing but a call may come.
@@ -252,10 +250,8 @@ def tool_plan(
             ]
         }
         answer = TEXT_ANSWER if structured is None else STRUCTURED_ANSWER
-    built = None
-    if grammar:
-        try:
-            built = embedded_grammar(schema)
-        except SchemaError as exc:
-            raise _api_error(exc, "tools") from None
+    try:
+        built = embedded_grammar(schema)
+    except SchemaError as exc:
+        raise _api_error(exc, "tools") from None
     return ToolPlan(tuple(tools), mode, built, TOOL_INSTRUCTIONS.format(answer=answer), names)

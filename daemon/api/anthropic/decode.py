@@ -22,7 +22,6 @@ from edgellmd.api.request import ChatRequest, CommonRequest, Limits, within_ceil
 from edgellmd.api.structured import (
     FUNCTION_NAME_CHARS,
     ToolPlan,
-    check_schema,
     response_format_grammar,
     tool_plan,
 )
@@ -591,7 +590,7 @@ def _tool_choice(value: Any, names: set[str]) -> tuple[Any, bool | None]:
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
 
-def _tools(data: Mapping[str, Any], *, grammar: bool = True) -> ToolPlan | None:
+def _tools(data: Mapping[str, Any]) -> ToolPlan | None:
     tools = data.get("tools")
     choice = data.get("tool_choice")
     if tools == []:  # Anthropic takes an empty list for no tools
@@ -610,7 +609,7 @@ def _tools(data: Mapping[str, Any], *, grammar: bool = True) -> ToolPlan | None:
         if answer is None
         else {"type": "json_schema", "json_schema": {"name": "output", "schema": answer}}
     )
-    return _in_our_names(lambda: tool_plan(converted, mode, parallel, grammar=grammar, answer_format=fmt))
+    return _in_our_names(lambda: tool_plan(converted, mode, parallel, answer_format=fmt))
 
 
 def _output_format(data: Mapping[str, Any]) -> Any:
@@ -633,12 +632,9 @@ def _output_format(data: Mapping[str, Any]) -> Any:
     return schema
 
 
-def _format_grammar(data: Mapping[str, Any], *, build: bool = True) -> str | None:
+def _format_grammar(data: Mapping[str, Any]) -> str | None:
     schema = _output_format(data)
     if schema is None:
-        return None
-    if not build:  # counting tokens: the schema is checked, no grammar is made
-        _in_our_names(lambda: check_schema(schema, "response_format.json_schema.schema"))
         return None
     fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     return _in_our_names(lambda: response_format_grammar(fmt))
@@ -746,8 +742,9 @@ def parse_count_tokens(data: Mapping[str, Any], media: MediaRules | None = None)
     _show_thinking(data, None)
     _ignored(data)
     messages = _messages(data, MediaReader(media or MediaRules()))
-    # What the prompt renders is checked as /v1/messages checks it, but no grammar is built:
-    # nothing is generated, so none is needed (and building one is the costly part).
-    tools = _tools(data, grammar=False)
-    _format_grammar(data, build=False)
+    # What the prompt renders is checked as /v1/messages checks it, its grammars included
+    # (built on the prompt pool and let go of): some refusals, a schema that refers back to
+    # itself before any value (left recursion) among them, come only from building one.
+    tools = _tools(data)
+    _grammar(data, tools)
     return CountRequest(model, messages, tools)
