@@ -21,6 +21,7 @@ from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.config import MediaInput
 from edgellmd.errors import InvalidRequest
 
+OWNER = "0123456789ab"  # the key that stored the response
 PNG = b"\x89PNG\r\n\x1a\nnot really"
 CLIP = b"RIFF....WAVE"
 ITEM: Any = TypeAdapter(ResponseItem)  # what the openai SDK makes of an item
@@ -48,7 +49,7 @@ def _turns() -> tuple[ChatMessage, ...]:
 
 def _all(turns: tuple[ChatMessage, ...], **page: Any) -> list[dict[str, Any]]:
     listed = listing(
-        input_items(turns), Page(descending=False, limit=100, **page), {"crm__get": ("crm", "get")}
+        input_items(turns, OWNER), Page(descending=False, limit=100, **page), {"crm__get": ("crm", "get")}
     )
     data: list[dict[str, Any]] = listed["data"]
     return data
@@ -95,7 +96,7 @@ def test_image_data_only_when_included() -> None:
 
 
 def test_pages_follow_after_in_either_order() -> None:
-    items = input_items(_turns())
+    items = input_items(_turns(), OWNER)
     ids = [i.id for i in items]
     whole = listing(items, Page(descending=False))
     assert ([i["id"] for i in whole["data"]], whole["has_more"]) == (ids, False)
@@ -115,7 +116,7 @@ def test_a_page_of_big_images_stops_early_and_says_there_is_more() -> None:
     turns = tuple(
         ChatMessage("user", "", media=(MediaInput("image", big, "png"),), media_at=(0,)) for _ in range(4)
     )
-    items = input_items(turns)
+    items = input_items(turns, OWNER)
     page = listing(items, Page(limit=4, images=True))
     assert (len(page["data"]), page["has_more"]) == (1, True)  # each is 2/3 of the bound as base64
     nxt = listing(items, Page(limit=4, images=True, after=page["last_id"]))
@@ -145,3 +146,13 @@ def test_the_query_is_read_as_openai_documents_it() -> None:
         with pytest.raises(InvalidRequest) as caught:
             page_of(query, includes)
         assert caught.value.param == param
+
+
+def test_the_same_conversation_under_another_key_has_other_ids() -> None:
+    """The ids are the owner's: one seen somewhere confirms no guess made with another key
+    (the same input sent by that key answers other ids), and they hold still for their owner."""
+    mine = [i.id for i in input_items(_turns(), OWNER)]
+    assert mine == [i.id for i in input_items(_turns(), OWNER)]
+    theirs = [i.id for i in input_items(_turns(), "ba9876543210")]
+    assert not set(mine) & set(theirs)
+    assert [i.split("_")[0] for i in mine] == [i.split("_")[0] for i in theirs]  # the kinds stay

@@ -107,10 +107,14 @@ def page_of(query: Mapping[str, str], includes: Sequence[str]) -> Page:
     return Page(after, limit, order == "desc", IMAGE_URL in includes)
 
 
-def input_items(turns: Sequence[ChatMessage]) -> list[Item]:
-    """The input turns' items, oldest first, with their ids (nothing is built yet)."""
+def input_items(turns: Sequence[ChatMessage], owner: str) -> list[Item]:
+    """The input turns' items, oldest first, with their ids (nothing is built yet).
+
+    The ids begin from the owner (the key that stored the response): the same conversation
+    under another key has other ids, so an id seen somewhere confirms no guess of its
+    conversation made with another key."""
     items: list[Item] = []
-    chain = hashlib.sha256()
+    chain = hashlib.sha256(b"edgellm input items\0" + owner.encode("utf-8", "surrogatepass") + b"\0")
     for turn in turns:
         chain.update(_digest(turn))
         at = chain.copy().digest()

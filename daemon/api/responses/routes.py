@@ -232,7 +232,9 @@ async def list_input_items(request: web.Request) -> web.Response:
         raise _not_found(rid)
 
     def page_json() -> bytes:  # hashing turns and encoding images: off the loop
-        return dumps(listing(input_items(stored.conversation[: stored.inputs]), page, stored.namespaces))
+        return dumps(
+            listing(input_items(stored.conversation[: stored.inputs], stored.owner), page, stored.namespaces)
+        )
 
     loop = asyncio.get_running_loop()
     return _json(await loop.run_in_executor(context(request).executor, page_json))
