@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgellmd.models.lockfile import (
+    MAX_SIGNATURES,
     LockError,
     VersionState,
     canonical_bytes,
@@ -299,6 +301,9 @@ BAD_ENTRIES: list[tuple[str, dict[str, Any], str]] = [
     ("escape", {"file": "tiny\x1b[2J.gguf"}, "models.tiny.file: must not contain control characters"),
     ("del", {"file": "tiny\x7f.gguf"}, "models.tiny.file: must not contain control characters"),
     ("c1", {"file": "tiny\x85.gguf"}, "models.tiny.file: must not contain control characters"),
+    # A name that reads as another on the operator's terminal: safe<U+202E>gguf.exe shows as safeexe.fggu.
+    ("bidi", {"file": "safe\u202egguf.exe"}, "models.tiny.file: must be printable"),
+    ("zero-width", {"file": "ti\u200bny.gguf"}, "models.tiny.file: must be printable"),
     (
         "dotdot",
         {"file": "../tiny.gguf"},
@@ -514,3 +519,19 @@ def test_gguf_facts_from_the_header(box: Box) -> None:
     junk.write_bytes(b"GGUF" + b"\xff" * 40)
     with pytest.raises(LockError, match="GGUF"):
         read_gguf_facts(junk)
+
+
+def test_a_lockfile_padded_with_signatures_is_refused_before_any_is_checked(box: Box) -> None:
+    """Signatures are not signed: thousands of forged ones beside the good one cost seconds of
+    verification at every reload. At most MAX_SIGNATURES, one per key."""
+    box.write(box.document(), "a")
+    document = json.loads(box.lock.read_bytes())
+    good = document["signatures"][0]
+    forged = {**good, "sig": base64.b64encode(b"\1" * 64).decode()}
+    padded = {**document, "signatures": [forged] * (MAX_SIGNATURES + 1) + [good]}
+    with pytest.raises(LockError, match=f"at most {MAX_SIGNATURES}"):
+        parse_lock(json.dumps(padded))
+    twice = {**document, "signatures": [forged, good]}
+    with pytest.raises(LockError, match=r"signatures\[1\]\.key_id: a second signature by the same key"):
+        parse_lock(json.dumps(twice))
+    assert parse_lock(json.dumps(document)).signatures  # the one good signature still reads

@@ -892,7 +892,21 @@ BAD_FILES = [
     ("dotdot", "../tiny.gguf", "contains '..'"),
     ("absolute", "/etc/passwd", "is an absolute path"),
     ("c1-control", "tiny\x9b.gguf", "must not contain control characters"),
+    ("bidi", "safe\u202egguf.exe", "must be printable"),  # reads as safeexe.fggu
 ]
+
+
+def test_lock_add_refuses_a_file_whose_name_reads_as_another(
+    lock: Path, models: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hidden = models / "safe\u202egguf.exe"
+    hidden.write_bytes((models / "tiny-b.gguf").read_bytes())
+    before = lock.read_bytes() if lock.exists() else None
+    result = run(capsys, "lock", "add", "other", hidden, "--lock", lock)
+    assert result.status == 1
+    assert "must be printable" in result.err
+    assert "\u202e" not in result.err
+    assert (lock.read_bytes() if lock.exists() else None) == before
 
 
 @pytest.mark.parametrize(("file", "reason"), [pytest.param(f, r, id=i) for i, f, r in BAD_FILES])

@@ -40,6 +40,10 @@ MAX_STATE_BYTES: Final = 64 * 1024
 MAX_FILE_CHARS: Final = 1024  # a lock entry's `file`; each folder name is bounded by the OS (255 bytes)
 MAX_GGUF_VALUE_CHARS: Final = 256
 MAX_SHOWN_CHARS: Final = 64  # longer or unprintable values from a lockfile are never put in a message
+# Signatures are not covered by a signature: a lockfile padded with thousands of them cost
+# seconds of verification at every reload. One per key (`lock sign` replaces a key's own);
+# a key rotation needs two or three.
+MAX_SIGNATURES: Final = 16
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 MODEL_NAME: Final = settings.MODEL_NAME  # one pattern for the config's model names and the lock's
 _PLAIN_MEMBER: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # JSON member names shown as they are
@@ -136,6 +140,8 @@ def file_problem(file: str) -> str | None:
         return f"must be at most {MAX_FILE_CHARS} characters"
     if _CONTROL.search(file):
         return "must not contain control characters"
+    if not file.isprintable():  # a bidi override or a zero-width mark: a name that reads as another
+        return "must be printable (no format, bidi or zero-width characters)"
     if "\\" in file:
         # Legal in a Linux file name, but in a lockfile it is a Windows path that names
         # something else here; folders are separated by '/'.
@@ -152,6 +158,8 @@ def _text_problem(value: str) -> str | None:
         return f"must be at most {MAX_GGUF_VALUE_CHARS} characters"
     if _CONTROL.search(value):
         return "must not contain control characters"
+    if not value.isprintable():
+        return "must be printable (no format, bidi or zero-width characters)"
     return None
 
 
@@ -198,8 +206,8 @@ def _model(name: str, value: object) -> LockedModel:
 
 
 def _signatures(value: object) -> tuple[Signature, ...]:
-    if not isinstance(value, list):
-        raise LockError("signatures: must be a list")
+    if not isinstance(value, list) or len(value) > MAX_SIGNATURES:
+        raise LockError(f"signatures: must be a list of at most {MAX_SIGNATURES}")
     out: list[Signature] = []
     for i, item in enumerate(value):
         where = f"signatures[{i}]"
@@ -216,6 +224,8 @@ def _signatures(value: object) -> tuple[Signature, ...]:
             raise LockError(f"{where}.sig: must be base64") from None
         if len(sig) != 64:
             raise LockError(f"{where}.sig: an Ed25519 signature is 64 bytes")
+        if any(s.key_id == key_id for s in out):
+            raise LockError(f"{where}.key_id: a second signature by the same key")
         out.append(Signature(key_id, sig))
     return tuple(out)
 
