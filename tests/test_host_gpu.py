@@ -30,6 +30,7 @@ from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
 from edgellmd.models.gguf import (
     GGML_BLOCKS,
+    MAX_HEADER_ITEMS,
     MAX_KEPT_BYTES,
     MAX_KEPT_STRING,
     GgufError,
@@ -674,6 +675,50 @@ def test_what_a_header_reader_keeps_is_bounded_whatever_the_file_holds(tmp_path:
     assert 0 < len(kept) < n_fill
     assert kept == [f"fill.{i}" for i in range(len(kept))]  # the first ones, in order
     assert sum(len(v) for v in values.values() if isinstance(v, str)) <= MAX_KEPT_BYTES
+
+
+def _kv_strings(key: bytes, strings: Sequence[bytes]) -> bytes:
+    items = b"".join(struct.pack("<Q", len(t)) + t for t in strings)
+    return struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, len(strings)) + items
+
+
+def test_an_array_of_strings_is_walked_past_exactly_across_blocks(tmp_path: Path) -> None:
+    """The vocabulary is skipped in blocks read into memory; the value after it still reads,
+    strings long and short, empty, and one that ends past the block it began in."""
+    strings = [b"", b"a", b"x" * 70_000, *(b"tok%d" % i for i in range(300_000)), b"y" * 3_000_000, b""]
+    kv = [_kv_strings(b"tokenizer.ggml.tokens", strings), _kv_string(b"general.architecture", b"llama")]
+    path = tmp_path / "vocab.gguf"
+    path.write_bytes(_header(0, kv=b"".join(kv), n_kv=len(kv)))
+    assert read_gguf_values(path) == {"general.architecture": "llama"}
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-40])  # the last entry's value cut short
+    with pytest.raises(GgufError, match="truncated"):
+        read_gguf_values(cut)
+    short = tmp_path / "short.gguf"  # the array declares more strings than the file holds
+    short.write_bytes(_header(0, kv=_kv_strings(b"t", [b"a"] * 10)[:-20], n_kv=1))
+    with pytest.raises(GgufError, match="truncated"):
+        read_gguf_values(short)
+
+
+def test_a_header_declaring_more_items_than_a_real_vocabulary_is_refused_before_walking(
+    tmp_path: Path,
+) -> None:
+    """A header is read before its file is verified: one declaring millions of empty strings
+    (a Python loop apiece) held the registry's lock for minutes. Past MAX_HEADER_ITEMS a walk
+    is refused as the count is declared, and the budget's readers give up (the hash decides)."""
+    many = struct.pack("<Q", 1) + b"t" + struct.pack("<IIQ", 9, 8, MAX_HEADER_ITEMS + 1)
+    path = tmp_path / "many.gguf"
+    path.write_bytes(_header(0, kv=many + bytes(8 * 1000), n_kv=1))
+    start = time.perf_counter()
+    with pytest.raises(GgufError, match=f"more than {MAX_HEADER_ITEMS}"):
+        read_gguf_values(path)
+    assert learned_positions(path) is None
+    assert time.perf_counter() - start < 1.0  # refused as declared, nothing walked
+    split = [_kv_strings(b"t%d" % i, [b""] * (MAX_HEADER_ITEMS // 4)) for i in range(5)]
+    spread = tmp_path / "spread.gguf"  # the same number, spread over several arrays
+    spread.write_bytes(_header(0, kv=b"".join(split), n_kv=len(split)))
+    with pytest.raises(GgufError, match=f"more than {MAX_HEADER_ITEMS}"):
+        read_gguf_values(spread)
 
 
 @pytest.fixture(scope="module")

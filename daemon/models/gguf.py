@@ -41,7 +41,16 @@ _SCALAR: Final = {
 }
 _STRING: Final = 8
 _ARRAY: Final = 9
+_U64: Final = struct.Struct("<Q")
+_SKIP_BLOCK: Final = 1 << 20
 MAX_KV: Final = 1_000_000  # sanity bounds against hostile headers
+# The items one walk of a header visits one by one (its metadata entries, the elements of its
+# arrays of strings or arrays, its tensors), spent as each count is declared: a header is read
+# before its file is verified, to refuse an over-budget load before copying it, and a file of a
+# model's size could declare tens of millions of empty strings, a Python loop apiece (minutes
+# of the registry's lock for an unverified file). A real vocabulary with its merges is about a
+# million (262k tokens; or 150k to 500k tokens and merges): twice that, and the walk is refused.
+MAX_HEADER_ITEMS: Final = 2_000_000
 _MAX_STRING: Final = 64 * 1024 * 1024
 # Arrays of arrays: llama.cpp's own reader takes none; a hostile header nests them 100,000
 # deep (recursion), so a few levels are walked and no more.
@@ -65,6 +74,13 @@ class HeaderReader:
     def __init__(self, fh: Any) -> None:
         self.fh = fh
         self.size = os.fstat(fh.fileno()).st_size
+        self.left = MAX_HEADER_ITEMS  # items this walk may still visit one by one
+
+    def spend(self, items: int) -> None:
+        """Count `items` about to be visited one by one against MAX_HEADER_ITEMS."""
+        self.left -= items
+        if self.left < 0:
+            raise GgufError(f"the header declares more than {MAX_HEADER_ITEMS} metadata items and tensors")
 
     def read(self, n: int) -> bytes:
         data: bytes = self.fh.read(n)
@@ -87,6 +103,28 @@ class HeaderReader:
             raise GgufError("not a GGUF file: the header is truncated")
         self.fh.seek(n, os.SEEK_CUR)
 
+    def skip_strings(self, count: int) -> None:
+        """Move past `count` strings (a length, then its bytes), their lengths read from blocks
+        in memory: a file call per string took a second a million."""
+        unpack = _U64.unpack_from
+        pos = self.fh.tell()
+        while count:
+            block = self.fh.read(_SKIP_BLOCK)
+            end = len(block)
+            if end < _U64.size:
+                raise GgufError("not a GGUF file: the header is truncated")
+            off = 0
+            while count and off + _U64.size <= end:
+                n = unpack(block, off)[0]
+                if n > _MAX_STRING:
+                    raise GgufError("not a GGUF file: absurd string length in the header")
+                off += _U64.size + n
+                count -= 1
+            pos += off  # past the last string whose length was read (perhaps past this block)
+            if pos > self.size:
+                raise GgufError("not a GGUF file: the header is truncated")
+            self.fh.seek(pos)
+
     def skip_value(self, vtype: int, depth: int = 0) -> None:
         if vtype in _SCALAR:
             self.read(struct.calcsize(_SCALAR[vtype]))
@@ -98,7 +136,11 @@ class HeaderReader:
             etype, count = self.scalar("<I"), self.scalar("<Q")
             if etype in _SCALAR:
                 self.skip(count * struct.calcsize(_SCALAR[etype]))
+            elif etype == _STRING:  # a vocabulary: walked in memory, a block at a time
+                self.spend(count)
+                self.skip_strings(count)
             else:
+                self.spend(count)
                 for _ in range(count):
                     self.skip_value(etype, depth + 1)
         else:
@@ -130,6 +172,7 @@ def read_gguf_values(path: Path) -> dict[str, Any]:
             n_kv = header.scalar("<Q")
             if n_kv > MAX_KV:
                 raise GgufError("not a GGUF file: absurd metadata count")
+            header.spend(n_kv)
             kept = 0
             for _ in range(n_kv):
                 raw_key = header.string()
@@ -213,7 +256,7 @@ GGML_BLOCKS: Final[Mapping[int, tuple[int, int]]] = MappingProxyType(
         39: (32, 17),
     }
 )  # F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q8_1 Q2_K..Q8_K IQ2_XXS.. I8..F64 IQ1_M BF16 TQ1_0 TQ2_0 MXFP4
-_MAX_TENSORS: Final = 1 << 20  # sanity bounds against hostile headers
+_MAX_TENSORS: Final = 1 << 16  # sanity bounds against hostile headers (a real model: a few thousand)
 _MAX_DIMS: Final = 4  # GGML_MAX_DIMS
 _MAX_NAME: Final = 256  # ggml allows 63 bytes; leave room, refuse absurd ones
 _GGUF_UINT32: Final = 4
@@ -240,6 +283,7 @@ def tensor_infos(path: Path) -> tuple[list[TensorInfo], int]:
         n_tensors, n_kv = header.scalar("<Q"), header.scalar("<Q")
         if n_tensors > _MAX_TENSORS or n_kv > MAX_KV:
             raise ValueError(f"{path}: absurd tensor or metadata count")
+        header.spend(n_kv + n_tensors)
         alignment = 32  # GGUF_DEFAULT_ALIGNMENT
         for _ in range(n_kv):
             key, vtype = header.string(), header.scalar("<I")
