@@ -97,6 +97,14 @@ def lying_wav(hours: float = 10.0) -> bytes:
     return b"RIFF" + struct.pack("<I", 4 + len(body)) + body
 
 
+def wav_declaring(rate: int, seconds_of_bytes: float = 0.05) -> bytes:
+    """An 8-bit mono WAV whose header says `rate`, over bytes for `seconds_of_bytes` at 16 kHz."""
+    body = bytes(int(16_000 * seconds_of_bytes))
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate, 1, 8)
+    chunks = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(body)) + body
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + chunks
+
+
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
@@ -336,7 +344,26 @@ HOSTILE: Final = [
     ("ten-hour-wav-header", _message(audio_part(lying_wav()), model="hears"), "media.max_audio_seconds"),
     ("wav-said-mp3", _message(audio_part(wav(0.2), "mp3"), model="hears"), "not the mp3"),
     ("audio-format-unknown", _message(audio_part(wav(0.2), "aiff"), model="hears"), "format"),
+    # 0.0002 s by its header at 4.29 GHz, and seconds of resampling in the engine a request.
+    (
+        "absurd-sample-rate",
+        _message(audio_part(wav_declaring(4_294_967_295), "wav"), model="hears"),
+        "sample rate",
+    ),
 ]
+
+
+def test_a_clip_longer_than_the_context_is_a_400_saying_so_not_a_503_to_retry(served: Served) -> None:
+    """Three 30 s chunks of 375 positions are past the context of 1,024: the engine process's
+    answer was taken for a lie (more positions than a context holds), the engine's work counted
+    as the model unloaded, a 503 asking the client to retry the same clip."""
+    pid = served.engine("hears").pid
+    clip = wav_declaring(1_000, seconds_of_bytes=90 * 1_000 / 16_000)  # 90 s at 1 kHz
+    status, answer = served.post("/v1/chat/completions", _message(audio_part(clip, "wav"), model="hears"))
+    assert status == 400, answer
+    assert answer["error"]["code"] == "context_length_exceeded", answer
+    assert "context is 1024 tokens" in answer["error"]["message"]
+    assert served.engine("hears").pid == pid  # nothing restarted, nothing unloaded
 
 
 def _stream_seconds(served: Served, out: list[float]) -> None:

@@ -14,6 +14,7 @@ import io
 import math
 import os
 import signal
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ from edgellmd.engine.generation import (
     TokenLogprob,
     placeholders,
 )
+from edgellmd.engine.media import decode_audio
 from edgellmd.engine.remote import NATIVE_LINES, NATIVE_WINDOW_S, NativeLines, RemoteEngine
 from edgellmd.engine.scheduler import Engine
 from tests.ggufmodels import (
@@ -395,3 +397,54 @@ def test_an_engines_native_output_reaches_the_log_at_a_bounded_pace() -> None:
     assert show
     assert held == 1000 - NATIVE_LINES
     assert lines.admit(NATIVE_WINDOW_S + 2) == (True, 0)
+
+
+# ---- what a clip's header may declare (engine.media, before a sample is decoded) ----------------
+
+
+def _wav_header(rate: int, channels: int, body: bytes) -> bytes:
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * channels, channels, 8)
+    chunks = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(body)) + body
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + chunks
+
+
+def _flac(rate: int, channels: int, seconds: float) -> bytes:
+    """Silence, which FLAC stores as constant subframes: a few bytes a block, whatever it declares."""
+    import soundfile  # noqa: PLC0415
+
+    out = io.BytesIO()
+    frames = int(rate * seconds)
+    with soundfile.SoundFile(out, "w", samplerate=rate, channels=channels, format="FLAC") as clip:
+        block = np.zeros((65_536, channels), dtype=np.float32)
+        for start in range(0, frames, len(block)):
+            clip.write(block[: min(len(block), frames - start)])
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        # Declares 4.29 GHz over 740 KB: 0.0002 s by its header, and seconds of resampling.
+        (_wav_header(4_294_967_295, 1, bytes(740_000)), "sample rate is 4294967295 Hz"),
+        (_wav_header(999, 1, bytes(4_000)), "sample rate is 999 Hz"),
+        (_wav_header(16_000, 9, bytes(9 * 1_000)), "9 channels; at most 8"),
+    ],
+)
+def test_a_wav_header_no_recorder_writes_is_refused_before_decoding(data: bytes, message: str) -> None:
+    with pytest.raises(MediaError, match=message):
+        decode_audio(data, "wav", MediaLimits(max_audio_seconds=600), 16_000)
+
+
+def test_a_flac_that_declares_more_samples_than_its_limit_is_refused_as_it_decodes() -> None:
+    """A small FLAC of silence declaring 8 channels at 96 kHz: the duration limit alone let it
+    decode into gigabytes (the engine killed at its memory limit, other requests with it). The
+    samples of all channels are bounded too, and read a block at a time, mono as they come."""
+    limits = MediaLimits(max_audio_seconds=10)
+    bomb = _flac(96_000, 8, 10)
+    assert len(bomb) < 200_000
+    with pytest.raises(MediaError, match="more samples than 10 s of 48 kHz stereo"):
+        decode_audio(bomb, "flac", limits, 16_000)
+    stereo = decode_audio(_flac(48_000, 2, 10), "flac", limits, 16_000)  # the bound itself: read
+    assert len(stereo) == pytest.approx(160_000, abs=16)
+    with pytest.raises(MediaError, match="longer than 10 s"):
+        decode_audio(_flac(16_000, 1, 11), "flac", limits, 16_000)

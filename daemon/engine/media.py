@@ -28,6 +28,16 @@ IMAGE_FORMATS: Final = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP", "gif": "GI
 # Audio formats by the name clients use (OpenAI's input_audio `format`, a file's extension).
 AUDIO_FORMATS: Final = ("wav", "mp3", "flac", "ogg")
 MIN_SECONDS: Final = 1  # a clip shorter than this is padded with silence (see decode_audio)
+# What a clip's header may declare. The duration limit alone does not bound the work: a 30 KB
+# FLAC of constant subframes declares 8 channels at 96 kHz for ten minutes (gigabytes of
+# samples), a WAV 4.29 GHz (seconds of resampling a request). Rates are those recorders
+# write; channels up to 7.1; the samples of all channels together at most those of ten
+# minutes of 48 kHz stereo per ten minutes of media.max_audio_seconds.
+MIN_AUDIO_RATE: Final = 1_000
+MAX_AUDIO_RATE: Final = 384_000
+MAX_AUDIO_CHANNELS: Final = 8
+SAMPLES_PER_SECOND: Final = 96_000  # frames x channels a clip may hold per second of the limit
+_READ_FRAMES: Final = 65_536  # a block decoded at a time, downmixed to mono as it comes
 _ALIASES: Final = {"jpg": "jpeg", "mpeg": "mp3", "mpga": "mp3", "x-wav": "wav", "wave": "wav", "oga": "ogg"}
 
 
@@ -153,6 +163,7 @@ def _wav_samples(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, int]:
             tag, channels, rate, _, _, bits = fmt
             if tag not in (_WAV_PCM, _WAV_FLOAT) or channels < 1 or rate < 1 or bits not in (8, 16, 24, 32):
                 raise MediaError("the WAV file is not PCM or float samples this server reads")
+            _check_shape(rate, channels)
             width = bits // 8
             frame = width * channels
             seconds = size / (frame * rate)
@@ -195,32 +206,67 @@ def _pcm(body: bytes, tag: int, width: int, channels: int) -> np.ndarray:
     return samples.reshape(-1, channels)
 
 
+def _check_shape(rate: int, channels: int) -> None:
+    """Refuse a rate or a channel count no recorder writes (before a sample is decoded)."""
+    if not MIN_AUDIO_RATE <= rate <= MAX_AUDIO_RATE:
+        raise MediaError(
+            f"the clip's sample rate is {rate} Hz; {MIN_AUDIO_RATE} to {MAX_AUDIO_RATE} Hz are read",
+        )
+    if channels > MAX_AUDIO_CHANNELS:
+        raise MediaError(f"the clip has {channels} channels; at most {MAX_AUDIO_CHANNELS} are read")
+
+
 def _other_samples(data: bytes, fmt: str, limits: MediaLimits) -> tuple[np.ndarray, int]:
-    """An MP3, FLAC or Ogg clip's samples through soundfile (libsndfile), read no further than the limit."""
+    """An MP3, FLAC or Ogg clip's samples through soundfile (libsndfile), read no further than the
+    limits, a block at a time and downmixed to mono as it comes (frames x 1)."""
     import soundfile  # noqa: PLC0415 - only engines of models that hear need it
 
+    blocks: list[np.ndarray] = []
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as clip:
             rate, channels = int(clip.samplerate), int(clip.channels)
-            most = int(limits.max_audio_seconds * max(rate, 1))
-            samples = (
-                clip.read(frames=most + 1, dtype="float32", always_2d=True) if rate and channels else None
-            )
+            if rate < 1 or channels < 1:
+                raise MediaError(f"the clip could not be read as {fmt}")
+            _check_shape(rate, channels)
+            by_seconds = int(limits.max_audio_seconds * rate)
+            by_samples = int(limits.max_audio_seconds * SAMPLES_PER_SECOND) // channels
+            most = min(by_seconds, by_samples)
+            frames = 0
+            while frames <= most:
+                block = clip.read(
+                    frames=min(_READ_FRAMES, most + 1 - frames), dtype="float32", always_2d=True
+                )
+                if len(block) == 0:
+                    break
+                frames += len(block)
+                blocks.append(block.mean(axis=1, dtype=np.float32))
     except (RuntimeError, TypeError, ValueError, OSError, soundfile.LibsndfileError):
         raise MediaError(f"the clip could not be decoded as {fmt} (truncated or corrupt)") from None
-    if samples is None:
-        raise MediaError(f"the clip could not be read as {fmt}")
-    if len(samples) > most:
+    if frames > most:
+        if by_samples < by_seconds:
+            raise MediaError(
+                f"the clip holds more samples than {limits.max_audio_seconds:g} s of 48 kHz stereo "
+                f"({channels} channels at {rate} Hz; media.max_audio_seconds)",
+                limit="media.max_audio_seconds",
+            )
         raise MediaError(
             f"the clip is longer than {limits.max_audio_seconds:g} s (media.max_audio_seconds)",
             limit="media.max_audio_seconds",
         )
-    return np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0), rate
+    mono = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+    return np.nan_to_num(mono, nan=0.0, posinf=1.0, neginf=-1.0).reshape(-1, 1), rate
 
 
 def decode_audio(data: bytes, declared: str | None, limits: MediaLimits, rate: int) -> np.ndarray:
     """Mono float32 samples at `rate` Hz (the projector's) of a WAV, MP3, FLAC or Ogg clip."""
     fmt = _checked_format("clip", sniff_audio(data), declared, AUDIO_FORMATS)
+    try:
+        return _decode_audio(data, fmt, limits, rate)
+    except MemoryError:  # bounded above; an engine short of memory says so, as a client's 400
+        raise MediaError("the clip does not fit in memory once decoded") from None
+
+
+def _decode_audio(data: bytes, fmt: str, limits: MediaLimits, rate: int) -> np.ndarray:
     samples, found = _wav_samples(data, limits) if fmt == "wav" else _other_samples(data, fmt, limits)
     if len(samples) == 0:
         raise MediaError("the clip holds no samples")

@@ -570,7 +570,9 @@ class RemoteEngine:
             }
         )
         try:
-            return wire.decode_media(result, self.n_vocab, self.config.context_size)
+            # A bound for what a worker may answer, not the context: a clip longer than the
+            # context is the client's (a 400 from the prompt's check), not a lying process.
+            return wire.decode_media(result, self.n_vocab, wire.MAX_MEDIA_POSITIONS)
         except ValueError as exc:  # a process that answers what no worker answers is not trusted
             self.send_quietly({"op": "release_media", "keys": _keys_of(result)})
             raise EngineError(

@@ -30,6 +30,7 @@ from edgellmd.engine.generation import (
 )
 
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024  # a prompt of 32k tokens is about 200 KB of JSON
+MAX_MEDIA_POSITIONS: Final = 1 << 24  # positions one prepared image or clip may claim (a sanity bound)
 _LENGTH: Final = struct.Struct(">I")
 
 
