@@ -32,6 +32,7 @@ from aiohttp import web
 from PIL import Image
 
 from edgellmctl.keys import create_key
+from edgellmd.api.openai.audio import MAX_PARTS
 from edgellmd.engine.chat import ChatMessage
 from edgellmd.engine.config import MediaInput, MediaLimits
 from edgellmd.engine.remote import RemoteEngine
@@ -618,6 +619,40 @@ def test_transcription_uploads_that_are_wrong_are_refused_by_name(
     answer = _upload(served, files=files, data=data)
     assert answer.status_code == status, (name, answer.text)
     assert says in answer.json()["error"]["message"], (name, answer.text)
+
+
+def _form(*fields: tuple[str, bytes]) -> bytes:
+    return (
+        b"".join(
+            b'--b\r\nContent-Disposition: form-data; name="' + name.encode() + b'"\r\n\r\n' + value + b"\r\n"
+            for name, value in fields
+        )
+        + b"--b--\r\n"
+    )
+
+
+def test_a_chunked_form_is_bounded_in_all_as_one_with_a_length(served: Served) -> None:
+    """A chunked body has no Content-Length to refuse up front: once, 200 MB of a repeated field
+    (each part within its own bound) were read to the end and answered 200. A form has at most
+    MAX_PARTS parts, and their bytes together are bounded by server.max_body_bytes (8 MiB here)."""
+    field = ("include[]", b"x" * 60_000)
+    body = _form(
+        ("model", b"hears"), *[field] * 50, ("file", bytes(6_000_000))
+    )  # 9 MB, each part within its own
+
+    def chunked() -> Iterator[bytes]:  # no length: httpx sends it chunked
+        for start in range(0, len(body), 65_536):
+            yield body[start : start + 65_536]
+
+    headers = {"Content-Type": "multipart/form-data; boundary=b"}
+    answer = _upload(served, content=chunked(), headers=headers)
+    assert answer.status_code == 413, answer.text
+    many = _form(("model", b"hears"), *[("include[]", b"x")] * MAX_PARTS, ("file", wav(0.2)))
+    answer = _upload(served, content=many, headers=headers)
+    assert answer.status_code == 400, answer.text
+    assert f"more than {MAX_PARTS} parts" in answer.json()["error"]["message"]
+    fits = _form(("model", b"hears"), *[("include[]", b"x")] * 8, ("file", wav(0.2)))
+    assert _upload(served, content=iter([fits]), headers=headers).status_code == 200
 
 
 def test_transcription_bodies_that_are_not_a_form_are_refused(served: Served) -> None:

@@ -54,6 +54,9 @@ _FIELDS: Final = frozenset(
 )
 _LANGUAGE: Final = re.compile(r"[A-Za-z]{2,3}(-[A-Za-z0-9]{2,8})?")
 MAX_FIELD_BYTES: Final = 65_536  # a text field (prompt, model, ...) of the form
+# Parts of one form: the SDK sends a dozen at most. With the body limit over all of them, a
+# chunked body (no Content-Length to refuse up front) of repeated fields ends at the limit.
+MAX_PARTS: Final = 64
 MAX_PROMPT_CHARS: Final = 4096
 
 
@@ -68,13 +71,13 @@ class Upload:
 
 
 async def _read_part(part: BodyPartReader, most: int, name: str, limit: int) -> bytes:
-    """A part's bytes, refused once past `most` (its own bound) or `limit` (the body's)."""
+    """A part's bytes, refused once past `most` (its own bound) or `limit` (what is left of the body's)."""
     out = bytearray()
     while chunk := await part.read_chunk(65_536):
         out += chunk
+        if len(out) > limit:
+            raise PayloadTooLarge("request body too large: past the body limit (server.max_body_bytes)")
         if len(out) > most:
-            if most >= limit:
-                raise PayloadTooLarge(f"request body too large: at most {limit} bytes")
             raise InvalidRequest(f"the form field {name} is longer than {most} bytes", param=name)
     return bytes(out)
 
@@ -90,9 +93,14 @@ async def read_upload(request: web.Request, max_file_bytes: int) -> Upload:
     fields: dict[str, str] = {}
     file: bytes | None = None
     filename = content_type = None
+    left = limit  # what the parts' bytes may still take, chunked bodies included
+    parts = 0
     try:
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
+            parts += 1
+            if parts > MAX_PARTS:
+                raise InvalidRequest(f"the form has more than {MAX_PARTS} parts")
             if not isinstance(part, BodyPartReader) or not part.name:
                 raise InvalidRequest("each part of the form must be a named field")
             name = part.name
@@ -102,10 +110,12 @@ async def read_upload(request: web.Request, max_file_bytes: int) -> Upload:
             if name == "file":
                 if file is not None:
                     raise InvalidRequest("one 'file' per request", param="file")
-                file = await _read_part(part, min(limit, max_file_bytes + 1), name, limit)
+                file = await _read_part(part, max_file_bytes + 1, name, left)
+                left -= len(file)
                 filename, content_type = part.filename, part.headers.get("Content-Type")
                 continue
-            raw = await _read_part(part, min(limit, MAX_FIELD_BYTES), name, limit)
+            raw = await _read_part(part, MAX_FIELD_BYTES, name, left)
+            left -= len(raw)
             try:
                 fields[name] = raw.decode("utf-8")
             except UnicodeDecodeError:
