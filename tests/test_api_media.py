@@ -263,6 +263,23 @@ def test_the_same_image_again_reuses_its_cache_and_another_does_not(served: Serv
     assert other["prompt_tokens_details"]["cached_tokens"] <= other["prompt_tokens"] - IMAGE_TOKENS - 2
 
 
+def test_a_data_url_is_read_whatever_the_case_of_its_scheme_and_parameters(served: Served) -> None:
+    """RFC 2397: the scheme, the media type and `base64` are case-insensitive (was a 400)."""
+    encoded = base64.b64encode(png(6)).decode()
+    lower = _prompt_tokens(
+        served, [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{encoded}"}}]
+    )
+    upper = _prompt_tokens(
+        served, [{"type": "image_url", "image_url": {"url": f"DATA:IMAGE/PNG;BASE64,{encoded}"}}]
+    )
+    assert upper["prompt_tokens"] == lower["prompt_tokens"]
+    status, answer = served.post(
+        "/v1/chat/completions",
+        _message({"type": "image_url", "image_url": {"url": f"data:image/png;base64x,{encoded}"}}),
+    )
+    assert (status, answer["error"]["code"]) == (400, "invalid_image")  # a parameter that is not base64
+
+
 def test_responses_takes_an_input_image(served: Served) -> None:
     with served.openai() as client:
         answer = client.responses.create(

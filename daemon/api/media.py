@@ -32,7 +32,9 @@ from edgellmd.engine.media import AUDIO_FORMATS, IMAGE_FORMATS, format_name
 from edgellmd.errors import InvalidRequest
 from edgellmd.settings import MediaSettings
 
-_DATA_URL: Final = re.compile(r"data:([A-Za-z0-9.+/-]{0,100})((?:;[A-Za-z0-9=._-]{1,64}){0,8}),", re.ASCII)
+_DATA_URL: Final = re.compile(
+    r"data:([A-Za-z0-9.+/-]{0,100})((?:;[A-Za-z0-9=._-]{1,64}){0,8}),", re.ASCII | re.IGNORECASE
+)
 _WHITESPACE: Final = re.compile(rb"\s+")
 
 
@@ -148,7 +150,8 @@ class MediaReader:
 
     def _data_url(self, url: str, param: str) -> MediaInput:
         found = _DATA_URL.match(url)
-        if found is None or ";base64" not in found.group(2).lower():
+        # The scheme and the parameters are case-insensitive (RFC 2397: DATA:IMAGE/PNG;BASE64 too).
+        if found is None or "base64" not in found.group(2).lower().split(";")[1:]:
             raise InvalidRequest(
                 "an image data: URL must be data:image/<type>;base64,<data>",
                 param=param,
