@@ -301,6 +301,41 @@ def test_responses_takes_an_input_image(served: Served) -> None:
     assert answer.usage.input_tokens == text_only + IMAGE_TOKENS
 
 
+def test_a_chain_of_responses_is_held_to_the_image_bound_as_a_chat_history_is(served: Served) -> None:
+    """A chat client sends its history's images again and is counted on them all; a chain of
+    previous_response_id, each turn within media.max_images, grew a prompt of any number."""
+    previous = None
+    with served.openai() as client:
+        for turn in range(MAX_IMAGES):  # one image a turn: the last fills the bound
+            answer = client.responses.create(
+                model="vision",
+                max_output_tokens=1,
+                store=True,
+                previous_response_id=previous,
+                input=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "input_image", "image_url": data_url(png(40 + turn))}],
+                    }
+                ],
+            )
+            previous = answer.id
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(
+                model="vision",
+                max_output_tokens=1,
+                previous_response_id=previous,
+                input=[
+                    {"role": "user", "content": [{"type": "input_image", "image_url": data_url(png(50))}]}
+                ],
+            )
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "previous_response_id"
+    assert f"holds {MAX_IMAGES + 1} images" in error["message"]
+    assert "media.max_images" in error["message"]
+
+
 def test_the_anthropic_sdk_sends_an_image_block(served: Served) -> None:
     image = {
         "type": "image",

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from edgellmd.api.context import KEYS_GONE, context, tenant, token_limits
 from edgellmd.api.jsontext import read_json_object
+from edgellmd.api.media import MediaRules
 from edgellmd.api.request import ChatRequest
 from edgellmd.api.responses.decode import ResponsesRequest, parse_responses
 from edgellmd.api.responses.encode import Draft
@@ -85,6 +86,25 @@ def _previous(request: web.Request, body: ResponsesRequest) -> StoredResponse | 
     return stored
 
 
+def _check_media_count(turns: tuple[ChatMessage, ...], rules: MediaRules) -> None:
+    """The images and clips of the whole prompt, earlier turns included, within the request's
+    bounds: a chat client sends its history's images again and is counted on all of them, and a
+    chain of previous_response_id, each turn within the bound, once grew a prompt without one."""
+    for kind, most, setting, code in (
+        ("image", rules.max_images, "media.max_images", "invalid_image"),
+        ("audio", rules.max_clips, "media.max_clips", "invalid_audio"),
+    ):
+        held = sum(1 for turn in turns for item in turn.media if item.kind == kind)
+        if held > most:
+            what = "images" if kind == "image" else "audio clips"
+            raise InvalidRequest(
+                f"the conversation, with the responses it continues, holds {held} {what}; a request "
+                f"may hold at most {most} ({setting})",
+                param="previous_response_id",
+                code=code,
+            )
+
+
 def _keep(
     request: web.Request,
     body: ResponsesRequest,
@@ -127,6 +147,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         {**(previous.namespaces if previous else {}), **body.namespaces},
     )
     _check_call_outputs(conversation.turns)
+    if previous is not None:
+        _check_media_count(conversation.turns, MediaRules.of(context(request).settings.media))
     system = (ChatMessage("system", body.instructions),) if body.instructions else ()
     chat = ChatRequest(common=body.chat.common, messages=system + conversation.turns, tools=body.chat.tools)
     async with contextlib.AsyncExitStack() as stack:
