@@ -435,12 +435,17 @@ def test_the_event_stream_shows_the_admin_figures_and_ends_with_its_session(box:
     assert browser.request("GET", "/ui/api/events").code == "session_required"
 
 
-def test_revoking_the_key_ends_its_sessions_and_their_streams(box: Box) -> None:
-    _, token = create_key(box.keys, "short-lived", ["admin"], limits={})
-    key_id = token.split("_")[1]
+def _signed_in_new_key(box: Box, name: str, scopes: list[str]) -> tuple[str, Browser]:
+    """A key just added to the keys file, in force, and a browser signed in with it."""
+    _, token = create_key(box.keys, name, scopes, limits={})
     _in_force(box, token)
     browser = box.browser()
     assert browser.sign_in(token).status == 200
+    return token.split("_")[1], browser
+
+
+def test_revoking_the_key_ends_its_sessions_and_their_streams(box: Box) -> None:
+    key_id, browser = _signed_in_new_key(box, "short-lived", ["admin"])
     with _events(browser) as stream:
         _read_until(stream, "overview")
         assert (
@@ -480,11 +485,7 @@ def test_a_page_of_another_origin_of_the_same_site_cannot_take_the_stream(box: B
 def test_a_key_that_loses_the_admin_scope_loses_its_open_event_stream(box: Box) -> None:
     """The stream checks the session's key as it is now at every tick: a keys file that takes
     the admin scope away (the key still working for inference) ends the admin figures too."""
-    _, token = create_key(box.keys, "demoted", ["admin", "inference"], limits={})
-    key_id = token.split("_")[1]
-    _in_force(box, token)
-    browser = box.browser()
-    assert browser.sign_in(token).status == 200
+    key_id, browser = _signed_in_new_key(box, "demoted", ["admin", "inference"])
     with _events(browser) as stream:
         _read_until(stream, "overview")
         document = load_keys_document(box.keys)

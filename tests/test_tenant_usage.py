@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -159,24 +159,32 @@ def test_a_monthly_quota_runs_out_mid_stream_the_stream_finishes_the_next_reques
     assert audited() == 1  # once per budget and period, however many refusals
 
 
-def test_requests_arriving_together_cannot_pass_a_request_budget_together(box: Box) -> None:
-    """requests_per_day 2 and six requests at once: two are served, four refused, and the day
-    holds two; the requests in flight counted as spent from their admission."""
-    body = {"model": "m", "max_tokens": 40, "ignore_eos": True, "messages": HI}
+def _at_once(ask: Callable[[], int], n: int) -> list[int]:
+    """`ask()` from `n` threads let go together; their answers' statuses."""
     answers: list[int] = []
-    gate = threading.Barrier(6)
+    gate = threading.Barrier(n)
 
-    def ask() -> None:
+    def one() -> None:
         gate.wait(10)
-        status, _, _ = _call(box.daemon.url + "/v1/chat/completions", box.tokens["counted"], "POST", body)
-        answers.append(status)
+        answers.append(ask())
 
-    threads = [threading.Thread(target=ask) for _ in range(6)]
+    threads = [threading.Thread(target=one) for _ in range(n)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
-    assert sorted(answers) == [200, 200, 429, 429, 429, 429]
+    return answers
+
+
+def test_requests_arriving_together_cannot_pass_a_request_budget_together(box: Box) -> None:
+    """requests_per_day 2 and six requests at once: two are served, four refused, and the day
+    holds two; the requests in flight counted as spent from their admission."""
+    body = {"model": "m", "max_tokens": 40, "ignore_eos": True, "messages": HI}
+
+    def ask() -> int:
+        return _call(box.daemon.url + "/v1/chat/completions", box.tokens["counted"], "POST", body)[0]
+
+    assert sorted(_at_once(ask, 6)) == [200, 200, 429, 429, 429, 429]
     # The next is refused too (the day's two are spent), and a refused one freed nothing.
     status, error, headers = _call(
         box.daemon.url + "/v1/chat/completions", box.tokens["counted"], "POST", body
@@ -196,26 +204,18 @@ def test_the_consoles_playground_cannot_pass_a_request_budget_together_either(bo
     cookie = headers["Set-Cookie"].split(";", 1)[0]
     sent = {"Cookie": cookie, "X-CSRF-Token": signed["csrf"], "Content-Type": "application/json"}
     body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 40, "ignore_eos": True})
-    answers: list[int] = []
-    gate = threading.Barrier(6)
 
-    def ask() -> None:
+    def ask() -> int:
         conn = http.client.HTTPConnection("127.0.0.1", box.daemon.port, timeout=60)
         try:
-            gate.wait(10)
             conn.request("POST", "/ui/api/complete", body=body, headers=sent)
             answer = conn.getresponse()
             answer.read()
-            answers.append(answer.status)
+            return answer.status
         finally:
             conn.close()
 
-    threads = [threading.Thread(target=ask) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert sorted(answers) == [200, 200, 429, 429, 429, 429]
+    assert sorted(_at_once(ask, 6)) == [200, 200, 429, 429, 429, 429]
     assert _totals_once_recorded(box, "player", 2)["requests"] == 2
 
 
