@@ -301,6 +301,12 @@ def test_responses_takes_an_input_image(served: Served) -> None:
     assert answer.usage.input_tokens == text_only + IMAGE_TOKENS
 
 
+def _image_turn(image: bytes) -> Any:
+    return [
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(image), "detail": "auto"}]}
+    ]
+
+
 def test_a_chain_of_responses_is_held_to_the_image_bound_as_a_chat_history_is(served: Served) -> None:
     """A chat client sends its history's images again and is counted on them all; a chain of
     previous_response_id, each turn within media.max_images, grew a prompt of any number."""
@@ -312,12 +318,7 @@ def test_a_chain_of_responses_is_held_to_the_image_bound_as_a_chat_history_is(se
                 max_output_tokens=1,
                 store=True,
                 previous_response_id=previous,
-                input=[
-                    {
-                        "role": "user",
-                        "content": [{"type": "input_image", "image_url": data_url(png(40 + turn))}],
-                    }
-                ],
+                input=_image_turn(png(40 + turn)),
             )
             previous = answer.id
         with pytest.raises(openai.BadRequestError) as refused:
@@ -325,9 +326,7 @@ def test_a_chain_of_responses_is_held_to_the_image_bound_as_a_chat_history_is(se
                 model="vision",
                 max_output_tokens=1,
                 previous_response_id=previous,
-                input=[
-                    {"role": "user", "content": [{"type": "input_image", "image_url": data_url(png(50))}]}
-                ],
+                input=_image_turn(png(50)),
             )
     error = refused.value.body
     assert isinstance(error, dict)
