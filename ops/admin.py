@@ -15,6 +15,7 @@ from typing import Any, Final
 from urllib.parse import quote
 
 from edgellmctl.cli import CommandError, Subcommands, add_key_options, guarded, http_url, read_key
+from edgellmd.errors import escaped
 from edgellmd.files import UnsuitableFile, read_regular
 
 URL_ENV: Final = "EDGELLM_URL"
@@ -78,8 +79,15 @@ def _trusting(cacert: Path) -> ssl.SSLContext:
 
 def _error_text(payload: Any) -> str:
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-        return str(payload["error"].get("message", "error"))[:MAX_REASON]
+        return escaped(str(payload["error"].get("message", "error"))[:MAX_REASON])
     return "unexpected answer"
+
+
+def _terminal(text: str) -> str:
+    """A listing made of the daemon's answer, each line escaped for the terminal: model names,
+    reasons (a stop's reason holds an engine's last lines, native output a model file may
+    write into), GPU names: nothing in them may move the cursor, recolour or reorder a line."""
+    return "\n".join(escaped(line) for line in text.split("\n"))
 
 
 def _key(args: argparse.Namespace) -> str:
@@ -261,14 +269,14 @@ def format_stats(stats: dict[str, Any]) -> str:
 def run_stats(args: argparse.Namespace) -> int:
     """Print the daemon's figures."""
     _, answer = AdminClient(args).call("GET", "/admin/stats")
-    print(json.dumps(answer, indent=2) if args.json else format_stats(answer))
+    print(json.dumps(answer, indent=2) if args.json else _terminal(format_stats(answer)))
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
     """Print the daemon's model status."""
     _, answer = AdminClient(args).call("GET", "/admin/status")
-    print(json.dumps(answer, indent=2) if args.json else format_status(answer))
+    print(json.dumps(answer, indent=2) if args.json else _terminal(format_status(answer)))
     return 0
 
 
@@ -278,14 +286,14 @@ def run_reload(args: argparse.Namespace) -> int:
     if args.name:
         body["model"] = args.name
     code, answer = AdminClient(args).call("POST", "/admin/reload", body)
-    print(json.dumps(answer, indent=2) if args.json else format_results(answer))
+    print(json.dumps(answer, indent=2) if args.json else _terminal(format_results(answer)))
     return 0 if code == 200 else 1
 
 
 def _model_action(action: str) -> Any:
     def run(args: argparse.Namespace) -> int:
         code, answer = AdminClient(args).call("POST", f"/admin/models/{quote(args.name, safe='')}/{action}")
-        print(json.dumps(answer, indent=2) if args.json else format_results(answer))
+        print(json.dumps(answer, indent=2) if args.json else _terminal(format_results(answer)))
         return 0 if code == 200 else 1
 
     return run

@@ -20,6 +20,7 @@ from urllib.parse import urlencode
 
 from edgellmctl.admin import AdminClient, add_daemon_options
 from edgellmctl.cli import CommandError, Subcommands, guarded, int_between
+from edgellmd.errors import escaped
 from edgellmd.ledger import audit
 from edgellmd.ledger.store import utc_text
 from edgellmd.ledger.usage import COLUMNS, FIRST_DAY, LAST_DAY
@@ -197,7 +198,7 @@ def run_show(args: argparse.Namespace) -> int:
     finally:
         conn.close()
     if args.json:
-        print(json.dumps([r.as_dict() for r in records], indent=2, ensure_ascii=False))
+        print(json.dumps([r.as_dict() for r in records], indent=2))  # ASCII: no C1 control, no bidi override
         return 0
     for r in records:
         detail = f" {json.dumps(r.detail, ensure_ascii=False)}" if r.detail else ""
@@ -206,7 +207,8 @@ def run_show(args: argparse.Namespace) -> int:
             for part in (f"key={r.key_id}" if r.key_id else "", f"peer={r.peer}" if r.peer else "")
             if part
         )
-        print(f"{r.seq:>6}  {r.at}  {r.level:<7}  {r.action}{'  ' + who if who else ''}{detail}")
+        # Escaped: an action holds what its record says (an engine stop's reason: native output).
+        print(escaped(f"{r.seq:>6}  {r.at}  {r.level:<7}  {r.action}{'  ' + who if who else ''}{detail}"))
     return 0
 
 

@@ -10,13 +10,16 @@ inside a real engine process, what its confinement refuses.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
 import threading
 import time
+import types
 import urllib.request
 from collections.abc import Iterator
 from functools import partial
@@ -559,3 +562,21 @@ def test_without_memory_groups_engines_say_so_and_serve(tmp_path: Path) -> None:
             for name in ("wanted", "off"):
                 code, body = daemon.post("/v1/completions", {"model": name, "prompt": "x", "max_tokens": 3})
                 assert code == 200, body
+
+
+def test_an_engines_stderr_is_kept_escaped_for_every_place_its_tail_is_shown() -> None:
+    """A stop's reason holds the engine's last lines: /admin/status, edgellmctl, the console,
+    the audit chain, STATUS=. Native code prints a model file's own strings there (llama.cpp's
+    metadata dump): an escape sequence, an OSC 52 clipboard write or a bidi override in them
+    reached the operator's terminal raw."""
+    engine = RemoteEngine.__new__(RemoteEngine)  # no process: only the reading of its stderr
+    engine.name = "m"  # type: ignore[misc]  # set once, as __init__ would
+    engine._tail = collections.deque(maxlen=8)
+    hostile = "kv 3: \x1b[2J\x1b[41;97mALL OK\x1b[0m\x1b]52;c;aGk=\x07 \u202eexe.txt \x9b31m"
+    engine._proc = types.SimpleNamespace(stderr=io.BytesIO(hostile.encode() + b"\n"))  # type: ignore[assignment]
+    engine._read_stderr()
+    (kept,) = engine._tail
+    assert kept.isprintable()
+    assert "\\x1b[2J" in kept
+    assert "\\u202e" in kept
+    assert "\\x9b" in kept

@@ -254,3 +254,15 @@ def test_the_ledgers_own_lines_are_read_as_its_mirror(fmt: str) -> None:
     assert audit.mirrored_record(line) == (7, "ab" * 32)
     prefix = "Dec 05 10:00:00 box edgellmd[812]: "  # journalctl's default output
     assert audit.mirrored_record(prefix + line) == ((7, "ab" * 32) if fmt == "json" else None)
+
+
+def test_a_json_line_holds_no_character_a_terminal_or_a_line_reader_acts_on() -> None:
+    """json escapes C0 controls alone: a request path's U+009B (a one-byte CSI), a bidi
+    override or U+2028 (a line break to line-based JSON tools) reached the line raw."""
+    hostile = "/v1/\x9b31m\u202etxt.exe\u2028forged\x1b[2J"
+    record = _record("edgellmd.access", "GET %s 401", hostile)
+    record.request_id = "-"
+    line = logs.JsonFormatter().format(record)
+    assert line.isascii()
+    assert line.isprintable()
+    assert json.loads(line)["msg"] == f"GET {hostile} 401"  # the text itself, escaped in JSON only

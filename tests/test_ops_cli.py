@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import http.server
+import json
 import os
 import socket
+import threading
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
 
@@ -241,3 +244,64 @@ def test_a_keys_file_with_a_yaml_error_is_refused_in_one_line(
     captured = capsys.readouterr()
     assert captured.err.startswith(f"edgellmctl keys: {keys}: YAML syntax error: ")
     assert captured.err.count("\n") == 1, captured.err
+
+
+HOSTILE_REASON: Final = (
+    "killed: llama_model_loader: kv 3: \x1b[2J\x1b[41;97mALL OK\x1b[0m\x1b]52;c;aGk=\x07 \u202efdp.exe"
+)
+
+
+class _Daemon(http.server.BaseHTTPRequestHandler):
+    """What a daemon answers with a model stopped by an engine that printed a model file's text."""
+
+    def do_GET(self) -> None:
+        body = {
+            "models": [{"name": "m", "state": "failed", "reason": HOSTILE_REASON, "last_reload": None}],
+            "gpu": {"devices": [{"index": 0, "name": "\x1b]8;;http://x\x07H200\x1b]8;;\x07"}]},
+        }
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:
+        body: dict[str, Any]
+        if self.path.endswith("/load"):  # an error: its message
+            code, body = 500, {"error": {"message": HOSTILE_REASON}}
+        else:  # a failed reload: its result
+            code, body = 409, {"results": [{"model": "m", "result": "failed", "reason": HOSTILE_REASON}]}
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("command", [["status"], ["reload", "m"], ["load", "m"]])
+def test_what_the_daemon_answers_reaches_the_terminal_escaped(
+    command: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop's reason carries an engine's last lines, where native code prints a model file's
+    own strings: a screen clear, a fake banner, an OSC 52 clipboard write reached the terminal."""
+    monkeypatch.setenv("EDGELLM_ADMIN_KEY", "elk_0123456789ab_secret")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Daemon)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        main([*command, "--url", f"http://127.0.0.1:{server.server_address[1]}"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    captured = capsys.readouterr()
+    shown = captured.out + captured.err
+    assert "ALL OK" in shown  # the text is there, inert
+    assert "\x1b" not in shown
+    assert "\x07" not in shown
+    assert "\u202e" not in shown
+    assert "\\x1b[2J" in shown

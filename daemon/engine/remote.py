@@ -55,6 +55,7 @@ from edgellmd.engine.generation import (
     Generation,
     GenerationRequest,
 )
+from edgellmd.errors import escaped
 from edgellmd.host import memgroups
 from edgellmd.host.hugepages import Collapse
 
@@ -290,7 +291,10 @@ class RemoteEngine:
                 line = raw.decode("utf-8", "replace").rstrip()[:500]
                 if not line:
                     continue
-                self._tail.append(line)
+                # Kept escaped: the tail becomes a stop's reason, shown on /admin/status, by
+                # edgellmctl, in the console, the audit chain and STATUS=, and native code prints
+                # a model file's own strings (llama.cpp's metadata dump at debug level).
+                self._tail.append(escaped(line))
                 # The worker's own records ("LEVEL logger message") at their level; anything
                 # else is native code writing to stderr (a GGML_ASSERT's message): a warning.
                 found = _LOG_LINE.match(line)

@@ -106,7 +106,9 @@ class JsonFormatter(logging.Formatter):
         )
         if record.exc_info:
             entry["exc"] = redact(self.formatException(record.exc_info))
-        return json.dumps(entry, default=str, ensure_ascii=False)
+        # ASCII: json escapes only C0 controls itself, and a line's readers (journalctl, tail, a
+        # log viewer) would meet C1 controls (U+009B is a CSI), bidi overrides and U+2028 raw.
+        return json.dumps(entry, default=str, ensure_ascii=True)
 
 
 class TextFormatter(logging.Formatter):
