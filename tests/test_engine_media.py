@@ -448,3 +448,27 @@ def test_a_flac_that_declares_more_samples_than_its_limit_is_refused_as_it_decod
     assert len(stereo) == pytest.approx(160_000, abs=16)
     with pytest.raises(MediaError, match="longer than 10 s"):
         decode_audio(_flac(16_000, 1, 11), "flac", limits, 16_000)
+
+
+def test_an_image_encoded_for_one_cache_scope_is_encoded_again_for_another(engine: Engine) -> None:
+    """The store of encoded chunks was shared by every key: another key's same image was found
+    there, answered in a fraction of an encode's time, and so told that key the image had been
+    sent (the KV reuse was scoped; the store was not). Its ids begin from the scope now."""
+    projector = engine.projector
+    assert projector is not None
+    image = png(77)
+    held: list[str] = []
+    try:
+        ids: dict[str, list[str]] = {}
+        for scope in ("key:aaaaaaaaaaaa", "key:aaaaaaaaaaaa", "key:bbbbbbbbbbbb", "group:team"):
+            before = (projector.encoded, projector.reused)
+            prepared = engine.prepare_media(MediaInput("image", image, "png", scope=scope), LIMITS)
+            keys = [p.key for p in prepared.pieces if isinstance(p, MediaChunk)]
+            held += keys
+            ids.setdefault(scope, keys)
+            assert ids[scope] == keys  # the same scope: the same chunks
+            reused = projector.reused - before[1]
+            assert (reused > 0) is (scope == "key:aaaaaaaaaaaa" and len(held) > len(keys))
+        assert len({tuple(k) for k in ids.values()}) == 3  # three scopes, three encodings
+    finally:
+        engine.release_media(held)

@@ -318,6 +318,7 @@ async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator
             tools,
             instructions=body.tools.instructions if body.tools else "",
             media_limits=limits,
+            scope=cache_scope(request),
         )
         trace = request.get(TRACE)
         if trace is not None:

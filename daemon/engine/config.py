@@ -64,6 +64,10 @@ class MediaInput:
     # An http(s) address to fetch the bytes from (a host the operator allowed: api.media);
     # fetched before the prompt is made, so an engine only ever sees `data`.
     url: str | None = None
+    # The cache scope it was sent under (api.context.cache_scope): its encoded chunks are held
+    # under its digest with the scope, so another scope's same bytes are encoded again (a
+    # chunk kept for one key, found by another, told that key by the time it saved).
+    scope: str = ""
 
 
 @dataclass(frozen=True, slots=True)

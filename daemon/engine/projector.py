@@ -118,7 +118,8 @@ class Projector:
         """
         if item.kind not in self.kinds:
             raise MediaError(f"this model reads no {'images' if item.kind == 'image' else 'audio'}")
-        digest = hashlib.sha256(item.data).hexdigest()
+        # The scope first: another scope's same bytes are another chunk (no reuse, no timing).
+        digest = hashlib.sha256(item.scope.encode("utf-8", "surrogatepass") + b"\0" + item.data).hexdigest()
         if item.kind == "image":
             pixels = media.decode_image(item.data, item.format, limits)
             height, width, _ = pixels.shape

@@ -570,6 +570,7 @@ class RemoteEngine:
                 "kind": item.kind,
                 "data": base64.b64encode(item.data).decode("ascii"),
                 "format": item.format,
+                "scope": item.scope,
                 "limits": dataclasses.asdict(limits),
             }
         )

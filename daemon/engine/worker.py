@@ -280,6 +280,7 @@ class Worker:
                 str(message["kind"]),
                 base64.b64decode(str(message["data"]), validate=True),
                 None if message.get("format") is None else str(message["format"]),
+                scope=str(message.get("scope", "")),
             )
             return wire.encode_media(engine.prepare_media(item, limits))
         if op == "template":

@@ -9,7 +9,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
@@ -406,6 +406,7 @@ class ModelHandle:
         messages: Sequence[ChatMessage],
         tools: Sequence[Mapping[str, Any]] | None = None,
         limits: MediaLimits | None = None,
+        scope: str = "",
     ) -> Prompt:
         assert self.template is not None  # noqa: S101 - checked by the caller
         generator = self.generator
@@ -425,7 +426,8 @@ class ModelHandle:
         bos = self.engine.info.bos_text
         add_special = not (bos and segments and segments[0][1] and segments[0][0].startswith(bos))
         if media:  # the text alone must fit before any image or clip is decoded
-            return self._with_media(parts, media, text, add_special, limits or MediaLimits())
+            scoped = tuple(replace(item, scope=scope) for item in media)
+            return self._with_media(parts, scoped, text, add_special, limits or MediaLimits())
         tokens = self._tokenize_bounded(
             text, "messages", whole=lambda: generator.tokenize_segments(segments, add_special=add_special)
         )
@@ -531,6 +533,7 @@ class ModelHandle:
         *,
         instructions: str = "",
         media_limits: MediaLimits | None = None,
+        scope: str = "",
     ) -> Prompt:
         """Render the chat template and tokenize, off the event loop.
 
@@ -550,7 +553,7 @@ class ModelHandle:
         elif instructions:
             messages = (ChatMessage("system", instructions), *messages)
         loop = asyncio.get_running_loop()
-        render = partial(self._render_and_tokenize, messages, tools, media_limits)
+        render = partial(self._render_and_tokenize, messages, tools, media_limits, scope)
         try:
             job = loop.run_in_executor(self.executor, render)
             try:

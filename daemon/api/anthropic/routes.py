@@ -21,7 +21,7 @@ from edgellmd.api.anthropic.encode import Reply, collect, render_error, stream
 from edgellmd.api.context import ERROR_SHAPES, ErrorShapes, context, token_limits
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.media import MediaRules, fetch_media
-from edgellmd.api.session import chat_session
+from edgellmd.api.session import cache_scope, chat_session
 
 MESSAGES: Final = "/v1/messages"
 COUNT_TOKENS: Final = "/v1/messages/count_tokens"
@@ -69,6 +69,7 @@ async def count_tokens(request: web.Request) -> web.Response:
             tools.tools if tools else None,
             instructions=tools.instructions if tools else "",
             media_limits=rules.limits,
+            scope=cache_scope(request),
         )
         if prompt.held is not None:
             prompt.held.release()
