@@ -261,6 +261,26 @@ def test_the_prompt_cache_finds_a_state_only_for_the_scope_that_stored_it() -> N
     assert len(cache.entries) == 2
 
 
+def test_one_scopes_flood_evicts_its_own_entries_never_anothers() -> None:
+    """Once one LRU for every scope: a key's dozen long prompts flushed another key's cached
+    prefix, and its own next hits said whether that other key had been busy meanwhile."""
+    cache = PromptCache(max_bytes=1000)
+    cache.put([1] * 200, bytes(300), "key-a")
+    for n in range(12):  # B's flood, each entry as large as A's
+        cache.put([100 + n] * 200, bytes(300), "key-b")
+    assert cache.used_bytes <= 1000
+    assert cache.best([1] * 200 + [9], "key-a") is not None  # A's prefix stays
+    assert [k for k in cache.entries if k[0] == "key-b"] == [("key-b", (110 + i,) * 200) for i in range(2)]
+    assert cache.stats.evicted == 10
+    # A's flood in turn: A, holding the most, gives up its own oldest; B keeps what it held
+    # once the two were even (a tie takes from the scope whose entry is least recently used).
+    for n in range(2, 8):
+        cache.put([n] * 200, bytes(300), "key-a")
+    assert cache.best([1] * 200 + [9], "key-a") is None
+    assert cache.best([7] * 200 + [9], "key-a") is not None
+    assert len([k for k in cache.entries if k[0] == "key-b"]) == 1
+
+
 # ---- a quantized KV cache ----------------------------------------------------------------------
 
 

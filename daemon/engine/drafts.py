@@ -198,10 +198,11 @@ class CacheStats:
 
 @dataclass(slots=True)
 class PromptCache:
-    """KV states of earlier sequences by their cache scope and tokens, within `max_bytes`, LRU.
+    """KV states of earlier sequences by their cache scope and tokens, within `max_bytes`.
 
     A state is found again only by a prompt of the scope that stored it (`GenerationRequest.
-    cache_scope`): across scopes every lookup is a miss.
+    cache_scope`): across scopes every lookup is a miss. Past the bound the scope holding the
+    most gives up its least recently used entry, so one scope cannot flush another's.
     """
 
     max_bytes: int
@@ -248,6 +249,13 @@ class PromptCache:
         self.used_bytes += len(data)
         self.stats.stored += 1
         while self.used_bytes > self.max_bytes and self.entries:
-            _, dropped = self.entries.popitem(last=False)
-            self.used_bytes -= len(dropped)
+            # Room comes from the scope holding the most, its least recently used first: one key's
+            # flood of long prompts evicts its own entries, never another's (which would also
+            # tell it, through its own hits, when the other was busy).
+            held: dict[str, int] = {}
+            for (owner, _), state in self.entries.items():
+                held[owner] = held.get(owner, 0) + len(state)
+            most = max(held, key=held.__getitem__)
+            victim = next(k for k in self.entries if k[0] == most)
+            self.used_bytes -= len(self.entries.pop(victim))
             self.stats.evicted += 1
