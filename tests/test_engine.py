@@ -368,6 +368,39 @@ async def test_cancelled_waiting_request_leaves_the_queue(slow_model: Path) -> N
         eng.close()
 
 
+async def test_a_cancelled_waiting_request_leaves_the_queue_without_waiting_for_the_step(
+    slow_model: Path,
+) -> None:
+    """The queue let a cancelled request go at the scheduler's next pass, after the step in
+    progress (a long prefill: seconds on a busy box): a key's hung-up requests, released from
+    its `concurrent` cap by their handlers, held the model's queue meanwhile. `wake` takes it
+    out there and then."""
+    eng = make_engine(slow_model, slots=1, context=4096, batch=512)
+    try:
+        loop = asyncio.get_running_loop()
+        long_prompt = eng.tokenize("many words " * 1500)[:3000]
+        running = eng.submit(GenerationRequest(long_prompt, 4, GREEDY, ignore_eos=True), loop)
+        began = time.monotonic()
+        while eng.busy_slots == 0 and time.monotonic() - began < 5:  # noqa: ASYNC110 - the scheduler thread
+            await asyncio.sleep(0.001)
+        waiting = [eng.submit(GenerationRequest(eng.tokenize(f"b{i}"), 10, GREEDY), loop) for i in range(3)]
+        assert eng.queue_depth == 3
+        for gen in waiting:
+            gen.cancel()
+        eng.wake()
+        assert eng.queue_depth == 0  # at once: the scheduler thread is inside the prefill
+        for gen in waiting:
+            fin = [e async for e in gen.events()][-1]
+            assert isinstance(fin, Finished)
+            assert fin.reason == "cancelled"
+        assert eng.finished["cancelled"] == 3
+        final = [e async for e in running.events()][-1]
+        assert isinstance(final, Finished)
+        assert final.reason == "length"
+    finally:
+        eng.close()
+
+
 async def test_prefill_is_chunked_and_interleaved_with_decoding(tiny_model: Path) -> None:
     # batch 16: a 240-token prompt needs 16 steps of prefill (15 prompt tokens beside one
     # decode token each); a running stream must get a token at every one of those steps

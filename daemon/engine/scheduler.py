@@ -417,9 +417,31 @@ class Engine(NativeThread):
         stop.ask()
 
     def wake(self) -> None:
-        """Wake the scheduler (after a cancellation) so the slot is freed at once."""
+        """Wake the scheduler (after a cancellation) so the slot is freed at once; a waiting
+        generation that was cancelled leaves the queue here and now, not after the step in
+        progress (a long prefill's seconds): its key's requests count against its `concurrent`
+        cap only until their handlers end, and a hung-up client's queue entries held the
+        model's queue meanwhile (five times the cap, the queue full for everyone)."""
         with self._cond:
+            self._drop_cancelled(paused_too=False)
             self._cond.notify()
+
+    def _drop_cancelled(self, *, paused_too: bool) -> None:
+        """End the cancelled generations of the queue (under the lock). A paused one (its sampler
+        and KV copy the scheduler thread's) only from that thread: `paused_too`."""
+        if not any(g.cancelled for g in self._pending):
+            return
+        for gen in [g for g in self._pending if g.cancelled and (paused_too or g not in self._paused)]:
+            self._pending.remove(gen)
+            self._pending.dropped(gen)
+            _free_grammar(gen)
+            self.finished["cancelled"] += 1
+            paused = self._paused.pop(gen, None)
+            done = 0
+            if paused is not None:
+                paused[0].sampler.free()
+                done = paused[0].completion
+            gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), done)])
 
     def forget_scopes(self, scopes: Collection[str]) -> None:
         """Drop the cached KV state of these cache scopes (their keys were revoked, disabled or expired).
@@ -664,18 +686,7 @@ class Engine(NativeThread):
             if self._forget:
                 self._drop_forgotten()
             # Waiting clients that gave up leave the queue now, not when a slot frees up.
-            if any(g.cancelled for g in self._pending):
-                for gen in [g for g in self._pending if g.cancelled]:
-                    self._pending.remove(gen)
-                    self._pending.dropped(gen)
-                    _free_grammar(gen)
-                    self.finished["cancelled"] += 1
-                    paused = self._paused.pop(gen, None)
-                    done = 0
-                    if paused is not None:
-                        paused[0].sampler.free()
-                        done = paused[0].completion
-                    gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), done)])
+            self._drop_cancelled(paused_too=True)
             now = time.monotonic()
             if self.config.queue_timeout_s > 0 and self._pending and now >= self._shed_at:
                 # Not at every step: a scan of the queue is O(waiting), a step a few milliseconds.
