@@ -239,6 +239,25 @@ def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: 
     setup_ratelimit(app)
 
 
+async def within_limits(request: web.Request, key: ApiKey, handler: Handler) -> web.StreamResponse:
+    """Run an inference request under its key's limits (the /v1 routes and the console's
+    playground alike): a spent day or month budget refuses it before a minute's is taken, and
+    it counts in flight against the key's request budgets and its `concurrent` cap until it ends."""
+    limiter = request.app[appkeys.RATE_LIMITER]
+    held = check_quota(request, key, hold=True)
+    try:
+        try:
+            limiter.admit(key)
+        except RateLimited as exc:
+            exc.headers.update(limiter.headers(key))
+            raise
+        with limiter.admitted(key, request):
+            return await handler(request)
+    finally:
+        if held:
+            release_quota(request, key)
+
+
 def setup_ratelimit(app: web.Application) -> None:
     """Install per-key limits on every authenticated request (after auth has set the key)."""
 
@@ -247,21 +266,7 @@ def setup_ratelimit(app: web.Application) -> None:
         key = request.get(appkeys.API_KEY)
         if key is None or not is_inference(request.path):
             return await handler(request)
-        limiter = request.app[appkeys.RATE_LIMITER]
-        # A spent day or month budget, before a minute's is taken; the request counts in flight
-        # against the key's request budgets until it ends.
-        held = check_quota(request, key, hold=True)
-        try:
-            try:
-                limiter.admit(key)
-            except RateLimited as exc:
-                exc.headers.update(limiter.headers(key))
-                raise
-            with limiter.admitted(key, request):
-                return await handler(request)
-        finally:
-            if held:
-                release_quota(request, key)
+        return await within_limits(request, key, handler)
 
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
         key = request.get(appkeys.API_KEY)

@@ -28,7 +28,7 @@ from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.pool import POOL_TENANT
 from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDenied, RateLimited
 from edgellmd.http import appkeys
-from edgellmd.http.auth import authenticate, unusable
+from edgellmd.http.auth import authenticate, unusable, within_limits
 from edgellmd.http.console.keys import KEY_ROUTES, setup_key_writes
 from edgellmd.http.console.routes import (
     CSP,
@@ -49,7 +49,6 @@ from edgellmd.http.console.sessions import (
     set_cookie,
 )
 from edgellmd.http.errors import Handler
-from edgellmd.http.ledger import check_quota, release_quota
 from edgellmd.http.ratelimit import TokenBucket
 from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, parse_token
 from edgellmd.settings import Settings
@@ -221,18 +220,8 @@ def _middleware(store: SessionStore, scopes: RouteScopes) -> Middleware:
         try:
             if scope != "inference":
                 return await handler(request)
-            # The playground's requests count against the key's limits like its /v1 requests,
-            # its request budgets among them: in flight from admission (several sent together
-            # once passed a budget of requests per day together).
-            limiter = request.app[appkeys.RATE_LIMITER]
-            held = check_quota(request, key, hold=True)
-            try:
-                limiter.admit(key)
-                with limiter.admitted(key, request):
-                    return await handler(request)
-            finally:
-                if held:
-                    release_quota(request, key)
+            # The playground's requests count against the key's limits as its /v1 requests do.
+            return await within_limits(request, key, handler)
         finally:
             POOL_TENANT.reset(tenant)
 
