@@ -79,7 +79,9 @@ def _trusting(cacert: Path) -> ssl.SSLContext:
 
 def _error_text(payload: Any) -> str:
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-        return escaped(str(payload["error"].get("message", "error"))[:MAX_REASON])
+        return str(payload["error"].get("message", "error"))[
+            :MAX_REASON
+        ]  # escaped where printed (cli.guarded)
     return "unexpected answer"
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Final, NoReturn, TypeAlias
 from urllib.parse import urlsplit
 
+from edgellmd.errors import escaped
 from edgellmd.files import UnsuitableFile, read_regular
 
 Command = Callable[[argparse.Namespace], int]
@@ -128,7 +129,8 @@ def guarded(func: Command, *expected: type[Exception]) -> Command:
             message = str(exc)
         except OSError as exc:
             message = describe_os_error(exc)
-        print(redact(f"edgellmctl {args.command}: {one_line(message)}"), file=sys.stderr)
+        # Escaped: a message may carry a daemon's answer or a file's words (its controls inert).
+        print(redact(f"edgellmctl {args.command}: {escaped(one_line(message))}"), file=sys.stderr)
         return 1
 
     return run
