@@ -153,6 +153,7 @@ def run_verify(args: argparse.Namespace) -> int:
             "last": verdict.last,
             "problem": verdict.problem,
             "at_seq": verdict.at_seq,
+            "caveat": verdict.caveat,
         }
         if args.against is not None:
             answer["against_log"] = {"matched": matched, "problem": differs}
@@ -160,6 +161,8 @@ def run_verify(args: argparse.Namespace) -> int:
     elif verdict.ok:
         span = f"records {verdict.first} to {verdict.last}" if verdict.checked else "no records"
         print(f"audit chain intact: {verdict.checked} record(s) checked ({span})")
+        if verdict.caveat is not None:
+            print(f"but {verdict.caveat}")
     else:
         print(f"audit chain BROKEN after {verdict.checked} good record(s): {verdict.problem}")
     if args.against is not None and not args.json:

@@ -3,6 +3,7 @@ and the audit chain's verification of edited, removed and reordered records."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from edgellmctl.__main__ import main as ctl
 from edgellmd.ledger import audit, usage
 from edgellmd.ledger.audit import AuditEntry
 from edgellmd.ledger.store import FULL_VERIFY_S, AuditHandler, Ledger, LedgerError, Quota, utc_text
@@ -208,16 +210,135 @@ def test_entries_queued_out_of_time_order_still_make_an_honest_chain(ledger: Led
     assert ats == ["2026-12-03T10:00:00.500Z"] * 3
 
 
+def _rotate(conn: sqlite3.Connection, before: float) -> int:
+    conn.execute("BEGIN")
+    gone, _ = audit.rotate(conn, utc_text(before), audit.head(conn), utc_text(1_796_000_100))
+    conn.execute("COMMIT")
+    return gone
+
+
 def test_rotation_keeps_the_rest_verifiable_and_removals_still_show(chain: sqlite3.Connection) -> None:
-    chain.execute("BEGIN")
-    assert audit.rotate(chain, utc_text(1_796_000_004)) == 3  # records 1 to 3 went
-    chain.execute("COMMIT")
+    assert _rotate(chain, 1_796_000_004) == 3  # records 1 to 3 went
     verdict = audit.verify(chain)
-    assert (verdict.ok, verdict.checked, verdict.first) == (True, 3, 4)
+    assert (verdict.ok, verdict.checked, verdict.first) == (True, 4, 4), (
+        verdict.problem
+    )  # 4-6 and the rotation's
+    named = audit.select(chain, action=audit.ROTATED)
+    assert [(r.seq, r.detail["anchor"], r.detail["removed"]) for r in named] == [(7, 3, 3)]
     _chain(chain, 1)  # the chain goes on from its head
-    assert audit.verify(chain).checked == 4
-    chain.execute("DELETE FROM audit WHERE seq = 4")  # the oldest left: the anchor shows it
-    assert "record 4 is missing" in str(audit.verify(chain).problem)
+    assert audit.verify(chain).checked == 5
+    assert _rotate(chain, 1_796_000_006) == 2  # 4 and 5: the anchor is 5 now, named by record 9
+    assert audit.verify(chain).ok
+    chain.execute("DELETE FROM audit WHERE seq = 6")  # the oldest left: the anchor shows it
+    assert "record 6 is missing" in str(audit.verify(chain).problem)
+
+
+def test_records_removed_before_a_forged_anchor_show(chain: sqlite3.Connection) -> None:
+    """Another hand removes the oldest records and sets the anchor to the last it removed (its
+    seq and hash, copied): what is left is a whole chain from that anchor, but no rotation
+    record names it."""
+    assert audit.verify(chain).ok
+    digest = _hash_of(chain, 3)
+    chain.execute("DELETE FROM audit WHERE seq <= 3")
+    chain.execute("INSERT INTO audit_anchor (one, seq, hash) VALUES (1, 3, ?)", (digest,))
+    verdict = audit.verify(chain)
+    assert not verdict.ok
+    assert verdict.at_seq == 4
+    assert "records up to 3 were removed by another hand" in str(verdict.problem)
+
+
+def test_a_forged_anchor_past_a_real_rotation_shows(chain: sqlite3.Connection) -> None:
+    """After a rotation, another hand removes more and moves the anchor: the last rotation
+    record names the anchor it left, not theirs."""
+    assert _rotate(chain, 1_796_000_003) == 2
+    digest = _hash_of(chain, 4)
+    chain.execute("DELETE FROM audit WHERE seq <= 4")
+    chain.execute("UPDATE audit_anchor SET seq = 4, hash = ?", (digest,))
+    verdict = audit.verify(chain)
+    assert "records up to 4 were removed by another hand" in str(verdict.problem)
+    # Walking only what came since a whole walk, a new rotation's record is checked the same way.
+    chain.execute("UPDATE audit_anchor SET seq = 2, hash = ?", ("0" * 64,))
+    assert "no rotation record names the anchor (record 2)" in str(
+        audit.verify(chain, after=(6, _hash_of(chain, 6), "")).problem
+    )
+    chain.execute("UPDATE audit_anchor SET seq = x'00', hash = 'x'")
+    assert "the anchor was edited" in str(audit.verify(chain).problem)
+
+
+def _hash_of(conn: sqlite3.Connection, seq: int) -> str:
+    row = conn.execute("SELECT hash FROM audit WHERE seq = ?", (seq,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_an_older_ledgers_anchor_is_a_caveat_until_the_daemon_adopts_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ledger rotated by an older edgellm (schema 1) holds an anchor no record names: read as
+    it is, the chain verifies with a caveat; opened by the daemon, a WARNING record names it
+    once, and from then on an anchor must be named."""
+    path = tmp_path / "old.sqlite3"
+    Ledger(path).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    _chain(conn, 5)
+    digest = _hash_of(conn, 2)
+    conn.execute("DELETE FROM audit WHERE seq <= 2")  # as schema 1's rotation left it
+    conn.execute("INSERT INTO audit_anchor (one, seq, hash) VALUES (1, 2, ?)", (digest,))
+    conn.execute("PRAGMA user_version=1")
+    verdict = audit.verify(conn)
+    assert verdict.ok
+    assert "the anchor (record 2) was kept by an older edgellm" in str(verdict.caveat)
+    conn.close()
+    assert ctl(["audit", "verify", "--database", str(path)]) == 0
+    assert "but the anchor (record 2) was kept by an older edgellm" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="edgellmd.ledger"):
+        ledger = Ledger(path)
+    try:
+        verdict = ledger.query(audit.verify).result(5)
+        assert (verdict.ok, verdict.caveat, verdict.checked) == (True, None, 4)
+        adopted = ledger.query(lambda c: audit.select(c, action=audit.ROTATED)).result(5)
+        assert [(r.seq, r.level, r.detail["anchor"]) for r in adopted] == [(6, "WARNING", 2)]
+        assert "anchor (record 2) kept by an older edgellm is adopted" in caplog.text
+        assert f"audit record 6 {adopted[0].hash}: audit rotated" in caplog.text  # the journal's copy
+        ledger.audit(AuditEntry(utc_text(1_796_000_200), "INFO", "later")).result(5)
+    finally:
+        ledger.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        digest = _hash_of(conn, 4)
+        conn.execute("DELETE FROM audit WHERE seq <= 4")  # then a prefix removed, the anchor forged
+        conn.execute("UPDATE audit_anchor SET seq = 4, hash = ?", (digest,))
+        assert "records up to 4 were removed by another hand" in str(audit.verify(conn).problem)
+    finally:
+        conn.close()
+    assert ctl(["audit", "verify", "--database", str(path), "--json"]) == 1
+    answer = json.loads(capsys.readouterr().out)
+    assert (answer["ok"], answer["at_seq"], answer["caveat"]) == (False, 5, None)
+
+
+def test_the_daemons_rotation_appends_its_record_and_mirrors_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock(datetime(2026, 12, 3, tzinfo=UTC))
+    ledger = Ledger(tmp_path / "l.sqlite3", audit_retention_days=1, clock=clock)
+    try:
+        for i in range(3):
+            ledger.audit(AuditEntry(utc_text(clock.now + i), "INFO", f"old {i}")).result(5)
+        clock.now += 3 * 86_400
+        ledger.audit(AuditEntry(utc_text(clock.now), "INFO", "recent")).result(5)
+        with caplog.at_level(logging.INFO, logger="edgellmd.ledger"):
+            ledger.maintain().result(5)
+        records = ledger.query(audit.select).result(5)
+        assert [r.action for r in records] == ["recent", audit.ROTATED]
+        assert (records[1].detail["anchor"], records[1].detail["removed"]) == (3, 3)
+        assert ledger.status()["audit_head"] == 5
+        assert f"audit record 5 {records[1].hash}: audit rotated" in caplog.text
+        ledger.audit(AuditEntry(utc_text(clock.now), "INFO", "after")).result(5)
+        verdict = ledger.query(audit.verify).result(5)
+        assert (verdict.ok, verdict.checked, verdict.caveat) == (True, 3, None), verdict.problem
+    finally:
+        ledger.close()
 
 
 def test_the_audit_logger_feeds_the_chain_and_failed_sign_ins_come_summed(ledger: Ledger) -> None:

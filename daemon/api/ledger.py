@@ -213,6 +213,7 @@ async def admin_audit(request: web.Request) -> web.Response:
             "ok": verdict.ok,
             "checked": covered,
             "problem": verdict.problem,
+            "caveat": verdict.caveat,
         }
 
     records, chain = await asyncio.wrap_future(ledger.query(read))

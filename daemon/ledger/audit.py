@@ -5,7 +5,9 @@ previous record's hash and the record's fields as canonical JSON, so that editin
 changes its hash, removing one leaves a gap in `seq` and a `prev` that names a hash no record
 has, and moving one breaks both. `verify` walks the chain from its anchor and says where it
 breaks first. Records older than the retention go at rotation; the last one that went stays
-as the anchor (its seq and hash), so that what is left still verifies.
+as the anchor (its seq and hash), so that what is left still verifies, and the rotation
+appends a record naming that anchor (`ROTATED`). An anchor no rotation record names was set
+by another hand: the records before it were removed, not rotated (`verify` says so).
 
 What a chain cannot show on its own: someone who can write the database may rewrite every
 record after the one they edit, hashes included. Every record is mirrored to the daemon's
@@ -44,6 +46,9 @@ CREATE TABLE IF NOT EXISTS audit_anchor (
 );
 """
 MAX_TEXT: Final = 512  # characters of an action or a detail value kept (log lines are short)
+ROTATED: Final = "audit rotated"  # the action of the record a rotation appends, naming the anchor
+# Ledgers written before rotation records (schema 1) may hold an anchor no record names.
+NAMED_ANCHORS_SINCE: Final = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,23 +136,58 @@ def append(conn: sqlite3.Connection, entry: AuditEntry, last: tuple[int, str]) -
     return seq, digest
 
 
-def rotate(conn: sqlite3.Connection, before: str) -> int:
-    """Remove the records older than `before` (an ISO time), keeping the last as the anchor; how many."""
+def rotate(
+    conn: sqlite3.Connection, before: str, last: tuple[int, str], at: str
+) -> tuple[int, tuple[int, str]]:
+    """Remove the records older than `before` (an ISO time), keeping the last as the anchor,
+    and append after `last` (the head) a record naming it; (how many went, the new head)."""
     row = conn.execute(
         "SELECT seq, hash FROM audit WHERE at < ? ORDER BY seq DESC LIMIT 1", (before,)
     ).fetchone()
     if row is None:
-        return 0
+        return 0, last
     keep_head = conn.execute("SELECT MAX(seq) FROM audit").fetchone()[0]
     if row[0] == keep_head:  # never the newest: the chain's head stays in the table
         row = conn.execute(
             "SELECT seq, hash FROM audit WHERE seq < ? ORDER BY seq DESC LIMIT 1", (row[0],)
         ).fetchone()
         if row is None:
-            return 0
-    gone = conn.execute("DELETE FROM audit WHERE seq <= ?", (row[0],)).rowcount
+            return 0, last
+    gone = int(conn.execute("DELETE FROM audit WHERE seq <= ?", (row[0],)).rowcount)
     conn.execute("INSERT OR REPLACE INTO audit_anchor (one, seq, hash) VALUES (1, ?, ?)", (row[0], row[1]))
-    return int(gone)
+    detail = {"anchor": int(row[0]), "anchor_hash": str(row[1]), "before": before, "removed": gone}
+    return gone, append(conn, AuditEntry(at, "INFO", ROTATED, detail=detail), last)
+
+
+def rotation_entry(anchor: tuple[int, str], at: str) -> AuditEntry:
+    """The record that names an anchor found unnamed in a ledger of schema 1 (written before
+    rotations named theirs): adopted at the daemon's start, as a WARNING, once."""
+    detail = {"anchor": anchor[0], "anchor_hash": anchor[1], "adopted": "kept by an older edgellm"}
+    return AuditEntry(at, "WARNING", ROTATED, detail=detail)
+
+
+def unnamed_anchor(conn: sqlite3.Connection) -> tuple[int, str] | None:
+    """The anchor, when the last rotation record does not name it (None when it does, or none)."""
+    anchor = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
+    if anchor is None:
+        return None
+    last = conn.execute(
+        "SELECT detail FROM audit WHERE action = ? ORDER BY seq DESC LIMIT 1", (ROTATED,)
+    ).fetchone()
+    pair = (int(anchor[0]), str(anchor[1]))
+    return None if last is not None and _named(last[0]) == pair else pair
+
+
+def _named(detail: object) -> tuple[int, str] | None:
+    """The anchor a rotation record's detail names."""
+    try:
+        parsed = json.loads(detail) if isinstance(detail, str) else None
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    seq, digest = parsed.get("anchor"), parsed.get("anchor_hash")
+    return (seq, digest) if type(seq) is int and isinstance(digest, str) else None
 
 
 def _records(conn: sqlite3.Connection, where: str = "", args: tuple[Any, ...] = ()) -> Iterator[AuditRecord]:
@@ -186,6 +226,7 @@ class Verdict:
     # Where a walk that found the chain whole ended: (seq, hash, at) of its last record (of
     # the record it started after, when there was nothing new), to go on from next time.
     end: tuple[int, str, str] | None = None
+    caveat: str | None = None  # what could not be checked, on a chain found whole
 
     @property
     def ok(self) -> bool:
@@ -199,12 +240,17 @@ def verify(conn: sqlite3.Connection, after: tuple[int, str, str] | None = None) 
     `after`: (seq, hash, at) of a record a walk found whole before (`Verdict.end`): only the
     records after it are walked, the first of them checked against it.
     """
+    row = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
+    if row is not None and (type(row[0]) is not int or type(row[1]) is not str):
+        return Verdict(0, None, None, "the anchor was edited: it holds a value no rotation writes", 1)
+    anchor = (row[0], row[1]) if row is not None else None
     if after is not None:
         prev_seq, prev_hash, prev_at = after
     else:
-        anchor = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
-        prev_seq, prev_hash = (int(anchor[0]), str(anchor[1])) if anchor is not None else (0, GENESIS)
+        prev_seq, prev_hash = anchor if anchor is not None else (0, GENESIS)
         prev_at = ""
+    named: tuple[int, str] | None = None  # the anchor the last rotation record walked names
+    rotations = 0
     checked, first = 0, None
     fields = "seq, at, level, action, key_id, peer, detail, prev, hash"
     query = f"SELECT {fields} FROM audit WHERE seq > ? ORDER BY seq"  # noqa: S608 - no client text
@@ -239,7 +285,25 @@ def verify(conn: sqlite3.Connection, after: tuple[int, str, str] | None = None) 
             return Verdict(checked, first, seq, problem, seq)
         checked += 1
         prev_seq, prev_hash, prev_at = seq, digest, str(at)
-    return Verdict(checked, first, prev_seq if checked else None, end=(prev_seq, prev_hash, prev_at))
+        if action == ROTATED:
+            named, rotations = _named(detail), rotations + 1
+    last = prev_seq if checked else None
+    caveat = None
+    # The last rotation names the anchor it left. Walking it all, an anchor that none names was
+    # set by another hand; walking the records since a whole walk, only a new rotation can tell.
+    if anchor is not None and named != anchor and (after is None or rotations):
+        if after is None and conn.execute("PRAGMA user_version").fetchone()[0] < NAMED_ANCHORS_SINCE:
+            caveat = (
+                f"the anchor (record {anchor[0]}) was kept by an older edgellm, which named no anchor: "
+                "that the records before it went by rotation cannot be checked until the daemon adopts it"
+            )
+        else:
+            why = (
+                f"records up to {anchor[0]} were removed by another hand: "
+                f"no rotation record names the anchor (record {anchor[0]})"
+            )
+            return Verdict(checked, first, last, why, anchor[0] + 1)
+    return Verdict(checked, first, last, end=(prev_seq, prev_hash, prev_at), caveat=caveat)
 
 
 # How the daemon mirrors each record to its log (the journal): its ledger logger's message

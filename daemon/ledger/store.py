@@ -39,7 +39,7 @@ from edgellmd.ledger.usage import UsageRecord
 
 T = TypeVar("T")
 log = logging.getLogger(audit.MIRROR_LOGGER)  # its lines mirror the audit chain
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2  # 2: rotations name their anchor (audit.NAMED_ANCHORS_SINCE)
 BUSY_TIMEOUT_MS: Final = 5000
 MAX_KEPT: Final = 100_000  # records of each kind kept for a retry while commits fail; then the oldest go
 # /admin/audit walks the whole audit chain at most this often; between, the records added since.
@@ -125,8 +125,37 @@ def _open_database(path: Path | None) -> sqlite3.Connection:
         conn.close()
         raise sqlite3.OperationalError(f"the ledger {path} is of a newer edgellm (schema {version})")
     conn.executescript(usage.SCHEMA + audit.SCHEMA)
+    if version < audit.NAMED_ANCHORS_SINCE:
+        _adopt_anchor(conn, path)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     return conn
+
+
+def _adopt_anchor(conn: sqlite3.Connection, path: Path | None) -> None:
+    """A ledger of schema 1 may hold an anchor that no record names (its rotations named none):
+    a record naming it is appended once, as a WARNING, so that `verify` holds every later
+    anchor to a rotation record."""
+    anchor = audit.unnamed_anchor(conn)
+    if anchor is None:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        entry = audit.rotation_entry(anchor, utc_text(time.time()))
+        seq, digest = audit.append(conn, entry, audit.head(conn))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    log.warning("audit chain: the anchor (record %d) kept by an older edgellm is adopted", anchor[0])
+    _mirror(seq, digest, entry, path)
+
+
+def _mirror(seq: int, digest: str, entry: AuditEntry, path: Path | None) -> None:
+    """The journal's copy of a record of the chain (see audit.mirrored_record)."""
+    where = str(path) if path is not None else None  # which chain, in a JSON log line
+    log.info(
+        "audit record %d %s: %s", seq, digest, entry.action, extra={"key_id": entry.key_id, "database": where}
+    )
 
 
 def utc_text(at: float) -> str:
@@ -360,15 +389,8 @@ class Ledger:
         seqs = iter(written[len(retry_audit) :])
         for _, audit_future in pending_audit:
             audit_future.set_result(next(seqs)[0])
-        where = str(self.path) if self.path is not None else None  # which chain, in a JSON log line
-        for seq, digest, entry in [*noted, *written]:  # the journal's copy of the chain
-            log.info(
-                "audit record %d %s: %s",
-                seq,
-                digest,
-                entry.action,
-                extra={"key_id": entry.key_id, "database": where},
-            )
+        for seq, digest, entry in [*noted, *written]:
+            _mirror(seq, digest, entry, self.path)
 
     def _foreign_records(
         self, conn: sqlite3.Connection, head: tuple[int, str]
@@ -408,13 +430,20 @@ class Ledger:
                 conn.execute("BEGIN IMMEDIATE")
                 usage.prune(conn, now, detail_hours=self.detail_hours, retention_days=self.retention_days)
                 before = utc_text(now - self.audit_retention_days * 86_400)
-                audit.rotate(conn, before)
+                head, noted = self._foreign_records(conn, self._head)
+                gone, head = audit.rotate(conn, before, head, utc_text(now))
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.error("ledger maintenance failed: %s", self.error)  # noqa: TRY400
+                return
+            self._head = head
+            for seq, digest, entry in noted:
+                _mirror(seq, digest, entry, self.path)
+            if gone:
+                _mirror(head[0], head[1], AuditEntry("", "INFO", audit.ROTATED), self.path)
 
         return self._writer.submit(run, self._conn)
 
