@@ -279,6 +279,13 @@ def test_one_scopes_flood_evicts_its_own_entries_never_anothers() -> None:
     assert cache.best([1] * 200 + [9], "key-a") is None
     assert cache.best([7] * 200 + [9], "key-a") is not None
     assert len([k for k in cache.entries if k[0] == "key-b"]) == 1
+    # Each scope's bytes are kept as entries come and go, not recounted at every eviction.
+    recount: dict[str, int] = {}
+    for (owner, _), state in cache.entries.items():
+        recount[owner] = recount.get(owner, 0) + len(state)
+    assert cache.held == recount == {"key-a": 600, "key-b": 300}
+    assert cache.drop_scopes({"key-b"}) == 1
+    assert (cache.held, cache.used_bytes) == ({"key-a": 600}, 600)
 
 
 # ---- a quantized KV cache ----------------------------------------------------------------------

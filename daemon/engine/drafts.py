@@ -209,6 +209,21 @@ class PromptCache:
     entries: OrderedDict[tuple[str, tuple[int, ...]], bytes] = field(default_factory=OrderedDict)
     used_bytes: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
+    held: dict[str, int] = field(default_factory=dict)  # bytes of each scope's entries
+
+    def _add(self, key: tuple[str, tuple[int, ...]], data: bytes) -> None:
+        self.entries[key] = data
+        self.used_bytes += len(data)
+        self.held[key[0]] = self.held.get(key[0], 0) + len(data)
+
+    def _pop(self, key: tuple[str, tuple[int, ...]]) -> None:
+        size = len(self.entries.pop(key))
+        self.used_bytes -= size
+        left = self.held[key[0]] - size
+        if left:
+            self.held[key[0]] = left
+        else:
+            del self.held[key[0]]
 
     def best(self, prompt: Sequence[int], scope: str = "") -> tuple[tuple[int, ...], bytes, int] | None:
         """The entry of `scope` sharing the longest start with `prompt` (at least MIN_CACHED_TOKENS)
@@ -235,7 +250,7 @@ class PromptCache:
         """Forget every entry of these scopes (their keys are gone); how many went."""
         gone = [k for k in self.entries if k[0] in scopes]
         for key in gone:
-            self.used_bytes -= len(self.entries.pop(key))
+            self._pop(key)
         return len(gone)
 
     def put(self, tokens: Sequence[int], data: bytes, scope: str = "") -> None:
@@ -244,18 +259,15 @@ class PromptCache:
             return
         key = tuple(tokens)
         for old in [k for k in self.entries if k[0] == scope and common_prefix(k[1], key) == len(k[1])]:
-            self.used_bytes -= len(self.entries.pop(old))
-        self.entries[scope, key] = data
-        self.used_bytes += len(data)
+            self._pop(old)
+        self._add((scope, key), data)
         self.stats.stored += 1
         while self.used_bytes > self.max_bytes and self.entries:
-            # Room comes from the scope holding the most, its least recently used first: one key's
-            # flood of long prompts evicts its own entries, never another's (which would also
-            # tell it, through its own hits, when the other was busy).
-            held: dict[str, int] = {}
-            for (owner, _), state in self.entries.items():
-                held[owner] = held.get(owner, 0) + len(state)
-            most = max(held, key=held.__getitem__)
-            victim = next(k for k in self.entries if k[0] == most)
-            self.used_bytes -= len(self.entries.pop(victim))
+            # Room comes from the scope holding the most (of two that hold as much, the one with
+            # the least recently used entry), its least recently used first: one key's flood of
+            # long prompts evicts its own entries, never another's (which would also tell it,
+            # through its own hits, when the other was busy).
+            most = max(self.held.values())
+            victim = next(k for k in self.entries if self.held[k[0]] == most)
+            self._pop(victim)
             self.stats.evicted += 1
