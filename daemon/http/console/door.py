@@ -16,7 +16,6 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -46,6 +45,7 @@ from edgellmd.http.console.sessions import (
     SIGNED_OUT,
     ConsoleSession,
     SessionStore,
+    current_key,
     set_cookie,
 )
 from edgellmd.http.errors import Handler
@@ -179,8 +179,8 @@ def _session_key(
     session = store.get(request.cookies.get(COOKIE))
     if session is None:
         return None
-    key = keys.get(session.key_id)
-    if key is None or key.usable(datetime.now(UTC)) is not None:
+    key = current_key(keys, session)
+    if key is None:
         store.end(session, KEY_NO_LONGER_VALID)
         audit.warning(
             "console session ended: its key is no longer valid",

@@ -32,7 +32,13 @@ from edgellmd.api import admin, health
 from edgellmd.api.context import API_CONTEXT, ApiContext, context
 from edgellmd.api.sse import SSE_HEADERS, dumps, event
 from edgellmd.http import appkeys
-from edgellmd.http.console.sessions import CONSOLE_SESSION, SESSIONS, ConsoleSession
+from edgellmd.http.console.sessions import (
+    CONSOLE_SESSION,
+    KEY_NO_LONGER_VALID,
+    SESSIONS,
+    ConsoleSession,
+    current_key,
+)
 from edgellmd.models.lockfile import LockError, format_time, key_id, load_lock, load_public_key, verify_lock
 from edgellmd.settings import Settings
 
@@ -267,9 +273,9 @@ async def _first(*waits: asyncio.Future[Any]) -> None:
 def _no_longer_admin(request: web.Request, session: ConsoleSession) -> str | None:
     """Why the stream must end at this tick, judged on the session's key as it is now (a
     keys file reloaded since the stream began may have revoked it or taken its scope)."""
-    key = request.app[appkeys.KEY_STORE].get(session.key_id)
-    if key is None or key.usable(datetime.now(UTC)) is not None:
-        return "the API key of this session is no longer valid"
+    key = current_key(request.app[appkeys.KEY_STORE], session)
+    if key is None:
+        return KEY_NO_LONGER_VALID
     if "admin" not in key.scopes:
         return "the API key of this session no longer has the 'admin' scope"
     return None

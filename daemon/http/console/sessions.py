@@ -17,9 +17,12 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Final
 
 from aiohttp import web
+
+from edgellmd.keys import ApiKey, KeyStore
 
 COOKIE: Final = "edgellm_console"
 COOKIE_PATH: Final = "/ui"  # the browser sends the session id to the console only
@@ -183,3 +186,10 @@ class SessionStore:
 
 SESSIONS: Final = web.AppKey("console_sessions", SessionStore)
 CONSOLE_SESSION: Final = web.RequestKey("console_session", ConsoleSession)  # set by the front door
+
+
+def current_key(keys: KeyStore, session: ConsoleSession) -> ApiKey | None:
+    """The session's key as the keys file has it now; None once it stopped working (revoked,
+    disabled, expired or gone with a reload)."""
+    key = keys.get(session.key_id)
+    return key if key is not None and key.usable(datetime.now(UTC)) is None else None
