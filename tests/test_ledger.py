@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgellmctl.__main__ import main as ctl
+from edgellmd.http import logs
 from edgellmd.ledger import audit, usage
 from edgellmd.ledger.audit import AuditEntry
 from edgellmd.ledger.store import FULL_VERIFY_S, AuditHandler, Ledger, LedgerError, Quota, utc_text
@@ -557,3 +558,49 @@ def test_closing_with_records_it_could_not_write_says_they_are_lost(
         "ledger closed with 1 usage and 0 audit record(s) it could not write; they are lost:"
         " OperationalError: database or disk is full"
     ]
+
+
+def test_records_added_while_the_daemon_was_stopped_show_against_its_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another hand appends a correctly chained record while the daemon is stopped: the next
+    start takes it as its head, and nothing in the chain shows it. The log does: each start
+    says which record it opened after, and the log's last record before it was another."""
+    path = tmp_path / "l.sqlite3"
+    caplog.set_level(logging.INFO, logger="edgellmd.ledger")
+
+    def run(*actions: str) -> None:
+        ledger = Ledger(path)
+        try:
+            for action in actions:
+                ledger.audit(AuditEntry(utc_text(1_796_000_000), "INFO", action)).result(5)
+        finally:
+            ledger.close()
+
+    def journal() -> list[str]:
+        text = logs.TextFormatter(logs.TEXT_FORMAT)
+        ours = [r for r in caplog.records if r.name == "edgellmd.ledger"]
+        return [text.format(logging.makeLogRecord({**vars(r), "request_id": "-"})) for r in ours]
+
+    run("first", "second")
+    run("third")  # an honest restart: opened after record 2, the last it logged
+    with sqlite3.connect(path) as conn:
+        assert audit.compare(conn, journal()) == (3, None)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN")
+    audit.append(conn, AuditEntry(utc_text(1_796_000_001), "INFO", "admin reload: nothing"), audit.head(conn))
+    conn.execute("COMMIT")
+    conn.close()
+    run("fourth")
+    with sqlite3.connect(path) as conn:
+        assert audit.verify(conn).ok  # the chain alone: whole
+        matched, problem = audit.compare(conn, journal())
+    assert matched == 3
+    assert "records 4 to 4 are in the database, not in the log: added while the daemon was stopped" in str(
+        problem
+    )
+    assert audit.opened_record(journal()[-1]) is None  # the last line mirrors record 5
+    assert [audit.opened_record(line) for line in journal() if "opened" in line][-1] == (
+        4,
+        _hash_of(sqlite3.connect(path), 4),
+    )

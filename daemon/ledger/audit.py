@@ -310,12 +310,13 @@ def verify(conn: sqlite3.Connection, after: tuple[int, str, str] | None = None) 
 # "audit record SEQ HASH: ACTION", in a JSON line or a text line (logging.format).
 MIRROR_LOGGER: Final = "edgellmd.ledger"
 MIRROR_MESSAGE: Final = re.compile(r"audit record (\d{1,18}) ([0-9a-f]{64}): ")
+# And at each start, the head it found: "audit chain opened after record SEQ HASH". The daemon
+# is the chain's one writer, so that head is the last record it logged before it stopped.
+OPENED_MESSAGE: Final = re.compile(r"audit chain opened after record (\d{1,18}) ([0-9a-f]{64})$")
 # A text line begins with its time, level and logger (http.logs.TEXT_FORMAT); a client's
 # words (a request path in the access log) can only come after those, so cannot pose as one.
 _TEXT_MIRROR: Final = re.compile(
-    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO "
-    + re.escape(MIRROR_LOGGER)
-    + r" \[[^\]]*\] (audit record .*)"
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO " + re.escape(MIRROR_LOGGER) + r" \[[^\]]*\] (audit .*)"
 )
 
 
@@ -327,6 +328,15 @@ def mirrored_record(line: str) -> tuple[int, str] | None:
     same words anywhere else (a client's request path in the access log, a key's name) are
     not a mirror line, so nobody without the database can make the check report tampering.
     """
+    return _ledger_line(line, MIRROR_MESSAGE)
+
+
+def opened_record(line: str) -> tuple[int, str] | None:
+    """The head (seq, hash) a start of the daemon found, from its ledger logger's line."""
+    return _ledger_line(line, OPENED_MESSAGE)
+
+
+def _ledger_line(line: str, pattern: re.Pattern[str]) -> tuple[int, str] | None:
     message: object = None
     brace = line.find("{")
     if brace >= 0:
@@ -339,7 +349,7 @@ def mirrored_record(line: str) -> tuple[int, str] | None:
     if message is None:
         head = _TEXT_MIRROR.match(line)
         message = head.group(1) if head else None
-    found = MIRROR_MESSAGE.match(message) if isinstance(message, str) else None
+    found = pattern.match(message) if isinstance(message, str) else None
     return (int(found.group(1)), found.group(2)) if found else None
 
 
@@ -348,17 +358,28 @@ def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str
     `mirrored_record`): how many mirrored records it matched, and the first that the database
     no longer holds as logged: rewritten (hashes and all, which the chain alone cannot show) or
     removed; or a record between the first and the last the log holds that the log does not:
-    added by another hand. Records gone with rotation (at or before the anchor) are not
-    counted, nor records after the log's last (written since the log was taken, or added)."""
+    added by another hand; or records a start of the daemon found past the last it logged
+    before (added while it was stopped). Records gone with rotation (at or before the anchor)
+    are not counted, nor records after the log's last (written since the log was taken, or
+    added while the daemon runs: it notes those itself, see `store.Ledger`)."""
     anchor = conn.execute("SELECT seq FROM audit_anchor").fetchone()
     rotated = int(anchor[0]) if anchor is not None else 0
     matched = 0
     logged_seqs: set[int] = set()
+    last: int | None = None  # the last record the log says the daemon wrote
     for line in mirrored:
         found = mirrored_record(line)
         if found is None:
+            opened = opened_record(line)
+            if opened is not None and last is not None and opened[0] > max(last, rotated):
+                return matched, (
+                    f"records {max(last, rotated) + 1} to {opened[0]} are in the database, not in the log: "
+                    f"added while the daemon was stopped (it had written up to record {last}), "
+                    "or their lines lost with a daemon killed as it wrote them"
+                )
             continue
         seq, logged = found
+        last = seq
         if seq <= rotated:
             continue
         logged_seqs.add(seq)

@@ -203,6 +203,8 @@ class Ledger:
         self._scheduled = False
         self._closed = False
         self._head = self._run(audit.head)
+        if path is not None:  # what this start found, for `compare`: nothing added while stopped
+            log.info("audit chain opened after record %d %s", *self._head, extra={"database": str(path)})
         self._current = usage.periods(clock(), self.zone)
         self._periods = self._run(lambda conn: usage.load_periods(conn, self._current))
         self.error: str | None = None  # the last failed commit, until one succeeds
