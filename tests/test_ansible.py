@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import grp
+import http.server
 import importlib.metadata
 import json
 import os
@@ -11,12 +12,14 @@ import pwd
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,7 @@ import yaml
 
 from edgellmctl.keys import create_key
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import SignedLock, free_port, running, settings_for
+from tests.serving import SignedLock, free_port, running, settings_for, wait_for
 
 REPO: Final = Path(__file__).resolve().parent.parent
 ANSIBLE: Final = REPO / "ansible"
@@ -789,3 +792,68 @@ def report_failover(outcomes: list[Outcome], stopped_at: float, haproxy: Haproxy
     # Retries with redispatch cover the window itself: a refused or dropped connection to
     # the stopped box is sent to the other one (observed: no failure at all).
     assert not failed, [(round(o.started - stopped_at, 2), o.status, o.error) for o in failed]
+
+
+def test_the_balancer_refuses_the_operators_paths_however_they_are_spelled(tmp_path: Path) -> None:
+    """Through the balancer every client has its address, which the boxes' auth.admin_cidrs
+    may hold: /admin/* and the console are refused there (403), after the path is normalized
+    as the daemon routes it. Everything else reaches the box (a stub that names the path)."""
+    tool("haproxy", HAPROXY_PACKAGE)
+
+    class Stub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = self.path.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
+            pass
+
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    haproxy: Haproxy | None = None
+    try:
+        config = render_lb(tmp_path, {"box": stub.server_address[1]})
+        haproxy, url = Haproxy(config), lb_url(config)
+
+        def status(path: str) -> tuple[int, str]:
+            where = urllib.parse.urlsplit(url)
+            assert where.hostname is not None
+            assert where.port is not None
+            with socket.create_connection((where.hostname, where.port), timeout=10) as conn:
+                conn.sendall(f"GET {path} HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n".encode())
+                answer = b""
+                while chunk := conn.recv(65536):
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            return int(head.split()[1]), body.decode(errors="replace")
+
+        def up() -> bool:
+            try:
+                return status("/v1/models")[0] == 200
+            except OSError:  # HAProxy not listening yet
+                return False
+
+        wait_for(up, timeout=20, what="the box up behind HAProxy")
+        for path in (
+            "/admin",
+            "/admin/status",
+            "//admin/status",
+            "/%61dmin/status",
+            "/v1/../admin/reload",
+            "/ui",
+            "/ui/",
+            "/ui/api/session",
+            "/%75i/",
+            "/admin/./status",
+        ):
+            assert status(path)[0] == 403, path
+        for path in ("/v1/models", "/administrator", "/uix", "/readyz", "/metrics"):
+            assert status(path) == (200, path), path
+    finally:
+        if haproxy is not None:
+            haproxy.stop()
+        stub.shutdown()
+        stub.server_close()

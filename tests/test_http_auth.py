@@ -484,6 +484,39 @@ async def test_admin_networks_stand_without_keys(aiohttp_client: AiohttpClient) 
     )
 
 
+async def test_admin_through_a_load_balancer_is_refused_even_from_inside_the_admin_network(
+    aiohttp_client: AiohttpClient, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind a balancer every client comes from its address; a balancer on the management
+    network made /admin/* and the console reachable to any client of it."""
+    app = bare_app(peer="10.20.0.5")
+    app[appkeys.GENERATIONS] = Running()
+    route_all(app, PATHS)
+    setup_admin_networks(app, ("10.20.0.0/24",), ("10.20.0.5/32", "10.20.0.6/32"))
+    setup_auth(app, keys.path)
+    client = await aiohttp_client(app)
+    with caplog.at_level(logging.INFO):
+        refused = await client.get("/admin/status", headers={"Authorization": keys.bearer("ops")})
+        inference = await client.get("/v1/models", headers={"Authorization": keys.bearer("app")})
+    assert await error_of(refused) == (403, "permission_error", "address_not_allowed")
+    assert (await refused.json())["error"][
+        "message"
+    ] == "admin endpoints are not reachable through a load balancer"
+    assert inference.status == 200  # what the balancer is for
+    assert audit_lines(caplog) == [
+        AuditLine("WARNING", "admin refused: address in auth.proxy_cidrs", "10.20.0.5", None)
+    ]
+    # With no admin networks at all, the balancers alone are fenced off.
+    only = bare_app(peer="10.20.0.6")
+    route_all(only, PATHS)
+    setup_admin_networks(only, (), ("10.20.0.5/32", "10.20.0.6/32"))
+    assert (await (await aiohttp_client(only)).get("/admin/status")).status == 403
+    direct = bare_app(peer="10.20.0.9")
+    route_all(direct, PATHS)
+    setup_admin_networks(direct, (), ("10.20.0.5/32", "10.20.0.6/32"))
+    assert (await (await aiohttp_client(direct)).get("/admin/status")).status == 200
+
+
 async def test_without_networks_admin_is_reachable_from_anywhere(aiohttp_client: AiohttpClient) -> None:
     app = bare_app(peer="203.0.113.9")
     route_all(app, PATHS)

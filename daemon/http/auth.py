@@ -88,11 +88,14 @@ def admin_network_path(path: str) -> bool:
     return scope_for(path) == "admin" or is_console_path(path)
 
 
-def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
-    """Refuse /admin/* and the console from peers outside `networks` (CIDRs), before any key is looked at."""
-    if not networks:
+def setup_admin_networks(app: web.Application, networks: Sequence[str], proxies: Sequence[str] = ()) -> None:
+    """Refuse /admin/* and the console from peers outside `networks` (CIDRs), and from
+    `proxies` (load balancers: whoever sent the request through one is unknown), before any
+    key is looked at."""
+    if not networks and not proxies:
         return
     allowed = [ipaddress.ip_network(n, strict=False) for n in networks]
+    balancers = [ipaddress.ip_network(n, strict=False) for n in proxies]
 
     @web.middleware
     async def admin_networks(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -104,7 +107,12 @@ def setup_admin_networks(app: web.Application, networks: Sequence[str]) -> None:
                 address = None
             if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
                 address = address.ipv4_mapped  # a dual-stack listener's IPv4 client
-            if address is None or not any(address in net for net in allowed):
+            if address is not None and any(address in net for net in balancers):
+                audit.warning(
+                    "admin refused: address in auth.proxy_cidrs", extra={"peer": peer, "key_id": None}
+                )
+                raise AddressNotAllowed("admin endpoints are not reachable through a load balancer")
+            if allowed and (address is None or not any(address in net for net in allowed)):
                 audit.warning(
                     "admin refused: address not in auth.admin_cidrs", extra={"peer": peer, "key_id": None}
                 )

@@ -484,6 +484,16 @@ class AuthSettings:
         accepts="a list of networks like 10.0.0.0/8",
         more="others get 403 `address_not_allowed`",
     )
+    proxy_cidrs: tuple[str, ...] = setting(
+        (),
+        "the load balancers in front of the box: /admin/* and the console are refused from them",
+        read=_admin_cidrs,
+        pattern=_CIDR,
+        wanted="a network like 10.0.0.5/32",
+        accepts="a list of networks like 10.0.0.5/32",
+        more="behind a balancer every client comes from its address, which `admin_cidrs` may "
+        "hold: 403 `address_not_allowed`; call /admin/* on a box directly",
+    )
     metrics_public: bool = setting(False, "serve /metrics without a key (else it needs the metrics scope)")
 
 
