@@ -158,6 +158,7 @@ lock:
 auth:
   keys_file: secrets/keys.yaml
   admin_cidrs: [10.0.0.0/8]
+  proxy_cidrs: [10.0.0.5/32]
   metrics_public: true
 lifecycle:
   preload_dir: shm
@@ -256,7 +257,10 @@ def test_full_config_round_trips_every_field(tmp_path: Path) -> None:
         ),
         logging=LoggingSettings(level="debug", format="text"),
         auth=AuthSettings(
-            keys_file=tmp_path / "secrets" / "keys.yaml", admin_cidrs=("10.0.0.0/8",), metrics_public=True
+            keys_file=tmp_path / "secrets" / "keys.yaml",
+            admin_cidrs=("10.0.0.0/8",),
+            proxy_cidrs=("10.0.0.5/32",),
+            metrics_public=True,
         ),
         lifecycle=LifecycleSettings(
             preload_dir=tmp_path / "shm",
