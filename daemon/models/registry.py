@@ -366,7 +366,10 @@ class Registry:
             )
             if covered and (waiting.force or not force):
                 outcomes = await asyncio.shield(waiting.done)
-                return [o for o in outcomes if names is None or o.model in names]
+                found = [o for o in outcomes if names is None or o.model in names]
+                if names is None or {o.model for o in found} >= set(names):
+                    return found
+                break  # an unload ran before it, so it passed a named model over: a turn of our own
         queued = _Queued(
             tuple(names) if names is not None else None, force, asyncio.get_running_loop().create_future()
         )
