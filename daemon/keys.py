@@ -193,9 +193,12 @@ def _quota(value: object, where: str) -> KeyQuota:
     return KeyQuota(**out)
 
 
-def parse_keys(data: object) -> dict[str, ApiKey]:
-    """Validate the keys file's YAML into keys by id; errors name the entry and field."""
+def parse_keys(data: object, *, empty: bool = True) -> dict[str, ApiKey]:
+    """Validate the keys file's YAML into keys by id; errors name the entry and field.
+    `empty`: whether a file that holds nothing reads as no keys (else it is refused)."""
     if data is None:
+        if not empty:
+            raise KeysFileError("the file holds nothing (half-written?); `keys: []` removes every key")
         return {}
     if not isinstance(data, dict) or set(data) - {"keys"}:
         raise KeysFileError("the keys file must be a mapping with one member, 'keys'")
@@ -341,7 +344,8 @@ class KeyStore:
         A file renamed into place (a new inode: how `edgellmctl` and most editors write) is
         complete, and read at once. One written in place may be half-written when it is looked
         at (truncated, not yet refilled: an empty file would read as no keys at all, revoking
-        every one), so it is read once it has kept the same size and mtime for one check.
+        every one), so it is read once it has kept the same size and mtime for one check; and
+        a file that holds nothing at all never replaces keys (`keys: []` says "none").
         """
         identity = self._stat()
         if identity == self._identity:
@@ -354,7 +358,9 @@ class KeyStore:
         self._seen = None
         self._identity = identity
         try:
-            keys = read_keys_file(self.path)
+            # Empty (or comments alone): a file truncated and not yet written again, however long
+            # that takes, never reads as every key revoked.
+            keys = parse_keys(read_keys_data(self.path), empty=not self._keys)
         except KeysFileError as exc:
             log.error(  # noqa: TRY400
                 "keys file change rejected, the previous %d key(s) stay in force: %s",

@@ -562,5 +562,39 @@ def test_a_keys_file_caught_half_written_in_place_revokes_nothing(tmp_path: Path
     assert _in_force(store) == {first_id, second_id}
 
 
+def test_a_keys_file_left_empty_for_a_while_revokes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer that truncates in place and pauses longer than one check: the empty file kept
+    its size and mtime, was read, and every key was revoked (running streams cut, 401s) until
+    the writer came back. A file holding nothing replaces no keys; `keys: []` does."""
+    path = tmp_path / "keys.yaml"
+    first_id, _ = create_key(path, "first", ["inference"], limits={})
+    store = KeyStore(path)
+    full = path.read_bytes()
+    with path.open("r+b") as fh:
+        fh.truncate(0)
+    with caplog.at_level(logging.ERROR):
+        for _ in range(3):  # settled, looked at again and again
+            assert not store.reload_if_changed()
+    assert _in_force(store) == {first_id}
+    assert "the file holds nothing (half-written?)" in caplog.text
+    with path.open("r+b") as fh:
+        fh.write(b"# only a comment\n")
+    store.reload_if_changed()
+    assert not store.reload_if_changed()
+    assert _in_force(store) == {first_id}
+    with path.open("r+b") as fh:
+        fh.truncate(0)
+        fh.write(b"keys: []\n")  # said in so many words: none
+    store.reload_if_changed()
+    assert store.reload_if_changed()
+    assert _in_force(store) == set()
+    path.write_bytes(full)
+    store.reload_if_changed()
+    assert store.reload_if_changed()
+    assert _in_force(store) == {first_id}
+
+
 def _in_force(store: KeyStore) -> set[str]:
     return store.in_force(datetime.now(UTC))[0]
