@@ -119,7 +119,7 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_freed(
             {"model": "slow", "prompt": "go", "max_tokens": 4000, "stream": True, "ignore_eos": True}
         ).encode()
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )

@@ -100,7 +100,7 @@ def test_an_unverified_certificate_is_refused_by_a_careful_client(
 def test_plaintext_http_gets_no_answer(tls_daemon: tuple[RunningDaemon, Path]) -> None:
     daemon, _ = tls_daemon
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=5) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         try:
             answer = sock.recv(4096)
         except ConnectionResetError:

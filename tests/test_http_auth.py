@@ -25,7 +25,6 @@ from edgellmctl.keys import create_key
 from edgellmd.engine.generation import Running
 from edgellmd.http import appkeys
 from edgellmd.http.auth import setup_admin_networks, setup_auth
-from edgellmd.http.errors import error_middleware
 from edgellmd.keys import KeysFileError, KeyStore
 from tests.bare import AuditLine, audit_lines, bare_app, error_of, everything_logged, route_all
 
@@ -363,11 +362,10 @@ async def test_the_request_carries_its_key_and_caller(aiohttp_client: AiohttpCli
 # ---- the keys file ------------------------------------------------------------------------------
 
 
-async def test_without_a_keys_file_nothing_is_installed(aiohttp_client: AiohttpClient) -> None:
+async def test_without_a_keys_file_no_key_is_asked_for(aiohttp_client: AiohttpClient) -> None:
     app = bare_app()
     route_all(app, PATHS)
     setup_auth(app, None)
-    assert list(app.middlewares) == [error_middleware]
     assert list(app.cleanup_ctx) == []
     client = await aiohttp_client(app)
     for path in ("/v1/models", "/admin/status", "/metrics"):
@@ -376,6 +374,33 @@ async def test_without_a_keys_file_nothing_is_installed(aiohttp_client: AiohttpC
         assert await response.json() == {"path": path, "peer": PEER, "key_id": None, "caller": None}
     assert appkeys.KEY_STORE not in app
     assert appkeys.RATE_LIMITER not in app  # no keys, no limits
+
+
+async def test_without_a_keys_file_no_web_page_reaches_the_daemon(aiohttp_client: AiohttpClient) -> None:
+    """Keyless (loopback only), any page in a browser on the box could unload models with a
+    preflight-free POST, and a name of its own resolving to 127.0.0.1 (DNS rebinding) could
+    read answers: both are refused; curl, SDKs and allowed origins pass."""
+    app = bare_app()
+    route_all(app, PATHS)
+    setup_auth(app, None, origins=("http://localhost:3000",))
+    client = await aiohttp_client(app)
+    page = {"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site", "Content-Type": "text/plain"}
+    refused = await client.post("/admin/status", headers=page, data="{}")
+    assert await error_of(refused) == (403, "permission_error", "cross_site_request")
+    beside = {"Origin": "http://localhost:9999", "Sec-Fetch-Site": "same-site"}  # another port
+    assert (await client.get("/v1/models", headers=beside)).status == 403
+    assert (
+        await client.get("/v1/models", headers={"Sec-Fetch-Site": "cross-site"})
+    ).status == 403  # an <img>
+    rebound = await client.get("/v1/models", headers={"Host": "attacker.example:8080"})
+    assert await error_of(rebound) == (403, "permission_error", "host_not_allowed")
+    for host in ("localhost:8080", "127.0.0.1", "[::1]:8080", "LOCALHOST."):
+        assert (await client.get("/v1/models", headers={"Host": host})).status == 200, host
+    allowed = {"Origin": "http://localhost:3000", "Sec-Fetch-Site": "same-site"}
+    assert (await client.post("/admin/status", headers=allowed, data="{}")).status == 200
+    own = await client.post("/admin/status", headers={"Origin": str(client.make_url("")).rstrip("/")})
+    assert own.status == 200  # a page the daemon served itself (same origin)
+    assert (await client.get("/v1/models", headers={"Sec-Fetch-Site": "none"})).status == 200  # typed in
 
 
 async def test_the_keys_file_is_read_when_the_app_starts(

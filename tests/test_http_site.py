@@ -48,10 +48,10 @@ def test_a_silent_connection_is_cut_too(guarded_socket: RunningDaemon) -> None:
 
 def test_a_prompt_client_is_not_affected(guarded_socket: RunningDaemon) -> None:
     with socket.create_connection(("127.0.0.1", guarded_socket.port)) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         time.sleep(1.5)  # past the header deadline: the head was complete in time
         assert b"200 OK" in sock.recv(4096)
-        sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive still works
+        sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # keep-alive still works
         assert b"200 OK" in sock.recv(4096)
 
 
@@ -61,7 +61,7 @@ def test_connections_beyond_the_cap_are_closed_and_others_served(guarded_socket:
         time.sleep(0.1)
         with socket.create_connection(("127.0.0.1", guarded_socket.port)) as extra:
             extra.settimeout(2)
-            extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             try:
                 answer = extra.recv(4096)
             except ConnectionResetError:
@@ -77,9 +77,11 @@ def test_connections_beyond_the_cap_are_closed_and_others_served(guarded_socket:
 @pytest.mark.parametrize(
     "head",
     [
-        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
-        b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-        b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(100)) + b"\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+        b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + b"".join(b"X-%d: y\r\n" % i for i in range(100))
+        + b"\r\n",
     ],
     ids=["huge-header", "huge-request-line", "too-many-headers"],
 )

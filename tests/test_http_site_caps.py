@@ -71,7 +71,7 @@ def test_one_client_holding_its_cap_does_not_starve_another(capped: CappedDaemon
         for i in range(PER_CLIENT):  # slow-loris heads and never-ending bodies, from one address
             sock = connect(port, source=ABUSER)
             if i % 2:
-                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
             else:
                 sock.sendall(post("/v1/completions", b"{", token=capped.token, length=1000))
             held.append(sock)

@@ -39,32 +39,32 @@ def malformed(secret: str) -> dict[str, tuple[bytes, str, str]]:
     chunked = "Transfer-Encoding: chunked"
     return {
         "bare-lf-in-header": (
-            f"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\n{auth}\r\n\r\n".encode(),
+            f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: 1\n{auth}\r\n\r\n".encode(),
             MALFORMED,
             "a header or the body's framing is not valid",
         ),
         "lf-line-endings": (
-            f"GET /healthz HTTP/1.1\nHost: x\n{auth}\n\n".encode(),
+            f"GET /healthz HTTP/1.1\nHost: 127.0.0.1\n{auth}\n\n".encode(),
             MALFORMED,
             "the request line is not valid",
         ),
         "nul-in-header": (
-            _head("Host: x", f"{auth}\0x"),
+            _head("Host: 127.0.0.1", f"{auth}\0x"),
             MALFORMED,
             "a header or the body's framing is not valid",
         ),
         "control-char-in-header": (
-            _head("Host: x", f"{auth}\x01"),
+            _head("Host: 127.0.0.1", f"{auth}\x01"),
             MALFORMED,
             "a header or the body's framing is not valid",
         ),
         "header-too-long": (
-            _head("Host: x", auth + "a" * 9000),
+            _head("Host: 127.0.0.1", auth + "a" * 9000),
             HEAD_TOO_LARGE,
             "the request line or a header is longer than 8190 bytes",
         ),
         "header-name-too-long": (
-            _head("Host: x", auth, "X" * 9000 + ": y"),
+            _head("Host: 127.0.0.1", auth, "X" * 9000 + ": y"),
             HEAD_TOO_LARGE,
             "the request line or a header is longer than 8190 bytes",
         ),
@@ -79,7 +79,7 @@ def malformed(secret: str) -> dict[str, tuple[bytes, str, str]]:
             "more than 64 headers",
         ),
         "bad-chunk-size": (
-            _head("Host: x", auth, chunked, request_line="POST /v1/models HTTP/1.1")
+            _head("Host: 127.0.0.1", auth, chunked, request_line="POST /v1/models HTTP/1.1")
             + f"{secret}\r\n".encode(),
             MALFORMED,
             "a header or the body's framing is not valid",
@@ -105,23 +105,27 @@ def malformed(secret: str) -> dict[str, tuple[bytes, str, str]]:
             "the request target is not valid",
         ),
         "space-before-colon": (
-            _head("Host: x", f"Authorization : Bearer {secret}"),
+            _head("Host: 127.0.0.1", f"Authorization : Bearer {secret}"),
             MALFORMED,
             "a header or the body's framing is not valid",
         ),
         "obsolete-line-folding": (
-            _head("Host: x", "X-A: 1", f" {auth}"),
+            _head("Host: 127.0.0.1", "X-A: 1", f" {auth}"),
             MALFORMED,
             "a header or the body's framing is not valid",
         ),
         "length-and-chunked": (
-            _head("Host: x", auth, "Content-Length: 3", chunked, request_line="POST /v1/models HTTP/1.1")
+            _head(
+                "Host: 127.0.0.1", auth, "Content-Length: 3", chunked, request_line="POST /v1/models HTTP/1.1"
+            )
             + b"0\r\n\r\n",
             MALFORMED,
             "a header or the body's framing is not valid",
         ),
         "bad-content-length": (
-            _head("Host: x", auth, f"Content-Length: {secret}", request_line="POST /v1/models HTTP/1.1"),
+            _head(
+                "Host: 127.0.0.1", auth, f"Content-Length: {secret}", request_line="POST /v1/models HTTP/1.1"
+            ),
             MALFORMED,
             "a header or the body's framing is not valid",
         ),
@@ -214,7 +218,7 @@ def test_a_body_whose_encoding_does_not_decode_is_a_400(
     caplog.set_level(logging.INFO)
     garbage = b"this is not gzip at all"
     request = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Encoding: "
         + encoding
         + b"\r\nContent-Length: "
@@ -269,7 +273,7 @@ def test_an_unknown_expectation_is_a_417_envelope_that_echoes_nothing(
     """aiohttp answered these itself: a text/plain 417 quoting the value, before any middleware."""
     method = "GET" if path != "/v1/completions" else "POST"
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}' if method == "POST" else b""
-    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nExpect: {expect}\r\nContent-Type: application/json\r\n"
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: {expect}\r\nContent-Type: application/json\r\n"
     request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     with caplog.at_level("DEBUG"):
         answer = exchange(door.port, request)
@@ -293,7 +297,7 @@ def test_an_unknown_expectation_is_a_417_envelope_that_echoes_nothing(
 def test_100_continue_still_gets_its_interim_answer(door: RunningDaemon, expect: str) -> None:
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}'
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: {expect}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: {expect}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     with connect(door.port) as sock:

@@ -77,7 +77,7 @@ def test_a_slow_head_after_the_handshake_is_cut(tls_door: tuple[int, ssl.SSLCont
     port, context = tls_door
     with _tls(port, context) as sock:
         started = time.monotonic()
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         sock.settimeout(HEADER_S + 5)
         with contextlib.suppress(ConnectionResetError, ssl.SSLError):
             assert sock.recv(4096) == b""
@@ -88,7 +88,7 @@ def test_a_slow_head_after_the_handshake_is_cut(tls_door: tuple[int, ssl.SSLCont
 def test_a_parser_refusal_over_tls_is_an_envelope(tls_door: tuple[int, ssl.SSLContext]) -> None:
     port, context = tls_door
     with _tls(port, context) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: \x00secret\r\n\r\n")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: \x00secret\r\n\r\n")
         data = b""
         try:
             while chunk := sock.recv(65536):

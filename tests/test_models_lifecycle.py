@@ -456,7 +456,7 @@ def test_stale_copies_of_a_killed_daemon_are_removed_at_start_up(box: Box) -> No
         def ready() -> bool:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                    s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    s.sendall(b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
                     return s.recv(64).startswith(b"HTTP/1.1 200")
             except OSError:
                 return False

@@ -162,7 +162,12 @@ def create_app(
     setup_ledger(app, settings)  # first to open, last to close: everything below may audit
     setup_cors(app, settings.server.cors_origins)
     setup_admin_networks(app, settings.auth.admin_cidrs, settings.auth.proxy_cidrs)
-    setup_auth(app, settings.auth.keys_file, metrics_public=settings.auth.metrics_public)
+    setup_auth(
+        app,
+        settings.auth.keys_file,
+        metrics_public=settings.auth.metrics_public,
+        origins=settings.server.cors_origins,
+    )
     setup_health(app)
     setup_openai(app)
     setup_rerank(app)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -202,9 +203,61 @@ def _credentials(request: web.Request) -> str | None:
     return f"Bearer {keys[0]}" if keys else None
 
 
-def setup_auth(app: web.Application, keys_file: Path | None, *, metrics_public: bool = False) -> None:
-    """Install bearer-key checks on /v1/* and /admin/* (only when a keys file is configured)."""
+def loopback_host(host: str) -> bool:
+    """Whether a Host header names this machine's loopback (localhost, 127.0.0.0/8, ::1)."""
+    try:
+        name = (urlsplit("//" + host).hostname or "").rstrip(".")
+    except ValueError:  # a bracket left open
+        return False
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def setup_keyless_guard(app: web.Application, origins: Sequence[str]) -> None:
+    """Without API keys (loopback only), whoever reaches the port is trusted, and a browser on
+    this machine reaches it for any web page: a page's form or `fetch` (no preflight for a
+    text/plain POST) could unload models, and a name of the page's own that resolves to
+    127.0.0.1 (DNS rebinding) could read answers. So such a daemon answers requests for a
+    loopback host name only, and no request a page of another origin made the browser send
+    (`Sec-Fetch-Site`, `Origin`) unless `server.cors_origins` lists it."""
+    allowed = frozenset(origins)
+
+    @web.middleware
+    async def keyless_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        host = request.headers.get("Host")  # a browser always sends one; HTTP/1.0 tools may not
+        if host is not None and not loopback_host(host):
+            raise PermissionDenied(
+                "without API keys this daemon answers requests for a loopback host name only "
+                "(localhost, 127.0.0.1, [::1])",
+                code="host_not_allowed",
+            )
+        origin = request.headers.get("Origin")
+        site = request.headers.get("Sec-Fetch-Site", "")
+        foreign = site in ("cross-site", "same-site") or (
+            origin is not None and origin != f"{request.scheme}://{request.host}"
+        )
+        if foreign and origin not in allowed:
+            raise PermissionDenied(
+                "without API keys this daemon answers no request a page of another origin sent "
+                "(list the page's origin in server.cors_origins)",
+                code="cross_site_request",
+            )
+        return await handler(request)
+
+    app.middlewares.append(keyless_guard)
+
+
+def setup_auth(
+    app: web.Application, keys_file: Path | None, *, metrics_public: bool = False, origins: Sequence[str] = ()
+) -> None:
+    """Install bearer-key checks on /v1/* and /admin/* when a keys file is configured; without
+    one, the guard against browsers (`setup_keyless_guard`)."""
     if keys_file is None:
+        setup_keyless_guard(app, origins)
         return
     store_holder: list[KeyStore] = []
 

@@ -291,19 +291,19 @@ def test_client_mistakes_are_400s(hostile: Hostile, bystander: Load, case: str) 
 def _parser_attacks(token: str) -> dict[str, bytes]:
     auth = f"Authorization: Bearer {token}\r\n"
     return {
-        "bare LF in a header": f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}X-A: 1\nX-B: 2\r\n\r\n".encode(),
-        "NUL in a header": f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}X-A: a\0b\r\n\r\n".encode(),
+        "bare LF in a header": f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}X-A: 1\nX-B: 2\r\n\r\n".encode(),
+        "NUL in a header": f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}X-A: a\0b\r\n\r\n".encode(),
         "a header past the limit": (
-            f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}X-A: {'a' * 9000}\r\n\r\n"
+            f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}X-A: {'a' * 9000}\r\n\r\n"
         ).encode(),
         "too many headers": (
-            f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}"
+            f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}"
             + "".join(f"X-{i}: 1\r\n" for i in range(100))
             + "\r\n"
         ).encode(),
-        "invalid method": f"G\x01T /v1/models HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode(),
+        "invalid method": f"G\x01T /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode(),
         "bad chunk size": (
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json"
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json"
             "\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
         ).encode(),
     }
@@ -326,7 +326,7 @@ def test_what_the_http_parser_refuses_is_an_envelope_that_quotes_nothing(
 def _hold(kind: str, port: int, source: str) -> socket.socket:
     sock = connect(port, source=source, timeout=30)
     if kind == "dripping second head":
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         read_answer(sock)
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHo")  # and never the rest
     elif kind == "short body":
@@ -350,7 +350,7 @@ def test_held_connections_are_cut_and_never_starve_another_client(
         refused = connect(port, source="127.0.0.2", timeout=5)  # one too many: aborted at accept
         with refused:
             try:
-                refused.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                refused.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 assert refused.recv(100) == b""
             except (ConnectionResetError, BrokenPipeError):
                 pass  # a reset is the refusal too
