@@ -273,7 +273,9 @@ def test_an_unknown_expectation_is_a_417_envelope_that_echoes_nothing(
     """aiohttp answered these itself: a text/plain 417 quoting the value, before any middleware."""
     method = "GET" if path != "/v1/completions" else "POST"
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}' if method == "POST" else b""
-    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: {expect}\r\nContent-Type: application/json\r\n"
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: [::1]\r\nExpect: {expect}\r\nContent-Type: application/json\r\n"
+    )
     request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     with caplog.at_level("DEBUG"):
         answer = exchange(door.port, request)

@@ -291,7 +291,9 @@ def test_client_mistakes_are_400s(hostile: Hostile, bystander: Load, case: str) 
 def _parser_attacks(token: str) -> dict[str, bytes]:
     auth = f"Authorization: Bearer {token}\r\n"
     return {
-        "bare LF in a header": f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}X-A: 1\nX-B: 2\r\n\r\n".encode(),
+        "bare LF in a header": (
+            f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}X-A: 1\nX-B: 2\r\n\r\n".encode()
+        ),
         "NUL in a header": f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}X-A: a\0b\r\n\r\n".encode(),
         "a header past the limit": (
             f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}X-A: {'a' * 9000}\r\n\r\n"
