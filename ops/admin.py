@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
 
-from edgellmctl.cli import CommandError, Subcommands, add_key_options, guarded, http_url, read_key
+from edgellmctl.cli import Command, CommandError, Subcommands, add_key_options, guarded, http_url, read_key
 from edgellmd.errors import escaped
 from edgellmd.files import UnsuitableFile, read_regular
 
@@ -26,6 +26,30 @@ DEFAULT_URL: Final = "http://127.0.0.1:8080"
 TIMEOUT_S: Final = 900.0
 MAX_REASON: Final = 200
 MAX_CACERT_BYTES: Final = 1024 * 1024
+MAX_ANSWER_BYTES: Final = 64 * 1024 * 1024  # an answer past it is no daemon's (usage: 100,000 rows)
+# What a daemon's answer of the wrong shape raises in the code that prints it.
+ANSWER_ERRORS: Final = (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError)
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: the key must never go to a host the daemon's answer names."""
+
+    def redirect_request(self, *_: Any, **__: Any) -> None:
+        return None
+
+
+def answer_guarded(func: Command) -> Command:
+    """`guarded`, and an answer of a shape the command cannot print is one line, not a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except ANSWER_ERRORS as exc:
+            raise CommandError(
+                f"the daemon's answer is not what edgellmctl expects ({type(exc).__name__}: {exc})"
+            ) from None
+
+    return guarded(run)
 
 
 class AdminClient:
@@ -41,24 +65,40 @@ class AdminClient:
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.base + path, data=data, method=method)  # noqa: S310 - http(s) only (http_url)
-        request.add_header("Authorization", f"Bearer {self._key}")
+        request.add_unredirected_header("Authorization", f"Bearer {self._key}")
         if data is not None:
             request.add_header("Content-Type", "application/json")
+        opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=self._context), _NoRedirect)
+        deadline = time.monotonic() + TIMEOUT_S
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=self._context) as response:  # noqa: S310
-                return response.status, json.load(response)
+            with opener.open(request, timeout=TIMEOUT_S) as response:
+                return response.status, _json(response, deadline)
         except urllib.error.HTTPError as exc:
             try:
-                payload = json.load(exc)
-            except ValueError:
+                payload = _json(exc, deadline)
+            except (ValueError, RecursionError, CommandError):
                 payload = None
             if exc.code == 409 and isinstance(payload, dict):  # an operation that failed: a result
                 return exc.code, payload
             raise CommandError(f"{self.base}{path}: HTTP {exc.code}: {_error_text(payload)}") from None
         except urllib.error.URLError as exc:
             raise CommandError(f"cannot reach {self.base}: {exc.reason}") from None
-        except (TimeoutError, ValueError) as exc:
+        except (TimeoutError, ValueError, RecursionError) as exc:
             raise CommandError(f"{self.base}{path}: {str(exc) or 'timed out'}") from None
+
+
+def _json(response: Any, deadline: float) -> Any:
+    """A JSON answer read whole by `deadline` (one slow byte at a time never lasts forever), at
+    most MAX_ANSWER_BYTES."""
+    body = bytearray()
+    read = getattr(response, "read1", response.read)  # an HTTPError's body has no read1
+    while chunk := read(65536):
+        body += chunk
+        if len(body) > MAX_ANSWER_BYTES:
+            raise CommandError(f"the daemon's answer is larger than {MAX_ANSWER_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise CommandError(f"the daemon's answer took longer than {TIMEOUT_S:.0f} s")
+    return json.loads(body)
 
 
 def _trusting(cacert: Path) -> ssl.SSLContext:
@@ -317,10 +357,10 @@ def add_parsers(sub: Subcommands) -> None:
     """Register `status`, `stats`, `reload`, `load` and `unload`."""
     p = sub.add_parser("status", help="show each model's state, version and last reload")
     add_daemon_options(p)
-    p.set_defaults(func=guarded(run_status))
+    p.set_defaults(func=answer_guarded(run_status))
     p = sub.add_parser("stats", help="show request, model, host and GPU figures")
     add_daemon_options(p)
-    p.set_defaults(func=guarded(run_stats))
+    p.set_defaults(func=answer_guarded(run_stats))
     p = sub.add_parser(
         "reload",
         help="re-verify the lockfile and swap in changed models",
@@ -332,9 +372,9 @@ def add_parsers(sub: Subcommands) -> None:
     p.add_argument("name", nargs="?", help="only this model (default: all)")
     p.add_argument("--force", action="store_true", help="reload even models that look unchanged")
     add_daemon_options(p)
-    p.set_defaults(func=guarded(run_reload))
+    p.set_defaults(func=answer_guarded(run_reload))
     for action, text in (("load", "load an unloaded model"), ("unload", "stop serving a model")):
         p = sub.add_parser(action, help=text)
         p.add_argument("name", help="model name")
         add_daemon_options(p)
-        p.set_defaults(func=guarded(_model_action(action)))
+        p.set_defaults(func=answer_guarded(_model_action(action)))

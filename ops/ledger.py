@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlencode
 
-from edgellmctl.admin import AdminClient, add_daemon_options
+from edgellmctl.admin import AdminClient, add_daemon_options, answer_guarded
 from edgellmctl.cli import CommandError, Subcommands, guarded, int_between
 from edgellmd.errors import escaped
 from edgellmd.ledger import audit
@@ -74,7 +74,7 @@ def run_usage(args: argparse.Namespace) -> int:
     elif args.csv:
         writer = csv.DictWriter(sys.stdout, COLUMNS, extrasaction="ignore", lineterminator="\n")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: escaped(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows)
     else:
         print(format_usage(answer))
     return 0
@@ -110,16 +110,17 @@ def format_usage(answer: dict[str, Any]) -> str:
             str(totals.get("total_tokens", 0)),
         )
     )
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    cells = [[escaped(cell) for cell in row] for row in table]  # the daemon's words, inert
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     lines = [
         "  ".join(
             cell.ljust(w) if i < 4 else cell.rjust(w)
             for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
-        for row in table
+        for row in cells
     ]
-    zone = answer.get("time_zone", "UTC")
-    return "\n".join([*lines, f"(periods in {zone}, grouped by {answer.get('group', 'day')})"])
+    zone, group = escaped(str(answer.get("time_zone", "UTC"))), escaped(str(answer.get("group", "day")))
+    return "\n".join([*lines, f"(periods in {zone}, grouped by {group})"])
 
 
 def _open(path: Path) -> sqlite3.Connection:
@@ -226,7 +227,7 @@ def add_parsers(sub: Subcommands) -> None:
     p.add_argument("--group", choices=("hour", "day", "month"), help="periods (default: day)")
     add_daemon_options(p)
     p.add_argument("--csv", action="store_true", help="print CSV")
-    p.set_defaults(func=guarded(run_usage))
+    p.set_defaults(func=answer_guarded(run_usage))
 
     a = sub.add_parser("audit", help="verify or show the hash-chained audit log")
     verbs = a.add_subparsers(dest="verb", required=True, metavar="VERB")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.server
 import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Final
 
@@ -305,3 +307,103 @@ def test_what_the_daemon_answers_reaches_the_terminal_escaped(
     assert "\x07" not in shown
     assert "\u202e" not in shown
     assert "\\x1b[2J" in shown
+
+
+class _Odd(http.server.BaseHTTPRequestHandler):
+    """A daemon that answers oddly, by path: a redirect elsewhere, shapes no daemon sends, a
+    body that trickles or never ends, usage rows carrying escapes."""
+
+    elsewhere: str = ""  # where /admin/status redirects
+    seen: list[str | None] = []  # noqa: RUF012 - the Authorization headers the other host got
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/admin/status") and self.elsewhere:
+            self.send_response(302)
+            self.send_header("Location", self.elsewhere + "/admin/status")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path.startswith("/admin/stats"):  # trickles: a byte at a time
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(100):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            return
+        if self.path.startswith("/admin/usage"):
+            counts = {"requests": 1, "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+            words = {
+                "period": "\x1b]0;PWNED\x07",
+                "key_id": "\u202eab",
+                "model": "\x1b[31mm",
+                "endpoint": "chat",
+            }
+            rows = [{**words, **counts}]  # and no totals
+            body = {"data": rows, "time_zone": "\x1b[2J"} if "group=month" in self.path else {"data": [1]}
+            data = json.dumps(body).encode()
+        else:
+            data = json.dumps({"models": [1]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+class _Elsewhere(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        _Odd.seen.append(self.headers.get("Authorization"))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_an_odd_daemon_gets_one_line_never_the_key_a_traceback_or_forever(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A redirect took the admin key to the host it named; answers of shapes no daemon sends
+    were tracebacks; a body a byte a second never ended; usage printed escapes raw."""
+    monkeypatch.setenv("EDGELLM_ADMIN_KEY", "elk_0123456789ab_secret")
+    monkeypatch.setattr(admin, "TIMEOUT_S", 2.0)
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), h) for h in (_Odd, _Elsewhere)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{servers[0].server_address[1]}"
+    monkeypatch.setattr(_Odd, "elsewhere", f"http://127.0.0.2:{servers[1].server_address[1]}")
+    monkeypatch.setattr(_Odd, "seen", [])
+    try:
+        assert main(["status", "--url", url]) == 1
+        assert _Odd.seen == []  # the key stayed home
+        assert "HTTP 302" in capsys.readouterr().err
+        monkeypatch.setattr(_Odd, "elsewhere", "")
+        for command in (["status"], ["usage"]):
+            assert main([*command, "--url", url]) == 1
+            err = capsys.readouterr().err
+            assert "the daemon's answer is not what edgellmctl expects" in err, err
+            assert err.count("\n") == 1
+        started = time.monotonic()
+        assert main(["stats", "--url", url]) == 1
+        assert time.monotonic() - started < 6  # the answer's whole time, not each read's
+        assert "took longer than 2 s" in capsys.readouterr().err
+        for flags in ([], ["--csv"]):
+            assert main(["usage", "--group", "month", "--url", url, *flags]) == 0
+            shown = capsys.readouterr().out
+            assert "\\x1b]0;PWNED" in shown
+            assert "\x1b" not in shown
+            assert "\u202e" not in shown
+        monkeypatch.setattr(admin, "MAX_ANSWER_BYTES", 10)
+        assert main(["usage", "--group", "month", "--url", url]) == 1
+        assert "larger than 10 bytes" in capsys.readouterr().err
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
