@@ -179,13 +179,11 @@ REQUIRED: Final = [
     ("Service", "Group", "edgellm"),
     ("Service", "StateDirectory", "edgellm"),
     ("Service", "StateDirectoryMode", "0750"),
-    ("Service", "RuntimeDirectory", "edgellm"),
     ("Service", "ConfigurationDirectory", "edgellm"),
     ("Service", "ConfigurationDirectoryMode", "0750"),
     ("Service", "ReadOnlyPaths", f"-{MODELS_DIR}"),
     ("Service", "UMask", "0077"),
     # Limits.
-    ("Service", "LimitMEMLOCK", "infinity"),
     ("Service", "LimitNOFILE", "65536"),
     ("Service", "LimitCORE", "0"),
     # Sandbox.
@@ -237,6 +235,11 @@ FORBIDDEN: Final = [
     ("IPAddressAllow", "LAN clients must reach the API"),
     ("ReadWritePaths", "nothing outside StateDirectory= is written but /dev/shm, which stays writable"),
     ("SupplementaryGroups", "none needed"),
+    (
+        "LimitMEMLOCK",
+        "nothing locks memory (llama.cpp's use_mlock is off): the default 8 MiB bounds a compromised daemon",
+    ),
+    ("RuntimeDirectory", "nothing writes /run/edgellm"),
 ]
 
 
