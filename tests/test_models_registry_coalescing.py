@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,36 +72,42 @@ async def test_a_load_does_not_join_a_waiting_reload_of_all_models_which_passes_
 ) -> None:
     """A reload of all models passes over those an operator unloaded: once, a load that came
     while one waited joined it, got no outcome of its own and answered 500 (IndexError)."""
-    paths = [write_tiny_model(tmp_path / f"{n}.gguf", TinyModelSpec(seed=s)) for n, s in (("a", 1), ("b", 2))]
-    with ThreadPoolExecutor(2) as executor:
-        registry = Registry(
-            [
-                ModelSettings(name=n, file=p, threads=1, context_size=128)
-                for n, p in zip("ab", paths, strict=True)
-            ],
-            executor,
-        )
-        await registry.start()
-        try:
-            await registry.unload("a")
-            async with registry._mutex:  # a reload in progress: the next ones wait
-                everything = asyncio.ensure_future(registry.reload())
-                await asyncio.sleep(0.05)
-                loading = asyncio.ensure_future(registry.load("a"))
-                await asyncio.sleep(0.05)
-            outcomes = await everything
-            assert [o.model for o in outcomes] == ["b"]  # "a" stays unloaded for a plain reload
-            loaded = await loading
-            assert (loaded.model, loaded.ok) == ("a", True), loaded
-            assert registry.states()["a"][0] is ModelState.READY
-        finally:
-            await registry.close()
+    async with _two_models(tmp_path) as registry:
+        await registry.unload("a")
+        async with registry._mutex:  # a reload in progress: the next ones wait
+            everything = asyncio.ensure_future(registry.reload())
+            await asyncio.sleep(0.05)
+            loading = asyncio.ensure_future(registry.load("a"))
+            await asyncio.sleep(0.05)
+        outcomes = await everything
+        assert [o.model for o in outcomes] == ["b"]  # "a" stays unloaded for a plain reload
+        loaded = await loading
+        assert (loaded.model, loaded.ok) == ("a", True), loaded
+        assert registry.states()["a"][0] is ModelState.READY
 
 
 async def test_a_load_that_joined_a_reload_of_all_models_past_an_unload_runs_its_own(tmp_path: Path) -> None:
     """A load came while the model was still ready and joined a waiting reload of all models;
     an unload queued before that reload ran first, so the reload passed the model over: the
     load had no outcome (500, IndexError) and the model stayed unloaded. It now loads."""
+    async with _two_models(tmp_path) as registry:
+        async with registry._mutex:  # a reload in progress: the next ones wait, in order
+            unloading = asyncio.ensure_future(registry.unload("a"))
+            await asyncio.sleep(0.05)
+            everything = asyncio.ensure_future(registry.reload())
+            await asyncio.sleep(0.05)
+            loading = asyncio.ensure_future(registry.load("a"))  # "a" is ready still
+            await asyncio.sleep(0.05)
+        assert (await unloading).result == "unloaded"
+        assert [o.model for o in await everything] == ["b"]  # passed over: unloaded by then
+        loaded = await loading
+        assert (loaded.model, loaded.ok) == ("a", True), loaded
+        assert registry.states()["a"][0] is ModelState.READY
+
+
+@contextlib.asynccontextmanager
+async def _two_models(tmp_path: Path) -> AsyncIterator[Registry]:
+    """A started registry of two tiny models, "a" and "b"."""
     paths = [write_tiny_model(tmp_path / f"{n}.gguf", TinyModelSpec(seed=s)) for n, s in (("a", 1), ("b", 2))]
     with ThreadPoolExecutor(2) as executor:
         registry = Registry(
@@ -111,17 +119,6 @@ async def test_a_load_that_joined_a_reload_of_all_models_past_an_unload_runs_its
         )
         await registry.start()
         try:
-            async with registry._mutex:  # a reload in progress: the next ones wait, in order
-                unloading = asyncio.ensure_future(registry.unload("a"))
-                await asyncio.sleep(0.05)
-                everything = asyncio.ensure_future(registry.reload())
-                await asyncio.sleep(0.05)
-                loading = asyncio.ensure_future(registry.load("a"))  # "a" is ready still
-                await asyncio.sleep(0.05)
-            assert (await unloading).result == "unloaded"
-            assert [o.model for o in await everything] == ["b"]  # passed over: unloaded by then
-            loaded = await loading
-            assert (loaded.model, loaded.ok) == ("a", True), loaded
-            assert registry.states()["a"][0] is ModelState.READY
+            yield registry
         finally:
             await registry.close()
