@@ -23,6 +23,7 @@ from edgellmd.host.systemd import Notifier
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
 from edgellmd.models import registry as registry_module
+from edgellmd.models.loader import LoadFailed
 from tests.serving import settings_for
 from tests.test_host_systemd import NotifySocket
 
@@ -282,10 +283,11 @@ async def test_a_request_whose_turn_kills_the_engine_again_is_not_replayed_twice
 async def test_a_restart_whose_load_breaks_unexpectedly_fails_with_a_reason(
     aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A load that raises what no load should (a bug, a reader a file broke) fails that model
-    with a reason, as any failed load does: never a restart task dying unseen, the model left
-    `restarting` for good."""
-    client = await _serve(aiohttp_client, tiny_model)
+    """A load that raises what no load should (a bug, a reader a file broke) fails the restart
+    with a reason, as any failed load does, and counts as one more stop: never a restart task
+    dying unseen, the model left `restarting` for good; tried again until the breaker trips."""
+    monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (0.05,))
+    client = await _serve(aiohttp_client, tiny_model, crash_loop_stops=3, crash_loop_window_s=60)
     registry = client.server.app[appkeys.REGISTRY]
 
     async def broken(*args: Any, **kwargs: Any) -> Any:
@@ -293,10 +295,42 @@ async def test_a_restart_whose_load_breaks_unexpectedly_fails_with_a_reason(
 
     monkeypatch.setattr(registry.loader, "build", broken)
     await _crash(client, fault)
-    # Ready until the crash is seen, restarting until its load fails: then failed, for good.
-    body = await _until(client, lambda _, b: b["models"][MODEL]["state"] == "failed", "the restart to fail")
-    assert body["models"][MODEL] == {
-        "state": "failed",
-        "reason": "the load failed unexpectedly (RecursionError; see the log)",
-    }
-    assert (await _model(client))["last_reload"]["trigger"] == "restart"
+    body = await _until(client, lambda _, b: b["models"][MODEL]["state"] == "failed", "the breaker")
+    reason = body["models"][MODEL]["reason"]
+    assert reason.startswith("the restart failed: the load failed unexpectedly (RecursionError; see the log)")
+    assert "stopped 3 times within 60 s, so it is not restarted" in reason
+    shown = await _model(client)
+    assert shown["last_reload"]["trigger"] == "restart"
+    assert shown["engine_stops"] == 3  # the crash and two failed restarts
+
+
+async def test_an_engine_that_dies_again_as_its_restart_loads_is_restarted_again(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replacement engine killed while it loaded (the OOM killer, a second crash while
+    warming): the model was failed for good after one counted stop, far from its breaker, with
+    nothing in the audit log. It is one more stop, and the next restart serves."""
+    monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (0.05,))
+    client = await _serve(aiohttp_client, tiny_model, crash_loop_stops=4, crash_loop_window_s=60)
+    registry = client.server.app[appkeys.REGISTRY]
+    build = registry.loader.build
+    calls = 0
+
+    async def dies_once(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise LoadFailed("the engine process was killed by SIGKILL while loading")
+        return await build(*args, **kwargs)
+
+    monkeypatch.setattr(registry.loader, "build", dies_once)
+    await _crash(client, fault)
+    await _until(client, lambda status, _: status == 200, "the second restart")
+    shown = await _model(client)
+    assert (shown["state"], shown["engine_stops"], calls) == ("ready", 2, 2)
+    assert (
+        "the restart failed: the engine process was killed by SIGKILL" in shown["last_engine_stop"]["fault"]
+    )
+    assert shown["last_engine_stop"]["action"] == "restart in 0.05 s"
+    metrics = await (await client.get("/metrics")).text()
+    assert f'edgellm_engine_restarts_total{{model="{MODEL}",reason="restart_failed"}} 1' in metrics

@@ -701,9 +701,6 @@ class Registry:
         if entry.handle is not handle:  # replaced or unloaded meanwhile: nothing serves on it
             log.warning("model %s: a retired engine stopped by itself: %s", name, fault)
             return
-        now = time.monotonic()
-        window, allowed = entry.settings.crash_loop_window_s, entry.settings.crash_loop_stops
-        entry.stops = [t for t in entry.stops if now - t < window] + [now]
         entry.handle = None
         prov = handle.provenance
         if prov.copy is not None and prov.draft is None:  # the restart loads the checked copies again
@@ -713,8 +710,17 @@ class Registry:
             mmproj = replace(prov.mmproj, copy=None) if prov.mmproj is not None else None
             handle.provenance = replace(prov, copy=None, mmproj=mmproj)
         self._retire(handle)  # freed once the requests that hold it have read their error
+        self._count_stop(entry, fault, getattr(handle.engine, "fault_kind", "crash"))
+
+    def _count_stop(self, entry: _Entry, fault: str, kind: str) -> None:
+        """One more stop of a model's engine (its engine died, or the restart's load failed):
+        restart it after a backoff, or trip the breaker at the window's last allowed stop."""
+        name = entry.settings.name
+        now = time.monotonic()
+        window, allowed = entry.settings.crash_loop_window_s, entry.settings.crash_loop_stops
+        entry.stops = [t for t in entry.stops if now - t < window] + [now]
         self.engine_stops[name] += 1
-        self.engine_restarts[name, getattr(handle.engine, "fault_kind", "crash")] += 1
+        self.engine_restarts[name, kind] += 1
         if len(entry.stops) >= allowed:
             action = "breaker tripped"
             entry.state = ModelState.FAILED
@@ -746,10 +752,18 @@ class Registry:
                 return
             outcome = (await self.reload([entry.settings.name], force=True, trigger="restart"))[0]
             if not outcome.ok:
-                log.error("model %s: the restart failed: %s", entry.settings.name, outcome.reason)
+                self._restart_failed(entry, outcome.reason or "no reason given")
         finally:
             if entry.restart is asyncio.current_task():
                 entry.restart = None
+
+    def _restart_failed(self, entry: _Entry, reason: str) -> None:
+        """A restart's load failed: its engine died again as it loaded (killed, out of memory,
+        crashed while warming). One more stop, tried again after the backoff until the breaker
+        trips; never failed for good after one counted stop."""
+        if entry.state is ModelState.FAILED and entry.handle is None:
+            entry.restart = None  # this task ends; the next stop's restart is another
+            self._count_stop(entry, f"the restart failed: {reason}", "restart_failed")
 
     def _cancel_restart(self, entry: _Entry) -> None:
         if entry.restart is not None and entry.restart is not asyncio.current_task():
