@@ -26,9 +26,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
-from edgellmd.engine.config import EngineError
+from edgellmd.engine.config import EngineConfig, EngineError, ModelLoadError
 from edgellmd.engine.confine import landlock_abi
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.engine.worker import TEST_HOOKS_ENV
@@ -580,3 +581,40 @@ def test_an_engines_stderr_is_kept_escaped_for_every_place_its_tail_is_shown() -
     assert "\\x1b[2J" in kept
     assert "\\u202e" in kept
     assert "\\x9b" in kept
+
+
+def test_an_engine_stopped_while_it_loads_is_a_hang_not_ten_minutes_of_a_held_registry(
+    tmp_path: Path,
+) -> None:
+    """A load waited for the process's first frame for LOAD_TIMEOUT_S (600 s): an engine
+    stopped (or deadlocked) as it loaded held the registry, every load and unload behind it and
+    the daemon's stop. No CPU time and no reads for hang_s while loading is a hang, killed."""
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=5))
+    config = EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
+    me = psutil.Process()
+    others = {child.pid for child in me.children()}  # engines of other tests' daemons, in this process
+    stopped: list[int] = []
+
+    def stop_the_worker() -> None:
+        deadline = time.monotonic() + 20
+        while not stopped and time.monotonic() < deadline:
+            for child in me.children():
+                if child.pid in others:
+                    continue
+                with contextlib.suppress(psutil.Error):
+                    if "edgellmd.engine.worker" in " ".join(child.cmdline()):
+                        child.send_signal(signal.SIGSTOP)
+                        stopped.append(child.pid)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=stop_the_worker)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ModelLoadError, match=r"no progress for 1\.5 s and was killed"):
+            RemoteEngine(config, name="stopped", hang_s=1.5)
+    finally:
+        watcher.join()
+    assert stopped, "the engine process was not seen"
+    assert time.monotonic() - started < 10
+    assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE

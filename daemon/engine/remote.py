@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -65,6 +66,7 @@ LOAD_TIMEOUT_S: Final = 600.0  # a model that takes longer to load than this is 
 CALL_TIMEOUT_S: Final = 120.0  # tokenizing or compiling a bounded prompt or grammar
 CLOSE_TIMEOUT_S: Final = 10.0  # for the process to exit once told to, before it is killed
 SUPERVISE_EVERY_S: Final = 0.1
+LOAD_POLL_S: Final = 0.5  # how often a loading process's progress is looked at
 LOG_TAIL_LINES: Final = 20  # of the engine process's own output, kept for a fault's report
 MAX_REASON_CHARS: Final = 300  # of a reason the engine process gives (why no huge pages)
 HANDOFF_SAMPLES: Final = 4096  # events frames whose hand-off latency /admin/status summarises
@@ -228,10 +230,9 @@ class RemoteEngine:
                     "address_space": address_space,
                 },
             )
-            parent.settimeout(LOAD_TIMEOUT_S)
-            ready = wire.recv(parent)
-            parent.settimeout(None)
+            ready = self._await_ready(parent)
         except (OSError, wire.ChannelClosed) as exc:
+            self._kill()  # hung, or past LOAD_TIMEOUT_S: it must not go on (gone already otherwise)
             why = self._load_failure(str(exc))
             self._abandon()
             raise ModelLoadError(why) from None
@@ -263,6 +264,31 @@ class RemoteEngine:
                 log.warning("model %s: its engine process runs without %s", name, missing)
         threading.Thread(target=self._read, name=f"engine-channel:{name}", daemon=True).start()
         threading.Thread(target=self._supervise, name=f"engine-supervisor:{name}", daemon=True).start()
+
+    def _await_ready(self, sock: socket.socket) -> dict[str, Any]:
+        """The process's first frame (its load's outcome), waited for while it makes progress.
+
+        A load has no steps to count, so progress is the process's CPU time and reads: a process
+        stopped or deadlocked while it loads (neither moves for hang_s) is a hang, as one that
+        serves is, rather than holding the registry (every load, unload and reload behind it)
+        and the daemon's stop for LOAD_TIMEOUT_S. TimeoutError for a hang or a load past that.
+        """
+        started = last = time.monotonic()
+        seen = _work_done(self.pid)
+        while not select.select([sock], [], [], LOAD_POLL_S)[0]:
+            now, done = time.monotonic(), _work_done(self.pid)
+            if done != seen:
+                seen, last = done, now
+            elif now - last > self.hang_s:
+                self.fault_kind = "hang"
+                raise TimeoutError(f"it made no progress for {self.hang_s:g} s and was killed")
+            if now - started > LOAD_TIMEOUT_S:
+                raise TimeoutError(f"it took longer than {LOAD_TIMEOUT_S:g} s and was killed")
+        sock.settimeout(LOAD_TIMEOUT_S)  # the frame is under way: read it whole
+        try:
+            return wire.recv(sock)
+        finally:
+            sock.settimeout(None)
 
     def _group(self, limit: int) -> tuple[memgroups.EngineGroup | None, str | None]:
         """Move the process into a memory cgroup of its own: the group, or what is missing in words."""
@@ -800,3 +826,21 @@ class RemoteEngine:
         """True once the process is gone and everything it held was ended."""
         with self._lock:
             return self._exited
+
+
+def _work_done(pid: int) -> tuple[int, ...]:
+    """What a process has done so far: its CPU ticks (every thread's), page faults (a mapped
+    model file read in) and bytes read; () once it is gone (its channel closes then)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ()
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command's name, which may hold spaces
+    # minflt, majflt, utime, stime
+    done = [int(fields[7]), int(fields[9]), int(fields[11]) + int(fields[12])]
+    try:
+        io = Path(f"/proc/{pid}/io").read_text().split()
+        done += [int(io[io.index("rchar:") + 1]), int(io[io.index("read_bytes:") + 1])]
+    except (OSError, ValueError, IndexError):  # no task I/O accounting in this kernel
+        pass
+    return tuple(done)
