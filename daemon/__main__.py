@@ -149,6 +149,9 @@ async def drain(app: web.Application, runner: web.AppRunner, deadline_s: float) 
     from edgellmd.http import appkeys  # noqa: PLC0415
 
     app[DRAINING].set()  # readiness says so: a balancer's next probe sends no more here
+    registry = app.get(appkeys.REGISTRY)
+    if registry is not None:  # an engine that stops now is not restarted into the stop
+        registry.stop_restarts()
     for site in runner.sites:
         server = site._server  # aiohttp keeps the asyncio server private; closing it stops accepting
         if server is not None:

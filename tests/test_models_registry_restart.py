@@ -325,7 +325,7 @@ async def test_an_engine_that_dies_again_as_its_restart_loads_is_restarted_again
 
     monkeypatch.setattr(registry.loader, "build", dies_once)
     await _crash(client, fault)
-    await _until(client, lambda status, _: status == 200, "the second restart")
+    await _until(client, lambda status, _: status == 200 and calls == 2, "the second restart")
     shown = await _model(client)
     assert (shown["state"], shown["engine_stops"], calls) == ("ready", 2, 2)
     assert (
@@ -334,3 +334,30 @@ async def test_an_engine_that_dies_again_as_its_restart_loads_is_restarted_again
     assert shown["last_engine_stop"]["action"] == "restart in 0.05 s"
     metrics = await (await client.get("/metrics")).text()
     assert f'edgellm_engine_restarts_total{{model="{MODEL}",reason="restart_failed"}} 1' in metrics
+
+
+async def test_once_the_daemon_stops_no_engine_is_restarted_and_no_request_waits_for_one(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that died as SIGTERM came was restarted during the drain, and the requests
+    that waited for it were served on it and cut at the stop's end with no error event. From
+    the drain on, a restart waiting is cancelled and a stop restarts nothing; a request waiting
+    for a replacement has its answer (none) at once."""
+    monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (5.0,))
+    client = await _serve(aiohttp_client, tiny_model)
+    registry = client.server.app[appkeys.REGISTRY]
+    stopped = registry.ready_handles()[0]
+    await _crash(client, fault)
+    await _until(client, lambda status, b: b["status"] == "restarting", "the stop")
+    waiting = asyncio.ensure_future(registry.replacement(stopped, 30.0))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    started = time.monotonic()
+    registry.stop_restarts()
+    assert await waiting is None
+    assert time.monotonic() - started < 1
+    shown = await _model(client)
+    assert shown["state"] == "failed"
+    assert shown["reason"].endswith("not restarted: the daemon is stopping")
+    await asyncio.sleep(0.2)
+    assert (await _model(client))["state"] == "failed"  # no restart came after all

@@ -179,6 +179,7 @@ class Registry:
         # Called with ("reload_started", []) and ("reload_finished", outcomes) around reloads.
         self.observers: list[Callable[[str, list[Outcome]], None]] = []
         self._news = asyncio.Event()  # set (and replaced) at every reload's end and engine stop
+        self._stopping = False  # the daemon's drain began: nothing restarts (stop_restarts)
 
     # ---- start and stop -----------------------------------------------------------------
 
@@ -205,6 +206,21 @@ class Registry:
                 "verification; never run a production box like this"
             )
         await self.reload(trigger="start")
+
+    def stop_restarts(self) -> None:
+        """The daemon is stopping (its drain begins): no engine is restarted from now on, and
+        the requests waiting for a restart (`replacement`) end with their stop's error at once
+        rather than being served by an engine started during the stop and cut at its end."""
+        self._stopping = True
+        for entry in self._entries.values():
+            if entry.restart is not None:
+                entry.restart.cancel()
+                entry.restart = None
+                entry.state, entry.error = (
+                    ModelState.FAILED,
+                    f"{entry.error}; not restarted: the daemon is stopping",
+                )
+        self._notify("stopping", [])
 
     async def close(self) -> None:
         """Free every model and remove the preload area, off the event loop."""
@@ -291,7 +307,7 @@ class Registry:
         # (the event loop): until then the stopped handle still looks like the serving one.
         while entry.handle is stopped or (entry.handle is None and entry.state is ModelState.RESTARTING):
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or self._stopping:
                 return None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(remaining):
@@ -721,7 +737,12 @@ class Registry:
         entry.stops = [t for t in entry.stops if now - t < window] + [now]
         self.engine_stops[name] += 1
         self.engine_restarts[name, kind] += 1
-        if len(entry.stops) >= allowed:
+        if self._stopping:
+            action = "not restarted: the daemon is stopping"
+            entry.state, entry.error = ModelState.FAILED, f"{fault}; {action}"
+            log.error("model %s: %s", name, entry.error)
+            self._drop_restart_copy(entry)
+        elif len(entry.stops) >= allowed:
             action = "breaker tripped"
             entry.state = ModelState.FAILED
             entry.error = (
