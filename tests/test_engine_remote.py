@@ -618,3 +618,26 @@ def test_an_engine_stopped_while_it_loads_is_a_hang_not_ten_minutes_of_a_held_re
     assert stopped, "the engine process was not seen"
     assert time.monotonic() - started < 10
     assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_call_to_a_stopped_idle_engine_starts_the_hang_clock_when_it_is_made(tmp_path: Path) -> None:
+    """The hang clock of a call to an idle engine started at its last progress, not at the
+    call: an engine stopped long enough before was killed at once, well before hang_s."""
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=6))
+    config = EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
+    engine = RemoteEngine(config, name="idle", hang_s=1.5)
+    try:
+        assert engine.tokenize("hi")
+        os.kill(engine.pid, signal.SIGSTOP)
+        time.sleep(2.0)  # past hang_s, idle: nothing pending, nothing killed
+        assert psutil.Process(engine.pid).status() == psutil.STATUS_STOPPED
+        started = time.monotonic()
+        with pytest.raises(EngineError):
+            engine.tokenize("hi")
+        waited = time.monotonic() - started
+        assert 1.4 <= waited < 6, waited
+        assert engine.fault_kind == "hang"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine.pid, signal.SIGCONT)
+        engine.close()

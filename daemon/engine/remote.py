@@ -530,8 +530,8 @@ class RemoteEngine:
             self._next += 1
             call_id = self._next
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            self._note_pending()  # first: a call that finds the engine idle starts the hang clock
             self._calls[call_id] = future
-            self._note_pending()
         try:
             with self._send_lock:
                 wire.send(self._sock, {**message, "id": call_id})
