@@ -264,6 +264,19 @@ def test_a_stopped_engine_is_a_hang_that_is_killed_and_replaced(pair: RunningDae
     assert "no progress" in model["last_engine_stop"]["fault"]
 
 
+def test_a_request_whose_engine_hangs_as_its_prompt_is_tokenized_is_told_so(pair: RunningDaemon) -> None:
+    """A request tokenizing when its engine hung (or died) was told the model "was unloaded
+    while the request was prepared" (model_not_ready): nothing unloaded it."""
+    wait_for(lambda: _ready(pair, "left"), what="the model")
+    victim = _engine(pair, "left")
+    os.kill(victim.pid, signal.SIGSTOP)
+    code, body = pair.post("/v1/completions", {"model": "left", "prompt": "tokenized by a stopped engine"})
+    assert code == 503
+    assert body["error"]["code"] == "engine_failed", body
+    assert "unloaded" not in body["error"]["message"]
+    wait_for(lambda: _ready(pair, "left"), timeout=10, what="the replacement")
+
+
 def test_the_engine_process_is_confined(pair: RunningDaemon, tmp_path: Path) -> None:
     wait_for(lambda: _ready(pair, "right"), what="the model")
     engine = _engine(pair, "right")

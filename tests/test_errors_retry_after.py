@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from edgellmd.http.app import create_app
-from edgellmd.models.handle import RETRY_AFTER_BUSY_S
-from edgellmd.models.registry import RETRY_AFTER_LOADING_S
+from edgellmd.models.handle import RETRY_AFTER_BUSY_S, RETRY_AFTER_LOADING_S
 from tests.serving import settings_for
 
 DAEMON: Final = Path(__file__).resolve().parent.parent / "daemon"

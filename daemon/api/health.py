@@ -10,7 +10,8 @@ from aiohttp import web
 
 from edgellmd.api.context import DRAINING, LEDGER, context
 from edgellmd.host.metrics import CONTENT_TYPE
-from edgellmd.models.registry import RETRY_AFTER_LOADING_S, ModelState
+from edgellmd.models.handle import RETRY_AFTER_LOADING_S
+from edgellmd.models.registry import ModelState
 
 
 async def healthz(_request: web.Request) -> web.Response:

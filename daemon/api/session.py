@@ -64,8 +64,13 @@ from edgellmd.errors import (
 )
 from edgellmd.host.metrics import ChoiceFigures, Slo, TokenTiming
 from edgellmd.host.traces import RequestTrace, now_ns
-from edgellmd.models.handle import REASONING_TAGS, RETRY_AFTER_BUSY_S, ModelHandle, Prompt
-from edgellmd.models.registry import RETRY_AFTER_LOADING_S
+from edgellmd.models.handle import (
+    REASONING_TAGS,
+    RETRY_AFTER_BUSY_S,
+    RETRY_AFTER_LOADING_S,
+    ModelHandle,
+    Prompt,
+)
 
 # The API family a generation request came by, for the per-request histograms' `api` label.
 API_FAMILIES: Final = {

@@ -66,6 +66,7 @@ MAX_TEMPLATE_BYTES = 1024 * 1024  # a chat template file is a few kilobytes
 # Seconds a refused request is told to wait (429 at capacity; 503 when its model version was
 # swapped or unloaded under it): a slot frees, or the next version serves, within about that.
 RETRY_AFTER_BUSY_S: Final = "1"
+RETRY_AFTER_LOADING_S: Final = "5"
 # Past `slots + queue_size`, a key below its fair share of that room is still admitted, up to
 # this many times the room in all (check_capacity): the bound on what one model holds.
 FAIR_OVERFLOW: Final = 2
@@ -250,7 +251,12 @@ class Prompt:
     held: MediaHold | None = None  # their chunks in the engine: released when the request ends
 
 
-def _gone(name: str) -> ServiceUnavailable:
+def _gone(engine: object, name: str) -> ServiceUnavailable:
+    """What a request is told whose engine went away while it was prepared (tokenized,
+    rendered, its grammar compiled): its engine died or hung (it restarts), or an unload or a
+    swap retired it."""
+    if getattr(engine, "fault", None) is not None:
+        return EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
     return ServiceUnavailable(
         f"the model {name!r} was unloaded while the request was prepared; retry",
         headers={"Retry-After": RETRY_AFTER_BUSY_S},
@@ -564,7 +570,7 @@ class ModelHandle:
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         except EngineError:  # unloaded meanwhile (a swap or an unload while it rendered)
-            raise _gone(self.name) from None
+            raise _gone(self.engine, self.name) from None
         try:
             self.check_prompt(prompt.tokens, "messages")
         except BaseException:
@@ -580,7 +586,7 @@ class ModelHandle:
             try:
                 tokens = await loop.run_in_executor(self.executor, self._tokenize_bounded, prompt, param)
             except EngineError:
-                raise _gone(self.name) from None
+                raise _gone(self.engine, self.name) from None
         else:
             tokens = list(prompt)
             if any(t >= self.engine.n_vocab for t in tokens):
@@ -604,7 +610,7 @@ class ModelHandle:
                 self.executor, self._rerank_prompts, query, documents, max_tokens_per_doc
             )
         except EngineError:
-            raise _gone(self.name) from None
+            raise _gone(self.engine, self.name) from None
 
     def _rerank_prompts(
         self, query: str, documents: Sequence[str], max_tokens_per_doc: int | None
@@ -743,7 +749,7 @@ class ModelHandle:
                 code="invalid_grammar",
             ) from None
         except EngineError:
-            raise _gone(self.name) from None
+            raise _gone(self.engine, self.name) from None
         return compiled
 
     def submit(
@@ -769,7 +775,7 @@ class ModelHandle:
         except EngineError:  # it stopped meanwhile: by itself (restarting), or closed by a swap
             if generator.fault is not None:
                 raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
-            raise _gone(self.name) from None
+            raise _gone(self.engine, self.name) from None
 
     async def embed(self, inputs: Sequence[Sequence[int]], *, tenant: str) -> list[list[float]]:
         """Embed tokenized inputs on the model's own thread (429 when it is saturated and
@@ -801,7 +807,7 @@ class ModelHandle:
             if str(exc) == ENGINE_STOPPED:
                 raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_BUSY_S}) from None
             if "unloaded" in str(exc) or "shutting down" in str(exc):
-                raise _gone(self.name) from None
+                raise _gone(self.engine, self.name) from None
             raise
         finally:
             self._pooled[tenant] -= cost

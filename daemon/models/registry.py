@@ -28,6 +28,7 @@ from edgellmd.errors import ApiError, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
 from edgellmd.models.handle import (
+    RETRY_AFTER_LOADING_S,
     CompanionProvenance,
     EngineFactory,
     ModelHandle,
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 audit = logging.getLogger("edgellmd.audit")
 
 # Seconds a client is told to wait for a model that does not serve (503), and /readyz's.
-RETRY_AFTER_LOADING_S: Final = "5"
 # A model whose engine stops by itself (its scheduler crashed, its process died) is restarted
 # after a pause that grows with each stop in the model's crash_loop_window_s; its
 # crash_loop_stops-th stop in that window trips the breaker: the model stays failed until an
