@@ -654,3 +654,23 @@ def test_a_call_to_a_stopped_idle_engine_starts_the_hang_clock_when_it_is_made(t
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine.pid, signal.SIGCONT)
         engine.close()
+
+
+def test_stats_do_not_wait_for_a_stopped_engine(pair: RunningDaemon) -> None:
+    """/admin/stats asked a serving engine for the llama.cpp build at every call: with that
+    engine stopped, the answer waited for the engine's hang timeout. It is asked once."""
+    for name in ("left", "right"):
+        wait_for(lambda name=name: _ready(pair, name), what="the models")  # type: ignore[misc]
+    assert pair.get("/admin/stats")[0] == 200
+    victims = [_engine(pair, name) for name in ("left", "right")]
+    try:
+        for victim in victims:
+            os.kill(victim.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        code, body = pair.get("/admin/stats")
+        assert code == 200, body
+        assert time.monotonic() - started < 1.0
+    finally:
+        for victim in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGCONT)

@@ -180,6 +180,7 @@ class Registry:
         self.observers: list[Callable[[str, list[Outcome]], None]] = []
         self._news = asyncio.Event()  # set (and replaced) at every reload's end and engine stop
         self._stopping = False  # the daemon's drain began: nothing restarts (stop_restarts)
+        self._build_info: BuildInfo | None = None  # the llama.cpp build's, once asked
 
     # ---- start and stop -----------------------------------------------------------------
 
@@ -890,7 +891,15 @@ class Registry:
 
     def build_info(self) -> BuildInfo:
         """What the llama.cpp build can do (blocking): asked of a serving engine process where one
-        runs (it has llama.cpp loaded), else as `engine.build` finds out; EngineError if nothing can say."""
+        runs (it has llama.cpp loaded), else as `engine.build` finds out; EngineError if nothing can say.
+
+        Asked once: every engine process loads the same build, and an engine that hangs would
+        hold /admin/stats for its hang_timeout_s at every ask."""
+        if self._build_info is None:
+            self._build_info = self._ask_build_info()
+        return self._build_info
+
+    def _ask_build_info(self) -> BuildInfo:
         for handle in self.ready_handles():
             if isinstance(handle.engine, RemoteEngine):
                 with contextlib.suppress(EngineError):  # gone meanwhile: the next one, or the probe
