@@ -333,6 +333,30 @@ def test_completion_logprobs_legacy_shape(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_end_where_a_stop_string_cuts_the_text(client: openai.OpenAI, stream: bool) -> None:
+    """Logprobs ran past a stop: the text stopped before the stop string, and the logprobs went
+    on with the token that began it (the stop string and what followed it in that token)."""
+    free = client.completions.create(model="plain", prompt="Once", temperature=0, max_tokens=8, logprobs=1)
+    assert free.choices[0].logprobs is not None
+    tokens = free.choices[0].logprobs.tokens
+    assert tokens is not None
+    k = next(i for i in range(2, len(tokens)) if tokens[i].strip() and tokens[i] not in "".join(tokens[:i]))
+    kwargs: dict[str, Any] = {"model": "plain", "prompt": "Once", "temperature": 0, "max_tokens": 8}
+    if stream:
+        text, shown = "", []
+        for chunk in client.completions.create(**kwargs, logprobs=1, stop=[tokens[k]], stream=True):
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs is not None and chunk.choices[0].logprobs.tokens:
+                shown += chunk.choices[0].logprobs.tokens
+    else:
+        answer = client.completions.create(**kwargs, logprobs=1, stop=[tokens[k]])
+        assert answer.choices[0].logprobs is not None
+        text, shown = answer.choices[0].text, list(answer.choices[0].logprobs.tokens or [])
+    assert text == "".join(tokens[:k])
+    assert shown == tokens[:k], (tokens, k, text, shown)  # not the stop string's token
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_n_choices(client: openai.OpenAI, stream: bool) -> None:
     if not stream:
         answer = client.completions.create(

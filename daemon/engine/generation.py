@@ -337,6 +337,12 @@ class Utf8Stream:
         return self._decoder.decode(b"", final=True)
 
 
+def earlier_chars(text: str, piece: bytes) -> int:
+    """How many of the characters a piece completed (`text`) were made of bytes before it alone:
+    an incomplete character those left, which `piece` showed invalid (U+FFFD)."""
+    return max(0, len(text) - len(piece.decode("utf-8", "replace")))
+
+
 class StopMatcher:
     """Finds stop strings across token boundaries and holds back text that could start one."""
 
@@ -370,6 +376,39 @@ class StopMatcher:
         """Release held-back text at the end of a generation that did not hit a stop."""
         held, self._held = self._held, ""
         return held
+
+
+class HeldLogprobs:
+    """Each token's logprob, held with the text a StopMatcher holds back: it goes out once text
+    from the token's start has gone out, and never for a token that starts in a stop string
+    (the text stops before it; its logprob would show the stop string and what follows)."""
+
+    __slots__ = ("_fed", "_held", "_sent")
+
+    def __init__(self) -> None:
+        self._fed = 0  # characters of the reply so far, held back or not
+        self._sent = 0  # characters of it that went out
+        self._held: deque[tuple[int, TokenLogprob]] = deque()  # (start, logprob)
+
+    def feed(
+        self, piece: int, logprob: TokenLogprob | None, released: int, earlier: int = 0
+    ) -> tuple[TokenLogprob, ...]:
+        """A token of `piece` characters (the first `earlier` of them an earlier token's: see
+        `earlier_chars`) and its logprob fed, `released` characters sent: the logprobs that go
+        out with them."""
+        if logprob is not None:
+            self._held.append((self._fed + earlier, logprob))
+        self._fed += piece
+        self._sent += released
+        out = []
+        while self._held and self._held[0][0] < self._sent:
+            out.append(self._held.popleft()[1])
+        return tuple(out)
+
+    def rest(self, *, keep: bool) -> tuple[TokenLogprob, ...]:
+        """At the end: the logprobs still held (`keep`: its held text was sent), else none."""
+        held, self._held = self._held, deque()
+        return tuple(lp for _, lp in held) if keep else ()
 
 
 class Running:

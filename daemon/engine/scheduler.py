@@ -53,6 +53,7 @@ from edgellmd.engine.generation import (
     Generation,
     GenerationRequest,
     Grammar,
+    HeldLogprobs,
     MediaSpan,
     SamplingParams,
     StopMatcher,
@@ -60,6 +61,7 @@ from edgellmd.engine.generation import (
     TokenLogprob,
     Utf8Stream,
     check_media,
+    earlier_chars,
 )
 from edgellmd.engine.native import (
     ControlTokens,
@@ -146,6 +148,7 @@ class _Slot:
         "drafter",
         "gen",
         "last",
+        "logprobs",
         "media",
         "n_past",
         "prefilled",
@@ -167,6 +170,7 @@ class _Slot:
         self.last = -1  # the last sampled token, fed back in the next step
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(gen.request.stop)
+        self.logprobs = HeldLogprobs()  # each token's, out with its text (none for a stop string's)
         self.drafter = drafter  # prompt lookup or a draft model's: the tokens, the draft length
         self.draft: list[int] = []  # the draft tokens in the last batch, after `last`
         self.cached = 0  # prompt tokens whose KV came from a slot or the prompt cache
@@ -1264,11 +1268,14 @@ class Engine(NativeThread):
         slot.last = token
         if slot.drafter is not None:
             slot.drafter.append(token)
-        text, hit = slot.stops.feed(slot.utf8.feed(self._cached_piece(token)))
+        raw = self._cached_piece(token)
+        piece = slot.utf8.feed(raw)
+        text, hit = slot.stops.feed(piece)
+        earlier = earlier_chars(piece, raw) if logprob is not None else 0
         delta = TextDelta(
             text,
             slot.completion,
-            (logprob,) if logprob is not None else (),
+            slot.logprobs.feed(len(piece), logprob, len(text), earlier),
             queue_s=slot.gen.queue_s if slot.completion == 1 else 0.0,
             cached_tokens=slot.cached if slot.completion == 1 else 0,
         )
@@ -1311,6 +1318,8 @@ class Engine(NativeThread):
             text=tail,
             error=error,
             stop_sequence=slot.stops.hit,
+            # What held text the finish sent: every logprob still held, but a stop string's.
+            logprobs=slot.logprobs.rest(keep=slot.stops.hit is None and reason in ("stop", "length")),
             cached_tokens=slot.cached,
             draft_tokens=slot.drafted,
             accepted_draft_tokens=slot.accepted,
