@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
+from aiohttp import compression_utils, web
 
 from edgellmd.http.app import SECURITY_HEADERS
 from edgellmd.http.site import check_internals
@@ -231,6 +231,23 @@ def test_a_body_whose_encoding_does_not_decode_is_a_400(
     assert answer.json()["error"]["code"] == MALFORMED
     assert door.get("/healthz")[0] == 200
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_the_codings_named_as_taken_are_the_ones_this_box_decodes(door: RunningDaemon) -> None:
+    """br and zstd were named among the codings taken, and every such body failed as "not
+    valid": aiohttp decodes them only with its optional modules installed."""
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}'
+    request = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: compress\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    answer = exchange(door.port, request)
+    assert answer.status == 415, answer
+    taken = answer.json()["error"]["message"].split("must be one of ")[1].split(", ")
+    expected = {"deflate", "gzip", "identity"}
+    expected |= {"br"} if compression_utils.HAS_BROTLI else set()
+    expected |= {"zstd"} if compression_utils.HAS_ZSTD else set()
+    assert set(taken) == expected
 
 
 def test_internals_the_front_door_relies_on_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, Final
 
-from aiohttp import hdrs, web
+from aiohttp import compression_utils, hdrs, web
 
 from edgellmd.engine.chat import json_depth
 from edgellmd.errors import InvalidRequest, MalformedRequest, PayloadTooLarge, UnsupportedMediaType
@@ -56,8 +56,14 @@ def _lone_surrogate(data: Any) -> str | None:
     return None
 
 
-# A body's Content-Encoding: one that aiohttp decodes, or none (stacked codings are not decoded).
-DECODED_CODINGS: Final = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
+# A body's Content-Encoding: one that aiohttp decodes here, or none (stacked codings are not
+# decoded). br and zstd only where their modules are installed (aiohttp's optional extras):
+# otherwise every such body would fail as "not valid" after the 415 named them as taken.
+DECODED_CODINGS: Final = frozenset(
+    {"", "identity", "gzip", "deflate"}
+    | ({"br"} if compression_utils.HAS_BROTLI else set())
+    | ({"zstd"} if compression_utils.HAS_ZSTD else set())
+)
 
 
 async def read_json_object(request: web.Request) -> dict[str, Any]:
