@@ -14,8 +14,15 @@ from typing import Any, Final
 import pytest
 from anthropic.types import ToolParam, message_count_tokens_params, message_create_params
 from openai.types import completion_create_params as legacy_params
+from openai.types.chat import ChatCompletionFunctionToolParam
 from openai.types.chat import completion_create_params as chat_params
 from openai.types.responses import FunctionToolParam, response_create_params
+from openai.types.shared_params import (
+    FunctionDefinition,
+    ResponseFormatJSONObject,
+    ResponseFormatJSONSchema,
+    ResponseFormatText,
+)
 
 from edgellmd.api.anthropic import decode as anthropic_decode
 from edgellmd.api.openai import decode as openai_decode
@@ -67,6 +74,60 @@ def test_every_tool_field_the_current_sdks_send_is_known(
     """Tool definitions too: Claude Code 2.1 sends `defer_loading` on some of its tools, which a
     server that knew only the older fields refused mid-session."""
     assert _fields(params) - known == set(), f"{family}: fields the SDK sends that this server calls unknown"
+
+
+@pytest.mark.parametrize(
+    ("params", "known"),
+    [
+        (ChatCompletionFunctionToolParam, openai_decode._TOOL_FIELDS),
+        (FunctionDefinition, openai_decode._FUNCTION_FIELDS),
+        (ResponseFormatText, openai_decode._FORMAT_FIELDS["text"]),
+        (ResponseFormatJSONObject, openai_decode._FORMAT_FIELDS["json_object"]),
+        (ResponseFormatJSONSchema, openai_decode._FORMAT_FIELDS["json_schema"]),
+    ],
+)
+def test_chat_knows_every_nested_field_the_sdk_sends(params: Any, known: frozenset[str]) -> None:
+    assert _fields(params) == set(known)
+
+
+CHAT: Final = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TOOL: Final = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_object", "foo": 1}}, "response_format.foo"),
+        ({"response_format": {"type": "text", "json_schema": {}}}, "response_format.json_schema"),
+        ({"tools": [TOOL | {"foo": 1}]}, "tools[0].foo"),
+        (
+            {"tools": [TOOL, {"type": "function", "function": {"name": "g", "foo": 1}}]},
+            "tools[1].function.foo",
+        ),
+    ],
+)
+def test_chat_refuses_an_unknown_nested_field_as_a_top_level_one(extra: dict[str, Any], param: str) -> None:
+    """Unknown keys in response_format, a tool or its function were taken and ignored, where
+    the same key elsewhere (json_schema, a message) was a 400."""
+    with pytest.raises(InvalidRequest) as caught:
+        openai_decode.parse_chat(CHAT | extra, LIMITS)
+    assert (caught.value.code, caught.value.param) == ("unknown_parameter", param)
+
+
+@pytest.mark.parametrize("name", ["", "a b", "x\u0000", "é", "n" * 65])
+def test_a_json_schema_name_is_what_openai_takes(name: str) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": {"type": "object"}}}
+    with pytest.raises(InvalidRequest) as caught:
+        openai_decode.parse_chat(CHAT | {"response_format": fmt}, LIMITS)
+    assert caught.value.param == "response_format.json_schema.name"
+
+
+def test_a_prompt_list_of_mixed_items_is_not_several_prompts() -> None:
+    body = {"model": "m", "prompt": [1, "a"]}
+    with pytest.raises(InvalidRequest) as caught:
+        openai_decode.parse_completion(body, LIMITS)
+    assert not isinstance(caught.value, UnsupportedParameter)
+    assert "must be a string or a list of token ids" in str(caught.value)
 
 
 MESSAGE: Final = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}

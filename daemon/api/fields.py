@@ -63,11 +63,12 @@ def typed(value: Any, kind: type[T], param: str, what: str) -> T:
     return value
 
 
-def reject_unknown(data: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    """OpenAI's 400 for a top-level field the endpoint does not know (its name shown safely)."""
+def reject_unknown(data: Mapping[str, Any], allowed: frozenset[str], where: str = "") -> None:
+    """OpenAI's 400 for a field the endpoint does not know (its name shown safely): a
+    top-level one, or one of the object at `where` (`tools[0].function`)."""
     for name in data:
         if name not in allowed:
-            safe = shown(name)
+            safe = f"{where}.{shown(name)}" if where else shown(name)
             raise InvalidRequest(
                 f"unrecognized request argument: {safe}", param=safe, code="unknown_parameter"
             )

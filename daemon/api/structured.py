@@ -99,6 +99,12 @@ def response_format_schema(value: Any) -> CheckedSchema | None:
             "'response_format.json_schema' must be an object with a 'name' and a 'schema'",
             param="response_format.json_schema",
         )
+    name = spec["name"]
+    if not name or len(name) > 64 or set(name) - FUNCTION_NAME_CHARS:  # as OpenAI names them
+        raise InvalidRequest(
+            "'response_format.json_schema.name' must be 1 to 64 of a-z A-Z 0-9 _ -",
+            param="response_format.json_schema.name",
+        )
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
         raise InvalidRequest(

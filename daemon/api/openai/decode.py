@@ -363,6 +363,7 @@ def parse_chat(data: Mapping[str, Any], limits: Limits) -> ChatRequest:
     if top is not None and not logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     answer_format = data["response_format"] if f.present("response_format") else None
+    _nested_fields(answer_format, data.get("tools"))
     tools = tool_plan(
         data.get("tools"),
         data.get("tool_choice"),
@@ -404,6 +405,30 @@ def parse_completion(data: Mapping[str, Any], limits: Limits) -> CompletionReque
     return CompletionRequest(common=replace(common, logprobs=logprobs), prompt=_prompt(data.get("prompt")))
 
 
+_FORMAT_FIELDS: Final = {
+    "text": frozenset({"type"}),
+    "json_object": frozenset({"type"}),
+    "json_schema": frozenset({"type", "json_schema"}),
+}
+_TOOL_FIELDS: Final = frozenset({"type", "function"})
+_FUNCTION_FIELDS: Final = frozenset({"name", "description", "parameters", "strict"})
+
+
+def _nested_fields(answer_format: Any, tools: Any) -> None:
+    """The fields of `response_format` and of each tool and its function, as OpenAI takes
+    them: one it does not know is a 400 there as at the top level (it was taken and ignored)."""
+    if isinstance(answer_format, dict):
+        kind = answer_format.get("type")
+        known = _FORMAT_FIELDS.get(kind) if isinstance(kind, str) else None
+        if known is not None:
+            reject_unknown(answer_format, known, "response_format")
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        if isinstance(tool, dict) and tool.get("type") == "function":
+            reject_unknown(tool, _TOOL_FIELDS, f"tools[{i}]")
+            if isinstance(tool.get("function"), dict):
+                reject_unknown(tool["function"], _FUNCTION_FIELDS, f"tools[{i}].function")
+
+
 def _prompt(value: Any) -> str | tuple[int, ...]:
     # OpenAI accepts a string, a list of strings, a list of token ids, or a list of such lists;
     # one prompt per request here (several would be several choices: not supported yet).
@@ -421,7 +446,7 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
         return tuple(value)
     if value is None:
         raise InvalidRequest("'prompt' is required", param="prompt")
-    if isinstance(value, list) and len(value) > 1:
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
         raise UnsupportedParameter("several prompts in one request are not supported", param="prompt")
     raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")
 
