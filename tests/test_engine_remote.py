@@ -674,3 +674,21 @@ def test_stats_do_not_wait_for_a_stopped_engine(pair: RunningDaemon) -> None:
         for victim in victims:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim.pid, signal.SIGCONT)
+
+
+def test_each_engines_resident_memory_is_a_metric(pair: RunningDaemon) -> None:
+    """The daemon's RSS metric holds no model; each engine process's is its own series."""
+    for name in ("left", "right"):
+        wait_for(lambda name=name: _ready(pair, name), what="the models")  # type: ignore[misc]
+    with urllib.request.urlopen(pair.url + "/metrics", timeout=10) as answer:  # noqa: S310 - loopback
+        text = answer.read().decode()
+    found = {
+        line.split('model="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("edgellm_engine_resident_memory_bytes{")
+    }
+    assert set(found) == {"left", "right"}
+    engines = {name: _engine(pair, name) for name in found}
+    for name, rss in found.items():
+        assert rss > 10 * 1024 * 1024, (name, rss)  # an interpreter with llama.cpp and the model
+        assert engines[name].process()["rss_bytes"] == pytest.approx(rss, rel=0.5)

@@ -216,6 +216,7 @@ def test_every_contract_name_is_exported_with_a_gpu(tmp_path: Path) -> None:
         "edgellm_fair_admissions_total",
         "edgellm_num_requests_running",
         "edgellm_num_requests_waiting",
+        "edgellm_engine_resident_memory_bytes",
         *(name for name in CONTRACT if "draft" in name or "prompt_cache" in name),
     }  # need a configured model: covered above
     assert wanted - exported - model_series == set()

@@ -78,6 +78,7 @@ CONTRACT: Final[dict[str, frozenset[str]]] = {
         "edgellm_host_memory_total_bytes": "",
         "edgellm_host_load1": "",
         "edgellm_process_resident_memory_bytes": "",
+        "edgellm_engine_resident_memory_bytes": "model",
         "edgellm_process_threads": "",
         "edgellm_process_open_fds": "",
         "edgellm_shm_used_bytes": "",

@@ -400,8 +400,18 @@ class _StateCollector(Collector):
         waiting = GaugeMetricFamily(
             "edgellm_num_requests_waiting", "Sequences waiting for a slot (queue_depth)", labels=MODEL_LABELS
         )
+        # The daemon's own RSS (process_resident_memory_bytes) holds no model: each engine
+        # process's is here, so a memory alert sees where the memory is.
+        engine_rss = GaugeMetricFamily(
+            "edgellm_engine_resident_memory_bytes",
+            "Resident memory of each model's engine process (isolation: process)",
+            labels=["model"],
+        )
         for m in status["models"]:
             name = m["name"]
+            process = m.get("engine_process")
+            if isinstance(process, dict):
+                engine_rss.add_metric([name], process.get("rss_bytes", 0))
             running.add_metric([name, name], m.get("slots_busy", 0))
             waiting.add_metric([name, name], m.get("queue_depth", 0))
             gauges["slots_total"].add_metric([name], m["slots_total"])
@@ -414,6 +424,7 @@ class _StateCollector(Collector):
                 version = "" if m.get("version") is None else str(m["version"])
                 info.add_metric([name, version, (m.get("sha256") or "")[:12]], 1)
         yield from gauges.values()
+        yield engine_rss
         yield running
         yield waiting
         yield info
