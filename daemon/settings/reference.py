@@ -110,7 +110,10 @@ def _reference_rows(
             continue
         default = None if spec.default is MISSING else spec.default
         shown = spec.about.example if spec.about.example is not None else _yaml_text(default)
-        block.append(_commented(f"{lead}{spec.name}: {shown}", spec.about.doc))
+        doc = spec.about.doc
+        if spec.about.example is not None:  # not the default: the block is one to start from
+            doc = f"{doc} (an example; {'required' if spec.required else f'default {_yaml_text(default)}'})"
+        block.append(_commented(f"{lead}{spec.name}: {shown}", doc))
         more = spec.about.more
         meaning = spec.about.doc + ((" " if more.startswith("(") else "; ") + more if more else "")
         default_cell = "required" if spec.required else f"`{_yaml_text(default)}`"
