@@ -95,7 +95,10 @@ def add_parser(sub: Subcommands) -> None:
     # The daemon's upper bounds (and any later rule) are its config check's: see write_config.
     p.add_argument("--slots", type=positive_int, default=8, help="concurrent requests (default 8)")
     p.add_argument(
-        "--context", type=int_at_least(MIN_CONTEXT), default=2048, help="context tokens of each slot, prompt and reply together (default 2048)"
+        "--context",
+        type=int_at_least(MIN_CONTEXT),
+        default=2048,
+        help="context tokens of each slot, prompt and reply together (default 2048)",
     )
     p.add_argument("--force", action="store_true", help=f"overwrite an existing {CONFIG_NAME}")
     p.add_argument(

@@ -484,6 +484,23 @@ def test_a_model_that_does_not_match_the_lock_is_never_copied(converged: tuple[S
     assert installed.read_bytes() == before
 
 
+@pytest.mark.slow
+def test_a_preload_area_the_unit_keeps_read_only_is_refused(converged: tuple[Sandbox, Path]) -> None:
+    """Outside /dev the unit (ProtectSystem=strict) keeps a preload area read-only: every load
+    would fail to copy. The role says so before it changes anything."""
+    sandbox, variables = converged
+    result = playbook(
+        sandbox.base,
+        CONVERGE_PLAY,
+        *("-i", "localhost,", "-e", f"@{variables}"),
+        *("-e", "edgellm_preload_dir=/var/cache/edgellm", "--tags", "edgellm_assert"),
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "edgellm_preload_dir must be under /dev/shm" in result.stdout
+    assert recap(result.stdout)["localhost"]["failed"] == 1
+
+
 # --- 3 and 4. HAProxy in front of two daemons ------------------------------------------
 
 
