@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
+from edgellmd.engine import remote as remote_module
 from edgellmd.engine.config import EngineConfig, EngineError, ModelLoadError
 from edgellmd.engine.confine import landlock_abi
 from edgellmd.engine.remote import RemoteEngine
@@ -692,3 +693,43 @@ def test_each_engines_resident_memory_is_a_metric(pair: RunningDaemon) -> None:
     for name, rss in found.items():
         assert rss > 10 * 1024 * 1024, (name, rss)  # an interpreter with llama.cpp and the model
         assert engines[name].process()["rss_bytes"] == pytest.approx(rss, rel=0.5)
+
+
+def test_a_stop_kills_the_engines_still_loading(tmp_path: Path) -> None:
+    """SIGTERM while a model loads: the stop waited for the load (minutes for a large model),
+    then the unit's stop timeout killed the daemon mid-drain. The drain kills the engine
+    processes still loading; their loads fail at once. Only the named models' are killed."""
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=7))
+    config = EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
+    me = psutil.Process()
+    others = {child.pid for child in me.children()}
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            RemoteEngine(config, name="slow-to-load", hang_s=60)
+        except BaseException as exc:  # noqa: BLE001 - kept for the assertion below
+            failures.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    stopped = False
+    deadline = time.monotonic() + 20
+    while not stopped and time.monotonic() < deadline:  # held as it loads: a load that lasts
+        for child in me.children():
+            with contextlib.suppress(psutil.Error):
+                if child.pid not in others and "edgellmd.engine.worker" in " ".join(child.cmdline()):
+                    child.send_signal(signal.SIGSTOP)
+                    stopped = True
+        time.sleep(0.005)
+    assert stopped
+    time.sleep(0.5)  # the engine is in _LOADING by now
+    assert remote_module.abort_loads(["another-model"]) == 0
+    started = time.monotonic()
+    assert remote_module.abort_loads(["slow-to-load"]) == 1
+    loader.join(10)
+    assert not loader.is_alive()
+    assert time.monotonic() - started < 5
+    assert len(failures) == 1
+    assert isinstance(failures[0], ModelLoadError)
+    assert "SIGKILL while loading" in str(failures[0])

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -230,7 +230,8 @@ class RemoteEngine:
                     "address_space": address_space,
                 },
             )
-            ready = self._await_ready(parent)
+            with _loading(self):
+                ready = self._await_ready(parent)
         except (OSError, wire.ChannelClosed) as exc:
             self._kill()  # hung, or past LOAD_TIMEOUT_S: it must not go on (gone already otherwise)
             why = self._load_failure(str(exc))
@@ -826,6 +827,32 @@ class RemoteEngine:
         """True once the process is gone and everything it held was ended."""
         with self._lock:
             return self._exited
+
+
+_LOADING: set[RemoteEngine] = set()  # engine processes loading now (abort_loads)
+_LOADING_LOCK: Final = threading.Lock()
+
+
+@contextlib.contextmanager
+def _loading(engine: RemoteEngine) -> Iterator[None]:
+    with _LOADING_LOCK:
+        _LOADING.add(engine)
+    try:
+        yield
+    finally:
+        with _LOADING_LOCK:
+            _LOADING.discard(engine)
+
+
+def abort_loads(names: Collection[str]) -> int:
+    """The daemon stops: kill the engine processes of these models that are still loading
+    (their loads fail at once, rather than holding the stop until they end: minutes for a
+    large model); how many were."""
+    with _LOADING_LOCK:
+        loading = [engine for engine in _LOADING if engine.name in names]
+    for engine in loading:
+        engine._kill()
+    return len(loading)
 
 
 def _work_done(pid: int) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from edgellmd.engine import BuildInfo, EngineError, build
-from edgellmd.engine.remote import RemoteEngine
+from edgellmd.engine.remote import RemoteEngine, abort_loads
 from edgellmd.errors import ApiError, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
@@ -209,10 +209,16 @@ class Registry:
         await self.reload(trigger="start")
 
     def stop_restarts(self) -> None:
-        """The daemon is stopping (its drain begins): no engine is restarted from now on, and
-        the requests waiting for a restart (`replacement`) end with their stop's error at once
-        rather than being served by an engine started during the stop and cut at its end."""
+        """The daemon is stopping (its drain begins): no engine is restarted from now on, an
+        engine process still loading is killed (its load would hold the stop), and the requests
+        waiting for a restart (`replacement`) end with their stop's error at once rather than
+        being served by an engine started during the stop and cut at its end."""
         self._stopping = True
+        loading = [
+            e.settings.name for e in self._entries.values() if e.reloading or e.state is ModelState.LOADING
+        ]
+        if loading and (aborted := abort_loads(loading)):
+            log.warning("stopping: %d engine process(es) still loading were killed", aborted)
         for entry in self._entries.values():
             if entry.restart is not None:
                 entry.restart.cancel()
