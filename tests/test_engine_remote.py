@@ -597,49 +597,61 @@ def test_an_engines_stderr_is_kept_escaped_for_every_place_its_tail_is_shown() -
     assert "\\x9b" in kept
 
 
+def _load_stopped(
+    config: EngineConfig, name: str, hang_s: float
+) -> tuple[threading.Thread, list[BaseException], int]:
+    """Load an engine process on a thread and SIGSTOP it as it loads (an engine that stopped
+    or deadlocked loading): the thread, where the load's failure goes, the process's pid."""
+    me = psutil.Process()
+    others = {child.pid for child in me.children()}  # engines of other tests' daemons, in this process
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            RemoteEngine(config, name=name, hang_s=hang_s)
+        except BaseException as exc:  # noqa: BLE001 - the caller's to judge
+            failures.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        for child in me.children():
+            with contextlib.suppress(psutil.Error):
+                if child.pid not in others and "edgellmd.engine.worker" in " ".join(child.cmdline()):
+                    child.send_signal(signal.SIGSTOP)
+                    return loader, failures, child.pid
+        time.sleep(0.005)
+    loader.join(60)
+    raise AssertionError("the engine process was not seen")
+
+
+def _tiny_config(tmp_path: Path, seed: int) -> EngineConfig:
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=seed))
+    return EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
+
+
 def test_an_engine_stopped_while_it_loads_is_a_hang_not_ten_minutes_of_a_held_registry(
     tmp_path: Path,
 ) -> None:
     """A load waited for the process's first frame for LOAD_TIMEOUT_S (600 s): an engine
     stopped (or deadlocked) as it loaded held the registry, every load and unload behind it and
     the daemon's stop. No CPU time and no reads for hang_s while loading is a hang, killed."""
-    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=5))
-    config = EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
-    me = psutil.Process()
-    others = {child.pid for child in me.children()}  # engines of other tests' daemons, in this process
-    stopped: list[int] = []
-
-    def stop_the_worker() -> None:
-        deadline = time.monotonic() + 20
-        while not stopped and time.monotonic() < deadline:
-            for child in me.children():
-                if child.pid in others:
-                    continue
-                with contextlib.suppress(psutil.Error):
-                    if "edgellmd.engine.worker" in " ".join(child.cmdline()):
-                        child.send_signal(signal.SIGSTOP)
-                        stopped.append(child.pid)
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=stop_the_worker)
-    watcher.start()
     started = time.monotonic()
-    try:
-        with pytest.raises(ModelLoadError, match=r"no progress for 1\.5 s and was killed"):
-            RemoteEngine(config, name="stopped", hang_s=1.5)
-    finally:
-        watcher.join()
-    assert stopped, "the engine process was not seen"
+    loader, failures, pid = _load_stopped(_tiny_config(tmp_path, 5), "stopped", 1.5)
+    loader.join(10)
+    assert not loader.is_alive()
     assert time.monotonic() - started < 10
-    assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+    assert len(failures) == 1
+    assert isinstance(failures[0], ModelLoadError)
+    assert "no progress for 1.5 s and was killed" in str(failures[0])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_call_to_a_stopped_idle_engine_starts_the_hang_clock_when_it_is_made(tmp_path: Path) -> None:
     """The hang clock of a call to an idle engine started at its last progress, not at the
     call: an engine stopped long enough before was killed at once, well before hang_s."""
-    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=6))
-    config = EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
-    engine = RemoteEngine(config, name="idle", hang_s=1.5)
+    engine = RemoteEngine(_tiny_config(tmp_path, 6), name="idle", hang_s=1.5)
     try:
         assert engine.tokenize("hi")
         os.kill(engine.pid, signal.SIGSTOP)
@@ -699,30 +711,7 @@ def test_a_stop_kills_the_engines_still_loading(tmp_path: Path) -> None:
     """SIGTERM while a model loads: the stop waited for the load (minutes for a large model),
     then the unit's stop timeout killed the daemon mid-drain. The drain kills the engine
     processes still loading; their loads fail at once. Only the named models' are killed."""
-    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=7))
-    config = EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
-    me = psutil.Process()
-    others = {child.pid for child in me.children()}
-    failures: list[BaseException] = []
-
-    def load() -> None:
-        try:
-            RemoteEngine(config, name="slow-to-load", hang_s=60)
-        except BaseException as exc:  # noqa: BLE001 - kept for the assertion below
-            failures.append(exc)
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    stopped = False
-    deadline = time.monotonic() + 20
-    while not stopped and time.monotonic() < deadline:  # held as it loads: a load that lasts
-        for child in me.children():
-            with contextlib.suppress(psutil.Error):
-                if child.pid not in others and "edgellmd.engine.worker" in " ".join(child.cmdline()):
-                    child.send_signal(signal.SIGSTOP)
-                    stopped = True
-        time.sleep(0.005)
-    assert stopped
+    loader, failures, _ = _load_stopped(_tiny_config(tmp_path, 7), "slow-to-load", 60)
     time.sleep(0.5)  # the engine is in _LOADING by now
     assert remote_module.abort_loads(["another-model"]) == 0
     started = time.monotonic()
