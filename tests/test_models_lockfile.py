@@ -259,6 +259,28 @@ def test_an_expired_lock_is_refused(box: Box) -> None:
     assert "expired at" in _reason(body)
 
 
+def test_a_lock_issued_ahead_of_this_clock_is_served_and_said(
+    box: Box, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`issued` was read and never looked at: a lock signed "in the future" says one clock is
+    wrong, and the expiry is judged by this one. Served (a box without a good clock still
+    serves), with a warning naming both times."""
+    document = box.document()
+    document["issued"] = format_time(datetime.now(UTC) + timedelta(days=3))
+    box.write(document, "a")
+    with caplog.at_level("WARNING", logger="edgellmd.models.registry"):
+        status, _, models = box.serve()
+    assert (status, models) == (200, [MODEL])
+    said = [r.getMessage() for r in caplog.records if "after this box's clock" in r.getMessage()]
+    assert len(said) == 1
+    assert "check both clocks" in said[0]
+    caplog.clear()
+    box.write(box.document(), "a")  # issued now: nothing said
+    with caplog.at_level("WARNING", logger="edgellmd.models.registry"):
+        box.serve()
+    assert not [r for r in caplog.records if "after this box's clock" in r.getMessage()]
+
+
 def test_rollback_is_refused_also_across_a_restart(box: Box) -> None:
     box.write(box.document(version=5), "a")
     status, _, _ = box.serve()

@@ -19,6 +19,7 @@ from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -41,6 +42,7 @@ from edgellmd.models.lockfile import (
     LockError,
     Lockfile,
     VersionState,
+    format_time,
     load_lock,
     load_public_key,
     verify_lock,
@@ -57,6 +59,7 @@ audit = logging.getLogger("edgellmd.audit")
 # crash_loop_stops-th stop in that window trips the breaker: the model stays failed until an
 # operator loads it.
 RESTART_BACKOFF_S: Final = (1.0, 2.0, 5.0, 15.0)
+CLOCK_SKEW: Final = timedelta(hours=1)  # a lockfile issued further ahead of this clock is said
 T = TypeVar("T")
 
 __all__ = ["ModelHandle", "ModelState", "Outcome", "Registry"]
@@ -508,6 +511,18 @@ class Registry:
         log.info(
             "lockfile %s version %d verified (signed by key %s…)", self._lock.file, lock.version, signer[:16]
         )
+        now = datetime.now(UTC)
+        if lock.issued is not None and lock.issued - now > CLOCK_SKEW:
+            # Signed "in the future": this box's clock, or the signer's, is wrong, and the expiry
+            # check reads this clock. Said, not refused: a box without a good clock still serves.
+            log.warning(
+                "lockfile %s says it was issued at %s, %s after this box's clock: check both clocks "
+                "(its expiry, %s, is judged by this one)",
+                self._lock.file,
+                format_time(lock.issued),
+                lock.issued - now,
+                format_time(lock.expires) if lock.expires else "none",
+            )
         return lock
 
     @property
