@@ -195,11 +195,16 @@ def _quota(value: object, where: str) -> KeyQuota:
 
 def parse_keys(data: object, *, empty: bool = True) -> dict[str, ApiKey]:
     """Validate the keys file's YAML into keys by id; errors name the entry and field.
-    `empty`: whether a file that holds nothing reads as no keys (else it is refused)."""
-    if data is None:
+    `empty`: whether a file that holds no list of keys (nothing, or `keys:` alone) reads as
+    no keys (else it is refused)."""
+    # Nothing, or `keys:` with nothing after it yet (a file being written): no list of keys.
+    if data is None or (isinstance(data, dict) and data.get("keys") is None):
         if not empty:
-            raise KeysFileError("the file holds nothing (half-written?); `keys: []` removes every key")
-        return {}
+            raise KeysFileError(
+                "the file holds no list of keys (half-written?); `keys: []` removes every key"
+            )
+        if data is None:
+            return {}
     if not isinstance(data, dict) or set(data) - {"keys"}:
         raise KeysFileError("the keys file must be a mapping with one member, 'keys'")
     entries = data.get("keys") or []
@@ -345,7 +350,8 @@ class KeyStore:
         complete, and read at once. One written in place may be half-written when it is looked
         at (truncated, not yet refilled: an empty file would read as no keys at all, revoking
         every one), so it is read once it has kept the same size and mtime for one check; and
-        a file that holds nothing at all never replaces keys (`keys: []` says "none").
+        a file that holds no list of keys (nothing, or `keys:` alone) never replaces keys
+        (`keys: []` says "none").
         """
         identity = self._stat()
         if identity == self._identity:
