@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import ssl
@@ -76,13 +77,16 @@ class AdminClient:
         except urllib.error.HTTPError as exc:
             try:
                 payload = _json(exc, deadline)
-            except (ValueError, RecursionError, CommandError):
+            except (ValueError, RecursionError, CommandError, http.client.HTTPException):
                 payload = None
             if exc.code == 409 and isinstance(payload, dict):  # an operation that failed: a result
                 return exc.code, payload
             raise CommandError(f"{self.base}{path}: HTTP {exc.code}: {_error_text(payload)}") from None
         except urllib.error.URLError as exc:
             raise CommandError(f"cannot reach {self.base}: {exc.reason}") from None
+        except http.client.HTTPException as exc:  # no HTTP answer: too many headers, a bad status line, cut
+            why = f"{type(exc).__name__}: {exc}"
+            raise CommandError(f"{self.base}{path}: not an HTTP answer: {why}") from None
         except (TimeoutError, ValueError, RecursionError) as exc:
             raise CommandError(f"{self.base}{path}: {str(exc) or 'timed out'}") from None
 

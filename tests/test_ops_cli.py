@@ -407,3 +407,44 @@ def test_an_odd_daemon_gets_one_line_never_the_key_a_traceback_or_forever(
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+CHUNKED: Final = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+BROKEN_ANSWERS: Final = {
+    "a status line with escapes": b"HTTP/1.1 2\x1b]0;PWNED\x07\x1b[2J00 OK\r\n\r\n",
+    "too many headers": b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(150)) + b"\r\n{}",
+    "a header line past the limit": b"HTTP/1.1 200 OK\r\nX-A: " + b"a" * 70_000 + b"\r\n\r\n{}",
+    "a chunked body cut short": CHUNKED + b'10\r\n{"models"',
+    "a chunk size that is no number": CHUNKED + b"zz\r\n{}\r\n0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("answer", BROKEN_ANSWERS.values(), ids=BROKEN_ANSWERS.keys())
+def test_an_answer_that_is_no_http_is_one_escaped_line(
+    answer: bytes, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """http.client's own errors (too many headers, a bad status line, a cut body) were
+    tracebacks, the status line's escape sequences raw on the terminal."""
+    monkeypatch.setenv("EDGELLM_ADMIN_KEY", "elk_0123456789ab_secret")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        for command in (["status"], ["reload"], ["usage"]):
+            assert main([*command, "--url", f"http://127.0.0.1:{listener.getsockname()[1]}"]) == 1
+            captured = capsys.readouterr()
+            assert "Traceback" not in captured.err
+            assert captured.err.count("\n") == 1, captured.err
+            assert "\x1b" not in captured.err + captured.out
+    finally:
+        listener.close()
