@@ -604,3 +604,58 @@ def test_records_added_while_the_daemon_was_stopped_show_against_its_log(
         4,
         _hash_of(sqlite3.connect(path), 4),
     )
+
+
+def test_a_prefix_removed_under_an_adopted_anchor_shows_against_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The schema turned back to 1 made a forged anchor read as an older edgellm's: plain
+    verify passed with a caveat, the daemon adopted it, and `--against` skipped every logged
+    record at or before the anchor. The log says they were written; no rotation of this
+    edgellm removed them. An honest rotation's records stay quiet."""
+    path, honest = tmp_path / "l.sqlite3", tmp_path / "honest.sqlite3"
+    caplog.set_level(logging.INFO, logger="edgellmd.ledger")
+
+    def journal(of: Path) -> list[str]:
+        text = logs.TextFormatter(logs.TEXT_FORMAT)
+        ours = [r for r in caplog.records if getattr(r, "database", None) == str(of)]
+        return [text.format(logging.makeLogRecord({**vars(r), "request_id": "-"})) for r in ours]
+
+    clock = Clock(datetime(2026, 12, 3, tzinfo=UTC))
+    ledger = Ledger(path, audit_retention_days=1, clock=clock)
+    try:
+        for i in range(6):
+            ledger.audit(AuditEntry(utc_text(clock.now + i), "INFO", f"record {i + 1}")).result(5)
+    finally:
+        ledger.close()
+    written = journal(path)  # the log until here: the same for the copy below
+    with sqlite3.connect(path) as source, sqlite3.connect(honest) as target:
+        source.backup(target)
+    conn = sqlite3.connect(path, isolation_level=None)
+    digest = _hash_of(conn, 4)
+    conn.execute("DELETE FROM audit WHERE seq <= 4")
+    conn.execute("INSERT INTO audit_anchor (one, seq, hash) VALUES (1, 4, ?)", (digest,))
+    conn.execute("PRAGMA user_version=1")
+    assert audit.verify(conn).ok  # a caveat, no more
+    _, problem = audit.compare(conn, written)
+    assert "records 1 to 4 are in the log and gone from the database" in str(problem)
+    conn.close()
+    Ledger(path).close()  # the daemon adopts it
+    with sqlite3.connect(path) as conn:
+        assert audit.verify(conn).ok
+        _, problem = audit.compare(conn, journal(path))
+    assert "no rotation of this edgellm named" in str(problem)
+
+    # The same records rotated by the daemon itself: the log's copy of them is no alarm.
+    clock.now += 3 * 86_400
+    ledger = Ledger(honest, audit_retention_days=1, clock=clock)
+    try:
+        ledger.audit(AuditEntry(utc_text(clock.now), "INFO", "recent")).result(5)
+        ledger.maintain().result(5)
+    finally:
+        ledger.close()
+    with sqlite3.connect(honest) as conn:
+        assert audit.verify(conn).ok
+        assert conn.execute("SELECT seq FROM audit_anchor").fetchone()[0] == 6
+        _, problem = audit.compare(conn, written + journal(honest))
+    assert problem is None, problem

@@ -364,8 +364,13 @@ def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str
     added while the daemon runs: it notes those itself, see `store.Ledger`)."""
     anchor = conn.execute("SELECT seq FROM audit_anchor").fetchone()
     rotated = int(anchor[0]) if anchor is not None else 0
+    # An anchor no rotation of this daemon named (none names it, or only an adoption does: a
+    # schema-1 ledger's, or one forged with the schema turned back) does not vouch that the
+    # records before it went by rotation: the log's copy of those says they were written.
+    unvouched = anchor is not None and not _vouched(conn)
     matched = 0
     logged_seqs: set[int] = set()
+    below: list[int] = []  # logged records at or before an unvouched anchor
     last: int | None = None  # the last record the log says the daemon wrote
     for line in mirrored:
         found = mirrored_record(line)
@@ -381,6 +386,8 @@ def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str
         seq, logged = found
         last = seq
         if seq <= rotated:
+            if unvouched:
+                below.append(seq)
             continue
         logged_seqs.add(seq)
         row = conn.execute("SELECT hash FROM audit WHERE seq = ?", (seq,)).fetchone()
@@ -395,7 +402,29 @@ def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str
         for (seq,) in between:
             if seq not in logged_seqs:
                 return matched, f"record {seq} is in the database, not in the log: added (or its line lost)"
+    if below:
+        return matched, (
+            f"records {min(below)} to {max(below)} are in the log and gone from the database, before "
+            f"an anchor (record {rotated}) that no rotation of this edgellm named: removed by another "
+            "hand (or by an older edgellm's rotation, which named no anchor)"
+        )
     return matched, None
+
+
+def _vouched(conn: sqlite3.Connection) -> bool:
+    """Whether the last rotation record names the anchor and is a rotation's own (not an
+    adoption of an anchor an older edgellm left)."""
+    row = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
+    last = conn.execute(
+        "SELECT detail FROM audit WHERE action = ? ORDER BY seq DESC LIMIT 1", (ROTATED,)
+    ).fetchone()
+    if row is None or last is None or _named(last[0]) != (row[0], row[1]):
+        return False
+    try:
+        detail = json.loads(last[0])
+    except ValueError:
+        return False
+    return isinstance(detail, dict) and "adopted" not in detail
 
 
 def select(
