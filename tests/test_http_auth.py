@@ -394,7 +394,9 @@ async def test_without_a_keys_file_no_web_page_reaches_the_daemon(aiohttp_client
     ).status == 403  # an <img>
     rebound = await client.get("/v1/models", headers={"Host": "attacker.example:8080"})
     assert await error_of(rebound) == (403, "permission_error", "host_not_allowed")
-    for host in ("localhost:8080", "127.0.0.1", "[::1]:8080", "LOCALHOST."):
+    for host in ("127.0.0.1.nip.io", "[::ffff:10.0.0.1]", "0.0.0.0:8080", "127.0.0.1@evil.example"):
+        assert (await client.get("/v1/models", headers={"Host": host})).status == 403, host
+    for host in ("localhost:8080", "127.0.0.1", "[::1]:8080", "LOCALHOST.", "[::ffff:127.0.0.1]:8080"):
         assert (await client.get("/v1/models", headers={"Host": host})).status == 200, host
     allowed = {"Origin": "http://localhost:3000", "Sec-Fetch-Site": "same-site"}
     assert (await client.post("/admin/status", headers=allowed, data="{}")).status == 200

@@ -212,9 +212,12 @@ def loopback_host(host: str) -> bool:
     if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        address = ipaddress.ip_address(name)
     except ValueError:
         return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # [::ffff:127.0.0.1]
+    return address.is_loopback
 
 
 def setup_keyless_guard(app: web.Application, origins: Sequence[str]) -> None:
