@@ -455,8 +455,9 @@ class _StateCollector(Collector):
         yield fair
         stops = CounterMetricFamily(
             "edgellm_engine_restarts",
-            "Engines that stopped by themselves, by reason (crash, hang, exit, or the signal that "
-            "ended an engine process): each is restarted, or trips the breaker",
+            "Engines that stopped by themselves, by reason (crash, hang, oom, exit, the signal that "
+            "ended an engine process, or restart_failed: a restart's load): each is restarted, or "
+            "trips the breaker",
             labels=["model", "reason"],
         )
         for (model, reason), n in sorted(self._registry.engine_restarts.items()):

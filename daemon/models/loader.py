@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import stat
+import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from edgellmd.engine import EngineError
 from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.chat import TemplateError
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
-from edgellmd.engine.remote import RemoteEngine
+from edgellmd.engine.remote import RemoteEngine, abort_loads
 from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.host.hugepages import Collapse, collapse_resident
 from edgellmd.host.offload import plan_gpu_layers
@@ -53,6 +54,7 @@ from edgellmd.settings import GPU_LAYERS_AUTO, LockSettings, ModelSettings
 
 log = logging.getLogger(__name__)
 
+STOP_POLL_S: Final = 0.2  # how often a loading engine's wait looks at the daemon's stop
 WARM_UP_TIMEOUT_S: Final = 60.0  # a short generation that takes longer than this is a broken model
 # What the files loaded beside a model are called in reasons and logs (CompanionProvenance.role).
 DRAFT_MODEL: Final = "draft model"
@@ -152,6 +154,37 @@ class Loader:
         self._gpu = gpu  # the GPU monitor's latest snapshot, for gpu_layers: auto
         self._gpu_headroom = gpu_headroom_bytes
         self.area: PreloadArea | None = None  # set once the registry has opened it
+        # The daemon stops (Registry.stop_restarts): a copy or hash in progress ends at its next
+        # chunk, and no engine is started or kept (a load would hold the stop until it ended).
+        self.stopping = threading.Event()
+
+    def _unless_stopping(self, _: int) -> None:
+        """A copy's or hash's progress: the daemon's stop ends it between two chunks."""
+        if self.stopping.is_set():
+            raise LockError("the daemon is stopping: not loaded")
+
+    async def _start_engine(
+        self, loop: asyncio.AbstractEventLoop, settings: ModelSettings, mmap: bool
+    ) -> AnyEngine:
+        """The engine of a load (its process started and loaded on a thread). A stop while it
+        loads kills its process (`abort_loads`); one that comes once it is loaded closes it; a
+        load cancelled meanwhile closes the engine the thread ends up with (never an engine
+        process and memory cgroup left behind the daemon)."""
+        started = loop.run_in_executor(None, self._factory, settings, mmap)
+        try:
+            while not started.done():
+                await asyncio.wait({started}, timeout=STOP_POLL_S)
+                if self.stopping.is_set():
+                    abort_loads([settings.name])
+        except asyncio.CancelledError:
+            abort_loads([settings.name])
+            started.add_done_callback(_close_in_background)
+            raise
+        engine = started.result()
+        if self.stopping.is_set():
+            await loop.run_in_executor(None, engine.close)
+            raise EngineError("the daemon is stopping: not loaded")
+        return engine
 
     async def _collapse(self, loop: asyncio.AbstractEventLoop, name: str, engine: AnyEngine) -> None:
         """Back what the load left resident with huge pages (host.hugepages); said once if not.
@@ -308,7 +341,7 @@ class Loader:
         try:
             # Mapped only from a private preload copy: a file in the models directory that is
             # truncated in place under a mapping would kill the daemon (SIGBUS).
-            engine = await loop.run_in_executor(None, self._factory, loaded, copy is not None)
+            engine = await self._start_engine(loop, loaded, copy is not None)
         except (EngineError, OSError) as exc:
             self.discard_copies(copies)
             raise LoadFailed(str(exc)) from None
@@ -497,7 +530,9 @@ class Loader:
         if before is None:
             raise LoadFailed("model file " + self._unreadable(locked, source))
         try:
-            verified = await loop.run_in_executor(None, open_verified, self._lock.models_dir, locked)
+            verified = await loop.run_in_executor(
+                None, open_verified, self._lock.models_dir, locked, self._unless_stopping
+            )
         except LockError as exc:
             raise LoadFailed(f"file {locked.file}: {exc}") from None
         except OSError as exc:
@@ -554,7 +589,9 @@ class Loader:
         if self.area is not None:
             name = f"{settings.name}-{suffix}" if suffix else settings.name
             try:
-                copy = await loop.run_in_executor(None, self.area.copy, source, name, locked)
+                copy = await loop.run_in_executor(
+                    None, self.area.copy, source, name, locked, self._unless_stopping
+                )
             except NoRoom as exc:
                 log.warning(
                     "model %s: no room to preload %s into %s (%s); loading it from the "
@@ -582,7 +619,9 @@ class Loader:
             return None, None
         assert self._lock.models_dir is not None  # noqa: S101 - settings guarantee
         try:
-            verified = await loop.run_in_executor(None, open_verified, self._lock.models_dir, locked)
+            verified = await loop.run_in_executor(
+                None, open_verified, self._lock.models_dir, locked, self._unless_stopping
+            )
         except LockError as exc:
             raise LoadFailed(f"file {locked.file}: {exc}") from None
         # Loaded through the descriptor that was hashed: a file swapped after the check is
@@ -666,3 +705,10 @@ def _died(handle: ModelHandle) -> str | None:
         return None
     limit = handle.settings.memory_limit_mb
     return f"{fault} (memory_limit_mb is {limit}: too low for this model?)" if limit else fault
+
+
+def _close_in_background(started: asyncio.Future[AnyEngine]) -> None:
+    """The engine a cancelled load's thread ended up with: closed off the event loop."""
+    if started.cancelled() or started.exception() is not None:
+        return
+    threading.Thread(target=started.result().close, name="engine-close", daemon=True).start()

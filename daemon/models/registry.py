@@ -217,6 +217,7 @@ class Registry:
         waiting for a restart (`replacement`) end with their stop's error at once rather than
         being served by an engine started during the stop and cut at its end."""
         self._stopping = True
+        self.loader.stopping.set()  # copies and hashes end at their next chunk; no engine starts
         loading = [
             e.settings.name for e in self._entries.values() if e.reloading or e.state is ModelState.LOADING
         ]
@@ -235,6 +236,7 @@ class Registry:
     async def close(self) -> None:
         """Free every model and remove the preload area, off the event loop."""
         loop = asyncio.get_running_loop()
+        self.loader.stopping.set()  # a load still in progress ends (Loader._start_engine)
         restarts = [e.restart for e in self._entries.values() if e.restart is not None]
         for task in [*restarts, *self._detached]:
             task.cancel()
