@@ -66,7 +66,7 @@ MAX_TEMPLATE_BYTES = 1024 * 1024  # a chat template file is a few kilobytes
 # Seconds a refused request is told to wait (429 at capacity; 503 when its model version was
 # swapped or unloaded under it): a slot frees, or the next version serves, within about that.
 RETRY_AFTER_BUSY_S: Final = "1"
-RETRY_AFTER_LOADING_S: Final = "5"
+RETRY_AFTER_LOADING_S: Final = "5"  # for a model that does not serve now (503), and /readyz's
 # Past `slots + queue_size`, a key below its fair share of that room is still admitted, up to
 # this many times the room in all (check_capacity): the bound on what one model holds.
 FAIR_OVERFLOW: Final = 2

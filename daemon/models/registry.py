@@ -53,7 +53,6 @@ from edgellmd.settings import LifecycleSettings, LockSettings, ModelSettings
 log = logging.getLogger(__name__)
 audit = logging.getLogger("edgellmd.audit")
 
-# Seconds a client is told to wait for a model that does not serve (503), and /readyz's.
 # A model whose engine stops by itself (its scheduler crashed, its process died) is restarted
 # after a pause that grows with each stop in the model's crash_loop_window_s; its
 # crash_loop_stops-th stop in that window trips the breaker: the model stays failed until an
