@@ -168,26 +168,33 @@ def rotation_entry(anchor: tuple[int, str], at: str) -> AuditEntry:
 
 def unnamed_anchor(conn: sqlite3.Connection) -> tuple[int, str] | None:
     """The anchor, when the last rotation record does not name it (None when it does, or none)."""
-    anchor = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
-    if anchor is None:
-        return None
+    anchor, named, _ = _anchor_naming(conn)
+    return anchor if anchor is not None and named != anchor else None
+
+
+def _anchor_naming(conn: sqlite3.Connection) -> tuple[tuple[int, str] | None, tuple[int, str] | None, bool]:
+    """The anchor (seq, hash), the anchor the last rotation record names, and whether that
+    record adopted it (an older edgellm's) rather than left it by a rotation."""
+    row = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
+    # An anchor edited to another type is `verify`'s to name; here it vouches for nothing.
+    anchor = (row[0], row[1]) if row is not None and type(row[0]) is int and type(row[1]) is str else None
     last = conn.execute(
         "SELECT detail FROM audit WHERE action = ? ORDER BY seq DESC LIMIT 1", (ROTATED,)
     ).fetchone()
-    pair = (int(anchor[0]), str(anchor[1]))
-    return None if last is not None and _named(last[0]) == pair else pair
+    return (anchor, *_rotation(last[0])) if last is not None else (anchor, None, False)
 
 
-def _named(detail: object) -> tuple[int, str] | None:
-    """The anchor a rotation record's detail names."""
+def _rotation(detail: object) -> tuple[tuple[int, str] | None, bool]:
+    """The anchor a rotation record's detail names, and whether it adopted it."""
     try:
         parsed = json.loads(detail) if isinstance(detail, str) else None
     except ValueError:
-        return None
+        return None, False
     if not isinstance(parsed, dict):
-        return None
+        return None, False
     seq, digest = parsed.get("anchor"), parsed.get("anchor_hash")
-    return (seq, digest) if type(seq) is int and isinstance(digest, str) else None
+    named = (seq, digest) if type(seq) is int and isinstance(digest, str) else None
+    return named, "adopted" in parsed
 
 
 def _records(conn: sqlite3.Connection, where: str = "", args: tuple[Any, ...] = ()) -> Iterator[AuditRecord]:
@@ -286,7 +293,7 @@ def verify(conn: sqlite3.Connection, after: tuple[int, str, str] | None = None) 
         checked += 1
         prev_seq, prev_hash, prev_at = seq, digest, str(at)
         if action == ROTATED:
-            named, rotations = _named(detail), rotations + 1
+            named, rotations = _rotation(detail)[0], rotations + 1
     last = prev_seq if checked else None
     caveat = None
     # The last rotation names the anchor it left. Walking it all, an anchor that none names was
@@ -362,12 +369,12 @@ def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str
     before (added while it was stopped). Records gone with rotation (at or before the anchor)
     are not counted, nor records after the log's last (written since the log was taken, or
     added while the daemon runs: it notes those itself, see `store.Ledger`)."""
-    anchor = conn.execute("SELECT seq FROM audit_anchor").fetchone()
-    rotated = int(anchor[0]) if anchor is not None else 0
+    anchor, named, adopted = _anchor_naming(conn)
+    rotated = anchor[0] if anchor is not None else 0
     # An anchor no rotation of this daemon named (none names it, or only an adoption does: a
     # schema-1 ledger's, or one forged with the schema turned back) does not vouch that the
     # records before it went by rotation: the log's copy of those says they were written.
-    unvouched = anchor is not None and not _vouched(conn)
+    unvouched = anchor is not None and (named != anchor or adopted)
     matched = 0
     logged_seqs: set[int] = set()
     below: list[int] = []  # logged records at or before an unvouched anchor
@@ -409,22 +416,6 @@ def compare(conn: sqlite3.Connection, mirrored: Iterable[str]) -> tuple[int, str
             "hand (or by an older edgellm's rotation, which named no anchor)"
         )
     return matched, None
-
-
-def _vouched(conn: sqlite3.Connection) -> bool:
-    """Whether the last rotation record names the anchor and is a rotation's own (not an
-    adoption of an anchor an older edgellm left)."""
-    row = conn.execute("SELECT seq, hash FROM audit_anchor").fetchone()
-    last = conn.execute(
-        "SELECT detail FROM audit WHERE action = ? ORDER BY seq DESC LIMIT 1", (ROTATED,)
-    ).fetchone()
-    if row is None or last is None or _named(last[0]) != (row[0], row[1]):
-        return False
-    try:
-        detail = json.loads(last[0])
-    except ValueError:
-        return False
-    return isinstance(detail, dict) and "adopted" not in detail
 
 
 def select(
