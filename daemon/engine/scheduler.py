@@ -170,7 +170,8 @@ class _Slot:
         self.last = -1  # the last sampled token, fed back in the next step
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(gen.request.stop)
-        self.logprobs = HeldLogprobs()  # each token's, out with its text (none for a stop string's)
+        # Each token's logprob, out with its text (none for a stop string's); only when asked.
+        self.logprobs = HeldLogprobs() if gen.request.logprobs is not None else None
         self.drafter = drafter  # prompt lookup or a draft model's: the tokens, the draft length
         self.draft: list[int] = []  # the draft tokens in the last batch, after `last`
         self.cached = 0  # prompt tokens whose KV came from a slot or the prompt cache
@@ -1271,11 +1272,11 @@ class Engine(NativeThread):
         raw = self._cached_piece(token)
         piece = slot.utf8.feed(raw)
         text, hit = slot.stops.feed(piece)
-        earlier = earlier_chars(piece, raw) if logprob is not None else 0
+        held = slot.logprobs
         delta = TextDelta(
             text,
             slot.completion,
-            slot.logprobs.feed(len(piece), logprob, len(text), earlier),
+            () if held is None else held.feed(len(piece), logprob, len(text), earlier_chars(piece, raw)),
             queue_s=slot.gen.queue_s if slot.completion == 1 else 0.0,
             cached_tokens=slot.cached if slot.completion == 1 else 0,
         )
@@ -1319,7 +1320,9 @@ class Engine(NativeThread):
             error=error,
             stop_sequence=slot.stops.hit,
             # What held text the finish sent: every logprob still held, but a stop string's.
-            logprobs=slot.logprobs.rest(keep=slot.stops.hit is None and reason in ("stop", "length")),
+            logprobs=()
+            if slot.logprobs is None
+            else slot.logprobs.rest(keep=slot.stops.hit is None and reason in ("stop", "length")),
             cached_tokens=slot.cached,
             draft_tokens=slot.drafted,
             accepted_draft_tokens=slot.accepted,
