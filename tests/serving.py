@@ -6,13 +6,15 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
+import signal
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -414,3 +416,28 @@ def access_log() -> Iterator[AccessLog]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def engine_workers() -> set[int]:
+    """The pids of this process's engine processes now (other tests' daemons' among them)."""
+    import psutil  # noqa: PLC0415 - only the tests that stop engines as they load need it
+
+    found = set()
+    for child in psutil.Process().children():
+        with suppress(psutil.Error):
+            if "edgellmd.engine.worker" in " ".join(child.cmdline()):
+                found.add(child.pid)
+    return found
+
+
+def stop_new_engine_worker(others: set[int], timeout: float = 20.0) -> int:
+    """SIGSTOP the first engine process started after `others` was taken (an engine that stops
+    or deadlocks as it loads); its pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in engine_workers() - others:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                return pid
+        time.sleep(0.005)
+    raise AssertionError("no new engine process was seen")

@@ -43,7 +43,14 @@ from edgellmd.models.budget import estimate_bytes
 from edgellmd.settings import ModelSettings
 from edgellmd.settings.declare import ConfigError
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, running, settings_for, wait_for
+from tests.serving import (
+    RunningDaemon,
+    engine_workers,
+    running,
+    settings_for,
+    stop_new_engine_worker,
+    wait_for,
+)
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
 pytestmark = pytest.mark.slow
@@ -602,8 +609,7 @@ def _load_stopped(
 ) -> tuple[threading.Thread, list[BaseException], int]:
     """Load an engine process on a thread and SIGSTOP it as it loads (an engine that stopped
     or deadlocked loading): the thread, where the load's failure goes, the process's pid."""
-    me = psutil.Process()
-    others = {child.pid for child in me.children()}  # engines of other tests' daemons, in this process
+    others = engine_workers()  # engines of other tests' daemons, in this process
     failures: list[BaseException] = []
 
     def load() -> None:
@@ -614,16 +620,7 @@ def _load_stopped(
 
     loader = threading.Thread(target=load)
     loader.start()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        for child in me.children():
-            with contextlib.suppress(psutil.Error):
-                if child.pid not in others and "edgellmd.engine.worker" in " ".join(child.cmdline()):
-                    child.send_signal(signal.SIGSTOP)
-                    return loader, failures, child.pid
-        time.sleep(0.005)
-    loader.join(60)
-    raise AssertionError("the engine process was not seen")
+    return loader, failures, stop_new_engine_worker(others)
 
 
 def _tiny_config(tmp_path: Path, seed: int) -> EngineConfig:

@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 
 from edgellmd.engine import EngineError
+from edgellmd.engine.config import EngineConfig, ModelLoadError
+from edgellmd.engine.remote import RemoteEngine
 from edgellmd.models.loader import Loader
 from edgellmd.models.lockfile import LockError
 from edgellmd.models.preload import PreloadArea
 from edgellmd.settings import LockSettings, ModelSettings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
+from tests.serving import engine_workers, stop_new_engine_worker
 
 
 class Engine:
@@ -100,3 +103,26 @@ def test_a_copy_in_progress_ends_at_its_next_chunk_when_the_daemon_stops(tmp_pat
         assert [p.name for p in area.path.iterdir() if p.suffix == ".gguf"] == []  # no partial left
     finally:
         area.close()
+
+
+async def test_the_stop_kills_an_engine_process_still_loading(tmp_path: Path) -> None:
+    """The engine process of a load (stopped as it loads: a load that would last) is killed once
+    the daemon stops; the load fails at once instead of holding the stop."""
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=4))
+    config = EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
+    others = engine_workers()
+
+    def factory(settings: ModelSettings, mmap: bool) -> RemoteEngine:
+        return RemoteEngine(config, name=settings.name, hang_s=60)
+
+    loader = Loader(ThreadPoolExecutor(1), factory, LockSettings(allow_unsigned=True))
+    settings = ModelSettings(name="held", file=model)
+    loading = asyncio.ensure_future(loader._start_engine(asyncio.get_running_loop(), settings, False))
+    await asyncio.get_running_loop().run_in_executor(None, stop_new_engine_worker, others)
+    await asyncio.sleep(1.0)  # loading, and held
+    assert not loading.done()
+    started = time.monotonic()
+    loader.stopping.set()
+    with pytest.raises(ModelLoadError, match="SIGKILL while loading"):
+        await loading
+    assert time.monotonic() - started < 5

@@ -171,11 +171,16 @@ class Loader:
         load cancelled meanwhile closes the engine the thread ends up with (never an engine
         process and memory cgroup left behind the daemon)."""
         started = loop.run_in_executor(None, self._factory, settings, mmap)
+        said = False
         try:
             while not started.done():
                 await asyncio.wait({started}, timeout=STOP_POLL_S)
-                if self.stopping.is_set():
-                    abort_loads([settings.name])
+                if self.stopping.is_set() and abort_loads([settings.name]) and not said:
+                    said = True
+                    log.warning(
+                        "model %s: the daemon is stopping: its engine process, still loading, is killed",
+                        settings.name,
+                    )
         except asyncio.CancelledError:
             abort_loads([settings.name])
             started.add_done_callback(_close_in_background)

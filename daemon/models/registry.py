@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from edgellmd.engine import BuildInfo, EngineError, build
-from edgellmd.engine.remote import RemoteEngine, abort_loads
+from edgellmd.engine.remote import RemoteEngine
 from edgellmd.errors import ApiError, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.gpu import GpuSnapshot
 from edgellmd.models.budget import MIB, OverBudget, Resident, evictions
@@ -216,12 +216,9 @@ class Registry:
         waiting for a restart (`replacement`) end with their stop's error at once rather than
         being served by an engine started during the stop and cut at its end."""
         self._stopping = True
-        self.loader.stopping.set()  # copies and hashes end at their next chunk; no engine starts
-        loading = [
-            e.settings.name for e in self._entries.values() if e.reloading or e.state is ModelState.LOADING
-        ]
-        if loading and (aborted := abort_loads(loading)):
-            log.warning("stopping: %d engine process(es) still loading were killed", aborted)
+        # Copies and hashes end at their next chunk; an engine still loading is killed, and none
+        # starts (Loader._start_engine).
+        self.loader.stopping.set()
         for entry in self._entries.values():
             if entry.restart is not None:
                 entry.restart.cancel()
