@@ -123,9 +123,8 @@ def _trusting(cacert: Path) -> ssl.SSLContext:
 
 def _error_text(payload: Any) -> str:
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-        return str(payload["error"].get("message", "error"))[
-            :MAX_REASON
-        ]  # escaped where printed (cli.guarded)
+        message = str(payload["error"].get("message", "error"))  # escaped where printed (cli.guarded)
+        return message[:MAX_REASON]
     return "unexpected answer"
 
 
