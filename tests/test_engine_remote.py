@@ -10,6 +10,7 @@ inside a real engine process, what its confinement refuses.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import dataclasses
@@ -32,6 +33,7 @@ import pytest
 from edgellmd.engine import remote as remote_module
 from edgellmd.engine.config import EngineConfig, EngineError, ModelLoadError
 from edgellmd.engine.confine import landlock_abi
+from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.engine.worker import TEST_HOOKS_ENV
 from edgellmd.errors import ServiceUnavailable
@@ -719,3 +721,38 @@ def test_a_stop_kills_the_engines_still_loading(tmp_path: Path) -> None:
     assert len(failures) == 1
     assert isinstance(failures[0], ModelLoadError)
     assert "SIGKILL while loading" in str(failures[0])
+
+
+def test_a_warming_engine_counts_cpu_time_as_progress_and_a_served_one_does_not(tmp_path: Path) -> None:
+    """On a busy box the first steps after a load can take longer than hang_timeout_s: the
+    warm-up killed such an engine as hung while its CPU time climbed. While the loader warms
+    it up, CPU time is progress (as in a load); once it serves, a step this long is a hang."""
+    spec = TinyModelSpec(seed=41, n_embd=512, n_head=8, n_head_kv=4, n_layer=4, n_ff=2048)
+    model = write_tiny_model(tmp_path / "slow.gguf", spec)
+    n = 2048  # one step of this many prompt tokens: seconds on one thread
+    config = EngineConfig(path=model, slots=1, context_size=n + 16, batch_size=n, threads=1, threads_batch=1)
+    engine = RemoteEngine(config, name="warming", hang_s=0.4)
+
+    async def generate(first: int) -> tuple[Finished, float]:
+        prompt = [first + i % 200 for i in range(n)]  # another prefix each time: no KV reuse
+        request = GenerationRequest(
+            prompt_tokens=prompt, max_tokens=2, ignore_eos=True, sampling=SamplingParams(temperature=0.0)
+        )
+        started = time.monotonic()
+        events = [event async for event in engine.submit(request, asyncio.get_running_loop()).events()]
+        assert isinstance(events[-1], Finished)
+        return events[-1], time.monotonic() - started
+
+    try:
+        engine.warming = True
+        warm, took = asyncio.run(generate(5))
+        assert warm.reason == "length", warm.error
+        assert took > 2 * engine.hang_s, f"the step took {took:.2f} s: not long enough to show anything"
+        assert engine.fault is None
+        engine.warming = False
+        served, took = asyncio.run(generate(7))
+        assert served.reason == "error"
+        assert engine.fault_kind == "hang"
+        assert took < 3.0
+    finally:
+        engine.close()

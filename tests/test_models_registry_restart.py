@@ -361,3 +361,32 @@ async def test_once_the_daemon_stops_no_engine_is_restarted_and_no_request_waits
     assert shown["reason"].endswith("not restarted: the daemon is stopping")
     await asyncio.sleep(0.2)
     assert (await _model(client))["state"] == "failed"  # no restart came after all
+
+
+async def test_a_request_waiting_for_a_restart_when_the_daemon_stops_is_told_it_stops(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queued request waited for the restarted engine; the drain began, so none came, and it
+    was told "the model's engine stopped; it is restarting" with engine_failed: a retry hint
+    for a restart that never comes. It is told the server is shutting down."""
+    monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (5.0,))
+    client = await _serve(aiohttp_client, tiny_model)
+    registry = client.server.app[appkeys.REGISTRY]
+    stream = await client.post("/v1/completions", json=_completion(400, stream=True))
+    assert (await stream.content.readline()).startswith(b"data: ")
+    waiting = asyncio.create_task(client.post("/v1/completions", json=_completion(4)))
+    deadline = time.monotonic() + 10
+    while (await _model(client)).get("queue_depth") != 1:
+        assert time.monotonic() < deadline, "the second request never queued"
+        await asyncio.sleep(0.01)
+    fault.arm()
+    events = [line.strip() async for line in stream.content if line.startswith(b"data: ")]
+    assert json.loads(events[-2][len(b"data: ") :])["error"]["code"] == "engine_failed"
+    await _until(client, lambda status, b: b["status"] == "restarting", "the stop")
+    await asyncio.sleep(0.1)
+    assert not waiting.done()  # it waits for the restart ...
+    registry.stop_restarts()  # ... which the drain cancels
+    answer = await asyncio.wait_for(waiting, 2)
+    assert answer.status == 503
+    error = (await answer.json())["error"]
+    assert (error["code"], error["message"]) == ("server_shutting_down", "the server is shutting down")

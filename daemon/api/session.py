@@ -118,8 +118,8 @@ class Session:
     reasoning_open: bool = False  # the prompt left the model inside its thinking tags
     stop_strings: tuple[str, ...] = field(default=())
     # Choice i's generation again on the restarted engine, for one its engine's stop ended
-    # before any token (it was still queued): None when no restart came in time.
-    replay: Callable[[int], Awaitable[Generation | None]] | None = None
+    # before any token (it was still queued); when none is: the error that ends the choice.
+    replay: Callable[[int], Awaitable[Generation | str]] | None = None
     queue_waits: list[float] = field(default_factory=list)  # each finished choice's wait for a slot
     # Records the request's usage in the ledger and waits for the commit (api.ledger.account):
     # `events` calls it when the last choice ends, before that end reaches any encoder.
@@ -156,8 +156,9 @@ class Session:
                     return
             else:
                 return  # not reached: a generation's events end with Finished
-            if self.replay is None or await self.replay(i) is None:
-                yield stopped  # no restart in time: the stop's error ends the choice
+            again = await self.replay(i) if self.replay is not None else ENGINE_STOPPED
+            if not isinstance(again, Generation):  # no restart in time, or the daemon stops
+                yield replace(stopped, error=again)
                 return
             replayed = True
 
@@ -454,12 +455,12 @@ async def generation_session(
 
     async with contextlib.AsyncExitStack() as leases:
 
-        async def replay(i: int) -> Generation | None:
+        async def replay(i: int) -> Generation | str:
             stopped = gens[i]
             ctx.generations.discard(stopped)
             fresh = await ctx.registry.replacement(handles[-1], server.progress_timeout_s)
-            if fresh is None:
-                return None
+            if fresh is None:  # nothing restarts during the daemon's stop: say that, not "restarting"
+                return SHUTTING_DOWN if ctx.registry.stopping else ENGINE_STOPPED
             try:
                 if fresh is not handles[-1]:
                     await leases.enter_async_context(ctx.registry.lease(fresh.name))
@@ -470,7 +471,7 @@ async def generation_session(
                 grammar = await fresh.grammars(common.sampling.grammar, 1, param)
                 gen = fresh.submit(stopped.request, grammar[0] if grammar else None)
             except (ApiError, EngineError):  # stopped again, or full: the first stop's error ends the choice
-                return None
+                return ENGINE_STOPPED
             gens[i] = gen
             ctx.generations.add(gen, key_id)
             return gen
@@ -602,6 +603,8 @@ async def on_restarted(
     restart comes within the request's progress deadline."""
     ctx = context(request)
     fresh = await ctx.registry.replacement(stopped, ctx.settings.server.progress_timeout_s)
+    if fresh is None and ctx.registry.stopping:  # nothing restarts during the daemon's stop
+        raise ServerShuttingDown(SHUTTING_DOWN)
     if fresh is None:
         raise EngineFailed(ENGINE_STOPPED, headers={"Retry-After": RETRY_AFTER_LOADING_S})
     async with ctx.registry.lease(fresh.name) as handle:

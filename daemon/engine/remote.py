@@ -174,6 +174,10 @@ class RemoteEngine:
         self.heartbeat = time.monotonic()  # the supervisor's: it is what the daemon's watchdog judges
         self._progress = time.monotonic()  # the engine's own: its scheduler's last step or idle
         self._busy_since = 0.0  # when work last became pending after none (the hang clock starts there)
+        # Set by the loader around its warm-up: the first steps after a load are the slowest (on
+        # a busy box, longer than hang_s), so CPU time counts as progress then, as in a load.
+        # The warm-up's own timeout bounds an engine that spins.
+        self.warming = False
         self._lock = threading.Lock()  # _gens, _calls, _exited, _on_exit, _closing
         self._send_lock = threading.Lock()
         self._gens: dict[int, Generation] = {}
@@ -486,6 +490,8 @@ class RemoteEngine:
 
     def _supervise(self) -> None:
         """Kill a process that shows no step progress for hang_s while work is pending."""
+        seen: tuple[int, ...] = ()
+        moved = 0.0  # while warming: when the process last did work (CPU time, faults, reads)
         while True:
             with self._lock:
                 if self._exited:
@@ -493,7 +499,9 @@ class RemoteEngine:
                 pending = bool(self._gens) or bool(self._calls)
             now = time.monotonic()
             self.heartbeat = now
-            if pending and now - max(self._progress, self._busy_since) > self.hang_s:
+            if self.warming and pending and (done := _work_done(self.pid)) != seen:
+                seen, moved = done, now
+            if pending and now - max(self._progress, self._busy_since, moved) > self.hang_s:
                 with self._lock:
                     if self.fault is None:
                         self.fault = (

@@ -644,6 +644,8 @@ class Loader:
         """A short generation (or one embedding) through the real request path."""
         engine = handle.engine
         loop = asyncio.get_running_loop()
+        if isinstance(engine, RemoteEngine):
+            engine.warming = True  # its supervisor counts CPU time as progress (the slowest steps)
         try:
             bos = await loop.run_in_executor(None, partial(engine.tokenize, "", add_special=True))
             bos = bos or await loop.run_in_executor(None, partial(engine.tokenize, "a", add_special=False))
@@ -663,6 +665,9 @@ class Loader:
                         final = event
         except (EngineError, TimeoutError) as exc:
             raise LoadFailed(f"warm-up failed: {_died(handle) or str(exc) or 'timed out'}") from None
+        finally:
+            if isinstance(engine, RemoteEngine):
+                engine.warming = False
         if final is None or final.reason == "error":
             why = _died(handle) or (final.error if final else "no result")
             raise LoadFailed(f"warm-up generation failed: {why}")

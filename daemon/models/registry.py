@@ -229,6 +229,11 @@ class Registry:
                 )
         self._notify("stopping", [])
 
+    @property
+    def stopping(self) -> bool:
+        """The daemon's drain began (`stop_restarts`): no engine restarts any more."""
+        return self._stopping
+
     async def close(self) -> None:
         """Free every model and remove the preload area, off the event loop."""
         loop = asyncio.get_running_loop()

@@ -748,9 +748,8 @@ class ModelSettings:
         30.0,
         "with isolation process: an engine that shows no step progress this long while work is "
         "pending is killed and restarted",
-        more="a load, no CPU time, page faults or reads this long; keep it well above the slowest "
-        "step on a busy box (the first steps after a load are the slowest): a step that takes "
-        "longer reads as a hang",
+        more="a load, or its warm-up: no CPU time, page faults or reads this long; once it serves, "
+        "keep it well above the slowest step on a busy box: a step that takes longer reads as a hang",
     )
     memory_limit_mb: int | None = setting(
         None,
