@@ -28,11 +28,13 @@ from edgellmd.host.verdicts import GpuLayers, Verdict, largest_gpu_layers, verdi
 from edgellmd.http import app as app_module
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
+from edgellmd.models import gguf as gguf_module
 from edgellmd.models.gguf import (
     GGML_BLOCKS,
     MAX_HEADER_ITEMS,
     MAX_KEPT_BYTES,
     MAX_KEPT_STRING,
+    MAX_KV,
     GgufError,
     gguf_layer_bytes,
     learned_positions,
@@ -627,7 +629,7 @@ HOSTILE: list[tuple[str, bytes, str]] = [
     ("odd alignment", _header(0, kv=_kv_alignment(24), n_kv=1), "power of two"),
     # Keys whose values a reader skips: nested 100,000 deep (recursion), or claiming 2**63 bytes
     # (a seek no file offset holds).
-    ("nested arrays", _header(0, kv=_kv_nested(100_000), n_kv=1), "nested too deep"),
+    ("nested arrays", _header(0, kv=_kv_nested(100_000), n_kv=1), "an array of arrays"),
     ("huge array", _header(0, kv=_kv_skipped(struct.pack("<IIQ", 9, 4, 1 << 62)), n_kv=1), "truncated"),
     ("huge string", _header(0, kv=_kv_skipped(struct.pack("<IQ", 8, 1 << 63)), n_kv=1), "truncated"),
 ]
@@ -719,6 +721,67 @@ def test_a_header_declaring_more_items_than_a_real_vocabulary_is_refused_before_
     spread.write_bytes(_header(0, kv=b"".join(split), n_kv=len(split)))
     with pytest.raises(GgufError, match=f"more than {MAX_HEADER_ITEMS}"):
         read_gguf_values(spread)
+
+
+def test_one_walk_of_a_header_serves_every_reader_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load read a file's header up to five times (the budget's values, the positions', the
+    layers', the lock's facts), each walk of a hostile header seconds of the registry's lock
+    before the hash refuses the file. One walk serves them all, until the file changes."""
+    walks: list[int] = []  # each walk's file size
+    real = gguf_module._walk_header
+
+    def counted(header: Any) -> Any:
+        walks.append(header.size)
+        return real(header)
+
+    monkeypatch.setattr(gguf_module, "_walk_header", counted)
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, TinyModelSpec(seed=3))
+    values = read_gguf_values(path)
+    assert values["general.architecture"] == "llama"
+    assert learned_positions(path) is None
+    layers, _ = gguf_layer_bytes(path)
+    assert len(layers) == 2
+    assert gguf_module.read_gguf_facts(path)["architecture"] == "llama"
+    assert len(walks) == 1
+    values["general.architecture"] = "changed by a caller"
+    assert read_gguf_values(path)["general.architecture"] == "llama"  # each reader its own copy
+    # The same bytes again (another inode), then a file changed in place to the same size.
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data)
+    assert read_gguf_values(path)["general.architecture"] == "llama"
+    assert len(walks) == 2
+    time.sleep(0.05)  # past the file system's timestamp tick: the change shows in mtime and ctime
+    with path.open("r+b") as fh:
+        fh.seek(data.index(b"llama"))
+        fh.write(b"lLama")
+    assert read_gguf_values(path)["general.architecture"] == "lLama"
+    assert len(walks) == 3
+    # A header whose walk keeps much (megabytes of strings) is walked each time, not kept.
+    big = tmp_path / "big.gguf"
+    kv = [_kv_string(b"s%d" % i, b"x" * (MAX_KEPT_STRING - 200)) for i in range(2)]
+    big.write_bytes(_header(0, kv=b"".join(kv), n_kv=len(kv)))
+    read_gguf_values(big)
+    read_gguf_values(big)
+    assert len(walks) == 5
+
+
+def test_a_header_llama_cpp_would_refuse_is_refused_before_its_walk(tmp_path: Path) -> None:
+    """More metadata entries than MAX_KV (llama.cpp compares every key with all before it) and
+    an array of arrays (llama.cpp's reader refuses one) are refused as declared, not walked."""
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(_header(0, kv=_kv_skipped(struct.pack("<IB", 0, 0)) * 10, n_kv=MAX_KV + 1))
+    start = time.perf_counter()
+    with pytest.raises(GgufError, match="absurd metadata count"):
+        read_gguf_values(path)
+    many = [_kv_strings(b"t", [b""] * 1000), _kv_skipped(struct.pack("<IIQ", 9, 9, 10**6))]
+    path.write_bytes(_header(0, kv=b"".join(many), n_kv=2))
+    with pytest.raises(GgufError, match="an array of arrays"):
+        read_gguf_values(path)
+    assert time.perf_counter() - start < 1.0
 
 
 @pytest.fixture(scope="module")

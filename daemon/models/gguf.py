@@ -8,9 +8,11 @@ a regular file.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +45,9 @@ _STRING: Final = 8
 _ARRAY: Final = 9
 _U64: Final = struct.Struct("<Q")
 _SKIP_BLOCK: Final = 1 << 20
-MAX_KV: Final = 1_000_000  # sanity bounds against hostile headers
+# Metadata entries: a real model's header holds tens (a few hundred at most); llama.cpp compares
+# each key with every one before it, so a header of more than this would not load there either.
+MAX_KV: Final = 65_536
 # The items one walk of a header visits one by one (its metadata entries, the elements of its
 # arrays of strings or arrays, its tensors), spent as each count is declared: a header is read
 # before its file is verified, to refuse an over-budget load before copying it, and a file of a
@@ -52,9 +56,6 @@ MAX_KV: Final = 1_000_000  # sanity bounds against hostile headers
 # million (262k tokens; or 150k to 500k tokens and merges): twice that, and the walk is refused.
 MAX_HEADER_ITEMS: Final = 2_000_000
 _MAX_STRING: Final = 64 * 1024 * 1024
-# Arrays of arrays: llama.cpp's own reader takes none; a hostile header nests them 100,000
-# deep (recursion), so a few levels are walked and no more.
-_MAX_NESTING: Final = 4
 # What read_gguf_values keeps: a header is read before its file is verified, in the daemon, and
 # a file of a real model's size could hold gigabytes of metadata strings. A string value past
 # MAX_KEPT_STRING, or any value once MAX_KEPT_BYTES are kept, is walked past and not kept (a
@@ -125,24 +126,22 @@ class HeaderReader:
                 raise GgufError("not a GGUF file: the header is truncated")
             self.fh.seek(pos)
 
-    def skip_value(self, vtype: int, depth: int = 0) -> None:
+    def skip_value(self, vtype: int) -> None:
         if vtype in _SCALAR:
             self.read(struct.calcsize(_SCALAR[vtype]))
         elif vtype == _STRING:
             self.skip(self.scalar("<Q"))
         elif vtype == _ARRAY:
-            if depth >= _MAX_NESTING:
-                raise GgufError("not a GGUF file: arrays nested too deep in the header")
             etype, count = self.scalar("<I"), self.scalar("<Q")
             if etype in _SCALAR:
                 self.skip(count * struct.calcsize(_SCALAR[etype]))
             elif etype == _STRING:  # a vocabulary: walked in memory, a block at a time
                 self.spend(count)
                 self.skip_strings(count)
+            elif etype == _ARRAY:  # llama.cpp's reader refuses them too (an invalid type there)
+                raise GgufError("not a GGUF file: an array of arrays in the header")
             else:
-                self.spend(count)
-                for _ in range(count):
-                    self.skip_value(etype, depth + 1)
+                raise GgufError(f"not a GGUF file: unknown metadata type {etype}")
         else:
             raise GgufError(f"not a GGUF file: unknown metadata type {vtype}")
 
@@ -153,48 +152,15 @@ def read_gguf_values(path: Path) -> dict[str, Any]:
 
     GgufError for anything but a regular GGUF file (a FIFO or a device is refused, never read).
     """
-    values: dict[str, Any] = {}
     try:
-        fd = open_regular(path)
+        walk = _walk(path)
     except UnsuitableFile as exc:
         raise GgufError(exc.describe("the file")) from None
     except OSError as exc:
         raise GgufError(f"cannot read: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            header = HeaderReader(fh)
-            if header.read(4) != GGUF_MAGIC:
-                raise GgufError("not a GGUF file (bad magic)")
-            version = header.scalar("<I")
-            if version < 2:
-                raise GgufError(f"GGUF version {version} is not supported")
-            header.scalar("<Q")  # tensor count
-            n_kv = header.scalar("<Q")
-            if n_kv > MAX_KV:
-                raise GgufError("not a GGUF file: absurd metadata count")
-            header.spend(n_kv)
-            kept = 0
-            for _ in range(n_kv):
-                raw_key = header.string()
-                vtype = header.scalar("<I")
-                if vtype == _STRING:
-                    length = header.scalar("<Q")
-                    cost = _ENTRY_BYTES + len(raw_key) + length
-                    if length > MAX_KEPT_STRING or kept + cost > MAX_KEPT_BYTES:
-                        header.skip(length)
-                        continue
-                    values[raw_key.decode("utf-8", "replace")] = header.read(length).decode(
-                        "utf-8", "replace"
-                    )
-                    kept += cost
-                elif vtype in _SCALAR and kept + _ENTRY_BYTES + len(raw_key) <= MAX_KEPT_BYTES:
-                    values[raw_key.decode("utf-8", "replace")] = header.scalar(_SCALAR[vtype])
-                    kept += _ENTRY_BYTES + len(raw_key)
-                else:
-                    header.skip_value(vtype)
-    except OSError as exc:
-        raise GgufError(f"cannot read: {exc.strerror}") from None
-    return values
+    if walk.values is None:
+        raise GgufError(walk.error)
+    return dict(walk.values)
 
 
 def read_gguf_facts(path: Path) -> dict[str, str | int]:
@@ -273,39 +239,131 @@ class TensorInfo:
 
 
 def tensor_infos(path: Path) -> tuple[list[TensorInfo], int]:
-    """The tensor-info section of a GGUF file and the size of its data section."""
-    with os.fdopen(open_regular(path), "rb") as fh:  # never blocks on a FIFO swapped in
-        header = HeaderReader(fh)
-        if header.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (bad magic)")
-        if header.scalar("<I") < 2:
-            raise ValueError(f"{path}: GGUF version 1 is not supported")
-        n_tensors, n_kv = header.scalar("<Q"), header.scalar("<Q")
-        if n_tensors > _MAX_TENSORS or n_kv > MAX_KV:
-            raise ValueError(f"{path}: absurd tensor or metadata count")
-        header.spend(n_kv + n_tensors)
-        alignment = 32  # GGUF_DEFAULT_ALIGNMENT
-        for _ in range(n_kv):
-            key, vtype = header.string(), header.scalar("<I")
-            if key == b"general.alignment" and vtype == _GGUF_UINT32:  # llama.cpp takes no other type
-                alignment = header.scalar("<I")
-            else:
-                header.skip_value(vtype)
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"{path}: general.alignment {alignment} is not a power of two")
-        infos: list[TensorInfo] = []
-        for _ in range(n_tensors):
-            name = header.string()
-            n_dims = header.scalar("<I")
-            if len(name) > _MAX_NAME or not 1 <= n_dims <= _MAX_DIMS:
-                raise ValueError(f"{path}: absurd tensor name or dimension count")
-            dims = tuple(header.scalar("<Q") for _ in range(n_dims))
-            infos.append(TensorInfo(name, dims, header.scalar("<I"), header.scalar("<Q")))
-        data_start = -(-fh.tell() // alignment) * alignment
-        data_size = os.fstat(fh.fileno()).st_size - data_start
-    if data_size < 0:
-        raise ValueError(f"{path}: truncated before the tensor data")
-    return infos, data_size
+    """The tensor-info section of a GGUF file and the size of its data section.
+
+    GgufError for a malformed header, OSError when the file cannot be read."""
+    walk = _walk(path)
+    if walk.tensors is None:
+        raise GgufError(walk.error)
+    return [TensorInfo(*t) for t in walk.tensors], walk.data_size
+
+
+# ---- one walk of a header -----------------------------------------------------------------
+
+# One walk of a file's header serves every reader of a load (the budget's, the positions',
+# the layers', the lock's facts: up to five), rather than a walk apiece: a hostile header
+# costs one walk of the registry's lock. Walks are kept by the file's identity and change
+# marks (device, inode, size, mtime, ctime), the last few, and only small ones: a real
+# header's (a few hundred KiB of values kept, a few thousand tensors).
+_WALKS_KEPT: Final = 4
+_KEPT_WALK_BYTES: Final = 1024 * 1024
+_KEPT_WALK_TENSORS: Final = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    values: Mapping[str, Any] | None  # None: the metadata section is malformed (error says why)
+    tensors: tuple[tuple[bytes, tuple[int, ...], int, int], ...] | None  # name, dims, type, offset
+    error: str
+    data_size: int = 0
+    kept: int = 0  # bytes of values kept (by MAX_KEPT_BYTES's count)
+
+
+_walks: collections.OrderedDict[tuple[int, ...], _Walk] = collections.OrderedDict()
+_walks_lock = threading.Lock()
+
+
+def _walk(path: Path) -> _Walk:
+    """The file's header walked once: its values and tensor infos, or why not. OSError
+    (UnsuitableFile for a FIFO or a device, never read) when it cannot be read."""
+    with os.fdopen(open_regular(path), "rb") as fh:
+        st = os.fstat(fh.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with _walks_lock:
+            walk = _walks.get(key)
+            if walk is not None:
+                _walks.move_to_end(key)
+                return walk
+        walk = _walk_header(HeaderReader(fh))
+    if walk.kept <= _KEPT_WALK_BYTES and len(walk.tensors or ()) <= _KEPT_WALK_TENSORS:
+        with _walks_lock:
+            _walks[key] = walk
+            while len(_walks) > _WALKS_KEPT:
+                _walks.popitem(last=False)
+    return walk
+
+
+def _walk_header(header: HeaderReader) -> _Walk:
+    try:
+        n_tensors, values, kept, alignment = _read_metadata(header)
+    except GgufError as exc:
+        return _Walk(None, None, str(exc))
+    try:
+        tensors, data_size = _read_tensor_infos(header, n_tensors, alignment)
+    except GgufError as exc:
+        return _Walk(values, None, str(exc), kept=kept)
+    return _Walk(values, tensors, "", data_size, kept)
+
+
+def _read_metadata(header: HeaderReader) -> tuple[int, dict[str, Any], int, int]:
+    """The tensor count, the values kept and their bytes, and the alignment."""
+    if header.read(4) != GGUF_MAGIC:
+        raise GgufError("not a GGUF file (bad magic)")
+    version = header.scalar("<I")
+    if version < 2:
+        raise GgufError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = header.scalar("<Q"), header.scalar("<Q")
+    if n_kv > MAX_KV:
+        raise GgufError("not a GGUF file: absurd metadata count")
+    header.spend(n_kv)
+    values: dict[str, Any] = {}
+    kept = 0
+    alignment = 32  # GGUF_DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        raw_key = header.string()
+        vtype = header.scalar("<I")
+        if vtype == _STRING:
+            length = header.scalar("<Q")
+            cost = _ENTRY_BYTES + len(raw_key) + length
+            if length > MAX_KEPT_STRING or kept + cost > MAX_KEPT_BYTES:
+                header.skip(length)
+                continue
+            values[raw_key.decode("utf-8", "replace")] = header.read(length).decode("utf-8", "replace")
+            kept += cost
+        elif vtype in _SCALAR and kept + _ENTRY_BYTES + len(raw_key) <= MAX_KEPT_BYTES:
+            value = header.scalar(_SCALAR[vtype])
+            if raw_key == b"general.alignment" and vtype == _GGUF_UINT32:  # llama.cpp takes no other type
+                alignment = value
+            values[raw_key.decode("utf-8", "replace")] = value
+            kept += _ENTRY_BYTES + len(raw_key)
+        elif raw_key == b"general.alignment" and vtype == _GGUF_UINT32:
+            alignment = header.scalar("<I")
+        else:
+            header.skip_value(vtype)
+    return n_tensors, values, kept, alignment
+
+
+def _read_tensor_infos(
+    header: HeaderReader, n_tensors: int, alignment: int
+) -> tuple[tuple[tuple[bytes, tuple[int, ...], int, int], ...], int]:
+    """Each tensor's name, dimensions, type and offset, and the data section's size."""
+    if n_tensors > _MAX_TENSORS:
+        raise GgufError("absurd tensor count")
+    header.spend(n_tensors)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise GgufError(f"general.alignment {alignment} is not a power of two")
+    tensors = []
+    for _ in range(n_tensors):
+        name = header.string()
+        n_dims = header.scalar("<I")
+        if len(name) > _MAX_NAME or not 1 <= n_dims <= _MAX_DIMS:
+            raise GgufError("absurd tensor name or dimension count")
+        dims = tuple(header.scalar("<Q") for _ in range(n_dims))
+        tensors.append((name, dims, header.scalar("<I"), header.scalar("<Q")))
+    data_start = -(-header.fh.tell() // alignment) * alignment
+    if header.size < data_start:
+        raise GgufError("truncated before the tensor data")
+    return tuple(tensors), header.size - data_start
 
 
 # llama.cpp's table of learned absolute positions (BERT and its rerankers, GPT-2, StarCoder,
