@@ -77,6 +77,25 @@ def bomb(side: int = 8000) -> bytes:
     return out.getvalue()
 
 
+def progressive_jpeg(side: int = 64, comment: bytes = b"") -> bytes:
+    """A progressive JPEG as Pillow writes one (ten scans), with a COM segment of `comment`."""
+    pixels = np.random.default_rng(side).integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", progressive=True, quality=90)
+    data = out.getvalue()
+    if comment:
+        data = data[:2] + b"\xff\xfe" + struct.pack(">H", len(comment) + 2) + comment + data[2:]
+    return data
+
+
+def scan_flood(extra: int = 60) -> bytes:
+    """A progressive JPEG whose last scan is repeated `extra` times: each refinement scan walks
+    every block again, 35 bytes apiece, seconds of decoding for a few kilobytes."""
+    data = progressive_jpeg()
+    last = data.rindex(b"\xff\xda")  # the last scan's marker (none in Pillow's entropy data)
+    return data[:-2] + data[last:-2] * extra + data[-2:]
+
+
 def wav(seconds: float = 1.0, hz: float = 440.0, rate: int = 16_000) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     out = io.BytesIO()
@@ -381,6 +400,7 @@ def _message(*parts: Any, model: str = "vision") -> dict[str, Any]:
 HOSTILE: Final = [
     ("decompression-bomb", _message(image_part(bomb())), "media.max_image_pixels"),
     ("truncated-png", _message(image_part(png(1)[:-60])), "truncated or corrupt"),
+    ("jpeg-scan-flood", _message(image_part(scan_flood(), "image/jpeg")), "more than 64 progressive scans"),
     ("one-by-100000", _message(image_part(flat(1, 100_000))), "media.max_image_side"),
     ("mismatched-media-type", _message(image_part(png(1), "image/jpeg")), "not the jpeg"),
     ("not-an-image", _message(image_part(b"GIF89a but not really", "image/gif")), "could not be read"),
@@ -670,6 +690,17 @@ def test_transcription_uploads_that_are_wrong_are_refused_by_name(
     answer = _upload(served, files=files, data=data)
     assert answer.status_code == status, (name, answer.text)
     assert says in answer.json()["error"]["message"], (name, answer.text)
+
+
+def test_a_clip_the_engine_refuses_is_the_file_s_fault_not_a_message_s(served: Served) -> None:
+    """A clip refused as it was decoded named `messages` (a field transcriptions has not) and
+    "clip 1", as a chat request's would: it names `file`."""
+    for wrong in (wav(0.5)[:-300] + b"\x00" * 7, wav(0.5).replace(b"WAVE", b"WAVX", 1)):
+        answer = _upload(served, files={"file": ("a.wav", wrong, "audio/wav")}, data={"model": "hears"})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "file", error
+        assert not error["message"].startswith("clip"), error
 
 
 def _form(*fields: tuple[str, bytes]) -> bytes:

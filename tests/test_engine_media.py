@@ -44,7 +44,7 @@ from edgellmd.engine.generation import (
     TokenLogprob,
     placeholders,
 )
-from edgellmd.engine.media import decode_audio
+from edgellmd.engine.media import MAX_JPEG_SCANS, decode_audio, decode_image, jpeg_scans
 from edgellmd.engine.remote import NATIVE_LINES, NATIVE_WINDOW_S, NativeLines, RemoteEngine
 from edgellmd.engine.scheduler import Engine
 from tests.ggufmodels import (
@@ -55,6 +55,7 @@ from tests.ggufmodels import (
     write_tiny_model,
     write_tiny_projector,
 )
+from tests.test_api_media import progressive_jpeg, scan_flood
 
 LIMITS = MediaLimits()
 GREEDY = SamplingParams(temperature=0.0)
@@ -472,3 +473,21 @@ def test_an_image_encoded_for_one_cache_scope_is_encoded_again_for_another(engin
         assert len({tuple(k) for k in ids.values()}) == 3  # three scopes, three encodings
     finally:
         engine.release_media(held)
+
+
+def test_a_jpegs_scans_are_counted_by_its_markers_and_a_flood_of_them_is_refused_undecoded() -> None:
+    """A 68 KB progressive JPEG of a thousand refinement scans took 30 s of an engine's prompt
+    threads (every scan walks every block again). The scans are counted by walking the markers:
+    an encoder's ten pass, bytes that look like a scan's marker inside a segment or a scan's
+    data do not count, and past MAX_JPEG_SCANS the file is refused before any decoding."""
+    plain = progressive_jpeg(comment=b"\xff\xda" * 100)  # "markers" inside a COM segment
+    assert jpeg_scans(plain) == 10
+    assert decode_image(plain, "jpeg", LIMITS).shape == (64, 64, 3)
+    baseline = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(baseline, "JPEG")
+    assert jpeg_scans(baseline.getvalue()) == 1
+    flood = scan_flood(extra=2_000)
+    assert jpeg_scans(flood) == MAX_JPEG_SCANS + 1  # counted no further than needed
+    with pytest.raises(MediaError, match=f"more than {MAX_JPEG_SCANS} progressive scans"):
+        decode_image(flood, "jpeg", LIMITS)
+    assert jpeg_scans(plain[:40]) <= 1  # a cut file stops the count; Pillow says what is wrong

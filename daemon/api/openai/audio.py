@@ -26,6 +26,7 @@ from edgellmd.api.session import chat_session
 from edgellmd.engine.config import MediaInput
 from edgellmd.engine.generation import SamplingParams
 from edgellmd.errors import (
+    ApiError,
     InvalidRequest,
     MalformedRequest,
     PayloadTooLarge,
@@ -191,8 +192,14 @@ async def transcriptions(request: web.Request) -> web.Response:
     upload = await read_upload(request, limits.media.max_audio_bytes)
     item = MediaReader(limits.media).audio_file(upload.file, _format_hint(upload), "file")
     body, response_format = _request(upload, item, limits.max_tokens_limit, token_limit(limits, None))
-    async with chat_session(request, body) as session:
-        text, final = await collect_text(session)
+    try:
+        async with chat_session(request, body) as session:
+            text, final = await collect_text(session)
+    except ApiError as exc:
+        if exc.param == "messages":  # the prompt is the daemon's own: what the client sent is its file
+            exc.param = "file"
+            exc.message = exc.message.removeprefix("clip 1: ")
+        raise
     text = text.strip()
     if response_format == "text":
         return web.Response(text=text + "\n", content_type="text/plain")
