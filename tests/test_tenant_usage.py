@@ -42,6 +42,8 @@ from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, free_port, running, settings_for, wait_for
 
 HI: Any = [{"role": "user", "content": "hi"}]
+# Slow enough (a few hundred tokens a second on one thread) that a stream holds its slot for seconds.
+SLOW = TinyModelSpec(seed=7, n_embd=512, n_head=8, n_head_kv=4, n_layer=2, n_ff=2048)
 
 
 def _call(url: str, token: str, method: str = "GET", body: Any = None) -> tuple[int, Any, dict[str, str]]:
@@ -89,12 +91,25 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
         ("embedder", ["inference"], None),
         ("crashed", ["inference"], None),
         ("player", ["inference"], {"requests_per_day": 2}),
+        ("holder", ["inference"], None),
+        ("queuer", ["inference"], None),
+        ("shed", ["inference"], None),
     ):
         ids[name], tokens[name] = create_key(keys, name, scopes, limits={}, quota=quota)
     database = root / "ledger.sqlite3"
+    slow = write_tiny_model(root / "slow.gguf", SLOW)
     settings = settings_for(
         [
             {"name": "m", "file": str(model), "threads": 1, "slots": 2, "context_size": 512},
+            {"name": "slow", "file": str(slow), "threads": 1, "slots": 1, "context_size": 2048},
+            {
+                "name": "shed",
+                "file": str(slow),
+                "threads": 1,
+                "slots": 1,
+                "context_size": 2048,
+                "queue_timeout_s": 0.5,
+            },
             {"name": "k", "file": str(model), "threads": 1, "slots": 2, "context_size": 512},
             {
                 "name": "e",
@@ -325,6 +340,68 @@ def test_a_stream_whose_engine_dies_is_charged_for_what_it_sent(box: Box) -> Non
     counted = _totals_once_recorded(box, "crashed", 1)
     assert pieces <= counted["completion_tokens"] <= 2 * 400
     wait_for(lambda: box.admin("/readyz")[0] == 200, what="model k back")
+
+
+def _hold_the_slot(box: Box, model: str) -> http.client.HTTPConnection:
+    """A stream of 1,500 tokens in the model's one slot, its first token read."""
+    conn = http.client.HTTPConnection("127.0.0.1", box.daemon.port, timeout=60)
+    body = {"model": model, "prompt": "hog", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {box.tokens['holder']}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    answer = conn.getresponse()
+    assert answer.status == 200
+    assert answer.readline().startswith(b"data: ")
+    return conn
+
+
+def _queue_depth(box: Box, model: str) -> int:
+    status = box.admin("/admin/status")[1]
+    return int(next(m for m in status["models"] if m["name"] == model)["queue_depth"])
+
+
+def test_a_request_refused_or_left_before_it_had_a_slot_is_charged_nothing(box: Box) -> None:
+    """Its prompt was never computed, yet it was charged in full (ledger, tpm, quotas): a 429
+    `server_overloaded` past the queue timeout (which SDKs retry, each retry billed again) and
+    a request whose client left while it waited."""
+    prompt = "tell me a story " * 40
+    holder = _hold_the_slot(box, "shed")
+    try:
+        status, answer, _ = _call(
+            box.daemon.url + "/v1/completions",
+            box.tokens["shed"],
+            "POST",
+            {"model": "shed", "prompt": prompt, "max_tokens": 4},
+        )
+        assert status == 429, answer
+        assert answer["error"]["code"] == "server_overloaded"
+    finally:
+        holder.close()
+    counted = _totals_once_recorded(box, "shed", 1)
+    assert (counted["prompt_tokens"], counted["completion_tokens"]) == (0, 0)
+
+    holder = _hold_the_slot(box, "slow")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", box.daemon.port, timeout=60)
+        body = {"model": "slow", "prompt": prompt, "max_tokens": 4, "stream": True}
+        headers = {"Authorization": f"Bearer {box.tokens['queuer']}", "Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        wait_for(lambda: _queue_depth(box, "slow") == 1, what="the request waiting")
+        conn.close()  # the client goes while it waits
+        wait_for(lambda: _queue_depth(box, "slow") == 0, what="the request gone from the queue")
+    finally:
+        holder.close()
+    counted = _totals_once_recorded(box, "queuer", 1)
+    assert (counted["prompt_tokens"], counted["completion_tokens"]) == (0, 0)
+    # One that had its slot is charged its prompt, as before.
+    status, answer, _ = _call(
+        box.daemon.url + "/v1/completions",
+        box.tokens["queuer"],
+        "POST",
+        {"model": "slow", "prompt": prompt, "max_tokens": 4},
+    )
+    assert status == 200, answer
+    counted = _totals_once_recorded(box, "queuer", 2)
+    assert counted["prompt_tokens"] == answer["usage"]["prompt_tokens"] > 100
 
 
 def test_an_embedding_request_the_client_leaves_is_in_the_ledger_as_in_its_rate_limit(box: Box) -> None:

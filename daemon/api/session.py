@@ -72,6 +72,11 @@ from edgellmd.models.handle import (
     Prompt,
 )
 
+# A request whose client left is settled once its cancelled choices' engines said whether each
+# had a slot (a waiting one's answer comes at once), or after this long: then it is charged.
+SETTLE_WAIT_S: Final = 1.0
+FINALS_POLL_S: Final = 0.01
+
 # The API family a generation request came by, for the per-request histograms' `api` label.
 API_FAMILIES: Final = {
     "/v1/chat/completions": "chat",
@@ -308,6 +313,14 @@ def _finish_label(final: Finished | None) -> str:
     return "error" if final.error is not None else str(final.reason)
 
 
+async def _finals(gens: Sequence[Generation], limit: float) -> None:
+    """Wait at most `limit` seconds for every generation's Finished."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while any(gen.final is None for gen in gens) and loop.time() < deadline:  # noqa: ASYNC110 - pushed from other threads
+        await asyncio.sleep(FINALS_POLL_S)
+
+
 @contextlib.asynccontextmanager
 async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator[Session]:
     """Run a chat request's generations for the `async with` block, then free them."""
@@ -407,6 +420,9 @@ async def generation_session(
         if settled:
             return
         settled = True
+        # A client gone: its choices were cancelled just now, and whether each had a slot is in
+        # the Finished its engine sends back (at once for one still waiting).
+        await _finals(gens, SETTLE_WAIT_S)
         finals = [gen.final for gen in gens if gen.final is not None]
         # A choice cut before its end (a client gone, an error) counts what it produced so far,
         # as its events showed it: tokens computed and sent are charged (ledger, tpm, quotas),
@@ -417,7 +433,11 @@ async def generation_session(
             for gen, timing in zip(gens, timings, strict=True)
         ]
         completion = sum(produced)
-        if finals:
+        # The prompt is charged once some choice had a slot (its prefill ran, or began): one
+        # refused or cancelled while it waited computed nothing (a final not there in time counts).
+        computed = any(gen.final is None or gen.final.admitted for gen in gens)
+        charged = len(tokens) if computed else 0
+        if finals and computed:
             ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(finals[0].prompt_tokens)
         for timing, count in zip(timings, produced, strict=True):  # tokens were counted as they streamed
             timing.settle(count)
@@ -451,7 +471,7 @@ async def generation_session(
                     "edgellm.slo_met": met,
                 }
             )
-        await account(request, handle.name, len(tokens), completion)
+        await account(request, handle.name, charged, completion)
 
     async with contextlib.AsyncExitStack() as leases:
 

@@ -164,6 +164,9 @@ class Finished:
     # How long it waited for a slot (paused time included): a measurement, not part of the
     # reply, so two runs that answered alike compare equal.
     queue_s: float = field(default=0.0, compare=False)
+    # False: it never had a slot (refused or cancelled while it waited, its engine closed
+    # first): its prompt was never computed, and it is charged to no one.
+    admitted: bool = True
 
 
 Event = TextDelta | Finished

@@ -446,7 +446,10 @@ class Engine(NativeThread):
             if paused is not None:
                 paused[0].sampler.free()
                 done = paused[0].completion
-            gen.push_threadsafe([Finished("cancelled", len(gen.request.prompt_tokens), done)])
+            admitted = paused is not None  # a paused one had a slot; the others never did
+            gen.push_threadsafe(
+                [Finished("cancelled", len(gen.request.prompt_tokens), done, admitted=admitted)]
+            )
 
     def forget_scopes(self, scopes: Collection[str]) -> None:
         """Drop the cached KV state of these cache scopes (their keys were revoked, disabled or expired).
@@ -604,7 +607,10 @@ class Engine(NativeThread):
             if paused is not None:
                 paused[0].sampler.free()
                 done = paused[0].completion
-            gen.push_threadsafe([Finished("error", len(gen.request.prompt_tokens), done, error=error)])
+            admitted = paused is not None
+            gen.push_threadsafe(
+                [Finished("error", len(gen.request.prompt_tokens), done, error=error, admitted=admitted)]
+            )
         for i, slot in enumerate(self._slots):
             if slot is None:
                 continue
@@ -722,7 +728,9 @@ class Engine(NativeThread):
             gen.queue_s += now  # it was -(when it was queued)
             self.queue_waits.append(gen.queue_s)
             prompt = len(gen.request.prompt_tokens)
-            gen.push_threadsafe([Finished("error", prompt, 0, error=QUEUE_TIMEOUT, queue_s=gen.queue_s)])
+            gen.push_threadsafe(
+                [Finished("error", prompt, 0, error=QUEUE_TIMEOUT, queue_s=gen.queue_s, admitted=False)]
+            )
 
     def _pause_for(self, now: float) -> bool:
         """Every slot busy: pause one for the next waiting request if fairness asks (under the lock)."""

@@ -109,6 +109,7 @@ def encode_event(event: Event) -> list[Any]:
         event.draft_tokens,
         event.accepted_draft_tokens,
         event.queue_s,
+        event.admitted,
     ]
 
 
@@ -129,7 +130,21 @@ def decode_event(value: list[Any]) -> Event:
         )
     if kind != "f":
         raise ValueError("not an event")
-    _, reason, prompt, completion, text, error, stop, logprobs, cached, drafted, accepted, queued = value
+    (
+        _,
+        reason,
+        prompt,
+        completion,
+        text,
+        error,
+        stop,
+        logprobs,
+        cached,
+        drafted,
+        accepted,
+        queued,
+        admitted,
+    ) = value
     if reason not in ("stop", "length", "cancelled", "error"):
         raise ValueError("not a finish reason")
     return Finished(
@@ -144,6 +159,7 @@ def decode_event(value: list[Any]) -> Event:
         draft_tokens=int(drafted),
         accepted_draft_tokens=int(accepted),
         queue_s=float(queued),
+        admitted=bool(admitted),
     )
 
 

@@ -309,14 +309,20 @@ class Worker:
         gen = Forwarded(request, self.loop, remote_id, self)
         if not isinstance(engine, Engine):
             gen.push_threadsafe(
-                [Finished("error", len(request.prompt_tokens), 0, error="not a generation model")]
+                [
+                    Finished(
+                        "error", len(request.prompt_tokens), 0, error="not a generation model", admitted=False
+                    )
+                ]
             )
             return
         self._gens[remote_id] = gen
         try:
             engine.submit(request, self.loop, grammar, generation=gen)
         except EngineError as exc:
-            gen.push_threadsafe([Finished("error", len(request.prompt_tokens), 0, error=str(exc))])
+            gen.push_threadsafe(
+                [Finished("error", len(request.prompt_tokens), 0, error=str(exc), admitted=False)]
+            )
 
     def _cancel(self, remote_id: int) -> None:
         gen = self._gens.get(remote_id)
