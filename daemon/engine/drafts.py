@@ -202,7 +202,8 @@ class PromptCache:
 
     A state is found again only by a prompt of the scope that stored it (`GenerationRequest.
     cache_scope`): across scopes every lookup is a miss. Past the bound the scope holding the
-    most gives up its least recently used entry, so one scope cannot flush another's.
+    most gives up its least recently used entry, so one scope cannot take another below an
+    equal share.
     """
 
     max_bytes: int
@@ -265,8 +266,9 @@ class PromptCache:
         while self.used_bytes > self.max_bytes and self.entries:
             # Room comes from the scope holding the most (of two that hold as much, the one with
             # the least recently used entry), its least recently used first: one key's flood of
-            # long prompts evicts its own entries, never another's (which would also tell it,
-            # through its own hits, when the other was busy).
+            # long prompts evicts its own entries once it holds the most, and no key is taken
+            # below an equal share. A key that filled the cache alone loses an entry to another
+            # key's first store, and its next hit tells it some key was active (docs/security.md).
             most = max(self.held.values())
             victim = next(k for k in self.entries if self.held[k[0]] == most)
             self._pop(victim)

@@ -7,7 +7,8 @@ anonymous owner when auth is off); another key's id looks exactly like an unknow
 store is bounded by count and by bytes (`responses.store_max_responses`, `store_max_mb`). When it
 is full, room is made from the owner that holds the most (entries for the count bound, bytes for
 the byte bound), that owner's oldest first: one key's flood of cheap calls evicts its own
-responses, never a quieter key's, while a key alone on the box may still use the whole store.
+responses, never a quieter key's, while a key alone on the box may still use the whole store
+(and, having filled it, sees its oldest go when another key stores one: docs/security.md).
 """
 
 from __future__ import annotations
