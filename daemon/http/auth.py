@@ -143,7 +143,7 @@ async def watch_keys(app: web.Application, store: KeyStore) -> None:
     while True:
         await asyncio.sleep(RELOAD_INTERVAL_S)
         before = store.ids()
-        if store.reload_if_changed():
+        if await store.reload():
             after = store.ids()
             audit.info(
                 "keys file changed: %d key(s), %d added, %d removed",

@@ -150,7 +150,7 @@ async def _write(request: web.Request, change: Any, *args: Any, **kwargs: Any) -
                 extra={"peer": request.remote, "key_id": _actor(request)},
             )
             raise _refusal(exc) from None
-        request.app[appkeys.KEY_STORE].reload_if_changed()
+        await request.app[appkeys.KEY_STORE].reload()
     return result
 
 
