@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
 import re
+import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -589,6 +592,74 @@ def test_a_lost_connection_is_shown_over_the_figures_and_a_restart_asks_for_sign
         expect(page.locator("#signin-error")).to_contain_text("sign in again")
     finally:
         page.context.close()
+
+
+class StallingProxy:
+    """A TCP relay to the daemon that can stop relaying without closing anything: a daemon
+    stopped (SIGSTOP) or a network that drops packets without a reset, as the page sees it."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.stalled = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65_536):
+                while self.stalled.is_set():  # held, not dropped: the connection stays open
+                    time.sleep(0.05)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.stalled.clear()
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_stream_that_stalls_without_breaking_is_shown_as_lost_not_as_ready(
+    browser: Browser, box: Box
+) -> None:
+    """A stopped daemon or a silent network ends no stream (neither "error" nor "end" comes):
+    the page showed "ready" and the same figures for ever. No overview for three intervals is
+    a lost connection, said over the figures; the next overview takes it back."""
+    proxy = StallingProxy(box.daemon.port)
+    watched = _watched(browser)
+    page = watched.page
+    try:
+        page.goto(f"http://127.0.0.1:{proxy.port}/ui/")
+        page.get_by_label("API key", exact=True).fill(box.token)
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.locator("#readiness")).to_have_attribute("data-status", "ready")
+        proxy.stalled.set()
+        expect(page.locator("#notice")).to_contain_text("Lost the connection to the daemon", timeout=10_000)
+        expect(page.locator("#overview-body")).to_have_class("stale")
+        expect(page.locator("#ready-badge")).to_have_text("no figures")
+        proxy.stalled.clear()  # the held figures arrive: live again
+        expect(page.locator("#notice")).to_be_hidden(timeout=10_000)
+        expect(page.locator("#overview-body")).not_to_have_class("stale")
+        assert watched.problems() == []
+    finally:
+        page.context.close()
+        proxy.close()
 
 
 def test_a_second_page_of_the_session_takes_the_figures_and_the_first_says_so(

@@ -26,7 +26,7 @@ from edgellmctl.keys import create_key
 from edgellmctl.quickstart import write_self_signed
 from edgellmd import __version__
 from edgellmd.http.console.routes import CSP
-from edgellmd.keys import load_keys_document, save_keys_document
+from edgellmd.keys import hash_secret, load_keys_document, new_token, save_keys_document
 from edgellmd.settings import ConsoleSettings, Settings
 from tests.bare import audit_lines, everything_logged
 from tests.ggufmodels import write_tiny_audio_projector, write_tiny_projector
@@ -454,6 +454,24 @@ def test_revoking_the_key_ends_its_sessions_and_their_streams(box: Box) -> None:
         assert "no longer valid" in _read_until(stream, "end")["reason"]
     assert browser.request("GET", "/ui/api/session").json() == {"signed_in": False}
     assert browser.request("POST", "/ui/api/reload", {}).code == "session_required"
+
+
+def test_replacing_a_keys_secret_ends_the_sessions_its_old_token_opened(box: Box) -> None:
+    """The keys file's entry given a new hash (the same id: the secret rotated after a leak):
+    the old token got 401 from the API, yet the console session it opened went on (its event
+    stream, its key actions) for up to session_max_s. It ends as a revoked key's does."""
+    key_id, browser = _signed_in_new_key(box, "rotated", ["admin"])
+    with _events(browser) as stream:
+        _read_until(stream, "overview")
+        data = load_keys_document(box.keys)
+        entry = next(e for e in data["keys"] if e["id"] == key_id)
+        prefix, _, secret = new_token()[1].split("_", 2)
+        entry["hash"] = hash_secret(secret)
+        save_keys_document(box.keys, data)
+        assert "no longer valid" in _read_until(stream, "end")["reason"]
+    assert browser.request("GET", "/ui/api/session").json() == {"signed_in": False}
+    again = box.browser()
+    assert again.sign_in(f"{prefix}_{key_id}_{secret}").status == 200  # the new secret signs in
 
 
 def test_a_page_of_another_origin_of_the_same_site_cannot_take_the_stream(box: Box) -> None:

@@ -258,7 +258,7 @@ def _sign_in(store: SessionStore, limiter: SignInLimiter, settings: Settings) ->
         if earlier is not None:  # a fresh id at every sign-in: no session fixation
             store.end(earlier, SIGNED_OUT)
         session_id, session = store.create(key.id)
-        session.name, session.scopes = key.name, key.scopes
+        session.name, session.scopes, session.key_hash = key.name, key.scopes, key.hash
         audit.info("console sign-in", extra={"peer": peer, "key_id": key.id})
         response = web.json_response(
             {

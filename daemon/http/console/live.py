@@ -154,7 +154,11 @@ class Feed:
 
     def history(self) -> dict[str, Any]:
         """The whole ring, for a page that just connected."""
-        return {"interval_s": self.interval_s, "samples": [asdict(s) for s in self.samples]}
+        return {
+            "interval_s": self.interval_s,
+            "history_s": self.interval_s * (self.samples.maxlen or 0),
+            "samples": [asdict(s) for s in self.samples],
+        }
 
     def latest(self) -> dict[str, Any] | None:
         """The newest sample."""

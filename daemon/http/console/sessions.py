@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import re
 import secrets
 import time
@@ -46,6 +47,9 @@ class ConsoleSession:
     seen: float
     name: str = ""  # the key's name and scopes as the keys file says now (the front door keeps them)
     scopes: frozenset[str] = frozenset()
+    # The hash of the secret it proved: a key whose secret was replaced in the keys file (the
+    # same id, a new token) ends its sessions as a revoked one does. "": not checked.
+    key_hash: str = ""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     end_reason: str | None = None
     stream: asyncio.Event | None = None  # the stop signal of its event stream, when one runs
@@ -190,6 +194,9 @@ CONSOLE_SESSION: Final = web.RequestKey("console_session", ConsoleSession)  # se
 
 def current_key(keys: KeyStore, session: ConsoleSession) -> ApiKey | None:
     """The session's key as the keys file has it now; None once it stopped working (revoked,
-    disabled, expired or gone with a reload)."""
+    disabled, expired or gone with a reload) or its secret was replaced (the token the session
+    proved works no more)."""
     key = keys.get(session.key_id)
-    return key if key is not None and key.usable(datetime.now(UTC)) is None else None
+    if key is None or key.usable(datetime.now(UTC)) is not None:
+        return None
+    return None if session.key_hash and not hmac.compare_digest(key.hash, session.key_hash) else key

@@ -10,6 +10,8 @@
     moved: false, // another page of this session took the stream (its "replaced" end)
     samples: [],
     interval: 2,
+    history: 600, // seconds of samples kept: the daemon's console.history_s, from its history event
+    tickAt: 0, // when the last overview arrived (performance.now())
     overview: null,
     conversation: [],
     models: {}, // name -> what it reads ("text", "image", "audio"), from /ui/api/models
@@ -264,17 +266,20 @@
     source.addEventListener("history", (e) => {
       const data = JSON.parse(e.data);
       state.interval = data.interval_s;
+      state.history = data.history_s || state.history;
       state.samples = data.samples;
       drawCharts();
     });
     source.addEventListener("overview", (e) => {
+      state.tickAt = performance.now();
       found();
       const data = JSON.parse(e.data);
       state.overview = data;
       if (data.sample && (!state.samples.length || state.samples[state.samples.length - 1].t < data.sample.t)) {
         state.samples.push(data.sample);
-        const keep = Math.max(2, Math.round(600 / state.interval));
-        if (state.samples.length > keep * 2) state.samples.splice(0, state.samples.length - keep);
+        // As many as the daemon keeps (console.history_s): a page opened later sees as much.
+        const keep = Math.max(2, Math.round(state.history / state.interval));
+        if (state.samples.length > keep) state.samples.splice(0, state.samples.length - keep);
       }
       renderOverview(data);
     });
@@ -299,6 +304,19 @@
   }
 
   const RECOVER_MS = 2000;
+
+  // A stream can stall without breaking (the daemon stopped, a network that drops packets
+  // without a reset): neither "error" nor "end" comes, and a wall display showed "ready" for
+  // ever. No overview for STALE_TICKS intervals is a lost connection, said over the figures;
+  // the next overview clears it.
+  const STALE_TICKS = 3;
+  setInterval(() => {
+    if (!state.source || state.moved || state.lostAt || !state.tickAt) return;
+    if (performance.now() - state.tickAt > STALE_TICKS * state.interval * 1000) {
+      lost();
+      setBadge("no figures", "warn");
+    }
+  }, 1000);
 
   // The figures on screen are as they were when the stream broke: say so, over them.
   function lost() {
