@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 from edgellmd.engine import remote as remote_module
+from edgellmd.engine import wire
 from edgellmd.engine.config import EngineConfig, EngineError, ModelLoadError
 from edgellmd.engine.confine import landlock_abi
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
@@ -756,3 +757,14 @@ def test_a_warming_engine_counts_cpu_time_as_progress_and_a_served_one_does_not(
         assert took < 3.0
     finally:
         engine.close()
+
+
+def test_an_engine_of_other_code_than_the_daemons_says_so_and_does_not_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The package upgraded in place while the daemon ran: a restarted engine process runs the
+    new code, and the two misread each other's frames ("sent a malformed frame", a crash loop
+    with no word of why). The engine compares the daemon's code with its own first."""
+    monkeypatch.setattr(wire, "CODE", "0" * 16)
+    with pytest.raises(ModelLoadError, match="upgraded while the daemon ran"):
+        RemoteEngine(_tiny_config(tmp_path, 8), name="upgraded")

@@ -227,6 +227,7 @@ class RemoteEngine:
             wire.send(
                 parent,
                 {
+                    "code": wire.CODE,
                     "config": wire.encode_config(config),
                     "name": name,
                     "kind": kind,

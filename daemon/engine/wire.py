@@ -9,6 +9,7 @@ back (a stream's events, a generation request, the engine's configuration, the m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import struct
@@ -32,6 +33,23 @@ from edgellmd.engine.generation import (
 MAX_FRAME_BYTES: Final = 64 * 1024 * 1024  # a prompt of 32k tokens is about 200 KB of JSON
 MAX_MEDIA_POSITIONS: Final = 1 << 24  # positions one prepared image or clip may claim (a sanity bound)
 _LENGTH: Final = struct.Struct(">I")
+
+
+def _code_digest() -> str:
+    """The engine package's sources, hashed. A daemon and an engine process of different code
+    must not talk (frames one side writes the other misreads): the package upgraded in place
+    while the daemon ran starts engines of the new code."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+CODE: Final = _code_digest()
+CODE_CHANGED: Final = (
+    "the engine's code differs from the daemon's (edgellm was upgraded while the daemon ran): "
+    "restart the daemon"
+)
 
 
 class ChannelClosed(ConnectionError):

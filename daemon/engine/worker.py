@@ -413,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sock = socket.socket(fileno=int(args[0]))
     hello = wire.recv(sock)
+    if hello.get("code") != wire.CODE:  # before anything else of the hello is read
+        wire.send(sock, {"op": "load_error", "message": wire.CODE_CHANGED})
+        return 1
     config = wire.decode_config(hello["config"], EngineConfig)
     confined = confine(
         _model_files(config),
