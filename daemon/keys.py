@@ -307,6 +307,10 @@ def read_keys_data(path: Path) -> object:
         return yaml.load(text, Loader=_SAFE_LOADER)  # noqa: S506 - a safe loader, libyaml's where built
     except yaml.YAMLError as exc:
         raise KeysFileError(f"{path}: YAML syntax error: {exc}") from None
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+        # Well-formed YAML whose value PyYAML cannot build: a date that does not exist
+        # (2027-02-30, month 13), a malformed !!timestamp or !!float.
+        raise KeysFileError(f"{path}: a value YAML cannot read ({type(exc).__name__}: {exc})") from None
 
 
 def read_keys_file(path: Path) -> dict[str, ApiKey]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +27,7 @@ from edgellmctl.keys import create_key
 from edgellmd.engine.generation import Running
 from edgellmd.http import appkeys
 from edgellmd.http.auth import setup_admin_networks, setup_auth
-from edgellmd.keys import KeysFileError, KeyStore
+from edgellmd.keys import RELOAD_INTERVAL_S, KeysFileError, KeyStore
 from tests.bare import AuditLine, audit_lines, bare_app, error_of, everything_logged, route_all
 
 PEER: Final = "127.0.0.1"  # where the test client connects from
@@ -427,6 +428,7 @@ async def test_the_keys_file_is_read_when_the_app_starts(
         pytest.param(lambda p: os.chmod(p, 0o644), "chmod 600", id="readable-by-others"),
         pytest.param(lambda p: p.unlink(), "cannot read", id="missing"),
         pytest.param(lambda p: p.write_text("keys: [oops"), "YAML syntax error", id="not-yaml"),
+        pytest.param(lambda p: p.write_text("keys: []\nx: 2027-02-30\n"), "cannot read", id="bad-date"),
     ],
 )
 async def test_a_keys_file_that_cannot_be_used_stops_the_start(
@@ -444,6 +446,44 @@ async def test_a_keys_file_that_cannot_be_used_stops_the_start(
             await runner.setup()  # the app's start-up: it never serves with keys it cannot read
     finally:
         await runner.cleanup()
+
+
+async def test_a_keys_file_yaml_cannot_build_is_refused_and_later_revocations_still_bite(
+    aiohttp_client: AiohttpClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A date that does not exist (`expires: 2027-02-30T00:00:00Z`) is well-formed YAML that
+    PyYAML cannot build: the ValueError escaped the reload and ended the keys watch without a
+    word, so every later revocation was ignored until a restart. The file is refused, the
+    keys in force stay, and the next good file is read."""
+    path = tmp_path / "keys.yaml"
+    victim_id, victim = create_key(path, "victim", ["inference"], limits={})
+    app = bare_app()
+    app[appkeys.GENERATIONS] = Running()
+    route_all(app, PATHS)
+    setup_auth(app, path)
+    client = await aiohttp_client(app)
+    bearer = {"Authorization": f"Bearer {victim}"}
+    assert (await client.get("/v1/models", headers=bearer)).status == 200
+    good = path.read_text()
+
+    def replace_file(text: str) -> None:
+        tmp = tmp_path / "keys.new"
+        tmp.write_text(text)
+        tmp.chmod(0o600)
+        tmp.rename(path)
+
+    with caplog.at_level(logging.ERROR):
+        replace_file(good.replace("created:", "expires: 2027-02-30T00:00:00Z\n  created:", 1))
+        await asyncio.sleep(4 * RELOAD_INTERVAL_S)
+    assert "keys file change rejected" in caplog.text
+    assert "day is out of range for month" in caplog.text
+    assert (await client.get("/v1/models", headers=bearer)).status == 200  # the last good keys
+    replace_file(good.replace("disabled: false", "disabled: true", 1))
+    deadline = time.monotonic() + 10
+    while (await client.get("/v1/models", headers=bearer)).status != 401:
+        assert time.monotonic() < deadline, "the revocation never bit: the keys watch is gone"
+        await asyncio.sleep(0.1)
+    assert victim_id not in app[appkeys.KEY_STORE].in_force(datetime.now(UTC))[0]
 
 
 # ---- admin networks -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from edgellmd.api.context import CALLER, KEYS_GONE, TRACE, Caller
 from edgellmd.api.pool import POOL_TENANT
-from edgellmd.engine.generation import KEY_REVOKED
+from edgellmd.engine.generation import KEY_REVOKED, Running
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
 from edgellmd.host.traces import now_ns
 from edgellmd.http import appkeys
@@ -139,46 +139,64 @@ async def watch_keys(app: web.Application, store: KeyStore) -> None:
     is cleared in every engine, and its stored responses go.
     """
     running = app[appkeys.GENERATIONS]
-    ids, scopes = store.in_force(datetime.now(UTC))
+    in_force = store.in_force(datetime.now(UTC))
+    failing = ""  # the last check's error, logged once until another comes or a check passes
     while True:
         await asyncio.sleep(RELOAD_INTERVAL_S)
-        before = store.ids()
-        if await store.reload():
-            after = store.ids()
-            audit.info(
-                "keys file changed: %d key(s), %d added, %d removed",
-                len(after),
-                len(after - before),
-                len(before - after),
-                extra={"peer": None, "key_id": None},
-            )
-        gone = unusable(store, running.key_ids())
-        if gone:
-            ended = running.abort_keys(gone, KEY_REVOKED)
-            for key_id in sorted(gone):
-                audit.warning(
-                    "key no longer valid: its running requests were ended",
-                    extra={"peer": None, "key_id": key_id},
+        try:
+            in_force = await _check_keys(app, store, running, in_force)
+        except Exception as exc:  # the watch outlives any one check: revocations ride on it
+            if repr(exc) != failing:
+                log.exception(
+                    "the keys file's check failed; it is tried again every %.1f s", RELOAD_INTERVAL_S
                 )
-            log.info("ended %d request(s) of %d key(s) that are no longer valid", ended, len(gone))
-        now_ids, now_scopes = store.in_force(datetime.now(UTC))
-        forget_ids, forget_scopes = ids - now_ids, scopes - now_scopes
-        ids_before, ids, scopes = ids, now_ids, now_scopes
-        if forget_scopes:
-            registry = app.get(appkeys.REGISTRY)
-            for handle in registry.ready_handles() if registry is not None else ():
-                handle.engine.forget_scopes(forget_scopes)
-        for key_id in sorted(forget_ids):
-            audit.info(
-                "key no longer in force: revoked, disabled, expired or removed",
+            failing = repr(exc)
+        else:
+            failing = ""
+
+
+async def _check_keys(
+    app: web.Application, store: KeyStore, running: Running, in_force: tuple[set[str], set[str]]
+) -> tuple[set[str], set[str]]:
+    """One look at the keys file (see watch_keys); the ids and scopes in force now."""
+    ids, scopes = in_force
+    before = store.ids()
+    if await store.reload():
+        after = store.ids()
+        audit.info(
+            "keys file changed: %d key(s), %d added, %d removed",
+            len(after),
+            len(after - before),
+            len(before - after),
+            extra={"peer": None, "key_id": None},
+        )
+    gone = unusable(store, running.key_ids())
+    if gone:
+        ended = running.abort_keys(gone, KEY_REVOKED)
+        for key_id in sorted(gone):
+            audit.warning(
+                "key no longer valid: its running requests were ended",
                 extra={"peer": None, "key_id": key_id},
             )
-        for key_id in sorted(now_ids - ids_before):
-            audit.info("key in force", extra={"peer": None, "key_id": key_id})
-        if forget_ids:
-            for drop in app.get(KEYS_GONE, []):
-                drop(forget_ids)
-            log.info("dropped the cached state of %d key(s) no longer in force", len(forget_ids))
+        log.info("ended %d request(s) of %d key(s) that are no longer valid", ended, len(gone))
+    now_ids, now_scopes = store.in_force(datetime.now(UTC))
+    forget_ids, forget_scopes = ids - now_ids, scopes - now_scopes
+    if forget_scopes:
+        registry = app.get(appkeys.REGISTRY)
+        for handle in registry.ready_handles() if registry is not None else ():
+            handle.engine.forget_scopes(forget_scopes)
+    for key_id in sorted(forget_ids):
+        audit.info(
+            "key no longer in force: revoked, disabled, expired or removed",
+            extra={"peer": None, "key_id": key_id},
+        )
+    for key_id in sorted(now_ids - ids):
+        audit.info("key in force", extra={"peer": None, "key_id": key_id})
+    if forget_ids:
+        for drop in app.get(KEYS_GONE, []):
+            drop(forget_ids)
+        log.info("dropped the cached state of %d key(s) no longer in force", len(forget_ids))
+    return now_ids, now_scopes
 
 
 def _credentials(request: web.Request) -> str | None:

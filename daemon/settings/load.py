@@ -88,8 +88,10 @@ def _read_yaml(path: Path) -> tuple[object, list[str]]:
         return None, [f"{where}: {kind}{at}: {reason}"]
     except yaml.YAMLError as exc:
         return None, [f"{where}: YAML error: {_show_reason(str(exc).splitlines()[0])}"]
-    except ValueError:  # an integer literal past sys.get_int_max_str_digits()
-        return None, [f"{where}: YAML error: a number literal is too large"]
+    except (ValueError, TypeError, AttributeError) as exc:
+        # Well-formed YAML whose value PyYAML cannot build: an integer literal past
+        # sys.get_int_max_str_digits(), a date that does not exist (2027-02-30), a bad !!timestamp.
+        return None, [f"{where}: YAML error: a value YAML cannot read ({_show_reason(str(exc))})"]
     except RecursionError:
         return None, [f"{where}: YAML error: nested too deeply"]
     if data is None:
