@@ -491,3 +491,11 @@ def test_a_jpegs_scans_are_counted_by_its_markers_and_a_flood_of_them_is_refused
     with pytest.raises(MediaError, match=f"more than {MAX_JPEG_SCANS} progressive scans"):
         decode_image(flood, "jpeg", LIMITS)
     assert jpeg_scans(plain[:40]) <= 1  # a cut file stops the count; Pillow says what is wrong
+    # Bytes libjpeg skips between segments (it warns and reads on): the walk skips them too.
+    # A stray byte, or a stuffed FF00, before the first scan hid every scan from it.
+    first = flood.index(b"\xff\xda")
+    for stray in (b"\x00", b"junk", b"\xff\x00", b"\xff\xff\x00\x01"):
+        hidden = flood[:first] + stray + flood[first:]
+        assert jpeg_scans(hidden) == MAX_JPEG_SCANS + 1, stray
+        with pytest.raises(MediaError, match="progressive scans"):
+            decode_image(hidden, "jpeg", LIMITS)

@@ -97,27 +97,38 @@ _JPEG_NO_LENGTH: Final = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM, RST0-7: n
 
 def jpeg_scans(data: bytes, limit: int = MAX_JPEG_SCANS) -> int:
     """How many scans (SOS markers) a JPEG holds, counted up to `limit` + 1, by walking its
-    markers: segment lengths are skipped (an EXIF thumbnail's own markers are not counted),
-    and a scan's entropy-coded data runs to the next marker that is neither a stuffed 0xFF00
-    nor a restart. A file that is not well formed stops the count (Pillow says what is wrong)."""
+    markers as libjpeg finds them (`next_marker`): between segments, bytes that are not 0xFF
+    and stuffed 0xFF00 pairs are skipped (libjpeg warns and reads on), fill bytes swallowed;
+    a segment's length is skipped (an EXIF thumbnail's markers are not counted); a scan's
+    entropy-coded data runs to the next 0xFF that is neither stuffing (00), a restart nor a
+    fill byte. A file cut short stops the count (Pillow says what is wrong with it)."""
     pos, scans, end = 2, 0, len(data)  # past SOI
-    while pos + 1 < end and scans <= limit:
-        if data[pos] != 0xFF:
-            break
+    while scans <= limit:
+        # The next marker: libjpeg's next_marker.
+        while True:
+            pos = data.find(b"\xff", pos)
+            if pos < 0:
+                return scans
+            while pos + 1 < end and data[pos + 1] == 0xFF:  # fill bytes
+                pos += 1
+            if pos + 1 >= end:
+                return scans
+            if data[pos + 1] != 0:
+                break
+            pos += 2  # a stuffed zero outside a scan: discarded
         marker = data[pos + 1]
-        if marker == 0xFF:  # a fill byte before a marker
-            pos += 1
-            continue
+        pos += 2
         if marker == _JPEG_EOI:
-            break
+            return scans
         if marker in _JPEG_NO_LENGTH:
-            pos += 2
             continue
-        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if pos + 2 > end:
+            return scans
+        pos += int.from_bytes(data[pos : pos + 2], "big")
         if marker != _JPEG_SOS:
             continue
         scans += 1
-        while (pos := data.find(b"\xff", pos)) >= 0 and pos + 1 < end:
+        while (pos := data.find(b"\xff", pos)) >= 0 and pos + 1 < end:  # the scan's data
             following = data[pos + 1]
             if following == 0 or following in _JPEG_NO_LENGTH:
                 pos += 2  # a stuffed byte or a restart: still the scan's data
@@ -126,7 +137,7 @@ def jpeg_scans(data: bytes, limit: int = MAX_JPEG_SCANS) -> int:
             else:
                 break  # the next marker
         else:
-            break
+            return scans
     return scans
 
 
