@@ -768,3 +768,32 @@ def test_an_engine_of_other_code_than_the_daemons_says_so_and_does_not_load(
     monkeypatch.setattr(wire, "CODE", "0" * 16)
     with pytest.raises(ModelLoadError, match="upgraded while the daemon ran"):
         RemoteEngine(_tiny_config(tmp_path, 8), name="upgraded")
+
+
+def test_a_restart_into_other_code_fails_the_model_at_once_saying_to_restart_the_daemon(
+    pair: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retried with backoff like a crash, the model read "restarting" for minutes, a state
+    no restart could leave: it is failed at once, with the reason, until the daemon restarts
+    (or an operator loads it once the code matches again)."""
+    wait_for(lambda: _ready(pair, "right"), what="the model")
+    assert pair.app is not None
+    registry = pair.app[appkeys.REGISTRY]
+    stops = registry.engine_stops["right"]
+    monkeypatch.setattr(wire, "CODE", "0" * 16)  # the daemon's code, as the new engine sees it
+    os.kill(_engine(pair, "right").pid, signal.SIGKILL)
+
+    def failed() -> dict[str, Any] | None:
+        model = next(m for m in pair.get("/admin/status")[1]["models"] if m["name"] == "right")
+        return model if model["state"] == "failed" else None
+
+    shown: dict[str, Any] = wait_for(failed, what="the model failed")
+    assert "restart the daemon" in shown["reason"]
+    assert shown["last_engine_stop"]["action"] == "not restarted: restart the daemon"
+    time.sleep(1.0)  # past the backoff: nothing was tried again
+    assert registry.engine_stops["right"] == stops + 1
+    assert failed() is not None
+    monkeypatch.undo()
+    status, body = pair.post("/admin/models/right/load", {})
+    assert status == 200, body
+    wait_for(lambda: _ready(pair, "right"), what="the model back")

@@ -36,12 +36,14 @@ _LENGTH: Final = struct.Struct(">I")
 
 
 def _code_digest() -> str:
-    """The engine package's sources, hashed. A daemon and an engine process of different code
-    must not talk (frames one side writes the other misreads): the package upgraded in place
-    while the daemon ran starts engines of the new code."""
+    """The daemon package's sources, hashed (the engine process imports more than `engine/`).
+    A daemon and an engine process of different code must not talk (frames one side writes the
+    other misreads): the package upgraded in place while the daemon ran starts engines of the
+    new code."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = Path(__file__).parent.parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 

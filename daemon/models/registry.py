@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from edgellmd.engine import BuildInfo, EngineError, build
+from edgellmd.engine import BuildInfo, EngineError, build, wire
 from edgellmd.engine.remote import RemoteEngine
 from edgellmd.errors import ApiError, ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.gpu import GpuSnapshot
@@ -806,9 +806,23 @@ class Registry:
     def _restart_failed(self, entry: _Entry, reason: str) -> None:
         """A restart's load failed: its engine died again as it loaded (killed, out of memory,
         crashed while warming). One more stop, tried again after the backoff until the breaker
-        trips; never failed for good after one counted stop."""
+        trips; never failed for good after one counted stop. Except an engine of other code
+        than the daemon's (the package upgraded while it ran): no restart helps but the
+        daemon's own, so the model fails at once, saying so."""
         if entry.state is ModelState.FAILED and entry.handle is None:
             entry.restart = None  # this task ends; the next stop's restart is another
+            if wire.CODE_CHANGED in reason:
+                name, action = entry.settings.name, "not restarted: restart the daemon"
+                self.engine_restarts[name, "restart_failed"] += 1
+                entry.error = f"the restart failed: {reason}"
+                entry.last_stop = EngineStop(time.time(), entry.error, action)
+                log.error("model %s: %s; %s", name, entry.error, action)
+                audit.warning(
+                    "engine of model %s stopped: %s; %s", name, entry.error, action, extra={"model": name}
+                )
+                self._drop_restart_copy(entry)
+                self._notify("model_stopped", [])
+                return
             self._count_stop(entry, f"the restart failed: {reason}", "restart_failed")
 
     def _cancel_restart(self, entry: _Entry) -> None:
