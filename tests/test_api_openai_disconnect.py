@@ -167,4 +167,13 @@ def test_a_request_that_makes_no_progress_is_ended(tmp_path_factory: pytest.Temp
         while engine.queue_depth and time.monotonic() < deadline:  # it leaves at the next step
             time.sleep(0.01)
         assert engine.queue_depth == 0
+        # Streamed, the same: the deadline held only after the headers' 10 s wait, so a stream
+        # queued past it was a 200 and a late reply.
+        started = time.monotonic()
+        status, body = daemon.post(
+            "/v1/completions", {"model": "slow", "prompt": "wait", "max_tokens": 5, "stream": True}
+        )
+        assert status == 504, body
+        assert body["error"]["code"] == "timeout"
+        assert 0.9 <= time.monotonic() - started < 3.0
         blocker.close()

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from edgellmd.api.session import Session
 from edgellmd.engine.generation import NoProgress
+from edgellmd.errors import GenerationTimeout
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,15 @@ async def sse(
     `on_no_progress`; `done` (OpenAI's `[DONE]`) ends every stream that was not cut.
     """
     response = web.StreamResponse(headers=headers)
-    waited = await session.queue_wait(STREAM_HEADERS_WAIT_S)
+    # A progress deadline shorter than the wait for headers holds for the wait as well: a stream
+    # still queued past it is a 504, as a request not streamed is (it was a 200 and a late reply).
+    deadline = min(STREAM_HEADERS_WAIT_S, session.idle_timeout)
+    waited = await session.queue_wait(deadline)
     refused = session.refused()  # shed before it started: a 429, not a stream
     if refused is not None:
         raise refused
+    if waited is None and deadline < STREAM_HEADERS_WAIT_S:
+        raise GenerationTimeout("the model made no progress in time")
     if waited is not None:
         response.headers["x-queue-ms"] = str(round(waited * 1000))
     await response.prepare(request)

@@ -427,7 +427,7 @@ class ServerSettings:
     progress_timeout_s: float = setting(
         300.0,
         "a request that gets no token (or no slot) for this long is ended: 504",
-        more="(an error event when streaming)",
+        more="(a stream whose headers went out, after at most 10 s of waiting for a slot: an error event)",
     )
     max_connections: int = setting(1024, "connections beyond this are closed at once", bounds=CONNECTIONS)
     # One address may hold a quarter of the global cap: room for an app server's pool of a few
