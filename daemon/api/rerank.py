@@ -19,9 +19,8 @@ from aiohttp import web
 from edgellmd.api.context import TOKENS_USED, USER_TAG, context, tenant
 from edgellmd.api.fields import Fields, reject_unknown, unsupported
 from edgellmd.api.jsontext import read_json_object
-from edgellmd.api.ledger import account
-from edgellmd.api.session import on_restarted, user_tag
-from edgellmd.errors import EngineFailed, InvalidRequest
+from edgellmd.api.session import pooled_call, user_tag
+from edgellmd.errors import InvalidRequest
 
 MAX_RERANK_DOCUMENTS: Final = 1000  # documents per request (Cohere's advice for its own API)
 # Tokens of every query-document pair of one request together: the work one request may ask
@@ -130,15 +129,7 @@ async def rerank(request: web.Request) -> web.Response:
             )
         request[TOKENS_USED] = n_tokens
         whose = tenant(request)
-        try:
-            try:
-                scores = await handle.rank(pairs, tenant=whose)
-            except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
-                scores = await on_restarted(request, handle, lambda fresh: fresh.rank(pairs, tenant=whose))
-        finally:
-            # Counted whatever came of it (an error, a client gone half-way): the model did the work.
-            ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)
-            await account(request, handle.name, n_tokens, 0)
+        scores = await pooled_call(request, handle, n_tokens, lambda model: model.rank(pairs, tenant=whose))
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: body.top_n]
     results: list[dict[str, Any]] = []
     for i in order:

@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from aiohttp import web
 
@@ -612,6 +612,59 @@ def aborted(reason: str | None) -> ApiError | None:
     if reason == QUEUE_TIMEOUT:
         return ServerOverloaded(QUEUE_TIMEOUT, headers={"Retry-After": RETRY_AFTER_BUSY_S})
     return None
+
+
+class PooledCall:
+    """An embedding or rerank call in flight, among the running requests (`Running`): a revoked
+    key's call and the drain's past its deadline end as a generation's do."""
+
+    def __init__(self, work: asyncio.Task[Any]) -> None:
+        self.work = work
+        self.reason: str | None = None  # why it was ended from outside (KEY_REVOKED, SHUTTING_DOWN)
+
+    def abort(self, reason: str) -> None:
+        if self.reason is None and not self.work.done():
+            self.reason = reason
+            self.work.cancel()
+
+
+async def pooled_call(
+    request: web.Request, handle: ModelHandle, n_tokens: int, work: Callable[[ModelHandle], Awaitable[T]]
+) -> T:
+    """Run an embedding or rerank call of `n_tokens` on `handle` (once more on the restarted
+    engine if its engine stopped), as one of the running requests: a key revoked meanwhile ends
+    it with 401, the drain past its deadline with 503. Charged (ledger, tpm, metrics) whatever
+    came of it, an error or a client gone half-way, as tpm counted it already; except a call
+    refused before it started (429: the model saturated), which computed nothing."""
+    ctx = context(request)
+    check_key_still_valid(request)  # revoked while its inputs were tokenized
+    caller = request.get(CALLER)
+
+    async def run() -> T:
+        try:
+            return await work(handle)
+        except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
+            return await on_restarted(request, handle, work)
+
+    task = asyncio.ensure_future(run())
+    call = PooledCall(task)
+    ctx.generations.add(call, caller.key_id if caller is not None else None)
+    charged = n_tokens
+    try:
+        return await task
+    except ServerOverloaded:
+        charged = 0
+        raise
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        cut = aborted(call.reason) if call.reason is not None else None
+        if cut is not None and (current is None or not current.cancelling()):
+            raise cut from None
+        raise
+    finally:
+        ctx.generations.discard(call)
+        ctx.metrics.prompt_tokens.labels(handle.name, handle.name).inc(charged)
+        await account(request, handle.name, charged, 0)
 
 
 async def on_restarted(

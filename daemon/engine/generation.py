@@ -414,24 +414,31 @@ class HeldLogprobs:
         return tuple(lp for _, lp in held) if keep else ()
 
 
+class Abortable(Protocol):
+    """What a running request is ended through: a generation, or an embedding or rerank call."""
+
+    def abort(self, reason: str) -> None: ...
+
+
 class Running:
-    """The generations requests are consuming now, with the API key each runs for, so that a
-    shutdown can wait for them or end them, and a revoked key's can be ended at once."""
+    """The generations requests are consuming now (and their embedding and rerank calls), with
+    the API key each runs for, so that a shutdown can wait for them or end them, and a revoked
+    key's can be ended at once."""
 
     def __init__(self) -> None:
-        self._items: dict[Generation, str | None] = {}
+        self._items: dict[Abortable, str | None] = {}
         self._empty = asyncio.Event()
         self._empty.set()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, gen: Generation, key_id: str | None = None) -> None:
+    def add(self, gen: Abortable, key_id: str | None = None) -> None:
         """A request (authenticated by `key_id`, if any) started consuming `gen`."""
         self._items[gen] = key_id
         self._empty.clear()
 
-    def discard(self, gen: Generation) -> None:
+    def discard(self, gen: Abortable) -> None:
         """The request is done with `gen`."""
         self._items.pop(gen, None)
         if not self._items:

@@ -15,7 +15,6 @@ from aiohttp import web
 
 from edgellmd.api.context import TOKENS_USED, TRACE, USER_TAG, context, tenant, token_limits
 from edgellmd.api.jsontext import read_json_object
-from edgellmd.api.ledger import account
 from edgellmd.api.openai.audio import PATH as TRANSCRIPTIONS
 from edgellmd.api.openai.audio import transcriptions
 from edgellmd.api.openai.decode import (
@@ -27,8 +26,8 @@ from edgellmd.api.openai.decode import (
 )
 from edgellmd.api.openai.encode import Shape, collect, stream
 from edgellmd.api.request import ChatRequest, Limits
-from edgellmd.api.session import chat_session, generation_session, on_restarted, user_tag
-from edgellmd.errors import EngineFailed, ModelNotFound, ServiceUnavailable, shown
+from edgellmd.api.session import chat_session, generation_session, pooled_call, user_tag
+from edgellmd.errors import ModelNotFound, ServiceUnavailable, shown
 from edgellmd.host.traces import now_ns
 from edgellmd.models.handle import ModelHandle
 
@@ -136,16 +135,9 @@ async def embeddings(request: web.Request) -> web.Response:
         inputs = [await handle.text_prompt(item, param="input") for item in body.inputs]
         request[TOKENS_USED] = n_tokens = sum(len(t) for t in inputs)
         whose = tenant(request)
-        try:
-            try:
-                vectors = await handle.embed(inputs, tenant=whose)
-            except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
-                vectors = await on_restarted(request, handle, lambda fresh: fresh.embed(inputs, tenant=whose))
-        finally:
-            # Counted whatever came of it (an error, a client gone half-way), as tpm counted it
-            # already: the ledger and the rate limit agree, as for rerank.
-            context(request).metrics.prompt_tokens.labels(handle.name, handle.name).inc(n_tokens)
-            await account(request, handle.name, n_tokens, 0)
+        vectors = await pooled_call(
+            request, handle, n_tokens, lambda model: model.embed(inputs, tenant=whose)
+        )
     return web.json_response(
         {
             "object": "list",
