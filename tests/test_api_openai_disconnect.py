@@ -11,7 +11,7 @@ import pytest
 
 from edgellmd.http import appkeys
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, running, settings_for, wait_for
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
 pytestmark = pytest.mark.slow
@@ -136,6 +136,40 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_freed(
         assert engine.finished["cancelled"] == 1, dict(engine.finished)
         assert engine.finished["length"] == warm_up.get("length", 0)
         assert engine.tokens_generated < 4000
+        sock.close()
+
+
+def test_a_short_stream_whose_client_never_reads_is_cut_at_its_end(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A stream shorter than aiohttp's 64 KiB write buffer never waits for its client until the
+    end: the last write waited for a client that never reads, without a deadline, holding the
+    connection and its handler (a running request: the drain waited for it) until the client
+    closed. It is cut after stream_write_timeout_s, as a long stream is."""
+    path = write_tiny_model(tmp_path_factory.mktemp("short") / "m.gguf", TinyModelSpec(seed=9))
+    settings = settings_for(
+        [{"name": "m", "file": str(path), "slots": 1, "context_size": 512, "threads": 1}],
+        server={"stream_write_timeout_s": 1.0},
+    )
+    with running(settings) as daemon:
+        assert daemon.app is not None
+        running_requests = daemon.app[appkeys.GENERATIONS]
+        daemon.shrink_send_buffers(4096)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.connect(("127.0.0.1", daemon.port))
+        payload = json.dumps(
+            {"model": "m", "prompt": "go", "max_tokens": 450, "stream": True, "ignore_eos": True}
+        ).encode()
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        wait_for(lambda: len(running_requests) == 1, what="the stream running")
+        started = time.monotonic()
+        wait_for(lambda: len(running_requests) == 0, what="the stream cut", timeout=10)
+        assert time.monotonic() - started < 5
         sock.close()
 
 

@@ -86,7 +86,10 @@ async def sse(
             await write(on_no_progress)
         if done is not None:
             await write(done)
-        await response.write_eof()
+        # aiohttp waits for the client only past 64 KiB unsent, and at the end: a short stream's
+        # reader that never reads held the connection and its handler here until it closed.
+        async with asyncio.timeout(write_timeout):
+            await response.write_eof()
     except ConnectionResetError:
         # The client went away mid-stream; the caller frees the slot. Nothing to answer.
         log.info("client disconnected mid-stream")
