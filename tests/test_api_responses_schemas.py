@@ -199,6 +199,10 @@ def test_only_hosted_tools_is_a_plain_answer_unless_a_call_is_forced() -> None:
         "a": "b",
         "edgellm_tools_left_out": "tools this server cannot run were left out: code_interpreter, web_search",
     }
+    # Metadata already holding OpenAI's 16 keys: a 17th (the note) is more than a client may
+    # send back, so the note is left out.
+    full = {f"k{i}": "v" for i in range(16)}
+    assert _parse(input="hi", tools=[{"type": "web_search"}], metadata=full).echo["metadata"] == full
     with pytest.raises(UnsupportedParameter) as caught:
         _parse(input="hi", tools=[{"type": "web_search"}], tool_choice="required")
     assert caught.value.param == "tool_choice"

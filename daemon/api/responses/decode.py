@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 from edgellmd.api.fields import (
+    MAX_METADATA_KEYS,
     MAX_METADATA_VALUE_CHARS,
     Fields,
     metadata_object,
@@ -755,8 +756,10 @@ def parse_responses(data: Mapping[str, Any], limits: Limits) -> ResponsesRequest
 
 
 def _left_out(metadata: dict[str, str], left_out: list[str]) -> dict[str, str]:
-    """The response's metadata, with a note of the hosted tools given and not served."""
-    if not left_out:
+    """The response's metadata, with a note of the hosted tools given and not served, where it
+    has room: a 17th key is more than OpenAI allows, and a client sending the metadata back
+    (or to OpenAI) would be refused."""
+    if not left_out or len(metadata) >= MAX_METADATA_KEYS:
         return metadata
     note = "tools this server cannot run were left out: " + ", ".join(sorted(set(left_out)))
     return {**metadata, DROPPED_TOOLS_KEY: note[:MAX_METADATA_VALUE_CHARS]}
