@@ -121,7 +121,6 @@ class Session:
     write_timeout: float
     tools: tuple[str, ...] | None = None  # function names, when the reply is tool-call JSON
     reasoning_open: bool = False  # the prompt left the model inside its thinking tags
-    stop_strings: tuple[str, ...] = field(default=())
     # Choice i's generation again on the restarted engine, for one its engine's stop ended
     # before any token (it was still queued); when none is: the error that ends the choice.
     replay: Callable[[int], Awaitable[Generation | str]] | None = None
@@ -504,7 +503,6 @@ async def generation_session(
                 len(tokens),
                 server.progress_timeout_s,
                 server.stream_write_timeout_s,
-                stop_strings=common.stop,
                 replay=replay,
                 queue_waits=request.setdefault(QUEUE_WAITS, []),
                 settle=settle,
