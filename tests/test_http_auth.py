@@ -722,6 +722,4 @@ async def test_a_large_keys_file_is_parsed_off_the_event_loop(tmp_path: Path) ->
     assert len(store) == 4000
     assert next(k.name for k in [store.get(f"{0:012x}")] if k is not None) == "key 0 (2)"
     assert blocked > 0.05, f"the parse took {blocked:.3f} s: too short to show anything"
-    # libyaml composes the document holding the GIL (about a quarter of the parse); the rest,
-    # building and checking the keys, lets the loop run between its steps.
-    assert gap < blocked / 2, (gap, blocked)
+    assert gap < blocked / 4, (gap, blocked)
