@@ -373,6 +373,12 @@ def test_a_request_of_known_timing_lands_in_the_right_buckets(
         (ChoiceFigures(0.0, 1, "stop", 101.0), True),  # one token: its first decides
         (ChoiceFigures(0.0, 5, "stop", 101.01), False),  # the first token a shade late
         (ChoiceFigures(0.0, 0, "error", None), False),  # never started
+        (ChoiceFigures(0.0, 1, "length", 101.0), True),  # cut at max_tokens: served whole
+        # Fast tokens, then its engine died, its client left, or the drain cut it: served in
+        # part, no goodput (all were counted met).
+        (ChoiceFigures(0.0, 1, "error", 101.0), False),
+        (ChoiceFigures(0.0, 1, "cancelled", 101.0), False),
+        (ChoiceFigures(0.0, 1, "abort", 101.0), False),
     ],
 )
 def test_slo_of_one_choice(choice: ChoiceFigures, met: bool) -> None:

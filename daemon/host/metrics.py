@@ -104,6 +104,11 @@ class TokenTiming:
         self._tokens, self._last = total, now
 
 
+# The finishes of a choice that was served whole (`edgellm_request_success_total`'s
+# `finished_reason`): only these can meet the SLO.
+SERVED_REASONS: Final = frozenset({"stop", "length"})
+
+
 @dataclass(frozen=True, slots=True)
 class ChoiceFigures:
     """How one choice of a finished request went, for the per-request histograms."""
@@ -122,8 +127,11 @@ class Slo:
     tokens_per_s: float = 5.0
 
     def met(self, arrived: float, ended: float, choice: ChoiceFigures) -> bool:
-        """First token within `ttft_s` of the arrival, and the rest at `tokens_per_s` or faster
-        until the request `ended` (a choice's own last token is not timed apart from its end)."""
+        """Finished whole (stop or length: not an error, shed, cancelled or cut short), its first
+        token within `ttft_s` of the arrival, and the rest at `tokens_per_s` or faster until the
+        request `ended` (a choice's own last token is not timed apart from its end)."""
+        if choice.finish_reason not in SERVED_REASONS:  # fast tokens then an error are no goodput
+            return False
         if choice.first_at is None or choice.first_at - arrived > self.ttft_s:
             return False
         after_first = choice.completion_tokens - 1
