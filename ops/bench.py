@@ -206,6 +206,8 @@ async def one_request(
     except ValueError:  # a chunk that is not JSON, or a line past aiohttp's line limit
         return RequestResult(tally.ttft_s, time.perf_counter() - started, tally.tokens, BAD_STREAM)
     latency = time.perf_counter() - started
+    if tally.error is not None:  # an error event, then [DONE]: no success
+        return RequestResult(tally.ttft_s, latency, tally.tokens, tally.error)
     if not tally.done:
         return RequestResult(tally.ttft_s, latency, tally.tokens, TRUNCATED)
     return RequestResult(tally.ttft_s, latency, tally.tokens, text="".join(tally.parts), speed=tally.speed)

@@ -137,6 +137,10 @@ class StreamTally:
     speed: Speed | None = None
     chunk_times: list[float] = field(default_factory=list)  # when each text chunk arrived
     prompt_tokens: int | None = None  # the server's usage figure, when it sent one
+    # The stream's error event (`{"error": {...}}`: shed, its engine died, a timeout, the drain),
+    # as `error_label` names an error answer: a stream that ends with one did not succeed,
+    # though `[DONE]` follows it.
+    error: str | None = None
 
     def feed(self, data: bytes, now: float) -> None:
         """Account for one event's data; raises ValueError for data that is not JSON."""
@@ -144,6 +148,11 @@ class StreamTally:
             self.done = True
             return
         chunk = json.loads(data)
+        failed = chunk.get("error") if isinstance(chunk, dict) else None
+        if failed is not None and self.error is None:
+            kind = failed.get("type") if isinstance(failed, dict) else None
+            shown = kind if isinstance(kind, str) and kind.isprintable() and 0 < len(kind) <= 64 else "error"
+            self.error = f"stream {shown}"
         usage = chunk.get("usage") if isinstance(chunk, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.usage_tokens = usage["completion_tokens"]

@@ -194,7 +194,10 @@ def met(r: Served, slo: Slo) -> bool:
     daemon's own arithmetic for `edgellm_request_slo_total`, on the client's clock)."""
     if r.error is not None:
         return False
-    seen = ChoiceFigures(queue_s=0.0, completion_tokens=r.output_tokens, finish_reason="", first_at=r.ttft_s)
+    # No error: it ended whole (its own `[DONE]`, no error event), as `stop` or `length` does.
+    seen = ChoiceFigures(
+        queue_s=0.0, completion_tokens=r.output_tokens, finish_reason="stop", first_at=r.ttft_s
+    )
     return DaemonSlo(slo.ttft_s, slo.tokens_per_s).met(0.0, r.e2e_s, seen)
 
 
@@ -225,6 +228,10 @@ class Stage:
     tpot_s: dict[str, float | None]
     e2e_s: dict[str, float | None]
     queue_s: dict[str, float | None]  # all None when the server does not say
+    # Of the successful requests, those whose wait the server said (`x-queue-ms` comes with a
+    # stream's headers, which wait at most 10 s for the first token: past that, no figure, and
+    # the percentiles leave those out, the longest waits).
+    queue_figures: int
     mean_prompt_tokens: float | None  # the server's usage figures, when given
     mean_output_tokens: float | None
     max_late_s: float
@@ -258,6 +265,7 @@ def summarize_stage(
         tpot_s=_quantiles([t for r in ok if (t := r.tpot_s) is not None]),
         e2e_s=_quantiles([r.e2e_s for r in ok]),
         queue_s=_quantiles([r.queue_s for r in ok if r.queue_s is not None]),
+        queue_figures=sum(1 for r in ok if r.queue_s is not None),
         mean_prompt_tokens=sum(prompts) / len(prompts) if prompts else None,
         mean_output_tokens=tokens / len(ok) if ok else None,
         max_late_s=max((r.late_s for r in results), default=0.0),
@@ -339,7 +347,9 @@ async def send_one(
                 # Cut once streaming: counted below as a stream without [DONE].
                 with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
                     await read_stream(response, tally)
-                if not tally.done:
+                if tally.error is not None:  # an error event, then [DONE]: no success
+                    error = tally.error
+                elif not tally.done:
                     error = TRUNCATED
     except (TimeoutError, aiohttp.ClientError, OSError):
         error = CONNECTION
@@ -554,7 +564,7 @@ def _row(s: Stage) -> tuple[str, ...]:
         "/".join(_s(s.ttft_s[q]) for q in ("p50", "p90", "p99")),
         "/".join(_s(s.itl_s[q]) for q in ("p50", "p90", "p99")),
         _s(s.e2e_s["p90"]),
-        _s(s.queue_s["p90"]),
+        _s(s.queue_s["p90"]) + (f" ({s.queue_figures} of {s.ok})" if s.queue_figures < s.ok else ""),
         ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())) or "-",
     )
 

@@ -475,6 +475,14 @@ async def test_streams_without_done_are_truncated(aiohttp_server: AiohttpServer)
         # A partial event at the end is a cut stream, not a parse error.
         (b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi', 1, "truncated"),
         (b"data: not json\n\ndata: [DONE]\n\n", 0, "bad stream"),
+        # An error event (shed, its engine died, a timeout), then [DONE]: no success.
+        (
+            b'data: {"choices": [{"text": "a"}]}\n\n'
+            b'data: {"error": {"message": "shed", "type": "rate_limit_error"}}\n\n'
+            b"data: [DONE]\n\n",
+            1,
+            "stream rate_limit_error",
+        ),
         (b"", 0, "truncated"),
     ],
 )

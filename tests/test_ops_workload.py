@@ -175,8 +175,10 @@ def test_a_stage_counts_goodput_over_every_request_and_percentiles_over_the_good
     assert stage.errors == {"503": 1}
     assert stage.itl_s["p50"] is None  # no chunk gaps given
     assert summarize_stage("x", 2.0, results[:2], 4.0, slo).slo_held
+    assert stage.queue_figures == 3
     none = summarize_stage("x", 1.0, [served(queue_s=None)], 1.0, slo)
     assert none.queue_s == {"p50": None, "p90": None, "p99": None}
+    assert none.queue_figures == 0  # the table says how many of the successful had a figure
 
 
 def stage(target: str, rate: float, goodput: float, held: bool, p99: float) -> Stage:
@@ -184,7 +186,7 @@ def stage(target: str, rate: float, goodput: float, held: bool, p99: float) -> S
         target, rate, 10, 10, 0, 10.0, 1.0, 5.0, 9 if held else 2, goodput, 0.9 if held else 0.2, held,
         {"p50": p99 / 2, "p90": p99 * 0.9, "p99": p99}, {"p50": 0.01, "p90": 0.02, "p99": 0.03},
         {"p50": 0.01, "p90": 0.02, "p99": 0.03}, {"p50": 1.0, "p90": 2.0, "p99": 3.0},
-        {"p50": None, "p90": None, "p99": None}, 20.0, 10.0, 0.001,
+        {"p50": None, "p90": None, "p99": None}, 0, 20.0, 10.0, 0.001,
     )  # fmt: skip
 
 
