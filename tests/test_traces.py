@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from edgellmctl.keys import create_key
+from edgellmd.host import traces as traces_module
 from edgellmd.settings import ConfigError
 from tests.serving import RunningDaemon, running, settings_for
 from tests.test_host_metrics import scrape, value
@@ -260,3 +262,25 @@ def test_bad_telemetry_settings_are_refused(
     with pytest.raises(ConfigError) as caught:
         settings_for([tiny(models_dir)], telemetry=telemetry)
     assert any(p.startswith(problem) for p in caught.value.problems), caught.value.problems
+
+
+def test_a_collector_that_never_answers_holds_the_stop_no_longer_than_one_export(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SDK's own stop waits up to 30 s, a batch at a time: a collector that accepts and
+    never answers held the daemon's stop that long, past the unit's TimeoutStopSec beside a
+    drain. The tracer's stop gives up after EXPORT_TIMEOUT_S in all."""
+    monkeypatch.setattr(traces_module, "EXPORT_TIMEOUT_S", 1.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never answers
+    try:
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces"
+        tracer = traces_module.Tracer(traces_module.TraceSettings(endpoint=endpoint))
+        for i in range(2_000):  # a backlog of several batches
+            tracer.finish(tracer.start("chat", {}, {"i": i}), {})
+        started = time.monotonic()
+        tracer.shutdown()
+        took = time.monotonic() - started
+        assert took < 3.0, took
+        assert not tracer.enabled
+    finally:
+        silent.close()
