@@ -16,7 +16,7 @@ import pytest
 from edgellmctl.keys import create_key
 from edgellmd.api.anthropic.decode import parse_messages
 from edgellmd.api.openai.decode import parse_chat
-from edgellmd.api.reply import TextPart, ToolReplyReader
+from edgellmd.api.reply import ReplyReader, TextPart, ToolReplyReader
 from edgellmd.api.request import Limits
 from edgellmd.api.responses.decode import parse_responses
 from edgellmd.errors import ApiError
@@ -134,6 +134,29 @@ def test_the_reader_gives_a_structured_answers_json_as_its_text(cut: int) -> Non
     assert reader.calls == []
 
 
+@pytest.mark.parametrize("cut", [1, 2, 5, 1000])
+def test_stop_strings_are_matched_in_the_answer_text_never_in_the_tool_call_json(cut: int) -> None:
+    """With tools the reply's text is JSON around the answer: the engine matched stop strings
+    in that JSON ("\n", '"', "name"), ended the reply and lost the call. The reader matches
+    them in the answer text alone, across pieces, and says which one ended it."""
+
+    def read(reply: str, stops: list[str]) -> tuple[str, list[str], str | None]:
+        reader = ReplyReader(tools=["get_weather"], stops=stops)
+        parts = [p for i in range(0, len(reply), cut) for p in reader.feed(reply[i : i + cut])]
+        parts += reader.finish()
+        text = "".join(p.text for p in parts if isinstance(p, TextPart))
+        return text, [c.name for c in reader.calls], reader.stopped
+
+    call = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'
+    for stops in (["\n"], ['"'], ["name"], ["{"], ["city"]):
+        assert read(call, stops) == ("", ["get_weather"], None), stops
+    answer = '{"response": "It is warm.\\nIn Oslo too. END here"}'
+    assert read(answer, ["END"]) == ("It is warm.\nIn Oslo too. ", [], "END")
+    assert read(answer, ["\n", "too"]) == ("It is warm.", [], "\n")  # the first in the text
+    assert read(answer, ["Oslo t"]) == ("It is warm.\nIn ", [], "Oslo t")
+    assert read(answer, ["warm!"]) == ("It is warm.\nIn Oslo too. END here", [], None)  # held, then let go
+
+
 # ---- the real clients ------------------------------------------------------------------------
 
 
@@ -224,3 +247,58 @@ def test_messages_answer_with_a_tool_use_or_the_formats_json(
         else:
             assert message.stop_reason == "tool_use"
     assert seen <= {"end_turn", "tool_use"}
+
+
+def test_a_stop_string_never_cuts_a_forced_tool_call(served: Any, request: pytest.FixtureRequest) -> None:
+    """`stop: ["\\n"]` with a call forced: the engine matched the stop in the call's JSON and
+    the reply came back empty (finish_reason stop, no tool_calls; Messages: content [])."""
+    daemon, token = served
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=token, max_retries=0, timeout=60)
+    request.addfinalizer(client.close)
+    tools: Any = [WEATHER]
+    for stop in (["\n"], ['"'], ["name"]):
+        chat = client.chat.completions.create(
+            model="m", messages=ASK, tools=tools, tool_choice="required", stop=stop, max_tokens=300, seed=3
+        )
+        choice = chat.choices[0]
+        assert choice.finish_reason == "tool_calls", (stop, choice)
+        calls = choice.message.tool_calls
+        assert calls
+        assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    messages = anthropic.Anthropic(base_url=daemon.url, api_key=token, max_retries=0)
+    request.addfinalizer(messages.close)
+    message = messages.messages.create(
+        model="m",
+        max_tokens=300,
+        messages=[{"role": "user", "content": "Is it warm in Oslo?"}],
+        tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+        tool_choice={"type": "any"},
+        stop_sequences=["\n"],
+    )
+    assert message.stop_reason == "tool_use", message
+    assert [block.type for block in message.content] == ["tool_use"]
+
+
+def test_a_stop_string_in_the_answer_text_ends_the_reply_there(
+    served: Any, request: pytest.FixtureRequest
+) -> None:
+    """The answer's text, inside the reply's wrapper, is where the stop strings are matched:
+    cut before the first one, the generation ended there (not run on to max_tokens), and the
+    finish is `stop`. (`t` is barred, token 3 + 0x74: the wrapper can then only be an answer's.)"""
+    daemon, token = served
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=token, max_retries=0, timeout=60)
+    request.addfinalizer(client.close)
+    tools: Any = [WEATHER]
+    ask: Any = {"model": "m", "messages": ASK, "tools": tools, "max_tokens": 300, "seed": 1}
+    bar_t = {"119": -100}
+    whole = client.chat.completions.create(**ask, logit_bias=bar_t)
+    assert whole.choices[0].finish_reason == "length"
+    text = whole.choices[0].message.content or ""
+    stops = ["e", "a", " ", "o"]
+    first = min((text.find(s), s) for s in stops if s in text)
+    cut = client.chat.completions.create(**ask, logit_bias=bar_t, stop=stops)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == text[: first[0]]
+    assert cut.usage is not None
+    assert cut.usage.completion_tokens < 300

@@ -440,29 +440,74 @@ class ReplyReader:
     """One choice's stream of text turned into parts: reasoning first, then tools or answer text."""
 
     def __init__(
-        self, *, tools: Sequence[str] | None = None, reasoning: ReasoningSplitter | None = None
+        self,
+        *,
+        tools: Sequence[str] | None = None,
+        reasoning: ReasoningSplitter | None = None,
+        stops: Sequence[str] = (),
     ) -> None:
         self.tools = ToolReplyReader(tools) if tools is not None else None
         self._reasoning = reasoning
         self.text: list[str] = []  # answer text so far
         self.thinking: list[str] = []  # reasoning so far
+        # Stop strings matched here, against the answer text the client sees, where the reply's
+        # text is tool-call JSON around it (the engine would match them in the JSON's syntax and
+        # lose the calls): the stop found, and the end of the text that may begin one.
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped: str | None = None
 
     def feed(self, text: str) -> list[Part]:
-        """The parts that `text` (the next piece of the reply) completes."""
+        """The parts that `text` (the next piece of the reply) completes; none once a stop string
+        was found in the answer text."""
+        if self.stopped is not None:
+            return []
         parts: list[Part] = self._reasoning.feed(text) if self._reasoning is not None else [TextPart(text)]
         return self._route(parts)
 
     def finish(self) -> list[Part]:
         """Whatever was held back, at the end of the reply."""
-        return self._route(self._reasoning.flush()) if self._reasoning is not None else []
+        if self.stopped is not None:
+            return []
+        parts = self._route(self._reasoning.flush()) if self._reasoning is not None else []
+        held, self._held = self._held, ""  # no stop string can begin there any more
+        if held:
+            self.text.append(held)
+            parts.append(TextPart(held))
+        return parts
+
+    def _visible(self, text: str) -> str:
+        """Answer text up to the first stop string, holding back an end that may begin one."""
+        if not self._stops or self.stopped is not None:
+            return "" if self.stopped is not None else text
+        buffer = self._held + text
+        found = [(buffer.find(stop), stop) for stop in self._stops if stop in buffer]
+        if found:
+            at, self.stopped = min(found)
+            self._held = ""
+            return buffer[:at]
+        keep = max(
+            (n for stop in self._stops for n in range(min(len(stop) - 1, len(buffer)), 0, -1)
+             if buffer.endswith(stop[:n])),
+            default=0,
+        )  # fmt: skip
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep]
 
     def _route(self, parts: list[Part]) -> list[Part]:
-        out: list[Part] = []
+        routed: list[Part] = []
         for part in parts:
             if isinstance(part, TextPart) and self.tools is not None:
-                out.extend(self.tools.feed(part.text))
+                routed.extend(self.tools.feed(part.text))
             else:
-                out.append(part)
+                routed.append(part)
+        out: list[Part] = []
+        for part in routed:
+            if self.stopped is not None:
+                break  # nothing after the stop string reaches the client
+            out.append(
+                TextPart(self._visible(part.text)) if isinstance(part, TextPart) and self._stops else part
+            )
         for part in out:
             if isinstance(part, TextPart):
                 self.text.append(part.text)

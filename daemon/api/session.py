@@ -129,6 +129,18 @@ class Session:
     # `events` calls it when the last choice ends, before that end reaches any encoder.
     settle: Callable[[], Awaitable[None]] | None = None
     trace: RequestTrace | None = None  # the request's, when it is traced
+    # The request's stop strings when its reply is tool-call JSON around the answer: matched by
+    # each choice's reader in the answer text (not by the engine, in the JSON's syntax); a
+    # choice whose reader found one is ended there (`stop_at`) and finishes as `stop`.
+    visible_stops: tuple[str, ...] = ()
+    stopped: dict[int, str] = field(default_factory=dict)
+
+    def stop_at(self, i: int, stop: str) -> None:
+        """Choice `i`'s reader found `stop` in the answer text: its generation ends now."""
+        if i not in self.stopped:
+            self.stopped[i] = stop
+            self.gens[i].cancel()
+            self.handle.generator.wake()
 
     async def events(self, i: int) -> AsyncIterator[Event]:
         """Choice `i`'s events (NoProgress past the idle timeout). One that its engine's stop
@@ -139,7 +151,8 @@ class Session:
         produced = False  # a token of this choice was generated (the client may have seen it)
         replayed = False
         while True:
-            async for event in self.gens[i].events(self.idle_timeout):
+            async for raw in self.gens[i].events(self.idle_timeout):
+                event = raw
                 if (
                     isinstance(event, Finished)
                     and event.error == ENGINE_STOPPED
@@ -150,6 +163,9 @@ class Session:
                 produced = produced or bool(event.completion_tokens or event.text)
                 if self.trace is not None:
                     self.trace.output(i, event.text)
+                if isinstance(event, Finished) and i in self.stopped and event.reason == "cancelled":
+                    # Ended at a stop string its reader found: a stop, as the engine's own is.
+                    event = self.gens[i].final = replace(event, reason="stop", stop_sequence=self.stopped[i])
                 if isinstance(event, Finished):
                     self.queue_waits.append(event.queue_s)
                     # The last choice to end: its usage is on disk before any family tells it.
@@ -192,7 +208,7 @@ class Session:
         """A reader for one choice's text: tool calls and reasoning as this request has them."""
         tags = REASONING_TAGS.get(self.handle.settings.reasoning)
         splitter = ReasoningSplitter(*tags, opened=self.reasoning_open) if tags else None
-        return ReplyReader(tools=self.tools, reasoning=splitter)
+        return ReplyReader(tools=self.tools, reasoning=splitter, stops=self.visible_stops)
 
 
 def cache_scope(request: web.Request) -> str:
@@ -344,11 +360,14 @@ async def chat_session(request: web.Request, body: ChatRequest) -> AsyncIterator
             trace.text("gen_ai.prompt", "\n".join(f"{m.role}: {m.content}" for m in body.messages))
         param = "tools" if body.tools is not None and body.tools.grammar is not None else "response_format"
         names = body.tools.names if body.tools is not None and body.tools.grammar is not None else None
+        # With the reply's text tool-call JSON, its stop strings are the readers' (the answer text).
+        common = body.common if names is None else replace(body.common, stop=())
         try:
             async with generation_session(
-                request, handle, body.common, prompt.tokens, param=param, prompt=prompt, media_limits=limits
+                request, handle, common, prompt.tokens, param=param, prompt=prompt, media_limits=limits
             ) as session:
                 session.tools = names
+                session.visible_stops = body.common.stop if names is not None else ()
                 session.reasoning_open = prompt.reasoning_open
                 yield session
         finally:
@@ -579,6 +598,8 @@ async def _read_one(session: Session, i: int, reader: ReplyReader) -> AsyncItera
         if event.text:
             for part in reader.feed(event.text):
                 yield ChoicePart(i, part)
+            if reader.stopped is not None:
+                session.stop_at(i, reader.stopped)
         if isinstance(event, Finished):
             for part in reader.finish():
                 yield ChoicePart(i, part)
