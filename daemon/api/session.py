@@ -51,6 +51,7 @@ from edgellmd.engine.generation import (
     Grammar,
     MediaSpan,
     NoProgress,
+    TextDelta,
     TokenLogprob,
 )
 from edgellmd.errors import (
@@ -134,6 +135,9 @@ class Session:
     # choice whose reader found one is ended there (`stop_at`) and finishes as `stop`.
     visible_stops: tuple[str, ...] = ()
     stopped: dict[int, str] = field(default_factory=dict)
+    # Each choice's wait for its first slot, from its first token's event: its Finished's
+    # `queue_s` counts the pauses after it too (fair share), which are decode time, not queue.
+    first_waits: dict[int, float] = field(default_factory=dict)
 
     def stop_at(self, i: int, stop: str) -> None:
         """Choice `i`'s reader found `stop` in the answer text: its generation ends now."""
@@ -161,6 +165,8 @@ class Session:
                     stopped = event
                     break
                 produced = produced or bool(event.completion_tokens or event.text)
+                if isinstance(event, TextDelta) and i not in self.first_waits:
+                    self.first_waits[i] = event.queue_s
                 if self.trace is not None:
                     self.trace.output(i, event.text)
                 if isinstance(event, Finished) and i in self.stopped and event.reason == "cancelled":
@@ -431,6 +437,7 @@ async def generation_session(
     server = ctx.settings.server
     handles = [handle]  # the one leased by the caller, then any restarted engine's
     settled = False
+    first_waits: dict[int, float] = {}  # the Session's, read when it settles
 
     async def settle() -> None:
         """Count the request's tokens (rate limit, metrics, the ledger) once, from what finished."""
@@ -462,12 +469,12 @@ async def generation_session(
         telemetry = ctx.settings.telemetry
         choices = [
             ChoiceFigures(
-                queue_s=gen.final.queue_s if gen.final is not None else 0.0,
+                queue_s=first_waits.get(i, gen.final.queue_s if gen.final is not None else 0.0),
                 completion_tokens=count,
                 finish_reason=_finish_label(gen.final),
                 first_at=timing.first_at,
             )
-            for gen, timing, count in zip(gens, timings, produced, strict=True)
+            for i, (gen, timing, count) in enumerate(zip(gens, timings, produced, strict=True))
         ]
         met = ctx.metrics.request_done(
             handle.name,
@@ -523,6 +530,7 @@ async def generation_session(
                 server.progress_timeout_s,
                 server.stream_write_timeout_s,
                 replay=replay,
+                first_waits=first_waits,
                 queue_waits=request.setdefault(QUEUE_WAITS, []),
                 settle=settle,
                 trace=trace,
