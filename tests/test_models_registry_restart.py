@@ -134,6 +134,19 @@ def _completion(max_tokens: int, *, stream: bool = False) -> dict[str, Any]:
     }
 
 
+async def _stream_and_one_waiting(client: Any) -> tuple[Any, asyncio.Task[Any]]:
+    """A stream generating in the only slot (its first event read), and a request waiting for it."""
+    stream = await client.post("/v1/completions", json=_completion(400, stream=True))
+    assert stream.status == 200
+    assert (await stream.content.readline()).startswith(b"data: ")
+    waiting = asyncio.create_task(client.post("/v1/completions", json=_completion(4)))
+    deadline = time.monotonic() + 10
+    while (await _model(client)).get("queue_depth") != 1:
+        assert time.monotonic() < deadline, "the second request never queued"
+        await asyncio.sleep(0.01)
+    return stream, waiting
+
+
 async def test_a_crashed_scheduler_takes_its_model_out_of_service_and_it_restarts(
     aiohttp_client: Any, tiny_model: Path, fault: Fault, notify: NotifySocket
 ) -> None:
@@ -144,15 +157,7 @@ async def test_a_crashed_scheduler_takes_its_model_out_of_service_and_it_restart
     old_engine = registry.get(MODEL).engine
 
     # One stream generating in the only slot, one request waiting for it.
-    stream = await client.post("/v1/completions", json=_completion(400, stream=True))
-    assert stream.status == 200
-    first = await stream.content.readline()
-    assert first.startswith(b"data: ")
-    waiting = asyncio.create_task(client.post("/v1/completions", json=_completion(4)))
-    deadline = time.monotonic() + 10
-    while (await _model(client)).get("queue_depth") != 1:
-        assert time.monotonic() < deadline, "the second request never queued"
-        await asyncio.sleep(0.01)
+    stream, waiting = await _stream_and_one_waiting(client)
 
     fault.arm()
     events = [line.strip() async for line in stream.content if line.startswith(b"data: ")]
@@ -257,13 +262,7 @@ async def test_a_request_whose_turn_kills_the_engine_again_is_not_replayed_twice
     well (it may be the poison), it fails: two stops, not a crash loop fed by one request."""
     monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (0.05,))
     client = await _serve(aiohttp_client, tiny_model)
-    stream = await client.post("/v1/completions", json=_completion(400, stream=True))
-    assert (await stream.content.readline()).startswith(b"data: ")
-    waiting = asyncio.create_task(client.post("/v1/completions", json=_completion(4)))
-    deadline = time.monotonic() + 10
-    while (await _model(client)).get("queue_depth") != 1:
-        assert time.monotonic() < deadline, "the second request never queued"
-        await asyncio.sleep(0.01)
+    _stream, waiting = await _stream_and_one_waiting(client)
     fault.sticky = True
     fault.arm()
     answer = await asyncio.wait_for(waiting, 20)
@@ -372,13 +371,7 @@ async def test_a_request_waiting_for_a_restart_when_the_daemon_stops_is_told_it_
     monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (5.0,))
     client = await _serve(aiohttp_client, tiny_model)
     registry = client.server.app[appkeys.REGISTRY]
-    stream = await client.post("/v1/completions", json=_completion(400, stream=True))
-    assert (await stream.content.readline()).startswith(b"data: ")
-    waiting = asyncio.create_task(client.post("/v1/completions", json=_completion(4)))
-    deadline = time.monotonic() + 10
-    while (await _model(client)).get("queue_depth") != 1:
-        assert time.monotonic() < deadline, "the second request never queued"
-        await asyncio.sleep(0.01)
+    stream, waiting = await _stream_and_one_waiting(client)
     fault.arm()
     events = [line.strip() async for line in stream.content if line.startswith(b"data: ")]
     assert json.loads(events[-2][len(b"data: ") :])["error"]["code"] == "engine_failed"
