@@ -77,6 +77,7 @@ from edgellmd.models.handle import (
 # had a slot (a waiting one's answer comes at once), or after this long: then it is charged.
 SETTLE_WAIT_S: Final = 1.0
 FINALS_POLL_S: Final = 0.01
+_SETTLING: set[asyncio.Future[None]] = set()  # counts under way, held until done (asyncio keeps tasks weakly)
 
 # The API family a generation request came by, for the per-request histograms' `api` label.
 API_FAMILIES: Final = {
@@ -440,11 +441,18 @@ async def generation_session(
     first_waits: dict[int, float] = {}  # the Session's, read when it settles
 
     async def settle() -> None:
-        """Count the request's tokens (rate limit, metrics, the ledger) once, from what finished."""
+        """Count the request's tokens (rate limit, metrics, the ledger) once, from what finished:
+        to the end even when the handler is cancelled meanwhile (a client gone), shielded."""
         nonlocal settled
         if settled:
             return
         settled = True
+        counting = asyncio.ensure_future(count())
+        _SETTLING.add(counting)
+        counting.add_done_callback(_SETTLING.discard)
+        await asyncio.shield(counting)
+
+    async def count() -> None:
         # A client gone: its choices were cancelled just now, and whether each had a slot is in
         # the Finished its engine sends back (at once for one still waiting).
         await _finals(gens, SETTLE_WAIT_S)
