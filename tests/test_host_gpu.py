@@ -29,6 +29,7 @@ from edgellmd.http import app as app_module
 from edgellmd.http import appkeys
 from edgellmd.http.app import create_app
 from edgellmd.models import gguf as gguf_module
+from edgellmd.models.budget import estimate_bytes, kv_cache_bytes
 from edgellmd.models.gguf import (
     GGML_BLOCKS,
     MAX_HEADER_ITEMS,
@@ -1140,3 +1141,16 @@ async def test_the_monitor_asks_for_file_types_off_the_loop_at_each_reading(
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
         "finding the models' file types failed"
     ]
+
+
+def test_an_embedders_output_buffer_is_in_its_memory_estimate(tmp_path: Path) -> None:
+    """llama.cpp keeps a row of logits and an embedding per output token, and a pooled model
+    outputs every token of a decode (up to its batch): with a chat model's vocabulary one long
+    input took the engine past a memory group sized without it (killed, replayed, killed)."""
+    path = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=5))
+    chat = ModelSettings(name="m", file=path, context_size=1024, batch_size=512)
+    embedder = ModelSettings(name="m", file=path, context_size=1024, batch_size=512, kind="embedding")
+    n_embd = TinyModelSpec().n_embd
+    chat_rest = estimate_bytes(path, chat) - kv_cache_bytes(path, chat)
+    embedder_rest = estimate_bytes(path, embedder) - kv_cache_bytes(path, embedder)
+    assert embedder_rest - chat_rest == 1024 * (N_VOCAB + n_embd) * 4

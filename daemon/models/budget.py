@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Final
 
 from edgellmd.engine.config import KV_BYTES_PER_VALUE, MEDIA_STORE_BYTES
-from edgellmd.models.gguf import GgufError, read_gguf_values
+from edgellmd.models.gguf import GgufError, read_gguf_values, tensor_infos
 from edgellmd.settings import ModelSettings
 
 MIB: Final = 1024 * 1024
+TOKEN_EMBEDDINGS: Final = b"token_embd.weight"  # llama.cpp's name for the vocabulary's table
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +59,31 @@ def estimate_bytes(
     """Memory a model will take once loaded: its file, its KV cache, its prompt cache, its draft
     model's file and KV cache, its projector's file and store of encoded media."""
     need = path.stat().st_size + kv_cache_bytes(path, settings) + settings.prompt_cache_mb * MIB
+    if settings.pooled:
+        need += output_buffer_bytes(path, settings)
     if draft is not None:  # its file and its KV cache (f16, a sequence per slot as the model's)
         need += draft.stat().st_size + kv_cache_bytes(draft, settings, kinds=("f16", "f16"))
     if mmproj is not None:  # its weights, and the encoded images and clips its engine keeps
         need += mmproj.stat().st_size + MEDIA_STORE_BYTES
     return need
+
+
+def output_buffer_bytes(path: Path, settings: ModelSettings) -> int:
+    """An embedding or reranking model's output buffer at its largest: llama.cpp keeps a row of
+    logits (a float per vocabulary entry) and an embedding for every token a decode outputs,
+    and a pooled model outputs every token, up to its batch (the engine's n_batch: the larger
+    of batch_size and context_size). For a chat model's vocabulary served as an embedder
+    (262,144 entries) that is 1 GiB at 1,024 tokens: one long input took the engine past a
+    memory group sized without it (0 when the file does not say)."""
+    try:
+        infos, _ = tensor_infos(path)
+    except (GgufError, OSError):
+        return 0  # the load itself will say what is wrong with the file
+    table = next((t for t in infos if t.name == TOKEN_EMBEDDINGS and len(t.dims) == 2), None)
+    if table is None:
+        return 0
+    n_embd, n_vocab = table.dims  # ggml dimensions: (n_embd, n_vocab)
+    return max(settings.batch_size, settings.context_size) * (n_vocab + n_embd) * 4
 
 
 def kv_cache_bytes(path: Path, settings: ModelSettings, *, kinds: tuple[str, str] | None = None) -> int:
