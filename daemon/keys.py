@@ -51,10 +51,6 @@ _ENTRY_KEYS: Final = (
 # A cache group: keys that share cached prompt state (one team's apps with one system prompt).
 CACHE_GROUP: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_KEYS_BYTES: Final = 4 * 1024 * 1024
-# The pure-Python safe loader, on a thread (KeyStore.reload): libyaml's is 4 to 7 times faster
-# but builds the whole document holding the GIL (a gap of a quarter of the parse, up to a
-# second, in the event loop's turns), where the Python one lets the loop run between steps.
-_SAFE_LOADER: Final = yaml.SafeLoader
 # Fair share between keys (engine.fairness): a key's weight, and its class, highest first. A
 # key's class is the ceiling of its requests' (a request may ask for less, never more).
 MAX_WEIGHT: Final = 1000
@@ -305,7 +301,10 @@ def read_keys_data(path: Path) -> object:
     except UnicodeDecodeError:
         raise KeysFileError(f"{path} is not UTF-8") from None
     try:
-        return yaml.load(text, Loader=_SAFE_LOADER)  # noqa: S506 - the safe loader
+        # The pure-Python loader, on a thread (KeyStore.reload): libyaml's is 4 to 7 times faster
+        # but builds the whole document holding the GIL (a gap of a quarter of the parse, up to
+        # a second, in the event loop's turns), where the Python one lets the loop run between steps.
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise KeysFileError(f"{path}: YAML syntax error: {exc}") from None
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:

@@ -165,9 +165,9 @@ class Session:
                 ):
                     stopped = event
                     break
-                produced = produced or bool(event.completion_tokens or event.text)
-                if isinstance(event, TextDelta) and i not in self.first_waits:
+                if not produced and isinstance(event, TextDelta):  # its first token: its first wait
                     self.first_waits[i] = event.queue_s
+                produced = produced or bool(event.completion_tokens or event.text)
                 if self.trace is not None:
                     self.trace.output(i, event.text)
                 if isinstance(event, Finished) and i in self.stopped and event.reason == "cancelled":
