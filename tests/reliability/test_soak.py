@@ -1,14 +1,16 @@
 """Soak: steady load for 2 minutes (10 in the full run) grows no memory, descriptors, threads or /dev/shm.
 
 Its pace is judged side by side: after the soak, the soaked daemon and a freshly started one
-take the same load in turns (soaked, fresh, fresh, soaked, ...), and each turn's tokens per
-CPU-second are compared. A daemon whose work grows with what it has served is slower than
-the fresh one in every pair; a neighbour slowing the machine down slows both turns of a pair.
+take the same load at the same time, and each window's tokens per CPU-second of one are
+compared with the other's over the same seconds. A daemon whose work grows with what it has
+served is slower than the fresh one in every window; a neighbour slowing the machine down
+slows both daemons in the same window.
 """
 
 from __future__ import annotations
 
 import itertools
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +48,7 @@ RAMP_S = 1.0  # a turn's first second, while its clients connect, is not measure
 
 @dataclass
 class SideBySide:
-    """Tokens per CPU-second of each turn, pair by pair, and every answer the turns got."""
+    """Tokens per CPU-second of each daemon, window by window, and every answer they got."""
 
     soaked: list[float] = field(default_factory=list)
     fresh: list[float] = field(default_factory=list)
@@ -57,32 +59,42 @@ class SideBySide:
         return [s / f for s, f in zip(self.soaked, self.fresh, strict=True)]
 
 
-def _turn(daemon: DaemonProcess, token: str, seconds: float) -> tuple[float, list[Answer]]:
-    """The daemon under the soak's load for one turn: tokens per CPU-second it used, and the answers."""
+def _pace(answers: list[Answer], before: Usage, after: Usage) -> float:
+    """Tokens per CPU-second a daemon used between two of its usage samples."""
+    return tokens_between(answers, before.at, after.at) / max(after.cpu_s - before.cpu_s, 1e-3)
+
+
+def _turn(daemon: DaemonProcess, token: str, seconds: float) -> None:
+    """The daemon under the soak's load for a while (the fresh daemon's warm-up)."""
     with Load(daemon.url, token, CLIENTS, _request) as load:
-        time.sleep(RAMP_S)
-        before = daemon.usage()
-        time.sleep(seconds)
-        after = daemon.usage()
+        time.sleep(RAMP_S + seconds)
         load.stop()
-    pace = tokens_between(load.answers, before.at, after.at) / max(after.cpu_s - before.cpu_s, 1e-3)
-    return pace, load.answers
+    assert failures(load.answers) == [], describe(failures(load.answers))
 
 
 def _side_by_side(
-    soaked: DaemonProcess, fresh: DaemonProcess, token: str, pairs: int, seconds: float
+    soaked: DaemonProcess, fresh: DaemonProcess, token: str, windows: int, seconds: float
 ) -> SideBySide:
-    """Turns of the soaked and the fresh daemon, in ABBA order so that a trend in the machine cancels."""
-    _turn(fresh, token, seconds)  # the fresh daemon's warm-up: first requests, first pages of the model
-    result = SideBySide()
-    for pair in range(pairs):
-        first, second = (soaked, fresh) if pair % 2 == 0 else (fresh, soaked)
-        paces: dict[int, float] = {}
-        for daemon in (first, second):
-            paces[id(daemon)], answers = _turn(daemon, token, seconds)
-            result.answers += answers
-        result.soaked.append(paces[id(soaked)])
-        result.fresh.append(paces[id(fresh)])
+    """Both daemons under the soak's load at the same time, their paces compared window by window.
+
+    Taken in turns (soaked, fresh, fresh, soaked) the pace of one turn against the next moved
+    by up to 1.76x with nothing changed but the neighbours, and four pairs' median by 15% and
+    more; side by side in the same seconds, the windows' ratios of two equal daemons stayed
+    within 0.76-1.08 and their median within 6% (docs/reliability.md).
+    """
+    _turn(fresh, token, seconds)  # the fresh daemon's first requests, first pages of the model
+    with Load(soaked.url, token, CLIENTS, _request) as a, Load(fresh.url, token, CLIENTS, _request) as b:
+        time.sleep(RAMP_S)
+        edges = [(soaked.usage(), fresh.usage())]
+        for _ in range(windows):
+            time.sleep(seconds)
+            edges.append((soaked.usage(), fresh.usage()))
+        a.stop()
+        b.stop()
+    result = SideBySide(answers=a.answers + b.answers)
+    for (soaked_0, fresh_0), (soaked_1, fresh_1) in itertools.pairwise(edges):
+        result.soaked.append(_pace(a.answers, soaked_0, soaked_1))
+        result.fresh.append(_pace(b.answers, fresh_0, fresh_1))
     return result
 
 
@@ -102,8 +114,8 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     warm_up_s = duration(20, 60)
     window_s = duration(5, 10)
     sample_s = duration(1, 2)
-    pairs = round(duration(4, 6))
-    turn_s = duration(4, 10)
+    side_windows = round(duration(12, 12))
+    side_window_s = duration(2.5, 5)
     box.publish(box.model_bytes(STEADY_SPEC))
     config = box.config(free_port(), lifecycle={"preload_dir": str(shm_root)})
     samples: list[Usage] = []
@@ -123,11 +135,18 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
         answers = load.answers
         end_usage = daemon.usage()
         after = daemon.model()
-        control = box.config(free_port(), lifecycle={"preload_dir": None, "watch": False})
-        with DaemonProcess(box, control, label="fresh") as fresh:
-            fresh.start()
-            side = _side_by_side(daemon, fresh, box.app_token, pairs, turn_s)
-            fresh_errors = fresh.errors()
+        # The fresh daemon as the soaked one was made (its own preload area, the watch on): with
+        # neither, the soaked daemon used 3-5% more CPU per request than it, alike after 350
+        # requests and after 4,600 (requests sent to the two in alternation).
+        fresh_shm = shm_root.with_name(f"{shm_root.name}-fresh")
+        control = box.config(free_port(), lifecycle={"preload_dir": str(fresh_shm)})
+        try:
+            with DaemonProcess(box, control, label="fresh") as fresh:
+                fresh.start()
+                side = _side_by_side(daemon, fresh, box.app_token, side_windows, side_window_s)
+                fresh_errors = fresh.errors()
+        finally:
+            shutil.rmtree(fresh_shm, ignore_errors=True)
         errors = daemon.errors()
 
     measured = [s for s in samples if s.at >= start + warm_up_s]
@@ -150,19 +169,18 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     pace_first, pace_last = median(paces[:third]), median(paces[-third:])
     pace_drift = pace_last / pace_first - 1
     rate_bound = 0.5
-    # The pace is judged against the fresh daemon, turn by turn: the first third against the
-    # last measures the machine as much as the daemon (neighbours moved one CI soak's pace by
-    # -28% and another's by +37%, everything else flat). A daemon whose work grows with what
+    # The pace is judged against the fresh daemon, in the same seconds: the first third against
+    # the last measures the machine as much as the daemon (neighbours moved one CI soak's pace
+    # by -28% and another's by +37%, everything else flat). A daemon whose work grows with what
     # it has served can only be slower than a fresh one, so the bound is one-sided.
     pace_change = median(side.ratios) - 1
     pace_bound = bound(0.15, 0.10)
-    # The wall-clock rate moves with other tenants' share of the cores: CI fails a slowdown
-    # only, the full run either way.
-    both_ways = full_run()
-    sides = "either way" if both_ways else "slowdown only"
-
-    def steady(change: float, limit: float) -> bool:
-        return abs(change) <= limit if both_ways else change >= -limit
+    # The wall-clock rate is the daemon against itself two minutes earlier, not side by side: on
+    # a shared 2-core machine it moves with the neighbours (-50.9% in one run whose growth
+    # figures were flat and whose side-by-side pace held), so CI reports it and the full run,
+    # on a machine chosen for it, holds it within the bound either way.
+    judged = full_run()
+    sides = "either way" if judged else "reported"
 
     bad = failures(answers)
     # Descriptors and threads: medians, as a scrape's connection may be open at any one sample.
@@ -190,10 +208,10 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     figures["tokens per CPU-second per window"] = [round(p) for p in paces]
     figures["tokens per CPU-second first third -> last third"] = (pace_first, pace_last)
     figures["tokens per CPU-second drift (reported)"] = f"{pace_drift:+.1%}"
-    figures["turns: soaked tokens per CPU-second"] = [round(p) for p in side.soaked]
-    figures["turns: fresh tokens per CPU-second"] = [round(p) for p in side.fresh]
-    figures["soaked / fresh per pair"] = [round(r, 3) for r in side.ratios]
-    figures["soaked against fresh, median of pairs (bound)"] = (
+    figures["side by side: soaked tokens per CPU-second"] = [round(p) for p in side.soaked]
+    figures["side by side: fresh tokens per CPU-second"] = [round(p) for p in side.fresh]
+    figures["soaked / fresh per window"] = [round(r, 3) for r in side.ratios]
+    figures["soaked against fresh, median of windows (bound)"] = (
         f"{pace_change:+.1%} ({pace_bound:.0%}, slowdown only)"
     )
     figures.show()
@@ -208,7 +226,7 @@ def test_soak_grows_nothing_and_keeps_its_pace(box: SignedBox, shm_root: Path, f
     assert end_usage.shm_bytes == len(box.model_bytes(STEADY_SPEC))
     assert failures(side.answers) == [], describe(failures(side.answers))
     assert pace_change >= -pace_bound, f"the soaked daemon's pace {pace_change:+.1%} against a fresh one"
-    assert steady(drift, rate_bound), f"tokens/s drift {drift:+.1%}"
+    assert not judged or abs(drift) <= rate_bound, f"tokens/s drift {drift:+.1%}"
     assert min(rates) > 0  # never stalled for a whole window
     assert (after["slots_busy"], after["queue_depth"], after["leases"]) == (0, 0, 0)
     assert errors == []
