@@ -138,10 +138,11 @@ def audio_part(data: bytes, fmt: str = "wav") -> dict[str, Any]:
 
 
 class Served:
-    def __init__(self, daemon: RunningDaemon, token: str, pictures: str) -> None:
+    def __init__(self, daemon: RunningDaemon, token: str, pictures: str, others: list[str]) -> None:
         self.daemon = daemon
         self.token = token
         self.pictures = pictures  # base URL of a local server of images (fetch tests)
+        self.others = others  # two more keys' tokens (tenants beside the app's)
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.daemon.url + "/v1", api_key=self.token, max_retries=0)
@@ -149,9 +150,12 @@ class Served:
     def anthropic(self) -> anthropic.Anthropic:
         return anthropic.Anthropic(base_url=self.daemon.url, api_key=self.token, max_retries=0)
 
-    def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def post(self, path: str, body: dict[str, Any], token: str | None = None) -> tuple[int, dict[str, Any]]:
         answer = httpx.post(
-            self.daemon.url + path, json=body, headers={"Authorization": f"Bearer {self.token}"}, timeout=60
+            self.daemon.url + path,
+            json=body,
+            headers={"Authorization": f"Bearer {token or self.token}"},
+            timeout=60,
         )
         return answer.status_code, answer.json()
 
@@ -206,6 +210,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("media")
     keys = root / "keys.yaml"
     _, token = create_key(keys, "app", ["inference"], limits={})
+    others = [create_key(keys, name, ["inference"], limits={})[1] for name in ("second", "third")]
     text = write_tiny_model(root / "text.gguf", TinyModelSpec(seed=9))
     models = [
         {
@@ -242,7 +247,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     )
     try:
         with running(settings) as daemon:
-            yield Served(daemon, token, base)
+            yield Served(daemon, token, base, others)
     finally:
         pictures.close()
 
@@ -593,31 +598,41 @@ def test_a_queued_image_request_is_served_by_the_restarted_engine(served: Served
 
 
 def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> None:
-    """A client gone while its image is prepared: the preparation finishes on the pool and its
-    chunks are let go of then, never held for good."""
+    """A client gone while its image waits to be prepared: the preparation finishes on the media
+    pool and its chunks are let go of then, never held for good. Gone before that, while its
+    prompt waits for the prompt pool: its image is never prepared at all."""
     assert served.daemon.app is not None
     handle = served.daemon.app[appkeys.REGISTRY].get("vision")
     engine = served.engine("vision")
+    assert handle.media_executor is not None
+    assert handle.media_executor is not handle.executor
 
     def media() -> dict[str, Any]:
         figures: dict[str, Any] = engine.performance()["media"]
         return figures
 
-    encoded = media()["chunks_encoded"]
-    gate = threading.Event()
-    blocker = handle.executor.submit(gate.wait, 30)  # the pool's one thread for this tenant, held
     message = ChatMessage("user", "look", media=(MediaInput("image", png(12), "png"),), media_at=(4,))
 
     async def ask() -> object:
         return await handle.chat_prompt([message], media_limits=MediaLimits())
 
-    asked = asyncio.run_coroutine_threadsafe(ask(), served.daemon.loop)
-    time.sleep(0.2)  # queued behind the blocker
-    asked.cancel()
-    gate.set()
-    blocker.result(5)
-    wait_for(lambda: media()["chunks_encoded"] == encoded + 1, timeout=10, what="the image encoded")
-    wait_for(lambda: media()["store_held"] == 0, timeout=5, what="its chunks let go of")
+    for pool, prepared in ((handle.media_executor, 1), (handle.executor, 0)):
+        encoded = media()["chunks_encoded"]
+        gate = threading.Event()
+        blocker = pool.submit(gate.wait, 30)  # the pool's one thread for this tenant, held
+        asked = asyncio.run_coroutine_threadsafe(ask(), served.daemon.loop)
+        time.sleep(0.3)  # queued behind the blocker
+        asked.cancel()
+        gate.set()
+        blocker.result(5)
+        wait_for(
+            lambda: media()["chunks_encoded"] == encoded + prepared,  # noqa: B023 - waited for here
+            timeout=10,
+            what="the image encoded",
+        )
+        wait_for(lambda: media()["store_held"] == 0, timeout=5, what="its chunks let go of")
+        time.sleep(0.3)
+        assert media()["chunks_encoded"] == encoded + prepared
 
 
 def _upload(served: Served, files: Any = None, data: Any = None, **more: Any) -> httpx.Response:
@@ -754,3 +769,45 @@ def test_transcription_bodies_that_are_not_a_form_are_refused(served: Served) ->
     ok = _upload(served, files={"file": ("a.wav", wav(0.3), "audio/wav")}, data={"model": "hears"})
     assert ok.status_code == 200, ok.text
     assert set(ok.json()) == {"text", "usage"}
+
+
+def test_clips_being_prepared_hold_up_no_other_key_s_text_prompts(served: Served) -> None:
+    """Two keys' clips of ten minutes, prepared for seconds each: a third key's text chat, on
+    another model and on the clips' own, is answered meanwhile. The images and clips wait on a
+    pool of their own and the engine prepares them on a thread of its own: on the prompt pool
+    (two threads, every model's) the two clips held both for as long as they took."""
+    clip = _message(
+        audio_part(wav_declaring(1_000, seconds_of_bytes=600 * 1_000 / 16_000), "wav"), model="hears"
+    )
+    began = time.monotonic()
+    status, answer = served.post("/v1/chat/completions", clip)
+    alone = time.monotonic() - began
+    assert status == 400, answer
+    assert answer["error"]["code"] == "context_length_exceeded", answer
+    ended: list[float] = []
+
+    def prepare(token: str) -> None:
+        status, answer = served.post("/v1/chat/completions", clip, token=token)
+        assert status == 400, answer
+        assert answer["error"]["code"] == "context_length_exceeded", answer
+        ended.append(time.monotonic())
+
+    heavy = [threading.Thread(target=prepare, args=(token,)) for token in served.others]
+    for thread in heavy:
+        thread.start()
+    time.sleep(alone / 4)  # both clips are being read and prepared now
+    text: dict[str, float] = {}
+    for model in ("plain", "hears"):
+        started = time.monotonic()
+        status, answer = served.post(
+            "/v1/chat/completions", _message({"type": "text", "text": "Hi"}, model=model)
+        )
+        assert status == 200, answer
+        text[model] = time.monotonic() - started
+    finished = time.monotonic()
+    for thread in heavy:
+        thread.join(120)
+    assert len(ended) == 2
+    # Answered while both clips were still being prepared, in a fraction of one clip's time.
+    assert finished < min(ended), (alone, text, [e - finished for e in ended])
+    assert sum(text.values()) < alone / 2, (alone, text)

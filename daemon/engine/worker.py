@@ -59,7 +59,8 @@ STATUS_EVERY_S: Final = 0.25
 # stuck daemon never stalls the engine for longer.
 ACK_WAIT_S: Final = 0.02
 PROMPT_THREADS: Final = 2  # as the daemon's own prompt pool: tokenizing and grammars, off the scheduler
-# The calls answered on the pool (each frame with an id, answered by one with the same id).
+# The calls answered on the pool, media on a thread of their own (each frame with an id, answered
+# by one with the same id).
 _CALLS: Final = frozenset(
     ("tokenize", "tokenize_segments", "grammar", "media", "probe", "template", "build_info", "huge_pages")
 )
@@ -116,6 +117,11 @@ class Worker:
         gate = threading.Barrier(PROMPT_THREADS)
         for ready in [self._pool.submit(gate.wait) for _ in range(PROMPT_THREADS)]:
             ready.result()
+        # Images and clips are decoded and encoded on a thread of their own, one at a time: a
+        # clip of minutes takes seconds, and on the prompt threads two of them held up every
+        # other request's tokenizing for as long.
+        self._media = ThreadPoolExecutor(1, thread_name_prefix="engine-media")
+        self._media.submit(lambda: None).result()
         self._done = asyncio.Event()
 
     def send(self, message: dict[str, Any]) -> None:
@@ -179,7 +185,9 @@ class Worker:
             self.loop.call_soon_threadsafe(self._done.set)
 
     def _dispatch(self, op: object, message: dict[str, Any]) -> None:
-        if op in _CALLS:
+        if op == "media":
+            self._media.submit(self._call, message)
+        elif op in _CALLS:
             self._pool.submit(self._call, message)
         elif op == "embed":  # queued on the engine's thread: no pool thread waits for it
             self._embed(message)
@@ -365,6 +373,7 @@ class Worker:
         await self._done.wait()
         status.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._media.shutdown(wait=False, cancel_futures=True)
 
 
 def probe(what: str, path: str) -> str:

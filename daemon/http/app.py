@@ -65,6 +65,9 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("edgellmd.access")
 
 PROMPT_THREADS: Final = 2  # template rendering and tokenization run here, never on the loop
+# Requests' images and clips wait here for their engines to prepare them (seconds for a long
+# clip): on the prompt pool two of them held up every model's text prompts.
+MEDIA_THREADS: Final = 2
 # HTTP parser limits: an API request has a short request line and a handful of headers.
 MAX_LINE_BYTES: Final = 8190  # request line (aiohttp's default, stated here on purpose)
 MAX_FIELD_BYTES: Final = 8190  # one header
@@ -236,6 +239,8 @@ async def _tracer_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
     executor = FairPool(PROMPT_THREADS, name="prompt")  # one key's work queues behind its own (api.pool)
     app[appkeys.EXECUTOR] = executor
+    media = FairPool(MEDIA_THREADS, name="media")
+    app[appkeys.MEDIA_EXECUTOR] = media
     # The loop's own pool (asyncio.to_thread: scrapes, file checks, loads) with its threads
     # running from the start, as asyncio would start them one by one when calls first overlap:
     # a box's thread count is what it is after start-up, not a figure that creeps up for hours.
@@ -244,6 +249,7 @@ async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
     asyncio.get_running_loop().set_default_executor(default)
     yield
     executor.shutdown(wait=True, cancel_futures=True)
+    media.shutdown(wait=True, cancel_futures=True)
 
 
 def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -259,6 +265,7 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
             gpu=lambda: monitor.latest,
             gpu_headroom_bytes=settings.host.gpu_headroom_mb * 1024 * 1024,
             huge_pages=settings.host.huge_pages,
+            media_executor=app[appkeys.MEDIA_EXECUTOR],
         )
         app[appkeys.REGISTRY] = registry
         app[appkeys.METRICS].add_state(

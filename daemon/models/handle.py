@@ -211,11 +211,24 @@ def chat_template_for(settings: ModelSettings, engine: AnyEngine) -> ChatTemplat
 REASONING_TAGS: Final = {"deepseek": ("<think>", "</think>")}
 
 
-def _release_held(job: asyncio.Future[Prompt]) -> None:
+def _release_held(job: asyncio.Future[Prompt | MediaPlan]) -> None:
     """A prompt nobody waits for any more: let go of the chunks its media hold."""
-    held = job.result().held if not job.cancelled() and job.exception() is None else None
-    if held is not None:
-        held.release()
+    result = job.result() if not job.cancelled() and job.exception() is None else None
+    if isinstance(result, Prompt) and result.held is not None:
+        result.held.release()
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPlan:
+    """A rendered prompt whose images and clips are still to be prepared: its parts (text
+    segments and media positions), the items, those the template kept, and whether the
+    tokenizer adds the BOS. Its text alone has been found to fit."""
+
+    parts: list[Part]
+    media: tuple[MediaInput, ...]
+    used: list[int]
+    add_special: bool
+    opened: bool  # the template opened the model's reasoning at the end
 
 
 def _release_prepared(engine: Generator, job: asyncio.Future[PreparedMedia]) -> None:
@@ -318,6 +331,10 @@ class ModelHandle:
     template: ChatTemplate | None
     executor: Executor
     provenance: Provenance
+    # Where images and clips wait for the engine to prepare them: not the prompt pool, whose
+    # threads every model's text needs (a clip of minutes held one for seconds). None: the
+    # prompt pool (handles made outside a daemon).
+    media_executor: Executor | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     loaded_at: float = field(default_factory=time.time)
     leases: int = 0  # requests using it now
@@ -413,7 +430,7 @@ class ModelHandle:
         tools: Sequence[Mapping[str, Any]] | None = None,
         limits: MediaLimits | None = None,
         scope: str = "",
-    ) -> Prompt:
+    ) -> Prompt | MediaPlan:
         assert self.template is not None  # noqa: S101 - checked by the caller
         generator = self.generator
         # Object keys of tool arguments and tool definitions stay in the template's text (they
@@ -433,7 +450,7 @@ class ModelHandle:
         add_special = not (bos and segments and segments[0][1] and segments[0][0].startswith(bos))
         if media:  # the text alone must fit before any image or clip is decoded
             scoped = tuple(replace(item, scope=scope) for item in media)
-            return self._with_media(parts, scoped, text, add_special, limits or MediaLimits())
+            return self._media_plan(parts, scoped, text, add_special)
         tokens = self._tokenize_bounded(
             text, "messages", whole=lambda: generator.tokenize_segments(segments, add_special=add_special)
         )
@@ -443,17 +460,11 @@ class ModelHandle:
         opened = bool(tags and segments and segments[-1][1] and segments[-1][0].rstrip().endswith(tags[0]))
         return Prompt(tokens, reasoning_open=opened)
 
-    def _with_media(
-        self,
-        parts: list[Part],
-        media: tuple[MediaInput, ...],
-        text: str,
-        add_special: bool,
-        limits: MediaLimits,
-    ) -> Prompt:
-        """Tokens of a prompt with images and clips: its text bounded first (tokenized in prefixes
-        as any prompt's), then each item the template kept prepared by the engine (decoded,
-        encoded, held), and the parts put together with each item's positions as placeholders."""
+    def _media_plan(
+        self, parts: list[Part], media: tuple[MediaInput, ...], text: str, add_special: bool
+    ) -> MediaPlan:
+        """A prompt with images and clips, checked before any is decoded: the model reads each
+        kind the template kept, and the text alone fits (tokenized in prefixes as any prompt's)."""
         generator = self.generator
         used = sorted({p for p in parts if isinstance(p, int)})
         for index in used:
@@ -466,61 +477,83 @@ class ModelHandle:
                     code="model_not_supported",
                 )
         self._tokenize_bounded(text, "messages", whole=list)
+        tags = REASONING_TAGS.get(self.settings.reasoning)
+        last = parts[-1] if parts else None
+        opened = bool(tags and isinstance(last, tuple) and last[1] and last[0].rstrip().endswith(tags[0]))
+        return MediaPlan(parts, media, used, add_special, opened)
+
+    async def _with_media(self, plan: MediaPlan, limits: MediaLimits) -> Prompt:
+        """Tokens of a prompt with images and clips: each item the template kept prepared by the
+        engine (decoded, encoded, held) while waiting on the media pool, then the parts put
+        together on the prompt pool, each item's positions as placeholders."""
+        generator = self.generator
+        loop = asyncio.get_running_loop()
+        pool = self.media_executor or self.executor
         prepared: dict[int, PreparedMedia] = {}
         keys: list[str] = []
         try:
-            for index in used:
+            for position, index in enumerate(plan.used):
+                job = loop.run_in_executor(pool, generator.prepare_media, plan.media[index], limits)
                 try:
-                    prepared[index] = generator.prepare_media(media[index], limits)
+                    prepared[index] = await asyncio.shield(job)
+                except asyncio.CancelledError:  # let go of what the job holds once it is done
+                    job.add_done_callback(partial(_release_prepared, generator))
+                    raise
                 except MediaError as exc:
-                    kind = media[index].kind
+                    kind = plan.media[index].kind
                     raise InvalidRequest(
-                        f"{'image' if kind == 'image' else 'clip'} {used.index(index) + 1}: {exc}",
+                        f"{'image' if kind == 'image' else 'clip'} {position + 1}: {exc}",
                         param="messages",
                         code=f"invalid_{kind}",
                     ) from None
                 keys += [p.key for p in prepared[index].pieces if isinstance(p, MediaChunk)]
-            tokens: list[int] = []
-            spans: list[MediaSpan] = []
-            run: list[Segment] = []
-            for part in [*parts, -1]:
-                if isinstance(part, tuple):
-                    run.append(part)
-                    continue
-                if run or not tokens:  # the text so far (the first run carries the BOS)
-                    tokens += generator.tokenize_segments(run, add_special=add_special and not tokens)
-                    run = []
-                if part < 0:
-                    break
-                for piece in prepared[part].pieces:
-                    if isinstance(piece, MediaChunk):
-                        spans.append(MediaSpan(len(tokens), piece.length, piece.key))
-                        tokens += placeholders(piece.key, piece.length)
-                    else:
-                        tokens += piece
+            tokens, spans = await loop.run_in_executor(self.executor, self._assemble, plan, prepared)
         except BaseException:
             MediaHold(generator, keys).release()
             raise
-        tags = REASONING_TAGS.get(self.settings.reasoning)
-        last = parts[-1] if parts else None
-        opened = bool(tags and isinstance(last, tuple) and last[1] and last[0].rstrip().endswith(tags[0]))
         return Prompt(
             tokens,
-            reasoning_open=opened,
+            reasoning_open=plan.opened,
             media=tuple(spans),
-            media_items=tuple(media[i] for i in used),
+            media_items=tuple(plan.media[i] for i in plan.used),
             held=MediaHold(generator, keys),
         )
+
+    def _assemble(
+        self, plan: MediaPlan, prepared: Mapping[int, PreparedMedia]
+    ) -> tuple[list[int], list[MediaSpan]]:
+        """The prompt's text runs tokenized and its prepared items' pieces, in order."""
+        generator = self.generator
+        tokens: list[int] = []
+        spans: list[MediaSpan] = []
+        run: list[Segment] = []
+        for part in [*plan.parts, -1]:
+            if isinstance(part, tuple):
+                run.append(part)
+                continue
+            if run or not tokens:  # the text so far (the first run carries the BOS)
+                tokens += generator.tokenize_segments(run, add_special=plan.add_special and not tokens)
+                run = []
+            if part < 0:
+                break
+            for piece in prepared[part].pieces:
+                if isinstance(piece, MediaChunk):
+                    spans.append(MediaSpan(len(tokens), piece.length, piece.key))
+                    tokens += placeholders(piece.key, piece.length)
+                else:
+                    tokens += piece
+        return tokens, spans
 
     async def hold_media(self, items: Sequence[MediaInput], limits: MediaLimits) -> MediaHold:
         """Prepare these images and clips again in this handle's engine (a restarted one: its
         chunks get the same ids, so a prompt's placeholders stand as they were)."""
         generator = self.generator
         loop = asyncio.get_running_loop()
+        pool = self.media_executor or self.executor
         keys: list[str] = []
         try:
             for item in items:
-                job = loop.run_in_executor(self.executor, generator.prepare_media, item, limits)
+                job = loop.run_in_executor(pool, generator.prepare_media, item, limits)
                 try:
                     prepared = await asyncio.shield(job)
                 except asyncio.CancelledError:  # let go of what the job holds once it is done
@@ -563,10 +596,14 @@ class ModelHandle:
         try:
             job = loop.run_in_executor(self.executor, render)
             try:
-                prompt = await asyncio.shield(job)
+                rendered = await asyncio.shield(job)
             except asyncio.CancelledError:  # the client left: the chunks it holds go when it is done
                 job.add_done_callback(_release_held)
                 raise
+            if isinstance(rendered, MediaPlan):
+                prompt = await self._with_media(rendered, media_limits or MediaLimits())
+            else:
+                prompt = rendered
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages") from exc
         except EngineError:  # unloaded meanwhile (a swap or an unload while it rendered)

@@ -145,8 +145,10 @@ class Loader:
         gpu: Callable[[], GpuSnapshot | None] = lambda: None,
         gpu_headroom_bytes: int = 0,
         huge_pages: bool = False,
+        media_executor: Executor | None = None,
     ) -> None:
         self._executor = executor  # the prompt pool, handed to every handle
+        self._media_executor = media_executor  # where images and clips wait (ModelHandle)
         self._huge_pages = huge_pages  # host.huge_pages: collapse what each load left resident
         self.collapsed: Collapse | None = None  # the last load's huge-page pass
         self._factory = factory
@@ -372,7 +374,15 @@ class Loader:
             draft=draft,
             mmproj=mmproj,
         )
-        handle = ModelHandle(settings, engine, template, self._executor, provenance, counters=counters)
+        handle = ModelHandle(
+            settings,
+            engine,
+            template,
+            self._executor,
+            provenance,
+            media_executor=self._media_executor,
+            counters=counters,
+        )
         try:
             await self.warm_up(handle)
         except LoadFailed:

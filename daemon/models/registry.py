@@ -153,6 +153,7 @@ class Registry:
         gpu: Callable[[], GpuSnapshot | None] = lambda: None,
         gpu_headroom_bytes: int = 0,
         huge_pages: bool = False,
+        media_executor: Executor | None = None,
     ) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
         self._lock = lock or LockSettings(allow_unsigned=True)
@@ -164,6 +165,7 @@ class Registry:
             gpu=gpu,
             gpu_headroom_bytes=gpu_headroom_bytes,
             huge_pages=huge_pages,
+            media_executor=media_executor,
         )
         self._mutex = asyncio.Lock()  # one load/reload/unload at a time
         self._queued: list[_Queued] = []  # reloads waiting for the mutex
