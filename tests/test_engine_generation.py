@@ -210,3 +210,20 @@ async def test_events_pushed_from_the_scheduler_thread() -> None:
     events = await asyncio.wait_for(consumer, 5)
     thread.join()
     assert "".join(e.text for e in events) == "".join(str(n % 10) for n in range(1, 51))
+
+
+async def test_ended_waits_for_the_finished_event_without_consuming_and_gives_up_at_its_limit() -> None:
+    loop = asyncio.get_running_loop()
+    gen = Generation(_request(), loop)
+    gen.push([TextDelta("a", 1)])
+    started = loop.time()
+    assert await gen.ended(0.05) is None  # nothing finished: the limit, then None
+    assert loop.time() - started >= 0.05
+    final = Finished("stop", 3, 1)
+    threading.Timer(0.05, gen.push_threadsafe, args=([final],)).start()
+    started = loop.time()
+    assert await gen.ended(10.0) is final  # at the event, not at the limit
+    assert loop.time() - started < 5.0
+    assert await gen.ended(0.0) is final
+    # The events are all still there for a consumer.
+    assert [type(e) for e in await _collect(gen, 1.0)] == [TextDelta, Finished]

@@ -76,7 +76,6 @@ from edgellmd.models.handle import (
 # A request whose client left is settled once its cancelled choices' engines said whether each
 # had a slot (a waiting one's answer comes at once), or after this long: then it is charged.
 SETTLE_WAIT_S: Final = 1.0
-FINALS_POLL_S: Final = 0.01
 _SETTLING: set[asyncio.Future[None]] = set()  # counts under way, held until done (asyncio keeps tasks weakly)
 
 # The API family a generation request came by, for the per-request histograms' `api` label.
@@ -336,11 +335,11 @@ def _finish_label(final: Finished | None) -> str:
 
 
 async def _finals(gens: Sequence[Generation], limit: float) -> None:
-    """Wait at most `limit` seconds for every generation's Finished."""
+    """Wait at most `limit` seconds in all for every generation's Finished."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
-    while any(gen.final is None for gen in gens) and loop.time() < deadline:  # noqa: ASYNC110 - pushed from other threads
-        await asyncio.sleep(FINALS_POLL_S)
+    for gen in gens:
+        await gen.ended(deadline - loop.time())
 
 
 @contextlib.asynccontextmanager

@@ -191,6 +191,7 @@ class Generation:
     __slots__ = (
         "_cancelled",
         "_consuming",
+        "_ended",
         "_loop",
         "_on_cancel",
         "_pending",
@@ -216,6 +217,7 @@ class Generation:
         self._cancelled = threading.Event()
         self._on_cancel: Callable[[Generation], None] | None = None  # an engine process is told
         self.final: Finished | None = None  # the Finished event, once it arrived
+        self._ended: asyncio.Future[None] | None = None  # set at `final`, made when one waits (ended)
         # The request's compiled grammar, owned by the engine until the sequence starts.
         self.grammar: object | None = None
         self.queue_s = 0.0  # seconds waited for a slot so far (the scheduler's thread writes it)
@@ -258,6 +260,8 @@ class Generation:
         for event in events:
             if isinstance(event, Finished):
                 self.final = event
+                if self._ended is not None and not self._ended.done():
+                    self._ended.set_result(None)
             self._pending.append(event)
         self._progress = self._loop.time()
         waiter = self._waiter
@@ -275,6 +279,17 @@ class Generation:
                 async with asyncio.timeout(limit):
                     await self._next(None)
         return self.peek()
+
+    async def ended(self, limit: float) -> Finished | None:
+        """Wait at most `limit` seconds for the Finished event, whether or not anyone consumes
+        the events (a request whose client left: its choices were cancelled, and their engines
+        say whether each had a slot); `final`."""
+        if self.final is None and limit > 0:
+            if self._ended is None:
+                self._ended = self._loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._ended), limit)
+        return self.final
 
     async def events(self, idle_timeout: float | None = None) -> AsyncIterator[Event]:
         """Yield events until (and including) the `Finished` event.
