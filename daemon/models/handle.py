@@ -488,17 +488,12 @@ class ModelHandle:
         together on the prompt pool, each item's positions as placeholders."""
         generator = self.generator
         loop = asyncio.get_running_loop()
-        pool = self.media_executor or self.executor
         prepared: dict[int, PreparedMedia] = {}
         keys: list[str] = []
         try:
             for position, index in enumerate(plan.used):
-                job = loop.run_in_executor(pool, generator.prepare_media, plan.media[index], limits)
                 try:
-                    prepared[index] = await asyncio.shield(job)
-                except asyncio.CancelledError:  # let go of what the job holds once it is done
-                    job.add_done_callback(partial(_release_prepared, generator))
-                    raise
+                    prepared[index] = await self._prepare(plan.media[index], limits)
                 except MediaError as exc:
                     kind = plan.media[index].kind
                     raise InvalidRequest(
@@ -548,22 +543,27 @@ class ModelHandle:
         """Prepare these images and clips again in this handle's engine (a restarted one: its
         chunks get the same ids, so a prompt's placeholders stand as they were)."""
         generator = self.generator
-        loop = asyncio.get_running_loop()
-        pool = self.media_executor or self.executor
         keys: list[str] = []
         try:
             for item in items:
-                job = loop.run_in_executor(pool, generator.prepare_media, item, limits)
-                try:
-                    prepared = await asyncio.shield(job)
-                except asyncio.CancelledError:  # let go of what the job holds once it is done
-                    job.add_done_callback(partial(_release_prepared, generator))
-                    raise
+                prepared = await self._prepare(item, limits)
                 keys += [p.key for p in prepared.pieces if isinstance(p, MediaChunk)]
         except BaseException:
             MediaHold(generator, keys).release()
             raise
         return MediaHold(generator, keys)
+
+    async def _prepare(self, item: MediaInput, limits: MediaLimits) -> PreparedMedia:
+        """One image or clip prepared by the engine while the caller waits on the media pool; a
+        caller gone meanwhile: its chunks are let go of once the engine is done with it."""
+        generator = self.generator
+        pool = self.media_executor or self.executor
+        job = asyncio.get_running_loop().run_in_executor(pool, generator.prepare_media, item, limits)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(partial(_release_prepared, generator))
+            raise
 
     async def chat_prompt(
         self,
