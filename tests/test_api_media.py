@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
+import contextlib
 import io
 import os
 import signal
@@ -598,41 +600,50 @@ def test_a_queued_image_request_is_served_by_the_restarted_engine(served: Served
 
 
 def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> None:
-    """A client gone while its image waits to be prepared: the preparation finishes on the media
-    pool and its chunks are let go of then, never held for good. Gone before that, while its
-    prompt waits for the prompt pool: its image is never prepared at all."""
+    """A client gone while its image waits for the prompt pool or the media pool: the image is
+    never prepared (a key capped at one request in flight queued any number of clips by leaving
+    each). Gone while its engine prepares a clip: the preparation finishes and its chunks are
+    let go of then, never held for good."""
     assert served.daemon.app is not None
-    handle = served.daemon.app[appkeys.REGISTRY].get("vision")
-    engine = served.engine("vision")
+    registry = served.daemon.app[appkeys.REGISTRY]
+    handle = registry.get("vision")
     assert handle.media_executor is not None
     assert handle.media_executor is not handle.executor
+    assert registry.get("hears").media_executor not in (None, handle.media_executor)  # a pool per model
 
-    def media() -> dict[str, Any]:
-        figures: dict[str, Any] = engine.performance()["media"]
+    def media(model: str = "vision") -> dict[str, Any]:
+        figures: dict[str, Any] = served.engine(model).performance()["media"]
         return figures
 
     message = ChatMessage("user", "look", media=(MediaInput("image", png(12), "png"),), media_at=(4,))
 
-    async def ask() -> object:
-        return await handle.chat_prompt([message], media_limits=MediaLimits())
+    async def ask(model: str, asked: ChatMessage) -> Any:
+        return await registry.get(model).chat_prompt([asked], media_limits=MediaLimits())
 
-    for pool, prepared in ((handle.media_executor, 1), (handle.executor, 0)):
+    for pool in (handle.media_executor, handle.executor):
         encoded = media()["chunks_encoded"]
         gate = threading.Event()
         blocker = pool.submit(gate.wait, 30)  # the pool's one thread for this tenant, held
-        asked = asyncio.run_coroutine_threadsafe(ask(), served.daemon.loop)
+        asked = asyncio.run_coroutine_threadsafe(ask("vision", message), served.daemon.loop)
         time.sleep(0.3)  # queued behind the blocker
         asked.cancel()
         gate.set()
         blocker.result(5)
-        wait_for(
-            lambda: media()["chunks_encoded"] == encoded + prepared,  # noqa: B023 - waited for here
-            timeout=10,
-            what="the image encoded",
-        )
-        wait_for(lambda: media()["store_held"] == 0, timeout=5, what="its chunks let go of")
-        time.sleep(0.3)
-        assert media()["chunks_encoded"] == encoded + prepared
+        time.sleep(0.5)
+        assert media()["chunks_encoded"] == encoded  # never prepared
+        assert media()["store_held"] == 0
+
+    clip = wav_declaring(1_000, seconds_of_bytes=600 * 1_000 / 16_000)  # seconds to prepare
+    heard = ChatMessage("user", "hear", media=(MediaInput("audio", clip, "wav"),), media_at=(4,))
+    encoded = media("hears")["chunks_encoded"]
+    asked = asyncio.run_coroutine_threadsafe(ask("hears", heard), served.daemon.loop)
+    wait_for(lambda: media("hears")["chunks_encoded"] > encoded, timeout=30, what="the clip being prepared")
+    asked.cancel()
+    with contextlib.suppress(concurrent.futures.CancelledError):
+        if (prompt := asked.result(30)).held is not None:  # done before the cancel came
+            prompt.held.release()
+    wait_for(lambda: media("hears")["store_held"] == 0, timeout=30, what="its chunks let go of")
+    assert media("hears")["chunks_encoded"] > encoded
 
 
 def _upload(served: Served, files: Any = None, data: Any = None, **more: Any) -> httpx.Response:
@@ -773,9 +784,10 @@ def test_transcription_bodies_that_are_not_a_form_are_refused(served: Served) ->
 
 def test_clips_being_prepared_hold_up_no_other_key_s_text_prompts(served: Served) -> None:
     """Two keys' clips of ten minutes, prepared for seconds each: a third key's text chat, on
-    another model and on the clips' own, is answered meanwhile. The images and clips wait on a
-    pool of their own and the engine prepares them on a thread of its own: on the prompt pool
-    (two threads, every model's) the two clips held both for as long as they took."""
+    another model and on the clips' own, and its image on another model, are answered
+    meanwhile. Images and clips wait on their model's media pool and the engine prepares them
+    on a thread of its own: on the prompt pool (two threads, every model's) the two clips held
+    both for as long as they took; on one media pool of every model's, the image waited too."""
     clip = _message(
         audio_part(wav_declaring(1_000, seconds_of_bytes=600 * 1_000 / 16_000), "wav"), model="hears"
     )
@@ -797,11 +809,13 @@ def test_clips_being_prepared_hold_up_no_other_key_s_text_prompts(served: Served
         thread.start()
     time.sleep(alone / 4)  # both clips are being read and prepared now
     text: dict[str, float] = {}
-    for model in ("plain", "hears"):
+    for model, part in (
+        ("plain", {"type": "text", "text": "Hi"}),
+        ("hears", {"type": "text", "text": "Hi"}),
+        ("vision", image_part(png(14))),  # another model's images wait on its own media pool
+    ):
         started = time.monotonic()
-        status, answer = served.post(
-            "/v1/chat/completions", _message({"type": "text", "text": "Hi"}, model=model)
-        )
+        status, answer = served.post("/v1/chat/completions", _message(part, model=model))
         assert status == 200, answer
         text[model] = time.monotonic() - started
     finished = time.monotonic()

@@ -65,9 +65,6 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("edgellmd.access")
 
 PROMPT_THREADS: Final = 2  # template rendering and tokenization run here, never on the loop
-# Requests' images and clips wait here for their engines to prepare them (seconds for a long
-# clip): on the prompt pool two of them held up every model's text prompts.
-MEDIA_THREADS: Final = 2
 # HTTP parser limits: an API request has a short request line and a handful of headers.
 MAX_LINE_BYTES: Final = 8190  # request line (aiohttp's default, stated here on purpose)
 MAX_FIELD_BYTES: Final = 8190  # one header
@@ -236,11 +233,17 @@ async def _tracer_ctx(app: web.Application) -> AsyncIterator[None]:
     await asyncio.get_running_loop().run_in_executor(None, tracer.shutdown)
 
 
+def _media_pool(model: str) -> FairPool:
+    """A model's media pool: its requests' images and clips wait here, one at a time, keys in
+    turn, for its engine to prepare them (seconds for a long clip; the engine prepares one at a
+    time). On the prompt pool, two clips held up every model's text; on one pool of all models',
+    one model's clips held up every other model's images."""
+    return FairPool(1, name=f"media-{model}")
+
+
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
     executor = FairPool(PROMPT_THREADS, name="prompt")  # one key's work queues behind its own (api.pool)
     app[appkeys.EXECUTOR] = executor
-    media = FairPool(MEDIA_THREADS, name="media")
-    app[appkeys.MEDIA_EXECUTOR] = media
     # The loop's own pool (asyncio.to_thread: scrapes, file checks, loads) with its threads
     # running from the start, as asyncio would start them one by one when calls first overlap:
     # a box's thread count is what it is after start-up, not a figure that creeps up for hours.
@@ -249,7 +252,6 @@ async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
     asyncio.get_running_loop().set_default_executor(default)
     yield
     executor.shutdown(wait=True, cancel_futures=True)
-    media.shutdown(wait=True, cancel_futures=True)
 
 
 def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -265,7 +267,7 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
             gpu=lambda: monitor.latest,
             gpu_headroom_bytes=settings.host.gpu_headroom_mb * 1024 * 1024,
             huge_pages=settings.host.huge_pages,
-            media_executor=app[appkeys.MEDIA_EXECUTOR],
+            media_pool=_media_pool,
         )
         app[appkeys.REGISTRY] = registry
         app[appkeys.METRICS].add_state(

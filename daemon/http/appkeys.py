@@ -22,7 +22,6 @@ from edgellmd.settings import Settings
 SETTINGS: Final = web.AppKey("settings", Settings)
 REGISTRY: Final = web.AppKey("registry", Registry)
 EXECUTOR: Final = web.AppKey("executor", FairPool)
-MEDIA_EXECUTOR: Final = web.AppKey("media_executor", FairPool)  # where images and clips wait
 KEY_STORE: Final = web.AppKey("key_store", KeyStore)
 GENERATIONS: Final = web.AppKey("generations", Running)  # running, for the shutdown drain
 METRICS: Final = web.AppKey("metrics", Metrics)

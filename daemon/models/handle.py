@@ -8,7 +8,7 @@ import re
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -231,7 +231,7 @@ class MediaPlan:
     opened: bool  # the template opened the model's reasoning at the end
 
 
-def _release_prepared(engine: Generator, job: asyncio.Future[PreparedMedia]) -> None:
+def _release_prepared(engine: Generator, job: Future[PreparedMedia]) -> None:
     if not job.cancelled() and job.exception() is None:
         MediaHold(engine, [p.key for p in job.result().pieces if isinstance(p, MediaChunk)]).release()
 
@@ -331,9 +331,9 @@ class ModelHandle:
     template: ChatTemplate | None
     executor: Executor
     provenance: Provenance
-    # Where images and clips wait for the engine to prepare them: not the prompt pool, whose
-    # threads every model's text needs (a clip of minutes held one for seconds). None: the
-    # prompt pool (handles made outside a daemon).
+    # Where images and clips wait for the engine to prepare them: the model's own media pool,
+    # not the prompt pool, whose threads every model's text needs (a clip of minutes held one
+    # for seconds). None: the prompt pool (handles made outside a daemon).
     media_executor: Executor | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     loaded_at: float = field(default_factory=time.time)
@@ -554,15 +554,17 @@ class ModelHandle:
         return MediaHold(generator, keys)
 
     async def _prepare(self, item: MediaInput, limits: MediaLimits) -> PreparedMedia:
-        """One image or clip prepared by the engine while the caller waits on the media pool; a
-        caller gone meanwhile: its chunks are let go of once the engine is done with it."""
+        """One image or clip prepared by the engine while the caller waits on the media pool. A
+        caller gone while it waits: never prepared (a key capped at one request in flight
+        queued any number of clips by leaving each); gone while the engine prepares it: its
+        chunks are let go of once the engine is done with it."""
         generator = self.generator
-        pool = self.media_executor or self.executor
-        job = asyncio.get_running_loop().run_in_executor(pool, generator.prepare_media, item, limits)
+        job = (self.media_executor or self.executor).submit(generator.prepare_media, item, limits)
         try:
-            return await asyncio.shield(job)
+            return await asyncio.shield(asyncio.wrap_future(job))
         except asyncio.CancelledError:
-            job.add_done_callback(partial(_release_prepared, generator))
+            if not job.cancel():  # under way: what it holds goes when it is done
+                job.add_done_callback(partial(_release_prepared, generator))
             raise
 
     async def chat_prompt(

@@ -145,10 +145,8 @@ class Loader:
         gpu: Callable[[], GpuSnapshot | None] = lambda: None,
         gpu_headroom_bytes: int = 0,
         huge_pages: bool = False,
-        media_executor: Executor | None = None,
     ) -> None:
         self._executor = executor  # the prompt pool, handed to every handle
-        self._media_executor = media_executor  # where images and clips wait (ModelHandle)
         self._huge_pages = huge_pages  # host.huge_pages: collapse what each load left resident
         self.collapsed: Collapse | None = None  # the last load's huge-page pass
         self._factory = factory
@@ -247,6 +245,7 @@ class Loader:
         make_room: Callable[[ModelSettings, int, bool], None],
         dispose: Callable[[ModelHandle], None],
         reuse: Provenance | None = None,
+        media_executor: Executor | None = None,
     ) -> ModelHandle:
         """verify + preload → load → warm-up, all off the loop; raises LoadFailed with the reason.
 
@@ -380,7 +379,7 @@ class Loader:
             template,
             self._executor,
             provenance,
-            media_executor=self._media_executor,
+            media_executor=media_executor,
             counters=counters,
         )
         try:

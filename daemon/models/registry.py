@@ -153,9 +153,16 @@ class Registry:
         gpu: Callable[[], GpuSnapshot | None] = lambda: None,
         gpu_headroom_bytes: int = 0,
         huge_pages: bool = False,
-        media_executor: Executor | None = None,
+        media_pool: Callable[[str], Executor] | None = None,
     ) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
+        # Each model with a projector: the pool its requests' images and clips wait on for its
+        # engines (one model's clips hold up no other model's images), every version's.
+        self._media: dict[str, Executor] = {
+            m.name: media_pool(m.name)
+            for m in models
+            if media_pool is not None and (m.mmproj is not None or m.mmproj_file is not None)
+        }
         self._lock = lock or LockSettings(allow_unsigned=True)
         self._lifecycle = lifecycle or LifecycleSettings(preload_dir=None, watch=False)
         self.loader = Loader(
@@ -165,7 +172,6 @@ class Registry:
             gpu=gpu,
             gpu_headroom_bytes=gpu_headroom_bytes,
             huge_pages=huge_pages,
-            media_executor=media_executor,
         )
         self._mutex = asyncio.Lock()  # one load/reload/unload at a time
         self._queued: list[_Queued] = []  # reloads waiting for the mutex
@@ -251,6 +257,8 @@ class Registry:
                     entry.state = ModelState.UNLOADED
                     await loop.run_in_executor(None, handle.engine.close)
             await asyncio.gather(*self._disposals, return_exceptions=True)
+            for pool in self._media.values():
+                pool.shutdown(wait=False, cancel_futures=True)
             if self.area is not None:
                 await loop.run_in_executor(None, self.area.close)
                 self.loader.area = None
@@ -596,6 +604,7 @@ class Registry:
                 make_room=self._make_room,
                 dispose=self._dispose,
                 reuse=reuse,
+                media_executor=self._media.get(name),
             )
         except LoadFailed as exc:
             self._discard_unused(reuse, None)
