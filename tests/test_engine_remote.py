@@ -542,7 +542,8 @@ def test_a_memory_group_too_small_to_load_in_fails_that_load_and_says_why(tmp_pa
     def limit(model_settings: ModelSettings) -> int | None:
         return 8 * 1024 * 1024 if model_settings.name == "starved" else real(model_settings)
 
-    before = {p.name for p in groups.parent.iterdir() if p.name.startswith(memgroups.PREFIX)}
+    ours = f"{memgroups.PREFIX}{os.getpid()}-"  # this process's groups (another run may share the parent)
+    before = {p.name for p in groups.parent.iterdir() if p.name.startswith(ours)}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(handle_module, "memory_group_limit", limit)
         with running(settings, wait_ready=False) as daemon:
@@ -561,7 +562,7 @@ def test_a_memory_group_too_small_to_load_in_fails_that_load_and_says_why(tmp_pa
             assert shown["fits"]["state"] == "ready"
             code, body = daemon.post("/v1/completions", {"model": "fits", "prompt": "x", "max_tokens": 3})
             assert code == 200, body
-    after = {p.name for p in groups.parent.iterdir() if p.name.startswith(memgroups.PREFIX)}
+    after = {p.name for p in groups.parent.iterdir() if p.name.startswith(ours)}
     assert after <= before
 
 
