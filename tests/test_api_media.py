@@ -620,7 +620,15 @@ def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> Non
     async def ask(model: str, asked: ChatMessage) -> Any:
         return await registry.get(model).chat_prompt([asked], media_limits=MediaLimits())
 
+    def idle(model: str = "vision") -> bool:
+        """Nothing held and nothing encoded for half a second (an earlier test's replay may
+        still be preparing its image in a restarted engine)."""
+        first = media(model)["chunks_encoded"]
+        time.sleep(0.5)
+        return bool(media(model)["chunks_encoded"] == first and media(model)["store_held"] == 0)
+
     for pool in (handle.media_executor, handle.executor):
+        wait_for(idle, timeout=30, what="the engine idle")
         encoded = media()["chunks_encoded"]
         gate = threading.Event()
         blocker = pool.submit(gate.wait, 30)  # the pool's one thread for this tenant, held
@@ -635,6 +643,7 @@ def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> Non
 
     clip = wav_declaring(1_000, seconds_of_bytes=600 * 1_000 / 16_000)  # seconds to prepare
     heard = ChatMessage("user", "hear", media=(MediaInput("audio", clip, "wav"),), media_at=(4,))
+    wait_for(lambda: idle("hears"), timeout=30, what="the engine idle")
     encoded = media("hears")["chunks_encoded"]
     asked = asyncio.run_coroutine_threadsafe(ask("hears", heard), served.daemon.loop)
     wait_for(lambda: media("hears")["chunks_encoded"] > encoded, timeout=30, what="the clip being prepared")
