@@ -612,10 +612,20 @@ def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> Non
     assert registry.get("hears").media_executor not in (None, handle.media_executor)  # a pool per model
 
     def media(model: str = "vision") -> dict[str, Any]:
-        figures: dict[str, Any] = served.engine(model).performance()["media"]
+        """The engine's media figures as they are now: from a status frame made after this call
+        began (they come every quarter second: the last one may be older than an encode)."""
+        engine = served.engine(model)
+
+        def frame_after(seen: object) -> None:
+            wait_for(lambda: engine._status is not seen, timeout=10, what="a status frame")
+
+        for _ in range(2):  # the first change may be a frame made before
+            frame_after(engine._status)
+        figures: dict[str, Any] = engine.performance()["media"]
         return figures
 
-    message = ChatMessage("user", "look", media=(MediaInput("image", png(12), "png"),), media_at=(4,))
+    def looking_at(seed: int) -> ChatMessage:
+        return ChatMessage("user", "look", media=(MediaInput("image", png(seed), "png"),), media_at=(4,))
 
     async def ask(model: str, asked: ChatMessage) -> Any:
         return await registry.get(model).chat_prompt([asked], media_limits=MediaLimits())
@@ -627,19 +637,27 @@ def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> Non
         time.sleep(0.5)
         return bool(media(model)["chunks_encoded"] == first and media(model)["store_held"] == 0)
 
-    for pool in (handle.media_executor, handle.executor):
+    for seed, pool in ((120, handle.media_executor), (121, handle.executor)):  # an image each
         wait_for(idle, timeout=30, what="the engine idle")
-        encoded = media()["chunks_encoded"]
         gate = threading.Event()
         blocker = pool.submit(gate.wait, 30)  # the pool's one thread for this tenant, held
-        asked = asyncio.run_coroutine_threadsafe(ask("vision", message), served.daemon.loop)
+        asked = asyncio.run_coroutine_threadsafe(ask("vision", looking_at(seed)), served.daemon.loop)
         time.sleep(0.3)  # queued behind the blocker
         asked.cancel()
         gate.set()
         blocker.result(5)
         time.sleep(0.5)
-        assert media()["chunks_encoded"] == encoded  # never prepared
         assert media()["store_held"] == 0
+        # Never prepared: the same image asked for now is encoded, not found in the engine's
+        # store (whatever else an earlier test's replay may still encode meanwhile).
+        before = media()
+        again = asyncio.run_coroutine_threadsafe(ask("vision", looking_at(seed)), served.daemon.loop)
+        prompt = again.result(30)
+        assert prompt.held is not None
+        prompt.held.release()
+        after = media()
+        assert after["chunks_reused"] == before["chunks_reused"], (before, after)
+        assert after["chunks_encoded"] > before["chunks_encoded"]
 
     clip = wav_declaring(1_000, seconds_of_bytes=600 * 1_000 / 16_000)  # seconds to prepare
     heard = ChatMessage("user", "hear", media=(MediaInput("audio", clip, "wav"),), media_at=(4,))

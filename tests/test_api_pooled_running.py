@@ -24,6 +24,7 @@ import pytest
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
 from edgellmd.__main__ import drain
+from edgellmd.api.session import PooledCall
 from edgellmd.http import appkeys
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, running, settings_for, wait_for
@@ -78,7 +79,11 @@ def _call_in_background(box: Box, key: str, path: str = "/v1/embeddings") -> lis
     threading.Thread(target=lambda: answers.append(box.post(path, body, key)), daemon=True).start()
     assert box.daemon.app is not None
     running = box.daemon.app[appkeys.GENERATIONS]
-    wait_for(lambda: len(running) > 0 or bool(answers), what="the call among the running requests")
+    # Its pooled call itself, not the request still preparing (`Preparing`, there from the start).
+    wait_for(
+        lambda: any(isinstance(item, PooledCall) for item in list(running._items)) or bool(answers),
+        what="the call among the running requests",
+    )
     assert not answers, answers
     return answers
 

@@ -414,6 +414,7 @@ async def generation_session(
         trace.phase("grammar", began, **{"edgellm.grammars": len(grammars)})
     try:
         check_key_still_valid(request)  # tokenizing and compiling took a while: revoked since?
+        handed_over(request)  # the generations below take its place among the running requests
     except BaseException:
         for grammar in grammars or []:
             grammar.free()
@@ -648,6 +649,66 @@ def aborted(reason: str | None) -> ApiError | None:
     return None
 
 
+class Preparing:
+    """An API request not yet running a generation or a pooled call: its body read and checked,
+    its prompt rendered and tokenized, its media fetched and prepared, its grammar compiled (a
+    clip makes that seconds). It is among the running requests (`Running`) until one of those
+    takes its place (`handed_over`), so that the drain waits for it and ends it past its deadline
+    with a 503, and a revoked key's ends with a 401: `abort` cancels the handler's task, and
+    `in_flight` (the middleware that made it) answers with the reason's error. Before, only
+    running generations counted: a request still in its prompt stage when the daemon stopped
+    lost its connection with no answer."""
+
+    __slots__ = ("over", "reason", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.reason: str | None = None  # why it was ended from outside (KEY_REVOKED, SHUTTING_DOWN)
+        self.over = False  # a generation or a pooled call took its place
+
+    def abort(self, reason: str) -> None:
+        if self.reason is None and not self.over and not self.task.done():
+            self.reason = reason
+            self.task.cancel()
+
+
+PREPARING: Final = web.RequestKey("preparing", Preparing)
+
+
+async def in_flight(request: web.Request, handler: Callable[[web.Request], Awaitable[T]]) -> T:
+    """Run an API request's `handler` among the running requests until its work is handed over
+    (`handed_over`); ended from outside meanwhile, it raises that reason's error."""
+    task = asyncio.current_task()
+    if task is None:
+        return await handler(request)
+    ctx = context(request)
+    entry = request[PREPARING] = Preparing(task)
+    caller = request.get(CALLER)
+    ctx.generations.add(entry, caller.key_id if caller is not None else None)
+    try:
+        return await handler(request)
+    except asyncio.CancelledError:
+        # Ours alone (the client still there, the server not cancelling it too): answer why.
+        if entry.reason is None or task.uncancel() > 0:
+            raise
+        raise aborted(entry.reason) or ServerShuttingDown(SHUTTING_DOWN) from None
+    finally:
+        entry.over = True
+        ctx.generations.discard(entry)
+
+
+def handed_over(request: web.Request) -> None:
+    """The request's generations or pooled call are among the running requests now: its own
+    entry leaves (an abort from here on ends those, with their own error events)."""
+    entry = request.get(PREPARING)
+    if entry is None or entry.over:
+        return
+    entry.over = True
+    context(request).generations.discard(entry)
+    if entry.reason is not None:  # ended from outside, and the cancel did not reach the handler
+        raise aborted(entry.reason) or ServerShuttingDown(SHUTTING_DOWN)
+
+
 class PooledCall:
     """An embedding or rerank call in flight, among the running requests (`Running`): a revoked
     key's call and the drain's past its deadline end as a generation's do."""
@@ -680,6 +741,7 @@ async def pooled_call(
         except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
             return await on_restarted(request, handle, work)
 
+    handed_over(request)
     task = asyncio.ensure_future(run())
     call = PooledCall(task)
     ctx.generations.add(call, caller.key_id if caller is not None else None)

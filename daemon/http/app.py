@@ -38,6 +38,7 @@ from edgellmd.api.openai.routes import setup_openai
 from edgellmd.api.pool import FairPool, started
 from edgellmd.api.rerank import setup_rerank
 from edgellmd.api.responses.routes import setup_responses
+from edgellmd.api.session import in_flight
 from edgellmd.engine.build import supports_gpu_offload
 from edgellmd.engine.generation import Running
 from edgellmd.host.cpu import Pinning
@@ -110,6 +111,14 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
         logs.request_id.reset(token)
 
 
+@web.middleware
+async def track_in_flight(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """API requests in their prompt stage are running requests too (`api.session.in_flight`)."""
+    if not is_inference(request.path):
+        return await handler(request)
+    return await in_flight(request, handler)
+
+
 def _start_trace(request: web.Request, rid: str) -> RequestTrace | None:
     """The request's span, for API calls while tracing is on (probes and scrapes go untraced)."""
     tracer = request.app.get(appkeys.TRACER)
@@ -168,6 +177,9 @@ def create_app(
         metrics_public=settings.auth.metrics_public,
         origins=settings.server.cors_origins,
     )
+    # Inside authentication: every API request is among the running requests from here until
+    # its generations or pooled call take its place, for the drain and key revocation.
+    app.middlewares.append(track_in_flight)
     setup_health(app)
     setup_openai(app)
     setup_rerank(app)
