@@ -599,6 +599,13 @@ def test_a_queued_image_request_is_served_by_the_restarted_engine(served: Served
     wait_for(lambda: not Path(f"/proc/{victim.pid}").exists(), timeout=5, what="the dead process reaped")
 
 
+def settled(loop: asyncio.AbstractEventLoop) -> None:
+    """Every callback the loop was given before this call has run, and what they woke too:
+    a `cancel()` from this thread reaches its task through the loop, later than it returns."""
+    for _ in range(3):
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.01), loop).result(10)
+
+
 def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> None:
     """A client gone while its image waits for the prompt pool or the media pool: the image is
     never prepared (a key capped at one request in flight queued any number of clips by leaving
@@ -644,6 +651,7 @@ def test_a_prompt_whose_client_left_lets_go_of_its_images(served: Served) -> Non
         asked = asyncio.run_coroutine_threadsafe(ask("vision", looking_at(seed)), served.daemon.loop)
         time.sleep(0.3)  # queued behind the blocker
         asked.cancel()
+        settled(served.daemon.loop)  # the loop has cancelled the request before the pool moves on
         gate.set()
         blocker.result(5)
         time.sleep(0.5)

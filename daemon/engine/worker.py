@@ -59,10 +59,10 @@ STATUS_EVERY_S: Final = 0.25
 # stuck daemon never stalls the engine for longer.
 ACK_WAIT_S: Final = 0.02
 PROMPT_THREADS: Final = 2  # as the daemon's own prompt pool: tokenizing and grammars, off the scheduler
-# The calls answered on the pool, media on a thread of their own (each frame with an id, answered
-# by one with the same id).
+# The calls answered on the pool (each frame with an id, answered by one with the same id);
+# `media` is such a call too, answered on a thread of its own (`_dispatch`).
 _CALLS: Final = frozenset(
-    ("tokenize", "tokenize_segments", "grammar", "media", "probe", "template", "build_info", "huge_pages")
+    ("tokenize", "tokenize_segments", "grammar", "probe", "template", "build_info", "huge_pages")
 )
 _LIMIT_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(MediaLimits))
 TEST_HOOKS_ENV: Final = "EDGELLM_ENGINE_TEST_HOOKS"  # "1": answer `probe` calls (tests of the confinement)

@@ -448,20 +448,21 @@ class ModelHandle:
         # Templates that print the BOS themselves must not get a second one from the tokenizer.
         bos = self.engine.info.bos_text
         add_special = not (bos and segments and segments[0][1] and segments[0][0].startswith(bos))
+        # A template that opens the model's thinking itself (DeepSeek R1, Qwen3): the reply
+        # starts inside the reasoning. Only the template's own text can open it, at the very end.
+        tags = REASONING_TAGS.get(self.settings.reasoning)
+        last = parts[-1] if parts else None
+        opened = bool(tags and isinstance(last, tuple) and last[1] and last[0].rstrip().endswith(tags[0]))
         if media:  # the text alone must fit before any image or clip is decoded
             scoped = tuple(replace(item, scope=scope) for item in media)
-            return self._media_plan(parts, scoped, text, add_special)
+            return self._media_plan(parts, scoped, text, add_special, opened)
         tokens = self._tokenize_bounded(
             text, "messages", whole=lambda: generator.tokenize_segments(segments, add_special=add_special)
         )
-        # A template that opens the model's thinking itself (DeepSeek R1, Qwen3): the reply
-        # starts inside the reasoning. Only the template's own text can open it.
-        tags = REASONING_TAGS.get(self.settings.reasoning)
-        opened = bool(tags and segments and segments[-1][1] and segments[-1][0].rstrip().endswith(tags[0]))
         return Prompt(tokens, reasoning_open=opened)
 
     def _media_plan(
-        self, parts: list[Part], media: tuple[MediaInput, ...], text: str, add_special: bool
+        self, parts: list[Part], media: tuple[MediaInput, ...], text: str, add_special: bool, opened: bool
     ) -> MediaPlan:
         """A prompt with images and clips, checked before any is decoded: the model reads each
         kind the template kept, and the text alone fits (tokenized in prefixes as any prompt's)."""
@@ -477,9 +478,6 @@ class ModelHandle:
                     code="model_not_supported",
                 )
         self._tokenize_bounded(text, "messages", whole=list)
-        tags = REASONING_TAGS.get(self.settings.reasoning)
-        last = parts[-1] if parts else None
-        opened = bool(tags and isinstance(last, tuple) and last[1] and last[0].rstrip().endswith(tags[0]))
         return MediaPlan(parts, media, used, add_special, opened)
 
     async def _with_media(self, plan: MediaPlan, limits: MediaLimits) -> Prompt:
