@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import http.client
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -187,3 +189,36 @@ def test_a_key_revoked_while_its_request_is_preparing_ends_it_with_a_401_at_once
     # The daemon serves on: another key's request, once the pool is free.
     status, answer = box.post("/v1/completions", COMPLETION)
     assert status == 200, answer
+
+
+def test_a_request_on_a_connection_kept_alive_into_the_stop_is_refused_and_the_connection_closed(
+    box: Box,
+) -> None:
+    """A client that keeps its connection (every SDK's pool does) could send requests after the
+    stop began, and retry its 503 on the same connection: nothing ended those, and the server's
+    own wait for them doubled the stop. Once draining, an API request is refused at once, and
+    every answer closes its connection."""
+    headers = {"Authorization": f"Bearer {box.tokens['user']}", "Content-Type": "application/json"}
+    conn = http.client.HTTPConnection("127.0.0.1", box.daemon.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(COMPLETION), headers=headers)
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 200
+        assert first.getheader("Connection") != "close"  # kept alive, as a pooled client's is
+        assert _drain(box.daemon, 30) < 5  # nothing running: the drain is done at once
+        started = time.monotonic()
+        conn.request("POST", "/v1/completions", body=json.dumps(COMPLETION), headers=headers)
+        second = conn.getresponse()
+        answer = json.loads(second.read())
+        assert time.monotonic() - started < 2
+        assert second.status == 503, answer
+        assert answer["error"]["code"] == "server_shutting_down"
+        assert second.getheader("Connection") == "close"
+        # Closed: the client opens a new connection for its next request, which the stopping
+        # server no longer accepts.
+        with pytest.raises(ConnectionRefusedError):
+            conn.request("GET", "/healthz")
+    finally:
+        conn.close()
+    assert _running(box.daemon) == []

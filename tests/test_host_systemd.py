@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -361,6 +362,59 @@ def test_sigterm_cuts_a_non_streamed_request_with_server_shutting_down(tmp_path:
     status, body = answers[0]
     assert status == 503, body
     assert body["error"]["code"] == "server_shutting_down"
+
+
+def test_a_client_sending_its_body_slowly_holds_the_stop_no_longer_than_its_deadline(tmp_path: Path) -> None:
+    """A request whose body still trickles in when the drain deadline passes gets its whole 503,
+    and the process exits a few seconds later: the server went on reading the rest of such a body
+    for 10 s more (aiohttp's lingering close), waiting for it up to the deadline again."""
+    model = write_tiny_model(tmp_path / "small.gguf", TinyModelSpec(seed=22))
+    deadline = 6.0  # the old wait for what was left was the deadline again: long enough to tell apart
+    daemon = start_daemon(tmp_path, model, {}, shutdown_timeout_s=deadline)
+    answer = bytearray()
+    sock = socket.socket()
+    try:
+        ready_by = time.monotonic() + 60
+        while daemon.get("/readyz")[0] != 200:
+            assert time.monotonic() < ready_by, daemon.log.read_text()
+            time.sleep(0.05)
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", daemon.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"
+        )
+        time.sleep(0.3)  # its handler is reading the body
+        stopped = time.monotonic()
+        daemon.proc.send_signal(signal.SIGTERM)
+
+        def trickle() -> None:  # a byte every 0.2 s, until the server closes
+            with contextlib.suppress(OSError):
+                for _ in range(200):
+                    sock.sendall(b" ")
+                    time.sleep(0.2)
+
+        threading.Thread(target=trickle, daemon=True).start()
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+        closed = time.monotonic() - stopped
+        code = daemon.proc.wait(60)
+        took = time.monotonic() - stopped
+    finally:
+        sock.close()
+        stop(daemon)
+    assert code == 0
+    head, _, body = bytes(answer).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer
+    assert b"Connection: close" in head
+    assert json.loads(body)["error"]["code"] == "server_shutting_down"
+    # Its connection closed by the server's wait for what is left after the drain (2 s), then
+    # the exit: it was twice the deadline (the server waited for the handler the deadline again,
+    # itself reading the rest of the body for up to 10 s).
+    assert closed < deadline + 3.5, closed
+    assert took < deadline + 6, took
+    assert not list(daemon.shm.glob("edgellmd-*"))
 
 
 def test_notifier_without_a_socket_is_a_quiet_no_op() -> None:

@@ -398,7 +398,14 @@ async def test_without_a_keys_file_no_web_page_reaches_the_daemon(aiohttp_client
     assert await error_of(rebound) == (403, "permission_error", "host_not_allowed")
     for host in ("127.0.0.1.nip.io", "[::ffff:10.0.0.1]", "0.0.0.0:8080", "127.0.0.1@evil.example"):
         assert (await client.get("/v1/models", headers={"Host": host})).status == 403, host
+    # Numbers that are not loopback, or not one address: 128.1 is 128.0.0.1; libc's inet_aton
+    # would read "127.1 x" as 127.0.0.1; 0.0.0.0 in one number; too many or too large parts.
+    for host in ("128.1", "127.1%20x", "0", "127.0.0.1.1", "127.256.1", "127.0.65536", "08.1", "127.-1"):
+        assert (await client.get("/v1/models", headers={"Host": host})).status == 403, host
     for host in ("localhost:8080", "127.0.0.1", "[::1]:8080", "LOCALHOST.", "[::ffff:127.0.0.1]:8080"):
+        assert (await client.get("/v1/models", headers={"Host": host})).status == 200, host
+    # The shorthand spellings curl sends as typed (`curl http://127.1:8080/`).
+    for host in ("127.1", "127.1:8080", "0x7f.1", "0X7F.0.0.1", "0177.0.0.1", "2130706433", "127.0.1"):
         assert (await client.get("/v1/models", headers={"Host": host})).status == 200, host
     allowed = {"Origin": "http://localhost:3000", "Sec-Fetch-Site": "same-site"}
     assert (await client.post("/admin/status", headers=allowed, data="{}")).status == 200

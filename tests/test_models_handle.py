@@ -271,3 +271,67 @@ async def test_an_embedding_request_holds_no_pool_thread_while_the_model_works(
             blocked.set()
             await hold
             engine.close()
+
+
+class CompilingEngine(CountingEngine):
+    """A generation engine whose grammars compile when the test says, counting those freed (an
+    engine process keeps each one it compiled until it is freed)."""
+
+    kind = "generation"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.compiled = 0
+        self.freed = 0
+
+    def compile_grammar(self, grammar: str, copies: int = 1) -> list[Any]:
+        self.started.set()
+        self.go.wait(10)
+        self.compiled += copies
+        return [FreedGrammar(self) for _ in range(copies)]
+
+
+class FreedGrammar:
+    def __init__(self, engine: CompilingEngine) -> None:
+        self.engine = engine
+
+    def free(self) -> None:
+        self.engine.freed += 1
+
+
+async def test_grammars_compiled_for_a_request_gone_meanwhile_are_freed(executor: ThreadPoolExecutor) -> None:
+    """A request cancelled (its client gone, the drain, its key revoked) while its grammar
+    compiles: the copies are freed once compiled (they were kept in the engine process for good);
+    while it still waits for a prompt thread: never compiled."""
+    engine = CompilingEngine()
+    handle = make_handle(engine, executor)
+    asking = asyncio.create_task(handle.grammars('root ::= "a"', 3, "response_format"))
+    assert await asyncio.to_thread(engine.started.wait, 10)
+    asking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asking
+    engine.go.set()
+    for _ in range(200):
+        if engine.freed == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert (engine.compiled, engine.freed) == (3, 3)
+
+    gate = threading.Event()
+    blocker = executor.submit(gate.wait, 10)  # the pool's one thread, taken
+    waiting = asyncio.create_task(handle.grammars('root ::= "b"', 2, "response_format"))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    gate.set()
+    blocker.result(10)
+    await asyncio.sleep(0.05)
+    assert (engine.compiled, engine.freed) == (3, 3)  # the second request's never compiled
+
+    kept = await handle.grammars('root ::= "c"', 2, "response_format")  # one not cancelled: its own
+    assert kept is not None
+    assert len(kept) == 2
+    assert (engine.compiled, engine.freed) == (5, 3)

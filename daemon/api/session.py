@@ -26,6 +26,7 @@ from aiohttp import web
 from edgellmd.api.context import (
     ARRIVED,
     CALLER,
+    DRAINING,
     MORE_SEQUENCES,
     QUEUE_WAITS,
     TRACE,
@@ -678,6 +679,11 @@ PREPARING: Final = web.RequestKey("preparing", Preparing)
 async def in_flight(request: web.Request, handler: Callable[[web.Request], Awaitable[T]]) -> T:
     """Run an API request's `handler` among the running requests until its work is handed over
     (`handed_over`); ended from outside meanwhile, it raises that reason's error."""
+    draining = request.app.get(DRAINING)
+    if draining is not None and draining.is_set():
+        # Sent on a connection kept alive past the stop's start (or its cut's answer, retried):
+        # nothing would end it, and the server's own wait for it would double the stop's.
+        raise ServerShuttingDown(SHUTTING_DOWN)
     task = asyncio.current_task()
     if task is None:
         return await handler(request)

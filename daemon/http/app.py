@@ -70,6 +70,11 @@ PROMPT_THREADS: Final = 2  # template rendering and tokenization run here, never
 MAX_LINE_BYTES: Final = 8190  # request line (aiohttp's default, stated here on purpose)
 MAX_FIELD_BYTES: Final = 8190  # one header
 MAX_HEADERS: Final = 64
+# The server's own wait for handlers when it stops (`runner.cleanup()`), after the daemon's drain
+# gave every running request `server.shutdown_timeout_s` and its last answer (`__main__.drain`):
+# what is left then (a connection lingering over a body it never read) is cut after this long.
+# It was `server.shutdown_timeout_s` again: a stop could take twice the deadline.
+HANDLERS_AFTER_DRAIN_S: Final = 2.0
 _CLIENT_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -217,6 +222,9 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
         response.headers["X-Request-Id"] = rid
     response.headers.update(SECURITY_HEADERS)
     response.headers.setdefault("Cache-Control", "no-store")  # streams keep their no-cache
+    if request.app[DRAINING].is_set():  # stopping: no request more on this connection, and
+        response.force_close()  # the client told so (aiohttp wrote its Connection header already)
+        response.headers["Connection"] = "close"
     waits = request.get(QUEUE_WAITS)
     if waits:  # a generation's answer, not streamed: how long it waited for a slot (engine.fairness)
         response.headers["x-queue-ms"] = str(round(max(waits) * 1000))
@@ -441,7 +449,7 @@ async def start_server(app: web.Application, host: str, port: int) -> web.AppRun
     # handler_cancellation: a client that disconnects cancels its handler, which frees its
     # slot at once instead of when its generation would have ended.
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=server.shutdown_timeout_s, **handler_args
+        app, handler_cancellation=True, shutdown_timeout=HANDLERS_AFTER_DRAIN_S, **handler_args
     )
     await runner.setup()
     limits = DoorLimits(

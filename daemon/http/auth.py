@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -221,6 +222,27 @@ def _credentials(request: web.Request) -> str | None:
     return f"Bearer {keys[0]}" if keys else None
 
 
+_IPV4_NUMBER: Final = re.compile(r"0[xX][0-9a-fA-F]*|0[0-7]*|[1-9][0-9]*")
+
+
+def ipv4_numbers(name: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address a host name of one to four numbers spells, as browsers and libc read it
+    (WHATWG URL's IPv4 parser: each part decimal, 0x hexadecimal or 0 octal, the last filling
+    the bytes left: `127.1` is 127.0.0.1), or None. Parsed here: libc's `inet_aton` takes
+    whatever follows a space as well."""
+    parts = name.split(".")
+    if not 1 <= len(parts) <= 4 or not all(_IPV4_NUMBER.fullmatch(part) for part in parts):
+        return None
+    values = [
+        int(part[2:] or "0", 16) if part[:2] in ("0x", "0X") else int(part, 8 if part[0] == "0" else 10)
+        for part in parts
+    ]
+    *head, last = values
+    if any(value > 255 for value in head) or last >= 256 ** (5 - len(values)):
+        return None
+    return ipaddress.IPv4Address(sum(value << (8 * (3 - i)) for i, value in enumerate(head)) + last)
+
+
 def loopback_host(host: str) -> bool:
     """Whether a Host header names this machine's loopback (localhost, 127.0.0.0/8, ::1)."""
     try:
@@ -232,7 +254,10 @@ def loopback_host(host: str) -> bool:
     try:
         address = ipaddress.ip_address(name)
     except ValueError:
-        return False
+        shorthand = ipv4_numbers(name)  # 127.1, 0x7f.1, 2130706433: curl sends them as typed
+        if shorthand is None:
+            return False
+        address = shorthand
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped  # [::ffff:127.0.0.1]
     return address.is_loopback

@@ -231,6 +231,12 @@ class MediaPlan:
     opened: bool  # the template opened the model's reasoning at the end
 
 
+def _free_compiled(job: Future[list[Grammar]]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        for grammar in job.result():
+            grammar.free()
+
+
 def _release_prepared(engine: Generator, job: Future[PreparedMedia]) -> None:
     if not job.cancelled() and job.exception() is None:
         MediaHold(engine, [p.key for p in job.result().pieces if isinstance(p, MediaChunk)]).release()
@@ -774,11 +780,18 @@ class ModelHandle:
         if grammar is None:
             return None
         generator = self.generator
-        loop = asyncio.get_running_loop()
-        compile_them = partial(generator.compile_grammar, grammar, copies)
-        compiled: list[Grammar] = []
+
+        def compile_them() -> list[Grammar]:
+            return list(generator.compile_grammar(grammar, copies))
+
+        job = self.executor.submit(compile_them)
         try:
-            compiled += await loop.run_in_executor(self.executor, compile_them)
+            try:
+                compiled: list[Grammar] = await asyncio.shield(asyncio.wrap_future(job))
+            except asyncio.CancelledError:  # the client left, the drain or a revocation ended it
+                if not job.cancel():  # compiling: freed once done (an engine process keeps them)
+                    job.add_done_callback(_free_compiled)
+                raise
         except GrammarError:
             raise InvalidRequest(
                 "the output constraint of this request cannot be compiled into a grammar",
