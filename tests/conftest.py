@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,3 +63,14 @@ def daemon(models_dir: Path) -> Iterator[RunningDaemon]:
     )
     with running(settings) as d:
         yield d
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """llama-cpp-python opens two /dev/null files when imported (to quiet llama.cpp's output)
+    and never closes them: a test process that loaded a model in-process warned at its exit."""
+    del config
+    utils = sys.modules.get("llama_cpp._utils")
+    for name in ("outnull_file", "errnull_file"):
+        held = getattr(utils, name, None)
+        if held is not None:
+            held.close()

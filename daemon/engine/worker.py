@@ -420,7 +420,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=os.environ.get("EDGELLM_ENGINE_LOG_LEVEL", "WARNING"),
         format="%(levelname)s %(name)s %(message)s",
     )
-    sock = socket.socket(fileno=int(args[0]))
+    with socket.socket(fileno=int(args[0])) as sock:
+        return _serve(sock)
+
+
+def _serve(sock: socket.socket) -> int:
+    """Load the engine the daemon's hello describes and serve it until the daemon goes."""
     hello = wire.recv(sock)
     if hello.get("code") != wire.CODE:  # before anything else of the hello is read
         wire.send(sock, {"op": "load_error", "message": wire.CODE_CHANGED})
