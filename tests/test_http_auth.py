@@ -722,11 +722,19 @@ async def test_a_large_keys_file_is_parsed_off_the_event_loop(tmp_path: Path) ->
     async def on_the_loop() -> None:
         assert store.reload_if_changed()
 
-    rewrite(1)
-    blocked = await longest_gap(on_the_loop)
-    rewrite(2)
-    gap = await longest_gap(store.reload)
-    assert len(store) == 4000
-    assert next(k.name for k in [store.get(f"{0:012x}")] if k is not None) == "key 0 (2)"
-    assert blocked > 0.05, f"the parse took {blocked:.3f} s: too short to show anything"
-    assert gap < blocked / 4, (gap, blocked)
+    # Up to three pairs: on a box busy with other work a thread's parse can still starve the
+    # loop once (a gap of a second beside 4.4 s on the loop); a parse on the loop does every time.
+    pairs: list[tuple[float, float]] = []
+    for n in range(3):
+        rewrite(2 * n + 1)
+        blocked = await longest_gap(on_the_loop)
+        rewrite(2 * n + 2)
+        gap = await longest_gap(store.reload)
+        assert len(store) == 4000
+        assert next(k.name for k in [store.get(f"{0:012x}")] if k is not None) == f"key 0 ({2 * n + 2})"
+        assert blocked > 0.05, f"the parse took {blocked:.3f} s: too short to show anything"
+        pairs.append((gap, blocked))
+        if gap < blocked / 4:
+            break
+    else:
+        raise AssertionError(f"the loop's longest gap (off it, on it), three times: {pairs}")

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from edgellmctl.keys import create_key
+from edgellmd.api.context import LEDGER
 from edgellmd.errors import RateLimited
 from edgellmd.http import appkeys
 from edgellmd.http.ratelimit import RateLimiter, TokenBucket
@@ -65,6 +66,33 @@ def test_limiter_requests_per_minute_with_a_fake_clock() -> None:
     assert limiter.headers(key)["x-ratelimit-reset-requests"] == "1m0s"
     clock.now += 20
     limiter.admit(key)
+
+
+def test_a_prompt_is_taken_from_tokens_per_minute_when_it_is_submitted() -> None:
+    """Requests admitted together (the bucket not yet in debt) each take their prompt as they
+    are submitted: the next sees it, and is refused while the bucket holds less than its own. At
+    the end a request is charged the rest of what it used, and given back a prompt it took but
+    never computed."""
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    key = _key(tpm=100)
+    assert limiter.reserve(key, 40) is True
+    assert limiter.reserve(key, 40) is True
+    with pytest.raises(RateLimited) as caught:
+        limiter.reserve(key, 40)  # 20 left
+    assert caught.value.headers["Retry-After"] == "12"  # 20 more at 100 a minute
+    limiter.release(key, 40 + 15, taken=40)  # its prompt and 15 generated: 15 more
+    limiter.release(key, 0, taken=40)  # refused after all: given back
+    state = limiter._states[key.id]
+    assert state.tokens is not None
+    assert state.tokens.level == pytest.approx(45)  # 100 - 40 - 15, the refused prompt back
+    # A prompt larger than a minute's allowance waits for a full bucket, then goes into debt.
+    clock.now += 60
+    assert limiter.reserve(key, 250) is True
+    assert state.tokens.level == pytest.approx(-150)
+    limiter.release(key, 0, taken=250)  # given back: never above the capacity
+    assert state.tokens.level == pytest.approx(100)
+    assert limiter.reserve(_key(), 40) is False  # no tokens per minute: nothing taken
 
 
 def test_limiter_tokens_per_minute_and_concurrency() -> None:
@@ -258,3 +286,67 @@ def test_a_full_queue_refuses_at_once(tmp_path: Path) -> None:
     assert refused_in < 0.5  # at once, not after the queue drained
     assert [results[i][0] for i in range(3)] == [200, 200, 200]
     assert all(results[i][1]["usage"]["completion_tokens"] == 800 for i in range(3))
+
+
+def _burst(daemon: RunningDaemon, token: str, n: int, **body: Any) -> list[tuple[int, Any]]:
+    """`n` completions sent at the same moment; their statuses and bodies."""
+    barrier = threading.Barrier(n)
+    results: list[tuple[int, Any]] = []
+
+    def ask() -> None:
+        barrier.wait()
+        status, answer, _ = _complete(daemon, token, **body)
+        results.append((status, answer))
+
+    threads = [threading.Thread(target=ask) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_requests_arriving_together_go_past_a_token_budget_by_what_they_generate_alone(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    """Thirty requests at once from a key with a 100-token budget (a day's, or a minute's): each
+    prompt counts against the budget as it is submitted, so those that pass go past it by what
+    they generate, as the docs say. Before, only finished requests counted: all thirty passed,
+    13.5 times the budget. Refused requests are charged nothing, and every count a request held
+    comes back."""
+    keys = tmp_path / "keys.yaml"
+    ids, tokens = {}, {}
+    for name, limits, quota in (("daily", {}, {"tokens_per_day": 100}), ("minute", {"tpm": 100}, None)):
+        ids[name], tokens[name] = create_key(keys, name, ["inference"], limits=limits, quota=quota)
+    settings = parse_settings(
+        {
+            "models": [
+                {"name": "tiny", "file": str(models_dir / "tiny.gguf"), "slots": 4, "context_size": 256},
+            ],
+            "lock": {"allow_unsigned": True},
+            "auth": {"keys_file": str(keys)},
+            "ledger": {"database": str(tmp_path / "ledger.sqlite3")},
+        },
+        base_dir=tmp_path,
+    )
+    max_tokens = 20
+    with running(settings) as daemon:
+        assert daemon.app is not None
+        for name, code in (("daily", "quota_exceeded"), ("minute", "rate_limit_exceeded")):
+            results = _burst(
+                daemon, tokens[name], 30, prompt="p" * 24, max_tokens=max_tokens, ignore_eos=True
+            )
+            passed = [body for status, body in results if status == 200]
+            refused = [body for status, body in results if status == 429]
+            assert len(passed) + len(refused) == 30, results
+            assert {body["error"]["code"] for body in refused} == {code}
+            prompt = passed[0]["usage"]["prompt_tokens"]
+            charged = sum(body["usage"]["total_tokens"] for body in passed)
+            # Past the budget by the last prompt let in and what the passing requests generated.
+            assert charged <= 100 + prompt + len(passed) * max_tokens, (len(passed), charged)
+            assert len(passed) <= 100 // prompt + 1
+            ledger = daemon.app[LEDGER]
+            assert ledger.used(ids[name])["requests_day"] == len(passed)  # the refused: nothing
+            assert ids[name] not in ledger._reserved
+            state = daemon.app[appkeys.RATE_LIMITER]._states[ids[name]]
+            assert state.in_flight == 0

@@ -94,6 +94,36 @@ def test_a_quota_counts_the_local_calendar_and_says_when_it_resets(tmp_path: Pat
         ledger.close()
 
 
+def test_prompts_in_flight_count_against_a_token_budget_until_their_usage_is_recorded(
+    ledger: Ledger,
+) -> None:
+    """Requests that passed the check together each hold their prompt before computing it: the
+    next sees them (a day's budget of 100 let 30 requests of 25-token prompts through, 13.5 times
+    the budget, as only finished requests counted). What a request held goes as its usage is
+    recorded, or when it ends without any."""
+    quota = Quota(tokens_per_day=100)
+    key = "aaaaaaaaaaaa"
+    assert ledger.reserve(key, quota, 40) is None
+    assert ledger.reserve(key, quota, 40) is None
+    assert ledger.reserve(key, quota, 40) is None  # 80 held: below the budget still, so it passes
+    refused = ledger.reserve(key, quota, 40)
+    assert refused is not None
+    assert (refused.budget, refused.limit, refused.used) == ("tokens_per_day", 100, 120)
+    breach = ledger.check(key, quota)  # the front door's check sees the held prompts too
+    assert breach is not None
+    assert breach.used == 120
+    assert ledger.reserve("bbbbbbbbbbbb", quota, 40) is None  # another key's budget is its own
+    # One ends with its usage (the prompt and 5 generated), one without any (refused after all).
+    ledger.record(_record("r1", ledger._clock(), key=key, prompt=40, completion=5), reserved=40).result(5)
+    ledger.unreserve(key, 40)
+    assert ledger.check(key, quota) is None  # 45 used and 40 held
+    ledger.record(_record("r2", ledger._clock(), key=key, prompt=40, completion=5), reserved=40).result(5)
+    assert ledger._reserved == {"bbbbbbbbbbbb": 40}
+    assert ledger.used(key)["tokens_day"] == 90
+    assert ledger.reserve(key, Quota(), 40) is None  # no token budget: nothing held
+    assert key not in ledger._reserved
+
+
 def test_usage_and_quotas_survive_a_restart(tmp_path: Path) -> None:
     clock = Clock(datetime(2026, 12, 3, 12, tzinfo=UTC))
     path = tmp_path / "l.sqlite3"

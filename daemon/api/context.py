@@ -108,6 +108,13 @@ ARRIVED: Final = web.RequestKey("arrived", float)
 # The request's trace, when it is traced (host.traces): each layer notes its phases on it.
 TRACE: Final = web.RequestKey("trace", RequestTrace)
 MORE_SEQUENCES: Final = web.RequestKey[Callable[[int], None]]("more_sequences")
+# Set by the front door's limits: count a prompt about to be computed against its key's token
+# budgets now (tokens per minute, the day's and month's), or raise (RateLimited, QuotaExceeded):
+# requests that arrive together see each other's prompts, not only those of finished requests.
+RESERVE_PROMPT: Final = web.RequestKey[Callable[[int], None]]("reserve_prompt")
+# The prompt tokens a request holds against its key's day and month budgets (RESERVE_PROMPT),
+# until its usage is recorded (api.ledger.account) or it ends (http.ledger.release_quota).
+PROMPT_HELD: Final = web.RequestKey("prompt_held", int)
 # The request's max_tokens bounds (token_limits): a max_tokens the policy cut to the ceiling
 # shows in the answer's `x-max-tokens-clamped` header (the ceiling it got).
 LIMITS: Final = web.RequestKey("limits", Limits)

@@ -22,7 +22,7 @@ from zoneinfo import ZoneInfo
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, LEDGER, TOKENS_USED, USAGE_ID
+from edgellmd.api.context import CALLER, LEDGER, PROMPT_HELD, TOKENS_USED, USAGE_ID
 from edgellmd.api.fields import known_parameters
 from edgellmd.errors import InvalidRequest, ServiceUnavailable
 from edgellmd.ledger.audit import select as audit_select
@@ -50,7 +50,8 @@ async def account(request: web.Request, model: str, prompt_tokens: int, completi
         completion_tokens=completion_tokens,
         at=time.time(),
     )
-    committed = asyncio.wrap_future(ledger.record(record))
+    # The prompt tokens the request held against its key's budgets go as its usage counts.
+    committed = asyncio.wrap_future(ledger.record(record, reserved=request.pop(PROMPT_HELD, 0)))
     committed.add_done_callback(_retrieved)
     try:
         await asyncio.wait_for(asyncio.shield(committed), LEDGER_WAIT_S)

@@ -29,6 +29,7 @@ from edgellmd.api.context import (
     DRAINING,
     MORE_SEQUENCES,
     QUEUE_WAITS,
+    RESERVE_PROMPT,
     TRACE,
     USER_TAG,
     context,
@@ -415,6 +416,9 @@ async def generation_session(
         trace.phase("grammar", began, **{"edgellm.grammars": len(grammars)})
     try:
         check_key_still_valid(request)  # tokenizing and compiling took a while: revoked since?
+        reserve = request.get(RESERVE_PROMPT)
+        if reserve is not None:  # its key's token budgets count the prompt from now (429 if spent)
+            reserve(len(tokens))
         handed_over(request)  # the generations below take its place among the running requests
     except BaseException:
         for grammar in grammars or []:
@@ -747,6 +751,9 @@ async def pooled_call(
         except EngineFailed:  # its engine stopped: once, on the restarted engine, if it comes in time
             return await on_restarted(request, handle, work)
 
+    reserve = request.get(RESERVE_PROMPT)
+    if reserve is not None:  # its key's token budgets count the inputs from now (429 if spent)
+        reserve(n_tokens)
     handed_over(request)
     task = asyncio.ensure_future(run())
     call = PooledCall(task)

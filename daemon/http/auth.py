@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from edgellmd.api.context import CALLER, KEYS_GONE, TRACE, Caller
+from edgellmd.api.context import CALLER, KEYS_GONE, RESERVE_PROMPT, TRACE, Caller
 from edgellmd.api.pool import POOL_TENANT
 from edgellmd.engine.generation import KEY_REVOKED, Running
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
@@ -23,7 +23,7 @@ from edgellmd.host.traces import now_ns
 from edgellmd.http import appkeys
 from edgellmd.http.console.routes import is_console_path
 from edgellmd.http.errors import Handler
-from edgellmd.http.ledger import check_quota, release_quota
+from edgellmd.http.ledger import check_quota, release_quota, reserve_quota, unreserve_quota
 from edgellmd.http.ratelimit import RateLimiter
 from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, hash_secret, parse_token
 
@@ -358,11 +358,21 @@ async def within_limits(request: web.Request, key: ApiKey, handler: Handler) -> 
         except RateLimited as exc:
             exc.headers.update(limiter.headers(key))
             raise
-        with limiter.admitted(key, request):
+        with limiter.admitted(key, request) as take_minute:
+
+            def reserve(tokens: int) -> None:
+                reserve_quota(request, key, tokens)
+                try:
+                    take_minute(tokens)
+                except RateLimited as exc:
+                    unreserve_quota(request, key, tokens)
+                    exc.headers.update(limiter.headers(key))
+                    raise
+
+            request[RESERVE_PROMPT] = reserve
             return await handler(request)
     finally:
-        if held:
-            release_quota(request, key)
+        release_quota(request, key, held=held)
 
 
 def setup_ratelimit(app: web.Application) -> None:

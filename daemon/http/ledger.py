@@ -18,10 +18,10 @@ from typing import Final
 
 from aiohttp import web
 
-from edgellmd.api.context import LEDGER
+from edgellmd.api.context import LEDGER, PROMPT_HELD
 from edgellmd.errors import QuotaExceeded
 from edgellmd.keys import ApiKey
-from edgellmd.ledger.store import AuditHandler, Ledger
+from edgellmd.ledger.store import AuditHandler, Breach, Ledger
 from edgellmd.settings import Settings
 
 audit = logging.getLogger("edgellmd.audit")
@@ -46,6 +46,33 @@ def check_quota(request: web.Request, key: ApiKey, *, hold: bool = False) -> boo
     breach = ledger.check(key.id, key.quota, hold=holds)
     if breach is None:
         return holds
+    raise _exceeded(request, key, breach)
+
+
+def reserve_quota(request: web.Request, key: ApiKey, tokens: int) -> None:
+    """Hold a prompt about to be computed against the key's day and month token budgets
+    (`Ledger.reserve`), or refuse as `check_quota` does when one is spent."""
+    ledger = request.app.get(LEDGER)
+    if ledger is None:
+        return
+    breach = ledger.reserve(key.id, key.quota, tokens)
+    if breach is not None:
+        raise _exceeded(request, key, breach)
+    if key.quota.tokens_per_day is not None or key.quota.tokens_per_month is not None:
+        request[PROMPT_HELD] = request.get(PROMPT_HELD, 0) + tokens
+
+
+def unreserve_quota(request: web.Request, key: ApiKey, tokens: int) -> None:
+    """Let go of `tokens` of what `reserve_quota` held (a prompt refused after all)."""
+    ledger = request.app.get(LEDGER)
+    held = min(tokens, request.get(PROMPT_HELD, 0))
+    if ledger is not None and held > 0:
+        ledger.unreserve(key.id, held)
+        request[PROMPT_HELD] -= held
+
+
+def _exceeded(request: web.Request, key: ApiKey, breach: Breach) -> QuotaExceeded:
+    """The 429 for a spent budget (Retry-After and x-quota-reset), audited once per budget and period."""
     reset = breach.resets.isoformat()
     seen = request.app[_BREACHES]
     if (key.id, breach.budget, reset) not in seen:  # once per budget and period, not per refusal
@@ -60,14 +87,20 @@ def check_quota(request: web.Request, key: ApiKey, *, hold: bool = False) -> boo
             extra={"peer": request.remote, "key_id": key.id, "budget": breach.budget},
         )
     wait = max(1, math.ceil(breach.resets.timestamp() - time.time()))
-    raise QuotaExceeded(breach.message(), headers={"Retry-After": str(wait), "x-quota-reset": reset})
+    return QuotaExceeded(breach.message(), headers={"Retry-After": str(wait), "x-quota-reset": reset})
 
 
-def release_quota(request: web.Request, key: ApiKey) -> None:
-    """The end of a request `check_quota(..., hold=True)` held."""
+def release_quota(request: web.Request, key: ApiKey, *, held: bool = True) -> None:
+    """The end of a request: what `check_quota(..., hold=True)` held (`held`), and any prompt
+    `reserve_quota` held that no usage record let go of (a request refused before it ran)."""
     ledger = request.app.get(LEDGER)
-    if ledger is not None:
+    if ledger is None:
+        return
+    if held:
         ledger.release(key.id)
+    left = request.pop(PROMPT_HELD, 0)
+    if left > 0:
+        ledger.unreserve(key.id, left)
 
 
 async def _tend(ledger: Ledger, handler: AuditHandler) -> None:

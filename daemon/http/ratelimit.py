@@ -143,29 +143,58 @@ class RateLimiter:
             )
         state.in_flight += extra
 
+    def reserve(self, key: ApiKey, tokens: int) -> bool:
+        """Take a prompt about to be computed from the key's tokens per minute now, not when its
+        request ends, so that requests admitted together see each other's prompts: RateLimited
+        while the bucket holds less than the prompt (a prompt larger than a whole minute's
+        allowance waits for a full bucket). True when something was taken."""
+        state = self._state(key)
+        if state.tokens is None or tokens <= 0:
+            return False
+        now = self._clock()
+        wait = state.tokens.wait_for(min(float(tokens), state.tokens.capacity), now)
+        if wait > 0:
+            self.refusals["tpm"] += 1
+            raise RateLimited(
+                f"rate limit reached for tokens per minute (this prompt is {tokens} tokens); "
+                f"retry in {math.ceil(wait)} s",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+        state.tokens.take(tokens, now)
+        return True
+
     @contextlib.contextmanager
-    def admitted(self, key: ApiKey, request: web.Request) -> Iterator[None]:
-        """Around an admitted request's handling: its `n` may take more places (MORE_SEQUENCES);
-        at the end it gives them all back and is charged the tokens it used."""
+    def admitted(self, key: ApiKey, request: web.Request) -> Iterator[Callable[[int], None]]:
+        """Around an admitted request's handling: its `n` may take more places (MORE_SEQUENCES),
+        its prompts are taken from its tokens per minute as they are submitted (the callable it
+        yields: `reserve`); at the end it gives its places back and is charged the rest of the
+        tokens it used (what it took for prompts it did not compute is given back)."""
         held = [1]
+        taken = [0]
 
         def more(extra: int) -> None:
             self.more(key, extra)
             held[0] += extra
 
+        def reserve(tokens: int) -> None:
+            if self.reserve(key, tokens):
+                taken[0] += tokens
+
         request[MORE_SEQUENCES] = more
         try:
-            yield
+            yield reserve
         finally:
-            self.release(key, request.get(TOKENS_USED, 0), held[0])
+            self.release(key, request.get(TOKENS_USED, 0), held[0], taken=taken[0])
 
-    def release(self, key: ApiKey, tokens_used: int, held: int = 1) -> None:
-        """A request of this key ended, having used `tokens_used` tokens (prompt + completion)
-        and held `held` places of its concurrency (`more`)."""
+    def release(self, key: ApiKey, tokens_used: int, held: int = 1, *, taken: int = 0) -> None:
+        """A request of this key ended, having used `tokens_used` tokens (prompt + completion),
+        `taken` of them from its tokens per minute already (`reserve`), and held `held` places of
+        its concurrency (`more`)."""
         state = self._state(key)
         state.in_flight = max(0, state.in_flight - held)
-        if state.tokens is not None and tokens_used > 0:
-            state.tokens.take(tokens_used, self._clock())
+        if state.tokens is not None and tokens_used != taken:
+            state.tokens.take(tokens_used - taken, self._clock())
+            state.tokens.level = min(state.tokens.level, state.tokens.capacity)
 
     def headers(self, key: ApiKey) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for the key's limited dimensions."""

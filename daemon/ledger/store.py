@@ -195,6 +195,7 @@ class Ledger:
         # Requests admitted and not yet ended, by key: a request budget counts them as spent,
         # so that concurrent requests cannot pass it together (`check(..., hold=True)`).
         self._in_flight: Counter[str] = Counter()
+        self._reserved: Counter[str] = Counter()  # prompt tokens of requests in flight (`reserve`)
         # The audit chain as /admin/audit last found it whole (`chain`): writer thread only.
         self._chain_end: tuple[int, str, str] | None = None
         self._chain_at = -FULL_VERIFY_S
@@ -230,14 +231,16 @@ class Ledger:
             self._periods = {k: v for k, v in self._periods.items() if k[1] in current}
         return current
 
-    def record(self, record: UsageRecord) -> Future[bool]:
-        """Count a finished request now (quotas see it at once) and queue its commit.
+    def record(self, record: UsageRecord, reserved: int = 0) -> Future[bool]:
+        """Count a finished request now (quotas see it at once) and queue its commit; the
+        `reserved` prompt tokens it held (`reserve`) are let go of in the same moment.
 
         The future is True once it is on disk, False when its id was counted already; it
         fails when the commit did (the record is kept and tried again).
         """
         future: Future[bool] = Future()
         with self._lock:
+            self._unreserve(record.key_id, reserved)
             for period in self._roll(record.at):
                 totals = self._periods.setdefault((record.key_id, period), [0, 0])
                 totals[0] += 1
@@ -262,7 +265,8 @@ class Ledger:
         With `hold`, a request that passes is counted in flight until `release`: a request
         budget counts the requests in flight as spent, so that requests arriving together
         cannot pass it together. A token budget is checked against what finished requests
-        used: the requests in flight when it runs out may go past it by what they generate.
+        used and the prompts of those in flight (`reserve`): the requests in flight when it
+        runs out may go past it by what they generate.
         """
         if (
             quota.requests_per_day is None
@@ -277,17 +281,50 @@ class Ledger:
             d = self._periods.get((key_id, day), [0, 0])
             m = self._periods.get((key_id, month), [0, 0])
             flying = self._in_flight[key_id] if hold else 0
+            prompts = self._reserved[key_id]
             for budget, limit, used, resets in (
                 ("requests_per_day", quota.requests_per_day, d[0] + flying, usage.next_day),
-                ("tokens_per_day", quota.tokens_per_day, d[1], usage.next_day),
+                ("tokens_per_day", quota.tokens_per_day, d[1] + prompts, usage.next_day),
                 ("requests_per_month", quota.requests_per_month, m[0] + flying, usage.next_month),
-                ("tokens_per_month", quota.tokens_per_month, m[1], usage.next_month),
+                ("tokens_per_month", quota.tokens_per_month, m[1] + prompts, usage.next_month),
             ):
                 if limit is not None and used >= limit:
                     return Breach(budget, limit, used, resets(moment, self.zone))
             if hold:
                 self._in_flight[key_id] += 1
         return None
+
+    def reserve(self, key_id: str, quota: Budgets, tokens: int, now: float | None = None) -> Breach | None:
+        """Hold a prompt about to be computed against `key_id`'s token budgets, or the first of
+        them spent (by finished requests and the prompts held already): requests that passed the
+        check together each see the others' prompts before they compute theirs. Held until the
+        request's usage is recorded (`record`) or `unreserve`."""
+        if tokens <= 0 or (quota.tokens_per_day is None and quota.tokens_per_month is None):
+            return None
+        moment = self._clock() if now is None else now
+        with self._lock:
+            day, month = self._roll(moment)
+            held = self._reserved[key_id]
+            for budget, limit, period, resets in (
+                ("tokens_per_day", quota.tokens_per_day, day, usage.next_day),
+                ("tokens_per_month", quota.tokens_per_month, month, usage.next_month),
+            ):
+                used = self._periods.get((key_id, period), [0, 0])[1] + held
+                if limit is not None and used >= limit:
+                    return Breach(budget, limit, used, resets(moment, self.zone))
+            self._reserved[key_id] += tokens
+        return None
+
+    def unreserve(self, key_id: str, tokens: int) -> None:
+        """Let go of prompt tokens `reserve` held for a request that recorded no usage."""
+        with self._lock:
+            self._unreserve(key_id, tokens)
+
+    def _unreserve(self, key_id: str, tokens: int) -> None:
+        if tokens > 0 and key_id in self._reserved:
+            self._reserved[key_id] -= tokens
+            if self._reserved[key_id] <= 0:
+                del self._reserved[key_id]
 
     def release(self, key_id: str) -> None:
         """A request `check(..., hold=True)` let pass has ended."""
