@@ -13,6 +13,7 @@ import json
 import re
 import sqlite3
 import sys
+from dataclasses import replace
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -135,11 +136,28 @@ def _open(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def _usage_without_records(conn: sqlite3.Connection) -> str | None:
+    """An empty chain in a ledger that holds usage: whole, or emptied by another hand (a daemon
+    that audited anything, a failed sign-in or a key change, wrote records; its log tells)."""
+    try:
+        row = conn.execute("SELECT count(*), sum(requests) FROM usage_hours").fetchone()
+    except sqlite3.Error:
+        return None
+    if not row or not row[0]:
+        return None
+    return (
+        f"the chain holds no records while the ledger holds usage ({row[1]} request(s)): if the "
+        "daemon audited anything its records were removed; check against its log (--against)"
+    )
+
+
 def run_verify(args: argparse.Namespace) -> int:
     """Walk the audit chain; 0 when it is whole, 1 with where it breaks first."""
     conn = _open(args.database)
     try:
         verdict = audit.verify(conn)
+        if verdict.ok and verdict.checked == 0 and verdict.caveat is None:
+            verdict = replace(verdict, caveat=_usage_without_records(conn))
         matched, differs = (0, None) if args.against is None else _against(conn, args.against)
     finally:
         conn.close()

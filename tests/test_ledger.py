@@ -689,3 +689,33 @@ def test_a_prefix_removed_under_an_adopted_anchor_shows_against_the_log(
         assert conn.execute("SELECT seq FROM audit_anchor").fetchone()[0] == 6
         _, problem = audit.compare(conn, written + journal(honest))
     assert problem is None, problem
+
+
+def test_an_emptied_chain_beside_recorded_usage_is_a_caveat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`audit verify` of a ledger whose chain holds nothing while it holds usage says so: it
+    said "intact" as for a new ledger (a daemon that audited anything wrote records)."""
+    path = tmp_path / "l.sqlite3"
+    ledger = Ledger(path, clock=Clock(datetime(2026, 12, 3, 12, tzinfo=UTC)))
+    try:
+        assert ctl(["audit", "verify", "--database", str(path)]) == 0
+        assert "but" not in capsys.readouterr().out  # a new ledger: nothing to say
+        ledger.record(_record("r1", _at("2026-12-03T10:15:00+00:00"))).result(5)
+        ledger.record(_record("r2", _at("2026-12-03T10:16:00+00:00"))).result(5)
+        ledger.audit(AuditEntry(utc_text(1_796_000_200), "INFO", "key in force")).result(5)
+    finally:
+        ledger.close()
+    assert ctl(["audit", "verify", "--database", str(path)]) == 0
+    assert "but" not in capsys.readouterr().out  # records and usage: nothing to say
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("DELETE FROM audit")
+    conn.close()
+    assert ctl(["audit", "verify", "--database", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "audit chain intact: 0 record(s) checked" in out
+    assert "but the chain holds no records while the ledger holds usage (2 request(s))" in out
+    assert ctl(["audit", "verify", "--database", str(path), "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["ok"] is True
+    assert "(2 request(s))" in answer["caveat"]
