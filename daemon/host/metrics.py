@@ -237,7 +237,10 @@ class Metrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "edgellm_prompt_tokens", "Prompt tokens processed", MODEL_LABELS, registry=r
+            "edgellm_prompt_tokens",
+            "Prompt tokens of requests, once per request (usage)",
+            MODEL_LABELS,
+            registry=r,
         )
         self.completion_tokens = Counter(
             "edgellm_completion_tokens", "Tokens generated", MODEL_LABELS, registry=r
