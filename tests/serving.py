@@ -18,7 +18,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
@@ -244,6 +244,26 @@ def settings_for(
         "media": media,
     }
     return parse_settings(data, base_dir=base_dir or Path.cwd())
+
+
+T = TypeVar("T")
+
+
+def at_once(ask: Callable[[], T], n: int) -> list[T]:
+    """`ask()` from `n` threads let go together; their answers, in the order they came."""
+    answers: list[T] = []
+    gate = threading.Barrier(n)
+
+    def one() -> None:
+        gate.wait(10)
+        answers.append(ask())
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return answers
 
 
 class RunningDaemon:

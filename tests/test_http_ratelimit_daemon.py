@@ -19,7 +19,7 @@ from edgellmd.http.ratelimit import RateLimiter, TokenBucket
 from edgellmd.keys import ApiKey, KeyLimits
 from edgellmd.settings import parse_settings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, running
+from tests.serving import RunningDaemon, at_once, running
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
 pytestmark = pytest.mark.slow
@@ -290,20 +290,7 @@ def test_a_full_queue_refuses_at_once(tmp_path: Path) -> None:
 
 def _burst(daemon: RunningDaemon, token: str, n: int, **body: Any) -> list[tuple[int, Any]]:
     """`n` completions sent at the same moment; their statuses and bodies."""
-    barrier = threading.Barrier(n)
-    results: list[tuple[int, Any]] = []
-
-    def ask() -> None:
-        barrier.wait()
-        status, answer, _ = _complete(daemon, token, **body)
-        results.append((status, answer))
-
-    threads = [threading.Thread(target=ask) for _ in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return results
+    return [(status, answer) for status, answer, _ in at_once(lambda: _complete(daemon, token, **body), n)]
 
 
 def test_requests_arriving_together_go_past_a_token_budget_by_what_they_generate_alone(

@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -39,7 +39,7 @@ from edgellmd.ledger.audit import AuditEntry
 from edgellmd.ledger.store import AuditHandler, Ledger, utc_text
 from edgellmd.settings import ConsoleSettings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, free_port, running, settings_for, wait_for
+from tests.serving import RunningDaemon, at_once, free_port, running, settings_for, wait_for
 
 HI: Any = [{"role": "user", "content": "hi"}]
 # Slow enough (a few hundred tokens a second on one thread) that a stream holds its slot for seconds.
@@ -174,23 +174,6 @@ def test_a_monthly_quota_runs_out_mid_stream_the_stream_finishes_the_next_reques
     assert audited() == 1  # once per budget and period, however many refusals
 
 
-def _at_once(ask: Callable[[], int], n: int) -> list[int]:
-    """`ask()` from `n` threads let go together; their answers' statuses."""
-    answers: list[int] = []
-    gate = threading.Barrier(n)
-
-    def one() -> None:
-        gate.wait(10)
-        answers.append(ask())
-
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return answers
-
-
 def test_requests_arriving_together_cannot_pass_a_request_budget_together(box: Box) -> None:
     """requests_per_day 2 and six requests at once: two are served, four refused, and the day
     holds two; the requests in flight counted as spent from their admission."""
@@ -199,7 +182,7 @@ def test_requests_arriving_together_cannot_pass_a_request_budget_together(box: B
     def ask() -> int:
         return _call(box.daemon.url + "/v1/chat/completions", box.tokens["counted"], "POST", body)[0]
 
-    assert sorted(_at_once(ask, 6)) == [200, 200, 429, 429, 429, 429]
+    assert sorted(at_once(ask, 6)) == [200, 200, 429, 429, 429, 429]
     # The next is refused too (the day's two are spent), and a refused one freed nothing.
     status, error, headers = _call(
         box.daemon.url + "/v1/chat/completions", box.tokens["counted"], "POST", body
@@ -230,7 +213,7 @@ def test_the_consoles_playground_cannot_pass_a_request_budget_together_either(bo
         finally:
             conn.close()
 
-    assert sorted(_at_once(ask, 6)) == [200, 200, 429, 429, 429, 429]
+    assert sorted(at_once(ask, 6)) == [200, 200, 429, 429, 429, 429]
     assert _totals_once_recorded(box, "player", 2)["requests"] == 2
 
 
