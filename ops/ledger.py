@@ -13,6 +13,7 @@ import json
 import re
 import sqlite3
 import sys
+import time
 from dataclasses import replace
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -22,7 +23,7 @@ from urllib.parse import urlencode
 from edgellmctl.admin import AdminClient, add_daemon_options, answer_guarded
 from edgellmctl.cli import CommandError, Subcommands, guarded, int_between
 from edgellmd.errors import escaped
-from edgellmd.ledger import audit
+from edgellmd.ledger import audit, seals
 from edgellmd.ledger.store import utc_text
 from edgellmd.ledger.usage import COLUMNS, FIRST_DAY, LAST_DAY
 
@@ -155,24 +156,30 @@ def run_verify(args: argparse.Namespace) -> int:
     """Walk the audit chain; 0 when it is whole, 1 with where it breaks first."""
     conn = _open(args.database)
     try:
+        # One read transaction: the chain and the usage as of one moment, though the daemon
+        # writes on (a record landing late reseals its hour between two reads otherwise).
+        conn.execute("BEGIN")
         verdict = audit.verify(conn)
         if verdict.ok and verdict.checked == 0 and verdict.caveat is None:
             verdict = replace(verdict, caveat=_usage_without_records(conn))
+        sealed = seals.check(conn, time.time())
         matched, differs = (0, None) if args.against is None else _against(conn, args.against)
     finally:
         conn.close()
     if args.against is not None and differs is None and matched == 0:
         # Not a pass: the wrong file, or a log from before the records the database holds.
         differs = NOTHING_COMPARED
+    intact = verdict.ok and differs is None and not sealed.problems
     if args.json:
         answer: dict[str, Any] = {
-            "ok": verdict.ok and differs is None,
+            "ok": intact,
             "checked": verdict.checked,
             "first": verdict.first,
             "last": verdict.last,
             "problem": verdict.problem,
             "at_seq": verdict.at_seq,
             "caveat": verdict.caveat,
+            "usage": sealed.as_dict(),
         }
         if args.against is not None:
             answer["against_log"] = {"matched": matched, "problem": differs}
@@ -184,6 +191,8 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"but {verdict.caveat}")
     else:
         print(f"audit chain BROKEN after {verdict.checked} good record(s): {verdict.problem}")
+    if not args.json:
+        print(_usage_text(sealed))
     if args.against is not None and not args.json:
         if differs is None:
             print(f"the log's copy agrees: {matched} record(s) matched")
@@ -191,7 +200,26 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"the log is no copy of this ledger's chain: {differs}")
         else:
             print(f"the log's copy DIFFERS after {matched} matching record(s): {differs}")
-    return 0 if verdict.ok and differs is None else 1
+    return 0 if intact else 1
+
+
+def _usage_text(found: seals.Findings) -> str:
+    """What `audit verify` says of the usage against its seals."""
+    if found.problems:
+        lines = [f"usage EDITED: {len(found.problems)} hour(s) differ from their seals"]
+        lines += [f"  {p}" for p in found.problems[: seals.MAX_NAMED]]
+        if len(found.problems) > seals.MAX_NAMED:
+            lines.append(f"  and {len(found.problems) - seals.MAX_NAMED} more")
+        return "\n".join(lines)
+    text = f"usage intact: {found.sealed} sealed hour(s) match their seals"
+    if found.open:
+        text += (
+            f"; {len(found.open)} hour(s) after the last seal "
+            "(the hour in progress, or the one the daemon stopped in)"
+        )
+    if found.unverifiable:
+        text += f"; {found.unverifiable} hour(s) whose seals went with the chain's rotation, unchecked"
+    return text
 
 
 def _against(conn: sqlite3.Connection, source: str) -> tuple[int, str | None]:

@@ -472,6 +472,8 @@ def test_admin_actions_are_chained_and_a_hand_edit_is_found(
     record = answer["data"][-1]
     assert record["key_id"] == box.ids["admin"]
     assert answer["chain"]["ok"] is True
+    assert answer["chain"]["usage"]["ok"] is True  # the usage against its seals (test_ledger_seals)
+    assert box.admin("/admin/status")[1]["ledger"]["usage_seals"]["problems"] == 0
     assert ctl(["audit", "verify", "--database", str(box.database)]) == 0
     assert "intact" in capsys.readouterr().out
     assert ctl(["audit", "show", "--database", str(box.database), "--action", "admin reload", "--json"]) == 0

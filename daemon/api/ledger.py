@@ -215,6 +215,7 @@ async def admin_audit(request: web.Request) -> web.Response:
             "checked": covered,
             "problem": verdict.problem,
             "caveat": verdict.caveat,
+            "usage": ledger.usage_found.as_dict(),
         }
 
     records, chain = await asyncio.wrap_future(ledger.query(read))

@@ -108,6 +108,7 @@ async def _tend(ledger: Ledger, handler: AuditHandler) -> None:
     while True:
         await asyncio.sleep(RETRY_INTERVAL_S)
         now = time.monotonic()
+        ledger.tick()  # an hour over is sealed (see ledger.seals)
         if ledger.error is not None:  # /readyz says so until a commit goes through again
             await asyncio.wrap_future(ledger.retry())
         if now - last_summary >= SUMMARY_INTERVAL_S:

@@ -25,7 +25,7 @@ import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 from zoneinfo import ZoneInfo
 
-from edgellmd.ledger import audit, usage
+from edgellmd.ledger import audit, seals, usage
 from edgellmd.ledger.audit import AuditEntry, Verdict
-from edgellmd.ledger.usage import UsageRecord
+from edgellmd.ledger.usage import HOUR_S, UsageRecord
 
 T = TypeVar("T")
 log = logging.getLogger(audit.MIRROR_LOGGER)  # its lines mirror the audit chain
@@ -207,12 +207,94 @@ class Ledger:
         if path is not None:  # what this start found, for `compare`: nothing added while stopped
             log.info("audit chain opened after record %d %s", *self._head, extra={"database": str(path)})
         self._current = usage.periods(clock(), self.zone)
-        self._periods = self._run(lambda conn: usage.load_periods(conn, self._current))
+        # Usage seals (see `seals`), writer thread only: the seq of each hour's last seal, the
+        # hours written since theirs (sealed once over), the hours found edited (never resealed).
+        self._seals: dict[int, int] = {}
+        self._dirty: set[int] = set()
+        self._tampered: set[int] = set()
+        self._reported: set[int] = set()  # hours whose edits the log and the chain were told of
+        self._tick_hour = 0
+        self.usage_found = seals.Findings()
         self.error: str | None = None  # the last failed commit, until one succeeds
         self.commits = 0
         self.records = 0
         self.dropped = 0  # records given up after commits failed for longer than MAX_KEPT allows
         self.foreign: str | None = None  # records found in the chain that this daemon did not write
+        self._periods = self._run(self._open_usage)
+
+    def _open_usage(self, conn: sqlite3.Connection) -> dict[tuple[str, str], list[int]]:
+        """On the writer, at the start: the usage checked against its seals and the quota totals
+        against the hours (put back within them, in one transaction with the record that says
+        so); the hours after the last seal are sealed as found once over. The totals to count."""
+        now = self._clock()
+        sealed = seals.load(conn)
+        self._seals = {hour: seal.seq for hour, seal in sealed.items()}
+        found = self._check_usage(conn, now, sealed)
+        self._dirty = set(found.open)
+        newest = max(sealed.values(), key=lambda seal: seal.seq, default=None)
+        if (
+            newest is not None
+            and newest.hour not in self._tampered
+            and newest.retention_days != self.retention_days
+        ):  # `edgellmctl audit verify` reads the retention from the newest seal: restated
+            self._dirty.add(newest.hour)
+        cutoff = now - self.retention_days * 86_400
+        stored = usage.load_periods(conn, self._current)
+        totals, fixed = seals.check_periods(
+            conn, stored, self._current, zone=self.zone, cutoff=cutoff, edited=found.found
+        )
+        if found.found or fixed:
+            self._report(conn, found, fixed, {k: v for k, v in totals.items() if stored.get(k) != v})
+        return totals
+
+    def _check_usage(
+        self, conn: sqlite3.Connection, now: float, sealed: Mapping[int, seals.Seal] | None = None
+    ) -> seals.Findings:
+        """On the writer: every hour's usage against its seal, kept for `status` (a check that
+        fails is said and keeps the last findings: the hourly maintenance goes on)."""
+        try:
+            found = seals.check(conn, now, retention_days=self.retention_days, sealed=sealed)
+        except sqlite3.Error as exc:
+            log.error("ledger: the usage could not be checked against its seals: %s", exc)  # noqa: TRY400
+            return self.usage_found
+        self._tampered |= set(found.found)
+        self.usage_found = found
+        return found
+
+    def _report(
+        self,
+        conn: sqlite3.Connection,
+        found: seals.Findings,
+        fixed: Sequence[str] = (),
+        totals: Mapping[tuple[str, str], list[int]] | None = None,
+    ) -> None:
+        """On the writer: edited usage found (the hours not told of before, and quota totals
+        put back, in the same transaction), said in the log and in the chain (ERROR)."""
+        problems = [text for hour, text in sorted(found.found.items()) if hour not in self._reported]
+        problems += fixed
+        if not problems:
+            return
+        for problem in problems:
+            log.error("%s (tampering?)", problem)
+        named = " | ".join(problems[: seals.MAX_NAMED])
+        detail = {"problems": len(problems), "first": problems[0], "named": named}
+        entry = AuditEntry(utc_text(self._clock()), "ERROR", seals.TAMPERED, detail=detail)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            seals.write_periods(conn, totals or {})
+            head, noted = self._foreign_records(conn, self._head)
+            head = audit.append(conn, entry, head)
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("ledger: the record of edited usage could not be written: %s", self.error)  # noqa: TRY400
+            return
+        self._head = head
+        self._reported.update(found.found)
+        for seq, digest, noted_entry in [*noted, (head[0], head[1], entry)]:
+            _mirror(seq, digest, noted_entry, self.path)
 
     def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return self._writer.submit(fn, self._conn).result()
@@ -359,6 +441,7 @@ class Ledger:
         covered = (self._chain_covered if resume is not None else 0) + verdict.checked
         if resume is None:
             self._chain_at = moment
+            self._report(conn, self._check_usage(conn, self._clock()))  # the usage, as often
         self._chain_end, self._chain_covered = verdict.end, covered
         return verdict, covered
 
@@ -377,23 +460,41 @@ class Ledger:
             pending_audit, self._audit = self._audit, []
             retry_usage, self._retry_usage = self._retry_usage, []
             retry_audit, self._retry_audit = self._retry_audit, []
-        if not (pending_usage or pending_audit or retry_usage or retry_audit):
+        this_hour = int(self._clock() // HOUR_S) * HOUR_S
+        due = {hour for hour in self._dirty - self._tampered if hour < this_hour}
+        if not (pending_usage or pending_audit or retry_usage or retry_audit or due):
             return
         conn = self._conn
         head = self._head
         written: list[tuple[int, str, AuditEntry]] = []
         noted: list[tuple[int, str, AuditEntry]] = []  # the daemon's own note of foreign records
         fresh: list[bool] = []
+        new_seals: dict[int, int] = {}
+        touched: set[int] = set()
+        over: list[int] = []
+        detail = self.detail_hours > 0
         try:
             conn.execute("BEGIN IMMEDIATE")
-            for record in retry_usage:
-                usage.write(conn, record, self.zone, detail=self.detail_hours > 0)
-            fresh = [usage.write(conn, r, self.zone, detail=self.detail_hours > 0) for r, _ in pending_usage]
-            if retry_audit or pending_audit:
+            again = [usage.write(conn, r, self.zone, detail=detail) for r in retry_usage]
+            fresh = [usage.write(conn, r, self.zone, detail=detail) for r, _ in pending_usage]
+            records = [*retry_usage, *(r for r, _ in pending_usage)]
+            written_now = zip(records, [*again, *fresh], strict=True)
+            touched = {int(r.at // HOUR_S) * HOUR_S for r, new in written_now if new}
+            # An hour over is sealed in the transaction that wrote its last rows (see `seals`).
+            over = sorted(h for h in due | touched if h < this_hour and h not in self._tampered)
+            if retry_audit or pending_audit or over:
                 head, noted = self._foreign_records(conn, head)
             for entry in [*retry_audit, *(e for e, _ in pending_audit)]:
                 head = audit.append(conn, entry, head)
                 written.append((head[0], head[1], entry))
+            stamp = utc_text(self._clock())
+            for hour, found in (seals.figures(conn, over) if over else {}).items():
+                entry = seals.entry(
+                    hour, found, stamp, retention_days=self.retention_days, resealed=self._seals.get(hour)
+                )
+                head = audit.append(conn, entry, head)
+                written.append((head[0], head[1], entry))
+                new_seals[hour] = head[0]
             conn.execute("COMMIT")
         except Exception as exc:  # noqa: BLE001 - a full disk or a bug: kept, tried again, reported
             with contextlib.suppress(sqlite3.Error):
@@ -420,6 +521,8 @@ class Ledger:
                 audit_future.set_exception(failure)
             return
         self._head = head
+        self._seals.update(new_seals)
+        self._dirty = (self._dirty | touched) - set(over) - self._tampered
         self.error = None
         self.commits += 1
         self.records += len(pending_usage) + len(retry_usage)
@@ -454,6 +557,14 @@ class Ledger:
         after = audit.append(conn, entry, found)
         return after, [(after[0], after[1], entry)]
 
+    def tick(self) -> None:
+        """Called often (the event loop's ledger task): once an hour is over, seal what it
+        holds, whether or not a request comes to trigger a commit."""
+        hour = int(self._clock() // HOUR_S)
+        if hour != self._tick_hour and not self._closed:
+            self._tick_hour = hour
+            self._writer.submit(self._commit)
+
     def retry(self) -> Future[None]:
         """Commit what earlier commits could not (on the writer): a failing ledger mends itself
         once its disk has room again, whether or not new requests come to trigger a commit."""
@@ -483,6 +594,7 @@ class Ledger:
                 _mirror(seq, digest, entry, self.path)
             if gone:
                 _mirror(head[0], head[1], AuditEntry("", "INFO", audit.ROTATED), self.path)
+            self._report(conn, self._check_usage(conn, now))  # an edit since the start: within the hour
 
         return self._writer.submit(run, self._conn)
 
@@ -499,6 +611,7 @@ class Ledger:
             "waiting": waiting,
             "dropped": self.dropped,
             "foreign_records": self.foreign,
+            "usage_seals": self.usage_found.as_dict(),
             "error": self.error,
         }
 

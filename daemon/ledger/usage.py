@@ -145,14 +145,26 @@ def write(conn: sqlite3.Connection, record: UsageRecord, zone: ZoneInfo, *, deta
 
 
 def load_periods(conn: sqlite3.Connection, names: Iterable[str]) -> dict[tuple[str, str], list[int]]:
-    """{(key id, period): [requests, tokens]} for these periods (the current day and month)."""
+    """{(key id, period): [requests, tokens]} for these periods (the current day and month); a
+    cell edited to something other than a whole number reads as -1, below what any hours hold
+    (`seals.check_periods` puts it back)."""
     wanted = list(names)
     marks = ",".join("?" for _ in wanted)
     rows = conn.execute(
-        f"SELECT key_id, period, requests, tokens FROM usage_periods WHERE period IN ({marks})",  # noqa: S608
+        # Read as bytes: a hand edit that left bytes that are no UTF-8 is other text, not an error.
+        "SELECT CAST(key_id AS BLOB), CAST(period AS BLOB), requests, tokens FROM usage_periods"  # noqa: S608
+        f" WHERE period IN ({marks})",
         wanted,
     )
-    return {(key_id, period): [int(requests), int(tokens)] for key_id, period, requests, tokens in rows}
+    return {
+        (text_of(key_id), text_of(period)): [n if type(n) is int else -1 for n in (requests, tokens)]
+        for key_id, period, requests, tokens in rows
+    }
+
+
+def text_of(value: object) -> str:
+    """A text column read as bytes (`CAST(... AS BLOB)`), as the text it was written as."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def prune(conn: sqlite3.Connection, now: float, *, detail_hours: int, retention_days: int) -> None:

@@ -1,0 +1,349 @@
+"""Usage sealed into the audit chain: each hour's totals, once the hour is over.
+
+The usage tables are totals the daemon adds to (`usage.write`); nothing in them shows an edit.
+Once a UTC hour is over, the daemon appends to the audit chain a `usage sealed` record of that
+hour's rows: how many, their requests and tokens, and the SHA-256 of the rows themselves (key,
+model, endpoint and figures, in key order). A record that arrives for an hour already over (a
+request that ended at 12:59:59 and committed after 13:00, a record retried after a failed
+commit) reseals its hour in the same transaction, so an honest ledger's hours match their last
+seals at every moment, whenever the daemon is killed. `check` finds:
+
+- an hour whose rows differ from its last seal: a count edited, a row added or removed;
+- an hour sealed and within the usage retention whose rows are all gone: removed;
+- an hour with rows and no seal before the last hour sealed: added by another hand.
+
+A seal record is the chain's, so editing or removing one is a break `audit.verify` names, and
+rewriting the chain after it is what the journal's copy shows (`audit.compare`).
+
+What seals cannot show: the hour in progress, and at a start the hours after the last seal
+(the hour the daemon stopped in), which the daemon seals as it finds them. A writer of the
+database can change those unseen. Hours older than the audit chain's oldest record whose seal
+went with a rotation (`ledger.audit_retention_days` shorter than `usage_retention_days`) are
+counted as unverifiable, not checked. The per-request rows (`usage_requests`, kept
+`usage_detail_hours`) are a lookup, not sealed.
+
+The quota totals (`usage_periods`, what budgets count) are checked at the daemon's start
+against the hours (`check_periods`): a day's or month's total can be no less than the hours
+wholly inside it, nor more than the hours that overlap it (in a zone whose offset is not whole
+hours, an hour straddles two days). A total outside those bounds is put back inside them (a
+key that lowered its own total gets its budget spent again) and the daemon says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from typing import Any, Final
+from zoneinfo import ZoneInfo
+
+from edgellmd.ledger.audit import AuditEntry
+from edgellmd.ledger.usage import HOUR_S, local_start, next_month, text_of
+
+SEALED: Final = "usage sealed"  # the action of a seal record
+TAMPERED: Final = "usage tampered"  # the action of the record a start that finds an edit appends
+MAX_NAMED: Final = 5  # problems named in a status answer or record (all are counted)
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """An hour's rows, summed and digested."""
+
+    rows: int
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    digest: str
+
+    def text(self) -> str:
+        tokens = self.prompt_tokens + self.completion_tokens
+        return f"{self.rows} row(s), {self.requests} request(s), {tokens} token(s)"
+
+
+EMPTY: Final = Figures(0, 0, 0, 0, hashlib.sha256(b"[]").hexdigest())
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """The last seal record of an hour."""
+
+    seq: int
+    hour: int  # its start, seconds since the epoch
+    figures: Figures
+    retention_days: int | None
+
+
+@dataclass(slots=True)
+class Findings:
+    """What `check` found."""
+
+    sealed: int = 0  # hours whose rows match their seals
+    open: list[int] = field(default_factory=list)  # hours with rows after the last seal
+    unverifiable: int = 0  # hours whose seals went with a rotation of the chain
+    found: dict[int, str] = field(default_factory=dict)  # what is wrong, by the hour it names
+
+    @property
+    def problems(self) -> list[str]:
+        """What is wrong, in hour order."""
+        return [self.found[hour] for hour in sorted(self.found)]
+
+    def as_dict(self) -> dict[str, Any]:
+        """For /admin/status, /admin/audit and `edgellmctl audit verify --json`."""
+        problems = self.problems
+        return {
+            "ok": not problems,
+            "sealed_hours": self.sealed,
+            "open_hours": len(self.open),
+            "unverifiable_hours": self.unverifiable,
+            "problems": len(problems),
+            "problem": problems[0] if problems else None,
+            "named": problems[:MAX_NAMED],
+        }
+
+
+def label(hour: int) -> str:
+    """An hour as seal records and messages name it: its UTC start."""
+    return datetime.fromtimestamp(hour, UTC).strftime("%Y-%m-%dT%H:00Z")
+
+
+def _iso(at: int) -> str:
+    """A whole hour as the chain's records write times (`store.utc_text`), to compare with them."""
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:00:00.000Z")
+
+
+def _cell(value: object) -> object:
+    # A hand edit may leave any SQLite value: digested as what it is, never a crash.
+    return value if type(value) in (int, str) or value is None else repr(value)
+
+
+def _count(value: object) -> int:
+    return value if type(value) is int else 0
+
+
+def figures(conn: sqlite3.Connection, hours: Iterable[int] | None = None) -> dict[int, Figures]:
+    """{hour: its rows summed and digested}, for these hours (every hour with rows when None)."""
+    # Text read as bytes and decoded here (`text_of`): a hand edit that left bytes that are no
+    # UTF-8 reads as other text (an edit found), never an error that stops a start or a commit.
+    query = (
+        "SELECT hour, CAST(key_id AS BLOB), CAST(model AS BLOB), CAST(endpoint AS BLOB),"
+        " requests, prompt_tokens, completion_tokens FROM usage_hours"
+    )
+    args: list[int] = []
+    if hours is not None:
+        args = sorted(set(hours))
+        if not args:
+            return {}
+        query += f" WHERE hour IN ({','.join('?' for _ in args)})"
+    query += " ORDER BY hour, key_id, model, endpoint"
+    out: dict[int, Figures] = {}
+    current: int | None = None
+    rows: list[list[object]] = []
+
+    def close() -> None:
+        if current is not None:
+            body = json.dumps(rows, separators=(",", ":"), ensure_ascii=False).encode()
+            out[current] = Figures(
+                len(rows),
+                sum(_count(r[3]) for r in rows),
+                sum(_count(r[4]) for r in rows),
+                sum(_count(r[5]) for r in rows),
+                hashlib.sha256(body).hexdigest(),
+            )
+
+    for stored, *rest in conn.execute(query, args):
+        hour = stored if type(stored) is int else -1  # an edited hour: no seal has it, read as added
+        if hour != current:
+            close()
+            current, rows = hour, []
+        rows.append([*(text_of(v) for v in rest[:3]), *(_cell(v) for v in rest[3:])])
+    close()
+    return out
+
+
+def entry(hour: int, found: Figures, at: str, *, retention_days: int, resealed: int | None) -> AuditEntry:
+    """The seal record of an hour (`resealed`: the seq of the seal a late record replaces)."""
+    detail: dict[str, Any] = {
+        "hour": label(hour),
+        "hour_start": hour,
+        "rows": found.rows,
+        "requests": found.requests,
+        "prompt_tokens": found.prompt_tokens,
+        "completion_tokens": found.completion_tokens,
+        "digest": found.digest,
+        "usage_retention_days": retention_days,
+    }
+    if resealed is not None:
+        detail["resealed"] = resealed
+    return AuditEntry(at, "INFO", SEALED, detail=detail)
+
+
+def load(conn: sqlite3.Connection) -> dict[int, Seal]:
+    """{hour: its last seal} from the chain (a seal record edited out of shape is skipped:
+    `audit.verify` names the edit)."""
+    out: dict[int, Seal] = {}
+    for seq, detail in conn.execute("SELECT seq, detail FROM audit WHERE action = ? ORDER BY seq", (SEALED,)):
+        try:
+            parsed = json.loads(detail) if isinstance(detail, str) else None
+        except ValueError:
+            continue
+        if not isinstance(parsed, dict) or type(seq) is not int:
+            continue
+        hour, digest = parsed.get("hour_start"), parsed.get("digest")
+        counts = [parsed.get(k) for k in ("rows", "requests", "prompt_tokens", "completion_tokens")]
+        if type(hour) is not int or hour % HOUR_S or not isinstance(digest, str):
+            continue
+        if not all(type(c) is int for c in counts):
+            continue
+        days = parsed.get("usage_retention_days")
+        rows, requests, prompt, completion = (c if type(c) is int else 0 for c in counts)
+        sealed = Figures(rows, requests, prompt, completion, digest)
+        out[hour] = Seal(seq, hour, sealed, days if type(days) is int else None)
+    return out
+
+
+def _oldest_record(conn: sqlite3.Connection) -> str | None:
+    """The time of the chain's oldest record when a rotation left an anchor (None: nothing rotated)."""
+    if conn.execute("SELECT 1 FROM audit_anchor").fetchone() is None:
+        return None
+    row = conn.execute("SELECT at FROM audit ORDER BY seq LIMIT 1").fetchone()
+    return str(row[0]) if row is not None else None
+
+
+def check(
+    conn: sqlite3.Connection,
+    now: float,
+    *,
+    retention_days: int | None = None,
+    sealed: Mapping[int, Seal] | None = None,
+) -> Findings:
+    """Every hour's rows against its last seal (see the module's doc). `retention_days`: the
+    usage retention the daemon prunes by (by default the one the newest seal names): sealed
+    hours older than it may be gone."""
+    seals = load(conn) if sealed is None else sealed
+    found = Findings()
+    now_figures = figures(conn)
+    if retention_days is None:
+        newest = max(seals.values(), key=lambda s: s.seq, default=None)
+        retention_days = newest.retention_days if newest is not None else None
+    cutoff = now - retention_days * 86_400 if retention_days is not None else None
+    last_sealed = max(seals, default=None)
+    oldest = _oldest_record(conn)
+    for hour in sorted(set(seals) | set(now_figures)):
+        seal, rows = seals.get(hour), now_figures.get(hour)
+        if seal is not None:
+            current = rows if rows is not None else EMPTY
+            if current.digest == seal.figures.digest:
+                found.sealed += 1
+            elif rows is None and cutoff is not None and hour < cutoff:
+                continue  # pruned with the retention
+            else:
+                what = "are gone" if rows is None else f"differ from it ({current.text()} now)"
+                found.found[hour] = (
+                    f"usage of the hour {label(hour)} was edited: its seal (record {seal.seq}) holds "
+                    f"{seal.figures.text()}, its rows {what}"
+                )
+            continue
+        if last_sealed is None or hour > last_sealed:
+            found.open.append(hour)
+        elif oldest is not None and _iso(hour + HOUR_S) < oldest:
+            found.unverifiable += 1  # its seal may have gone with a rotation of the chain
+        else:
+            shown = label(hour) if hour >= 0 else "an hour edited to a value no record has"
+            found.found[hour] = (
+                f"usage of the hour {shown} has no seal though later hours are sealed: "
+                f"added by another hand ({rows.text() if rows else 'no rows'})"
+            )
+    return found
+
+
+# ---- quota totals ---------------------------------------------------------------------------------
+
+
+def _span(period: str, zone: ZoneInfo) -> tuple[float, float] | None:
+    """(start, end) of a usage_periods name in the zone's local time."""
+    kind, _, text = period.partition(":")
+    try:
+        if kind == "day":
+            day = date.fromisoformat(text)
+            start = local_start(day, zone)
+            return start, local_start(date.fromordinal(day.toordinal() + 1), zone)
+        if kind == "month":
+            first = date.fromisoformat(f"{text}-01")
+            start = local_start(first, zone)
+            return start, next_month(start, zone).timestamp()
+    except (ValueError, OverflowError):
+        return None
+    return None
+
+
+def check_periods(
+    conn: sqlite3.Connection,
+    stored: Mapping[tuple[str, str], list[int]],
+    names: Iterable[str],
+    *,
+    zone: ZoneInfo,
+    cutoff: float,
+    edited: Iterable[int] = (),
+) -> tuple[dict[tuple[str, str], list[int]], list[str]]:
+    """The quota totals of these periods as the hours bound them: {(key, period): [requests,
+    tokens]} put back within bounds where a stored total is outside them, and what was found.
+    `cutoff`: the usage retention's start (a period that began before it may hold more than
+    the hours left). A period that holds an hour `check` found `edited` is left as it is: its
+    hours bound nothing (put back by them, an edit of the hours would move the quota too)."""
+    edited_hours = set(edited)
+    totals = {k: list(v) for k, v in stored.items()}
+    problems: list[str] = []
+    for period in names:
+        span = _span(period, zone)
+        if span is None:
+            continue
+        start, end = span
+        if any(start - HOUR_S < hour < end for hour in edited_hours):
+            continue
+        low: dict[str, list[int]] = {}
+        high: dict[str, list[int]] = {}
+        rows = conn.execute(
+            "SELECT CAST(key_id AS BLOB), hour, requests, prompt_tokens + completion_tokens FROM usage_hours"
+            " WHERE hour < ? AND hour + ? > ?",
+            (end, HOUR_S, start),
+        )
+        for stored_key, hour, requests, tokens in rows:
+            key_id = text_of(stored_key)
+            if type(hour) is not int:
+                continue  # an edited row: `check` names it
+            figures_ = [_count(requests), _count(tokens)]
+            upper = high.setdefault(key_id, [0, 0])
+            lower = low.setdefault(key_id, [0, 0])
+            for i in (0, 1):
+                upper[i] += figures_[i]
+                if start <= hour and hour + HOUR_S <= end:
+                    lower[i] += figures_[i]
+        bounded_above = start >= cutoff
+        for key_id in sorted(set(high) | {k for k, p in totals if p == period}):
+            have = totals.get((key_id, period), [0, 0])
+            floor, ceiling = low.get(key_id, [0, 0]), high.get(key_id, [0, 0])
+            fixed = [max(have[i], floor[i]) for i in (0, 1)]
+            if bounded_above:
+                fixed = [min(fixed[i], ceiling[i]) for i in (0, 1)]
+            if fixed != have:
+                problems.append(
+                    f"the quota total of key {key_id or '(none)'} for {period} was edited: it held "
+                    f"{have[0]} request(s) and {have[1]} token(s), its hours hold "
+                    f"{floor[0]}-{ceiling[0]} and {floor[1]}-{ceiling[1]}; "
+                    f"put back to {fixed[0]} and {fixed[1]}"
+                )
+                totals[(key_id, period)] = fixed
+    return totals, problems
+
+
+def write_periods(conn: sqlite3.Connection, totals: Mapping[tuple[str, str], list[int]]) -> None:
+    """Put quota totals back (inside the caller's transaction)."""
+    for (key_id, period), (requests, tokens) in totals.items():
+        conn.execute(
+            "INSERT INTO usage_periods VALUES (?, ?, ?, ?) ON CONFLICT DO UPDATE SET"
+            " requests = excluded.requests, tokens = excluded.tokens",
+            (key_id, period, requests, tokens),
+        )

@@ -1,0 +1,384 @@
+"""Usage sealed into the audit chain: each hour's totals once it is over, so that an edit of a
+token count, a removed or an added row, or a lowered quota total shows (`edgellmctl audit
+verify`, the daemon's start and its hourly check) while an honest ledger never reads as edited,
+whatever moment a commit or a kill falls on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from edgellmctl.__main__ import main as ctl
+from edgellmd.ledger import audit, seals
+from edgellmd.ledger.store import Ledger, Quota
+from edgellmd.ledger.usage import UsageRecord
+
+KEY = "aaaaaaaaaaaa"
+
+
+class Clock:
+    def __init__(self, text: str) -> None:
+        self.now = _at(text)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _at(text: str) -> float:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+
+
+def _record(rid: str, at: str, *, key: str = KEY, prompt: int = 10, completion: int = 5) -> UsageRecord:
+    return UsageRecord(rid, key, "m", "/v1/chat/completions", prompt, completion, _at(at))
+
+
+def _seal_records(path: Path) -> list[dict[str, object]]:
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute("SELECT seq, detail FROM audit WHERE action = ? ORDER BY seq", (seals.SEALED,))
+        return [{"seq": seq, **json.loads(detail)} for seq, detail in rows]
+    finally:
+        conn.close()
+
+
+def _edit(path: Path, sql: str, *args: object) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        assert conn.execute(sql, args).rowcount >= 1
+    finally:
+        conn.close()
+
+
+def _verify(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = ctl(["audit", "verify", "--database", str(path)])
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "ledger.sqlite3"
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock("2026-12-03T10:20:00")
+
+
+@pytest.fixture
+def ledger(path: Path, clock: Clock) -> Iterator[Ledger]:
+    opened = Ledger(path, clock=clock)
+    yield opened
+    opened.close()
+
+
+def _two_sealed_hours(ledger: Ledger, clock: Clock) -> None:
+    """Usage in the hours from 10:00 and 11:00, both over and sealed by 12:05."""
+    ledger.record(_record("r1", "2026-12-03T10:21:00")).result(5)
+    ledger.record(_record("r2", "2026-12-03T10:40:00", completion=7)).result(5)
+    clock.now = _at("2026-12-03T11:05:00")
+    ledger.record(_record("r3", "2026-12-03T11:04:00", key="bbbbbbbbbbbb")).result(5)  # seals 10:00
+    clock.now = _at("2026-12-03T12:05:00")
+    ledger.tick()  # no request comes: the hour from 11:00 is sealed all the same
+    ledger.query(lambda conn: None).result(5)  # the writer has run the tick's commit
+
+
+def test_each_hour_is_sealed_once_over_and_an_honest_ledger_verifies(
+    ledger: Ledger, clock: Clock, path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger.record(_record("r0", "2026-12-03T10:20:00")).result(5)
+    assert _seal_records(path) == []  # the hour in progress is not sealed
+    _two_sealed_hours(ledger, clock)
+    sealed = _seal_records(path)
+    assert [
+        (s["hour"], s["rows"], s["requests"], s["prompt_tokens"], s["completion_tokens"]) for s in sealed
+    ] == [
+        ("2026-12-03T10:00Z", 1, 3, 30, 17),
+        ("2026-12-03T11:00Z", 1, 1, 10, 5),
+    ]
+    assert all(s["usage_retention_days"] == 400 for s in sealed)
+    code, out = _verify(path, capsys)
+    assert code == 0, out
+    assert "usage intact: 2 sealed hour(s) match their seals" in out
+    assert ledger.status()["usage_seals"]["ok"] is True
+    # The chain and its seals stay whole as the chain verifies them.
+    assert audit.verify(sqlite3.connect(path)).ok
+
+
+def test_a_record_that_lands_in_an_hour_over_reseals_it_in_the_same_commit(
+    ledger: Ledger, clock: Clock, path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A request that ended at 10:59 and committed after the hour's seal (or a record retried
+    after a failed commit): its hour is sealed again with it, never left to read as edited."""
+    _two_sealed_hours(ledger, clock)
+    first = _seal_records(path)[0]
+    ledger.record(_record("late", "2026-12-03T10:59:59", prompt=100)).result(5)
+    resealed = _seal_records(path)[-1]
+    assert (resealed["hour"], resealed["requests"], resealed["prompt_tokens"]) == (
+        "2026-12-03T10:00Z",
+        3,
+        120,
+    )
+    assert resealed["resealed"] == first["seq"]
+    code, out = _verify(path, capsys)
+    assert code == 0, out
+    assert "2 sealed hour(s)" in out
+
+
+@pytest.mark.parametrize(
+    ("edit", "found"),
+    [
+        (
+            "UPDATE usage_hours SET completion_tokens = 1 WHERE hour = {h}",
+            "differ from it (1 row(s), 2 request(s), 21 token(s) now)",
+        ),
+        ("UPDATE usage_hours SET prompt_tokens = 'ten' WHERE hour = {h}", "differ from it"),
+        ("DELETE FROM usage_hours WHERE hour = {h}", "its rows are gone"),
+        (
+            "INSERT INTO usage_hours VALUES ({h}, 'cccccccccccc', 'm', '/v1/embeddings', 1, 9, 0)",
+            "differ from it (2 row(s), 3 request(s), 41 token(s) now)",
+        ),
+    ],
+)
+def test_an_edit_of_a_sealed_hour_is_found_by_verify_and_by_the_daemons_start(
+    path: Path,
+    clock: Clock,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    edit: str,
+    found: str,
+) -> None:
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.close()
+    ten = int(_at("2026-12-03T10:00:00"))
+    _edit(path, edit.format(h=ten))
+    code, out = _verify(path, capsys)
+    assert code == 1, out
+    assert "audit chain intact" in out  # the chain is whole: the usage beside it is not
+    assert "usage EDITED" in out
+    sealed = "its seal (record 1) holds 1 row(s), 2 request(s), 32 token(s)"
+    assert f"usage of the hour 2026-12-03T10:00Z was edited: {sealed}" in out
+    assert found in out
+    assert ctl(["audit", "verify", "--database", str(path), "--json"]) == 1
+    answer = json.loads(capsys.readouterr().out)
+    assert (answer["ok"], answer["usage"]["ok"], answer["usage"]["problems"]) == (False, False, 1)
+
+    caplog.set_level(logging.ERROR, logger="edgellmd.ledger")
+    again = Ledger(path, clock=clock)
+    try:
+        state = again.status()["usage_seals"]
+        assert (state["ok"], state["sealed_hours"], state["problems"]) == (False, 1, 1)
+        assert found in state["problem"]
+        assert any(found in r.getMessage() and "tampering?" in r.getMessage() for r in caplog.records)
+        told = again.query(lambda conn: audit.select(conn, action=seals.TAMPERED)).result(5)
+        assert [(r.level, r.detail["problems"]) for r in told] == [("ERROR", 1)]
+        assert found in str(told[0].detail["first"])
+        # A record for the edited hour never reseals it: the edit stays found.
+        again.record(_record("late", "2026-12-03T10:30:00")).result(5)
+        again.maintain().result(5)
+        assert again.status()["usage_seals"]["problems"] == 1
+        assert (
+            len(again.query(lambda conn: audit.select(conn, action=seals.TAMPERED)).result(5)) == 1
+        )  # said once
+    finally:
+        again.close()
+    assert _verify(path, capsys)[0] == 1
+
+
+def test_rows_added_for_an_hour_between_sealed_hours_are_found(
+    ledger: Ledger, clock: Clock, path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _two_sealed_hours(ledger, clock)
+    nine = int(_at("2026-12-03T09:00:00"))
+    _edit(path, "INSERT INTO usage_hours VALUES (?, ?, 'm', '/v1/chat/completions', 2, 20, 2)", nine, KEY)
+    code, out = _verify(path, capsys)
+    assert code == 1
+    assert "usage of the hour 2026-12-03T09:00Z has no seal though later hours are sealed" in out
+    # The running daemon finds it at its next check (hourly, or a whole walk of /admin/audit).
+    ledger.maintain().result(5)
+    state = ledger.status()["usage_seals"]
+    assert state["problems"] == 1
+    assert "added by another hand" in state["problem"]
+
+
+def test_an_edit_while_the_daemon_runs_is_found_by_its_next_whole_walk(
+    ledger: Ledger, clock: Clock, path: Path
+) -> None:
+    _two_sealed_hours(ledger, clock)
+    walk = ledger.query(lambda conn: ledger.chain(conn, now=1_000.0)).result(5)
+    assert walk[0].ok
+    assert ledger.status()["usage_seals"]["ok"] is True
+    _edit(path, "UPDATE usage_hours SET requests = 0 WHERE hour = ?", int(_at("2026-12-03T11:00:00")))
+    walk = ledger.query(lambda conn: ledger.chain(conn, now=1_000.0 + 61)).result(5)
+    assert walk[0].ok  # the chain itself is whole
+    state = ledger.status()["usage_seals"]
+    assert (state["ok"], state["problems"]) == (False, 1)
+    assert "2026-12-03T11:00Z" in state["problem"]
+
+
+def test_hours_pruned_with_the_retention_are_no_edit_and_the_newest_seal_says_the_retention(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`audit verify` reads the usage retention from the newest seal: a retention shortened
+    restates it, so the hours it prunes read as pruned, not removed."""
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.close()
+    clock.now = _at("2026-12-05T12:30:00")  # two days on
+    short = Ledger(path, clock=clock, retention_days=1)
+    try:
+        short.maintain().result(5)  # prunes the hours of the 3rd; restates the newest seal
+        assert short.query(seals.figures).result(5) == {}
+        newest = _seal_records(path)[-1]
+        assert (newest["hour"], newest["usage_retention_days"]) == ("2026-12-03T11:00Z", 1)
+        assert short.status()["usage_seals"]["ok"] is True
+    finally:
+        short.close()
+    code, out = _verify(path, capsys)
+    assert code == 0, out
+
+
+def test_a_quota_total_lowered_while_the_daemon_was_stopped_is_put_back_at_its_start(
+    path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key's day total edited down would give it its budget again: the start finds the total
+    below what the day's hours hold, puts it back and says so in the log and the chain."""
+    clock = Clock("2026-12-03T15:10:00")
+    first = Ledger(path, clock=clock, time_zone="Europe/Berlin")
+    for i, at in enumerate(("2026-12-03T09:10:00", "2026-12-03T13:10:00", "2026-12-03T15:05:00")):
+        first.record(_record(f"r{i}", at, prompt=30, completion=0)).result(5)
+    first.close()
+    _edit(path, "UPDATE usage_periods SET tokens = 0, requests = 0 WHERE period = 'day:2026-12-03'")
+    _edit(path, "UPDATE usage_periods SET tokens = 'none' WHERE period = 'month:2026-12'")
+    caplog.set_level(logging.ERROR, logger="edgellmd.ledger")
+    again = Ledger(path, clock=clock, time_zone="Europe/Berlin")
+    try:
+        assert again.used(KEY) == {
+            "requests_day": 3,
+            "tokens_day": 90,
+            "requests_month": 3,
+            "tokens_month": 90,
+        }
+        breach = again.check(KEY, Quota(tokens_per_day=90))
+        assert breach is not None
+        assert breach.used == 90
+        told = again.query(lambda conn: audit.select(conn, action=seals.TAMPERED)).result(5)
+        assert [r.detail["problems"] for r in told] == [2]
+        assert "the quota total of key aaaaaaaaaaaa for day:2026-12-03 was edited" in str(
+            told[0].detail["named"]
+        )
+        assert sum("quota total" in r.getMessage() for r in caplog.records) == 2
+    finally:
+        again.close()
+    third = Ledger(path, clock=clock, time_zone="Europe/Berlin")  # put back on disk: said once
+    try:
+        assert third.used(KEY)["tokens_day"] == 90
+        assert len(third.query(lambda conn: audit.select(conn, action=seals.TAMPERED)).result(5)) == 1
+    finally:
+        third.close()
+    assert _verify(path, capsys)[0] == 0
+
+
+def test_a_quota_total_in_a_zone_of_half_hours_is_bounded_by_the_hours_it_straddles(path: Path) -> None:
+    """In Kolkata (UTC+5:30) a day begins at 18:30 UTC: the hour from 18:00 is half in each
+    day, so a day's total may hold it or not. Honest totals are never 'put back'."""
+    clock = Clock("2026-12-03T20:00:00")
+    first = Ledger(path, clock=clock, time_zone="Asia/Kolkata")
+    first.record(_record("before", "2026-12-03T18:10:00")).result(5)  # the 3rd, local
+    first.record(_record("after", "2026-12-03T18:50:00")).result(5)  # the 4th, local
+    first.record(_record("later", "2026-12-03T19:50:00")).result(5)
+    first.close()
+    again = Ledger(path, clock=clock, time_zone="Asia/Kolkata")
+    try:
+        assert again.used(KEY)["requests_day"] == 2
+        assert again.status()["usage_seals"]["ok"] is True
+        assert again.query(lambda conn: audit.select(conn, action=seals.TAMPERED)).result(5) == []
+    finally:
+        again.close()
+    _edit(path, "UPDATE usage_periods SET requests = 0, tokens = 0 WHERE period = 'day:2026-12-04'")
+    third = Ledger(path, clock=clock, time_zone="Asia/Kolkata")
+    try:
+        # The hour from 19:00 is wholly the 4th's: the least the day holds; the straddled hour may
+        # or may not be the day's, so the total is put back to the floor, 1 request.
+        assert third.used(KEY)["requests_day"] == 1
+    finally:
+        third.close()
+
+
+def test_a_failed_seal_leaves_nothing_half_written_and_a_retry_seals_it(
+    ledger: Ledger,
+    clock: Clock,
+    path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The rows of an hour over and its seal commit together: a commit that fails on the seal
+    (a full disk) writes neither, and the retry writes both, so no moment reads as edited."""
+    ledger.record(_record("r1", "2026-12-03T10:21:00")).result(5)
+    clock.now = _at("2026-12-03T11:01:00")
+    real = audit.append
+    failed = {"n": 0}
+
+    def full(conn: sqlite3.Connection, entry: audit.AuditEntry, last: tuple[int, str]) -> tuple[int, str]:
+        if entry.action == seals.SEALED and failed["n"] == 0:
+            failed["n"] += 1
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(conn, entry, last)
+
+    monkeypatch.setattr(audit, "append", full)
+    with pytest.raises(OSError, match="disk is full"):
+        ledger.record(_record("r2", "2026-12-03T10:59:00")).result(5)
+    assert seals.check(sqlite3.connect(path), clock.now).problems == []
+    assert _seal_records(path) == []
+    ledger.retry().result(5)
+    assert [(s["requests"]) for s in _seal_records(path)] == [2]
+    assert _verify(path, capsys)[0] == 0
+
+
+def test_hours_whose_seals_went_with_the_chains_rotation_are_unverifiable_not_edited(
+    path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clock = Clock("2026-12-03T10:20:00")
+    first = Ledger(path, clock=clock, audit_retention_days=1)
+    _two_sealed_hours(first, clock)
+    clock.now = _at("2026-12-05T12:30:00")
+    first.record(_record("r9", "2026-12-05T11:00:00")).result(5)  # sealed now: the hour is over
+    first.maintain().result(5)  # the seals of the 3rd go with the chain's rotation
+    state = first.status()["usage_seals"]
+    first.close()
+    assert (state["ok"], state["sealed_hours"], state["unverifiable_hours"]) == (True, 1, 2)
+    code, out = _verify(path, capsys)
+    assert code == 0, out
+    assert "2 hour(s) whose seals went with the chain's rotation, unchecked" in out
+
+
+@pytest.mark.parametrize("table", ["usage_hours", "usage_periods"])
+def test_text_that_is_not_utf8_in_the_usage_is_an_edit_found_not_a_failed_start(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str], table: str
+) -> None:
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.close()
+    _edit(path, f"UPDATE {table} SET key_id = CAST(x'ff' AS TEXT) WHERE key_id = ?", KEY)  # noqa: S608
+    again = Ledger(path, clock=clock)  # opens and serves: the edit is said, not a crash
+    try:
+        again.record(_record("r9", "2026-12-03T12:06:00")).result(5)
+        told = again.query(lambda conn: audit.select(conn, action=seals.TAMPERED)).result(5)
+        assert len(told) == 1
+        if table == "usage_hours":
+            assert "usage of the hour 2026-12-03T10:00Z was edited" in str(told[0].detail["first"])
+        else:  # the key's total is under a name no key has: the key's own is put back from its hours
+            assert "the quota total of key aaaaaaaaaaaa" in str(told[0].detail["named"])
+            assert again.used(KEY)["requests_month"] == 3
+    finally:
+        again.close()
+    code, out = _verify(path, capsys)
+    assert code == (1 if table == "usage_hours" else 0)
+    if table == "usage_hours":
+        assert "usage of the hour 2026-12-03T10:00Z was edited" in out
