@@ -151,6 +151,7 @@ class _Slot:
         "logprobs",
         "media",
         "n_past",
+        "peers",
         "prefilled",
         "prompt",
         "sampler",
@@ -175,6 +176,9 @@ class _Slot:
         self.drafter = drafter  # prompt lookup or a draft model's: the tokens, the draft length
         self.draft: list[int] = []  # the draft tokens in the last batch, after `last`
         self.cached = 0  # prompt tokens whose KV came from a slot or the prompt cache
+        # The common start of this prompt and another running generation's (`_share_prefixes`),
+        # found once per pair: prompts never change.
+        self.peers: dict[Generation, int] = {}
         self.drafted = 0  # draft tokens checked, and of those the ones the sampler agreed with
         self.accepted = 0
         self.since = time.monotonic()  # when it took (or resumed in) its slot: fairness.QUANTUM_S
@@ -219,6 +223,7 @@ class Engine(NativeThread):
         self.finished: Counter[str] = Counter()
         self.tokens_generated = 0
         self.prompt_tokens_reused = 0
+        self.prompt_tokens_shared = 0  # of those, copied from another running sequence
         self.drafted_tokens = 0  # draft tokens checked in a batch
         self.accepted_tokens = 0  # of which the request's own sampler picked the same
         self.prompt_cache = PromptCache(config.prompt_cache_bytes) if config.prompt_cache_bytes else None
@@ -516,6 +521,7 @@ class Engine(NativeThread):
                 "flash_attention": _FLASH_NAMES[flash_attention_type(config)],
             },
             "prompt_tokens_reused": self.prompt_tokens_reused,
+            "prompt_tokens_shared": self.prompt_tokens_shared,
             "fairness": self._fairness(),
             "batch_padding": {
                 "enabled": config.batch_padding,
@@ -913,12 +919,83 @@ class Engine(NativeThread):
         if written > 0:
             cache.put(tokens, ctypes.string_at(buffer, written), scope)
 
+    def _common(self, slot: _Slot, other: _Slot) -> int:
+        """The common start of two running generations' prompts (found once per pair), 0 when
+        they cannot share a cache: another scope's (GenerationRequest.cache_scope), or media."""
+        found = slot.peers.get(other.gen)
+        if found is None:
+            request, theirs = slot.gen.request, other.gen.request
+            shareable = request.cache_scope == theirs.cache_scope and not request.media and not theirs.media
+            found = common_prefix(slot.prompt, other.prompt) if shareable else 0
+            slot.peers[other.gen] = found
+        return found
+
+    def _share_prefixes(self) -> set[int]:
+        """Prompts whose start another running sequence holds take it from there, a copy of that
+        sequence's KV state (as a pause moves one), instead of computing it again: the n choices
+        of one request (a generation each, one prompt), or a key's requests that arrive together
+        with one long system prompt. One computing a start that others share goes first: those
+        behind it wait (the slots returned sit the step out) and copy once it is in. A prefix
+        shorter than MIN_CACHED_TOKENS is computed: it costs less than the copy."""
+        waiting: set[int] = set()
+        for j, slot in enumerate(self._slots):
+            if slot is None or slot.prefilled >= len(slot.prompt):
+                continue
+            best, best_len, behind = -1, 0, False
+            for k, other in enumerate(self._slots):
+                if k == j or other is None:
+                    continue
+                common = self._common(slot, other)
+                if common < slot.prefilled + MIN_CACHED_TOKENS:
+                    continue
+                held = min(common, other.prefilled)
+                if held > best_len:
+                    best, best_len = k, held
+                # It computes more of this start now, and is further along (or as far and first).
+                if other.prefilled < common and (other.prefilled, -k) > (slot.prefilled, -j):
+                    behind = True
+            if behind:
+                waiting.add(j)
+                continue
+            want = min(best_len, len(slot.prompt) - 1)  # the last token is decoded again: its logits
+            if best >= 0 and want >= slot.prefilled + MIN_CACHED_TOKENS:
+                self._copy_prefix(best, j, want)
+        return waiting
+
+    def _copy_prefix(self, source: int, target: int, keep: int) -> None:
+        """Slot `target`'s sequence made a copy of the first `keep` positions of `source`'s."""
+        slot = self._slots[target]
+        assert slot is not None  # noqa: S101 - called for a busy slot
+        if self._n_swa > 0:  # its sliding-window layers must still hold the window before `keep`
+            pos_min = llama.llama_memory_seq_pos_min(self._memory, source)
+            if pos_min < 0 or pos_min > max(0, keep - self._n_swa):
+                return
+        size = llama.llama_state_seq_get_size(self._ctx, source)
+        buffer = (ctypes.c_uint8 * max(size, 1))()
+        written = llama.llama_state_seq_get_data(self._ctx, buffer, size, source) if size > 0 else 0
+        if written <= 0:
+            return
+        before = slot.prefilled
+        llama.llama_memory_seq_rm(self._memory, target, -1, -1)
+        copied = llama.llama_state_seq_set_data(self._ctx, buffer, written, target) == written
+        kept = keep_prefix(self._memory, target, keep, self._n_swa) if copied else 0
+        if not copied:
+            llama.llama_memory_seq_rm(self._memory, target, -1, -1)
+        # What it had of its own is gone too when the copy failed: its prompt starts again.
+        self._kv[target] = list(slot.prompt[:kept])
+        slot.prefilled = slot.n_past = kept
+        slot.cached = slot.cached + kept - before if kept >= before else min(slot.cached, kept)
+        if kept > before:
+            self.prompt_tokens_reused += kept - before
+            self.prompt_tokens_shared += kept - before
+
     def _step(self) -> bool:
         if not self._admit():
             return False
         for i, slot in enumerate(self._slots):
             if slot is not None and slot.gen.cancelled:
                 self._finish(i, "cancelled", deliver=True)
+        waiting = self._share_prefixes()
 
         # One token for every generating sequence first, so running streams never stall
         # behind a long prompt; then prompt chunks in fair order with what is left, at most
@@ -930,7 +1007,9 @@ class Engine(NativeThread):
         ]
         # Prompt chunks in fair order: the class, then the tenant computed for least (engine.fairness).
         prefilling = [
-            (i, s) for i, s in enumerate(self._slots) if s is not None and s.prefilled < len(s.prompt)
+            (i, s)
+            for i, s in enumerate(self._slots)
+            if s is not None and s.prefilled < len(s.prompt) and i not in waiting
         ]
         if len(prefilling) > 1:
             with self._cond:
