@@ -406,6 +406,42 @@ async def test_prefix_reuse_on_a_sliding_window_model_keeps_answers_exact(demo_d
         await loop.run_in_executor(None, engine.close)
 
 
+async def test_choices_share_a_prompt_longer_than_the_sliding_window_exactly(demo_dir: Path) -> None:
+    """The choices of a prompt longer than Gemma 3's 512-token window copy it from the first:
+    the window cache still holds the window before the prompt's end, and greedy choices read
+    as one alone."""
+    import asyncio  # noqa: PLC0415
+
+    from edgellmd.engine import EngineConfig  # noqa: PLC0415
+    from edgellmd.engine.generation import GenerationRequest, SamplingParams  # noqa: PLC0415
+    from edgellmd.engine.scheduler import Engine  # noqa: PLC0415
+
+    model = next((demo_dir / "models").glob("*.gguf"))
+    loop = asyncio.get_running_loop()
+
+    async def greedy(engine: Engine, prompt: list[int], n: int) -> list[str]:
+        request = GenerationRequest(prompt, 12, SamplingParams(temperature=0.0), ignore_eos=True)
+        gens = [engine.submit(request, loop) for _ in range(n)]
+        return ["".join([event.text async for event in gen.events()]) for gen in gens]
+
+    texts: dict[int, list[str]] = {}
+    for slots in (1, 3):
+        engine = Engine(
+            EngineConfig(
+                path=model, slots=slots, context_size=1024, batch_size=64, threads=2, threads_batch=2
+            )
+        )
+        try:
+            prompt = engine.tokenize("The history of the city of Rome begins with a small village. " * 50)
+            assert 512 + 64 < len(prompt) < 1000
+            texts[slots] = await greedy(engine, prompt, slots)
+            shared = engine.prompt_tokens_shared
+        finally:
+            await loop.run_in_executor(None, engine.close)
+        assert shared == (slots - 1) * (len(prompt) - 1)
+    assert texts[3] == texts[1] * 3
+
+
 def test_quickstart_tls_writes_a_pair_and_a_valid_config(tmp_path: Path) -> None:
     directory = tmp_path / "tls-demo"
     assert edgellmctl(["quickstart", "--dir", str(directory), "--tls", "--port", str(free_port())]) == 0

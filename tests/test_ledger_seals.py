@@ -382,3 +382,123 @@ def test_text_that_is_not_utf8_in_the_usage_is_an_edit_found_not_a_failed_start(
     assert code == (1 if table == "usage_hours" else 0)
     if table == "usage_hours":
         assert "usage of the hour 2026-12-03T10:00Z was edited" in out
+
+
+def _told(ledger: Ledger) -> list[str]:
+    return [
+        str(r.detail["named"])
+        for r in ledger.query(lambda c: audit.select(c, action=seals.TAMPERED)).result(5)
+    ]
+
+
+def test_a_clock_stepped_back_over_a_sealed_hour_reseals_it_and_reads_as_honest(
+    ledger: Ledger, clock: Clock, path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NTP steps the clock back into an hour already sealed (or a box boots a day behind): a
+    record for it reseals it at once, never an 'edited' or 'added by another hand' later."""
+    _two_sealed_hours(ledger, clock)
+    clock.now = _at("2026-12-03T11:59:50")  # back into the hour from 11:00, sealed at 12:05
+    ledger.record(_record("back", "2026-12-03T11:59:55")).result(5)
+    clock.now = _at("2026-12-03T09:30:00")  # a day's worth further back: an hour never sealed
+    ledger.record(_record("boot", "2026-12-03T09:31:00")).result(5)
+    clock.now = _at("2026-12-03T12:30:00")
+    ledger.maintain().result(5)
+    assert ledger.status()["usage_seals"]["problems"] == 0
+    assert _told(ledger) == []
+    code, out = _verify(path, capsys)
+    assert code == 0, out
+    assert "3 sealed hour(s)" in out
+
+
+def test_a_retention_lengthened_keeps_the_hours_a_shorter_one_pruned_as_pruned(
+    path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pruned with a 1-day retention, the hours are gone; started again with 30 days they are
+    not 'removed', and the month's total is not lowered to what the hours left hold."""
+    clock = Clock("2026-12-03T10:20:00")
+    first = Ledger(path, clock=clock, retention_days=1)
+    _two_sealed_hours(first, clock)
+    clock.now = _at("2026-12-05T12:30:00")
+    first.maintain().result(5)  # prunes the 3rd
+    first.close()
+    longer = Ledger(path, clock=clock, retention_days=30)
+    try:
+        assert longer.status()["usage_seals"]["ok"] is True
+        assert _told(longer) == []
+        assert longer.used(KEY)["tokens_month"] == 32  # the total stands: its hours went by pruning
+    finally:
+        longer.close()
+    code, out = _verify(path, capsys)
+    assert code == 0, out
+
+
+def test_a_period_whose_first_hour_straddles_the_retention_cut_is_not_said_to_be_over(path: Path) -> None:
+    """In Kolkata a day begins at 18:30 UTC: pruning at 18:45 on the last day of the retention
+    removes the hour from 18:00, half the new day's; the day's total holds more than the hours
+    left, honestly."""
+    clock = Clock("2026-12-06T18:40:00")
+    first = Ledger(path, clock=clock, time_zone="Asia/Kolkata", retention_days=1)
+    first.record(_record("in-straddle", "2026-12-06T18:35:00")).result(5)  # the 7th, local
+    clock.now = _at("2026-12-07T18:20:00")  # 23:50 on the 7th, local
+    first.record(_record("later", "2026-12-07T18:10:00")).result(5)
+    first.maintain().result(5)  # prunes the hour from 2026-12-06T18:00
+    first.close()
+    clock.now = _at("2026-12-07T18:25:00")
+    again = Ledger(path, clock=clock, time_zone="Asia/Kolkata", retention_days=1)
+    try:
+        assert again.used(KEY)["requests_day"] == 2
+        assert _told(again) == []
+    finally:
+        again.close()
+
+
+def test_an_edited_hour_leaves_the_others_to_bound_a_lowered_total(path: Path, clock: Clock) -> None:
+    """An edit of another key's sealed hour must not switch the period's floor off: the hours
+    found whole still hold this key's total up, and a total is never lowered."""
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.close()
+    _edit(path, "UPDATE usage_hours SET prompt_tokens = 11 WHERE key_id = 'bbbbbbbbbbbb'")
+    _edit(path, "UPDATE usage_periods SET requests = 0, tokens = 0 WHERE key_id = ?", KEY)
+    again = Ledger(path, clock=clock)
+    try:
+        assert again.used(KEY)["tokens_day"] == 32  # from its own hour, found whole
+        told = _told(again)
+        assert len(told) == 1
+        assert "2026-12-03T11:00Z was edited" in told[0]
+        assert "the quota total of key aaaaaaaaaaaa for day:2026-12-03 was edited" in told[0]
+    finally:
+        again.close()
+
+
+BIG = 2**63 - 1
+NINE = int(_at("2026-12-03T09:00:00"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "usage_ok"),
+    [
+        ("INSERT INTO usage_hours VALUES (CAST(x'ff' AS TEXT), 'k', 'm', 'e', 1, 1, 1)", False),
+        (f"INSERT INTO usage_hours VALUES ({NINE}, 'b', 'm', 'e', {BIG}, {BIG}, 5)", False),  # noqa: S608
+        # The seal record itself: the chain's break (the usage of its hour is sealed again).
+        ("UPDATE audit SET detail = CAST(x'ff' AS TEXT) WHERE seq = 2", True),
+        (f"UPDATE usage_periods SET tokens = {BIG}", True),  # noqa: S608 - said at the start
+    ],
+)
+def test_odd_values_in_the_usage_are_an_edit_found_never_a_failed_start_or_a_silent_check(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str], edit: str, usage_ok: bool
+) -> None:
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.close()
+    _edit(path, edit)
+    again = Ledger(path, clock=clock)
+    try:
+        again.record(_record("r9", "2026-12-03T12:06:00")).result(5)
+        again.maintain().result(5)
+        state = again.status()["usage_seals"]
+    finally:
+        again.close()
+    code, out = _verify(path, capsys)
+    assert state["ok"] is usage_ok
+    assert code == (0 if "usage_periods" in edit else 1), out

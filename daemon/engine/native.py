@@ -442,11 +442,14 @@ def keep_prefix(memory: Any, seq: int, keep: int, n_swa: int) -> int:
     """Drop a sequence's KV cache from position `keep` on; the length of the prefix kept.
 
     0 (the whole sequence dropped) when llama.cpp cannot cut there, or when sliding-window
-    layers (window `n_swa`) no longer hold the window the tokens after `keep` need.
+    layers (window `n_swa`) no longer hold the window the tokens after `keep` need: the token
+    at `keep` sees the positions after `keep - n_swa` (llama.cpp masks p0 where p1 - p0 >=
+    n_swa; a chunked window starts later still), so the window cache must reach back to
+    `keep - n_swa + 1`. A sequence state saved and set again holds exactly that much.
     """
     if keep > 0 and n_swa > 0:
         pos_min = llama.llama_memory_seq_pos_min(memory, seq)
-        if pos_min < 0 or pos_min > max(0, keep - n_swa):
+        if pos_min < 0 or pos_min > max(0, keep - n_swa + 1):
             keep = 0
     if keep <= 0 or not llama.llama_memory_seq_rm(memory, seq, keep, -1):
         llama.llama_memory_seq_rm(memory, seq, -1, -1)

@@ -958,23 +958,30 @@ class Engine(NativeThread):
                 waiting.add(j)
                 continue
             want = min(best_len, len(slot.prompt) - 1)  # the last token is decoded again: its logits
-            if best >= 0 and want >= slot.prefilled + MIN_CACHED_TOKENS:
-                self._copy_prefix(best, j, want)
+            if (
+                best >= 0
+                and want >= slot.prefilled + MIN_CACHED_TOKENS
+                and not self._copy_prefix(best, j, want)
+            ):
+                source = self._slots[best]
+                if source is not None:  # never tried again: a failed copy costs what the slot had
+                    slot.peers[source.gen] = 0
         return waiting
 
-    def _copy_prefix(self, source: int, target: int, keep: int) -> None:
-        """Slot `target`'s sequence made a copy of the first `keep` positions of `source`'s."""
+    def _copy_prefix(self, source: int, target: int, keep: int) -> bool:
+        """Slot `target`'s sequence made a copy of the first `keep` positions of `source`'s;
+        False when that failed (its own prefix may be gone with it: it starts again)."""
         slot = self._slots[target]
         assert slot is not None  # noqa: S101 - called for a busy slot
         if self._n_swa > 0:  # its sliding-window layers must still hold the window before `keep`
             pos_min = llama.llama_memory_seq_pos_min(self._memory, source)
-            if pos_min < 0 or pos_min > max(0, keep - self._n_swa):
-                return
+            if pos_min < 0 or pos_min > max(0, keep - self._n_swa + 1):
+                return False
         size = llama.llama_state_seq_get_size(self._ctx, source)
         buffer = (ctypes.c_uint8 * max(size, 1))()
         written = llama.llama_state_seq_get_data(self._ctx, buffer, size, source) if size > 0 else 0
         if written <= 0:
-            return
+            return False
         before = slot.prefilled
         llama.llama_memory_seq_rm(self._memory, target, -1, -1)
         copied = llama.llama_state_seq_set_data(self._ctx, buffer, written, target) == written
@@ -988,6 +995,7 @@ class Engine(NativeThread):
         if kept > before:
             self.prompt_tokens_reused += kept - before
             self.prompt_tokens_shared += kept - before
+        return kept >= keep
 
     def _step(self) -> bool:
         if not self._admit():

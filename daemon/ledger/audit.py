@@ -121,8 +121,12 @@ def append(conn: sqlite3.Connection, entry: AuditEntry, last: tuple[int, str]) -
     them in the other order, or the wall clock steps back, and an honest chain would read as
     reordered. Such an entry takes its predecessor's time instead."""
     seq = last[0] + 1
-    before = conn.execute("SELECT at FROM audit WHERE seq = ?", (last[0],)).fetchone()
-    at = max(entry.at, str(before[0])) if before is not None else entry.at
+    # Read as bytes: a hand edit that left bytes that are no UTF-8 must not fail every append.
+    before = conn.execute("SELECT CAST(at AS BLOB) FROM audit WHERE seq = ?", (last[0],)).fetchone()
+    earlier = (
+        before[0].decode("utf-8", "replace") if before is not None and isinstance(before[0], bytes) else None
+    )
+    at = max(entry.at, earlier) if earlier is not None else entry.at
     detail = _canonical(
         {k: _clip(str(v)) if isinstance(v, str) else v for k, v in (entry.detail or {}).items()}
     )

@@ -25,8 +25,9 @@ counted as unverifiable, not checked. The per-request rows (`usage_requests`, ke
 The quota totals (`usage_periods`, what budgets count) are checked at the daemon's start
 against the hours (`check_periods`): a day's or month's total can be no less than the hours
 wholly inside it, nor more than the hours that overlap it (in a zone whose offset is not whole
-hours, an hour straddles two days). A total outside those bounds is put back inside them (a
-key that lowered its own total gets its budget spent again) and the daemon says so.
+hours, an hour straddles two days). A total below the floor is raised to it (a key that
+lowered its own total gets its budget spent again); one above the ceiling is said and kept
+(lowered, it would hand the key budget back). Hours `check` found edited bound nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from edgellmd.ledger.usage import HOUR_S, local_start, next_month, text_of
 SEALED: Final = "usage sealed"  # the action of a seal record
 TAMPERED: Final = "usage tampered"  # the action of the record a start that finds an edit appends
 MAX_NAMED: Final = 5  # problems named in a status answer or record (all are counted)
+MAX_TOTAL: Final = 2**63 - 1  # SQLite's largest integer: sums of edited counts stop there
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,7 @@ class Seal:
     hour: int  # its start, seconds since the epoch
     figures: Figures
     retention_days: int | None
+    pruned_before: int  # the latest cut the daemon's pruning had made when it sealed (0: none)
 
 
 @dataclass(slots=True)
@@ -104,14 +107,19 @@ class Findings:
         }
 
 
+LAST_HOUR: Final = 253_402_297_200  # 9999-12-31T23:00Z: an hour past it is an edit's
+
+
 def label(hour: int) -> str:
     """An hour as seal records and messages name it: its UTC start."""
+    if not 0 <= hour <= LAST_HOUR:
+        return f"at {hour} s (no hour a record has)"
     return datetime.fromtimestamp(hour, UTC).strftime("%Y-%m-%dT%H:00Z")
 
 
 def _iso(at: int) -> str:
     """A whole hour as the chain's records write times (`store.utc_text`), to compare with them."""
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:00:00.000Z")
+    return datetime.fromtimestamp(min(max(at, 0), LAST_HOUR), UTC).strftime("%Y-%m-%dT%H:00:00.000Z")
 
 
 def _cell(value: object) -> object:
@@ -128,7 +136,8 @@ def figures(conn: sqlite3.Connection, hours: Iterable[int] | None = None) -> dic
     # Text read as bytes and decoded here (`text_of`): a hand edit that left bytes that are no
     # UTF-8 reads as other text (an edit found), never an error that stops a start or a commit.
     query = (
-        "SELECT hour, CAST(key_id AS BLOB), CAST(model AS BLOB), CAST(endpoint AS BLOB),"
+        "SELECT CASE typeof(hour) WHEN 'integer' THEN hour ELSE -1 END,"
+        " CAST(key_id AS BLOB), CAST(model AS BLOB), CAST(endpoint AS BLOB),"
         " requests, prompt_tokens, completion_tokens FROM usage_hours"
     )
     args: list[int] = []
@@ -163,7 +172,9 @@ def figures(conn: sqlite3.Connection, hours: Iterable[int] | None = None) -> dic
     return out
 
 
-def entry(hour: int, found: Figures, at: str, *, retention_days: int, resealed: int | None) -> AuditEntry:
+def entry(
+    hour: int, found: Figures, at: str, *, retention_days: int, pruned_before: int, resealed: int | None
+) -> AuditEntry:
     """The seal record of an hour (`resealed`: the seq of the seal a late record replaces)."""
     detail: dict[str, Any] = {
         "hour": label(hour),
@@ -174,6 +185,7 @@ def entry(hour: int, found: Figures, at: str, *, retention_days: int, resealed: 
         "completion_tokens": found.completion_tokens,
         "digest": found.digest,
         "usage_retention_days": retention_days,
+        "pruned_before": pruned_before,
     }
     if resealed is not None:
         detail["resealed"] = resealed
@@ -184,23 +196,32 @@ def load(conn: sqlite3.Connection) -> dict[int, Seal]:
     """{hour: its last seal} from the chain (a seal record edited out of shape is skipped:
     `audit.verify` names the edit)."""
     out: dict[int, Seal] = {}
-    for seq, detail in conn.execute("SELECT seq, detail FROM audit WHERE action = ? ORDER BY seq", (SEALED,)):
+    rows = conn.execute(
+        "SELECT seq, CAST(detail AS BLOB) FROM audit WHERE action = ? ORDER BY seq", (SEALED,)
+    )
+    for seq, detail in rows:
         try:
-            parsed = json.loads(detail) if isinstance(detail, str) else None
+            parsed = json.loads(text_of(detail)) if isinstance(detail, bytes) else None
         except ValueError:
             continue
         if not isinstance(parsed, dict) or type(seq) is not int:
             continue
         hour, digest = parsed.get("hour_start"), parsed.get("digest")
         counts = [parsed.get(k) for k in ("rows", "requests", "prompt_tokens", "completion_tokens")]
-        if type(hour) is not int or hour % HOUR_S or not isinstance(digest, str):
+        if (
+            type(hour) is not int
+            or hour % HOUR_S
+            or not 0 <= hour <= LAST_HOUR
+            or not isinstance(digest, str)
+        ):
             continue
         if not all(type(c) is int for c in counts):
             continue
-        days = parsed.get("usage_retention_days")
-        rows, requests, prompt, completion = (c if type(c) is int else 0 for c in counts)
-        sealed = Figures(rows, requests, prompt, completion, digest)
-        out[hour] = Seal(seq, hour, sealed, days if type(days) is int else None)
+        days, pruned = parsed.get("usage_retention_days"), parsed.get("pruned_before")
+        n_rows, requests, prompt, completion = (c if type(c) is int else 0 for c in counts)
+        sealed = Figures(n_rows, requests, prompt, completion, digest)
+        cut = pruned if type(pruned) is int else 0
+        out[hour] = Seal(seq, hour, sealed, days if type(days) is int and days > 0 else None, cut)
     return out
 
 
@@ -208,8 +229,23 @@ def _oldest_record(conn: sqlite3.Connection) -> str | None:
     """The time of the chain's oldest record when a rotation left an anchor (None: nothing rotated)."""
     if conn.execute("SELECT 1 FROM audit_anchor").fetchone() is None:
         return None
-    row = conn.execute("SELECT at FROM audit ORDER BY seq LIMIT 1").fetchone()
-    return str(row[0]) if row is not None else None
+    row = conn.execute("SELECT CAST(at AS BLOB) FROM audit ORDER BY seq LIMIT 1").fetchone()
+    return text_of(row[0]) if row is not None else None
+
+
+def pruned_cut(
+    seals: Mapping[int, Seal], now: float, retention_days: int | None, pruned_before: int = 0
+) -> float | None:
+    """Before when hours may be gone with the retention: the retention's cut now, or the latest
+    cut the daemon had made by its newest seal, whichever is later (a retention lengthened
+    does not bring back the hours a shorter one pruned)."""
+    newest = max(seals.values(), key=lambda s: s.seq, default=None)
+    days = retention_days if retention_days is not None else (newest.retention_days if newest else None)
+    cuts = [now - days * 86_400] if days is not None else []
+    latest = max(pruned_before, newest.pruned_before if newest is not None else 0)
+    if latest > 0:
+        cuts.append(float(latest))
+    return max(cuts) if cuts else None
 
 
 def check(
@@ -218,6 +254,7 @@ def check(
     *,
     retention_days: int | None = None,
     sealed: Mapping[int, Seal] | None = None,
+    pruned_before: int = 0,
 ) -> Findings:
     """Every hour's rows against its last seal (see the module's doc). `retention_days`: the
     usage retention the daemon prunes by (by default the one the newest seal names): sealed
@@ -225,10 +262,7 @@ def check(
     seals = load(conn) if sealed is None else sealed
     found = Findings()
     now_figures = figures(conn)
-    if retention_days is None:
-        newest = max(seals.values(), key=lambda s: s.seq, default=None)
-        retention_days = newest.retention_days if newest is not None else None
-    cutoff = now - retention_days * 86_400 if retention_days is not None else None
+    cutoff = pruned_cut(seals, now, retention_days, pruned_before)
     last_sealed = max(seals, default=None)
     oldest = _oldest_record(conn)
     for hour in sorted(set(seals) | set(now_figures)):
@@ -289,10 +323,12 @@ def check_periods(
     edited: Iterable[int] = (),
 ) -> tuple[dict[tuple[str, str], list[int]], list[str]]:
     """The quota totals of these periods as the hours bound them: {(key, period): [requests,
-    tokens]} put back within bounds where a stored total is outside them, and what was found.
-    `cutoff`: the usage retention's start (a period that began before it may hold more than
-    the hours left). A period that holds an hour `check` found `edited` is left as it is: its
-    hours bound nothing (put back by them, an edit of the hours would move the quota too)."""
+    tokens]} raised to the hours wholly inside the period where a stored total is below them,
+    and what was found. A total above the hours that overlap the period is said, never
+    lowered (that would hand a key budget back). `cutoff`: before when hours may be gone with
+    the retention (a period whose first hour began before it may hold more than the hours
+    left). Hours `check` found `edited` bound nothing: the floor is the other hours', and a
+    period holding one is not said to be above its hours."""
     edited_hours = set(edited)
     totals = {k: list(v) for k, v in stored.items()}
     problems: list[str] = []
@@ -301,8 +337,7 @@ def check_periods(
         if span is None:
             continue
         start, end = span
-        if any(start - HOUR_S < hour < end for hour in edited_hours):
-            continue
+        touched_by_edit = any(start - HOUR_S < hour < end for hour in edited_hours)
         low: dict[str, list[int]] = {}
         high: dict[str, list[int]] = {}
         rows = conn.execute(
@@ -318,24 +353,28 @@ def check_periods(
             upper = high.setdefault(key_id, [0, 0])
             lower = low.setdefault(key_id, [0, 0])
             for i in (0, 1):
-                upper[i] += figures_[i]
-                if start <= hour and hour + HOUR_S <= end:
-                    lower[i] += figures_[i]
-        bounded_above = start >= cutoff
+                upper[i] = min(upper[i] + figures_[i], MAX_TOTAL)
+                if start <= hour and hour + HOUR_S <= end and hour not in edited_hours:
+                    lower[i] = min(lower[i] + figures_[i], MAX_TOTAL)
+        # Its first hour (which may straddle its start) is still kept: the hours hold it all.
+        bounded_above = not touched_by_edit and (start // HOUR_S) * HOUR_S >= cutoff
         for key_id in sorted(set(high) | {k for k, p in totals if p == period}):
             have = totals.get((key_id, period), [0, 0])
             floor, ceiling = low.get(key_id, [0, 0]), high.get(key_id, [0, 0])
             fixed = [max(have[i], floor[i]) for i in (0, 1)]
-            if bounded_above:
-                fixed = [min(fixed[i], ceiling[i]) for i in (0, 1)]
             if fixed != have:
                 problems.append(
                     f"the quota total of key {key_id or '(none)'} for {period} was edited: it held "
-                    f"{have[0]} request(s) and {have[1]} token(s), its hours hold "
-                    f"{floor[0]}-{ceiling[0]} and {floor[1]}-{ceiling[1]}; "
-                    f"put back to {fixed[0]} and {fixed[1]}"
+                    f"{have[0]} request(s) and {have[1]} token(s), less than its hours hold "
+                    f"({floor[0]} and {floor[1]}); put back to {fixed[0]} and {fixed[1]}"
                 )
                 totals[(key_id, period)] = fixed
+            elif bounded_above and (have[0] > ceiling[0] or have[1] > ceiling[1]):
+                problems.append(
+                    f"the quota total of key {key_id or '(none)'} for {period} was edited: it holds "
+                    f"{have[0]} request(s) and {have[1]} token(s), more than its hours hold "
+                    f"({ceiling[0]} and {ceiling[1]}); kept (lowered, it would give the key budget back)"
+                )
     return totals, problems
 
 

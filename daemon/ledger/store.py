@@ -214,6 +214,7 @@ class Ledger:
         self._tampered: set[int] = set()
         self._reported: set[int] = set()  # hours whose edits the log and the chain were told of
         self._tick_hour = 0
+        self._pruned_before = 0  # the latest cut pruning made, said in each seal (see seals.pruned_cut)
         self.usage_found = seals.Findings()
         self.error: str | None = None  # the last failed commit, until one succeeds
         self.commits = 0
@@ -229,16 +230,17 @@ class Ledger:
         now = self._clock()
         sealed = seals.load(conn)
         self._seals = {hour: seal.seq for hour, seal in sealed.items()}
+        newest = max(sealed.values(), key=lambda seal: seal.seq, default=None)
+        self._pruned_before = newest.pruned_before if newest is not None else 0
+        restate = newest is not None and newest.retention_days != self.retention_days
+        if restate and newest is not None and newest.retention_days is not None:
+            # The latest cut the old retention can have made: its hours stay gone when lengthened.
+            self._pruned_before = max(self._pruned_before, int(now - newest.retention_days * 86_400))
         found = self._check_usage(conn, now, sealed)
         self._dirty = set(found.open)
-        newest = max(sealed.values(), key=lambda seal: seal.seq, default=None)
-        if (
-            newest is not None
-            and newest.hour not in self._tampered
-            and newest.retention_days != self.retention_days
-        ):  # `edgellmctl audit verify` reads the retention from the newest seal: restated
-            self._dirty.add(newest.hour)
-        cutoff = now - self.retention_days * 86_400
+        if restate and newest is not None and newest.hour not in self._tampered:
+            self._dirty.add(newest.hour)  # `audit verify` reads the retention from the newest seal
+        cutoff = seals.pruned_cut(sealed, now, self.retention_days, self._pruned_before) or 0.0
         stored = usage.load_periods(conn, self._current)
         totals, fixed = seals.check_periods(
             conn, stored, self._current, zone=self.zone, cutoff=cutoff, edited=found.found
@@ -253,10 +255,19 @@ class Ledger:
         """On the writer: every hour's usage against its seal, kept for `status` (a check that
         fails is said and keeps the last findings: the hourly maintenance goes on)."""
         try:
-            found = seals.check(conn, now, retention_days=self.retention_days, sealed=sealed)
-        except sqlite3.Error as exc:
+            found = seals.check(
+                conn,
+                now,
+                retention_days=self.retention_days,
+                sealed=sealed,
+                pruned_before=self._pruned_before,
+            )
+        except (sqlite3.Error, ValueError, OverflowError) as exc:  # never a pass: not checked is said
             log.error("ledger: the usage could not be checked against its seals: %s", exc)  # noqa: TRY400
-            return self.usage_found
+            found = seals.Findings()
+            found.found[-1] = f"the usage could not be checked against its seals: {type(exc).__name__}: {exc}"
+            self.usage_found = found
+            return found
         self._tampered |= set(found.found)
         self.usage_found = found
         return found
@@ -285,7 +296,7 @@ class Ledger:
             head, noted = self._foreign_records(conn, self._head)
             head = audit.append(conn, entry, head)
             conn.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError, OverflowError) as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
             self.error = f"{type(exc).__name__}: {exc}"
@@ -480,8 +491,12 @@ class Ledger:
             records = [*retry_usage, *(r for r, _ in pending_usage)]
             written_now = zip(records, [*again, *fresh], strict=True)
             touched = {int(r.at // HOUR_S) * HOUR_S for r, new in written_now if new}
-            # An hour over is sealed in the transaction that wrote its last rows (see `seals`).
-            over = sorted(h for h in due | touched if h < this_hour and h not in self._tampered)
+            # An hour over is sealed in the transaction that wrote its last rows (see `seals`); so
+            # is one at or before the newest sealed hour, whatever the clock says (stepped back).
+            horizon = max(self._seals, default=-1)
+            over = sorted(
+                h for h in due | touched if (h < this_hour or h <= horizon) and h not in self._tampered
+            )
             if retry_audit or pending_audit or over:
                 head, noted = self._foreign_records(conn, head)
             for entry in [*retry_audit, *(e for e, _ in pending_audit)]:
@@ -490,7 +505,12 @@ class Ledger:
             stamp = utc_text(self._clock())
             for hour, found in (seals.figures(conn, over) if over else {}).items():
                 entry = seals.entry(
-                    hour, found, stamp, retention_days=self.retention_days, resealed=self._seals.get(hour)
+                    hour,
+                    found,
+                    stamp,
+                    retention_days=self.retention_days,
+                    pruned_before=self._pruned_before,
+                    resealed=self._seals.get(hour),
                 )
                 head = audit.append(conn, entry, head)
                 written.append((head[0], head[1], entry))
@@ -579,6 +599,7 @@ class Ledger:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 usage.prune(conn, now, detail_hours=self.detail_hours, retention_days=self.retention_days)
+                self._pruned_before = max(self._pruned_before, int(now - self.retention_days * 86_400))
                 before = utc_text(now - self.audit_retention_days * 86_400)
                 head, noted = self._foreign_records(conn, self._head)
                 gone, head = audit.rotate(conn, before, head, utc_text(now))
