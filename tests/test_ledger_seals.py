@@ -502,3 +502,46 @@ def test_odd_values_in_the_usage_are_an_edit_found_never_a_failed_start_or_a_sil
     code, out = _verify(path, capsys)
     assert state["ok"] is usage_ok
     assert code == (0 if "usage_periods" in edit else 1), out
+
+
+def test_an_hour_edited_while_running_is_found_when_a_record_lands_in_it_not_sealed_over(
+    ledger: Ledger, clock: Clock, path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A record landing late in a sealed hour reseals it: an edit made since its seal would be
+    blessed by the new seal. The hour is checked against its seal first, found and said."""
+    _two_sealed_hours(ledger, clock)
+    _edit(path, "UPDATE usage_hours SET prompt_tokens = 0 WHERE hour = ?", int(_at("2026-12-03T10:00:00")))
+    ledger.record(_record("late", "2026-12-03T10:59:59")).result(5)
+    assert [s["hour"] for s in _seal_records(path)] == ["2026-12-03T10:00Z", "2026-12-03T11:00Z"]  # none new
+    told = _told(ledger)
+    assert len(told) == 1
+    assert "2026-12-03T10:00Z was edited: its rows differ from its seal (record 1)" in told[0]
+    assert ledger.status()["usage_seals"]["ok"] is False
+    code, out = _verify(path, capsys)
+    assert code == 1
+    assert "usage of the hour 2026-12-03T10:00Z was edited" in out
+
+
+def test_a_time_zone_changed_between_starts_counts_the_new_days_from_their_hours_unalarmed(
+    path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock("2026-12-03T23:30:00")  # the 3rd in UTC, the 4th in Berlin
+    first = Ledger(path, clock=clock)
+    first.record(_record("r1", "2026-12-03T23:10:00")).result(5)
+    clock.now = _at("2026-12-04T00:10:00")
+    first.record(_record("r2", "2026-12-04T00:05:00")).result(5)  # seals the hour from 23:00
+    first.close()
+    caplog.set_level(logging.INFO, logger="edgellmd.ledger")
+    berlin = Ledger(path, clock=clock, time_zone="Europe/Berlin")
+    try:
+        assert berlin.used(KEY)["requests_day"] == 2  # both are the 4th in Berlin
+        assert _told(berlin) == []
+        assert any("time zone changed from UTC to Europe/Berlin" in r.getMessage() for r in caplog.records)
+    finally:
+        berlin.close()
+    again = Ledger(path, clock=clock, time_zone="Europe/Berlin")  # written back, restated: quiet
+    try:
+        assert again.used(KEY)["requests_day"] == 2
+        assert _told(again) == []
+    finally:
+        again.close()

@@ -77,6 +77,7 @@ class Seal:
     figures: Figures
     retention_days: int | None
     pruned_before: int  # the latest cut the daemon's pruning had made when it sealed (0: none)
+    time_zone: str | None  # the box's zone when it sealed (quota periods are its days)
 
 
 @dataclass(slots=True)
@@ -173,7 +174,14 @@ def figures(conn: sqlite3.Connection, hours: Iterable[int] | None = None) -> dic
 
 
 def entry(
-    hour: int, found: Figures, at: str, *, retention_days: int, pruned_before: int, resealed: int | None
+    hour: int,
+    found: Figures,
+    at: str,
+    *,
+    retention_days: int,
+    pruned_before: int,
+    resealed: int | None,
+    time_zone: str | None = None,
 ) -> AuditEntry:
     """The seal record of an hour (`resealed`: the seq of the seal a late record replaces)."""
     detail: dict[str, Any] = {
@@ -187,6 +195,8 @@ def entry(
         "usage_retention_days": retention_days,
         "pruned_before": pruned_before,
     }
+    if time_zone is not None:
+        detail["time_zone"] = time_zone
     if resealed is not None:
         detail["resealed"] = resealed
     return AuditEntry(at, "INFO", SEALED, detail=detail)
@@ -217,11 +227,12 @@ def load(conn: sqlite3.Connection) -> dict[int, Seal]:
             continue
         if not all(type(c) is int for c in counts):
             continue
-        days, pruned = parsed.get("usage_retention_days"), parsed.get("pruned_before")
+        days, pruned, zone = (parsed.get(k) for k in ("usage_retention_days", "pruned_before", "time_zone"))
         n_rows, requests, prompt, completion = (c if type(c) is int else 0 for c in counts)
         sealed = Figures(n_rows, requests, prompt, completion, digest)
         cut = pruned if type(pruned) is int else 0
-        out[hour] = Seal(seq, hour, sealed, days if type(days) is int and days > 0 else None, cut)
+        kept_days = days if type(days) is int and days > 0 else None
+        out[hour] = Seal(seq, hour, sealed, kept_days, cut, zone if isinstance(zone, str) else None)
     return out
 
 

@@ -209,7 +209,7 @@ class Ledger:
         self._current = usage.periods(clock(), self.zone)
         # Usage seals (see `seals`), writer thread only: the seq of each hour's last seal, the
         # hours written since theirs (sealed once over), the hours found edited (never resealed).
-        self._seals: dict[int, int] = {}
+        self._seals: dict[int, tuple[int, str]] = {}  # hour: (seq, digest) of its last seal
         self._dirty: set[int] = set()
         self._tampered: set[int] = set()
         self._reported: set[int] = set()  # hours whose edits the log and the chain were told of
@@ -229,10 +229,13 @@ class Ledger:
         so); the hours after the last seal are sealed as found once over. The totals to count."""
         now = self._clock()
         sealed = seals.load(conn)
-        self._seals = {hour: seal.seq for hour, seal in sealed.items()}
+        self._seals = {hour: (seal.seq, seal.figures.digest) for hour, seal in sealed.items()}
         newest = max(sealed.values(), key=lambda seal: seal.seq, default=None)
         self._pruned_before = newest.pruned_before if newest is not None else 0
-        restate = newest is not None and newest.retention_days != self.retention_days
+        # A time zone changed since the newest seal: its days and months are other spans of
+        # hours, whose totals are counted from the hours, not said to be edited.
+        rezoned = newest is not None and newest.time_zone not in (None, self.zone.key)
+        restate = newest is not None and (newest.retention_days != self.retention_days or rezoned)
         if restate and newest is not None and newest.retention_days is not None:
             # The latest cut the old retention can have made: its hours stay gone when lengthened.
             self._pruned_before = max(self._pruned_before, int(now - newest.retention_days * 86_400))
@@ -245,7 +248,15 @@ class Ledger:
         totals, fixed = seals.check_periods(
             conn, stored, self._current, zone=self.zone, cutoff=cutoff, edited=found.found
         )
-        if found.found or fixed:
+        if rezoned and newest is not None:
+            log.info(
+                "ledger: the time zone changed from %s to %s: the current day's and month's totals"
+                " are counted from their hours",
+                newest.time_zone,
+                self.zone.key,
+            )
+            fixed = []
+        if found.found or fixed or totals != stored:
             self._report(conn, found, fixed, {k: v for k, v in totals.items() if stored.get(k) != v})
         return totals
 
@@ -283,18 +294,20 @@ class Ledger:
         put back, in the same transaction), said in the log and in the chain (ERROR)."""
         problems = [text for hour, text in sorted(found.found.items()) if hour not in self._reported]
         problems += fixed
-        if not problems:
+        if not problems and not totals:
             return
         for problem in problems:
             log.error("%s (tampering?)", problem)
         named = " | ".join(problems[: seals.MAX_NAMED])
-        detail = {"problems": len(problems), "first": problems[0], "named": named}
+        detail = {"problems": len(problems), "first": problems[0] if problems else "", "named": named}
         entry = AuditEntry(utc_text(self._clock()), "ERROR", seals.TAMPERED, detail=detail)
+        head, noted = self._head, list[tuple[int, str, AuditEntry]]()
         try:
             conn.execute("BEGIN IMMEDIATE")
             seals.write_periods(conn, totals or {})
-            head, noted = self._foreign_records(conn, self._head)
-            head = audit.append(conn, entry, head)
+            if problems:
+                head, noted = self._foreign_records(conn, self._head)
+                head = audit.append(conn, entry, head)
             conn.execute("COMMIT")
         except (sqlite3.Error, ValueError, OverflowError) as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -302,8 +315,10 @@ class Ledger:
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("ledger: the record of edited usage could not be written: %s", self.error)  # noqa: TRY400
             return
-        self._head = head
         self._reported.update(found.found)
+        if not problems:
+            return
+        self._head = head
         for seq, digest, noted_entry in [*noted, (head[0], head[1], entry)]:
             _mirror(seq, digest, noted_entry, self.path)
 
@@ -480,12 +495,14 @@ class Ledger:
         written: list[tuple[int, str, AuditEntry]] = []
         noted: list[tuple[int, str, AuditEntry]] = []  # the daemon's own note of foreign records
         fresh: list[bool] = []
-        new_seals: dict[int, int] = {}
+        new_seals: dict[int, tuple[int, str]] = {}
         touched: set[int] = set()
         over: list[int] = []
+        edited: dict[int, str] = {}
         detail = self.detail_hours > 0
         try:
             conn.execute("BEGIN IMMEDIATE")
+            edited = self._edited_before(conn, [*retry_usage, *(r for r, _ in pending_usage)])
             again = [usage.write(conn, r, self.zone, detail=detail) for r in retry_usage]
             fresh = [usage.write(conn, r, self.zone, detail=detail) for r, _ in pending_usage]
             records = [*retry_usage, *(r for r, _ in pending_usage)]
@@ -495,7 +512,9 @@ class Ledger:
             # is one at or before the newest sealed hour, whatever the clock says (stepped back).
             horizon = max(self._seals, default=-1)
             over = sorted(
-                h for h in due | touched if (h < this_hour or h <= horizon) and h not in self._tampered
+                h
+                for h in due | touched
+                if (h < this_hour or h <= horizon) and h not in self._tampered and h not in edited
             )
             if retry_audit or pending_audit or over:
                 head, noted = self._foreign_records(conn, head)
@@ -510,11 +529,12 @@ class Ledger:
                     stamp,
                     retention_days=self.retention_days,
                     pruned_before=self._pruned_before,
-                    resealed=self._seals.get(hour),
+                    resealed=self._seals[hour][0] if hour in self._seals else None,
+                    time_zone=self.zone.key,
                 )
                 head = audit.append(conn, entry, head)
                 written.append((head[0], head[1], entry))
-                new_seals[hour] = head[0]
+                new_seals[hour] = (head[0], found.digest)
             conn.execute("COMMIT")
         except Exception as exc:  # noqa: BLE001 - a full disk or a bug: kept, tried again, reported
             with contextlib.suppress(sqlite3.Error):
@@ -542,6 +562,7 @@ class Ledger:
             return
         self._head = head
         self._seals.update(new_seals)
+        self._tampered.update(edited)
         self._dirty = (self._dirty | touched) - set(over) - self._tampered
         self.error = None
         self.commits += 1
@@ -553,6 +574,28 @@ class Ledger:
             audit_future.set_result(next(seqs)[0])
         for seq, digest, entry in [*noted, *written]:
             _mirror(seq, digest, entry, self.path)
+        if edited:  # found as a record landed in it: said now, never sealed over
+            self.usage_found.found.update(edited)
+            found_now = seals.Findings(found=dict(edited))
+            self._report(conn, found_now)
+
+    def _edited_before(self, conn: sqlite3.Connection, records: Sequence[UsageRecord]) -> dict[int, str]:
+        """Inside the commit, before its records are written: the sealed hours they land in whose
+        rows no longer match their seals (an edit since; sealed again, it would be blessed)."""
+        cut = max(self._pruned_before, self._clock() - self.retention_days * 86_400)
+        hours = {int(r.at // HOUR_S) * HOUR_S for r in records}
+        sealed = sorted(h for h in hours if h in self._seals and h not in self._tampered and h >= cut)
+        if not sealed:
+            return {}
+        now = seals.figures(conn, sealed)
+        return {
+            hour: (
+                f"usage of the hour {seals.label(hour)} was edited: its rows differ from its seal "
+                f"(record {self._seals[hour][0]}), found as a record landed in it"
+            )
+            for hour in sealed
+            if now.get(hour, seals.EMPTY).digest != self._seals[hour][1]
+        }
 
     def _foreign_records(
         self, conn: sqlite3.Connection, head: tuple[int, str]
