@@ -13,7 +13,7 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from edgellmd.engine import EngineConfig, EngineError, ModelLoadError
+from edgellmd.engine import EngineConfig, EngineError, ModelLoadError, scheduler
 from edgellmd.engine.embedding import EmbeddingEngine
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from edgellmd.engine.scheduler import Engine, in_sequence_order
@@ -518,6 +518,24 @@ async def test_choices_of_one_prompt_compute_it_once_and_answer_as_if_alone(tiny
         ]
         await _together(eng, others)
         assert eng.prompt_tokens_shared == shared
+    finally:
+        eng.close()
+
+
+async def test_a_sequence_state_over_the_copy_bound_is_computed_not_copied(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy passes through host memory: past `_MAX_SHARE_BYTES` each choice computes its
+    prompt (the followers still wait once, then find the copy refused and go on)."""
+    monkeypatch.setattr(scheduler, "_MAX_SHARE_BYTES", 1024)
+    eng = make_engine(tiny_model, slots=3, context=1024)
+    try:
+        prompt = eng.tokenize("The quick brown fox jumps over the lazy dog. " * 8)
+        request = GenerationRequest(prompt, 8, GREEDY, ignore_eos=True)
+        answers = await _together(eng, [request] * 3)
+        assert len({text for text, _ in answers}) == 1
+        assert [f.reason for _, f in answers] == ["length"] * 3
+        assert eng.prompt_tokens_shared == 0
     finally:
         eng.close()
 

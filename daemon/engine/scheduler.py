@@ -101,6 +101,9 @@ _KV_BLOCK: Final = 32  # values per block of q8_0 and q4_0
 _ROW_PROBE: Final = 8  # rows of the load's step that times a row without logits
 _KV_PAD: Final = 256  # llama.cpp rounds the KV cells an attention reads up to this
 _MIN_RESTORE_GAIN: Final = 64  # tokens a cached prefix must save over a slot's own to be restored
+# The largest sequence state copied between slots (`_share_prefixes`): the copy passes through
+# host memory, half the default room an engine's memory group leaves beyond its budget.
+_MAX_SHARE_BYTES: Final = 512 * 2**20
 _SHED_EVERY_S: Final = 0.02  # how often the waiting queue is scanned for queue_timeout_s
 _QUEUE_WAITS: Final = 256  # admissions whose queue waits /admin/status summarises
 QUEUE_SHOWN: Final = 64  # waiting generations /admin/status lists, in the order they would be taken
@@ -978,8 +981,10 @@ class Engine(NativeThread):
             if pos_min < 0 or pos_min > max(0, keep - self._n_swa + 1):
                 return False
         size = llama.llama_state_seq_get_size(self._ctx, source)
-        buffer = (ctypes.c_uint8 * max(size, 1))()
-        written = llama.llama_state_seq_get_data(self._ctx, buffer, size, source) if size > 0 else 0
+        if not 0 < size <= _MAX_SHARE_BYTES:
+            return False
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama.llama_state_seq_get_data(self._ctx, buffer, size, source)
         if written <= 0:
             return False
         before = slot.prefilled
