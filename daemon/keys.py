@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -11,7 +13,7 @@ import re
 import secrets
 import stat
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -269,6 +271,22 @@ def parse_keys(data: object, *, empty: bool = True) -> dict[str, ApiKey]:
     return keys
 
 
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """The cyclic garbage collector off while a document is built: its node graph, tens of
+    thousands of objects alive until the end, sets off full collections of the whole heap, which
+    hold the GIL on whichever thread allocates (the event loop's turns waited 0.3 s with a heap
+    of a million objects, most of a second in a test process thousands of tests in). None of
+    the objects is cyclic; the collector is on again as it was once the document is built."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def read_keys_data(path: Path) -> object:
     """The keys file's YAML, read only from a private regular file of at most MAX_KEYS_BYTES.
 
@@ -304,7 +322,8 @@ def read_keys_data(path: Path) -> object:
         # The pure-Python loader, on a thread (KeyStore.reload): libyaml's is 4 to 7 times faster
         # but builds the whole document holding the GIL (a gap of a quarter of the parse, up to
         # a second, in the event loop's turns), where the Python one lets the loop run between steps.
-        return yaml.safe_load(text)
+        with _collector_off():
+            return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise KeysFileError(f"{path}: YAML syntax error: {exc}") from None
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:
