@@ -60,6 +60,11 @@ async def generate(
     gen = engine.submit(
         GenerationRequest(tokens, max_tokens, sampling, stop, ignore_eos), asyncio.get_running_loop()
     )
+    return await read_all(gen)
+
+
+async def read_all(gen: Any) -> tuple[str, Finished]:
+    """A generation's text and its Finished event."""
     parts: list[str] = []
     async for event in gen.events():
         parts.append(event.text)
@@ -477,16 +482,7 @@ async def _together(engine: Engine, requests: list[GenerationRequest]) -> list[t
     """Submit the requests in one go (as the n choices of one request are) and read them all."""
     loop = asyncio.get_running_loop()
     gens = [engine.submit(request, loop) for request in requests]
-
-    async def read(gen: Any) -> tuple[str, Finished]:
-        parts: list[str] = []
-        async for event in gen.events():
-            parts.append(event.text)
-            if isinstance(event, Finished):
-                return "".join(parts), event
-        raise AssertionError("no Finished event")
-
-    return list(await asyncio.gather(*(read(g) for g in gens)))
+    return list(await asyncio.gather(*(read_all(g) for g in gens)))
 
 
 async def test_choices_of_one_prompt_compute_it_once_and_answer_as_if_alone(tiny_model: Path) -> None:
