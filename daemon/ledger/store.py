@@ -264,7 +264,7 @@ class Ledger:
         self, conn: sqlite3.Connection, now: float, sealed: Mapping[int, seals.Seal] | None = None
     ) -> seals.Findings:
         """On the writer: every hour's usage against its seal, kept for `status` (a check that
-        fails is said and keeps the last findings: the hourly maintenance goes on)."""
+        fails is itself a finding, never a pass, and the hourly maintenance goes on)."""
         try:
             found = seals.check(
                 conn,
