@@ -35,7 +35,7 @@ from zoneinfo import ZoneInfo
 
 from edgellmd.ledger import audit, seals, usage
 from edgellmd.ledger.audit import AuditEntry, Verdict
-from edgellmd.ledger.usage import HOUR_S, UsageRecord
+from edgellmd.ledger.usage import UsageRecord
 
 T = TypeVar("T")
 log = logging.getLogger(audit.MIRROR_LOGGER)  # its lines mirror the audit chain
@@ -486,7 +486,7 @@ class Ledger:
             pending_audit, self._audit = self._audit, []
             retry_usage, self._retry_usage = self._retry_usage, []
             retry_audit, self._retry_audit = self._retry_audit, []
-        this_hour = int(self._clock() // HOUR_S) * HOUR_S
+        this_hour = usage.hour_of(self._clock())
         due = {hour for hour in self._dirty - self._tampered if hour < this_hour}
         if not (pending_usage or pending_audit or retry_usage or retry_audit or due):
             return
@@ -502,12 +502,12 @@ class Ledger:
         detail = self.detail_hours > 0
         try:
             conn.execute("BEGIN IMMEDIATE")
-            edited = self._edited_before(conn, [*retry_usage, *(r for r, _ in pending_usage)])
+            records = [*retry_usage, *(r for r, _ in pending_usage)]
+            edited = self._edited_before(conn, records)
             again = [usage.write(conn, r, self.zone, detail=detail) for r in retry_usage]
             fresh = [usage.write(conn, r, self.zone, detail=detail) for r, _ in pending_usage]
-            records = [*retry_usage, *(r for r, _ in pending_usage)]
             written_now = zip(records, [*again, *fresh], strict=True)
-            touched = {int(r.at // HOUR_S) * HOUR_S for r, new in written_now if new}
+            touched = {usage.hour_of(r.at) for r, new in written_now if new}
             # An hour over is sealed in the transaction that wrote its last rows (see `seals`); so
             # is one at or before the newest sealed hour, whatever the clock says (stepped back).
             horizon = max(self._seals, default=-1)
@@ -583,7 +583,7 @@ class Ledger:
         """Inside the commit, before its records are written: the sealed hours they land in whose
         rows no longer match their seals (an edit since; sealed again, it would be blessed)."""
         cut = max(self._pruned_before, self._clock() - self.retention_days * 86_400)
-        hours = {int(r.at // HOUR_S) * HOUR_S for r in records}
+        hours = {usage.hour_of(r.at) for r in records}
         sealed = sorted(h for h in hours if h in self._seals and h not in self._tampered and h >= cut)
         if not sealed:
             return {}
@@ -623,7 +623,7 @@ class Ledger:
     def tick(self) -> None:
         """Called often (the event loop's ledger task): once an hour is over, seal what it
         holds, whether or not a request comes to trigger a commit."""
-        hour = int(self._clock() // HOUR_S)
+        hour = usage.hour_of(self._clock())
         if hour != self._tick_hour and not self._closed:
             self._tick_hour = hour
             self._writer.submit(self._commit)

@@ -82,6 +82,11 @@ class UsageRecord:
         return self.prompt_tokens + self.completion_tokens
 
 
+def hour_of(at: float) -> int:
+    """The start of the UTC hour a moment falls in: the hour rows are keyed by."""
+    return int(at // HOUR_S) * HOUR_S
+
+
 def day_period(moment: datetime) -> str:
     """The day a local time falls in, as usage_periods names it."""
     return f"day:{moment.date().isoformat()}"
@@ -128,7 +133,7 @@ def write(conn: sqlite3.Connection, record: UsageRecord, zone: ZoneInfo, *, deta
         )
         if cursor.rowcount == 0:
             return False
-    hour = int(record.at // HOUR_S) * HOUR_S
+    hour = hour_of(record.at)
     conn.execute(
         "INSERT INTO usage_hours VALUES (?, ?, ?, ?, 1, ?, ?) ON CONFLICT DO UPDATE SET"
         " requests = requests + 1, prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
