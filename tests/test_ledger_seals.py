@@ -8,14 +8,16 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from edgellmctl.__main__ import main as ctl
-from edgellmd.ledger import audit, seals
+from edgellmd.ledger import audit, seals, store
 from edgellmd.ledger.store import Ledger, Quota
 from edgellmd.ledger.usage import UsageRecord
 
@@ -208,18 +210,97 @@ def test_rows_added_for_an_hour_between_sealed_hours_are_found(
 
 
 def test_an_edit_while_the_daemon_runs_is_found_by_its_next_whole_walk(
-    ledger: Ledger, clock: Clock, path: Path
+    ledger: Ledger, clock: Clock, path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """/admin/audit's whole walks digest the usage again only when another connection wrote to
+    the database since the last check (`PRAGMA data_version`), at most every FULL_VERIFY_S."""
     _two_sealed_hours(ledger, clock)
-    walk = ledger.query(lambda conn: ledger.chain(conn, now=1_000.0)).result(5)
-    assert walk[0].ok
-    assert ledger.status()["usage_seals"]["ok"] is True
+    digests = 0
+    real_check = seals.check
+
+    def counted(*args: Any, **kwargs: Any) -> seals.Findings:
+        nonlocal digests
+        digests += 1
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(seals, "check", counted)
+    monkeypatch.setattr(store, "FULL_VERIFY_S", 0.0)
+    # The daemon's own commits since the start's check: nothing to digest again.
+    assert ledger.check_usage(whole_walk=True).result(5).problems == []
+    assert digests == 0
     _edit(path, "UPDATE usage_hours SET requests = 0 WHERE hour = ?", int(_at("2026-12-03T11:00:00")))
-    walk = ledger.query(lambda conn: ledger.chain(conn, now=1_000.0 + 61)).result(5)
-    assert walk[0].ok  # the chain itself is whole
+    found = ledger.check_usage(whole_walk=True).result(5)
+    assert digests == 1
+    assert len(found.problems) == 1
     state = ledger.status()["usage_seals"]
     assert (state["ok"], state["problems"]) == (False, 1)
     assert "2026-12-03T11:00Z" in state["problem"]
+    # Said once in the chain, however often it is found again.
+    assert ledger.check_usage(whole_walk=True).result(5).problems == found.problems
+    assert len(_told(ledger)) == 1
+    # Within FULL_VERIFY_S of the last check, another hand's write waits for the next walk.
+    monkeypatch.setattr(store, "FULL_VERIFY_S", 3600.0)
+    _edit(path, "UPDATE usage_hours SET requests = 9 WHERE hour = ?", int(_at("2026-12-03T10:00:00")))
+    ledger.check_usage(whole_walk=True).result(5)
+    assert digests == 1
+    # The hourly maintenance digests it whatever the walks did.
+    ledger.maintain().result(5)
+    assert digests == 2
+    assert ledger.status()["usage_seals"]["problems"] == 2
+
+
+def test_the_usage_check_runs_beside_the_commits(
+    ledger: Ledger, clock: Clock, path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check digests every hour kept (seconds on a large ledger): on the writer it would hold
+    every commit, and every answer waiting for its usage, that long. It reads a committed state
+    of its own while records commit, and what it finds holds."""
+    _two_sealed_hours(ledger, clock)
+    started, release = threading.Event(), threading.Event()
+    real_check = seals.check
+
+    def held(*args: Any, **kwargs: Any) -> seals.Findings:
+        started.set()
+        assert release.wait(10)
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(seals, "check", held)
+    monkeypatch.setattr(store, "USAGE_FRESH_S", 0.0)  # the start's check was just now
+    checking = ledger.maintain()
+    assert started.wait(5)
+    # While the check is held, records commit (a late one reseals its hour) and are read back.
+    assert ledger.record(_record("r4", "2026-12-03T12:06:00")).result(5) is True
+    assert ledger.record(_record("late", "2026-12-03T11:59:59")).result(5) is True
+    assert (
+        ledger.query(lambda conn: conn.execute("SELECT count(*) FROM usage_requests").fetchone()[0]).result(5)
+        == 5
+    )
+    release.set()
+    found = checking.result(5)
+    assert found.problems == []
+    assert found.sealed == 2
+    assert ledger.status()["usage_seals"]["ok"] is True
+
+
+def test_a_check_that_cannot_read_is_said_never_a_pass(
+    ledger: Ledger, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _two_sealed_hours(ledger, clock)
+
+    def broken(*args: Any, **kwargs: Any) -> seals.Findings:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(seals, "check", broken)
+    monkeypatch.setattr(store, "USAGE_FRESH_S", 0.0)
+    found = ledger.maintain().result(5)
+    assert found.problems == [
+        "the usage could not be checked against its seals: OperationalError: disk I/O error"
+    ]
+    assert ledger.status()["usage_seals"]["ok"] is False
+    monkeypatch.undo()
+    monkeypatch.setattr(store, "USAGE_FRESH_S", 0.0)
+    assert ledger.maintain().result(5).problems == []  # and the next one that can, passes
+    assert ledger.status()["usage_seals"]["ok"] is True
 
 
 def test_hours_pruned_with_the_retention_are_no_edit_and_the_newest_seal_says_the_retention(

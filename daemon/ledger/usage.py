@@ -172,17 +172,19 @@ def text_of(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def prune(conn: sqlite3.Connection, now: float, *, detail_hours: int, retention_days: int) -> None:
-    """Drop request rows older than `detail_hours` and hour rows older than `retention_days`."""
+def prune(conn: sqlite3.Connection, now: float, *, detail_hours: int, retention_days: int) -> int:
+    """Drop request rows older than `detail_hours` and hour rows older than `retention_days`:
+    how many hour rows went."""
     conn.execute("DELETE FROM usage_requests WHERE at < ?", (now - detail_hours * HOUR_S,))
     cutoff = now - retention_days * 86_400
-    conn.execute("DELETE FROM usage_hours WHERE hour < ?", (cutoff,))
+    hours = conn.execute("DELETE FROM usage_hours WHERE hour < ?", (cutoff,)).rowcount
     oldest = datetime.fromtimestamp(cutoff, UTC).date()
     conn.execute(
         "DELETE FROM usage_periods WHERE (period LIKE 'day:%' AND substr(period, 5) < ?)"
         " OR (period LIKE 'month:%' AND substr(period, 7) < ?)",
         (oldest.isoformat(), f"{oldest:%Y-%m}"),
     )
+    return hours
 
 
 @dataclass(frozen=True, slots=True)
