@@ -104,19 +104,30 @@ def release_quota(request: web.Request, key: ApiKey, *, held: bool = True) -> No
 
 
 async def _tend(ledger: Ledger, handler: AuditHandler) -> None:
+    """The ledger's upkeep: hours sealed once over, failed commits retried, failed sign-ins
+    summed, retention and rotation. A pass that raises is logged (once, until another error or
+    a pass that works) and the next goes on: the seals and the retries ride on this task."""
     last_summary = last_maintained = time.monotonic()
+    failing = ""
     while True:
         await asyncio.sleep(RETRY_INTERVAL_S)
         now = time.monotonic()
-        ledger.tick()  # an hour over is sealed (see ledger.seals)
-        if ledger.error is not None:  # /readyz says so until a commit goes through again
-            await asyncio.wrap_future(ledger.retry())
-        if now - last_summary >= SUMMARY_INTERVAL_S:
-            last_summary = now
-            handler.flush_summary()
-        if now - last_maintained >= MAINTAIN_INTERVAL_S:
-            last_maintained = now
-            await asyncio.wrap_future(ledger.maintain())
+        try:
+            ledger.tick()  # an hour over is sealed (see ledger.seals)
+            if ledger.error is not None:  # /readyz says so until a commit goes through again
+                await asyncio.wrap_future(ledger.retry())
+            if now - last_summary >= SUMMARY_INTERVAL_S:
+                last_summary = now
+                handler.flush_summary()
+            if now - last_maintained >= MAINTAIN_INTERVAL_S:
+                last_maintained = now
+                await asyncio.wrap_future(ledger.maintain())
+        except Exception as exc:
+            if repr(exc) != failing:
+                log.exception("the ledger's upkeep failed; it goes on in %.1f s", RETRY_INTERVAL_S)
+            failing = repr(exc)
+        else:
+            failing = ""
 
 
 def setup_ledger(app: web.Application, settings: Settings) -> None:

@@ -54,6 +54,7 @@ from edgellmd.keys import RELOAD_INTERVAL_S, ApiKey, KeyStore, parse_token
 from edgellmd.settings import Settings
 
 audit = logging.getLogger("edgellmd.audit")
+log = logging.getLogger(__name__)
 
 CSRF_HEADER: Final = "X-CSRF-Token"
 SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -285,17 +286,29 @@ async def _stamp(request: web.Request, response: web.StreamResponse) -> None:
 
 def _sessions_ctx(store: SessionStore) -> Callable[[web.Application], AsyncIterator[None]]:
     async def watch(app: web.Application) -> None:
+        # Sessions of keys revoked ride on this task: a pass that raises is logged (once, until
+        # another error or a pass that works) and the next goes on.
+        failing = ""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            store.prune()
-            gone = unusable(app[appkeys.KEY_STORE], store.key_ids())
-            if gone:
-                store.end_keys(gone)
-                for key_id in sorted(gone):
-                    audit.warning(
-                        "console sessions ended: their key is no longer valid",
-                        extra={"peer": None, "key_id": key_id},
+            try:
+                store.prune()
+                gone = unusable(app[appkeys.KEY_STORE], store.key_ids())
+                if gone:
+                    store.end_keys(gone)
+                    for key_id in sorted(gone):
+                        audit.warning(
+                            "console sessions ended: their key is no longer valid",
+                            extra={"peer": None, "key_id": key_id},
+                        )
+            except Exception as exc:
+                if repr(exc) != failing:
+                    log.exception(
+                        "the console sessions' check failed; it goes on in %.1f s", WATCH_INTERVAL_S
                     )
+                failing = repr(exc)
+            else:
+                failing = ""
 
     async def sessions_ctx(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(watch(app), name="console-sessions")
