@@ -1,7 +1,8 @@
-"""The daemon's background upkeep outlives a pass that raises: the ledger's (hours sealed,
-failed commits retried, retention) and the console's (sessions of revoked keys ended). Before,
-one exception ended the task with nothing said: no hour was sealed again, a failing ledger was
-never retried, a revoked key's console session went on."""
+"""The daemon's background loops outlive a pass that raises: the ledger's upkeep (hours
+sealed, failed commits retried, retention), the console's sessions watch (sessions of revoked
+keys ended) and systemd's STATUS= and watchdog. Before, one exception ended the task with
+nothing said: no hour was sealed again, a failing ledger was never retried, a revoked key's
+console session went on, the watchdog's pings stopped with no cause in the log."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from edgellmd.host import systemd
 from edgellmd.http import appkeys
 from edgellmd.http import ledger as http_ledger
 from edgellmd.http.console import door
@@ -126,3 +128,71 @@ async def test_the_console_sessions_watch_goes_on_after_a_pass_raises(
         with pytest.raises(StopAsyncIteration):
             await anext(context)
     assert [str(r.exc_info[1]) for r in caplog.records if r.exc_info] == ["sessions broke"]
+
+
+class Notes:
+    """A notifier that records what it was told."""
+
+    watchdog_s = None
+    enabled = True
+
+    def __init__(self) -> None:
+        self.pings = 0
+        self.statuses: list[str] = []
+
+    def watchdog(self) -> None:
+        self.pings += 1
+
+    def status(self, text: str) -> None:
+        self.statuses.append(text)
+
+
+class FlakyRegistry:
+    """Its heartbeats and status raise on the first `fails` calls each."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails = fails
+        self.beats = 0
+        self.asked = 0
+
+    def heartbeats(self) -> list[tuple[str, float]]:
+        self.beats += 1
+        if self.beats <= self.fails:
+            raise KeyError("m")
+        return []
+
+    def status(self) -> dict[str, Any]:
+        self.asked += 1
+        if self.asked <= self.fails:
+            raise KeyError("models")
+        return {"models": []}
+
+
+async def test_the_watchdog_and_status_loops_go_on_after_a_pass_raises(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A health check that raises is no ping (not knowing is not healthy), said, and the loop
+    goes on: the pings resume once it answers. STATUS= goes on being told likewise."""
+    monkeypatch.setattr(systemd, "STATUS_EVERY_S", 0.01)
+    notes, registry = Notes(), FlakyRegistry(fails=3)
+    supervisor = systemd.Supervisor(notes, registry)  # type: ignore[arg-type]
+    supervisor._ready_sent = True
+    caplog.set_level(logging.WARNING, logger=systemd.log.name)
+    tasks = [
+        asyncio.create_task(supervisor._watchdog_loop(0.02)),
+        asyncio.create_task(supervisor._status_loop()),
+    ]
+    try:
+        await _until(lambda: notes.pings >= 3 and len(notes.statuses) >= 3)
+        assert registry.beats >= 6
+        assert registry.asked >= 6
+        assert not any(task.done() for task in tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert notes.statuses[0] == "0/0 models ready"
+    messages = [r.getMessage() for r in caplog.records]
+    assert "not pinging the systemd watchdog: the health check failed: KeyError: 'm'" in messages
+    assert "healthy again: watchdog pings resumed" in messages
+    assert [str(r.exc_info[1]) for r in caplog.records if r.exc_info] == ["'models'"]

@@ -221,10 +221,19 @@ class Supervisor:
             await asyncio.sleep(EXTEND_EVERY_S)
 
     async def _status_loop(self) -> None:
+        failing = ""
         while True:
             await asyncio.sleep(STATUS_EVERY_S)
-            if self._ready_sent:
+            if not self._ready_sent:
+                continue
+            try:
                 self.notifier.status(summary(self.registry))
+            except Exception as exc:  # STATUS= goes on being told after a pass that raised
+                if repr(exc) != failing:
+                    log.exception("telling systemd the status failed; tried again in %.0f s", STATUS_EVERY_S)
+                failing = repr(exc)
+            else:
+                failing = ""
 
     def healthy(self, now: float, window: float) -> str | None:
         """Why the daemon must not ping the watchdog now, or None when it may."""
@@ -245,7 +254,11 @@ class Supervisor:
             lag = loop.time() - due
             if not self._ready_sent:
                 continue  # systemd arms the watchdog once start-up completed (READY=1)
-            problem = self.healthy(time.monotonic(), timeout_s)
+            try:
+                problem = self.healthy(time.monotonic(), timeout_s)
+            except Exception as exc:  # the loop must go on: not knowing is no ping, and said
+                log.debug("the health check raised", exc_info=True)
+                problem = f"the health check failed: {type(exc).__name__}: {exc}"
             if problem is None and lag > interval:
                 problem = f"the event loop was blocked for {lag:.1f}s"
             if problem is None:
