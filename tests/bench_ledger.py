@@ -4,7 +4,8 @@ Run: .venv/bin/python -m tests.bench_ledger [--days 400] [--rows 50]
 Writes a ledger of `--days` days of `--rows` usage rows an hour (hour rows, their seals and
 three other audit records an hour), then prints the time to load the seals, to check every
 hour, to open the ledger (the start's check), and how long a usage record waited for its
-commit while the hourly maintenance checked the usage. Not a test: figures depend on the machine.
+commit while the hourly maintenance checked the usage, and while /admin/usage read it all.
+Not a test: figures depend on the machine.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edgellmd.ledger import audit, seals, store
-from edgellmd.ledger.usage import HOUR_S, UsageRecord
+from edgellmd.ledger import audit, seals, store, usage
+from edgellmd.ledger.usage import HOUR_S, UsageQuery, UsageRecord
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -83,6 +84,18 @@ def main() -> None:
         checking.result(60)
         took = time.perf_counter() - started
         print(f"maintenance: {took:.3f} s; a record committed meanwhile waited {waited:.3f} s")
+        # /admin/usage over every day kept, as the console's Usage page asks for a long range.
+        everything = UsageQuery(group="day")
+        started = time.perf_counter()
+        reading = ledger.read(lambda conn: usage.select(conn, everything, ledger.zone, limit=100_000))
+        time.sleep(0.2)
+        record = UsageRecord("bench2", f"{1:012x}", "model0", ENDPOINTS[0], 1, 1, time.time())
+        asked = time.perf_counter()
+        ledger.record(record).result(60)
+        waited = time.perf_counter() - asked
+        rows = len(reading.result(60))
+        took = time.perf_counter() - started
+        print(f"usage by day, {rows} rows: {took:.3f} s; a record committed meanwhile waited {waited:.3f} s")
         ledger.close()
 
 

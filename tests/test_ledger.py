@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -719,3 +720,57 @@ def test_an_emptied_chain_beside_recorded_usage_is_a_caveat(
     answer = json.loads(capsys.readouterr().out)
     assert answer["ok"] is True
     assert "(2 request(s))" in answer["caveat"]
+
+
+def test_admin_reads_run_beside_the_commits_and_see_what_was_queued_before_them(ledger: Ledger) -> None:
+    """`read` (/admin/usage, /admin/audit) runs on a connection and thread of its own: a long
+    read (a year of usage) no longer holds the commits, and the answers waiting for theirs.
+    It sees every record queued before it, committed or not yet."""
+    queued = ledger.record(_record("r1", _at("2026-12-03T10:15:00+00:00")))  # not waited for
+    seen = ledger.read(lambda conn: conn.execute("SELECT count(*) FROM usage_hours").fetchone()[0]).result(5)
+    assert seen == 1
+    assert queued.result(5) is True
+    started, release = threading.Event(), threading.Event()
+
+    def long_read(conn: sqlite3.Connection) -> int:
+        before = int(conn.execute("SELECT sum(requests) FROM usage_hours").fetchone()[0])
+        started.set()
+        assert release.wait(10)
+        # One read transaction: what committed meanwhile is not in it.
+        assert conn.execute("SELECT sum(requests) FROM usage_hours").fetchone()[0] == before
+        return before
+
+    reading = ledger.read(long_read)
+    assert started.wait(5)
+    assert ledger.record(_record("r2", _at("2026-12-03T10:16:00+00:00"))).result(5) is True  # not held
+    release.set()
+    assert reading.result(5) == 1
+    assert (
+        ledger.read(lambda conn: conn.execute("SELECT sum(requests) FROM usage_hours").fetchone()[0]).result(
+            5
+        )
+        == 2
+    )
+
+
+def test_usage_select_stops_past_its_limit_and_skips_an_hour_edited_out_of_shape(ledger: Ledger) -> None:
+    for i in range(5):
+        ledger.record(_record(f"r{i}", _at(f"2026-12-03T1{i}:15:00+00:00"))).result(5)
+    hours = _rows(ledger, UsageQuery(group="hour"))
+    assert len(hours) == 5
+    limited = ledger.query(
+        lambda conn: usage.select(conn, UsageQuery(group="hour"), ledger.zone, limit=2)
+    ).result()
+    assert limited == hours[:3]  # limit + 1: the caller refuses so many
+    assert ledger.query(
+        lambda conn: usage.select(conn, UsageQuery(group="day"), ledger.zone, limit=1)
+    ).result() == (_rows(ledger, UsageQuery(group="day")))
+    ledger.query(
+        lambda conn: conn.execute(
+            "UPDATE usage_hours SET hour = 'x' WHERE hour = ?", (int(_at("2026-12-03T12:00:00+00:00")),)
+        )
+    ).result(5)
+    left = _rows(ledger, UsageQuery(group="hour"))
+    assert [row["period"] for row in left] == [
+        row["period"] for row in hours if not str(row["period"]).startswith("2026-12-03T13:00")
+    ]

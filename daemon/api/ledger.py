@@ -158,7 +158,9 @@ async def admin_usage(request: web.Request) -> web.StreamResponse:
     if form not in ("json", "csv"):
         raise InvalidRequest("'format' must be json or csv", param="format")
     ledger = _ledger(request)
-    rows = await asyncio.wrap_future(ledger.query(lambda conn: usage_rows(conn, query, ledger.zone)))
+    rows = await asyncio.wrap_future(
+        ledger.read(lambda conn: usage_rows(conn, query, ledger.zone, limit=MAX_USAGE_ROWS))
+    )
     if len(rows) > MAX_USAGE_ROWS:
         raise InvalidRequest(
             f"more than {MAX_USAGE_ROWS} rows: narrow since/until or group by day or month", param="group"
@@ -217,7 +219,7 @@ async def admin_audit(request: web.Request) -> web.Response:
             "caveat": verdict.caveat,
         }
 
-    records, chain = await asyncio.wrap_future(ledger.query(read))
+    records, chain = await asyncio.wrap_future(ledger.read(read))
     # The usage against its seals, again when another hand wrote to the database since the last
     # check (at most every minute; off the writer: commits go on meanwhile).
     chain["usage"] = (await asyncio.wrap_future(ledger.check_usage(whole_walk=True))).as_dict()

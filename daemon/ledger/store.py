@@ -240,7 +240,7 @@ class Ledger:
         # so that concurrent requests cannot pass it together (`check(..., hold=True)`).
         self._in_flight: Counter[str] = Counter()
         self._reserved: Counter[str] = Counter()  # prompt tokens of requests in flight (`reserve`)
-        # The audit chain as /admin/audit last found it whole (`chain`): writer thread only.
+        # The audit chain as /admin/audit last found it whole (`chain`): the thread of `read` only.
         self._chain_end: tuple[int, str, str] | None = None
         self._chain_at = -FULL_VERIFY_S
         self._chain_covered = 0
@@ -437,6 +437,30 @@ class Ledger:
         """Run a read on the writer thread (the connection is its own): a future of its result."""
         return self._writer.submit(fn, self._conn)
 
+    def read(self, fn: Callable[[sqlite3.Connection], T]) -> Future[T]:
+        """Run a read off the writer (the admin API's): on the checks' thread and connection, in
+        one read transaction, once what was queued before it is committed. A year of usage
+        read on the writer held every commit, and the answers waiting for theirs, for seconds.
+        In memory (one connection): on the writer. A future of its result."""
+        if self._reader is None:
+            return self.query(fn)
+        try:
+            return self._checker.submit(self._read, fn)
+        except RuntimeError:  # closed
+            refused: Future[T] = Future()
+            refused.set_exception(RuntimeError("the ledger is closed"))
+            return refused
+
+    def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        reader = self._reader
+        assert reader is not None  # noqa: S101 - read() sends only a ledger with a file here
+        self._writer.submit(self._commit).result()  # what was queued before the read is in it
+        reader.execute("BEGIN")
+        try:
+            return fn(reader)
+        finally:
+            reader.execute("COMMIT")
+
     # ---- usage and quotas ------------------------------------------------------------------
 
     def _roll(self, now: float) -> tuple[str, str]:
@@ -563,7 +587,7 @@ class Ledger:
         return future
 
     def chain(self, conn: sqlite3.Connection, now: float | None = None) -> tuple[Verdict, int]:
-        """On the writer thread (`query`): the audit chain verified, and how many records that
+        """On the thread of `read`: the audit chain verified, and how many records that
         verdict covers. The whole chain at most every FULL_VERIFY_S; between, the records added
         since the last walk that found it whole, checked against where that walk ended."""
         moment = time.monotonic() if now is None else now
