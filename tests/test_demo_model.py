@@ -425,7 +425,7 @@ async def test_choices_share_a_prompt_longer_than_the_sliding_window_exactly(dem
         return ["".join([event.text async for event in gen.events()]) for gen in gens]
 
     texts: dict[int, list[str]] = {}
-    for slots in (1, 3):
+    for slots in (1, 4):
         engine = Engine(
             EngineConfig(
                 path=model, slots=slots, context_size=1024, batch_size=64, threads=2, threads_batch=2
@@ -438,8 +438,68 @@ async def test_choices_share_a_prompt_longer_than_the_sliding_window_exactly(dem
             shared = engine.prompt_tokens_shared
         finally:
             await loop.run_in_executor(None, engine.close)
+        # All copy the first's state before it decodes a token past the prompt: a state set
+        # again holds the window before its last position only (one after another, the later
+        # ones found every source a token past it and computed the prompt themselves).
         assert shared == (slots - 1) * (len(prompt) - 1)
-    assert texts[3] == texts[1] * 3
+    assert texts[4] == texts[1] * 4
+
+
+async def test_a_shared_start_a_sliding_window_cannot_continue_is_not_waited_for(
+    demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests of a key with one long start and questions of their own: the first's state
+    past the start holds the window before its own position, not the start's, so no copy of it
+    can go on from the start. The second does not sit out steps for it (it did, then found the
+    copy refused and computed everything), takes what can be copied, and answers as alone."""
+    import asyncio  # noqa: PLC0415
+
+    from edgellmd.engine import EngineConfig  # noqa: PLC0415
+    from edgellmd.engine.generation import GenerationRequest, SamplingParams  # noqa: PLC0415
+    from edgellmd.engine.scheduler import Engine  # noqa: PLC0415
+
+    model = next((demo_dir / "models").glob("*.gguf"))
+    loop = asyncio.get_running_loop()
+
+    def engine(slots: int) -> Engine:
+        config = EngineConfig(
+            path=model, slots=slots, context_size=1024, batch_size=128, threads=2, threads_batch=2
+        )
+        return Engine(config)
+
+    async def answers(eng: Engine, prompts: list[list[int]]) -> list[str]:
+        requests = [
+            GenerationRequest(p, 8, SamplingParams(temperature=0.0), ignore_eos=True) for p in prompts
+        ]
+        gens = [eng.submit(request, loop) for request in requests]
+        return ["".join([event.text async for event in gen.events()]) for gen in gens]
+
+    alone = engine(1)
+    try:
+        start = alone.tokenize("The history of the city of Rome begins with a small village. " * 45)
+        assert 512 < len(start) < 700
+        prompts = [
+            [*start, *alone.tokenize(f" Question {q}: what came next?", add_special=False)] for q in "AB"
+        ]
+        expected = [(await answers(alone, [p]))[0] for p in prompts]
+    finally:
+        await loop.run_in_executor(None, alone.close)
+    eng = engine(2)
+    waited: list[set[int]] = []
+    share = eng._share_prefixes
+
+    def shared() -> set[int]:
+        waiting = share()
+        waited.append(waiting)
+        return waiting
+
+    monkeypatch.setattr(eng, "_share_prefixes", shared)
+    try:
+        assert await answers(eng, prompts) == expected
+        assert not any(waited)
+        assert eng.prompt_tokens_shared > 0  # what the first held while its state could go on
+    finally:
+        await loop.run_in_executor(None, eng.close)
 
 
 def test_quickstart_tls_writes_a_pair_and_a_valid_config(tmp_path: Path) -> None:

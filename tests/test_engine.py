@@ -15,6 +15,7 @@ import pytest
 
 from edgellmd.engine import EngineConfig, EngineError, ModelLoadError, scheduler
 from edgellmd.engine.embedding import EmbeddingEngine
+from edgellmd.engine.fairness import Share
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams, TextDelta
 from edgellmd.engine.scheduler import Engine, in_sequence_order
 from tests.ggufmodels import N_VOCAB, TinyModelSpec, write_tiny_model
@@ -485,7 +486,38 @@ async def _together(engine: Engine, requests: list[GenerationRequest]) -> list[t
     return list(await asyncio.gather(*(read_all(g) for g in gens)))
 
 
-async def test_choices_of_one_prompt_compute_it_once_and_answer_as_if_alone(tiny_model: Path) -> None:
+class StepLog:
+    """An engine's steps counted, and at which step each copy of a prompt's start was made."""
+
+    def __init__(self, eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps = 0
+        self.copies: list[tuple[int, int, int]] = []  # (step, source, target)
+        self.waited: list[set[int]] = []  # the classes (Share.priority) of the slots that sat a step out
+        self.peers: list[int] = []  # the most `peers` any slot held, at each step
+        step, copy, share = eng._step, eng._copy_prefix, eng._share_prefixes
+
+        def counted() -> bool:
+            self.steps += 1
+            return step()
+
+        def copied(source: int, target: int, keep: int) -> bool:
+            self.copies.append((self.steps, source, target))
+            return copy(source, target, keep)
+
+        def shared() -> set[int]:
+            waiting = share()
+            self.waited.append({eng._slots[j].gen.request.share.priority for j in waiting})  # type: ignore[union-attr]
+            self.peers.append(max((len(s.peers) for s in eng._slots if s is not None), default=0))
+            return waiting
+
+        monkeypatch.setattr(eng, "_step", counted)
+        monkeypatch.setattr(eng, "_copy_prefix", copied)
+        monkeypatch.setattr(eng, "_share_prefixes", shared)
+
+
+async def test_choices_of_one_prompt_compute_it_once_and_answer_as_if_alone(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The n choices of a request are a generation each with one prompt: the first computes it,
     the others wait for it and copy its KV (a 728-token prompt with n = 8 took 1.4-2.2 s to its
     answers against 0.18-0.36 s for n = 1: every choice computed the prompt). Greedy choices
@@ -498,13 +530,18 @@ async def test_choices_of_one_prompt_compute_it_once_and_answer_as_if_alone(tiny
         alone.close()
     eng = make_engine(tiny_model, slots=4, context=1024)
     try:
+        log = StepLog(eng, monkeypatch)
         prompt = eng.tokenize(prompt_text)
         assert len(prompt) > 500
         request = GenerationRequest(prompt, 24, GREEDY, ignore_eos=True, cache_scope="key-a")
         answers = await _together(eng, [request] * 4)
         assert [text for text, _ in answers] == [expected] * 4
         assert eng.prompt_tokens_shared == 3 * (len(prompt) - 1)  # computed once, copied three times
-        assert sorted(f.cached_tokens for _, f in answers) == [0] + [len(prompt) - 1] * 3
+        # All copied in the step after the first had it (one a step, each copy's one token short
+        # of the start read as still computing it and held the others back a step more).
+        assert len({step for step, _, _ in log.copies}) == 1
+        # Kept from no earlier request: the prompt was computed once, for this one.
+        assert [f.cached_tokens for _, f in answers] == [0] * 4
         assert eng.performance()["prompt_tokens_shared"] == eng.prompt_tokens_shared
         # Other keys' requests with the same prompt, together: each computes its own.
         shared = eng.prompt_tokens_shared
@@ -557,6 +594,71 @@ async def test_a_choice_whose_leader_is_cancelled_mid_prompt_computes_it_itself(
         assert [f.completion_tokens for f in results] == [8, 8]
         # The second follower copied the first's prompt, whole or but for what it had computed.
         assert eng.prompt_tokens_shared >= len(prompt) - 1 - 64 * 2
+    finally:
+        eng.close()
+
+
+async def test_a_sequence_never_waits_for_one_of_a_lower_class_to_compute_their_start(
+    slow_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch request computing a long start that an interactive one shares (one key's
+    `service_tier: flex` and priority requests, or keys of one cache group): the interactive one
+    does not sit out behind it, whose prompt chunks rank last (behind any normal request's
+    long prompt too); it computes its own, as without sharing."""
+    eng = make_engine(slow_model, slots=2, context=4096, batch=64)
+    try:
+        log = StepLog(eng, monkeypatch)
+        start = eng.tokenize("Pack my box with five dozen liquor jugs. " * 30)
+        loop = asyncio.get_running_loop()
+        low = GenerationRequest(
+            [*start, *eng.tokenize(" x" * 20, add_special=False)],
+            4,
+            GREEDY,
+            ignore_eos=True,
+            share=Share("b", 1, -1),
+        )
+        high = GenerationRequest(
+            [*start, *eng.tokenize(" y" * 20, add_special=False)],
+            4,
+            GREEDY,
+            ignore_eos=True,
+            share=Share("i", 1, 1),
+        )
+        batch = eng.submit(low, loop)
+        while eng._slots[0] is None or eng._slots[0].prefilled < 128:  # noqa: ASYNC110 - the scheduler thread
+            await asyncio.sleep(0.002)
+        interactive = eng.submit(high, loop)
+        for gen in (batch, interactive):
+            events = [e async for e in gen.events()]
+            assert isinstance(events[-1], Finished)
+            assert events[-1].completion_tokens == 4
+        assert not any(1 in classes for classes in log.waited)
+    finally:
+        eng.close()
+
+
+async def test_a_long_prompt_holds_no_finished_neighbours(
+    slow_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The common starts a computing prompt found with its neighbours are kept while they run,
+    not after: a long prompt in small chunks beside a stream of short requests (another key's)
+    held every one of them, prompt and all, until it finished."""
+    eng = make_engine(slow_model, slots=3, context=4096, batch=16)
+    try:
+        log = StepLog(eng, monkeypatch)
+        loop = asyncio.get_running_loop()
+        text = "a long document to summarise. " * 40
+        long = GenerationRequest(eng.tokenize(text), 1, GREEDY, cache_scope="key-a", share=Share("a"))
+        assert 1000 < len(long.prompt_tokens) < 4000
+        gen = eng.submit(long, loop)
+        short = GenerationRequest(
+            eng.tokenize("a short one " * 4), 1, GREEDY, cache_scope="key-b", share=Share("b")
+        )
+        for _ in range(8):
+            await _together(eng, [short, short])
+        assert any(s is not None and s.gen is gen for s in eng._slots)  # still computing its prompt
+        await read_all(gen)
+        assert max(log.peers) <= 2  # the other two slots' generations at most
     finally:
         eng.close()
 

@@ -9,6 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from edgellmd.engine import EngineConfig, ModelLoadError
 from edgellmd.engine.drafts import (
@@ -19,6 +21,7 @@ from edgellmd.engine.drafts import (
     NgramDrafter,
     PromptCache,
     Speculation,
+    common_prefix,
 )
 from edgellmd.engine.generation import Finished, GenerationRequest, SamplingParams
 from edgellmd.engine.scheduler import Engine
@@ -328,3 +331,17 @@ async def test_a_q8_0_cache_generates_and_takes_about_half_the_bytes(tmp_path: P
     assert texts["q8_0"]  # it decodes; quantized keys and values may pick other tokens
     # 34 bytes per 32 values against 64: the saved state of the same sequence shrinks alike.
     assert 0.45 < sizes["q8_0"] / sizes["f16"] < 0.6, sizes
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=700),
+    st.integers(0, 700),
+    st.lists(st.integers(0, 3), max_size=300),
+)
+def test_common_prefix_is_the_first_difference(a: list[int], cut: int, tail: list[int]) -> None:
+    """Compared a block at a time (C speed), the first token that differs, as token by token."""
+    b = a[: min(cut, len(a))] + tail
+    expected = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert common_prefix(a, b) == expected
+    assert common_prefix(b, a) == expected
+    assert common_prefix(tuple(a), b) == expected

@@ -176,12 +176,25 @@ def make_drafter(spec: Speculation, tokens: Sequence[int]) -> Drafter | None:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the common start of two token sequences."""
+    """The length of the common start of two token sequences.
+
+    Blocks compared whole first (a slice comparison runs in C), then the first block that
+    differs token by token: 32k-token prompts took 2-6 ms a pair token by token, and the n
+    choices of a request compare n x (n - 1) pairs in one step of the scheduler."""
     n = min(len(a), len(b))
-    for k in range(n):
+    start = 0
+    block = 256
+    while start < n:
+        end = min(start + block, n)
+        if a[start:end] != b[start:end]:
+            break
+        start = end
+    else:
+        return n
+    for k in range(start, min(start + block, n)):
         if a[k] != b[k]:
             return k
-    return n
+    return n  # unreachable for sequences: a block that differs holds a token that does
 
 
 @dataclass(slots=True)

@@ -937,49 +937,70 @@ class Engine(NativeThread):
         """Prompts whose start another running sequence holds take it from there, a copy of that
         sequence's KV state (as a pause moves one), instead of computing it again: the n choices
         of one request (a generation each, one prompt), or a key's requests that arrive together
-        with one long system prompt. One computing a start that others share goes first: those
-        behind it wait (the slots returned sit the step out) and copy once it is in. A prefix
-        shorter than MIN_CACHED_TOKENS is computed: it costs less than the copy."""
+        with one long system prompt. A sequence computing more of a start that others share goes
+        first: those behind it wait (the slots returned sit the step out) and copy once it is
+        in, where it will hold more than a copy to be had now (never one whose copy lacks only
+        the last token, which the copy leaves out too). It waits
+        only for one of a class no lower than its own (never behind a batch request that ranks
+        last), and on a model with sliding-window layers only for one whose prompt ends within
+        that start (past it, the window it copies has moved on). A prefix shorter than
+        MIN_CACHED_TOKENS is computed: it costs less than the copy."""
         waiting: set[int] = set()
+        live = {slot.gen for slot in self._slots if slot is not None}
         for j, slot in enumerate(self._slots):
             if slot is None or slot.prefilled >= len(slot.prompt):
                 continue
-            best, best_len, behind = -1, 0, False
+            for gone in [gen for gen in slot.peers if gen not in live]:  # never held past its end
+                del slot.peers[gone]
+            last = len(slot.prompt) - 1  # the last token is decoded again: its logits
+            best, best_keep, awaited = -1, 0, 0
             for k, other in enumerate(self._slots):
                 if k == j or other is None:
                     continue
                 common = self._common(slot, other)
                 if common < slot.prefilled + MIN_CACHED_TOKENS:
                     continue
-                held = min(common, other.prefilled)
-                if held > best_len:
-                    best, best_len = k, held
-                # It computes more of this start now, and is further along (or as far and first).
-                if other.prefilled < common and (other.prefilled, -k) > (slot.prefilled, -j):
-                    behind = True
-            if behind:
+                keep = min(common, other.prefilled, last)
+                if keep > best_keep and self._copyable(k, keep):
+                    best, best_keep = k, keep
+                if (
+                    other.prefilled < common
+                    and (other.prefilled, -k) > (slot.prefilled, -j)
+                    and other.gen.request.share.priority >= slot.gen.request.share.priority
+                    and (self._n_swa == 0 or len(other.prompt) == common)
+                ):
+                    awaited = max(awaited, min(common, last))
+            if awaited > max(best_keep, slot.prefilled):  # it will hold more than a copy gives now
                 waiting.add(j)
                 continue
-            want = min(best_len, len(slot.prompt) - 1)  # the last token is decoded again: its logits
             if (
                 best >= 0
-                and want >= slot.prefilled + MIN_CACHED_TOKENS
-                and not self._copy_prefix(best, j, want)
+                and best_keep >= slot.prefilled + MIN_CACHED_TOKENS
+                and not self._copy_prefix(best, j, best_keep)
             ):
                 source = self._slots[best]
                 if source is not None:  # never tried again: a failed copy costs what the slot had
                     slot.peers[source.gen] = 0
         return waiting
 
+    def _copyable(self, source: int, keep: int) -> bool:
+        """Whether a copy of slot `source`'s sequence state can be cut to `keep` positions: with
+        sliding-window layers, a state saved and set again holds the window before its last
+        position only, which must reach back to `keep - n_swa + 1` (see `keep_prefix`)."""
+        if self._n_swa <= 0:
+            return True
+        pos_min = int(llama.llama_memory_seq_pos_min(self._memory, source))
+        pos_max = int(llama.llama_memory_seq_pos_max(self._memory, source))
+        restored_min = max(pos_min, pos_max - self._n_swa + 1)
+        return pos_min >= 0 and restored_min <= max(0, keep - self._n_swa + 1)
+
     def _copy_prefix(self, source: int, target: int, keep: int) -> bool:
         """Slot `target`'s sequence made a copy of the first `keep` positions of `source`'s;
         False when that failed (its own prefix may be gone with it: it starts again)."""
         slot = self._slots[target]
         assert slot is not None  # noqa: S101 - called for a busy slot
-        if self._n_swa > 0:  # its sliding-window layers must still hold the window before `keep`
-            pos_min = llama.llama_memory_seq_pos_min(self._memory, source)
-            if pos_min < 0 or pos_min > max(0, keep - self._n_swa + 1):
-                return False
+        if not self._copyable(source, keep):
+            return False
         size = llama.llama_state_seq_get_size(self._ctx, source)
         if not 0 < size <= _MAX_SHARE_BYTES:
             return False
@@ -996,7 +1017,10 @@ class Engine(NativeThread):
         # What it had of its own is gone too when the copy failed: its prompt starts again.
         self._kv[target] = list(slot.prompt[:kept])
         slot.prefilled = slot.n_past = kept
-        slot.cached = slot.cached + kept - before if kept >= before else min(slot.cached, kept)
+        # A reply's cached_tokens are those kept from an earlier request (its slot's, the prompt
+        # cache): a copy from a sequence computing beside it is not (n choices: the prompt was
+        # computed once for the request, and it is charged once).
+        slot.cached = min(slot.cached, kept)
         if kept > before:
             self.prompt_tokens_reused += kept - before
             self.prompt_tokens_shared += kept - before
