@@ -17,6 +17,8 @@ from typing import Any, Final, Protocol
 
 import sdnotify
 
+from edgellmd.host.upkeep import PassFailures
+
 log = logging.getLogger(__name__)
 
 STATUS_EVERY_S: Final = 10.0  # STATUS= refresh while nothing else changes
@@ -221,19 +223,19 @@ class Supervisor:
             await asyncio.sleep(EXTEND_EVERY_S)
 
     async def _status_loop(self) -> None:
-        failing = ""
+        failures = PassFailures(log)
         while True:
             await asyncio.sleep(STATUS_EVERY_S)
             if not self._ready_sent:
                 continue
             try:
                 self.notifier.status(summary(self.registry))
-            except Exception as exc:  # STATUS= goes on being told after a pass that raised
-                if repr(exc) != failing:
-                    log.exception("telling systemd the status failed; tried again in %.0f s", STATUS_EVERY_S)
-                failing = repr(exc)
+            except Exception as exc:  # noqa: BLE001 - logged; STATUS= goes on being told
+                failures.failed(
+                    exc, "telling systemd the status failed; tried again in %.0f s", STATUS_EVERY_S
+                )
             else:
-                failing = ""
+                failures.passed()
 
     def healthy(self, now: float, window: float) -> str | None:
         """Why the daemon must not ping the watchdog now, or None when it may."""

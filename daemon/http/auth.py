@@ -20,6 +20,7 @@ from edgellmd.api.pool import POOL_TENANT
 from edgellmd.engine.generation import KEY_REVOKED, Running
 from edgellmd.errors import AddressNotAllowed, AuthenticationFailed, PermissionDenied, RateLimited
 from edgellmd.host.traces import now_ns
+from edgellmd.host.upkeep import PassFailures
 from edgellmd.http import appkeys
 from edgellmd.http.console.routes import is_console_path
 from edgellmd.http.errors import Handler
@@ -141,19 +142,17 @@ async def watch_keys(app: web.Application, store: KeyStore) -> None:
     """
     running = app[appkeys.GENERATIONS]
     in_force = store.in_force(datetime.now(UTC))
-    failing = ""  # the last check's error, logged once until another comes or a check passes
+    failures = PassFailures(log)
     while True:
         await asyncio.sleep(RELOAD_INTERVAL_S)
         try:
             in_force = await _check_keys(app, store, running, in_force)
-        except Exception as exc:  # the watch outlives any one check: revocations ride on it
-            if repr(exc) != failing:
-                log.exception(
-                    "the keys file's check failed; it is tried again every %.1f s", RELOAD_INTERVAL_S
-                )
-            failing = repr(exc)
+        except Exception as exc:  # noqa: BLE001 - logged; the watch outlives a check: revocations ride on it
+            failures.failed(
+                exc, "the keys file's check failed; it is tried again every %.1f s", RELOAD_INTERVAL_S
+            )
         else:
-            failing = ""
+            failures.passed()
 
 
 async def _check_keys(

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from edgellmd.api.context import LEDGER, PROMPT_HELD
 from edgellmd.errors import QuotaExceeded
+from edgellmd.host.upkeep import PassFailures
 from edgellmd.keys import ApiKey
 from edgellmd.ledger.store import AuditHandler, Breach, Ledger
 from edgellmd.settings import Settings
@@ -108,7 +109,7 @@ async def _tend(ledger: Ledger, handler: AuditHandler) -> None:
     summed, retention and rotation. A pass that raises is logged (once, until another error or
     a pass that works) and the next goes on: the seals and the retries ride on this task."""
     last_summary = last_maintained = time.monotonic()
-    failing = ""
+    failures = PassFailures(log)
     while True:
         await asyncio.sleep(RETRY_INTERVAL_S)
         now = time.monotonic()
@@ -122,12 +123,10 @@ async def _tend(ledger: Ledger, handler: AuditHandler) -> None:
             if now - last_maintained >= MAINTAIN_INTERVAL_S:
                 last_maintained = now
                 await asyncio.wrap_future(ledger.maintain())
-        except Exception as exc:
-            if repr(exc) != failing:
-                log.exception("the ledger's upkeep failed; it goes on in %.1f s", RETRY_INTERVAL_S)
-            failing = repr(exc)
+        except Exception as exc:  # noqa: BLE001 - logged (PassFailures)
+            failures.failed(exc, "the ledger's upkeep failed; it goes on in %.1f s", RETRY_INTERVAL_S)
         else:
-            failing = ""
+            failures.passed()
 
 
 def setup_ledger(app: web.Application, settings: Settings) -> None:

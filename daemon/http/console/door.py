@@ -26,6 +26,7 @@ from edgellmd.api.context import CALLER, Caller
 from edgellmd.api.jsontext import read_json_object
 from edgellmd.api.pool import POOL_TENANT
 from edgellmd.errors import AuthenticationFailed, InvalidRequest, PermissionDenied, RateLimited
+from edgellmd.host.upkeep import PassFailures
 from edgellmd.http import appkeys
 from edgellmd.http.auth import authenticate, unusable, within_limits
 from edgellmd.http.console.keys import KEY_ROUTES, setup_key_writes
@@ -288,7 +289,7 @@ def _sessions_ctx(store: SessionStore) -> Callable[[web.Application], AsyncItera
     async def watch(app: web.Application) -> None:
         # Sessions of keys revoked ride on this task: a pass that raises is logged (once, until
         # another error or a pass that works) and the next goes on.
-        failing = ""
+        failures = PassFailures(log)
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             try:
@@ -301,14 +302,12 @@ def _sessions_ctx(store: SessionStore) -> Callable[[web.Application], AsyncItera
                             "console sessions ended: their key is no longer valid",
                             extra={"peer": None, "key_id": key_id},
                         )
-            except Exception as exc:
-                if repr(exc) != failing:
-                    log.exception(
-                        "the console sessions' check failed; it goes on in %.1f s", WATCH_INTERVAL_S
-                    )
-                failing = repr(exc)
+            except Exception as exc:  # noqa: BLE001 - logged (PassFailures)
+                failures.failed(
+                    exc, "the console sessions' check failed; it goes on in %.1f s", WATCH_INTERVAL_S
+                )
             else:
-                failing = ""
+                failures.passed()
 
     async def sessions_ctx(app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(watch(app), name="console-sessions")
