@@ -7,9 +7,10 @@ import collections
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from edgellmd.engine import EngineConfig, ModelLoadError
@@ -334,14 +335,22 @@ async def test_a_q8_0_cache_generates_and_takes_about_half_the_bytes(tmp_path: P
 
 
 @given(
-    st.lists(st.integers(0, 3), max_size=700),
-    st.integers(0, 700),
-    st.lists(st.integers(0, 3), max_size=300),
+    st.integers(0, 1200),
+    st.integers(0, 1200),
+    st.integers(0, 300),
+    st.sampled_from([(list, list), (tuple, list), (list, tuple), (tuple, tuple)]),
 )
-def test_common_prefix_is_the_first_difference(a: list[int], cut: int, tail: list[int]) -> None:
-    """Compared a block at a time (C speed), the first token that differs, as token by token."""
-    b = a[: min(cut, len(a))] + tail
+@example(600, 400, 101, (tuple, list))  # past the first block, a cache key against a prompt
+@example(300, 256, 0, (list, list))  # a difference right at a block's start
+@example(1200, 1200, 0, (list, tuple))  # one the other's start, over several blocks
+def test_common_prefix_is_the_first_difference(
+    length: int, cut: int, tail: int, kinds: tuple[type[Any], type[Any]]
+) -> None:
+    """Compared a block at a time (C speed), the first token that differs, as token by token:
+    across block boundaries, and a list against a tuple (the prompt cache's keys are tuples)."""
+    a = [(k * 7) % 5 for k in range(length)]
+    b = a[: min(cut, length)] + [9] * (tail % 2) + [(k * 3) % 5 for k in range(tail)]
     expected = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    assert common_prefix(a, b) == expected
-    assert common_prefix(b, a) == expected
-    assert common_prefix(tuple(a), b) == expected
+    first, second = kinds
+    assert common_prefix(first(a), second(b)) == expected
+    assert common_prefix(second(b), first(a)) == expected

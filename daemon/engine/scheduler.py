@@ -940,10 +940,10 @@ class Engine(NativeThread):
         with one long system prompt. A sequence computing more of a start that others share goes
         first: those behind it wait (the slots returned sit the step out) and copy once it is
         in, where it will hold more than a copy to be had now (never one whose copy lacks only
-        the last token, which the copy leaves out too). It waits
-        only for one of a class no lower than its own (never behind a batch request that ranks
-        last), and on a model with sliding-window layers only for one whose prompt ends within
-        that start (past it, the window it copies has moved on). A prefix shorter than
+        the last token, which the copy leaves out too) and enough to be copied. It waits only
+        for one of a class no lower than its own (never behind a batch request that ranks last),
+        and on a model with sliding-window layers only for one whose prompt ends within that
+        start (past it, the window it copies has moved on). A prefix shorter than
         MIN_CACHED_TOKENS is computed: it costs less than the copy."""
         waiting: set[int] = set()
         live = {slot.gen for slot in self._slots if slot is not None}
@@ -970,7 +970,8 @@ class Engine(NativeThread):
                     and (self._n_swa == 0 or len(other.prompt) == common)
                 ):
                     awaited = max(awaited, min(common, last))
-            if awaited > max(best_keep, slot.prefilled):  # it will hold more than a copy gives now
+            # Worth it where it will hold more than a copy gives now, and enough to copy at all.
+            if awaited > best_keep and awaited >= slot.prefilled + MIN_CACHED_TOKENS:
                 waiting.add(j)
                 continue
             if (

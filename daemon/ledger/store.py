@@ -819,7 +819,8 @@ class Ledger:
             if self._closed:
                 return
             self._closed = True
-        self._checker.shutdown(wait=True)  # a check under way ends first (it asks the writer)
+        # A check or read under way ends first (it asks the writer); those not begun are not.
+        self._checker.shutdown(wait=True, cancel_futures=True)
         if self._reader is not None:
             self._reader.close()
         self._writer.submit(self._commit).result()
