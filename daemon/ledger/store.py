@@ -167,6 +167,16 @@ def _data_version(conn: sqlite3.Connection) -> int:
     return version if type(version) is int else -1
 
 
+def _snapshot(reader: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """`fn` on the read connection in one read transaction: every read of it sees one
+    committed state of the database."""
+    reader.execute("BEGIN")
+    try:
+        return fn(reader)
+    finally:
+        reader.execute("COMMIT")
+
+
 def _adopt_anchor(conn: sqlite3.Connection, path: Path | None) -> None:
     """A ledger of schema 1 may hold an anchor that no record names (its rotations named none):
     a record naming it is appended once, as a WARNING, so that `verify` holds every later
@@ -368,12 +378,8 @@ class Ledger:
         if reader is None:  # in memory: one connection, the writer's
             found = self._writer.submit(self._findings, self._conn, now, pruned_before).result()
         else:
-            try:
-                reader.execute("BEGIN")  # one committed state for every read of the check
-                try:
-                    found = self._findings(reader, now, pruned_before)
-                finally:
-                    reader.execute("COMMIT")
+            try:  # one committed state for every read of the check
+                found = _snapshot(reader, lambda conn: self._findings(conn, now, pruned_before))
             except sqlite3.Error as exc:
                 found = _unchecked(exc)
         return self._writer.submit(self._apply, self._conn, found).result()
@@ -455,11 +461,7 @@ class Ledger:
         reader = self._reader
         assert reader is not None  # noqa: S101 - read() sends only a ledger with a file here
         self._writer.submit(self._commit).result()  # what was queued before the read is in it
-        reader.execute("BEGIN")
-        try:
-            return fn(reader)
-        finally:
-            reader.execute("COMMIT")
+        return _snapshot(reader, fn)
 
     # ---- usage and quotas ------------------------------------------------------------------
 
