@@ -663,6 +663,54 @@ async def test_a_long_prompt_holds_no_finished_neighbours(
         eng.close()
 
 
+async def test_a_failed_copy_takes_back_the_reuse_it_wiped(
+    slow_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of a neighbour's state that fails wipes the sequence's own prefix too, and it
+    computes its prompt again: what it had kept from its slot is no longer counted in
+    prompt_tokens_reused (it stayed counted, as if never computed)."""
+    eng = make_engine(slow_model, slots=2, context=2048, batch=64)
+    try:
+        loop = asyncio.get_running_loop()
+        start = eng.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
+        rest = eng.tokenize(" Pack my box with five dozen liquor jugs." * 6, add_special=False)
+        assert min(len(start), len(rest)) > 128  # each longer than MIN_CACHED_TOKENS
+
+        def request(prompt: list[int], n: int) -> GenerationRequest:
+            return GenerationRequest(prompt, n, GREEDY, ignore_eos=True, cache_scope="key-a")
+
+        def slot_of(gen: Any) -> Any:
+            return next((s for s in eng._slots if s is not None and s.gen is gen), None)
+
+        first = eng.submit(request(start, 4), loop)
+        while slot_of(first) is None:  # noqa: ASYNC110 - the scheduler thread
+            await asyncio.sleep(0.002)
+        # The leader takes the other slot (the first's is busy) and computes the whole start.
+        leader = eng.submit(request([*start, *rest], 2048 - len(start) - len(rest) - 8), loop)
+        await read_all(first)
+        while (held := slot_of(leader)) is None or held.prefilled < len(held.prompt):  # noqa: ASYNC110
+            await asyncio.sleep(0.002)
+        tries: list[int] = []
+
+        def refused(*args: Any) -> int:
+            tries.append(1)
+            return 0
+
+        monkeypatch.setattr(llama_cpp, "llama_state_seq_set_data", refused)  # the scheduler's `llama`
+        before, shared = eng.prompt_tokens_reused, eng.prompt_tokens_shared  # the leader copied the start
+        # The follower keeps the start from the first's slot (counted as reused), then finds
+        # the leader past it and copies: the copy fails and wipes what it kept.
+        follower = eng.submit(request([*start, *rest, *eng.tokenize(" Why?", add_special=False)], 4), loop)
+        _, done = await read_all(follower)
+        assert tries, "no copy was tried"
+        assert (done.reason, done.completion_tokens, done.cached_tokens) == ("length", 4, 0)
+        assert (eng.prompt_tokens_reused, eng.prompt_tokens_shared) == (before, shared)
+        leader.cancel()
+        await read_all(leader)
+    finally:
+        eng.close()
+
+
 def test_close_waits_for_a_tokenize_in_progress_and_refuses_later_ones(tiny_model: Path) -> None:
     """A prompt-pool thread may still be tokenizing for a request whose lease ended: the model
     must not be freed under it (before the guard, close() freed the vocabulary mid-call)."""

@@ -157,6 +157,7 @@ class _Slot:
         "peers",
         "prefilled",
         "prompt",
+        "reused",
         "sampler",
         "since",
         "stops",
@@ -179,6 +180,9 @@ class _Slot:
         self.drafter = drafter  # prompt lookup or a draft model's: the tokens, the draft length
         self.draft: list[int] = []  # the draft tokens in the last batch, after `last`
         self.cached = 0  # prompt tokens whose KV came from a slot or the prompt cache
+        # Counted in the engine's prompt_tokens_reused and _shared for this sequence: taken back
+        # when a failed copy wipes them (they are computed after all).
+        self.reused = (0, 0)
         # The common start of this prompt and another running generation's (`_share_prefixes`),
         # found once per pair: prompts never change.
         self.peers: dict[Generation, int] = {}
@@ -845,6 +849,7 @@ class Engine(NativeThread):
         drafter = None if gen.request.media else make_drafter(self.config.speculative, prompt)
         slot = _Slot(gen, sampler, drafter)
         slot.prefilled = slot.n_past = slot.cached = reuse
+        slot.reused = (reuse, 0)
         self.prompt_tokens_reused += reuse
         self._slots[best] = slot
 
@@ -1022,9 +1027,16 @@ class Engine(NativeThread):
         # cache): a copy from a sequence computing beside it is not (n choices: the prompt was
         # computed once for the request, and it is charged once).
         slot.cached = min(slot.cached, kept)
+        reused, shared = slot.reused
+        if not copied:  # what the counts had of this sequence is computed again
+            self.prompt_tokens_reused -= reused
+            self.prompt_tokens_shared -= shared
+            reused = shared = 0
         if kept > before:
+            reused, shared = reused + kept - before, shared + kept - before
             self.prompt_tokens_reused += kept - before
             self.prompt_tokens_shared += kept - before
+        slot.reused = (reused, shared)
         return kept >= keep
 
     def _step(self) -> bool:
