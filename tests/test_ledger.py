@@ -244,7 +244,7 @@ def test_entries_queued_out_of_time_order_still_make_an_honest_chain(ledger: Led
 
 def _rotate(conn: sqlite3.Connection, before: float) -> int:
     conn.execute("BEGIN")
-    gone, _ = audit.rotate(conn, utc_text(before), audit.head(conn), utc_text(1_796_000_100))
+    gone, _, _ = audit.rotate(conn, utc_text(before), audit.head(conn), utc_text(1_796_000_100))
     conn.execute("COMMIT")
     return gone
 

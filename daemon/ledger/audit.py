@@ -142,25 +142,27 @@ def append(conn: sqlite3.Connection, entry: AuditEntry, last: tuple[int, str]) -
 
 def rotate(
     conn: sqlite3.Connection, before: str, last: tuple[int, str], at: str
-) -> tuple[int, tuple[int, str]]:
+) -> tuple[int, tuple[int, str], AuditEntry | None]:
     """Remove the records older than `before` (an ISO time), keeping the last as the anchor,
-    and append after `last` (the head) a record naming it; (how many went, the new head)."""
+    and append after `last` (the head) a record naming it; (how many went, the new head, the
+    record appended: None when nothing went)."""
     row = conn.execute(
         "SELECT seq, hash FROM audit WHERE at < ? ORDER BY seq DESC LIMIT 1", (before,)
     ).fetchone()
     if row is None:
-        return 0, last
+        return 0, last, None
     keep_head = conn.execute("SELECT MAX(seq) FROM audit").fetchone()[0]
     if row[0] == keep_head:  # never the newest: the chain's head stays in the table
         row = conn.execute(
             "SELECT seq, hash FROM audit WHERE seq < ? ORDER BY seq DESC LIMIT 1", (row[0],)
         ).fetchone()
         if row is None:
-            return 0, last
+            return 0, last, None
     gone = int(conn.execute("DELETE FROM audit WHERE seq <= ?", (row[0],)).rowcount)
     conn.execute("INSERT OR REPLACE INTO audit_anchor (one, seq, hash) VALUES (1, ?, ?)", (row[0], row[1]))
     detail = {"anchor": int(row[0]), "anchor_hash": str(row[1]), "before": before, "removed": gone}
-    return gone, append(conn, AuditEntry(at, "INFO", ROTATED, detail=detail), last)
+    entry = AuditEntry(at, "INFO", ROTATED, detail=detail)
+    return gone, append(conn, entry, last), entry
 
 
 def rotation_entry(anchor: tuple[int, str], at: str) -> AuditEntry:

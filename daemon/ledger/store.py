@@ -781,7 +781,7 @@ class Ledger:
                 self._pruned_before = max(self._pruned_before, int(now - self.retention_days * 86_400))
                 before = utc_text(now - self.audit_retention_days * 86_400)
                 head, noted = self._foreign_records(conn, self._head)
-                gone, head = audit.rotate(conn, before, head, utc_text(now))
+                gone, head, rotated = audit.rotate(conn, before, head, utc_text(now))
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 with contextlib.suppress(sqlite3.Error):
@@ -792,8 +792,8 @@ class Ledger:
             self._head = head
             for seq, digest, entry in noted:
                 _mirror(seq, digest, entry, self.path)
-            if gone:
-                _mirror(head[0], head[1], AuditEntry("", "INFO", audit.ROTATED), self.path)
+            if rotated is not None:
+                _mirror(head[0], head[1], rotated, self.path)
             return hours > 0 or gone > 0
 
         return self.check_usage(after=self._writer.submit(run, self._conn))
