@@ -220,6 +220,18 @@ class SignedLock:
         }
 
 
+def small_tiny(models_dir: Path) -> dict[str, Any]:
+    """The tiny model in one slot of 128 tokens, one thread: a model entry for tests of the
+    front door, auth and the host, where what the model says does not matter."""
+    return {
+        "name": "tiny",
+        "file": str(models_dir / "tiny.gguf"),
+        "slots": 1,
+        "context_size": 128,
+        "threads": 1,
+    }
+
+
 def settings_for(
     models: list[dict[str, Any]],
     server: dict[str, Any] | None = None,

@@ -19,7 +19,7 @@ from edgellmd.host.nvml import read_gpus
 from edgellmd.models.registry import Registry
 from tests import fakenvml
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, running, settings_for, small_tiny
 from tests.test_monitoring_assets import CONTRACT, HISTOGRAMS
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -135,15 +135,7 @@ def test_rate_limit_refusals_by_reason_and_stats_cli(
     _, admin_key = create_key(keys, "ops", ["admin", "metrics"], limits={})
     (tmp_path / "admin.key").write_text(admin_key)
     settings = settings_for(
-        [
-            {
-                "name": "tiny",
-                "file": str(models_dir / "tiny.gguf"),
-                "slots": 1,
-                "context_size": 128,
-                "threads": 1,
-            }
-        ],
+        [small_tiny(models_dir)],
         auth={"keys_file": str(keys)},
         lifecycle={"watch": False},
     )

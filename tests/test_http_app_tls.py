@@ -14,7 +14,7 @@ import pytest
 
 from edgellmctl.quickstart import write_self_signed
 from edgellmd.settings import parse_settings
-from tests.serving import RunningDaemon
+from tests.serving import RunningDaemon, small_tiny
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +26,7 @@ def tls_daemon(
     settings = parse_settings(
         {
             "server": {"tls_cert": str(cert), "tls_key": str(key)},
-            "models": [
-                {
-                    "name": "tiny",
-                    "file": str(models_dir / "tiny.gguf"),
-                    "slots": 1,
-                    "context_size": 128,
-                    "threads": 1,
-                }
-            ],
+            "models": [small_tiny(models_dir)],
             "lock": {"allow_unsigned": True},
         },
         base_dir=root,

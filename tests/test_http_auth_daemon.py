@@ -17,7 +17,7 @@ from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
 from edgellmd.keys import KeysFileError, parse_keys, read_keys_file
 from edgellmd.settings import ConfigError, parse_settings
-from tests.serving import RunningDaemon, running
+from tests.serving import RunningDaemon, running, small_tiny
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
 pytestmark = pytest.mark.slow
@@ -65,15 +65,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
 def guarded(keys: Keys, models_dir: Path) -> Iterator[RunningDaemon]:
     settings = parse_settings(
         {
-            "models": [
-                {
-                    "name": "tiny",
-                    "file": str(models_dir / "tiny.gguf"),
-                    "slots": 1,
-                    "context_size": 128,
-                    "threads": 1,
-                }
-            ],
+            "models": [small_tiny(models_dir)],
             "lock": {"allow_unsigned": True},
             "auth": {"keys_file": str(keys.path)},
             "logging": {"level": "debug"},
@@ -193,15 +185,7 @@ def test_keys_file_hot_reload(models_dir: Path, tmp_path: Path) -> None:
     first_id, first = create_key(path, "first", ["inference"], limits={})
     settings = parse_settings(
         {
-            "models": [
-                {
-                    "name": "tiny",
-                    "file": str(models_dir / "tiny.gguf"),
-                    "slots": 1,
-                    "context_size": 128,
-                    "threads": 1,
-                }
-            ],
+            "models": [small_tiny(models_dir)],
             "lock": {"allow_unsigned": True},
             "auth": {"keys_file": str(path)},
         },
@@ -439,15 +423,7 @@ def test_metrics_needs_its_scope_unless_public(
     tokens = {name: create_key(path, name, [name], limits={})[1] for name in ("inference", "metrics")}
     settings = parse_settings(
         {
-            "models": [
-                {
-                    "name": "tiny",
-                    "file": str(models_dir / "tiny.gguf"),
-                    "slots": 1,
-                    "context_size": 128,
-                    "threads": 1,
-                }
-            ],
+            "models": [small_tiny(models_dir)],
             "lock": {"allow_unsigned": True},
             "auth": {"keys_file": str(path), "metrics_public": public},
         },

@@ -13,7 +13,7 @@ import pytest
 
 from edgellmctl.keys import create_key
 from edgellmd.settings import ConfigError, parse_settings
-from tests.serving import RunningDaemon, running
+from tests.serving import RunningDaemon, running, small_tiny
 
 ALLOWED = "https://app.example:8443"
 
@@ -41,15 +41,7 @@ def browser_daemon(
         {
             "server": {"cors_origins": [ALLOWED]},
             "auth": {"keys_file": str(root / "keys.yaml"), "admin_cidrs": ["10.0.0.0/8"]},
-            "models": [
-                {
-                    "name": "tiny",
-                    "file": str(models_dir / "tiny.gguf"),
-                    "slots": 1,
-                    "context_size": 128,
-                    "threads": 1,
-                }
-            ],
+            "models": [small_tiny(models_dir)],
             "lock": {"allow_unsigned": True},
         },
         base_dir=root,
@@ -122,15 +114,7 @@ def test_admin_from_a_listed_network_reaches_auth(models_dir: Path, tmp_path: Pa
     settings = parse_settings(
         {
             "auth": {"keys_file": str(tmp_path / "keys.yaml"), "admin_cidrs": ["127.0.0.0/8"]},
-            "models": [
-                {
-                    "name": "tiny",
-                    "file": str(models_dir / "tiny.gguf"),
-                    "slots": 1,
-                    "context_size": 128,
-                    "threads": 1,
-                }
-            ],
+            "models": [small_tiny(models_dir)],
             "lock": {"allow_unsigned": True},
         },
         base_dir=tmp_path,

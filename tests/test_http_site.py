@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.rawhttp import closed_within
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, running, settings_for, small_tiny
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
 pytestmark = pytest.mark.slow
@@ -19,15 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def guarded_socket(models_dir: Path) -> Iterator[RunningDaemon]:
     settings = settings_for(
-        [
-            {
-                "name": "tiny",
-                "file": str(models_dir / "tiny.gguf"),
-                "slots": 1,
-                "context_size": 128,
-                "threads": 1,
-            }
-        ],
+        [small_tiny(models_dir)],
         server={"header_timeout_s": 1.0, "max_connections": 4},
     )
     with running(settings) as daemon:

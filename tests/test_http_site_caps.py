@@ -13,7 +13,7 @@ import pytest
 from edgellmctl.keys import create_key
 from edgellmd.http.site import REFUSAL_LOG_INTERVAL_S, Door, DoorLimits, client_address
 from tests.rawhttp import connect, get, post, read_answer
-from tests.serving import RunningDaemon, running, settings_for, wait_for
+from tests.serving import RunningDaemon, running, settings_for, small_tiny, wait_for
 
 PER_CLIENT = 4
 TOTAL = 12
@@ -33,15 +33,7 @@ def capped(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     _, token = create_key(keys, "app", ["inference"], limits={})
     # Deadlines far away: the held connections stay held for the whole test.
     settings = settings_for(
-        [
-            {
-                "name": "tiny",
-                "file": str(models_dir / "tiny.gguf"),
-                "slots": 1,
-                "context_size": 128,
-                "threads": 1,
-            }
-        ],
+        [small_tiny(models_dir)],
         server={
             "max_connections": TOTAL,
             "max_connections_per_client": PER_CLIENT,

@@ -14,7 +14,7 @@ from aiohttp import web
 from edgellmd.http.app import create_app, start_server
 from edgellmd.settings import Settings
 from tests.rawhttp import RawAnswer, closed_within, connect, get, post, read_answer
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, running, settings_for, small_tiny
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
 pytestmark = pytest.mark.slow
@@ -29,15 +29,7 @@ SLOW_HEAD = get("/healthz", extra="X-Slow: " + "a" * 200 + "\r\n")
 
 def _settings(models_dir: Path) -> Settings:
     return settings_for(
-        [
-            {
-                "name": "tiny",
-                "file": str(models_dir / "tiny.gguf"),
-                "slots": 1,
-                "context_size": 128,
-                "threads": 1,
-            }
-        ],
+        [small_tiny(models_dir)],
         server={"header_timeout_s": HEADER_S, "body_timeout_s": BODY_S, "keepalive_timeout_s": KEEPALIVE_S},
     )
 

@@ -22,7 +22,7 @@ from edgellmd.http.site import check_internals
 from tests.ggufmodels import TinyModelSpec
 from tests.rawhttp import RawAnswer, closed_within, connect, exchange, get, post, read_answer
 from tests.reliability.harness import DaemonProcess, SignedBox
-from tests.serving import RunningDaemon, free_port, running, settings_for
+from tests.serving import RunningDaemon, free_port, running, settings_for, small_tiny
 
 MARK = "zq7MARKzq7"  # stands for anything a client sent: it must never come back
 HEAD_TOO_LARGE = "request_head_too_large"
@@ -158,15 +158,7 @@ def check_refusal(answer: RawAnswer, code: str, message: str) -> None:
 @pytest.fixture(scope="module")
 def door(models_dir: Path) -> Iterator[RunningDaemon]:
     settings = settings_for(
-        [
-            {
-                "name": "tiny",
-                "file": str(models_dir / "tiny.gguf"),
-                "slots": 1,
-                "context_size": 128,
-                "threads": 1,
-            }
-        ],
+        [small_tiny(models_dir)],
         server={"header_timeout_s": 2.0, "body_timeout_s": 2.0},
     )
     with running(settings) as daemon:

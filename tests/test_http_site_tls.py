@@ -15,7 +15,7 @@ import pytest
 from edgellmctl.quickstart import write_self_signed
 from edgellmd.settings import parse_settings
 from tests.rawhttp import closed_within
-from tests.serving import RunningDaemon, wait_for
+from tests.serving import RunningDaemon, small_tiny, wait_for
 
 HEADER_S = 1.0
 SLACK_S = 1.0
@@ -30,15 +30,7 @@ def tls_door(
     settings = parse_settings(
         {
             "server": {"tls_cert": str(cert), "tls_key": str(key), "header_timeout_s": HEADER_S},
-            "models": [
-                {
-                    "name": "tiny",
-                    "file": str(models_dir / "tiny.gguf"),
-                    "slots": 1,
-                    "context_size": 128,
-                    "threads": 1,
-                }
-            ],
+            "models": [small_tiny(models_dir)],
             "lock": {"allow_unsigned": True},
         },
         base_dir=root,
