@@ -670,6 +670,69 @@ def test_a_call_to_a_stopped_idle_engine_starts_the_hang_clock_when_it_is_made(t
         engine.close()
 
 
+def test_a_stopped_idle_engine_is_a_hang_found_without_a_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle engine that stopped was reported ready (readiness, status, metrics, systemd)
+    until a request came and waited hang_s for it: its heartbeat frames stop, and that is a
+    hang too. A live idle engine, beating, is left alone past the same time."""
+    monkeypatch.setattr(remote_module, "IDLE_HANG_MIN_S", 1.5)
+    stopped = RemoteEngine(_tiny_config(tmp_path, 8), name="stopped", hang_s=1.0)
+    (tmp_path / "live").mkdir()
+    live = RemoteEngine(_tiny_config(tmp_path / "live", 9), name="live", hang_s=1.0)
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        wait_for(lambda: stopped.fault is not None, timeout=10, what="the idle hang")
+        # Its last beat came up to 0.75 s before the stop (a beat every 0.5 s, a frame every 0.25).
+        assert 0.7 <= time.monotonic() - started < 8
+        assert stopped.fault_kind == "hang"
+        assert "idle engine process sent no heartbeat for 1.5 s" in (stopped.fault or "")
+        time.sleep(1.0)  # the live one has been idle past 1.5 s by now
+        assert live.fault is None
+        assert live.tokenize("still here")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped.pid, signal.SIGCONT)
+        stopped.close()
+        live.close()
+
+
+def test_the_supervisor_away_is_no_engines_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon stopped (SIGSTOP, a debugger) or its VM paused past the idle bound: on its
+    return, what its supervisor saw of an engine's heartbeat is as old as the pause, and the
+    engine is not killed for that. Here the engine is stopped exactly while its supervisor is
+    away and goes on as it comes back."""
+    monkeypatch.setattr(remote_module, "IDLE_HANG_MIN_S", 1.5)
+    engines: list[RemoteEngine] = []
+    away = threading.Event()
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread().name == "engine-supervisor:away" and not away.is_set():
+            away.set()
+            while not engines:
+                real_sleep(0.01)
+            os.kill(engines[0].pid, signal.SIGSTOP)
+            real_sleep(3.0)
+            os.kill(engines[0].pid, signal.SIGCONT)
+            return
+        real_sleep(seconds)
+
+    monkeypatch.setattr(remote_module.time, "sleep", sleep)
+    engines.append(RemoteEngine(_tiny_config(tmp_path, 10), name="away", hang_s=1.0))
+    engine = engines[0]
+    try:
+        wait_for(away.is_set, timeout=10, what="the supervisor to go away")
+        real_sleep(5.0)  # back after 3 s; the engine beats again within the 1.5 s bound
+        assert engine.fault is None
+        assert engine.tokenize("back")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine.pid, signal.SIGCONT)
+        engine.close()
+
+
 def test_stats_do_not_wait_for_a_stopped_engine(pair: RunningDaemon) -> None:
     """/admin/stats asked a serving engine for the llama.cpp build at every call: with that
     engine stopped, the answer waited for the engine's hang timeout. It is asked once."""

@@ -9,7 +9,9 @@ engine's do, each call's answer to the thread that waits for it.
 A fault in native code then costs that model's requests, not the daemon. When the process
 ends without being asked to (a signal: SIGSEGV, SIGABRT from a `GGML_ASSERT`, SIGKILL from
 the OOM killer; or any exit), or shows no step progress for `hang_s` while work is pending
-(the supervisor kills it), every generation it held ends with ENGINE_STOPPED (503
+(the supervisor kills it; idle, no heartbeat for that long, and at least IDLE_HANG_MIN_S:
+a stopped process sends none, and was reported ready until a request came and waited for
+it), every generation it held ends with ENGINE_STOPPED (503
 `engine_failed` before the first byte, the API family's error event after), every waiting
 call fails, `fault` says what happened with the process's last log lines, and the `on_exit`
 callbacks hear of it: the registry restarts the model (models.registry).
@@ -66,6 +68,12 @@ LOAD_TIMEOUT_S: Final = 600.0  # a model that takes longer to load than this is 
 CALL_TIMEOUT_S: Final = 120.0  # tokenizing or compiling a bounded prompt or grammar
 CLOSE_TIMEOUT_S: Final = 10.0  # for the process to exit once told to, before it is killed
 SUPERVISE_EVERY_S: Final = 0.1
+# An idle engine's scheduler beats every half second, in a status frame every quarter: none for
+# this long (or hang_s, if longer) is a hang too. Never less: a small hang_s is for steps.
+IDLE_HANG_MIN_S: Final = 10.0
+# The supervisor itself not run for this long (the daemon stopped, the VM paused): the engines'
+# silence meanwhile is not theirs, and their clocks start again.
+SUPERVISOR_AWAY_S: Final = 2.0
 LOAD_POLL_S: Final = 0.5  # how often a loading process's progress is looked at
 LOG_TAIL_LINES: Final = 20  # of the engine process's own output, kept for a fault's report
 MAX_REASON_CHARS: Final = 300  # of a reason the engine process gives (why no huge pages)
@@ -379,8 +387,8 @@ class RemoteEngine:
                         self._handoff.append(max(0.0, time.monotonic() - made))
                 elif op == "status":
                     self._status = message
-                    if isinstance(message.get("heartbeat"), int | float):
-                        self._progress = float(message["heartbeat"])
+                    if isinstance(message.get("heartbeat"), int | float):  # never back: frames
+                        self._progress = max(self._progress, float(message["heartbeat"]))  # race
                 elif "id" in message:
                     self._answer(message)
         except (wire.ChannelClosed, OSError):
@@ -490,9 +498,13 @@ class RemoteEngine:
                 log.exception("an exit callback of model %s failed", self.name)
 
     def _supervise(self) -> None:
-        """Kill a process that shows no step progress for hang_s while work is pending."""
+        """Kill a process that shows no step progress for hang_s while work is pending, or no
+        heartbeat for max(hang_s, IDLE_HANG_MIN_S) while idle."""
         seen: tuple[int, ...] = ()
         moved = 0.0  # while warming: when the process last did work (CPU time, faults, reads)
+        # The clocks start here: the load may have taken longer than hang_s.
+        back = last = time.monotonic()  # when the supervisor last came back from away; last ran
+        idle_s = max(self.hang_s, IDLE_HANG_MIN_S)
         while True:
             with self._lock:
                 if self._exited:
@@ -500,13 +512,19 @@ class RemoteEngine:
                 pending = bool(self._gens) or bool(self._calls)
             now = time.monotonic()
             self.heartbeat = now
+            if now - last > SUPERVISOR_AWAY_S:
+                back = now
+            last = now
             if self.warming and pending and (done := _work_done(self.pid)) != seen:
                 seen, moved = done, now
-            if pending and now - max(self._progress, self._busy_since, moved) > self.hang_s:
+            since = now - max(self._progress, moved, back, self._busy_since if pending else 0.0)
+            if since > (self.hang_s if pending else idle_s):
                 with self._lock:
                     if self.fault is None:
                         self.fault = (
                             f"its engine process showed no progress for {self.hang_s:g} s and was killed"
+                            if pending
+                            else f"its idle engine process sent no heartbeat for {idle_s:g} s and was killed"
                         )
                         self.fault_kind = "hang"
                 log.error("model %s: %s", self.name, self.fault)

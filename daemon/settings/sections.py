@@ -749,7 +749,8 @@ class ModelSettings:
         "with isolation process: an engine that shows no step progress this long while work is "
         "pending is killed and restarted",
         more="a load, or its warm-up: no CPU time, page faults or reads this long; once it serves, "
-        "keep it well above the slowest step on a busy box: a step that takes longer reads as a hang",
+        "keep it well above the slowest step on a busy box: a step that takes longer reads as a hang; "
+        "idle, no heartbeat this long (at least 10 s) is a hang too",
     )
     memory_limit_mb: int | None = setting(
         None,
