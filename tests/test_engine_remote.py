@@ -719,7 +719,7 @@ def test_the_supervisor_away_is_no_engines_hang(tmp_path: Path, monkeypatch: pyt
             return
         real_sleep(seconds)
 
-    monkeypatch.setattr(remote_module.time, "sleep", sleep)
+    monkeypatch.setattr(time, "sleep", sleep)  # the supervisor's (remote.py calls time.sleep)
     engines.append(RemoteEngine(_tiny_config(tmp_path, 10), name="away", hang_s=1.0))
     engine = engines[0]
     try:
