@@ -29,7 +29,7 @@ import pytest
 from edgellmctl.__main__ import main as edgellmctl
 from edgellmctl.keys import create_key
 from edgellmd.__main__ import drain
-from edgellmd.api.pool import POOL_TENANT
+from edgellmd.api.pool import POOL_TENANT, FairPool
 from edgellmd.api.session import Preparing
 from edgellmd.http import appkeys
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
@@ -68,13 +68,20 @@ def box(tmp_path: Path) -> Iterator[Box]:
         yield Box(daemon, keys, tokens, ids)
 
 
+def _prompt_pool(daemon: RunningDaemon) -> FairPool:
+    """The model's own prompt pool, where its requests' tokenizing waits."""
+    assert daemon.app is not None
+    pool = daemon.app[appkeys.REGISTRY].get("m").executor
+    assert isinstance(pool, FairPool)
+    return pool
+
+
 class HeldPool:
-    """Both prompt-pool threads busy with other tenants' work until `release`."""
+    """Both of the model's prompt-pool threads busy with other tenants' work until `release`."""
 
     def __init__(self, daemon: RunningDaemon) -> None:
-        assert daemon.app is not None
         self.gate = threading.Event()
-        pool = daemon.app[appkeys.EXECUTOR]
+        pool = _prompt_pool(daemon)
         self.jobs: list[Future[bool]] = []
         for i in range(pool.workers):  # a tenant takes one thread at most: one tenant each
             context = contextvars.copy_context()
@@ -100,8 +107,7 @@ def _in_background(box: Box, path: str, body: Any, key: str = "user") -> list[tu
 
 def _waiting(box: Box, key: str = "user") -> bool:
     """The key's request waits for a prompt-pool thread (its tokenizing)."""
-    assert box.daemon.app is not None
-    return box.daemon.app[appkeys.EXECUTOR].waiting().get(box.ids[key], 0) == 1
+    return _prompt_pool(box.daemon).waiting().get(box.ids[key], 0) == 1
 
 
 def _running(daemon: RunningDaemon) -> list[object]:

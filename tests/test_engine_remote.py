@@ -288,6 +288,35 @@ def test_a_request_whose_engine_hangs_as_its_prompt_is_tokenized_is_told_so(pair
     wait_for(lambda: _ready(pair, "left"), timeout=10, what="the replacement")
 
 
+def test_a_model_whose_engine_hangs_holds_up_no_other_models_requests(pair: RunningDaemon) -> None:
+    """Tokenizing is a call to the model's engine, made on a prompt-pool thread: on one pool of
+    every model's, requests to a stopped engine held its threads until the hang was found, and
+    a request to a healthy model waited as long (19 s of a 20 s hang_timeout_s). Each model has
+    its own pool: the other model answers while the stopped one's request still waits."""
+    for name in ("left", "right"):
+        wait_for(lambda name=name: _ready(pair, name), what="the models")  # type: ignore[misc]
+    victim = _engine(pair, "left")
+    answers: list[tuple[str, int, float]] = []
+
+    def ask(model: str) -> None:
+        body = {"model": model, "prompt": f"a prompt for {model}", "max_tokens": 4}
+        code, _ = pair.post("/v1/completions", body)
+        answers.append((model, code, time.monotonic()))
+
+    os.kill(victim.pid, signal.SIGSTOP)
+    stuck = [threading.Thread(target=ask, args=("left",)) for _ in range(2)]
+    for thread in stuck:
+        thread.start()
+    wait_for(lambda: bool(victim._calls), what="a call waiting on the stopped engine")
+    ask("right")
+    for thread in stuck:
+        thread.join(30)
+    order = [(model, code) for model, code, _ in sorted(answers, key=lambda a: a[2])]
+    assert order[0] == ("right", 200), order  # before the hang was found (hang_timeout_s 2 s)
+    assert sorted(order[1:]) == [("left", 503), ("left", 503)], order
+    wait_for(lambda: _ready(pair, "left"), timeout=10, what="the replacement")
+
+
 def test_the_engine_process_is_confined(pair: RunningDaemon, tmp_path: Path) -> None:
     wait_for(lambda: _ready(pair, "right"), what="the model")
     engine = _engine(pair, "right")

@@ -1,14 +1,17 @@
-"""The prompt pool shared fairly between keys: one key's parsing, rendering and tokenizing queue
+"""The prompt pools shared fairly between keys: one key's parsing, rendering and tokenizing queue
 behind each other, not in front of everyone.
 
-Schemas, grammars, chat templates and tokenization run on a small thread pool off the event
-loop. Without care a key that sends four expensive requests at once (hundreds of tools with
-pattern properties) holds every thread for seconds and another key's one-token chat waits
-behind them. `FairPool` is that pool's front: each job belongs to the key whose request
-submitted it (`POOL_TENANT`, set by the front door for the request's task), a key runs at most
-`per_key` jobs at a time, and a free thread takes the next job round robin among the keys
-that have one waiting. A key alone on the box still has `per_key` threads; with the default
-two threads and `per_key` 1, another key always finds one free or next.
+Schemas, grammars, chat templates and tokenization run on small thread pools off the event
+loop: request bodies are parsed on the daemon's one, and each model has its own for what its
+engine does (templates, tokens, grammars: `http.app._prompt_pool`), so that a model whose
+engine stopped holds only its own threads while the hang is found. Without care a key that
+sends four expensive requests at once (hundreds of tools with pattern properties) holds every
+thread for seconds and another key's one-token chat waits behind them. `FairPool` is a pool's
+front: each job belongs to the key whose request submitted it (`POOL_TENANT`, set by the front
+door for the request's task), a key runs at most `per_key` jobs at a time, and a free thread
+takes the next job round robin among the keys that have one waiting. A key alone on the box
+still has `per_key` threads; with the default two threads and `per_key` 1, another key always
+finds one free or next.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ from edgellmd.settings import ServerSettings, Settings
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("edgellmd.access")
 
-PROMPT_THREADS: Final = 2  # template rendering and tokenization run here, never on the loop
+PROMPT_THREADS: Final = 2  # parsing (the daemon's pool), templates, tokens (each model's): off the loop
 # HTTP parser limits: an API request has a short request line and a handful of headers.
 MAX_LINE_BYTES: Final = 8190  # request line (aiohttp's default, stated here on purpose)
 MAX_FIELD_BYTES: Final = 8190  # one header
@@ -261,6 +261,13 @@ def _media_pool(model: str) -> FairPool:
     return FairPool(1, name=f"media-{model}")
 
 
+def _prompt_pool(model: str) -> FairPool:
+    """A model's prompt pool: its requests' templates, tokens and grammars, keys in turn. On
+    one pool of every model's, a model whose engine stopped held the pool's threads in calls to
+    it until the hang was found (`hang_timeout_s`), and every other model's requests waited."""
+    return FairPool(PROMPT_THREADS, name=f"prompt-{model}")
+
+
 async def _executor_ctx(app: web.Application) -> AsyncIterator[None]:
     executor = FairPool(PROMPT_THREADS, name="prompt")  # one key's work queues behind its own (api.pool)
     app[appkeys.EXECUTOR] = executor
@@ -288,6 +295,7 @@ def _registry_ctx(factory: EngineFactory) -> Callable[[web.Application], AsyncIt
             gpu_headroom_bytes=settings.host.gpu_headroom_mb * 1024 * 1024,
             huge_pages=settings.host.huge_pages,
             media_pool=_media_pool,
+            prompt_pool=_prompt_pool,
         )
         app[appkeys.REGISTRY] = registry
         app[appkeys.METRICS].add_state(

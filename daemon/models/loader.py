@@ -246,6 +246,7 @@ class Loader:
         dispose: Callable[[ModelHandle], None],
         reuse: Provenance | None = None,
         media_executor: Executor | None = None,
+        prompt_executor: Executor | None = None,
     ) -> ModelHandle:
         """verify + preload → load → warm-up, all off the loop; raises LoadFailed with the reason.
 
@@ -377,7 +378,7 @@ class Loader:
             settings,
             engine,
             template,
-            self._executor,
+            prompt_executor or self._executor,
             provenance,
             media_executor=media_executor,
             counters=counters,

@@ -154,8 +154,16 @@ class Registry:
         gpu_headroom_bytes: int = 0,
         huge_pages: bool = False,
         media_pool: Callable[[str], Executor] | None = None,
+        prompt_pool: Callable[[str], Executor] | None = None,
     ) -> None:
         self._entries = {m.name: _Entry(m) for m in models}
+        # Each model's own prompt pool (templates, tokenizing and grammars by its engine), every
+        # version's: a stopped engine holds its calls' threads until the hang is found, and on
+        # one pool of all models' that stalled every other model's requests. `executor` (the
+        # shared one) where none is given.
+        self._prompt: dict[str, Executor] = (
+            {m.name: prompt_pool(m.name) for m in models} if prompt_pool is not None else {}
+        )
         # Each model with a projector: the pool its requests' images and clips wait on for its
         # engines (one model's clips hold up no other model's images), every version's.
         self._media: dict[str, Executor] = {
@@ -257,7 +265,7 @@ class Registry:
                     entry.state = ModelState.UNLOADED
                     await loop.run_in_executor(None, handle.engine.close)
             await asyncio.gather(*self._disposals, return_exceptions=True)
-            for pool in self._media.values():
+            for pool in [*self._media.values(), *self._prompt.values()]:
                 pool.shutdown(wait=False, cancel_futures=True)
             if self.area is not None:
                 await loop.run_in_executor(None, self.area.close)
@@ -605,6 +613,7 @@ class Registry:
                 dispose=self._dispose,
                 reuse=reuse,
                 media_executor=self._media.get(name),
+                prompt_executor=self._prompt.get(name),
             )
         except LoadFailed as exc:
             self._discard_unused(reuse, None)
