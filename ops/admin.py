@@ -200,6 +200,17 @@ def format_status(status: dict[str, Any]) -> str:
             if reason:
                 notes.append(f"  {m.get('name')}: {label}: {str(reason)[:MAX_REASON]}")
     lines.append(_table(rows))
+    ledger = status.get("ledger") or {}
+    if ledger.get("error"):  # /readyz refuses for it: the box is out of its balancer
+        notes.append(
+            f"  ledger: FAILING, usage and the audit trail are not being written (/readyz: "
+            f"ledger_failing): {str(ledger['error'])[:MAX_REASON]}"
+        )
+    seals = ledger.get("usage_seals") or {}
+    if seals.get("problems"):
+        notes.append(
+            f"  ledger: usage edited ({seals['problems']} problems): {str(seals.get('problem'))[:MAX_REASON]}"
+        )
     if notes:
         lines.append("notes:")
         lines.extend(notes)

@@ -4,6 +4,7 @@ The kill -9 test runs the daemon as a process of its own and kills it under traf
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import http.client
 import io
@@ -29,8 +30,10 @@ import openai
 import pytest
 
 from edgellmctl.__main__ import main as ctl
+from edgellmctl.admin import format_status
 from edgellmctl.keys import create_key
 from edgellmd.api.context import LEDGER
+from edgellmd.host import systemd as systemd_module
 from edgellmd.http import ledger as http_ledger
 from edgellmd.http import logs
 from edgellmd.ledger import audit
@@ -40,6 +43,7 @@ from edgellmd.ledger.store import AuditHandler, Ledger, utc_text
 from edgellmd.settings import ConsoleSettings
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 from tests.serving import RunningDaemon, at_once, free_port, running, settings_for, wait_for
+from tests.test_host_systemd import NotifySocket
 
 HI: Any = [{"role": "user", "content": "hi"}]
 # Slow enough (a few hundred tokens a second on one thread) that a stream holds its slot for seconds.
@@ -718,7 +722,12 @@ def test_a_ledger_that_cannot_commit_makes_the_box_unready_until_it_can_again(
 ) -> None:
     """A full disk under the usage database: the answers still go out, the records are kept,
     /readyz says `ledger_failing` (a balancer sends the traffic elsewhere), and once the disk
-    has room the kept records are written with no new request needed to trigger it."""
+    has room the kept records are written with no new request needed to trigger it. systemd's
+    STATUS= and `edgellmctl status` say so too (they said "1/1 models ready" while the
+    balancer had taken the box out)."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(notify.path))
+    monkeypatch.setattr(systemd_module, "STATUS_EVERY_S", 0.2)
     full = threading.Event()
     real = usage_module.write
 
@@ -734,7 +743,13 @@ def test_a_ledger_that_cannot_commit_makes_the_box_unready_until_it_can_again(
         [{"name": "m", "file": str(model), "threads": 1, "context_size": 256}],
         ledger={"database": str(tmp_path / "usage.sqlite3")},
     )
-    with running(settings) as daemon:
+
+    def told(since: float) -> list[str]:
+        return [m for t, m in notify.messages if t > since and m.startswith("STATUS=")]
+
+    failing = "STATUS=NOT READY: the usage ledger cannot commit (OperationalError: database or disk is full)"
+    with contextlib.closing(notify), running(settings) as daemon:
+        notify.wait_for("READY=1")
         full.set()
         status, body = daemon.post("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 3})
         assert status == 200, body  # the client's answer does not wait for the disk
@@ -745,7 +760,15 @@ def test_a_ledger_that_cannot_commit_makes_the_box_unready_until_it_can_again(
         ledger = daemon.app[LEDGER]
         assert "disk is full" in (ledger.status()["error"] or "")
         assert ledger.status()["waiting"] == 1
+        wait_for(lambda: any(m.startswith(failing) for m in told(0)), what="STATUS= to say so")
+        shown = format_status(daemon.get("/admin/status")[1])
+        assert "ledger: FAILING, usage and the audit trail are not being written" in shown, shown
+        assert "database or disk is full" in shown
         full.clear()  # room again: the next retry writes what was kept
         wait_for(lambda: daemon.get("/readyz")[0] == 200, what="the ledger to commit again")
         assert ledger.status()["waiting"] == 0
         assert ledger.records == 1
+        mark = time.monotonic()
+        wait_for(lambda: told(mark), what="STATUS= again")
+        assert all(m.startswith("STATUS=1/1 models ready") for m in told(mark)), told(mark)
+        assert "FAILING" not in format_status(daemon.get("/admin/status")[1])

@@ -25,6 +25,7 @@ STATUS_EVERY_S: Final = 10.0  # STATUS= refresh while nothing else changes
 EXTEND_EVERY_S: Final = 10.0  # while a load runs, ask for this much more start/reload time ...
 EXTEND_BY_S: Final = 30.0  # ... each time
 USEC: Final = 1_000_000
+MAX_PROBLEM_CHARS: Final = 160  # of a problem in STATUS= (a database error's text)
 
 
 class Notifier:
@@ -134,12 +135,14 @@ class Supervised(Protocol):
         "model_stopped" (an engine stopped by itself)."""
 
 
-def summary(registry: Supervised) -> str:
-    """`2/2 models ready; tiny v7 1/4 busy; last reload: tiny loaded` — for STATUS=."""
+def summary(registry: Supervised, problems: Sequence[str] = ()) -> str:
+    """`2/2 models ready; tiny v7 1/4 busy; last reload: tiny loaded` — for STATUS=; what else
+    keeps the daemon from serving (`problems`: a failing ledger, which /readyz reports) first."""
     status = registry.status()
     models = status["models"]
     ready = [m for m in models if m["state"] == "ready"]
-    parts = [f"{len(ready)}/{len(models)} models ready"]
+    parts = [problem[:MAX_PROBLEM_CHARS] for problem in problems]
+    parts.append(f"{len(ready)}/{len(models)} models ready")
     for m in models:
         if m["state"] == "ready":
             version = f" v{m['version']}" if m.get("version") is not None else ""
@@ -156,9 +159,12 @@ def summary(registry: Supervised) -> str:
 class Supervisor:
     """Drives the notifier from the registry's life and runs the watchdog pings."""
 
-    def __init__(self, notifier: Notifier, registry: Supervised) -> None:
+    def __init__(
+        self, notifier: Notifier, registry: Supervised, problems: Callable[[], Sequence[str]] = tuple
+    ) -> None:
         self.notifier = notifier
         self.registry = registry
+        self.problems = problems  # what else /readyz refuses for, said first in STATUS=
         self._ready_sent = False
         self._unhealthy_logged = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -195,7 +201,7 @@ class Supervisor:
         self._maybe_ready()
 
     def _maybe_ready(self) -> None:
-        text = summary(self.registry)
+        text = summary(self.registry, self.problems())
         if self.registry.all_ready:
             self.notifier.ready(text)
             self._ready_sent = True
@@ -215,7 +221,7 @@ class Supervisor:
             if self._ready_sent or outcomes:
                 self._maybe_ready()  # after a reload; or models that failed at start came back
         elif event == "model_stopped" and self._ready_sent:
-            self.notifier.status(summary(self.registry))  # which model stopped, and why, now
+            self.notifier.status(summary(self.registry, self.problems()))  # which model stopped, why
 
     async def _extend_while_reloading(self) -> None:
         while True:
@@ -229,7 +235,7 @@ class Supervisor:
             if not self._ready_sent:
                 continue
             try:
-                self.notifier.status(summary(self.registry))
+                self.notifier.status(summary(self.registry, self.problems()))
             except Exception as exc:  # noqa: BLE001 - logged; STATUS= goes on being told
                 failures.failed(
                     exc, "telling systemd the status failed; tried again in %.0f s", STATUS_EVERY_S

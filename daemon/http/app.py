@@ -25,6 +25,7 @@ from edgellmd.api.context import (
     ARRIVED,
     DRAINING,
     ERROR_SHAPES,
+    LEDGER,
     LIMITS,
     QUEUE_WAITS,
     TRACE,
@@ -424,7 +425,14 @@ async def _api_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _systemd_ctx(app: web.Application) -> AsyncIterator[None]:
     # After the registry's context: READY=1 waits for its first load, pings watch its engines.
-    supervisor = Supervisor(app[appkeys.NOTIFIER], app[appkeys.REGISTRY])
+    ledger = app.get(LEDGER)
+
+    def problems() -> list[str]:  # as /readyz refuses for them
+        if ledger is not None and ledger.error is not None:
+            return [f"NOT READY: the usage ledger cannot commit ({ledger.error})"]
+        return []
+
+    supervisor = Supervisor(app[appkeys.NOTIFIER], app[appkeys.REGISTRY], problems)
     supervisor.start(app[appkeys.LOAD_TASK])
     yield
     await supervisor.stop()
