@@ -817,6 +817,36 @@ def test_a_stop_kills_the_engines_still_loading(tmp_path: Path) -> None:
     assert "SIGKILL while loading" in str(failures[0])
 
 
+def test_the_stop_closes_hung_engines_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines that do not exit when told are killed after CLOSE_TIMEOUT_S: closed one after
+    another, two stopped engines held the daemon's stop that long twice over (past the
+    unit's TimeoutStopSec with a few models, the clean drain then cut by SIGKILL)."""
+    monkeypatch.setattr(remote_module, "CLOSE_TIMEOUT_S", 2.0)
+    models = [
+        {
+            "name": name,
+            "file": str(write_tiny_model(tmp_path / f"{name}.gguf", TinyModelSpec(seed=seed))),
+            "slots": 1,
+            "context_size": 128,
+            "threads": 1,
+            "isolation": "process",
+        }
+        for name, seed in (("one", 51), ("two", 52))
+    ]
+    settings = settings_for(models, lifecycle={"preload_dir": str(tmp_path / "shm"), "watch": False})
+    with running(settings) as daemon:
+        wait_for(lambda: _ready(daemon, "one") and _ready(daemon, "two"), what="both models")
+        pids = [_engine(daemon, name).pid for name in ("one", "two")]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+    took = time.monotonic() - started
+    assert 2.0 <= took < 2 * 2.0 - 0.5, f"the stop took {took:.1f} s"  # once, not once per engine
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids
+    )
+
+
 def test_a_warming_engine_counts_cpu_time_as_progress_and_a_served_one_does_not(tmp_path: Path) -> None:
     """On a busy box the first steps after a load can take longer than hang_timeout_s: the
     warm-up killed such an engine as hung while its CPU time climbed. While the loader warms

@@ -259,11 +259,21 @@ class Registry:
             task.cancel()
         await asyncio.gather(*restarts, *self._detached, return_exceptions=True)
         async with self._mutex:
-            for entry in self._entries.values():
+            names, closing = [], []
+            for name, entry in self._entries.items():
                 if entry.handle is not None:
                     handle, entry.handle = entry.handle, None
                     entry.state = ModelState.UNLOADED
-                    await loop.run_in_executor(None, handle.engine.close)
+                    names.append(name)
+                    closing.append(loop.run_in_executor(None, handle.engine.close))
+            # Together: an engine process that does not exit when told is killed after
+            # CLOSE_TIMEOUT_S, and one after another, hung engines (a GPU driver's hang) added
+            # that much each to the stop, past the unit's TimeoutStopSec.
+            for name, outcome in zip(
+                names, await asyncio.gather(*closing, return_exceptions=True), strict=True
+            ):
+                if isinstance(outcome, BaseException):
+                    log.error("model %s: its engine did not close cleanly: %r", name, outcome)
             await asyncio.gather(*self._disposals, return_exceptions=True)
             for pool in [*self._media.values(), *self._prompt.values()]:
                 pool.shutdown(wait=False, cancel_futures=True)
