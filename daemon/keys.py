@@ -344,15 +344,18 @@ class KeyStore:
         self.path = path
         self._keys: Mapping[str, ApiKey] = read_keys_file(path)
         self._identity = self._stat()
-        self._seen: tuple[int, int, int, int] | None = None  # a change in place, not yet settled
+        self._seen: tuple[int, ...] | None = None  # a change in place, not yet settled
         self._reloading = asyncio.Lock()
 
-    def _stat(self) -> tuple[int, int, int, int] | None:
+    def _stat(self) -> tuple[int, ...] | None:
+        """Who the file is now. The change time too: a file rewritten in place with its size and
+        its modification time kept (`touch -r`, `cp -p`, `rsync --inplace -t`) was never read
+        again, and a key whose hash was changed so went on being accepted."""
         try:
             info = os.stat(self.path)
         except OSError:
             return None
-        return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_mode)
+        return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_mode, info.st_ctime_ns, info.st_dev)
 
     def get(self, key_id: str) -> ApiKey | None:
         """The key with this id, if any."""

@@ -31,7 +31,7 @@ from edgellmctl.keys import create_key
 from edgellmd.engine.generation import Running
 from edgellmd.http import appkeys
 from edgellmd.http.auth import setup_admin_networks, setup_auth
-from edgellmd.keys import RELOAD_INTERVAL_S, KeysFileError, KeyStore
+from edgellmd.keys import RELOAD_INTERVAL_S, KeysFileError, KeyStore, hash_secret, parse_token
 from tests.bare import AuditLine, audit_lines, bare_app, error_of, everything_logged, route_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -641,6 +641,42 @@ def test_a_keys_file_caught_half_written_in_place_revokes_nothing(tmp_path: Path
     tmp.rename(path)
     assert store.reload_if_changed()
     assert _in_force(store) == {first_id, second_id}
+
+
+def test_a_keys_file_rewritten_in_place_with_its_size_and_time_kept_is_read_again(tmp_path: Path) -> None:
+    """A key's hash changed in place, the file's size and modification time put back as they
+    were (`touch -r`, `cp -p`, `rsync --inplace -t`): the file read as unchanged, and the old
+    token went on being accepted. Its change time moved, and that is a change."""
+    path = tmp_path / "keys.yaml"
+    first_id, first = create_key(path, "first", ["inference"], limits={})
+    _, other = create_key(tmp_path / "other.yaml", "other", ["inference"], limits={})
+    store = KeyStore(path)
+
+    def accepted(token: str) -> bool:
+        """Whether the token's secret is the one the first key's hash stands for."""
+        parsed, key = parse_token(token), store.get(first_id)
+        return parsed is not None and key is not None and hash_secret(parsed[1]) == key.hash
+
+    assert accepted(first)
+    assert not accepted(other)
+    before = path.stat()
+    old_hash = store.get(first_id).hash  # type: ignore[union-attr]
+    new_hash = yaml.safe_load((tmp_path / "other.yaml").read_text())["keys"][0]["hash"]
+    assert len(new_hash) == len(old_hash) != 0
+    time.sleep(0.05)  # a change time of its own (the kernel's clock for it is coarse)
+    with path.open("r+b") as fh:
+        fh.write(path.read_bytes().replace(old_hash.encode(), new_hash.encode()))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+    assert not store.reload_if_changed()  # changed in place: settled at the next look
+    assert store.reload_if_changed()
+    assert not accepted(first)
+    assert accepted(other)  # the other token's secret is what the first key's hash stands for now
 
 
 def test_a_keys_file_left_empty_for_a_while_revokes_nothing(
