@@ -335,6 +335,49 @@ async def test_an_engine_that_dies_again_as_its_restart_loads_is_restarted_again
     assert f'edgellm_engine_restarts_total{{model="{MODEL}",reason="restart_failed"}} 1' in metrics
 
 
+async def test_a_reload_that_brings_the_model_back_leaves_its_restart_nothing_to_do(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The serving engine dies while a reload of its model loads the new version: the restart
+    waits for the reload's turn, and once the reload swapped the new version in, it loaded that
+    again (a second load of a healthy, fresh engine, its requests moved for nothing)."""
+    monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (0.05,))
+    client = await _serve(aiohttp_client, tiny_model)
+    registry = client.server.app[appkeys.REGISTRY]
+    build = registry.loader.build
+    began, held, builds = asyncio.Event(), asyncio.Event(), []
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        builds.append(kwargs.get("reuse"))
+        began.set()
+        await held.wait()
+        return await build(*args, **kwargs)
+
+    monkeypatch.setattr(registry.loader, "build", slow)
+    reload = asyncio.create_task(registry.reload([MODEL], force=True, trigger="watch"))
+    await asyncio.wait_for(began.wait(), 30)
+    await _crash(client, fault)  # the serving engine dies while the reload loads
+    await _until(client, lambda _, b: b["models"][MODEL]["state"] == "restarting", "the stop")
+    await asyncio.sleep(0.3)  # the restart is waiting for the reload's turn by now
+    held.set()
+    outcomes = await asyncio.wait_for(reload, 30)
+    assert [o.result for o in outcomes] == ["loaded"]
+    await asyncio.sleep(0.5)  # a restart queued behind it would have begun by now
+    entry = registry._entries[MODEL]
+    assert entry.restart is None
+    assert len(builds) == 1, builds  # the reload's alone
+    # The stopped engine's copy, kept for a restart that had nothing to do, is gone too.
+    assert entry.restart_from is None
+    serving = entry.handle.provenance.copy
+    assert serving is not None
+    deadline = time.monotonic() + 10
+    while sorted(serving.parent.glob("*.gguf")) != [serving]:
+        assert time.monotonic() < deadline, sorted(serving.parent.glob("*.gguf"))
+        await asyncio.sleep(0.05)
+    shown = await _model(client)
+    assert (shown["state"], shown["last_reload"]["trigger"]) == ("ready", "watch")
+
+
 async def test_once_the_daemon_stops_no_engine_is_restarted_and_no_request_waits_for_one(
     aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -481,6 +481,11 @@ class Registry:
         for entry in entries:
             if entry.state is ModelState.UNLOADED and names is None and trigger != "start":
                 continue  # an operator's unload stands until they load it again
+            if trigger == "restart" and entry.state is not ModelState.RESTARTING:
+                # A reload it waited for brought the model back: the stopped engine's copy is
+                # nobody's now (an unload dropped it already).
+                self._drop_restart_copy(entry)
+                continue
             outcomes.append(await self._refresh(entry, lock, force=force, trigger=trigger))
         return outcomes
 
@@ -826,9 +831,10 @@ class Registry:
             await asyncio.sleep(delay)
             if entry.state is not ModelState.RESTARTING:  # unloaded, revoked or loaded meanwhile
                 return
-            outcome = (await self.reload([entry.settings.name], force=True, trigger="restart"))[0]
-            if not outcome.ok:
-                self._restart_failed(entry, outcome.reason or "no reason given")
+            outcomes = await self.reload([entry.settings.name], force=True, trigger="restart")
+            for outcome in outcomes:  # none: a reload it waited for brought the model back
+                if not outcome.ok:
+                    self._restart_failed(entry, outcome.reason or "no reason given")
         finally:
             if entry.restart is asyncio.current_task():
                 entry.restart = None
