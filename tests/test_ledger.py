@@ -774,3 +774,85 @@ def test_usage_select_stops_past_its_limit_and_skips_an_hour_edited_out_of_shape
     assert [row["period"] for row in left] == [
         row["period"] for row in hours if not str(row["period"]).startswith("2026-12-03T13:00")
     ]
+
+
+def _requests(path: Path) -> set[str]:
+    """The request ids a ledger file holds, read as a file of its own."""
+    conn = sqlite3.connect(str(path))
+    try:
+        return {row[0] for row in conn.execute("SELECT request_id FROM usage_requests")}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("suffixes", [("",), ("", "-wal", "-shm")], ids=["main file", "with its WAL"])
+def test_a_database_file_removed_under_the_ledger_is_said_and_written_back_at_its_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, suffixes: tuple[str, ...]
+) -> None:
+    """The ledger's file (and its WAL) removed while the daemon ran: SQLite went on writing into
+    the open, unlinked file, nothing said so (status, /readyz), and at the restart every record
+    since was gone (quotas reset, the audit chain begun again). It is said until the stop, which
+    writes the whole database back to its path."""
+    path = tmp_path / "ledger.sqlite3"
+    clock = Clock(datetime(2026, 12, 3, tzinfo=UTC))
+    ledger = Ledger(path, clock=clock)
+    try:
+        ledger.record(_record("before", clock())).result()
+        assert ledger.check_file() is None
+        for suffix in suffixes:
+            path.with_name(path.name + suffix).unlink()
+        ledger.record(_record("after", clock())).result()  # committed, into the open file
+        with caplog.at_level(logging.ERROR):
+            problem = ledger.check_file()
+        assert problem is not None
+        assert f"the database file {path} was removed while the daemon ran" in problem
+        assert ledger.failing == problem
+        assert ledger.status()["error"] == problem  # what /admin/status, the console and ctl show
+        assert problem in caplog.text
+        ledger.record(_record("later", clock())).result()
+    finally:
+        ledger.close()
+    assert _requests(path) == {"before", "after", "later"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.sqlite3"]  # no copy left beside it
+    reopened = Ledger(path, clock=clock)
+    try:
+        assert reopened.usage_found.as_dict()["ok"]  # the seals and the chain carried over whole
+        assert reopened.check_file() is None
+    finally:
+        reopened.close()
+
+
+def test_a_database_file_replaced_under_the_ledger_is_left_alone_and_its_records_saved_beside(
+    tmp_path: Path,
+) -> None:
+    """Another database (in WAL mode) renamed over the ledger's path while it runs: what the
+    ledger holds is saved beside it, and the ledger's own WAL, left by that name (SQLite removes
+    none of a moved database's), is removed: opened later, the other file read it as its own
+    and showed the ledger's tables in place of its own."""
+    path = tmp_path / "ledger.sqlite3"
+    clock = Clock(datetime(2026, 12, 3, tzinfo=UTC))
+    ledger = Ledger(path, clock=clock)
+    try:
+        ledger.record(_record("ours", clock())).result()
+        other = tmp_path / "other.sqlite3"
+        foreign = sqlite3.connect(str(other), isolation_level=None)
+        foreign.execute("PRAGMA journal_mode=WAL")
+        foreign.execute("CREATE TABLE mine (x)")
+        foreign.execute("INSERT INTO mine VALUES (42)")
+        foreign.close()  # checkpointed, its WAL gone: a whole file, in WAL mode
+        other.rename(path)
+        assert (tmp_path / "ledger.sqlite3-wal").exists()  # the ledger's, by that name
+        assert "was replaced by another file" in (ledger.check_file() or "")
+        ledger.record(_record("ours-later", clock())).result()
+    finally:
+        ledger.close()
+    conn = sqlite3.connect(str(path))
+    try:
+        assert conn.execute("SELECT x FROM mine").fetchall() == [(42,)]
+    finally:
+        conn.close()
+    assert not (tmp_path / "ledger.sqlite3-wal").exists()
+    kept = sorted(tmp_path.glob("ledger.sqlite3.kept-*"))
+    assert len(kept) == 1, sorted(p.name for p in tmp_path.iterdir())
+    assert _requests(kept[0]) == {"ours", "ours-later"}
+    assert oct(kept[0].stat().st_mode & 0o777) == "0o600"

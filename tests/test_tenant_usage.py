@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -715,6 +716,67 @@ def _ready(url: str) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
+
+
+def test_a_ledger_file_removed_while_the_daemon_runs_is_said_and_nothing_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usage database and its WAL removed under a running daemon: /admin/status said all was
+    well, /readyz ready, /admin/usage answered 500 with a traceback in the log, and after the
+    restart every request was gone. Now /readyz says `ledger_failing`, status names the file, a
+    read that fails is a 503, and the stop writes the whole database back."""
+    monkeypatch.setattr(http_ledger, "RETRY_INTERVAL_S", 0.2)
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
+    database = tmp_path / "usage.sqlite3"
+    settings = settings_for(
+        [{"name": "m", "file": str(model), "threads": 1, "context_size": 256}],
+        ledger={"database": str(database)},
+    )
+    ask = {"model": "m", "prompt": "x", "max_tokens": 2}
+    with running(settings) as daemon:
+        assert daemon.post("/v1/completions", ask)[0] == 200
+        for suffix in ("", "-wal", "-shm"):
+            database.with_name(database.name + suffix).unlink(missing_ok=True)
+        for _ in range(3):
+            assert daemon.post("/v1/completions", ask)[0] == 200
+        wait_for(lambda: daemon.get("/readyz")[1]["status"] == "ledger_failing", what="/readyz to say so")
+        shown = daemon.get("/admin/status")[1]["ledger"]["error"]
+        assert f"the database file {database} was removed while the daemon ran" in shown
+        status, body = daemon.get("/admin/usage")
+        assert status in (200, 503), body  # read from the open file, or refused: never a 500
+        if status == 503:
+            assert body["error"]["code"] == "ledger_failing"
+    conn = sqlite3.connect(str(database))
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM usage_requests").fetchone()[0] == 4
+    finally:
+        conn.close()
+
+
+def test_an_admin_read_the_database_refuses_is_a_503(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/admin/usage and /admin/audit whose read fails in SQLite: 503 `ledger_failing` naming
+    the error, not a 500 with a traceback."""
+
+    def broken(self: Ledger, fn: Any) -> Any:
+        failed: Any = Future()
+        failed.set_exception(sqlite3.OperationalError("disk I/O error"))
+        return failed
+
+    monkeypatch.setattr(Ledger, "read", broken)
+    model = write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=3))
+    settings = settings_for(
+        [{"name": "m", "file": str(model), "threads": 1, "context_size": 256}],
+        ledger={"database": str(tmp_path / "usage.sqlite3")},
+    )
+    with running(settings) as daemon:
+        for path in ("/admin/usage", "/admin/audit"):
+            status, body = daemon.get(path)
+            assert status == 503, body
+            assert body["error"]["code"] == "ledger_failing"
+            assert (
+                body["error"]["message"]
+                == "the usage ledger cannot be read: OperationalError: disk I/O error"
+            )
 
 
 def test_a_ledger_that_cannot_commit_makes_the_box_unready_until_it_can_again(

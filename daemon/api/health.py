@@ -33,9 +33,10 @@ async def readyz(request: web.Request) -> web.Response:
     if draining is not None and draining.is_set():
         return _not_ready("draining", models)
     ledger = request.app.get(LEDGER)
-    if ledger is not None and ledger.error is not None:
-        # Usage and the audit chain are not being written: quotas and the trail would be wrong.
-        # The cause (a database error) is on /admin/status, not on this public probe.
+    if ledger is not None and ledger.failing is not None:
+        # Usage and the audit chain are not being written (or not durably: the file is gone):
+        # quotas and the trail would be wrong. The cause is on /admin/status, not on this
+        # public probe.
         return _not_ready("ledger_failing", models, reason="the usage ledger cannot commit")
     if registry.all_ready:
         return web.json_response({"status": "ready", "models": models})

@@ -16,8 +16,9 @@ import re
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable
 from datetime import date, timedelta
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from zoneinfo import ZoneInfo
 
 from aiohttp import web
@@ -31,6 +32,7 @@ from edgellmd.ledger.usage import COLUMNS, FIRST_DAY, GROUPS, LAST_DAY, UsageQue
 from edgellmd.ledger.usage import select as usage_rows
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 LEDGER_WAIT_S: Final = 2.0  # the longest an answer waits for its usage's commit
 
 
@@ -150,6 +152,20 @@ def usage_query(params: dict[str, str]) -> UsageQuery:
     )
 
 
+async def _read(ledger: Ledger, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """`ledger.read(fn)`, a database that cannot be read a 503 `ledger_failing` (its file
+    removed under the daemon read as a disk I/O error, answered 500 with a traceback logged)."""
+    try:
+        return await asyncio.wrap_future(ledger.read(fn))
+    except sqlite3.Error as exc:
+        log.error("the ledger could not be read: %s: %s", type(exc).__name__, exc)  # noqa: TRY400
+        raise ServiceUnavailable(
+            f"the usage ledger cannot be read: {type(exc).__name__}: {exc}",
+            code="ledger_failing",
+            headers={"Retry-After": "5"},
+        ) from None
+
+
 async def admin_usage(request: web.Request) -> web.StreamResponse:
     """GET /admin/usage: tokens and requests per period, key, model and endpoint (JSON or CSV)."""
     params = _params(request, _USAGE_PARAMS)
@@ -158,9 +174,7 @@ async def admin_usage(request: web.Request) -> web.StreamResponse:
     if form not in ("json", "csv"):
         raise InvalidRequest("'format' must be json or csv", param="format")
     ledger = _ledger(request)
-    rows = await asyncio.wrap_future(
-        ledger.read(lambda conn: usage_rows(conn, query, ledger.zone, limit=MAX_USAGE_ROWS))
-    )
+    rows = await _read(ledger, lambda conn: usage_rows(conn, query, ledger.zone, limit=MAX_USAGE_ROWS))
     if len(rows) > MAX_USAGE_ROWS:
         raise InvalidRequest(
             f"more than {MAX_USAGE_ROWS} rows: narrow since/until or group by day or month", param="group"
@@ -219,7 +233,7 @@ async def admin_audit(request: web.Request) -> web.Response:
             "caveat": verdict.caveat,
         }
 
-    records, chain = await asyncio.wrap_future(ledger.read(read))
+    records, chain = await _read(ledger, read)
     # The usage against its seals, again when another hand wrote to the database since the last
     # check (at most every minute; off the writer: commits go on meanwhile).
     chain["usage"] = (await asyncio.wrap_future(ledger.check_usage(whole_walk=True))).as_dict()

@@ -428,8 +428,8 @@ async def _systemd_ctx(app: web.Application) -> AsyncIterator[None]:
     ledger = app.get(LEDGER)
 
     def problems() -> list[str]:  # as /readyz refuses for them
-        if ledger is not None and ledger.error is not None:
-            return [f"NOT READY: the usage ledger cannot commit ({ledger.error})"]
+        if ledger is not None and ledger.failing is not None:
+            return [f"NOT READY: the usage ledger cannot commit ({ledger.failing})"]
         return []
 
     supervisor = Supervisor(app[appkeys.NOTIFIER], app[appkeys.REGISTRY], problems)

@@ -115,6 +115,7 @@ async def _tend(ledger: Ledger, handler: AuditHandler) -> None:
         now = time.monotonic()
         try:
             ledger.tick()  # an hour over is sealed (see ledger.seals)
+            ledger.check_file()  # its file removed or replaced under it: said, saved at the stop
             if ledger.error is not None:  # /readyz says so until a commit goes through again
                 await asyncio.wrap_future(ledger.retry())
             if now - last_summary >= SUMMARY_INTERVAL_S:

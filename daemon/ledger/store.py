@@ -167,6 +167,36 @@ def _data_version(conn: sqlite3.Connection) -> int:
     return version if type(version) is int else -1
 
 
+def _ours_beside(path: Path) -> list[tuple[Path, tuple[int, int]]]:
+    """The `<path>-wal` and `<path>-shm` files this process holds open, with their identities:
+    the WAL and shared memory of the database file gone from `path`. SQLite never removes those
+    of a database file that was moved or unlinked, and one opened at the path later would read
+    that WAL as its own (a file put there, or the ledger's copy saved back)."""
+    held: set[tuple[int, int]] = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                info = os.stat(f"/proc/self/fd/{fd}")
+                held.add((info.st_dev, info.st_ino))
+    ours = []
+    for suffix in ("-wal", "-shm"):
+        beside = path.with_name(path.name + suffix)
+        with contextlib.suppress(OSError):
+            found = _identity(beside)
+            if found is not None and found in held:
+                ours.append((beside, found))
+    return ours
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`; None when there is none."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (info.st_dev, info.st_ino)
+
+
 def _snapshot(reader: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
     """`fn` on the read connection in one read transaction: every read of it sees one
     committed state of the database."""
@@ -232,10 +262,13 @@ class Ledger:
         # The usage checks after the start's (`check_usage`): their own thread, their own reads.
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="ledger-check")
         self._reader: sqlite3.Connection | None = None
+        self._file: tuple[int, int] | None = None  # (device, inode) of the database it opened
+        self.file_problem: str | None = None  # the file removed or replaced under it (`check_file`)
         try:
             self._conn = self._writer.submit(open_database, path).result()
             if path is not None:
                 self._reader = _open_reader(path)
+                self._file = _identity(path)
         except BaseException:
             self._writer.shutdown(wait=False)
             self._checker.shutdown(wait=False)
@@ -812,8 +845,78 @@ class Ledger:
             "dropped": self.dropped,
             "foreign_records": self.foreign,
             "usage_seals": self.usage_found.as_dict(),
-            "error": self.error,
+            "error": self.failing,
         }
+
+    @property
+    def failing(self) -> str | None:
+        """Why the ledger is not writing durably: a failed commit, or its file gone from its
+        path (`check_file`); None when it is. /readyz says `ledger_failing` while it is not None."""
+        return self.error or self.file_problem
+
+    def check_file(self) -> str | None:
+        """Whether the database file is still the one the ledger opened (`file_problem`). One
+        removed or replaced while the daemon runs took every later record with it: SQLite goes
+        on writing into the open file, which nobody can read and which is gone at the stop.
+        Said (ERROR, /readyz, status) until the stop, which saves what the ledger holds."""
+        if self.path is None or self._file is None:
+            return None
+        try:
+            now = _identity(self.path)
+        except OSError:
+            return self.file_problem  # cannot look: as it was
+        if now == self._file:
+            if self.file_problem is not None:
+                log.warning("ledger: %s is the database it opened again", self.path)
+            self.file_problem = None
+            return None
+        what = "removed" if now is None else "replaced by another file"
+        problem = (
+            f"the database file {self.path} was {what} while the daemon ran: records go on into "
+            "the file it opened, saved back at the daemon's stop (restart it to write to the file again)"
+        )
+        if problem != self.file_problem:
+            log.error("ledger: %s", problem)
+        self.file_problem = problem
+        return problem
+
+    def _save_if_gone(self) -> tuple[Path, bool] | None:
+        """On the writer, at the stop: when the database file is gone from its path, the whole
+        database as this connection holds it, copied to a new file beside it; (that file, whether
+        another file stands at the path now). None when nothing needs saving."""
+        if self.path is None or self._file is None or self.check_file() is None:
+            return None
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        saved = self.path.with_name(f"{self.path.name}.saving-{stamp}")
+        fd = os.open(saved, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        target = sqlite3.connect(str(saved))
+        try:
+            self._conn.backup(target)
+            target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
+        finally:
+            target.close()
+        return saved, _identity(self.path) is not None
+
+    def _place(self, saved: Path, taken: bool) -> None:
+        """The saved copy put at the database's path where it is free, beside it where another
+        file took it (that one is left as it is)."""
+        assert self.path is not None  # noqa: S101 - saved only for a ledger with a file
+        where = self.path
+        try:
+            os.link(saved, where)  # never over a file that stands there
+        except FileExistsError:
+            where = saved.with_name(saved.name.replace(".saving-", ".kept-"))
+            os.link(saved, where)
+        saved.unlink()
+        if taken or where != self.path:
+            log.error(
+                "ledger: another file stands at %s; what this daemon recorded is saved as %s",
+                self.path,
+                where,
+            )
+        else:
+            log.warning("ledger: the database file removed while the daemon ran is written back to %s", where)
 
     def close(self) -> None:
         """Commit what is queued and close the database."""
@@ -835,7 +938,22 @@ class Ledger:
                 lost_audit,
                 self.error,
             )
+        try:
+            gone = self._writer.submit(self._save_if_gone).result()
+        except (OSError, sqlite3.Error) as exc:
+            gone = None
+            log.error("ledger: its database file is gone and what it held could not be saved: %s", exc)  # noqa: TRY400
+        stale = _ours_beside(self.path) if gone is not None and self.path is not None else []
         self._writer.submit(self._conn.close).result()
+        for beside, identity in stale:  # after the close: nothing of this process holds them
+            with contextlib.suppress(OSError):
+                if _identity(beside) == identity:
+                    beside.unlink()
+        if gone is not None:
+            try:
+                self._place(*gone)
+            except OSError as exc:
+                log.error("ledger: what it held is saved as %s, not put back: %s", gone[0], exc)  # noqa: TRY400
         self._writer.shutdown(wait=True)
 
 
