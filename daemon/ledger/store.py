@@ -880,10 +880,10 @@ class Ledger:
         self.file_problem = problem
         return problem
 
-    def _save_if_gone(self) -> tuple[Path, bool] | None:
+    def _save_if_gone(self) -> Path | None:
         """On the writer, at the stop: when the database file is gone from its path, the whole
-        database as this connection holds it, copied to a new file beside it; (that file, whether
-        another file stands at the path now). None when nothing needs saving."""
+        database as this connection holds it, copied to a new file beside it (returned). None
+        when nothing needs saving."""
         if self.path is None or self._file is None or self.check_file() is None:
             return None
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -896,9 +896,9 @@ class Ledger:
             target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
         finally:
             target.close()
-        return saved, _identity(self.path) is not None
+        return saved
 
-    def _place(self, saved: Path, taken: bool) -> None:
+    def _place(self, saved: Path) -> None:
         """The saved copy put at the database's path where it is free, beside it where another
         file took it (that one is left as it is)."""
         assert self.path is not None  # noqa: S101 - saved only for a ledger with a file
@@ -909,7 +909,7 @@ class Ledger:
             where = saved.with_name(saved.name.replace(".saving-", ".kept-"))
             os.link(saved, where)
         saved.unlink()
-        if taken or where != self.path:
+        if where != self.path:
             log.error(
                 "ledger: another file stands at %s; what this daemon recorded is saved as %s",
                 self.path,
@@ -951,9 +951,9 @@ class Ledger:
                     beside.unlink()
         if gone is not None:
             try:
-                self._place(*gone)
+                self._place(gone)
             except OSError as exc:
-                log.error("ledger: what it held is saved as %s, not put back: %s", gone[0], exc)  # noqa: TRY400
+                log.error("ledger: what it held is saved as %s, not put back: %s", gone, exc)  # noqa: TRY400
         self._writer.shutdown(wait=True)
 
 
