@@ -40,6 +40,9 @@ class FlakyLedger:
         if self.ticks in self.tick_fails:
             raise RuntimeError("tick broke")
 
+    def check_file(self) -> str | None:
+        return None
+
     def retry(self) -> Future[None]:
         return _done()
 

@@ -30,6 +30,7 @@ from edgellmd.ledger.audit import select as audit_select
 from edgellmd.ledger.store import Ledger, utc_text
 from edgellmd.ledger.usage import COLUMNS, FIRST_DAY, GROUPS, LAST_DAY, UsageQuery, UsageRecord, local_start
 from edgellmd.ledger.usage import select as usage_rows
+from edgellmd.models.handle import RETRY_AFTER_LOADING_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -162,7 +163,7 @@ async def _read(ledger: Ledger, fn: Callable[[sqlite3.Connection], T]) -> T:
         raise ServiceUnavailable(
             f"the usage ledger cannot be read: {type(exc).__name__}: {exc}",
             code="ledger_failing",
-            headers={"Retry-After": "5"},
+            headers={"Retry-After": RETRY_AFTER_LOADING_S},  # as /readyz's ledger_failing
         ) from None
 
 
