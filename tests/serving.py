@@ -220,15 +220,16 @@ class SignedLock:
         }
 
 
-def small_tiny(models_dir: Path) -> dict[str, Any]:
-    """The tiny model in one slot of 128 tokens, one thread: a model entry for tests of the
-    front door, auth and the host, where what the model says does not matter."""
+def small_tiny(models_dir: Path, **extra: Any) -> dict[str, Any]:
+    """The tiny model in one slot of 128 tokens, one thread (`extra` over that): a model entry
+    for tests of the front door, auth and the host, where what the model says does not matter."""
     return {
         "name": "tiny",
         "file": str(models_dir / "tiny.gguf"),
         "slots": 1,
         "context_size": 128,
         "threads": 1,
+        **extra,
     }
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from edgellmd.engine.generation import QUEUE_TIMEOUT
 from edgellmd.settings import ConfigError
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, running, settings_for, small_tiny
 from tests.test_host_metrics import scrape, value
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
@@ -25,15 +25,7 @@ LONG = {"model": "tiny", "prompt": "x", "max_tokens": 1500, "ignore_eos": True} 
 
 
 def tiny(models_dir: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "name": "tiny",
-        "file": str(models_dir / "tiny.gguf"),
-        "slots": 1,
-        "queue_size": 8,
-        "context_size": 2048,
-        "threads": 1,
-        **extra,
-    }
+    return small_tiny(models_dir, **{"queue_size": 8, "context_size": 2048, **extra})
 
 
 @pytest.fixture

@@ -661,6 +661,14 @@ def _tiny_config(tmp_path: Path, seed: int) -> EngineConfig:
     return EngineConfig(path=model, slots=1, context_size=128, batch_size=64, threads=1, threads_batch=1)
 
 
+def _close(*engines: RemoteEngine) -> None:
+    """Each engine let go on (it may be stopped) and closed."""
+    for engine in engines:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine.pid, signal.SIGCONT)
+        engine.close()
+
+
 def test_an_engine_stopped_while_it_loads_is_a_hang_not_ten_minutes_of_a_held_registry(
     tmp_path: Path,
 ) -> None:
@@ -694,9 +702,7 @@ def test_a_call_to_a_stopped_idle_engine_starts_the_hang_clock_when_it_is_made(t
         assert 1.4 <= waited < 6, waited
         assert engine.fault_kind == "hang"
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(engine.pid, signal.SIGCONT)
-        engine.close()
+        _close(engine)
 
 
 def test_a_stopped_idle_engine_is_a_hang_found_without_a_request(
@@ -721,10 +727,7 @@ def test_a_stopped_idle_engine_is_a_hang_found_without_a_request(
         assert live.fault is None
         assert live.tokenize("still here")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(stopped.pid, signal.SIGCONT)
-        stopped.close()
-        live.close()
+        _close(stopped, live)
 
 
 def test_the_supervisor_away_is_no_engines_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -757,9 +760,7 @@ def test_the_supervisor_away_is_no_engines_hang(tmp_path: Path, monkeypatch: pyt
         assert engine.fault is None
         assert engine.tokenize("back")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(engine.pid, signal.SIGCONT)
-        engine.close()
+        _close(engine)
 
 
 def test_stats_do_not_wait_for_a_stopped_engine(pair: RunningDaemon) -> None:

@@ -19,7 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from edgellmctl.keys import create_key
 from edgellmd.host import traces as traces_module
 from edgellmd.settings import ConfigError
-from tests.serving import RunningDaemon, running, settings_for
+from tests.serving import RunningDaemon, running, settings_for, small_tiny
 from tests.test_host_metrics import scrape, value
 
 # Daemons, engine processes or many seconds: left out of ./dev test --quick.
@@ -107,13 +107,7 @@ def receiver() -> Iterator[tuple[str, Received]]:
 
 
 def tiny(models_dir: Path) -> dict[str, Any]:
-    return {
-        "name": "tiny",
-        "file": str(models_dir / "tiny.gguf"),
-        "slots": 1,
-        "context_size": 256,
-        "threads": 1,
-    }
+    return small_tiny(models_dir, context_size=256)
 
 
 @contextmanager
