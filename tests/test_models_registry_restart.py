@@ -335,12 +335,15 @@ async def test_an_engine_that_dies_again_as_its_restart_loads_is_restarted_again
     assert f'edgellm_engine_restarts_total{{model="{MODEL}",reason="restart_failed"}} 1' in metrics
 
 
-async def test_a_reload_that_brings_the_model_back_leaves_its_restart_nothing_to_do(
-    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("reload_fails", [False, True], ids=["reload loads", "reload fails"])
+async def test_an_engine_that_dies_during_a_reload_is_restarted_only_if_the_reload_did_not_bring_it_back(
+    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch, reload_fails: bool
 ) -> None:
     """The serving engine dies while a reload of its model loads the new version: the restart
     waits for the reload's turn, and once the reload swapped the new version in, it loaded that
-    again (a second load of a healthy, fresh engine, its requests moved for nothing)."""
+    again (a second load of a healthy, fresh engine, its requests moved for nothing). Where the
+    reload fails instead, the restart brings the model back, as before: never failed for good
+    after one stop."""
     monkeypatch.setattr(registry_module, "RESTART_BACKOFF_S", (0.05,))
     client = await _serve(aiohttp_client, tiny_model)
     registry = client.server.app[appkeys.REGISTRY]
@@ -349,8 +352,11 @@ async def test_a_reload_that_brings_the_model_back_leaves_its_restart_nothing_to
 
     async def slow(*args: Any, **kwargs: Any) -> Any:
         builds.append(kwargs.get("reuse"))
-        began.set()
-        await held.wait()
+        if len(builds) == 1:  # the reload's
+            began.set()
+            await held.wait()
+            if reload_fails:
+                raise LoadFailed("the engine process was killed by SIGKILL while loading")
         return await build(*args, **kwargs)
 
     monkeypatch.setattr(registry.loader, "build", slow)
@@ -361,11 +367,12 @@ async def test_a_reload_that_brings_the_model_back_leaves_its_restart_nothing_to
     await asyncio.sleep(0.3)  # the restart is waiting for the reload's turn by now
     held.set()
     outcomes = await asyncio.wait_for(reload, 30)
-    assert [o.result for o in outcomes] == ["loaded"]
-    await asyncio.sleep(0.5)  # a restart queued behind it would have begun by now
+    assert [o.result for o in outcomes] == ["failed" if reload_fails else "loaded"]
+    await _until(client, lambda status, _: status == 200, "the model back")
+    await asyncio.sleep(0.5)  # a restart queued behind the reload would have begun by now
     entry = registry._entries[MODEL]
     assert entry.restart is None
-    assert len(builds) == 1, builds  # the reload's alone
+    assert len(builds) == (2 if reload_fails else 1), builds  # the restart's only after a failure
     # The stopped engine's copy, kept for a restart that had nothing to do, is gone too.
     assert entry.restart_from is None
     serving = entry.handle.provenance.copy
@@ -375,7 +382,9 @@ async def test_a_reload_that_brings_the_model_back_leaves_its_restart_nothing_to
         assert time.monotonic() < deadline, sorted(serving.parent.glob("*.gguf"))
         await asyncio.sleep(0.05)
     shown = await _model(client)
-    assert (shown["state"], shown["last_reload"]["trigger"]) == ("ready", "watch")
+    brought_back_by = "restart" if reload_fails else "watch"
+    assert (shown["state"], shown["last_reload"]["trigger"]) == ("ready", brought_back_by)
+    assert shown["engine_stops"] == 1
 
 
 async def test_once_the_daemon_stops_no_engine_is_restarted_and_no_request_waits_for_one(

@@ -481,9 +481,9 @@ class Registry:
         for entry in entries:
             if entry.state is ModelState.UNLOADED and names is None and trigger != "start":
                 continue  # an operator's unload stands until they load it again
-            if trigger == "restart" and entry.state is not ModelState.RESTARTING:
+            if trigger == "restart" and entry.state is ModelState.READY and entry.handle is not None:
                 # A reload it waited for brought the model back: the stopped engine's copy is
-                # nobody's now (an unload dropped it already).
+                # nobody's now. (A reload that failed meanwhile left it failed: restarted.)
                 self._drop_restart_copy(entry)
                 continue
             outcomes.append(await self._refresh(entry, lock, force=force, trigger=trigger))
