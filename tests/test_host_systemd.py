@@ -456,3 +456,24 @@ def test_abstract_notify_socket_addresses_work(monkeypatch: pytest.MonkeyPatch) 
         assert notifier.send("WATCHDOG=1") is False
     finally:
         server.close()
+
+
+class _NoModels:
+    """A registry serving nothing, for the summary alone."""
+
+    def status(self) -> dict[str, Any]:
+        return {"models": []}
+
+
+def test_the_status_line_says_what_else_keeps_the_box_out_first_and_cuts_it_visibly() -> None:
+    """A problem /readyz refuses for (a failing ledger) leads STATUS=; one past the bound ends
+    in an ellipsis, not mid-word as if that were all."""
+    from edgellmd.host.systemd import MAX_PROBLEM_CHARS, summary  # noqa: PLC0415
+
+    assert summary(_NoModels()) == "0/0 models ready"  # type: ignore[arg-type]
+    assert summary(_NoModels(), ["NOT READY: x"]) == "NOT READY: x; 0/0 models ready"  # type: ignore[arg-type]
+    long = "NOT READY: " + "y" * 400
+    said = summary(_NoModels(), [long]).split("; ")  # type: ignore[arg-type]
+    assert len(said[0]) == MAX_PROBLEM_CHARS
+    assert said[0].endswith("…")
+    assert said[0][:-1] == long[: MAX_PROBLEM_CHARS - 1]

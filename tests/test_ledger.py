@@ -798,6 +798,7 @@ def test_a_database_file_removed_under_the_ledger_is_said_and_written_back_at_it
     ledger = Ledger(path, clock=clock)
     try:
         ledger.record(_record("before", clock())).result()
+        path.chmod(0o640)  # a reader group, set by the operator
         assert ledger.check_file() is None
         for suffix in suffixes:
             path.with_name(path.name + suffix).unlink()
@@ -806,6 +807,7 @@ def test_a_database_file_removed_under_the_ledger_is_said_and_written_back_at_it
             problem = ledger.check_file()
         assert problem is not None
         assert f"the database file {path} was removed while the daemon ran" in problem
+        assert sorted(p.name for p in tmp_path.iterdir()) == []  # its WAL by that name too, now
         assert ledger.failing == problem
         assert ledger.status()["error"] == problem  # what /admin/status, the console and ctl show
         assert problem in caplog.text
@@ -814,6 +816,7 @@ def test_a_database_file_removed_under_the_ledger_is_said_and_written_back_at_it
         ledger.close()
     assert _requests(path) == {"before", "after", "later"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.sqlite3"]  # no copy left beside it
+    assert oct(path.stat().st_mode & 0o777) == "0o640"  # as it was
     reopened = Ledger(path, clock=clock)
     try:
         assert reopened.usage_found.as_dict()["ok"]  # the seals and the chain carried over whole
@@ -843,7 +846,13 @@ def test_a_database_file_replaced_under_the_ledger_is_left_alone_and_its_records
         other.rename(path)
         assert (tmp_path / "ledger.sqlite3-wal").exists()  # the ledger's, by that name
         assert "was replaced by another file" in (ledger.check_file() or "")
+        assert not (tmp_path / "ledger.sqlite3-wal").exists()  # gone as soon as it was seen
         ledger.record(_record("ours-later", clock())).result()
+        meanwhile = sqlite3.connect(str(path))  # a read-write look while the daemon runs
+        try:
+            assert meanwhile.execute("SELECT x FROM mine").fetchall() == [(42,)]
+        finally:
+            meanwhile.close()
     finally:
         ledger.close()
     conn = sqlite3.connect(str(path))
@@ -856,3 +865,27 @@ def test_a_database_file_replaced_under_the_ledger_is_left_alone_and_its_records
     assert len(kept) == 1, sorted(p.name for p in tmp_path.iterdir())
     assert _requests(kept[0]) == {"ours", "ours-later"}
     assert oct(kept[0].stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_database_file_put_back_under_the_ledger_stays_said_and_holds_everything_after_the_stop(
+    tmp_path: Path,
+) -> None:
+    """The file renamed away and back while the ledger runs: its WAL by that name went when it
+    was seen gone, so the records since are not on disk for good until the stop, which says so
+    until then; the stop's close writes them into the file (no copy beside it)."""
+    path = tmp_path / "ledger.sqlite3"
+    aside = tmp_path / "aside.sqlite3"
+    clock = Clock(datetime(2026, 12, 3, tzinfo=UTC))
+    ledger = Ledger(path, clock=clock)
+    try:
+        ledger.record(_record("before", clock())).result()
+        path.rename(aside)
+        assert "was removed while the daemon ran" in (ledger.check_file() or "")
+        aside.rename(path)
+        ledger.record(_record("back", clock())).result()
+        assert "is back: what it records is not on disk for good" in (ledger.check_file() or "")
+        assert ledger.failing is not None
+    finally:
+        ledger.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.sqlite3"]
+    assert _requests(path) == {"before", "back"}

@@ -135,13 +135,18 @@ class Supervised(Protocol):
         "model_stopped" (an engine stopped by itself)."""
 
 
+def _cut(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters with an ellipsis saying it goes on."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def summary(registry: Supervised, problems: Sequence[str] = ()) -> str:
     """`2/2 models ready; tiny v7 1/4 busy; last reload: tiny loaded` — for STATUS=; what else
     keeps the daemon from serving (`problems`: a failing ledger, which /readyz reports) first."""
     status = registry.status()
     models = status["models"]
     ready = [m for m in models if m["state"] == "ready"]
-    parts = [problem[:MAX_PROBLEM_CHARS] for problem in problems]
+    parts = [_cut(problem, MAX_PROBLEM_CHARS) for problem in problems]
     parts.append(f"{len(ready)}/{len(models)} models ready")
     for m in models:
         if m["state"] == "ready":

@@ -428,8 +428,10 @@ async def _systemd_ctx(app: web.Application) -> AsyncIterator[None]:
     ledger = app.get(LEDGER)
 
     def problems() -> list[str]:  # as /readyz refuses for them
-        if ledger is not None and ledger.failing is not None:
-            return [f"NOT READY: the usage ledger cannot commit ({ledger.failing})"]
+        if ledger is not None and ledger.file_problem is not None:  # its path, its remedy: status
+            return ["NOT READY: the usage ledger's database file is gone from its path (see /admin/status)"]
+        if ledger is not None and ledger.error is not None:
+            return [f"NOT READY: the usage ledger cannot commit ({ledger.error})"]
         return []
 
     supervisor = Supervisor(app[appkeys.NOTIFIER], app[appkeys.REGISTRY], problems)

@@ -263,12 +263,14 @@ class Ledger:
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="ledger-check")
         self._reader: sqlite3.Connection | None = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the database it opened
+        self._mode = 0o600  # its permissions as last seen, for a copy saved back (`_save_if_gone`)
         self.file_problem: str | None = None  # the file removed or replaced under it (`check_file`)
         try:
             self._conn = self._writer.submit(open_database, path).result()
             if path is not None:
                 self._reader = _open_reader(path)
                 self._file = _identity(path)
+                self._mode = stat.S_IMODE(os.stat(path).st_mode)
         except BaseException:
             self._writer.shutdown(wait=False)
             self._checker.shutdown(wait=False)
@@ -858,23 +860,39 @@ class Ledger:
         """Whether the database file is still the one the ledger opened (`file_problem`). One
         removed or replaced while the daemon runs took every later record with it: SQLite goes
         on writing into the open file, which nobody can read and which is gone at the stop.
-        Said (ERROR, /readyz, status) until the stop, which saves what the ledger holds."""
+        Said (ERROR, /readyz, status) until the stop, which saves what the ledger holds.
+
+        Once the file is gone, this process's `-wal` and `-shm` by its name are removed at once
+        (the open connections keep theirs): SQLite leaves those of a moved database, and any
+        file opened at the path read that WAL as its own (a database renamed over the ledger
+        showed, and on its first read-write close was given, the ledger's tables). A file put
+        back stays said until the restart: its recent records are in a WAL no name reaches."""
         if self.path is None or self._file is None:
             return None
         try:
-            now = _identity(self.path)
+            info: os.stat_result | None = os.stat(self.path)
+        except FileNotFoundError:
+            info = None
         except OSError:
             return self.file_problem  # cannot look: as it was
-        if now == self._file:
-            if self.file_problem is not None:
-                log.warning("ledger: %s is the database it opened again", self.path)
-            self.file_problem = None
-            return None
-        what = "removed" if now is None else "replaced by another file"
-        problem = (
-            f"the database file {self.path} was {what} while the daemon ran: records go on into "
-            "the file it opened, saved back at the daemon's stop (restart it to write to the file again)"
-        )
+        if info is not None and (info.st_dev, info.st_ino) == self._file:
+            self._mode = stat.S_IMODE(info.st_mode)
+            if self.file_problem is None:
+                return None
+            problem = (
+                f"the database file {self.path} was removed or replaced while the daemon ran and is "
+                "back: what it records is not on disk for good until the daemon restarts (restart it)"
+            )
+        else:
+            what = "removed" if info is None else "replaced by another file"
+            problem = (
+                f"the database file {self.path} was {what} while the daemon ran: records go on into "
+                "the file it opened, saved back at the daemon's stop (restart it to write to the file again)"
+            )
+            for beside, identity in _ours_beside(self.path):
+                with contextlib.suppress(OSError):
+                    if _identity(beside) == identity:
+                        beside.unlink()
         if problem != self.file_problem:
             log.error("ledger: %s", problem)
         self.file_problem = problem
@@ -886,10 +904,15 @@ class Ledger:
         when nothing needs saving."""
         if self.path is None or self._file is None or self.check_file() is None:
             return None
+        if _identity(self.path) == self._file:
+            return None  # put back: the close writes the WAL into it, as any close does
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         saved = self.path.with_name(f"{self.path.name}.saving-{stamp}")
         fd = os.open(saved, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        os.close(fd)
+        try:
+            os.fchmod(fd, self._mode & 0o770)  # the file's own mode (a reader group), never others'
+        finally:
+            os.close(fd)
         target = sqlite3.connect(str(saved))
         try:
             self._conn.backup(target)
@@ -943,12 +966,7 @@ class Ledger:
         except (OSError, sqlite3.Error) as exc:
             gone = None
             log.error("ledger: its database file is gone and what it held could not be saved: %s", exc)  # noqa: TRY400
-        stale = _ours_beside(self.path) if gone is not None and self.path is not None else []
         self._writer.submit(self._conn.close).result()
-        for beside, identity in stale:  # after the close: nothing of this process holds them
-            with contextlib.suppress(OSError):
-                if _identity(beside) == identity:
-                    beside.unlink()
         if gone is not None:
             try:
                 self._place(gone)
