@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -337,7 +338,12 @@ async def test_an_engine_that_dies_again_as_its_restart_loads_is_restarted_again
 
 @pytest.mark.parametrize("reload_fails", [False, True], ids=["reload loads", "reload fails"])
 async def test_an_engine_that_dies_during_a_reload_is_restarted_only_if_the_reload_did_not_bring_it_back(
-    aiohttp_client: Any, tiny_model: Path, fault: Fault, monkeypatch: pytest.MonkeyPatch, reload_fails: bool
+    aiohttp_client: Any,
+    tiny_model: Path,
+    fault: Fault,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    reload_fails: bool,
 ) -> None:
     """The serving engine dies while a reload of its model loads the new version: the restart
     waits for the reload's turn, and once the reload swapped the new version in, it loaded that
@@ -360,6 +366,7 @@ async def test_an_engine_that_dies_during_a_reload_is_restarted_only_if_the_relo
         return await build(*args, **kwargs)
 
     monkeypatch.setattr(registry.loader, "build", slow)
+    caplog.set_level(logging.INFO, logger="edgellmd.audit")
     reload = asyncio.create_task(registry.reload([MODEL], force=True, trigger="watch"))
     await asyncio.wait_for(began.wait(), 30)
     await _crash(client, fault)  # the serving engine dies while the reload loads
@@ -385,6 +392,9 @@ async def test_an_engine_that_dies_during_a_reload_is_restarted_only_if_the_relo
     brought_back_by = "restart" if reload_fails else "watch"
     assert (shown["state"], shown["last_reload"]["trigger"]) == ("ready", brought_back_by)
     assert shown["engine_stops"] == 1
+    audited = [r.getMessage() for r in caplog.records if r.name == "edgellmd.audit"]
+    restarts = [text for text in audited if "(restart)" in text]
+    assert restarts == (["reload (restart): tiny loaded"] if reload_fails else []), audited
 
 
 async def test_once_the_daemon_stops_no_engine_is_restarted_and_no_request_waits_for_one(

@@ -438,7 +438,9 @@ class Registry:
                     self._notify("reload_started", [])
                 outcomes = await self._reload(entries, names, force=force, trigger=trigger)
                 self._notify("reload_finished", outcomes)
-                if trigger not in ("admin", "start"):  # the admin API audits its own, with who asked
+                # The admin API audits its own, with who asked; a restart that a reload made
+                # needless did nothing to record.
+                if trigger not in ("admin", "start") and (outcomes or trigger != "restart"):
                     audit.info(
                         "reload (%s): %s",
                         trigger,
