@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_PREFIX: Final = KEY_PREFIX
 SCOPES: Final = ("inference", "admin", "metrics")
-RELOAD_INTERVAL_S: Final = 0.5  # how often the keys file's identity (inode, size, mtime) is checked
+RELOAD_INTERVAL_S: Final = 0.5  # how often the keys file's identity (device, inode, size, times) is checked
 _ID: Final = re.compile(r"[0-9a-f]{12}")
 _HASH: Final = re.compile(r"sha256:[0-9a-f]{64}")
 _LIMIT_KEYS: Final = ("rpm", "tpm", "concurrent", "max_tokens")
@@ -355,7 +355,7 @@ class KeyStore:
             info = os.stat(self.path)
         except OSError:
             return None
-        return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_mode, info.st_ctime_ns, info.st_dev)
+        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_mode, info.st_ctime_ns)
 
     def get(self, key_id: str) -> ApiKey | None:
         """The key with this id, if any."""
@@ -410,7 +410,8 @@ class KeyStore:
         if identity == self._identity:
             self._seen = None
             return False
-        in_place = identity is not None and self._identity is not None and identity[0] == self._identity[0]
+        # The same file (device and inode) changed: written in place.
+        in_place = identity is not None and self._identity is not None and identity[:2] == self._identity[:2]
         if in_place and identity != self._seen:
             self._seen = identity  # the next check reads it if it is still the same
             return False

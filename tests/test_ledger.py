@@ -15,7 +15,7 @@ import pytest
 
 from edgellmctl.__main__ import main as ctl
 from edgellmd.http import logs
-from edgellmd.ledger import audit, usage
+from edgellmd.ledger import audit, store, usage
 from edgellmd.ledger.audit import AuditEntry
 from edgellmd.ledger.store import FULL_VERIFY_S, AuditHandler, Ledger, LedgerError, Quota, utc_text
 from edgellmd.ledger.usage import UsageQuery, UsageRecord
@@ -823,6 +823,40 @@ def test_a_database_file_removed_under_the_ledger_is_said_and_written_back_at_it
         assert reopened.check_file() is None
     finally:
         reopened.close()
+
+
+def test_the_ledger_looks_for_its_files_beside_a_gone_database_once_each_time_it_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The open-file listing that finds the ledger's own `-wal`/`-shm` by a gone file's name ran
+    at every check (every 5 s, on the event loop) for as long as the file stayed gone; nothing of
+    the ledger's makes those names again, so it runs when the file is first seen gone, and again
+    only when what stands at the path changes (removed, then replaced)."""
+    looked: list[Path] = []
+    real = store._ours_beside
+
+    def counted(path: Path) -> list[tuple[Path, tuple[int, int]]]:
+        looked.append(path)
+        return real(path)
+
+    monkeypatch.setattr(store, "_ours_beside", counted)
+    path = tmp_path / "ledger.sqlite3"
+    clock = Clock(datetime(2026, 12, 3, tzinfo=UTC))
+    ledger = Ledger(path, clock=clock)
+    try:
+        ledger.record(_record("before", clock())).result()
+        assert ledger.check_file() is None
+        path.rename(tmp_path / "aside.sqlite3")
+        for _ in range(3):
+            assert "was removed while the daemon ran" in (ledger.check_file() or "")
+        assert looked == [path]
+        assert ledger.failing_summary == "the usage ledger's database file is gone from its path"
+        sqlite3.connect(str(path)).close()  # another file at the path
+        for _ in range(2):
+            assert "was replaced by another file" in (ledger.check_file() or "")
+        assert looked == [path, path]
+    finally:
+        ledger.close()
 
 
 def test_a_database_file_replaced_under_the_ledger_is_left_alone_and_its_records_saved_beside(

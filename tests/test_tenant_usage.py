@@ -740,6 +740,8 @@ def test_a_ledger_file_removed_while_the_daemon_runs_is_said_and_nothing_is_lost
         for _ in range(3):
             assert daemon.post("/v1/completions", ask)[0] == 200
         wait_for(lambda: daemon.get("/readyz")[1]["status"] == "ledger_failing", what="/readyz to say so")
+        # What is wrong in a few words, neither the path nor "cannot commit" (it commits, into the gone file)
+        assert daemon.get("/readyz")[1]["reason"] == "the usage ledger's database file is gone from its path"
         shown = daemon.get("/admin/status")[1]["ledger"]["error"]
         assert f"the database file {database} was removed while the daemon ran" in shown
         status, body = daemon.get("/admin/usage")
@@ -818,6 +820,7 @@ def test_a_ledger_that_cannot_commit_makes_the_box_unready_until_it_can_again(
         status, ready = daemon.get("/readyz")
         assert (status, ready["status"]) == (503, "ledger_failing"), ready
         assert "disk" not in json.dumps(ready)  # the cause is for the admin API, not the public probe
+        assert ready["reason"] == "the usage ledger cannot commit"
         assert daemon.app is not None
         ledger = daemon.app[LEDGER]
         assert "disk is full" in (ledger.status()["error"] or "")

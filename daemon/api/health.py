@@ -33,11 +33,12 @@ async def readyz(request: web.Request) -> web.Response:
     if draining is not None and draining.is_set():
         return _not_ready("draining", models)
     ledger = request.app.get(LEDGER)
-    if ledger is not None and ledger.failing is not None:
+    failing = ledger.failing_summary if ledger is not None else None
+    if failing is not None:
         # Usage and the audit chain are not being written (or not durably: the file is gone):
         # quotas and the trail would be wrong. The cause is on /admin/status, not on this
         # public probe.
-        return _not_ready("ledger_failing", models, reason="the usage ledger cannot commit")
+        return _not_ready("ledger_failing", models, reason=failing)
     if registry.all_ready:
         return web.json_response({"status": "ready", "models": models})
     states = {s for s, _ in registry.states().values()}

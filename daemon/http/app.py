@@ -428,11 +428,11 @@ async def _systemd_ctx(app: web.Application) -> AsyncIterator[None]:
     ledger = app.get(LEDGER)
 
     def problems() -> list[str]:  # as /readyz refuses for them
-        if ledger is not None and ledger.file_problem is not None:  # its path, its remedy: status
-            return ["NOT READY: the usage ledger's database file is gone from its path (see /admin/status)"]
-        if ledger is not None and ledger.error is not None:
-            return [f"NOT READY: the usage ledger cannot commit ({ledger.error})"]
-        return []
+        if ledger is None or (failing := ledger.failing_summary) is None:
+            return []
+        # A failed commit's error is short; a file's path and remedy are on status.
+        cause = ledger.error if ledger.file_problem is None else "see /admin/status"
+        return [f"NOT READY: {failing} ({cause})"]
 
     supervisor = Supervisor(app[appkeys.NOTIFIER], app[appkeys.REGISTRY], problems)
     supervisor.start(app[appkeys.LOAD_TASK])

@@ -265,6 +265,7 @@ class Ledger:
         self._file: tuple[int, int] | None = None  # (device, inode) of the database it opened
         self._mode = 0o600  # its permissions as last seen, for a copy saved back (`_save_if_gone`)
         self.file_problem: str | None = None  # the file removed or replaced under it (`check_file`)
+        self._file_here = True  # whether the file at its path was that one at the last check
         try:
             self._conn = self._writer.submit(open_database, path).result()
             if path is not None:
@@ -856,6 +857,16 @@ class Ledger:
         path (`check_file`); None when it is. /readyz says `ledger_failing` while it is not None."""
         return self.error or self.file_problem
 
+    @property
+    def failing_summary(self) -> str | None:
+        """`failing` in a few words, without the path or the error (a public probe shows it):
+        /readyz's reason and the start of systemd's STATUS= line."""
+        if self.file_problem is not None:
+            return "the usage ledger's database file is gone from its path"
+        if self.error is not None:
+            return "the usage ledger cannot commit"
+        return None
+
     def check_file(self) -> str | None:
         """Whether the database file is still the one the ledger opened (`file_problem`). One
         removed or replaced while the daemon runs took every later record with it: SQLite goes
@@ -875,7 +886,8 @@ class Ledger:
             info = None
         except OSError:
             return self.file_problem  # cannot look: as it was
-        if info is not None and (info.st_dev, info.st_ino) == self._file:
+        self._file_here = info is not None and (info.st_dev, info.st_ino) == self._file
+        if info is not None and self._file_here:
             self._mode = stat.S_IMODE(info.st_mode)
             if self.file_problem is None:
                 return None
@@ -889,10 +901,11 @@ class Ledger:
                 f"the database file {self.path} was {what} while the daemon ran: records go on into "
                 "the file it opened, saved back at the daemon's stop (restart it to write to the file again)"
             )
-            for beside, identity in _ours_beside(self.path):
-                with contextlib.suppress(OSError):
-                    if _identity(beside) == identity:
-                        beside.unlink()
+            if problem != self.file_problem:  # first seen gone: nothing of ours makes the names again
+                for beside, identity in _ours_beside(self.path):
+                    with contextlib.suppress(OSError):
+                        if _identity(beside) == identity:
+                            beside.unlink()
         if problem != self.file_problem:
             log.error("ledger: %s", problem)
         self.file_problem = problem
@@ -904,7 +917,7 @@ class Ledger:
         when nothing needs saving."""
         if self.path is None or self._file is None or self.check_file() is None:
             return None
-        if _identity(self.path) == self._file:
+        if self._file_here:
             return None  # put back: the close writes the WAL into it, as any close does
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         saved = self.path.with_name(f"{self.path.name}.saving-{stamp}")
