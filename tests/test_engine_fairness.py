@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from edgellmd.engine import EngineConfig
-from edgellmd.engine.fairness import QUANTUM_S, FairQueue, Running, Share, victim
+from edgellmd.engine.fairness import IDLE_KEPT, QUANTUM_S, FairQueue, Running, Share, victim
 from edgellmd.engine.generation import Finished, Generation, GenerationRequest, SamplingParams, TextDelta
-from edgellmd.engine.scheduler import Engine
+from edgellmd.engine.scheduler import FIRST_TOKEN_ALONE, Engine
 from edgellmd.engine.wire import decode_event, decode_request, encode_event, encode_request
 from tests.ggufmodels import TinyModelSpec, write_tiny_model
 
@@ -118,6 +118,64 @@ def test_idleness_banks_no_credit() -> None:
     q.charge(b, 100)
     q.append(Entry("a1", a))
     assert q.vtime["a"] == pytest.approx(5100)  # back at the least active: b's
+
+
+def test_a_tenant_idle_between_its_requests_keeps_what_it_is_ahead() -> None:
+    """A tenant that sends its requests one after another is idle between each: it started again
+    at the least virtual time each time, every request a newcomer's, and the scheduler let each
+    stop another's step and go alone ahead of its decodes. It comes back at its own virtual
+    time where that is more (at the least where that is more); once nothing at all waits or
+    runs, nobody is ahead of anyone."""
+    q = queue()
+    a, b = Share("a"), Share("b")
+    a_run = Entry("a0", a)
+    q.append(a_run)
+    q.started(q.pop())
+    q.charge(a, 10)
+    for round_ in range(3):
+        b_req = Entry(f"b{round_}", b)
+        q.append(b_req)
+        q.started(q.pop())
+        q.charge(b, 50)
+        q.stopped(b_req, done=True)
+        assert "b" not in q.vtime
+        q.charge(a, 1)
+    b_last = Entry("b-last", b)
+    q.append(b_last)
+    assert q.vtime["b"] == pytest.approx(10 + 50 * 3)  # its own, well past a's 13
+    assert q.ahead(b, [a])
+    assert not q.ahead(a, [b])
+    assert not q.ahead(Share("b", 1, 1), [a])  # never ahead of a lower class
+    assert not q.ahead(b, [b])
+    q.started(q.pop())
+    q.stopped(b_last, done=True)
+    q.charge(a, 1000)  # a passes it: it comes back at the least again
+    b_again = Entry("b-again", b)
+    q.append(b_again)
+    assert q.vtime["b"] == pytest.approx(1013)
+    q.remove(b_again)
+    q.dropped(b_again)
+    q.charge(a, 5)
+    q.stopped(a_run, done=True)  # nothing waits or runs: every count starts again
+    q.append(Entry("b-fresh", b))
+    assert q.vtime == {"b": 0.0}
+
+
+def test_idle_tenants_kept_are_bounded() -> None:
+    q = queue()
+    busy = Share("busy")
+    q.append(Entry("busy", busy))
+    q.started(q.pop())
+    for k in range(IDLE_KEPT + 10):
+        share = Share(f"t{k}")
+        entry = Entry(f"e{k}", share)
+        q.append(entry)
+        q.started(q.pop())
+        q.charge(share, 1 + k)  # each ahead of the busy one, the later ones more
+        q.stopped(entry, done=True)
+    assert len(q._idle) <= IDLE_KEPT
+    q.append(Entry("late", Share(f"t{IDLE_KEPT + 9}")))  # the most ahead is still known
+    assert q.vtime[f"t{IDLE_KEPT + 9}"] == pytest.approx(IDLE_KEPT + 10)
 
 
 def test_a_paused_entry_keeps_its_place_among_its_tenants() -> None:
@@ -538,6 +596,37 @@ async def test_another_keys_short_prompt_stops_the_step_in_progress(slow_model: 
         else:
             assert a_first[0] < b_first[0]
             assert eng.stopped_steps == 0
+        _assert_kv_matches(eng)
+    finally:
+        eng.close()
+
+
+async def test_one_keys_requests_one_after_another_stop_no_step_once_it_is_ahead(slow_model: Path) -> None:
+    """Key B sends one-token requests one after another while key A streams: B was idle between
+    each, so each came back at A's virtual time as a newcomer, stopped A's step in progress and
+    went alone ahead of A's decode (A's stream fell to 0.15x its rate, against 0.27x with
+    `preempt_steps: false`). B's first request still does both; the later ones, B having been
+    computed for more than A, join A's steps. A's text is what it is alone."""
+    config = {"slots": 2, "context_size": 2048, "batch_size": 512, "threads": 1, "threads_batch": 1}
+    eng = Engine(EngineConfig(path=slow_model, **config), name="fair")  # type: ignore[arg-type]
+    try:
+        heavy = Share("a", 50)
+        reference, _ = await _drain(_submit(eng, "a long job", 200, heavy))
+        long = _submit(eng, "a long job", 200, heavy)
+        seen = await _tokens_seen(long, 3)
+        for i in range(12):
+            # A weighs 50 times B: B's ~30 prompt tokens count for more than 1,500 of A's
+            # decode steps, which no pace of this loop lets A take between two of B's requests.
+            prompt = f"short question number {i}"
+            assert len(eng.tokenize(prompt)) <= FIRST_TOKEN_ALONE
+            _, fin = await _drain(_submit(eng, prompt, 1, Share("b")))
+            assert fin.completion_tokens == 1
+        stops, alone = eng.stopped_steps, eng.first_token_steps
+        rest, fin = await _drain(long)
+        assert "".join(seen) + rest == reference
+        assert fin.completion_tokens == 200
+        assert stops <= 2, stops
+        assert alone <= 2, alone
         _assert_kv_matches(eng)
     finally:
         eng.close()

@@ -8,7 +8,13 @@ with the least virtual time goes first: its waiting request takes the next free 
 its prompt chunk takes the step's prefill budget before the others'. This is the virtual
 token counter of Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024). A
 tenant that had nothing waiting or running starts again at the least virtual time of those
-that do, so idleness banks no credit and a newcomer is not punished for the others' past.
+that do, so idleness banks no credit and a newcomer is not punished for the others' past;
+or at its own, where that is more (the paper's lift): a tenant that sends its requests one
+after another is idle between each, and starting again at the least each time, every
+request of its counted as a newcomer's, which the scheduler lets stop a step in progress
+and go alone ahead of the decodes: a key sending one-token requests back to back cut
+another key's stream to 0.15x its rate. Its own count is forgotten once nothing at all
+waits or runs (no one is left to be ahead of), and when `IDLE_KEPT` tenants are kept.
 
 Priorities come first: a request of a higher class is taken before any of a lower one, and
 fairness orders tenants within a class. A key's class is its ceiling; a request may ask for
@@ -27,7 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
@@ -36,6 +42,9 @@ from edgellmd.keys import MAX_WEIGHT, PRIORITIES
 # Request classes (keys.PRIORITIES: the keys file names them), by number; higher goes first.
 PRIORITY_NAMES: Final = {v: k for k, v in PRIORITIES.items()}
 QUANTUM_S: Final = 0.25  # a sequence runs at least this long between pauses
+# Idle tenants whose virtual time is kept (above the least active one's); past this, those
+# least ahead are forgotten first.
+IDLE_KEPT: Final = 1024
 
 T = TypeVar("T")
 
@@ -64,6 +73,7 @@ class FairQueue(Generic[T]):
         self._arrival: dict[int, int] = {}  # id(entry) -> arrival number, while it waits or runs
         self._numbers = itertools.count()
         self.vtime: dict[str, float] = {}  # tenants waiting or running only
+        self._idle: dict[str, float] = {}  # the virtual time idle tenants left at (see _activate)
         self.running: Counter[str] = Counter()  # slots held, by tenant
         self._size = 0
 
@@ -79,16 +89,49 @@ class FairQueue(Generic[T]):
         return iter([entry for _, _, entry in sorted(every, key=lambda item: item[1])])
 
     def _activate(self, tenant: str) -> None:
+        """`tenant` has work again: at the least virtual time of those with work, or at its own
+        where that is more (module docstring)."""
         if tenant in self.vtime:
             return
         active = [v for t, v in self.vtime.items() if self.running[t] or self._waiting.get(t)]
-        self.vtime[tenant] = min(active, default=0.0)
+        if not active:  # nothing waits or runs: nobody to be ahead of
+            self._idle.clear()
+            self.vtime[tenant] = 0.0
+            return
+        least = min(active)
+        self.vtime[tenant] = max(least, self._idle.pop(tenant, least))
 
     def _retire(self, tenant: str) -> None:
         if not self.running[tenant] and not self._waiting.get(tenant):
-            self.vtime.pop(tenant, None)
+            left = self.vtime.pop(tenant, None)
             self.running.pop(tenant, None)
             self._waiting.pop(tenant, None)
+            if left is not None:
+                self._keep_idle(tenant, left)
+
+    def _keep_idle(self, tenant: str, vtime: float) -> None:
+        if not self.vtime:
+            self._idle.clear()
+            return
+        least = min(self.vtime.values())
+        if vtime > least:
+            self._idle[tenant] = vtime
+        if len(self._idle) > IDLE_KEPT:  # those at or below the least start there anyway
+            kept = sorted(self._idle.items(), key=lambda item: item[1], reverse=True)[: IDLE_KEPT // 2]
+            self._idle = {t: v for t, v in kept if v > least}
+
+    def ahead(self, share: Share, others: Iterable[Share]) -> bool:
+        """Whether `share`'s tenant has been computed for more than another tenant of `others`
+        of its class or a higher one (by virtual time): it has had more than its turn."""
+        mine = self.vtime.get(share.tenant)
+        if mine is None:
+            return False
+        return any(
+            other.tenant != share.tenant
+            and other.priority >= share.priority
+            and self.vtime.get(other.tenant, mine) < mine
+            for other in others
+        )
 
     def append(self, entry: T) -> None:
         """Queue `entry` (a paused one keeps its place among its tenant's)."""
@@ -243,6 +286,7 @@ def victim(
 
 
 __all__ = [
+    "IDLE_KEPT",
     "MAX_WEIGHT",
     "PRIORITIES",
     "PRIORITY_NAMES",

@@ -417,14 +417,20 @@ class Engine(NativeThread):
         to the end (with every slot decoding and a prompt chunk, 100 ms on two cores against a
         30 ms short prompt). The stopped step is undone and runs again after it; after a stop,
         `_STOP_REST` steps run whole, so new tenants arriving back to back cannot starve the
-        running ones.
+        running ones; and a tenant computed for more than one the step serves stops nothing
+        (`FairQueue.ahead`), so neither can one tenant's requests sent one after another.
         """
         shares, stop = self._step_shares, self._stop
         if shares is None or stop is None or stop.asked:
             return
         share = gen.request.share
         served = any(s.tenant == share.tenant for s in shares)
-        if served and share.priority <= max(s.priority for s in shares):
+        higher = share.priority > max(s.priority for s in shares)
+        if served and not higher:
+            return
+        # Never for a tenant computed for more than one the step serves: back-to-back
+        # requests of one key stopped every other key's steps in turn (engine.fairness).
+        if not higher and self._pending.ahead(share, shares):
             return
         if self._pending.peek() is not gen:
             return
@@ -1067,10 +1073,16 @@ class Engine(NativeThread):
         # Short prompts' last chunks go alone, ahead of the decodes: their first tokens come one
         # short step later, not after a step of every sequence. With one KV stream per slot
         # llama.cpp splits a mixed step by sequence anyway, so the decodes lose next to nothing;
-        # never twice in a row, so that a run of short prompts cannot stall them.
+        # never twice in a row, so that a run of short prompts cannot stall them, and never for
+        # a tenant computed for more than one decoding (`FairQueue.ahead`): its prompt joins
+        # their step instead.
         chunk = self.config.prefill_chunk or budget
         limit = min(FIRST_TOKEN_ALONE, chunk)
         first = _short_prompts(prefilling, limit)
+        if first and generating:  # not ahead of the decodes for a tenant that has had more than its turn
+            with self._cond:
+                decoding = [s.gen.request.share for _, s in generating]
+                first = [(i, s) for i, s in first if not self._pending.ahead(s.gen.request.share, decoding)]
         stopped_for = False
         if self._newcomer is not None:  # a step was stopped for it: its short prompt goes first
             mine = [(i, s) for i, s in prefilling if s.gen is self._newcomer]

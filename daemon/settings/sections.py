@@ -633,7 +633,8 @@ class ModelSettings:
         "stop the step in progress when a request arrives from a key that step computes nothing for "
         "(or of a higher class), so that its first token does not wait for the whole step",
         more="the stopped step is undone and runs again right after the newcomer's; after a stop two "
-        "steps run whole, so keys arriving back to back cannot starve the running ones; a step a "
+        "steps run whole, so keys arriving back to back cannot starve the running ones, and a key "
+        "computed for more than those the step serves stops nothing; a step a "
         "draft model proposed for is never stopped; CPU models only (with layers on a GPU a step is a "
         "few milliseconds and runs to its end)",
     )
