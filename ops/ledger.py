@@ -221,7 +221,7 @@ def _usage_text(found: seals.Findings) -> str:
     if found.open:
         text += (
             f"; {len(found.open)} hour(s) after the last seal "
-            "(the hour in progress, or the one the daemon stopped in)"
+            "(the hour in progress, or those of a daemon that did not stop cleanly)"
         )
     if found.unverifiable:
         text += f"; {found.unverifiable} hour(s) whose seals went with the chain's rotation, unchecked"

@@ -13,11 +13,12 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 
 from edgellmctl.__main__ import main as ctl
-from edgellmd.ledger import audit, seals, store
+from edgellmd.ledger import audit, seals, store, usage
 from edgellmd.ledger.store import Ledger, Quota
 from edgellmd.ledger.usage import UsageRecord
 
@@ -561,8 +562,8 @@ NINE = int(_at("2026-12-03T09:00:00"))
     [
         ("INSERT INTO usage_hours VALUES (CAST(x'ff' AS TEXT), 'k', 'm', 'e', 1, 1, 1)", False),
         (f"INSERT INTO usage_hours VALUES ({NINE}, 'b', 'm', 'e', {BIG}, {BIG}, 5)", False),  # noqa: S608
-        # The seal record itself: the chain's break (the usage of its hour is sealed again).
-        ("UPDATE audit SET detail = CAST(x'ff' AS TEXT) WHERE seq = 2", True),
+        # The seal record itself: the chain's break, and its hour unsealed before the stop's mark.
+        ("UPDATE audit SET detail = CAST(x'ff' AS TEXT) WHERE seq = 2", False),
         (f"UPDATE usage_periods SET tokens = {BIG}", True),  # noqa: S608 - said at the start
     ],
 )
@@ -626,3 +627,181 @@ def test_a_time_zone_changed_between_starts_counts_the_new_days_from_their_hours
         assert _told(again) == []
     finally:
         again.close()
+
+
+# ---- quiet hours, a clean stop, the hours no daemon ran, hours ahead of the clock -------------------
+
+
+def _add_hour(path: Path, at: str, key: str = KEY) -> None:
+    _edit(
+        path,
+        "INSERT INTO usage_hours VALUES (?, ?, 'm', '/v1/chat/completions', 1000, 90000, 10000)",
+        int(_at(at)),
+        key,
+    )
+
+
+def _actions(path: Path) -> list[str]:
+    conn = sqlite3.connect(path)
+    try:
+        return [action for (action,) in conn.execute("SELECT action FROM audit ORDER BY seq")]
+    finally:
+        conn.close()
+
+
+def test_rows_added_to_a_quiet_hour_after_the_last_seal_are_found_once_the_daemon_stopped_clean(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only hours with rows are sealed: the quiet hours after the last one read as open (the
+    hour in progress, or the one the daemon stopped in), and rows added to them were sealed as
+    found at the next start, their tokens counted in the key's quota totals. A clean stop seals
+    what it holds and says every hour before the next is sealed."""
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)  # 10:00 and 11:00 sealed at 12:05
+    clock.now = _at("2026-12-03T14:30:00")
+    first.close()
+    assert _actions(path)[-1] == seals.STOPPED
+    _add_hour(path, "2026-12-03T12:00:00")
+    _add_hour(path, "2026-12-03T14:00:00")  # the hour it stopped in
+    code, out = _verify(path, capsys)
+    assert code == 1, out
+    for hour in ("12:00Z", "14:00Z"):
+        assert (
+            f"usage of the hour 2026-12-03T{hour} has no seal though every hour before 2026-12-03T15:00Z "
+            "was sealed: added by another hand (1 row(s), 1000 request(s), 100000 token(s))"
+        ) in out
+    clock.now = _at("2026-12-03T15:10:00")
+    again = Ledger(path, clock=clock)
+    try:
+        state = again.status()["usage_seals"]
+        assert (state["ok"], state["problems"], state["open_hours"]) == (False, 2, 0)
+        assert again.used(KEY)["requests_month"] == 2  # the added hours count for nothing
+        again.record(_record("honest", "2026-12-03T15:11:00")).result(5)
+    finally:
+        again.close()
+    assert [s["hour"] for s in _seal_records(path)][-1] == "2026-12-03T15:00Z"  # none of theirs
+    assert _verify(path, capsys)[0] == 1
+
+
+def test_rows_added_for_the_hours_no_daemon_ran_are_found_and_an_honest_restart_is_not(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.close()  # at 12:05: every hour before 13:00 sealed
+    _add_hour(path, "2026-12-03T15:00:00")
+    clock.now = _at("2026-12-03T17:20:00")
+    again = Ledger(path, clock=clock)
+    try:
+        state = again.status()["usage_seals"]
+        assert (state["ok"], state["problems"]) == (False, 1)
+        down = "usage of the hour 2026-12-03T15:00Z has no seal and falls while no daemon ran"
+        assert down in state["problem"]
+        again.record(_record("after", "2026-12-03T17:25:00")).result(5)  # honest: its hour is open
+        again.maintain().result(5)
+        assert again.status()["usage_seals"]["problems"] == 1
+        clock.now = _at("2026-12-03T18:05:00")
+        again.tick()
+        again.query(lambda conn: None).result(5)  # the writer has run the tick's commit
+    finally:
+        again.close()
+    assert [s["hour"] for s in _seal_records(path)][-1] == "2026-12-03T17:00Z"
+    actions = _actions(path)
+    assert actions.count(seals.STOPPED) == 2
+    assert actions.count(seals.RESUMED) == 1
+    code, out = _verify(path, capsys)
+    assert code == 1, out
+    assert out.count("added by another hand") == 1
+    assert "2026-12-03T15:00Z" in out
+
+
+def test_honest_stops_and_starts_in_every_order_verify_intact(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A restart in the hour it stopped in, one hours later, usage in the hour of a stop (sealed
+    at the stop, sealed again by a record after the restart): no problem anywhere."""
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.record(_record("stop-hour", "2026-12-03T12:06:00")).result(5)
+    clock.now = _at("2026-12-03T12:10:00")
+    first.close()  # seals 12:00 in progress
+    assert _seal_records(path)[-1]["hour"] == "2026-12-03T12:00Z"
+    clock.now = _at("2026-12-03T12:30:00")
+    second = Ledger(path, clock=clock)
+    try:
+        second.record(_record("same-hour", "2026-12-03T12:31:00")).result(5)  # reseals 12:00
+        assert second.status()["usage_seals"]["problems"] == 0
+    finally:
+        second.close()
+    clock.now = _at("2026-12-03T16:00:00")
+    third = Ledger(path, clock=clock)
+    try:
+        third.record(_record("later", "2026-12-03T16:10:00")).result(5)
+        third.maintain().result(5)
+        assert third.status()["usage_seals"]["problems"] == 0
+        assert third.used(KEY)["requests_month"] == 5
+    finally:
+        third.close()
+    code, out = _verify(path, capsys)
+    assert code == 0, out
+    assert "usage intact: 4 sealed hour(s) match their seals" in out
+    assert "after the last seal" not in out  # nothing open: the stop sealed 16:00
+
+
+def test_a_ledger_that_never_held_usage_writes_no_stop_record(path: Path, clock: Clock) -> None:
+    Ledger(path, clock=clock).close()
+    Ledger(path, clock=clock).close()
+    assert seals.STOPPED not in _actions(path)
+
+
+@pytest.mark.parametrize("hour", ["2026-12-04T12:00:00", "2100-01-01T00:00:00"])
+def test_rows_in_an_hour_ahead_of_the_clock_are_found(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str], hour: str
+) -> None:
+    """An hour later than the clock can be neither the hour in progress nor the one the daemon
+    stopped in: it was open until it came, then sealed as found."""
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.close()
+    _add_hour(path, hour)
+    again = Ledger(path, clock=clock)
+    try:
+        state = again.status()["usage_seals"]
+        assert (state["ok"], state["open_hours"]) == (False, 0)
+        ahead = f"usage of the hour {hour[:13]}:00Z is ahead of the clock (2026-12-03T12:00Z)"
+        assert ahead in state["problem"]
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "UPDATE usage_hours SET key_id = CAST(key_id AS BLOB) WHERE hour = {h}",
+        "UPDATE usage_hours SET model = 42 WHERE hour = {h}",
+        "UPDATE usage_hours SET endpoint = 7 WHERE hour = {h}",
+    ],
+)
+def test_a_text_cell_retyped_is_an_edit_found_and_the_usage_still_reads(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str], edit: str
+) -> None:
+    """A key id turned into a blob of the same bytes digested the same (read as bytes alone),
+    so the seals said intact, while every text lookup missed the row and /admin/usage answered
+    500 (text and bytes sorted together)."""
+    first = Ledger(path, clock=clock)
+    _two_sealed_hours(first, clock)
+    first.close()
+    ten = int(_at("2026-12-03T10:00:00"))
+    _edit(path, edit.format(h=ten))
+    _add_hour(path, "1990-01-01T00:00:00")  # and one far before: an hour of another era
+    _edit(path, "UPDATE usage_hours SET hour = 10000000000000000 WHERE hour < 700000000")
+    code, out = _verify(path, capsys)
+    assert code == 1, out
+    assert "usage of the hour 2026-12-03T10:00Z was edited" in out
+    conn = sqlite3.connect(path)
+    try:
+        rows = usage.select(conn, usage.UsageQuery(group="hour"), ZoneInfo("UTC"))
+    finally:
+        conn.close()
+    assert sum(row["requests"] for row in rows) == 3  # every sealed row counted, as text
+    assert all(isinstance(row[k], str) for row in rows for k in ("key_id", "model", "endpoint"))

@@ -10,17 +10,26 @@ seals at every moment, whenever the daemon is killed. `check` finds:
 
 - an hour whose rows differ from its last seal: a count edited, a row added or removed;
 - an hour sealed and within the usage retention whose rows are all gone: removed;
-- an hour with rows and no seal before the last hour sealed: added by another hand.
+- an hour with rows and no seal before the last hour sealed, or before the newest seal's
+  `through` (the hour it was made in: every hour before it with rows was sealed, so the
+  quiet hours after the last one with rows too): added by another hand;
+- an hour with rows and no seal from a clean stop (`STOPPED`: the daemon seals the hour it
+  stops in and says every hour before the next is sealed) to the start after it (`RESUMED`,
+  or now while no daemon runs): no daemon ran to record it;
+- an hour with rows more than `AHEAD_S` ahead of the clock (or the clock was set back).
+
+A text cell is digested with its type where it is no text (a blob of the same bytes, a
+number, a NULL): retyped, a row no longer answers a lookup by its key.
 
 A seal record is the chain's, so editing or removing one is a break `audit.verify` names, and
 rewriting the chain after it is what the journal's copy shows (`audit.compare`).
 
-What seals cannot show: the hour in progress, and at a start the hours after the last seal
-(the hour the daemon stopped in), which the daemon seals as it finds them. A writer of the
-database can change those unseen. Hours older than the audit chain's oldest record whose seal
-went with a rotation (`ledger.audit_retention_days` shorter than `usage_retention_days`) are
-counted as unverifiable, not checked. The per-request rows (`usage_requests`, kept
-`usage_detail_hours`) are a lookup, not sealed.
+What seals cannot show: the hour in progress, and at a start after a stop that was not clean
+(a kill, a power cut) the hours after the last seal's mark, which the daemon seals as it
+finds them. A writer of the database can change those unseen. Hours older than the audit
+chain's oldest record whose seal went with a rotation (`ledger.audit_retention_days` shorter
+than `usage_retention_days`) are counted as unverifiable, not checked. The per-request rows
+(`usage_requests`, kept `usage_detail_hours`) are a lookup, not sealed.
 
 The quota totals (`usage_periods`, what budgets count) are checked at the daemon's start
 against the hours (`check_periods`): a day's or month's total can be no less than the hours
@@ -45,6 +54,11 @@ from edgellmd.ledger.audit import AuditEntry
 from edgellmd.ledger.usage import HOUR_S, local_start, next_month, text_of
 
 SEALED: Final = "usage sealed"  # the action of a seal record
+STOPPED: Final = "usage stopped"  # the record a clean stop appends: every hour before `through` sealed
+RESUMED: Final = "usage resumed"  # the record a start after such a stop appends first
+# An hour with rows that begins this long after the clock is ahead of any record: added by
+# another hand (or the clock set back by more).
+AHEAD_S: Final = 3600
 TAMPERED: Final = "usage tampered"  # the action of the record a start that finds an edit appends
 MAX_NAMED: Final = 5  # problems named in a status answer or record (all are counted)
 MAX_TOTAL: Final = 2**63 - 1  # SQLite's largest integer: sums of edited counts stop there
@@ -78,6 +92,16 @@ class Seal:
     retention_days: int | None
     pruned_before: int  # the latest cut the daemon's pruning had made when it sealed (0: none)
     time_zone: str | None  # the box's zone when it sealed (quota periods are its days)
+    through: int | None = None  # every hour before it with rows was sealed by then (None: older seals)
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The newest clean stop the chain holds (`STOPPED`), and when usage was recorded again."""
+
+    seq: int
+    through: int  # the hour after the one it stopped in: every hour before it was sealed
+    resumed: int | None  # the hour of the first record after it (None: no daemon ran since)
 
 
 @dataclass(slots=True)
@@ -128,6 +152,13 @@ def _cell(value: object) -> object:
     return value if type(value) in (int, str) or value is None else repr(value)
 
 
+def _text_cell(kind: object, value: object) -> object:
+    # Text as it always was (the seals made before read the same); any other type named.
+    if kind == "text":
+        return text_of(value)
+    return [str(kind), value.hex() if isinstance(value, bytes) else None]
+
+
 def _count(value: object) -> int:
     return value if type(value) is int else 0
 
@@ -136,9 +167,12 @@ def figures(conn: sqlite3.Connection, hours: Iterable[int] | None = None) -> dic
     """{hour: its rows summed and digested}, for these hours (every hour with rows when None)."""
     # Text read as bytes and decoded here (`text_of`): a hand edit that left bytes that are no
     # UTF-8 reads as other text (an edit found), never an error that stops a start or a commit.
+    # A text cell retyped (a blob of the same bytes, a NULL, a number) is digested with its
+    # type: read as bytes alone it looked the same, and no text lookup finds it any more.
     query = (
         "SELECT CASE typeof(hour) WHEN 'integer' THEN hour ELSE -1 END,"
-        " CAST(key_id AS BLOB), CAST(model AS BLOB), CAST(endpoint AS BLOB),"
+        " typeof(key_id), CAST(key_id AS BLOB), typeof(model), CAST(model AS BLOB),"
+        " typeof(endpoint), CAST(endpoint AS BLOB),"
         " requests, prompt_tokens, completion_tokens FROM usage_hours"
     )
     args: list[int] = []
@@ -168,7 +202,8 @@ def figures(conn: sqlite3.Connection, hours: Iterable[int] | None = None) -> dic
         if hour != current:
             close()
             current, rows = hour, []
-        rows.append([*(text_of(v) for v in rest[:3]), *(_cell(v) for v in rest[3:])])
+        texts = [_text_cell(kind, value) for kind, value in zip(rest[0:6:2], rest[1:6:2], strict=True)]
+        rows.append([*texts, *(_cell(v) for v in rest[6:])])
     close()
     return out
 
@@ -182,8 +217,10 @@ def entry(
     pruned_before: int,
     resealed: int | None,
     time_zone: str | None = None,
+    through: int | None = None,
 ) -> AuditEntry:
-    """The seal record of an hour (`resealed`: the seq of the seal a late record replaces)."""
+    """The seal record of an hour (`resealed`: the seq of the seal a late record replaces;
+    `through`: the hour in progress as it was sealed, every hour before it with rows sealed)."""
     detail: dict[str, Any] = {
         "hour": label(hour),
         "hour_start": hour,
@@ -199,7 +236,55 @@ def entry(
         detail["time_zone"] = time_zone
     if resealed is not None:
         detail["resealed"] = resealed
+    if through is not None:
+        detail["through"] = through
     return AuditEntry(at, "INFO", SEALED, detail=detail)
+
+
+def stop_entry(at: str, through: int) -> AuditEntry:
+    """The record of a clean stop: no usage is recorded before `through` but what is sealed."""
+    return AuditEntry(at, "INFO", STOPPED, detail={"through": through, "hour": label(through)})
+
+
+def resume_entry(at: str, stop: Stop) -> AuditEntry:
+    """The record of a start after a clean stop: the hours between held no daemon."""
+    return AuditEntry(at, "INFO", RESUMED, detail={"after": stop.seq, "stopped_through": label(stop.through)})
+
+
+def _detail(detail: object) -> dict[str, Any] | None:
+    try:
+        parsed = json.loads(text_of(detail)) if isinstance(detail, bytes) else None
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _an_hour(value: object) -> int | None:
+    return value if type(value) is int and not value % HOUR_S and 0 <= value <= LAST_HOUR else None
+
+
+def last_stop(conn: sqlite3.Connection) -> Stop | None:
+    """The newest clean stop in the chain, and the hour of the first record after it."""
+    row = conn.execute(
+        "SELECT seq, CAST(detail AS BLOB) FROM audit WHERE action = ? ORDER BY seq DESC LIMIT 1", (STOPPED,)
+    ).fetchone()
+    if row is None or type(row[0]) is not int:
+        return None
+    parsed = _detail(row[1])
+    through = _an_hour(parsed.get("through")) if parsed is not None else None
+    if through is None:
+        return None  # edited out of shape: `audit.verify` names it
+    after = conn.execute(
+        "SELECT CAST(at AS BLOB) FROM audit WHERE seq > ? ORDER BY seq LIMIT 1", (row[0],)
+    ).fetchone()
+    resumed = None
+    if after is not None:
+        try:
+            moment = datetime.strptime(text_of(after[0]), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+            resumed = int(moment.timestamp()) // HOUR_S * HOUR_S
+        except ValueError:
+            resumed = through  # an edited time: `audit.verify` names it; no span read from it
+    return Stop(row[0], through, resumed)
 
 
 def load(conn: sqlite3.Connection) -> dict[int, Seal]:
@@ -210,11 +295,8 @@ def load(conn: sqlite3.Connection) -> dict[int, Seal]:
         "SELECT seq, CAST(detail AS BLOB) FROM audit WHERE action = ? ORDER BY seq", (SEALED,)
     )
     for seq, detail in rows:
-        try:
-            parsed = json.loads(text_of(detail)) if isinstance(detail, bytes) else None
-        except ValueError:
-            continue
-        if not isinstance(parsed, dict) or type(seq) is not int:
+        parsed = _detail(detail)
+        if parsed is None or type(seq) is not int:
             continue
         hour, digest = parsed.get("hour_start"), parsed.get("digest")
         counts = [parsed.get(k) for k in ("rows", "requests", "prompt_tokens", "completion_tokens")]
@@ -232,7 +314,8 @@ def load(conn: sqlite3.Connection) -> dict[int, Seal]:
         sealed = Figures(n_rows, requests, prompt, completion, digest)
         cut = pruned if type(pruned) is int else 0
         kept_days = days if type(days) is int and days > 0 else None
-        out[hour] = Seal(seq, hour, sealed, kept_days, cut, zone if isinstance(zone, str) else None)
+        through = _an_hour(parsed.get("through"))
+        out[hour] = Seal(seq, hour, sealed, kept_days, cut, zone if isinstance(zone, str) else None, through)
     return out
 
 
@@ -276,6 +359,13 @@ def check(
     cutoff = pruned_cut(seals, now, retention_days, pruned_before)
     last_sealed = max(seals, default=None)
     oldest = _oldest_record(conn)
+    stop = last_stop(conn)
+    # Every hour before `through` with rows was sealed by the seal or stop that says so.
+    marks = [s.through for s in seals.values() if s.through is not None]
+    through = max([*marks, *([stop.through] if stop is not None else [])], default=None)
+    # From the newest clean stop to the start after it (or now) no daemon ran to record usage.
+    this_hour = int(now // HOUR_S) * HOUR_S
+    down = (stop.through, stop.resumed if stop.resumed is not None else this_hour) if stop else None
     for hour in sorted(set(seals) | set(now_figures)):
         seal, rows = seals.get(hour), now_figures.get(hour)
         if seal is not None:
@@ -291,15 +381,32 @@ def check(
                     f"{seal.figures.text()}, its rows {what}"
                 )
             continue
-        if last_sealed is None or hour > last_sealed:
-            found.open.append(hour)
+        held = rows.text() if rows else "no rows"
+        if hour > now + AHEAD_S:
+            found.found[hour] = (
+                f"usage of the hour {label(hour)} is ahead of the clock ({label(this_hour)}): "
+                f"added by another hand, or the clock was set back ({held})"
+            )
+        elif (last_sealed is None or hour > last_sealed) and (through is None or hour >= through):
+            if down is not None and down[0] <= hour < down[1]:
+                found.found[hour] = (
+                    f"usage of the hour {label(hour)} has no seal and falls while no daemon ran (after "
+                    f"the stop of record {stop.seq if stop else '?'}): added by another hand ({held})"
+                )
+            else:
+                found.open.append(hour)
         elif oldest is not None and _iso(hour + HOUR_S) < oldest:
             found.unverifiable += 1  # its seal may have gone with a rotation of the chain
-        else:
+        elif last_sealed is not None and hour < last_sealed:
             shown = label(hour) if hour >= 0 else "an hour edited to a value no record has"
             found.found[hour] = (
                 f"usage of the hour {shown} has no seal though later hours are sealed: "
-                f"added by another hand ({rows.text() if rows else 'no rows'})"
+                f"added by another hand ({held})"
+            )
+        else:
+            found.found[hour] = (
+                f"usage of the hour {label(hour)} has no seal though every hour before "
+                f"{label(through or 0)} was sealed: added by another hand ({held})"
             )
     return found
 

@@ -309,12 +309,20 @@ class Ledger:
         # when another connection commits, never for the daemon's own) and time.monotonic().
         self._checked: tuple[int, float] | None = None
         self.usage_found = seals.Findings()
+        self._resume: AuditEntry | None = None  # the start's `seals.RESUMED` record, queued first
         self.error: str | None = None  # the last failed commit, until one succeeds
         self.commits = 0
         self.records = 0
         self.dropped = 0  # records given up after commits failed for longer than MAX_KEPT allows
         self.foreign: str | None = None  # records found in the chain that this daemon did not write
         self._periods = self._run(self._open_usage)
+        self._queue_resume()
+
+    def _queue_resume(self) -> None:
+        """The start's `seals.RESUMED` record (when `_open_usage` made one), the first queued."""
+        if self._resume is not None:
+            self.audit(self._resume)
+            self._resume = None
 
     def _open_usage(self, conn: sqlite3.Connection) -> dict[tuple[str, str], list[int]]:
         """On the writer, at the start: the usage checked against its seals and the quota totals
@@ -350,6 +358,9 @@ class Ledger:
                 self.zone.key,
             )
             fixed = []
+        stop = seals.last_stop(conn)
+        if stop is not None and stop.resumed is None:  # the first start since a clean stop: ends its span
+            self._resume = seals.resume_entry(utc_text(now), stop)
         if found.found or fixed or totals != stored:
             self._report(conn, found, fixed, {k: v for k, v in totals.items() if stored.get(k) != v})
         return totals
@@ -700,6 +711,7 @@ class Ledger:
                     pruned_before=self._pruned_before,
                     resealed=self._seals[hour][0] if hour in self._seals else None,
                     time_zone=self.zone.key,
+                    through=this_hour,
                 )
                 head = audit.append(conn, entry, head)
                 written.append((head[0], head[1], entry))
@@ -911,6 +923,54 @@ class Ledger:
         self.file_problem = problem
         return problem
 
+    def _seal_at_stop(self) -> None:
+        """On the writer, at a clean stop after the last commit: the hours written since their
+        seals, the one in progress too, sealed now, and a `seals.STOPPED` record saying every
+        hour before the next is sealed. Quiet hours after the last seal, the hour the daemon
+        stopped in and the hours until it runs again held no usage but what is sealed: rows
+        added to them later are found (`seals.check`). Not for a ledger that holds no usage,
+        nor one failing (what it could not write is said already)."""
+        if self.error is not None or not (self._seals or self._dirty):
+            return
+        this_hour = usage.hour_of(self._clock())
+        through = this_hour + usage.HOUR_S
+        hours = sorted(self._dirty - self._tampered)
+        written: list[tuple[int, str, AuditEntry]] = []
+        new_seals: dict[int, tuple[int, str]] = {}
+        conn = self._conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            head, noted = self._foreign_records(conn, self._head)
+            stamp = utc_text(self._clock())
+            for hour, found in (seals.figures(conn, hours) if hours else {}).items():
+                entry = seals.entry(
+                    hour,
+                    found,
+                    stamp,
+                    retention_days=self.retention_days,
+                    pruned_before=self._pruned_before,
+                    resealed=self._seals[hour][0] if hour in self._seals else None,
+                    time_zone=self.zone.key,
+                    through=through,
+                )
+                head = audit.append(conn, entry, head)
+                written.append((head[0], head[1], entry))
+                new_seals[hour] = (head[0], found.digest)
+            entry = seals.stop_entry(stamp, max([through, *(h + usage.HOUR_S for h in hours)]))
+            head = audit.append(conn, entry, head)
+            written.append((head[0], head[1], entry))
+            conn.execute("COMMIT")
+        except Exception as exc:  # noqa: BLE001 - a full disk or a bug: the next start finds them open
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            log.error("ledger: the usage could not be sealed at the stop: %s: %s", type(exc).__name__, exc)  # noqa: TRY400
+            return
+        self._head = head
+        self._seals.update(new_seals)
+        self._dirty -= set(new_seals)
+        for seq, digest, record in [*noted, *written]:
+            _mirror(seq, digest, record, self.path)
+
     def _save_if_gone(self) -> Path | None:
         """On the writer, at the stop: when the database file is gone from its path, the whole
         database as this connection holds it, copied to a new file beside it (returned). None
@@ -965,6 +1025,7 @@ class Ledger:
         if self._reader is not None:
             self._reader.close()
         self._writer.submit(self._commit).result()
+        self._writer.submit(self._seal_at_stop).result()
         with self._lock:
             lost_usage, lost_audit = len(self._retry_usage), len(self._retry_audit)
         if lost_usage or lost_audit:  # the last try failed too: say so, never a quiet stop

@@ -217,8 +217,11 @@ def select(
             clauses.append(f"{column} = ?")
             args.append(value)
     where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+    # Read as text and whole numbers whatever a hand edit left in a cell (a blob, a NULL, a
+    # number as text: the seals name the edit); sorting them mixed was a 500.
     rows = conn.execute(
-        "SELECT hour, key_id, model, endpoint, requests, prompt_tokens, completion_tokens"  # noqa: S608
+        "SELECT hour, CAST(key_id AS BLOB), CAST(model AS BLOB), CAST(endpoint AS BLOB),"  # noqa: S608
+        " requests, prompt_tokens, completion_tokens"
         f" FROM usage_hours {where} ORDER BY hour",
         args,
     )
@@ -228,17 +231,24 @@ def select(
         if hour != seen:
             if type(hour) is not int:  # a hand edit (the seals name it): no period to count it in
                 continue
-            seen, local = hour, datetime.fromtimestamp(hour, zone)
+            seen = hour
+            try:
+                local = datetime.fromtimestamp(hour, zone)
+            except (ValueError, OverflowError, OSError):  # an hour edited past any calendar
+                label = None
+                continue
             outside = (query.since is not None and local.date() < query.since) or (
                 query.until is not None and local.date() > query.until
             )
             label = None if outside else _label(local, query.group)
         if label is None:
             continue
-        sums = totals.setdefault((label, key_id, model, endpoint), [0, 0, 0])
-        sums[0] += requests
-        sums[1] += prompt
-        sums[2] += completion
+        key_text, model_text, endpoint_text = (
+            text_of(v) if v is not None else "" for v in (key_id, model, endpoint)
+        )
+        sums = totals.setdefault((label, key_text, model_text, endpoint_text), [0, 0, 0])
+        for k, count in enumerate((requests, prompt, completion)):
+            sums[k] += count if type(count) is int else 0
         if limit is not None and len(totals) > limit:
             break
     return [
