@@ -805,3 +805,54 @@ def test_a_text_cell_retyped_is_an_edit_found_and_the_usage_still_reads(
         conn.close()
     assert sum(row["requests"] for row in rows) == 3  # every sealed row counted, as text
     assert all(isinstance(row[k], str) for row in rows for k in ("key_id", "model", "endpoint"))
+
+
+def test_a_clock_stepped_back_past_a_seals_mark_or_behind_its_own_hour_reads_as_honest(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The marks and the hours ahead of the clock against the daemon's own records: a record
+    after the clock stepped back into a quiet hour before the newest mark is sealed at once (it
+    read as added by another hand), and the daemon's own hour now ahead of the clock is its own
+    hour in progress, sealed at the stop."""
+    monkeypatch.setattr(store, "USAGE_FRESH_S", 0.0)  # every maintenance checks
+    ledger = Ledger(path, clock=clock)
+    try:
+        ledger.record(_record("r1", "2026-12-03T10:21:00")).result(5)
+        clock.now = _at("2026-12-03T13:05:00")
+        ledger.tick()  # 10:00 sealed, its mark 13:00: 11:00 and 12:00 quiet
+        ledger.record(_record("r2", "2026-12-03T13:06:00")).result(5)
+        clock.now = _at("2026-12-03T15:10:00")
+        ledger.record(_record("r3", "2026-12-03T15:10:00")).result(5)  # its hour in progress: 15:00
+        clock.now = _at("2026-12-03T11:30:00")  # stepped back 3 h 40 min
+        ledger.record(_record("back", "2026-12-03T11:31:00")).result(5)
+        ledger.maintain().result(5)
+        state = ledger.status()["usage_seals"]
+        assert (state["ok"], state["problems"]) == (True, 0), state
+        assert _told(ledger) == []
+        assert "2026-12-03T11:00Z" in [s["hour"] for s in _seal_records(path)]
+    finally:
+        ledger.close()
+    code, out = _verify(path, capsys)
+    assert code == 0, out
+    assert "usage intact: 4 sealed hour(s) match their seals" in out  # 10, 11, 13 and 15 (at the stop)
+
+
+def test_a_record_after_the_clock_stepped_back_into_a_quiet_hour_before_the_mark_is_sealed_at_once(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = Ledger(path, clock=clock)
+    try:
+        ledger.record(_record("r1", "2026-12-03T10:21:00")).result(5)
+        clock.now = _at("2026-12-03T13:05:00")
+        ledger.tick()  # 10:00 sealed, its mark 13:00: 11:00 and 12:00 quiet, none sealed after
+        ledger.query(lambda conn: None).result(5)
+        clock.now = _at("2026-12-03T11:30:00")
+        ledger.record(_record("back", "2026-12-03T11:31:00")).result(5)
+        assert [s["hour"] for s in _seal_records(path)] == ["2026-12-03T10:00Z", "2026-12-03T11:00Z"]
+        monkeypatch.setattr(store, "USAGE_FRESH_S", 0.0)
+        ledger.maintain().result(5)
+        assert ledger.status()["usage_seals"]["problems"] == 0
+    finally:
+        ledger.close()
+    code, out = _verify(path, capsys)
+    assert code == 0, out

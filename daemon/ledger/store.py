@@ -310,6 +310,7 @@ class Ledger:
         self._checked: tuple[int, float] | None = None
         self.usage_found = seals.Findings()
         self._resume: AuditEntry | None = None  # the start's `seals.RESUMED` record, queued first
+        self._through = -1  # the newest seal's mark (`seals.Seal.through`): hours before it are sealed
         self.error: str | None = None  # the last failed commit, until one succeeds
         self.commits = 0
         self.records = 0
@@ -361,6 +362,8 @@ class Ledger:
         stop = seals.last_stop(conn)
         if stop is not None and stop.resumed is None:  # the first start since a clean stop: ends its span
             self._resume = seals.resume_entry(utc_text(now), stop)
+        marks = [seal.through for seal in sealed.values() if seal.through is not None]
+        self._through = max([-1, *marks, *([stop.through] if stop is not None else [])])
         if found.found or fixed or totals != stored:
             self._report(conn, found, fixed, {k: v for k, v in totals.items() if stored.get(k) != v})
         return totals
@@ -388,7 +391,12 @@ class Ledger:
             return _unchecked(exc)
 
     def _keep(self, found: seals.Findings) -> seals.Findings:
-        """On the writer: a check's findings kept for `status`; the edited hours are never sealed again."""
+        """On the writer: a check's findings kept for `status`; the edited hours are never sealed
+        again. The hours this daemon wrote and has not sealed yet are its own, in progress: one
+        ahead of a clock stepped back since is no edit."""
+        for hour in self._dirty & set(found.found):
+            del found.found[hour]
+            found.open.append(hour)
         if -1 not in found.found:  # a check that failed names no hour
             self._tampered |= set(found.found)
         self.usage_found = found
@@ -689,8 +697,9 @@ class Ledger:
             written_now = zip(records, [*again, *fresh], strict=True)
             touched = {usage.hour_of(r.at) for r, new in written_now if new}
             # An hour over is sealed in the transaction that wrote its last rows (see `seals`); so
-            # is one at or before the newest sealed hour, whatever the clock says (stepped back).
-            horizon = max(self._seals, default=-1)
+            # is one at or before the newest sealed hour, or before the newest seal's mark,
+            # whatever the clock says (stepped back).
+            horizon = max(max(self._seals, default=-1), self._through - usage.HOUR_S)
             over = sorted(
                 h
                 for h in due | touched
@@ -743,6 +752,8 @@ class Ledger:
             return
         self._head = head
         self._seals.update(new_seals)
+        if new_seals:
+            self._through = max(self._through, this_hour)
         self._tampered.update(edited)
         self._dirty = (self._dirty | touched) - set(over) - self._tampered
         self.error = None
