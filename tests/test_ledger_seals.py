@@ -754,7 +754,7 @@ def test_a_ledger_that_never_held_usage_writes_no_stop_record(path: Path, clock:
     assert seals.STOPPED not in _actions(path)
 
 
-@pytest.mark.parametrize("hour", ["2026-12-04T12:00:00", "2100-01-01T00:00:00"])
+@pytest.mark.parametrize("hour", ["2026-12-03T13:00:00", "2026-12-04T12:00:00", "2100-01-01T00:00:00"])
 def test_rows_in_an_hour_ahead_of_the_clock_are_found(
     path: Path, clock: Clock, capsys: pytest.CaptureFixture[str], hour: str
 ) -> None:
@@ -856,3 +856,36 @@ def test_a_record_after_the_clock_stepped_back_into_a_quiet_hour_before_the_mark
         ledger.close()
     code, out = _verify(path, capsys)
     assert code == 0, out
+
+
+def test_a_restart_in_the_hour_a_clean_stop_left_quiet_records_into_it_honestly(
+    path: Path, clock: Clock, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stop at 11:10 (no usage since 11:00) says every hour before 12:00 is sealed; a
+    restart at 11:20 records into 11:00 again: read as added by another hand (by `audit verify`
+    meanwhile, the running daemon's checks, a start after a kill), and never sealed after."""
+    first = Ledger(path, clock=clock)
+    first.record(_record("r1", "2026-12-03T10:21:00")).result(5)
+    clock.now = _at("2026-12-03T11:05:00")
+    first.tick()
+    first.query(lambda conn: None).result(5)
+    clock.now = _at("2026-12-03T11:10:00")
+    first.close()
+    clock.now = _at("2026-12-03T11:20:00")
+    monkeypatch.setattr(store, "USAGE_FRESH_S", 0.0)
+    second = Ledger(path, clock=clock)
+    try:
+        second.record(_record("r2", "2026-12-03T11:21:00")).result(5)
+        code, out = _verify(path, capsys)
+        assert code == 0, out
+        second.maintain().result(5)
+        assert second.status()["usage_seals"]["problems"] == 0
+        clock.now = _at("2026-12-03T11:50:00")
+        after_kill = Ledger(path, clock=clock)  # the second never closed: as after a kill
+        try:
+            assert after_kill.status()["usage_seals"]["problems"] == 0
+        finally:
+            after_kill.close()
+    finally:
+        second.close()
+    assert _verify(path, capsys)[0] == 0

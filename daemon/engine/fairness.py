@@ -13,8 +13,12 @@ or at its own, where that is more (the paper's lift): a tenant that sends its re
 after another is idle between each, and starting again at the least each time, every
 request of its counted as a newcomer's, which the scheduler lets stop a step in progress
 and go alone ahead of the decodes: a key sending one-token requests back to back cut
-another key's stream to 0.15x its rate. Its own count is forgotten once nothing at all
-waits or runs (no one is left to be ahead of), and when `IDLE_KEPT` tenants are kept.
+another key's stream to 0.15x its rate. What it is ahead by is kept up to `IDLE_LEAD`
+tokens (a short prompt's worth: enough that a drizzle of short requests does not come back
+level) and for `IDLE_KEEP_S` seconds: a key whose lead was earned on spare capacity (long
+prompts while the box was quiet), kept whole, waited 20 s for a one-line request behind
+every key that came since. It is forgotten once nothing at all waits or runs (no one is
+left to be ahead of), and when `IDLE_KEPT` tenants are kept.
 
 Priorities come first: a request of a higher class is taken before any of a lower one, and
 fairness orders tenants within a class. A key's class is its ceiling; a request may ask for
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,6 +50,8 @@ QUANTUM_S: Final = 0.25  # a sequence runs at least this long between pauses
 # Idle tenants whose virtual time is kept (above the least active one's); past this, those
 # least ahead are forgotten first.
 IDLE_KEPT: Final = 1024
+IDLE_LEAD: Final = 64.0  # the most an idle tenant is kept ahead of the least active, in tokens
+IDLE_KEEP_S: Final = 2.0  # how long an idle tenant's lead is kept
 
 T = TypeVar("T")
 
@@ -67,13 +74,15 @@ class FairQueue(Generic[T]):
     the waiting depends on who runs.
     """
 
-    def __init__(self, share_of: Callable[[T], Share]) -> None:
+    def __init__(self, share_of: Callable[[T], Share], clock: Callable[[], float] = time.monotonic) -> None:
         self._share_of = share_of
+        self._clock = clock
         self._waiting: dict[str, list[tuple[int, int, T]]] = {}  # tenant -> (-priority, arrival, entry)
         self._arrival: dict[int, int] = {}  # id(entry) -> arrival number, while it waits or runs
         self._numbers = itertools.count()
         self.vtime: dict[str, float] = {}  # tenants waiting or running only
-        self._idle: dict[str, float] = {}  # the virtual time idle tenants left at (see _activate)
+        # The virtual time idle tenants left at, capped (see _activate), and when they left.
+        self._idle: dict[str, tuple[float, float]] = {}
         self.running: Counter[str] = Counter()  # slots held, by tenant
         self._size = 0
 
@@ -99,7 +108,9 @@ class FairQueue(Generic[T]):
             self.vtime[tenant] = 0.0
             return
         least = min(active)
-        self.vtime[tenant] = max(least, self._idle.pop(tenant, least))
+        kept, left_at = self._idle.pop(tenant, (least, 0.0))
+        fresh = self._clock() - left_at <= IDLE_KEEP_S
+        self.vtime[tenant] = max(least, kept) if fresh else least
 
     def _retire(self, tenant: str) -> None:
         if not self.running[tenant] and not self._waiting.get(tenant):
@@ -115,10 +126,10 @@ class FairQueue(Generic[T]):
             return
         least = min(self.vtime.values())
         if vtime > least:
-            self._idle[tenant] = vtime
+            self._idle[tenant] = (min(vtime, least + IDLE_LEAD), self._clock())
         if len(self._idle) > IDLE_KEPT:  # those at or below the least start there anyway
-            kept = sorted(self._idle.items(), key=lambda item: item[1], reverse=True)[: IDLE_KEPT // 2]
-            self._idle = {t: v for t, v in kept if v > least}
+            kept = sorted(self._idle.items(), key=lambda item: item[1][0], reverse=True)[: IDLE_KEPT // 2]
+            self._idle = {t: v for t, v in kept if v[0] > least}
 
     def ahead(self, share: Share, others: Iterable[Share]) -> bool:
         """Whether `share`'s tenant has been computed for more than another tenant of `others`
@@ -286,7 +297,9 @@ def victim(
 
 
 __all__ = [
+    "IDLE_KEEP_S",
     "IDLE_KEPT",
+    "IDLE_LEAD",
     "MAX_WEIGHT",
     "PRIORITIES",
     "PRIORITY_NAMES",

@@ -16,7 +16,8 @@ seals at every moment, whenever the daemon is killed. `check` finds:
 - an hour with rows and no seal from a clean stop (`STOPPED`: the daemon seals the hour it
   stops in and says every hour before the next is sealed) to the start after it (`RESUMED`,
   or now while no daemon runs): no daemon ran to record it;
-- an hour with rows more than `AHEAD_S` ahead of the clock (or the clock was set back).
+- an hour with rows that has not begun by the clock (`AHEAD_S`; or the clock was set back; the running
+  daemon's own hours in progress are never read so: `store.Ledger._keep`).
 
 A text cell is digested with its type where it is no text (a blob of the same bytes, a
 number, a NULL): retyped, a row no longer answers a lookup by its key.
@@ -56,10 +57,11 @@ from edgellmd.ledger.usage import HOUR_S, local_start, next_month, text_of
 SEALED: Final = "usage sealed"  # the action of a seal record
 STOPPED: Final = "usage stopped"  # the record a clean stop appends: every hour before `through` sealed
 RESUMED: Final = "usage resumed"  # the record a start after such a stop appends first
-# An hour with rows that begins this long after the clock is ahead of any record: added by
-# another hand (or the clock set back by more).
-AHEAD_S: Final = 3600
 TAMPERED: Final = "usage tampered"  # the action of the record a start that finds an edit appends
+# An hour with rows that begins this long after the clock has not begun: added by another hand
+# (or the clock was set back). The slack: a record committed as an hour begins, read by a
+# check whose clock was read a moment before.
+AHEAD_S: Final = 60
 MAX_NAMED: Final = 5  # problems named in a status answer or record (all are counted)
 MAX_TOTAL: Final = 2**63 - 1  # SQLite's largest integer: sums of edited counts stop there
 
@@ -360,9 +362,13 @@ def check(
     last_sealed = max(seals, default=None)
     oldest = _oldest_record(conn)
     stop = last_stop(conn)
-    # Every hour before `through` with rows was sealed by the seal or stop that says so.
+    # Every hour before `through` with rows was sealed by the seal or stop that says so (a
+    # stop's, up to the hour the next start began in: a start in the hour it stopped in
+    # records into that hour again).
     marks = [s.through for s in seals.values() if s.through is not None]
-    through = max([*marks, *([stop.through] if stop is not None else [])], default=None)
+    if stop is not None:
+        marks.append(stop.through if stop.resumed is None else min(stop.through, stop.resumed))
+    through = max(marks, default=None)
     # From the newest clean stop to the start after it (or now) no daemon ran to record usage.
     this_hour = int(now // HOUR_S) * HOUR_S
     down = (stop.through, stop.resumed if stop.resumed is not None else this_hour) if stop else None
