@@ -710,21 +710,7 @@ class Ledger:
             for entry in [*retry_audit, *(e for e, _ in pending_audit)]:
                 head = audit.append(conn, entry, head)
                 written.append((head[0], head[1], entry))
-            stamp = utc_text(self._clock())
-            for hour, found in (seals.figures(conn, over) if over else {}).items():
-                entry = seals.entry(
-                    hour,
-                    found,
-                    stamp,
-                    retention_days=self.retention_days,
-                    pruned_before=self._pruned_before,
-                    resealed=self._seals[hour][0] if hour in self._seals else None,
-                    time_zone=self.zone.key,
-                    through=this_hour,
-                )
-                head = audit.append(conn, entry, head)
-                written.append((head[0], head[1], entry))
-                new_seals[hour] = (head[0], found.digest)
+            head = self._append_seals(conn, over, head, through=this_hour, to=(written, new_seals))
             conn.execute("COMMIT")
         except Exception as exc:  # noqa: BLE001 - a full disk or a bug: kept, tried again, reported
             with contextlib.suppress(sqlite3.Error):
@@ -770,6 +756,36 @@ class Ledger:
             self.usage_found.found.update(edited)
             found_now = seals.Findings(found=dict(edited))
             self._report(conn, found_now)
+
+    def _append_seals(
+        self,
+        conn: sqlite3.Connection,
+        hours: Sequence[int],
+        head: tuple[int, str],
+        *,
+        through: int,
+        to: tuple[list[tuple[int, str, AuditEntry]], dict[int, tuple[int, str]]],
+    ) -> tuple[int, str]:
+        """Inside a transaction: a seal record of each of these hours that holds rows, marked
+        `through`, appended after `head` (each added to `to`: the records written, the new
+        seals). The new head."""
+        written, new_seals = to
+        stamp = utc_text(self._clock())
+        for hour, found in (seals.figures(conn, hours) if hours else {}).items():
+            entry = seals.entry(
+                hour,
+                found,
+                stamp,
+                retention_days=self.retention_days,
+                pruned_before=self._pruned_before,
+                resealed=self._seals[hour][0] if hour in self._seals else None,
+                time_zone=self.zone.key,
+                through=through,
+            )
+            head = audit.append(conn, entry, head)
+            written.append((head[0], head[1], entry))
+            new_seals[hour] = (head[0], found.digest)
+        return head
 
     def _edited_before(self, conn: sqlite3.Connection, records: Sequence[UsageRecord]) -> dict[int, str]:
         """Inside the commit, before its records are written: the sealed hours they land in whose
@@ -952,21 +968,8 @@ class Ledger:
         try:
             conn.execute("BEGIN IMMEDIATE")
             head, noted = self._foreign_records(conn, self._head)
+            head = self._append_seals(conn, hours, head, through=through, to=(written, new_seals))
             stamp = utc_text(self._clock())
-            for hour, found in (seals.figures(conn, hours) if hours else {}).items():
-                entry = seals.entry(
-                    hour,
-                    found,
-                    stamp,
-                    retention_days=self.retention_days,
-                    pruned_before=self._pruned_before,
-                    resealed=self._seals[hour][0] if hour in self._seals else None,
-                    time_zone=self.zone.key,
-                    through=through,
-                )
-                head = audit.append(conn, entry, head)
-                written.append((head[0], head[1], entry))
-                new_seals[hour] = (head[0], found.digest)
             entry = seals.stop_entry(stamp, max([through, *(h + usage.HOUR_S for h in hours)]))
             head = audit.append(conn, entry, head)
             written.append((head[0], head[1], entry))
