@@ -52,7 +52,7 @@ from typing import Any, Final
 from zoneinfo import ZoneInfo
 
 from edgellmd.ledger.audit import AuditEntry
-from edgellmd.ledger.usage import HOUR_S, local_start, next_month, text_of
+from edgellmd.ledger.usage import HOUR_S, hour_of, local_start, next_month, text_of
 
 SEALED: Final = "usage sealed"  # the action of a seal record
 STOPPED: Final = "usage stopped"  # the record a clean stop appends: every hour before `through` sealed
@@ -283,10 +283,20 @@ def last_stop(conn: sqlite3.Connection) -> Stop | None:
     if after is not None:
         try:
             moment = datetime.strptime(text_of(after[0]), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
-            resumed = int(moment.timestamp()) // HOUR_S * HOUR_S
+            resumed = hour_of(moment.timestamp())
         except ValueError:
             resumed = through  # an edited time: `audit.verify` names it; no span read from it
     return Stop(row[0], through, resumed)
+
+
+def newest_mark(seals: Mapping[int, Seal], stop: Stop | None) -> int | None:
+    """The hour before which every hour with rows was sealed: the newest seal's `through`, or
+    a clean stop's, up to the hour the next start began in (a start in the hour it stopped in
+    records into that hour again). None when nothing says."""
+    marks = [seal.through for seal in seals.values() if seal.through is not None]
+    if stop is not None:
+        marks.append(stop.through if stop.resumed is None else min(stop.through, stop.resumed))
+    return max(marks, default=None)
 
 
 def load(conn: sqlite3.Connection) -> dict[int, Seal]:
@@ -362,15 +372,9 @@ def check(
     last_sealed = max(seals, default=None)
     oldest = _oldest_record(conn)
     stop = last_stop(conn)
-    # Every hour before `through` with rows was sealed by the seal or stop that says so (a
-    # stop's, up to the hour the next start began in: a start in the hour it stopped in
-    # records into that hour again).
-    marks = [s.through for s in seals.values() if s.through is not None]
-    if stop is not None:
-        marks.append(stop.through if stop.resumed is None else min(stop.through, stop.resumed))
-    through = max(marks, default=None)
+    through = newest_mark(seals, stop)
     # From the newest clean stop to the start after it (or now) no daemon ran to record usage.
-    this_hour = int(now // HOUR_S) * HOUR_S
+    this_hour = hour_of(now)
     down = (stop.through, stop.resumed if stop.resumed is not None else this_hour) if stop else None
     for hour in sorted(set(seals) | set(now_figures)):
         seal, rows = seals.get(hour), now_figures.get(hour)

@@ -362,8 +362,8 @@ class Ledger:
         stop = seals.last_stop(conn)
         if stop is not None and stop.resumed is None:  # the first start since a clean stop: ends its span
             self._resume = seals.resume_entry(utc_text(now), stop)
-        marks = [seal.through for seal in sealed.values() if seal.through is not None]
-        self._through = max([-1, *marks, *([stop.through] if stop is not None else [])])
+        mark = seals.newest_mark(sealed, stop)
+        self._through = mark if mark is not None else -1
         if found.found or fixed or totals != stored:
             self._report(conn, found, fixed, {k: v for k, v in totals.items() if stored.get(k) != v})
         return totals
